@@ -1,0 +1,153 @@
+"""Input checking and normalisation shared by the flash-attention kernel and its plain-jnp reference.
+
+Every public entry point calls `check_inputs` first, so a bad argument fails the same way on every path,
+with a message that names the argument, what it got and what it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """Checked attention inputs. `bias` and `mask` are 4-D (`[B|1, N|1, T|1, S|1]`), `mask` stays bool."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_lengths: jax.Array | None
+    kv_lengths: jax.Array | None
+    q_segment_ids: jax.Array | None
+    kv_segment_ids: jax.Array | None
+    scale: float
+    window: tuple[int | None, int | None]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(B, T, S, N, K, D): batch, query length, key length, query heads, key/value heads, head dim."""
+        batch, q_len, num_heads, head_dim = self.q.shape
+        return batch, q_len, self.k.shape[1], num_heads, self.k.shape[2], head_dim
+
+
+def _to_4d(name: str, x, dtype_kind: str, full: tuple[int, int, int, int]) -> jax.Array:
+    x = jnp.asarray(x)
+    if dtype_kind == "bool" and x.dtype != jnp.bool_:
+        raise TypeError(f"{name} must be a bool array (True = attend), got dtype {x.dtype}.")
+    if dtype_kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}.")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {list(full)}, got shape {x.shape}.")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if any(d not in (1, f) for d, f in zip(x.shape, full)):
+        raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {list(full)}, got shape {x.shape}.")
+    return x
+
+
+def _check_ids(name: str, x, shape: tuple[int, ...], upper: int | None) -> jax.Array | None:
+    """Checks an integer lengths / segment-ids argument; values are range-checked when they are concrete."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}.")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {x.shape}.")
+    if upper is not None and not isinstance(x, jax.core.Tracer):
+        values = np.asarray(x)
+        if values.size and (values.min() < 0 or values.max() > upper):
+            raise ValueError(
+                f"{name} must lie in [0, {upper}], got values in [{values.min()}, {values.max()}]."
+            )
+    return x.astype(jnp.int32)
+
+
+def _check_window(window) -> tuple[int | None, int | None]:
+    """`None`, an int w (left and right w) or a (left, right) pair; None on a side means unbounded."""
+    if window is None:
+        return (None, None)
+    pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
+    if len(pair) != 2 or any(
+        side is not None and (not isinstance(side, (int, np.integer)) or side < 0) for side in pair
+    ):
+        raise ValueError(f"window must be None, an int >= 0 or a (left, right) pair of them, got {window!r}.")
+    return tuple(None if side is None else int(side) for side in pair)
+
+
+def check_inputs(
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    mask=None,
+    scale=None,
+    q_lengths=None,
+    kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    dropout_rate: float = 0.0,
+    allowed_dtypes: tuple = KERNEL_DTYPES,
+) -> AttentionInputs:
+    """Checks shapes and dtypes of an attention call and returns them normalised (see `AttentionInputs`)."""
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 ([B, T, N, D] / [B, S, K, D]), got shape {x.shape}.")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}.")
+    if q.dtype not in allowed_dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in allowed_dtypes)
+        raise TypeError(f"q, k and v must have dtype {names}; got {q.dtype}.")
+    batch, q_len, num_heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, S, K, D], got {k.shape} and {v.shape}.")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k and v must be [B, S, K, D] with B={batch} and D={head_dim} as in q {q.shape}, got {k.shape}."
+        )
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    if min(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim) < 1:
+        raise ValueError(f"every dimension must be >= 1, got q {q.shape} and k {k.shape}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"the query heads N={num_heads} must be a multiple of the key/value heads K={num_kv_heads}."
+        )
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={head_dim} is not supported: it must be <= {MAX_HEAD_DIM}.")
+    full = (batch, num_heads, q_len, kv_len)
+    if bias is not None:
+        bias = _to_4d("bias", bias, "float", full)
+    if mask is not None:
+        mask = _to_4d("mask", mask, "bool", full)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither).")
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0:
+        raise TypeError(f"scale must be a Python float (a static value), got {scale!r}.")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+    return AttentionInputs(
+        q=q,
+        k=k,
+        v=v,
+        bias=bias,
+        mask=mask,
+        q_lengths=_check_ids("q_lengths", q_lengths, (batch,), q_len),
+        kv_lengths=_check_ids("kv_lengths", kv_lengths, (batch,), kv_len),
+        q_segment_ids=_check_ids("q_segment_ids", q_segment_ids, (batch, q_len), None),
+        kv_segment_ids=_check_ids("kv_segment_ids", kv_segment_ids, (batch, kv_len), None),
+        scale=float(scale),
+        window=_check_window(window),
+    )

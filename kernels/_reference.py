@@ -1,0 +1,104 @@
+"""Plain-jnp attention with the flash kernel's signature and semantics: the tests' reference and the XLA path.
+
+It materialises the `[B, N, T, S]` scores, so it is quadratic in memory; the Pallas kernel is not.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from probjax_kernels._inputs import AttentionInputs, check_inputs
+
+
+def allowed_positions(inputs: AttentionInputs, causal: bool) -> jax.Array:
+    """The bool `[B|1, N|1, T, S]` mask of (query, key) pairs that attend: every masking argument combined."""
+    _, q_len, kv_len, *_ = inputs.shape
+    q_idx = jnp.arange(q_len)[:, None]
+    kv_idx = jnp.arange(kv_len)[None, :]
+    allowed = jnp.ones((1, 1, q_len, kv_len), jnp.bool_)
+    left, right = inputs.window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if right is not None:
+        allowed &= kv_idx <= q_idx + right
+    if left is not None:
+        allowed &= kv_idx >= q_idx - left
+    if inputs.q_lengths is not None:
+        allowed &= q_idx < inputs.q_lengths[:, None, None, None]
+    if inputs.kv_lengths is not None:
+        allowed &= kv_idx < inputs.kv_lengths[:, None, None, None]
+    if inputs.q_segment_ids is not None:
+        allowed &= inputs.q_segment_ids[:, None, :, None] == inputs.kv_segment_ids[:, None, None, :]
+    if inputs.mask is not None:
+        allowed &= inputs.mask
+    return allowed
+
+
+def attention_from_inputs(
+    inputs: AttentionInputs, causal: bool, compute_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, D]` in q's dtype, lse `[B, N, T]`)."""
+    batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
+    group = num_heads // num_kv_heads
+    q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
+    k = inputs.k.astype(compute_dtype)
+    v = inputs.v.astype(compute_dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=lax.Precision.HIGHEST)
+    scores = scores.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
+    if inputs.bias is not None:
+        scores = scores + inputs.bias.astype(compute_dtype)
+    allowed = allowed_positions(inputs, causal)
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    # The row max only stabilises exp; softmax does not depend on it, so it carries no gradient. A fully
+    # masked row has max -inf: use 0 there so that exp gives exact zeros instead of NaN.
+    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
+    row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+    safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
+    probs = (weights / safe_sum).reshape(batch, num_kv_heads, group, q_len, kv_len)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=lax.Precision.HIGHEST)
+    out = out.reshape(batch, q_len, num_heads, head_dim).astype(inputs.q.dtype)
+    lse = jnp.where(row_sum > 0, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
+    lse = jnp.broadcast_to(lse, (batch, num_heads, q_len)).astype(jnp.float32)
+    return out, lse
+
+
+def flash_attention_reference(
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    mask=None,
+    causal: bool = False,
+    scale: float | None = None,
+    q_lengths=None,
+    kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    return_lse: bool = False,
+    config=None,
+    window=None,
+):
+    """Plain-jnp attention with exactly the semantics of `probjax_kernels.flash_attention`.
+
+    Computes in float32 (float64 when given float64 inputs and x64 is enabled) with `Precision.HIGHEST`.
+    `config` is accepted for signature compatibility and ignored. See `flash_attention` for the arguments.
+    """
+    del config
+    if dropout_rate:
+        raise NotImplementedError("flash_attention_reference: dropout is not implemented yet (issue 3).")
+    del dropout_seed
+    inputs = check_inputs(
+        q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+        allowed_dtypes=(jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64),
+    )
+    compute_dtype = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
+    out, lse = attention_from_inputs(inputs, causal, compute_dtype)
+    return (out, lse) if return_lse else out
