@@ -70,15 +70,16 @@ def _cdiv(a, b: int):
     return (a + b - 1) // b
 
 
-def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem):
+def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
     """KV tiles that query tile `q_tile` needs: masked [lo, full_lo), unmasked [full_lo, full_hi), masked
-    [full_hi, hi). Traced int32 scalars in, traced int32 scalars out."""
+    [full_hi, hi), all within [0, num_tiles). Traced int32 scalars in, traced int32 scalars out."""
     left, right = problem.window_left, problem.window_right
     row0 = q_tile * block_q
     row_last = jnp.minimum(row0 + block_q, q_len) - 1
     lo = jnp.int32(0) if left is None else jnp.maximum(row0 - left, 0) // block_k
     key_end = kv_len if right is None else jnp.minimum(kv_len, row_last + right + 1)
     hi = jnp.where(row_last >= row0, jnp.maximum(_cdiv(key_end, block_k), lo), lo)
+    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
     if problem.per_element_mask_everywhere:
         return lo, hi, hi, hi
     full_lo = lo if left is None else _cdiv(jnp.maximum(row0 + block_q - 1 - left, 0), block_k)
@@ -89,7 +90,7 @@ def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _
     return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
-def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem):
+def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
     """Query tiles that KV tile `kv_tile` is seen by, split like `_kv_tile_range`."""
     left, right = problem.window_left, problem.window_right
     key0 = kv_tile * block_k
@@ -97,6 +98,7 @@ def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _
     lo = jnp.int32(0) if right is None else jnp.maximum(key0 - right, 0) // block_q
     row_end = q_len if left is None else jnp.minimum(q_len, key_last + left + 1)
     hi = jnp.where(key_last >= key0, jnp.maximum(_cdiv(row_end, block_q), lo), lo)
+    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
     if problem.per_element_mask_everywhere:
         return lo, hi, hi, hi
     full_lo = lo if right is None else _cdiv(jnp.maximum(key0 + block_k - 1 - right, 0), block_q)
@@ -197,7 +199,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
         jnp.full((block_q,), _M_INIT, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, m, l = _run_tiles(_kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem), body, carry)
+    tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+    acc, m, l = _run_tiles(tile_range, body, carry)
     row_valid = (q_idx[:, 0] < q_len) & (l > 0)
     safe_l = jnp.where(row_valid, l, 1.0)
     out_ref[...] = jnp.where(row_valid[:, None], acc / safe_l[:, None], 0.0).astype(out_ref.dtype)
@@ -241,7 +244,7 @@ def _dq_kernel(
             ds_ref[:, pl.ds(start, block_k)] = ds
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), problem.precision)
 
-    tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem)
+    tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
     dq = _run_tiles(tile_range, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * problem.scale).astype(dq_ref.dtype)
     if emit_ds:
@@ -251,7 +254,7 @@ def _dq_kernel(
 
         lo, hi = tile_range[0], tile_range[3]
         lax.fori_loop(0, lo, zero_tile, None)
-        lax.fori_loop(hi, ds_ref.shape[1] // block_k, zero_tile, None)
+        lax.fori_loop(hi, k_ref.shape[0] // block_k, zero_tile, None)
 
 
 # ------------------------------------------------------------------------------------------ backward: dK, dV
@@ -270,7 +273,7 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     kv_idx = kv_tile * block_k + jnp.arange(block_k)[None, :]
     kv_seg = None if tiles.kv_segment_ids is None else tiles.kv_segment_ids[...]
-    tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem)
+    tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem, q_ref.shape[0] // block_q)
 
     def head_body(head, carry):
         # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).

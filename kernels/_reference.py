@@ -15,8 +15,8 @@ from probjax_kernels._inputs import AttentionInputs, check_inputs
 def allowed_positions(inputs: AttentionInputs, causal: bool) -> jax.Array:
     """The bool `[B|1, N|1, T, S]` mask of (query, key) pairs that attend: every masking argument combined."""
     _, q_len, kv_len, *_ = inputs.shape
-    q_idx = jnp.arange(q_len)[:, None]
-    kv_idx = jnp.arange(kv_len)[None, :]
+    q_idx = jnp.arange(q_len).reshape(1, 1, q_len, 1)
+    kv_idx = jnp.arange(kv_len).reshape(1, 1, 1, kv_len)
     allowed = jnp.ones((1, 1, q_len, kv_len), jnp.bool_)
     left, right = inputs.window
     if causal:
@@ -90,15 +90,14 @@ def flash_attention_reference(
     Computes in float32 (float64 when given float64 inputs and x64 is enabled) with `Precision.HIGHEST`.
     `config` is accepted for signature compatibility and ignored. See `flash_attention` for the arguments.
     """
-    del config
-    if dropout_rate:
-        raise NotImplementedError("flash_attention_reference: dropout is not implemented yet (issue 3).")
-    del dropout_seed
+    del config, dropout_seed
     inputs = check_inputs(
         q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
         allowed_dtypes=(jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64),
     )
+    if dropout_rate:
+        raise NotImplementedError("flash_attention_reference: dropout is not implemented yet (issue 3).")
     compute_dtype = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
     out, lse = attention_from_inputs(inputs, causal, compute_dtype)
     return (out, lse) if return_lse else out

@@ -1,0 +1,78 @@
+"""Test helpers: random inputs, a float64 NumPy attention (independent of the jnp reference), tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Normalised max error (max |actual - expected| / max |expected|) allowed per dtype.
+TOLERANCE = {jnp.float32: 2e-5, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}
+
+
+def random_qkv(key: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(key), 3)
+    q = jax.random.normal(kq, (batch, q_len, num_heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, kv_len, num_kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, kv_len, num_kv_heads, head_dim), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    assert np.isfinite(actual).all(), f"{name}: non-finite values"
+    denominator = max(np.abs(expected).max(), 1e-6)
+    error = np.abs(actual - expected).max() / denominator
+    assert error <= TOLERANCE[jnp.dtype(dtype).type] * factor, f"{name}: normalised error {error:.3g}"
+
+
+def numpy_attention(q, k, v, *, allowed=None, bias=None, scale=None):
+    """Float64 softmax attention from first principles; `allowed` is a bool array broadcastable to
+    [B, N, T, S]. Returns (out [B, T, N, D], lse [B, N, T]); rows with no allowed key give 0 and -inf."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    batch, q_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    k = np.repeat(k, group, axis=2)
+    v = np.repeat(v, group, axis=2)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = np.einsum("btnd,bsnd->bnts", q, k) * scale
+    if bias is not None:
+        scores = scores + np.asarray(jnp.asarray(bias, jnp.float32), np.float64)
+    allowed = np.ones(scores.shape, bool) if allowed is None else np.broadcast_to(allowed, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.where(allowed, np.exp(scores - row_max), 0.0)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    probs = weights / np.where(row_sum > 0, row_sum, 1.0)
+    out = np.einsum("bnts,bsnd->btnd", probs, v)
+    lse = np.where(row_sum > 0, np.log(np.where(row_sum > 0, row_sum, 1.0)) + row_max, -np.inf)[..., 0]
+    return out, lse
+
+
+def numpy_allowed(batch, q_len, kv_len, *, causal=False, window=(None, None), q_lengths=None,
+                  kv_lengths=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
+    """The [B, 1|N, T, S] bool mask of attended pairs, built independently of the library."""
+    rows = np.arange(q_len)[:, None]
+    cols = np.arange(kv_len)[None, :]
+    allowed = np.ones((batch, 1, q_len, kv_len), bool)
+    left, right = window
+    if causal:
+        allowed &= cols <= rows
+    if right is not None:
+        allowed &= cols <= rows + right
+    if left is not None:
+        allowed &= cols >= rows - left
+    for b in range(batch):
+        if q_lengths is not None:
+            allowed[b, :, int(q_lengths[b]):, :] = False
+        if kv_lengths is not None:
+            allowed[b, :, :, int(kv_lengths[b]):] = False
+        if q_segment_ids is not None:
+            qs, ks = np.asarray(q_segment_ids[b]), np.asarray(kv_segment_ids[b])
+            allowed[b] &= qs[:, None] == ks[None, :]
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    return allowed

@@ -1,0 +1,64 @@
+"""Bad input fails at the boundary with a ValueError / TypeError naming the argument and what it got."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+
+q = jnp.zeros((2, 8, 4, 32), jnp.float32)
+kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
+
+
+@pytest.mark.parametrize("attention_fn", [flash_attention, flash_attention_reference])
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        ((q[0], kv, kv), {}, ValueError, r"q must have rank 4.*\(8, 4, 32\)"),
+        ((q, kv[..., :16], kv[..., :16]), {}, ValueError, r"D=32"),
+        ((q, kv, kv[:, :4]), {}, ValueError, r"k and v must have the same shape"),
+        ((q, jnp.zeros((2, 8, 3, 32)), jnp.zeros((2, 8, 3, 32))), {}, ValueError, r"N=4.*K=3"),
+        ((q, kv.astype(jnp.bfloat16), kv), {}, TypeError, r"one dtype.*bfloat16"),
+        ((q.astype(jnp.int32), kv.astype(jnp.int32), kv.astype(jnp.int32)), {}, TypeError, r"int32"),
+        ((jnp.zeros((1, 8, 1, 300)),) + (jnp.zeros((1, 8, 1, 300)),) * 2, {}, ValueError, r"D=300"),
+        ((q, kv, kv), {"q_lengths": jnp.array([8, 9])}, ValueError, r"q_lengths must lie in \[0, 8\]"),
+        ((q, kv, kv), {"kv_lengths": jnp.array([-1, 2])}, ValueError, r"kv_lengths"),
+        ((q, kv, kv), {"kv_lengths": jnp.array([1, 2, 3])}, ValueError, r"kv_lengths must have shape \[2\]"),
+        ((q, kv, kv), {"kv_lengths": jnp.array([1.0, 2.0])}, TypeError, r"kv_lengths must be an integer"),
+        ((q, kv, kv), {"mask": jnp.ones((2, 4, 8, 8), jnp.int32)}, TypeError, r"mask must be a bool"),
+        ((q, kv, kv), {"mask": jnp.ones((3, 1, 8, 8), bool)}, ValueError, r"mask must be broadcastable"),
+        ((q, kv, kv), {"bias": jnp.ones((2, 4, 8, 9))}, ValueError, r"bias must be broadcastable.*\(2, 4, 8, 9\)"),
+        ((q, kv, kv), {"bias": jnp.ones((2, 4, 8, 8), jnp.int32)}, TypeError, r"bias must be a floating"),
+        ((q, kv, kv), {"q_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError, r"kv_segment_ids"),
+        ((q, kv, kv), {"window": (-1, 2)}, ValueError, r"window"),
+        ((q, kv, kv), {"dropout_rate": 1.5}, ValueError, r"dropout_rate"),
+    ],
+)
+def test_bad_input(attention_fn, args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        attention_fn(*args, **kwargs)
+
+
+def test_empty_sequence():
+    with pytest.raises(ValueError, match=r"every dimension must be >= 1"):
+        flash_attention(jnp.zeros((1, 0, 1, 32)), jnp.zeros((1, 4, 1, 32)), jnp.zeros((1, 4, 1, 32)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"block_q": 48}, "block_q=48"), ({"block_k": 8}, "block_k=8"), ({"num_warps": 0}, "num_warps"),
+     ({"backend": "cuda"}, "backend")],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlashConfig(**kwargs)
+
+
+def test_config_must_be_flash_config():
+    with pytest.raises(TypeError, match="config must be a FlashConfig"):
+        flash_attention(q, kv, kv, config={"block_q": 64})
+
+
+def test_dropout_is_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flash_attention(q, kv, kv, dropout_rate=0.1, dropout_seed=np.uint32(0))
