@@ -59,6 +59,8 @@ def test_config_must_be_flash_config():
         flash_attention(q, kv, kv, config={"block_q": 64})
 
 
-def test_dropout_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attention(q, kv, kv, dropout_rate=0.1, dropout_seed=np.uint32(0))
+def test_dropout_needs_a_scalar_seed():
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        flash_attention(q, kv, kv, dropout_rate=0.1)
+    with pytest.raises(ValueError, match="dropout_seed must be a scalar"):
+        flash_attention(q, kv, kv, dropout_rate=0.1, dropout_seed=np.zeros(2, np.uint32))

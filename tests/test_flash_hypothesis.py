@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 from probjax_kernels import FlashConfig, default_config, flash_attention, flash_attention_reference
-from probjax_kernels._flash_attention import _kv_tile_range, _Problem, _q_tile_range
+from probjax_kernels._core import Features, _kv_tile_range, _Problem, _q_tile_range
 
 blocks = st.sampled_from([16, 32, 64])
 window_sides = st.one_of(st.none(), st.integers(0, 80))
@@ -17,8 +17,9 @@ window_sides = st.one_of(st.none(), st.integers(0, 80))
 
 def make_problem(left, right, masked_everywhere=False) -> _Problem:
     return _Problem(
-        scale=1.0, window_left=left, window_right=right, group=1, bias_shape=None,
-        mask_shape=(1, 1, 1, 1) if masked_everywhere else None, has_segments=False,
+        features=Features(scale=1.0, window_left=left, window_right=right), group=1, num_heads=1,
+        bias_shape=None, mask_shape=(1, 1, 1, 1) if masked_everywhere else None, table_shape=None,
+        has_segments=False, num_score_consts=0, num_mask_consts=0,
         config=default_config(None, q_len=1, kv_len=1, head_dim=16), precision=lax.Precision.DEFAULT,
     )
 

@@ -56,3 +56,17 @@ def test_second_use_under_jit_with_traced_lengths():
         expected = flash_attention_reference(q, k, v, kv_lengths=lengths)
         assert_close(run(q, k, v, lengths), expected, jnp.float32)
     assert len(traces) == 1
+
+
+def test_gradient_memory_is_linear_in_sequence_length():
+    """XLA's temp memory for a compiled grad doubles with T (flash), where dense attention quadruples."""
+
+    def temp_mb(attention_fn, seq_len):
+        spec = jax.ShapeDtypeStruct((1, seq_len, 2, 64), jnp.float32)
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention_fn(q, k, v, causal=True)), (0, 1, 2)))
+        return grad.lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+    flash = [temp_mb(flash_attention, seq_len) for seq_len in (1024, 2048)]
+    dense = [temp_mb(flash_attention_reference, seq_len) for seq_len in (1024, 2048)]
+    assert flash[1] / flash[0] < 2.2, flash
+    assert dense[1] / dense[0] > 3.5, dense  # the check can tell quadratic from linear

@@ -1,0 +1,845 @@
+"""The attention kernel core shared by `flash_attention` and `flex_attention`: Pallas forward, dQ and dK/dV
+kernels (FlashAttention-2) under one `jax.custom_vjp`.
+
+Notation (FlashAttention-2, Alg. 1 and 2): per query row, m_i is the running max of the scores and l_i the
+running sum of exp(s - m_i); lse = m + log l. Scores are kept in the base-2 domain inside the kernels
+(s2 = s * log2(e)) so that every exponential is an exp2; without hooks, log2(e) is folded into the scale.
+
+`attention` pads T, S to a multiple of the tiles and D to a power of two (Triton needs power-of-two tiles)
+and masks the padding through the key/query lengths, so callers never pad. Which (query, key) pairs attend
+is decided per element by: key lengths, a causal / local window, segment ids, a dense bool mask, and a
+user `mask_mod`. Which tiles are visited is decided either by index ranges (windows and lengths) or by the
+block tables of a `BlockMask`; tiles that every pair reaches skip the per-element mask. Query rows past
+`q_lengths` (and fully masked rows) give output 0 and lse -inf; the backward pass sees them as lse = +inf,
+hence p = 0 and exactly zero gradients. A `score_mod` rewrites the scaled score per element before
+masking; its derivative in the score comes from `jax.jvp` inside the backward kernels, and the gradients
+of the arrays it closes over from an XLA pass over query chunks (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from probjax_kernels import _triton
+from probjax_kernels._config import FlashConfig, default_config
+from probjax_kernels._dropout import keep_mask
+from probjax_kernels._hooks import Hook
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
+_XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk when the hook-constant gradients run
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What one attention call computes, apart from the arrays (static and hashable).
+
+    - `window_left`, `window_right`: a query at row r sees keys in [r - left, r + right]; None = unbounded
+      (causal is `window_right=0`).
+    - `score_mod`, `mask_mod`: traced user hooks (see `_hooks.Hook`).
+    - `block_sizes`: the (q, kv) tile of the block tables, when tile visits come from a `BlockMask`.
+    - `dropout_rate`: probability of dropping an attention weight (0 = off).
+    """
+
+    scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    score_mod: Hook | None = None
+    mask_mod: Hook | None = None
+    block_sizes: tuple[int, int] | None = None
+    dropout_rate: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """Features plus the static facts of the padded arrays; the nondiff argument of the custom_vjp."""
+
+    features: Features
+    group: int  # query heads per key/value head
+    num_heads: int
+    bias_shape: tuple[int, int, int, int] | None  # padded, with 1 on broadcast dims
+    mask_shape: tuple[int, int, int, int] | None
+    table_shape: tuple[int, int] | None  # (batch, heads) of the block tables: 1 = broadcast
+    has_segments: bool
+    num_score_consts: int
+    num_mask_consts: int
+    config: FlashConfig  # every field filled
+    precision: lax.Precision
+
+    @property
+    def per_element_mask_everywhere(self) -> bool:
+        """Segments and dense masks can cut any tile, so no tile may skip the per-element mask."""
+        return self.has_segments or self.mask_shape is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """Refs of one program's optional inputs (None / empty when absent)."""
+
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    dropout_seed: Any = None
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    tables: tuple | None = None  # (num_partial, partial_indices, num_full, full_indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScoreContext:
+    """Everything the per-element score and mask need, shaped to broadcast against the score tile: (bq, bk)
+    in a kernel, [B, N, C, S] on the XLA side. `score_mod` / `mask_mod` are bound to their constants."""
+
+    b: Any
+    h: Any
+    q_idx: Any
+    kv_idx: Any
+    kv_len: Any
+    bias: Any = None
+    mask: Any = None
+    q_seg: Any = None
+    kv_seg: Any = None
+    dropout_seed: Any = None
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+
+
+def _scores(dot, ctx: _ScoreContext, problem: _Problem, masked: bool, with_derivative: bool = False):
+    """Base-2 scores s2 = log2(e) * score_mod(scale * q k^T + bias), -inf where masked, from `dot` = q k^T.
+
+    With `with_derivative`, also returns d score_mod / d score (None without a score_mod).
+    """
+    f = problem.features
+    derivative = None
+    if ctx.score_mod is None and ctx.bias is None:
+        s2 = dot * (f.scale * LOG2E)
+    else:
+        s = dot * f.scale
+        if ctx.bias is not None:
+            s = s + ctx.bias.astype(jnp.float32)
+        if ctx.score_mod is not None:
+            modded = lambda x: ctx.score_mod(x, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)  # noqa: E731
+            if with_derivative:
+                # The hook is elementwise in the score, so a tangent of ones gives its derivative.
+                s, derivative = jax.jvp(modded, (s,), (jnp.ones_like(s),))
+            else:
+                s = modded(s)
+        s2 = s * LOG2E
+    if masked:
+        allowed = ctx.kv_idx < ctx.kv_len
+        if f.window_right is not None:
+            allowed &= ctx.kv_idx <= ctx.q_idx + f.window_right
+        if f.window_left is not None:
+            allowed &= ctx.kv_idx >= ctx.q_idx - f.window_left
+        if ctx.q_seg is not None:
+            allowed &= ctx.q_seg == ctx.kv_seg
+        if ctx.mask is not None:
+            allowed &= ctx.mask != 0
+        if ctx.mask_mod is not None:
+            allowed &= ctx.mask_mod(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)
+        s2 = jnp.where(allowed, s2, -jnp.inf)
+    return s2, derivative
+
+
+def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
+    """keep / (1 - rate) for the tile: the factor on dropped-out probabilities."""
+    rate = problem.features.dropout_rate
+    keep = keep_mask(ctx.dropout_seed, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, rate, problem.num_heads)
+    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------- tile ranges
+
+
+def _cdiv(a, b: int):
+    return (a + b - 1) // b
+
+
+def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
+    """KV tiles that query tile `q_tile` needs: masked [lo, full_lo), unmasked [full_lo, full_hi), masked
+    [full_hi, hi), all within [0, num_tiles). Traced int32 scalars in, traced int32 scalars out."""
+    left, right = problem.features.window_left, problem.features.window_right
+    row0 = q_tile * block_q
+    row_last = jnp.minimum(row0 + block_q, q_len) - 1
+    lo = jnp.int32(0) if left is None else jnp.maximum(row0 - left, 0) // block_k
+    key_end = kv_len if right is None else jnp.minimum(kv_len, row_last + right + 1)
+    hi = jnp.where(row_last >= row0, jnp.maximum(_cdiv(key_end, block_k), lo), lo)
+    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
+    if problem.per_element_mask_everywhere:
+        return lo, hi, hi, hi
+    full_lo = lo if left is None else _cdiv(jnp.maximum(row0 + block_q - 1 - left, 0), block_k)
+    full_hi = kv_len // block_k
+    if right is not None:
+        full_hi = jnp.minimum(full_hi, (row0 + right + 1) // block_k)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+
+
+def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
+    """Query tiles that KV tile `kv_tile` is seen by, split like `_kv_tile_range`."""
+    left, right = problem.features.window_left, problem.features.window_right
+    key0 = kv_tile * block_k
+    key_last = jnp.minimum(key0 + block_k, kv_len) - 1
+    lo = jnp.int32(0) if right is None else jnp.maximum(key0 - right, 0) // block_q
+    row_end = q_len if left is None else jnp.minimum(q_len, key_last + left + 1)
+    hi = jnp.where(key_last >= key0, jnp.maximum(_cdiv(row_end, block_q), lo), lo)
+    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
+    if problem.per_element_mask_everywhere:
+        return lo, hi, hi, hi
+    full_lo = lo if right is None else _cdiv(jnp.maximum(key0 + block_k - 1 - right, 0), block_q)
+    full_hi = hi if left is None else (key0 + left + 1) // block_q
+    # A KV tile that straddles kv_len needs the per-element mask against every query tile.
+    full_hi = jnp.where(key0 + block_k <= kv_len, full_hi, 0)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+
+
+def _run_ranges(tile_range, body, carry):
+    """Runs body(tile, carry, masked) over the three ranges of `_kv_tile_range` / `_q_tile_range`."""
+    lo, full_lo, full_hi, hi = tile_range
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+
+
+def _run_table(tables, head, tiles_per_block: int, body, carry, problem: _Problem):
+    """Runs body(tile, carry, masked) over the partial blocks, then the full blocks, of one row of a block
+    table; a block of the table spans `tiles_per_block` kernel tiles. `head` picks the row of a table block
+    that carries several query heads (dK/dV kernel)."""
+    num_partial, partial, num_full, full = tables
+
+    def read(ref, *index):
+        return ref[(head, *index)] if head is not None else ref[index] if index else ref[...]
+
+    def visit(indices, masked):
+        def block_body(n, carry):
+            block = read(indices, n)
+            if tiles_per_block == 1:
+                return body(block, carry, masked=masked)
+            return lax.fori_loop(
+                0, tiles_per_block, lambda t, c: body(block * tiles_per_block + t, c, masked=masked), carry
+            )
+
+        return block_body
+
+    carry = lax.fori_loop(0, read(num_partial), visit(partial, True), carry)
+    return lax.fori_loop(0, read(num_full), visit(full, problem.per_element_mask_everywhere), carry)
+
+
+# ------------------------------------------------------------------------------------------- shared tile math
+
+
+def _dot(a, b, contract: tuple[int, int], precision):
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32,
+        precision=precision,
+    )
+
+
+def _load_2d(ref, row_start, rows, col_start, cols, head=None):
+    """A (rows|1, cols|1) tile of a bias / mask block, honouring broadcast axes of size 1.
+
+    A 3-D block carries the query heads of one KV head (dK/dV kernel); `head` picks one. The index is built
+    as one tuple because the Triton lowering takes a single indexer per load.
+    """
+    head_index = (head,) if len(ref.shape) == 3 else ()
+    row_axis, col_axis = ref.shape[-2], ref.shape[-1]
+    row_slice = pl.ds(row_start, rows) if row_axis > 1 else slice(None)
+    col_slice = pl.ds(col_start, cols) if col_axis > 1 else slice(None)
+    return ref[(*head_index, row_slice, col_slice)]
+
+
+def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, block_q, kv_start, block_k,
+                  kv_len, q_is_tile: bool) -> _ScoreContext:
+    """The score context of tile (q_start:+block_q, kv_start:+block_k) read from a kernel's refs.
+
+    `q_is_tile`: the query axis of the bias / mask / segment refs is already the tile (forward, dQ) rather
+    than the whole sequence (dK/dV, where the key axis is the tile instead).
+    """
+    q_off, kv_off = (0, kv_start) if q_is_tile else (q_start, 0)
+    f = problem.features
+    return _ScoreContext(
+        b=b,
+        h=h,
+        q_idx=q_start + jnp.arange(block_q)[:, None],
+        kv_idx=kv_start + jnp.arange(block_k)[None, :],
+        kv_len=kv_len,
+        bias=None if refs.bias is None else _load_2d(refs.bias, q_off, block_q, kv_off, block_k, head_in_block),
+        mask=None if refs.mask is None else _load_2d(refs.mask, q_off, block_q, kv_off, block_k, head_in_block),
+        q_seg=None if refs.q_segment_ids is None else (
+            refs.q_segment_ids[...] if q_is_tile else refs.q_segment_ids[pl.ds(q_start, block_q)])[:, None],
+        kv_seg=None if refs.kv_segment_ids is None else (
+            refs.kv_segment_ids[pl.ds(kv_start, block_k)] if q_is_tile else refs.kv_segment_ids[...])[None, :],
+        dropout_seed=None if refs.dropout_seed is None else refs.dropout_seed[...],
+        score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
+        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- forward kernel
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: _Problem, refs_fn):
+    *input_refs, out_ref, lse_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q, cfg.block_k
+    q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    q = q_ref[...]
+    dropout = problem.features.dropout_rate > 0
+
+    def body(kv_tile, carry, masked: bool):
+        acc, m, l = carry
+        start = kv_tile * block_k
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, start, block_k, kv_len, True)
+        s, _ = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        if dropout:  # l sums the kept and the dropped weights alike: dropout acts after normalisation
+            p = p * _dropout_scale(ctx, problem)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), problem.precision)
+        return acc, m_new, l
+
+    carry = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), _M_INIT, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    if opt.tables is not None:
+        acc, m, l = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, carry, problem)
+    else:
+        tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+        acc, m, l = _run_ranges(tile_range, body, carry)
+    rows = q_tile * block_q + jnp.arange(block_q)
+    row_valid = (rows < q_len) & (l > 0)
+    safe_l = jnp.where(row_valid, l, 1.0)
+    out_ref[...] = jnp.where(row_valid[:, None], acc / safe_l[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+
+
+# --------------------------------------------------------------------------------------------- backward: dQ
+
+
+def _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem: _Problem):
+    """p and dS = d loss / d (scaled, biased score) of one tile, FlashAttention-2 with dropout and score_mod."""
+    p = jnp.exp2(s - lse2[:, None])
+    dp = _dot(do, v, (1, 1), problem.precision)
+    p_dropped = p
+    if problem.features.dropout_rate > 0:
+        scale = _dropout_scale(ctx, problem)
+        dp, p_dropped = dp * scale, p * scale
+    ds = p * (dp - delta[:, None])
+    if derivative is not None:
+        ds = ds * derivative
+    return p_dropped, ds
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, do_ref, lse2_ref, delta_ref, *refs, problem: _Problem,
+    refs_fn, emit_ds: bool,
+):
+    if emit_ds:
+        *input_refs, dq_ref, ds_ref = refs
+    else:
+        *input_refs, dq_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q_dq, cfg.block_k_dq
+    q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    q, do = q_ref[...], do_ref[...]
+    lse2, delta = lse2_ref[...], delta_ref[...]
+    with_derivative = problem.features.score_mod is not None
+
+    def body(kv_tile, dq, masked: bool):
+        start = kv_tile * block_k
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, start, block_k, kv_len, True)
+        s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
+        _, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+        if emit_ds:
+            ds_ref[:, pl.ds(start, block_k)] = ds
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0), problem.precision)
+
+    zeros = jnp.zeros(q.shape, jnp.float32)
+    if opt.tables is not None:
+        dq = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, zeros, problem)
+    else:
+        tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+        dq = _run_ranges(tile_range, body, zeros)
+    dq_ref[...] = (dq * problem.features.scale).astype(dq_ref.dtype)
+    if emit_ds:
+        # Skipped tiles still need their zeros: Pallas outputs start uninitialised.
+        def zero_tile(kv_tile, _):
+            ds_ref[:, pl.ds(kv_tile * block_k, block_k)] = jnp.zeros((block_q, block_k), jnp.float32)
+
+        lo, hi = tile_range[0], tile_range[3]
+        lax.fori_loop(0, lo, zero_tile, None)
+        lax.fori_loop(hi, k_ref.shape[0] // block_k, zero_tile, None)
+
+
+# ------------------------------------------------------------------------------------------ backward: dK, dV
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, do_ref, lse2_ref, delta_ref, *refs, problem: _Problem, refs_fn,
+):
+    *input_refs, dk_ref, dv_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q_dkv, cfg.block_k_dkv
+    kv_tile, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    k, v = k_ref[...], v_ref[...]
+    with_derivative = problem.features.score_mod is not None
+    kv_start = kv_tile * block_k
+
+    def head_body(head, carry):
+        # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
+        def body(q_tile, carry, masked: bool):
+            dk, dv = carry
+            start = q_tile * block_q
+            q = q_ref[pl.ds(start, block_q), head, :]
+            do = do_ref[pl.ds(start, block_q), head, :]
+            lse2 = lse2_ref[head, pl.ds(start, block_q)]
+            delta = delta_ref[head, pl.ds(start, block_q)]
+            ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q, kv_start,
+                                block_k, kv_len, False)
+            s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
+            p, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+            dv = dv + _dot(p.astype(do.dtype), do, (0, 0), problem.precision)
+            dk = dk + _dot(ds.astype(q.dtype), q, (0, 0), problem.precision)
+            return dk, dv
+
+        if opt.tables is not None:
+            table_head = head if problem.table_shape[1] > 1 else None
+            return _run_table(opt.tables, table_head, problem.features.block_sizes[0] // block_q, body, carry,
+                              problem)
+        tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem, q_ref.shape[0] // block_q)
+        return _run_ranges(tile_range, body, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, problem.group, head_body, (zeros, zeros))
+    dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- block specs
+
+
+def _refs_fn(problem: _Problem):
+    """Maps the trailing optional input refs of a kernel to `_Refs`, in the order `_optional_inputs` uses."""
+
+    def to_refs(refs):
+        refs = list(refs)
+        take = lambda n: tuple(refs.pop(0) for _ in range(n))  # noqa: E731
+        fields = {}
+        if problem.has_segments:
+            fields["q_segment_ids"], fields["kv_segment_ids"] = take(2)
+        if problem.bias_shape is not None:
+            (fields["bias"],) = take(1)
+        if problem.mask_shape is not None:
+            (fields["mask"],) = take(1)
+        if problem.features.dropout_rate > 0:
+            (fields["dropout_seed"],) = take(1)
+        fields["score_consts"] = take(problem.num_score_consts)
+        fields["mask_consts"] = take(problem.num_mask_consts)
+        if problem.table_shape is not None:
+            fields["tables"] = take(4)
+        assert not refs
+        return _Refs(**fields)
+
+    return to_refs
+
+
+def _whole(x) -> pl.BlockSpec:
+    return pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n)
+
+
+def _optional_inputs(arrays: dict, problem: _Problem, kind: str, block_q: int, block_k: int):
+    """Arrays and BlockSpecs of the optional inputs for a "q" or "kv" kernel grid.
+
+    "q" grids are (q_tile, b, h) and see one query tile against the whole key axis; "kv" grids are
+    (kv_tile, b, kv_head) and see one key tile against the whole query axis of the group's query heads.
+    """
+    group = problem.group
+    inputs, specs = [], []
+    if problem.has_segments:
+        t_pad, s_pad = arrays["q_segment_ids"].shape[1], arrays["kv_segment_ids"].shape[1]
+        inputs += [arrays["q_segment_ids"], arrays["kv_segment_ids"]]
+        if kind == "q":
+            specs += [
+                pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+                pl.BlockSpec((None, s_pad), lambda i, b, h: (b, 0)),
+            ]
+        else:
+            specs += [
+                pl.BlockSpec((None, t_pad), lambda j, b, h: (b, 0)),
+                pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)),
+            ]
+    for name in ("bias", "mask"):
+        x = arrays.get(name)
+        if x is None:
+            continue
+        nb, nh, nt, ns = x.shape
+        if kind == "q":
+            block = (None, None, block_q if nt > 1 else 1, ns)
+
+            def index_map(i, b, h, nb=nb, nh=nh, nt=nt):
+                return (b if nb > 1 else 0, h if nh > 1 else 0, i if nt > 1 else 0, 0)
+        else:
+            block = (None, group if nh > 1 else None, nt, block_k if ns > 1 else 1)
+
+            def index_map(j, b, h, nb=nb, nh=nh, ns=ns):
+                return (b if nb > 1 else 0, h if nh > 1 else 0, 0, j if ns > 1 else 0)
+
+        inputs.append(x)
+        specs.append(pl.BlockSpec(block, index_map))
+    if problem.features.dropout_rate > 0:
+        inputs.append(arrays["dropout_seed"])
+        specs.append(pl.BlockSpec((), lambda *_: ()))
+    for const in (*arrays["score_consts"], *arrays["mask_consts"]):
+        inputs.append(const)
+        specs.append(_whole(const))
+    if problem.table_shape is not None:
+        tb, th = problem.table_shape
+        table_q, table_k = problem.features.block_sizes
+        if kind == "q":
+            tables = arrays["kv_tables"]
+            row = lambda i: i * block_q // table_q  # noqa: E731
+            num_spec = pl.BlockSpec((None, None, None), lambda i, b, h: (b if tb > 1 else 0, h if th > 1 else 0, row(i)))
+            idx_spec = pl.BlockSpec(
+                (None, None, None, tables[1].shape[-1]),
+                lambda i, b, h: (b if tb > 1 else 0, h if th > 1 else 0, row(i), 0),
+            )
+        else:
+            tables = arrays["q_tables"]
+            col = lambda j: j * block_k // table_k  # noqa: E731
+            heads = group if th > 1 else None
+            num_spec = pl.BlockSpec((None, heads, None), lambda j, b, h: (b if tb > 1 else 0, h if th > 1 else 0, col(j)))
+            idx_spec = pl.BlockSpec(
+                (None, heads, None, tables[1].shape[-1]),
+                lambda j, b, h: (b if tb > 1 else 0, h if th > 1 else 0, col(j), 0),
+            )
+        inputs += list(tables)
+        specs += [num_spec, idx_spec, num_spec, idx_spec]
+    return inputs, specs
+
+
+def _compiler_params(problem: _Problem):
+    cfg = problem.config
+    if cfg.backend == "interpret":
+        return dict(interpret=True)
+    return dict(compiler_params=_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def _length_spec():
+    return pl.BlockSpec((None,), lambda i, b, h: (b,))
+
+
+# ------------------------------------------------------------------------------------------- pallas_call glue
+
+
+def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    block_q = problem.config.block_q
+    group = problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k)
+    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    kernel = functools.partial(_forward_kernel, problem=problem, refs_fn=_refs_fn(problem))
+    return pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, batch, num_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), *extra_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32),
+        ],
+        name="probjax_flash_forward",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, *extra)
+
+
+def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict, emit_ds: bool):
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    block_q = problem.config.block_q_dq
+    group = problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k_dq)
+    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    out_specs = [q_spec]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if emit_ds:
+        out_specs.append(pl.BlockSpec((None, None, block_q, s_pad), lambda i, b, h: (b, h, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
+    kernel = functools.partial(_dq_kernel, problem=problem, refs_fn=_refs_fn(problem), emit_ds=emit_ds)
+    return pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, batch, num_heads),
+        in_specs=[
+            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="probjax_flash_backward_dq",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+
+
+def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict):
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad, num_kv_heads = k.shape[1], k.shape[2]
+    block_k = problem.config.block_k_dkv
+    group = problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "kv", problem.config.block_q_dkv, block_k)
+    q_spec = pl.BlockSpec((None, t_pad, group, d_pad), lambda j, b, h: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, block_k, None, d_pad), lambda j, b, h: (b, j, h, 0))
+    row_spec = pl.BlockSpec((None, group, t_pad), lambda j, b, h: (b, h, 0))
+    kernel = functools.partial(_dkv_kernel, problem=problem, refs_fn=_refs_fn(problem))
+    return pl.pallas_call(
+        kernel,
+        grid=(s_pad // block_k, batch, num_kv_heads),
+        in_specs=[
+            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+        ],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        name="probjax_flash_backward_dkv",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+
+
+# ------------------------------------------------------------------------- gradients of score_mod's constants
+
+
+def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, optional: dict, consts):
+    """d loss / d (arrays score_mod closes over), by recomputing dS in XLA over query chunks.
+
+    Deterministic (no atomics) and general in the hook; it costs about one more dense forward pass, with a
+    working set of one query chunk: [B, N, chunk, S] floats.
+    """
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad, num_kv_heads = k.shape[1], k.shape[2]
+    group = problem.group
+    chunk = t_pad
+    while chunk > 16 and chunk % 2 == 0 and batch * num_heads * chunk * s_pad * 16 > _XLA_CHUNK_BYTES:
+        chunk //= 2
+    f = problem.features
+    mask_consts = optional["mask_consts"]
+    b_idx = jnp.arange(batch).reshape(batch, 1, 1, 1)
+    h_idx = jnp.arange(num_heads).reshape(1, num_heads, 1, 1)
+    kv_idx = jnp.arange(s_pad).reshape(1, 1, 1, s_pad)
+
+    def chunk_gradient(start):
+        rows = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)  # noqa: E731
+        q_c = rows(q).reshape(batch, chunk, num_kv_heads, group, d_pad)
+        dot = jnp.einsum("bckgd,bskd->bkgcs", q_c, k, preferred_element_type=jnp.float32,
+                         precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
+        do_c = rows(do).reshape(batch, chunk, num_kv_heads, group, d_pad)
+        dp = jnp.einsum("bckgd,bskd->bkgcs", do_c, v, preferred_element_type=jnp.float32,
+                        precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
+        lse2_c = lax.dynamic_slice_in_dim(lse2, start, chunk, axis=2)[..., None]
+        delta_c = lax.dynamic_slice_in_dim(delta, start, chunk, axis=2)[..., None]
+        q_idx = (start + jnp.arange(chunk)).reshape(1, 1, chunk, 1)
+
+        def context(score_consts):
+            seg = optional.get("q_segment_ids")
+            return _ScoreContext(
+                b=b_idx, h=h_idx, q_idx=q_idx, kv_idx=kv_idx, kv_len=kv_len.reshape(batch, 1, 1, 1),
+                bias=None if optional.get("bias") is None else lax.dynamic_slice_in_dim(
+                    optional["bias"], start, chunk, axis=2) if optional["bias"].shape[2] > 1 else optional["bias"],
+                mask=None if optional.get("mask") is None else lax.dynamic_slice_in_dim(
+                    optional["mask"], start, chunk, axis=2) if optional["mask"].shape[2] > 1 else optional["mask"],
+                q_seg=None if seg is None else rows(seg).reshape(batch, 1, chunk, 1),
+                kv_seg=None if seg is None else optional["kv_segment_ids"].reshape(batch, 1, 1, s_pad),
+                dropout_seed=optional.get("dropout_seed"),
+                score_mod=functools.partial(f.score_mod.on_values, score_consts),
+                mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.on_values, mask_consts),
+            )
+
+        s2, vjp = jax.vjp(lambda c: _scores(dot, context(c), problem, masked=True)[0], consts)
+        p = jnp.exp2(s2 - lse2_c)
+        if f.dropout_rate > 0:
+            dp = dp * _dropout_scale(context(consts), problem)
+        ds = p * (dp - delta_c)
+        (grads,) = vjp(ds / LOG2E)  # s2 = log2(e) * score
+        return grads
+
+    def accumulate(i, total):
+        return jax.tree.map(jnp.add, total, chunk_gradient(i * chunk))
+
+    zeros = jax.tree.map(lambda c: jnp.zeros(c.shape, jnp.float32), consts)
+    total = lax.fori_loop(0, t_pad // chunk, accumulate, zeros)
+    return jax.tree.map(lambda g, c: g.astype(c.dtype), total, consts)
+
+
+# -------------------------------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
+    """Padded inputs in, (out, lse) padded out. `others` holds the inputs without gradients."""
+    return _forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
+
+
+def _attention_fwd(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others):
+    values = _value((q, k, v, bias, score_consts, q_len, kv_len, others))
+    q_, k_, v_, bias_, score_consts_, q_len_, kv_len_, others_ = values
+    out, lse = _forward(problem, q_, k_, v_, q_len_, kv_len_, dict(others_, bias=bias_, score_consts=score_consts_))
+    # The bias gradient costs a [B, N, T, S] buffer, the hook-constant gradient an XLA pass: do them only
+    # for inputs that are being differentiated.
+    wants = (bias is not None and bias.perturbed, any(c.perturbed for c in score_consts))
+    wants = tuple(() if w else None for w in wants)
+    return (out, lse), (values, out, lse, wants)
+
+
+def _attention_bwd(problem: _Problem, saved, cotangents):
+    (q, k, v, bias, score_consts, q_len, kv_len, others), out, lse, (wants_dbias, wants_dconsts) = saved
+    d_out, d_lse = cotangents
+    d_out = jnp.zeros_like(out) if isinstance(d_out, jax.custom_derivatives.SymbolicZero) else d_out
+    # delta_i = rowsum(dO * O) (FlashAttention-2 preprocess); an lse cotangent enters as -d_lse because
+    # d lse / d s = p, which makes dS = p * (dP - delta + d_lse).
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+        delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+    # Rows without any attended key carry lse = -inf; +inf makes p = exp2(s - lse) exactly 0 there.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    optional = dict(others, bias=bias, score_consts=score_consts)
+    emit_ds = bias is not None and wants_dbias is not None
+    dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, emit_ds)
+    dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
+    dbias = None
+    if emit_ds:
+        broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+        dbias = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+    dconsts = jax.tree.map(lambda _: None, score_consts)
+    if wants_dconsts is not None:
+        dconsts = _score_const_gradients(problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts)
+    return dq, dk, dv, dbias, dconsts, None, None, jax.tree.map(lambda _: None, others)
+
+
+def _value(x):
+    return jax.tree.map(lambda leaf: leaf.value, x, is_leaf=lambda leaf: hasattr(leaf, "perturbed"))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pads one axis of x up to `size` (no-op when it already has that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    features: Features,
+    config: FlashConfig | None,
+    *,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    dropout_seed: jax.Array | None = None,
+    score_consts: tuple = (),
+    mask_consts: tuple = (),
+    kv_tables: tuple | None = None,
+    q_tables: tuple | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernels on checked inputs (see `_inputs.check_inputs`); returns (out, lse) unpadded.
+
+    `bias` / `mask` are 4-D with 1 on broadcast axes; `kv_tables` / `q_tables` are the block tables of a
+    `BlockMask` (num_partial, partial_indices, num_full, full_indices), for the query-tile kernels and the
+    key-tile kernel respectively; their tile is `features.block_sizes`.
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    config = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
+    q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
+    kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
+    if features.block_sizes is not None:
+        table_q, table_k = features.block_sizes
+        q_multiple, kv_multiple = max(q_multiple, table_q), max(kv_multiple, table_k)
+    t_pad, s_pad = _round_up(q_len, q_multiple), _round_up(kv_len, kv_multiple)
+
+    def pad_4d(x, seq_size):
+        return _pad_axis(_pad_axis(x, 1, seq_size), 3, d_pad)
+
+    def pad_broadcastable(x):
+        # Only the sequence axes that are not broadcast get padded; padded bias is 0 and padded mask False.
+        if x.shape[2] > 1:
+            x = _pad_axis(x, 2, t_pad)
+        if x.shape[3] > 1:
+            x = _pad_axis(x, 3, s_pad)
+        return x
+
+    others = {"mask_consts": tuple(mask_consts)}
+    if mask is not None:
+        # Triton loads of i1 are awkward; int8 costs one byte per element of the mask as given.
+        others["mask"] = pad_broadcastable(mask.astype(jnp.int8))
+    if q_segment_ids is not None:
+        others["q_segment_ids"] = _pad_axis(q_segment_ids, 1, t_pad)
+        others["kv_segment_ids"] = _pad_axis(kv_segment_ids, 1, s_pad)
+    if features.dropout_rate > 0:
+        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(())
+    if kv_tables is not None:
+        others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
+    bias = None if bias is None else pad_broadcastable(bias)
+    problem = _Problem(
+        features=features,
+        group=num_heads // num_kv_heads,
+        num_heads=num_heads,
+        bias_shape=None if bias is None else bias.shape,
+        mask_shape=None if mask is None else others["mask"].shape,
+        table_shape=None if kv_tables is None else kv_tables[0].shape[:2],
+        has_segments=q_segment_ids is not None,
+        num_score_consts=len(score_consts),
+        num_mask_consts=len(mask_consts),
+        config=config,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
+    )
+    if q_lengths is None:
+        q_lengths = jnp.full((batch,), q_len, jnp.int32)
+    if kv_lengths is None:
+        kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
+    out, lse = _attention(
+        problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad), bias, tuple(score_consts),
+        q_lengths, kv_lengths, others,
+    )
+    return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

@@ -1,0 +1,182 @@
+"""Running user hooks (score_mod / mask_mod) inside the Pallas kernels.
+
+A hook is traced once to a jaxpr. The arrays it closes over (tables, slopes, document ids, also tracers of
+an enclosing `jit`) become its constants, and the kernels receive them as ordinary inputs: a Pallas kernel
+may not capture arrays. Inside a kernel those constants are refs, and neither GPU lowering has a value
+gather, so `_eval_in_kernel` runs the hook's jaxpr with the constants kept as refs and turns the indexing
+patterns that jnp emits (a pointwise `gather` whose index vector is a `concatenate` of `[..., 1]` pieces,
+and `dynamic_slice`) into ref loads with array indices. Any other use of a constant loads it whole.
+Outside the kernels (reference, block-mask construction, gradients of the constants) the same jaxpr is
+evaluated on values with `jax.core.eval_jaxpr`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Hook:
+    """A user hook and the avals of the arrays it closes over. Hashable by identity (a static field).
+
+    A traced jaxpr is specialised to its argument shapes, and the kernels call a hook on (bq, bk) tiles
+    while the XLA side calls it on 4-D index grids, so the hook is re-traced per shape; its captured
+    constants are matched by position against the ones `trace_hook` found (and passed to the kernels).
+    """
+
+    name: str
+    fn: Callable
+    const_avals: tuple[tuple[tuple[int, ...], Any], ...]
+
+    def _trace(self, args):
+        closed = jax.make_jaxpr(self.fn)(*args)
+        avals = tuple((tuple(jnp.shape(c)), jnp.result_type(c)) for c in closed.consts)
+        if avals != self.const_avals:
+            raise ValueError(
+                f"{self.name} closes over different arrays at different shapes ({avals} vs {self.const_avals}); "
+                "create its arrays outside the function and close over them."
+            )
+        return closed.jaxpr
+
+    def on_values(self, consts, *args):
+        """Evaluates the hook on arrays (XLA side), with `consts` in place of its captured arrays."""
+        jaxpr = self._trace(args)
+        (result,) = jex_core.eval_jaxpr(jaxpr, list(consts), *args)
+        return result
+
+    def in_kernel(self, const_refs, *args):
+        """Evaluates the hook inside a Pallas kernel, reading its captured arrays from `const_refs`."""
+        jaxpr = self._trace(args)
+        env = {var: _RefValue(ref) for var, ref in zip(jaxpr.constvars, const_refs)}
+        env.update(zip(jaxpr.invars, args))
+        (result,) = _eval(jaxpr, env)
+        return result
+
+
+def trace_hook(name: str, fn: Callable, example_args) -> tuple[Hook, list[jax.Array], jax.ShapeDtypeStruct]:
+    """Traces `fn(*example_args)`; returns the Hook, the arrays it closes over (to become kernel inputs, in
+    order) and the shape / dtype of its result."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}.")
+    closed = jax.make_jaxpr(fn)(*example_args)
+    if len(closed.out_avals) != 1:
+        raise TypeError(f"{name} must return one array, got {len(closed.out_avals)} outputs.")
+    consts = [jnp.asarray(c) for c in closed.consts]
+    hook = Hook(name, fn, tuple((tuple(c.shape), c.dtype) for c in consts))
+    out = closed.out_avals[0]
+    return hook, consts, jax.ShapeDtypeStruct(out.shape, out.dtype)
+
+
+# ----------------------------------------------------------------------------------------- kernel evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefValue:
+    """A hook constant inside a kernel: a ref, loaded only where the hook reads it."""
+
+    ref: Any
+
+    def load(self):
+        return self.ref[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """An index vector `concatenate([p0[..., None], p1[..., None], ...], -1)` kept as its pieces."""
+
+    pieces: tuple
+
+    def materialize(self):
+        return jnp.stack(self.pieces, axis=-1)
+
+
+def _materialize(value):
+    if isinstance(value, _RefValue):
+        return value.load()
+    if isinstance(value, _Stacked):
+        return value.materialize()
+    return value
+
+
+def _eval(jaxpr, env: dict):
+    def read(atom):
+        return atom.val if isinstance(atom, jex_core.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        # Index vectors are stacked lazily: the concatenate that builds them has only plain inputs.
+        special = eqn.primitive.name == "concatenate" or any(isinstance(x, (_RefValue, _Stacked)) for x in invals)
+        outvals = _special_rule(eqn, invals) if special else None
+        if outvals is None:
+            invals = [_materialize(x) for x in invals]
+            with eqn.ctx.manager:
+                outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outvals = [outvals]
+        env.update(zip(eqn.outvars, outvals))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _special_rule(eqn, invals):
+    """Handles an equation that reads a ref constant or a stacked index vector, or returns None."""
+    name = eqn.primitive.name
+    params = eqn.params
+    if name == "concatenate" and params["dimension"] == eqn.outvars[0].aval.ndim - 1:
+        if all(not isinstance(x, _RefValue) and jnp.shape(_materialize(x))[-1] == 1 for x in invals):
+            pieces = []
+            for x in invals:
+                pieces.extend(x.pieces if isinstance(x, _Stacked) else (lax.squeeze(x, (x.ndim - 1,)),))
+            return [_Stacked(tuple(pieces))]
+    if name == "convert_element_type" and isinstance(invals[0], _Stacked):
+        dtype = params["new_dtype"]
+        return [_Stacked(tuple(p.astype(dtype) for p in invals[0].pieces))]
+    if name == "gather" and isinstance(invals[0], _RefValue):
+        return _gather_from_ref(invals[0].ref, invals[1], params)
+    if name == "dynamic_slice" and isinstance(invals[0], _RefValue):
+        ref = invals[0].ref
+        starts = [jnp.clip(s, 0, dim - size) for s, dim, size in zip(invals[1:], ref.shape, params["slice_sizes"])]
+        return [ref[tuple(pl.ds(s, size) for s, size in zip(starts, params["slice_sizes"]))]]
+    if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint"):
+        inner = params.get("jaxpr") or params.get("call_jaxpr")
+        closed = inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ())
+        env = dict(zip(closed.jaxpr.constvars, closed.consts))
+        env.update(zip(closed.jaxpr.invars, invals))
+        return _eval(closed.jaxpr, env)
+    return None
+
+
+def _gather_from_ref(ref, indices, params):
+    """A pointwise gather (every slice size 1) from a ref constant, as one ref load with array indices."""
+    dims = params["dimension_numbers"]
+    if params["slice_sizes"] != (1,) * len(ref.shape) or dims.offset_dims or dims.operand_batching_dims:
+        return None
+    if isinstance(indices, _Stacked):
+        pieces = indices.pieces
+    else:
+        indices = _materialize(indices)
+        if indices.shape[-1] != 1:
+            return None
+        pieces = (lax.squeeze(indices, (indices.ndim - 1,)),)
+    index = [0] * len(ref.shape)
+    for piece, axis in zip(pieces, dims.start_index_map):
+        index[axis] = piece
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in index))
+    # Out-of-range indices (padding rows and keys) read a clamped element; every mode but "fill" agrees.
+    clamped = [jnp.broadcast_to(jnp.clip(i, 0, dim - 1), shape) for i, dim in zip(index, ref.shape)]
+    value = ref[tuple(clamped)]
+    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        in_bounds = jnp.ones(shape, jnp.bool_)
+        for i, dim in zip(index, ref.shape):
+            in_bounds &= (i >= 0) & (i < dim)
+        fill = params["fill_value"]
+        if fill is None:
+            fill = jnp.nan if jnp.issubdtype(value.dtype, jnp.inexact) else jnp.iinfo(value.dtype).min
+        value = jnp.where(in_bounds, value, jnp.asarray(fill, value.dtype))
+    return [value]
