@@ -1,8 +1,22 @@
-"""probjax_kernels: the Pallas flash-attention core. Depends on jax alone."""
+"""probjax_kernels: the Pallas flash-attention core and its FlexAttention front-end. Depends on jax alone."""
 
+from probjax_kernels._block_mask import BlockMask as BlockMask
+from probjax_kernels._block_mask import create_block_mask as create_block_mask
 from probjax_kernels._config import FlashConfig as FlashConfig
 from probjax_kernels._config import default_config as default_config
+from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
+from probjax_kernels._flex_attention import flex_attention as flex_attention
+from probjax_kernels._mods import alibi as alibi
+from probjax_kernels._mods import alibi_slopes as alibi_slopes
+from probjax_kernels._mods import and_masks as and_masks
+from probjax_kernels._mods import causal_mask as causal_mask
+from probjax_kernels._mods import document_mask as document_mask
+from probjax_kernels._mods import or_masks as or_masks
+from probjax_kernels._mods import padding_mask as padding_mask
+from probjax_kernels._mods import prefix_lm as prefix_lm
+from probjax_kernels._mods import relative_bias as relative_bias
+from probjax_kernels._mods import sliding_window as sliding_window
+from probjax_kernels._mods import softcap as softcap
 from probjax_kernels._reference import flash_attention_reference as flash_attention_reference
-
-__all__ = ["FlashConfig", "default_config", "flash_attention", "flash_attention_reference"]
+from probjax_kernels._reference import flex_attention_reference as flex_attention_reference

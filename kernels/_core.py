@@ -633,6 +633,32 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
 # ------------------------------------------------------------------------- gradients of score_mod's constants
 
 
+def _xla_chunk(batch: int, num_heads: int, t_pad: int, s_pad: int) -> int:
+    """Query rows per step of the XLA gradient pass: a power-of-two divisor of t_pad within the budget."""
+    chunk = t_pad
+    while chunk > 16 and chunk % 2 == 0 and batch * num_heads * chunk * s_pad * 16 > _XLA_CHUNK_BYTES:
+        chunk //= 2
+    return chunk
+
+
+def _prepare_hooks(features: Features, config: FlashConfig, batch: int, num_heads: int, t_pad: int, s_pad: int):
+    """Traces the hooks for every shape they will see: the three kernels' tiles and the XLA gradient pass."""
+    spec = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
+        (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
+        (config.block_q_dkv, config.block_k_dkv))]
+    chunk = _xla_chunk(batch, num_heads, t_pad, s_pad)
+    shapes.append(((batch, 1, 1, 1), (1, num_heads, 1, 1), (1, 1, chunk, 1), (1, 1, 1, s_pad),
+                   (batch, num_heads, chunk, s_pad)))
+    for b, h, q_idx, kv_idx, score in shapes:
+        indices = (spec(b, i32), spec(h, i32), spec(q_idx, i32), spec(kv_idx, i32))
+        if features.score_mod is not None:
+            features.score_mod.prepare(spec(score, f32), *indices)
+        if features.mask_mod is not None:
+            features.mask_mod.prepare(*indices)
+
+
 def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, optional: dict, consts):
     """d loss / d (arrays score_mod closes over), by recomputing dS in XLA over query chunks.
 
@@ -642,9 +668,7 @@ def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, 
     batch, t_pad, num_heads, d_pad = q.shape
     s_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = problem.group
-    chunk = t_pad
-    while chunk > 16 and chunk % 2 == 0 and batch * num_heads * chunk * s_pad * 16 > _XLA_CHUNK_BYTES:
-        chunk //= 2
+    chunk = _xla_chunk(batch, num_heads, t_pad, s_pad)
     f = problem.features
     mask_consts = optional["mask_consts"]
     b_idx = jnp.arange(batch).reshape(batch, 1, 1, 1)
@@ -821,6 +845,7 @@ def attention(
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
+    _prepare_hooks(features, config, batch, num_heads, t_pad, s_pad)
     problem = _Problem(
         features=features,
         group=num_heads // num_kv_heads,

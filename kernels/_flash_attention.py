@@ -6,20 +6,7 @@ import jax
 
 from probjax_kernels import _core
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._inputs import check_inputs
-
-
-def check_dropout(dropout_rate: float, dropout_seed) -> None:
-    """A non-zero rate needs a seed: the keep mask is a function of (seed, b, h, q_idx, kv_idx)."""
-    if dropout_rate and dropout_seed is None:
-        raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int or a uint32 scalar array).")
-    if dropout_seed is not None and jax.numpy.ndim(dropout_seed) != 0:
-        raise ValueError(f"dropout_seed must be a scalar, got shape {jax.numpy.shape(dropout_seed)}.")
-
-
-def check_config(config) -> None:
-    if config is not None and not isinstance(config, FlashConfig):
-        raise TypeError(f"config must be a FlashConfig or None, got {type(config).__name__}.")
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 
 
 def flash_attention(

@@ -24,40 +24,55 @@ from jax.extend import core as jex_core
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Hook:
-    """A user hook and the avals of the arrays it closes over. Hashable by identity (a static field).
+    """A user hook traced at every argument shape it will be called with. Hashable by identity.
 
-    A traced jaxpr is specialised to its argument shapes, and the kernels call a hook on (bq, bk) tiles
-    while the XLA side calls it on 4-D index grids, so the hook is re-traced per shape; its captured
-    constants are matched by position against the ones `trace_hook` found (and passed to the kernels).
+    A jaxpr is specialised to its argument shapes, and the kernels call a hook on (bq, bk) tiles while the
+    XLA side calls it on 4-D index grids, so `prepare` traces it once per shape, in the caller's context.
+    Later evaluations (kernel traces, the backward pass) reuse those jaxprs and never re-run the user's
+    Python code, whose closure may hold tracers of the caller's transformations. The captured arrays are
+    matched by position against the ones `trace_hook` returned (and passed to the kernels).
     """
 
     name: str
     fn: Callable
     const_avals: tuple[tuple[tuple[int, ...], Any], ...]
+    jaxprs: dict = dataclasses.field(default_factory=dict)
 
-    def _trace(self, args):
-        closed = jax.make_jaxpr(self.fn)(*args)
+    def prepare(self, *arg_specs: jax.ShapeDtypeStruct) -> None:
+        key = _key(arg_specs)
+        if key in self.jaxprs:
+            return
+        closed = jax.make_jaxpr(self.fn)(*arg_specs)
         avals = tuple((tuple(jnp.shape(c)), jnp.result_type(c)) for c in closed.consts)
         if avals != self.const_avals:
             raise ValueError(
                 f"{self.name} closes over different arrays at different shapes ({avals} vs {self.const_avals}); "
                 "create its arrays outside the function and close over them."
             )
-        return closed.jaxpr
+        self.jaxprs[key] = closed.jaxpr
+
+    def _jaxpr(self, args):
+        key = _key(args)
+        if key not in self.jaxprs:
+            raise AssertionError(f"{self.name} was not prepared for argument shapes {key}.")
+        return self.jaxprs[key]
 
     def on_values(self, consts, *args):
         """Evaluates the hook on arrays (XLA side), with `consts` in place of its captured arrays."""
-        jaxpr = self._trace(args)
-        (result,) = jex_core.eval_jaxpr(jaxpr, list(consts), *args)
+        (result,) = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(self._jaxpr(args), list(consts)))(*args)
         return result
 
     def in_kernel(self, const_refs, *args):
         """Evaluates the hook inside a Pallas kernel, reading its captured arrays from `const_refs`."""
-        jaxpr = self._trace(args)
+        jaxpr = self._jaxpr(args)
         env = {var: _RefValue(ref) for var, ref in zip(jaxpr.constvars, const_refs)}
         env.update(zip(jaxpr.invars, args))
         (result,) = _eval(jaxpr, env)
         return result
+
+
+def _key(args) -> tuple:
+    return tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in args)
 
 
 def trace_hook(name: str, fn: Callable, example_args) -> tuple[Hook, list[jax.Array], jax.ShapeDtypeStruct]:
@@ -65,11 +80,19 @@ def trace_hook(name: str, fn: Callable, example_args) -> tuple[Hook, list[jax.Ar
     order) and the shape / dtype of its result."""
     if not callable(fn):
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}.")
-    closed = jax.make_jaxpr(fn)(*example_args)
+    try:
+        closed = jax.make_jaxpr(fn)(*example_args)
+    except (TypeError, jax.errors.JAXTypeError, jax.errors.JAXIndexError) as error:
+        shapes = ", ".join(f"{jnp.dtype(a.dtype)}{list(jnp.shape(a))}" for a in example_args)
+        raise TypeError(
+            f"{name} could not be traced with array arguments ({shapes}); it must compute with jnp on arrays "
+            f"and close over arrays only. The error was: {error}"
+        ) from error
     if len(closed.out_avals) != 1:
         raise TypeError(f"{name} must return one array, got {len(closed.out_avals)} outputs.")
     consts = [jnp.asarray(c) for c in closed.consts]
     hook = Hook(name, fn, tuple((tuple(c.shape), c.dtype) for c in consts))
+    hook.jaxprs[_key(example_args)] = closed.jaxpr
     out = closed.out_avals[0]
     return hook, consts, jax.ShapeDtypeStruct(out.shape, out.dtype)
 

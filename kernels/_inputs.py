@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax_kernels._config import FlashConfig
+
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -98,8 +100,12 @@ def check_inputs(
     window=None,
     dropout_rate: float = 0.0,
     allowed_dtypes: tuple = KERNEL_DTYPES,
+    max_head_dim: int | None = MAX_HEAD_DIM,
 ) -> AttentionInputs:
-    """Checks shapes and dtypes of an attention call and returns them normalised (see `AttentionInputs`)."""
+    """Checks shapes and dtypes of an attention call and returns them normalised (see `AttentionInputs`).
+
+    `allowed_dtypes` and `max_head_dim` (None = any) state what the caller's implementation can compute.
+    """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -123,8 +129,8 @@ def check_inputs(
         raise ValueError(
             f"the query heads N={num_heads} must be a multiple of the key/value heads K={num_kv_heads}."
         )
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={head_dim} is not supported: it must be <= {MAX_HEAD_DIM}.")
+    if max_head_dim is not None and head_dim > max_head_dim:
+        raise ValueError(f"head dim D={head_dim} is not supported: it must be <= {max_head_dim}.")
     full = (batch, num_heads, q_len, kv_len)
     if bias is not None:
         bias = _to_4d("bias", bias, "float", full)
@@ -151,3 +157,16 @@ def check_inputs(
         scale=float(scale),
         window=_check_window(window),
     )
+
+
+def check_dropout(dropout_rate: float, dropout_seed) -> None:
+    """A non-zero rate needs a seed: the keep mask is a function of (seed, b, h, q_idx, kv_idx)."""
+    if dropout_rate and dropout_seed is None:
+        raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int or a uint32 scalar array).")
+    if dropout_seed is not None and jnp.ndim(dropout_seed) != 0:
+        raise ValueError(f"dropout_seed must be a scalar, got shape {jnp.shape(dropout_seed)}.")
+
+
+def check_config(config) -> None:
+    if config is not None and not isinstance(config, FlashConfig):
+        raise TypeError(f"config must be a FlashConfig or None, got {type(config).__name__}.")

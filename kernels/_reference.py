@@ -9,7 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._inputs import AttentionInputs, check_inputs
+from probjax_kernels._dropout import keep_mask
+from probjax_kernels._inputs import AttentionInputs, check_dropout, check_inputs
+
+REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
 def allowed_positions(inputs: AttentionInputs, causal: bool) -> jax.Array:
@@ -36,10 +39,31 @@ def allowed_positions(inputs: AttentionInputs, causal: bool) -> jax.Array:
     return allowed
 
 
+def _index_grids(batch: int, num_heads: int, q_len: int, kv_len: int):
+    """(b, h, q_idx, kv_idx) as broadcasting int32 grids of the [B, N, T, S] score array."""
+    return (
+        jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
+        jnp.arange(num_heads, dtype=jnp.int32).reshape(1, num_heads, 1, 1),
+        jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, q_len, 1),
+        jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, kv_len),
+    )
+
+
 def attention_from_inputs(
-    inputs: AttentionInputs, causal: bool, compute_dtype=jnp.float32
+    inputs: AttentionInputs,
+    causal: bool,
+    compute_dtype=jnp.float32,
+    *,
+    score_mod=None,
+    mask_mod=None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, D]` in q's dtype, lse `[B, N, T]`)."""
+    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, D]` in q's dtype, lse `[B, N, T]`).
+
+    `score_mod` rewrites the scaled (and biased) scores, `mask_mod` masks further (True = attend); both are
+    called with broadcasting index grids. Dropout uses the kernels' keep mask, so it matches them exactly.
+    """
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
     q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -49,7 +73,12 @@ def attention_from_inputs(
     scores = scores.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
     if inputs.bias is not None:
         scores = scores + inputs.bias.astype(compute_dtype)
+    grids = _index_grids(batch, num_heads, q_len, kv_len)
+    if score_mod is not None:
+        scores = score_mod(scores, *grids)
     allowed = allowed_positions(inputs, causal)
+    if mask_mod is not None:
+        allowed = allowed & mask_mod(*grids)
     scores = jnp.where(allowed, scores, -jnp.inf)
     # The row max only stabilises exp; softmax does not depend on it, so it carries no gradient. A fully
     # masked row has max -inf: use 0 there so that exp gives exact zeros instead of NaN.
@@ -58,7 +87,11 @@ def attention_from_inputs(
     weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
     safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
-    probs = (weights / safe_sum).reshape(batch, num_kv_heads, group, q_len, kv_len)
+    probs = weights / safe_sum
+    if dropout_rate:
+        keep = keep_mask(dropout_seed, *grids, dropout_rate, num_heads)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=lax.Precision.HIGHEST)
     out = out.reshape(batch, q_len, num_heads, head_dim).astype(inputs.q.dtype)
     lse = jnp.where(row_sum > 0, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
@@ -90,14 +123,46 @@ def flash_attention_reference(
     Computes in float32 (float64 when given float64 inputs and x64 is enabled) with `Precision.HIGHEST`.
     `config` is accepted for signature compatibility and ignored. See `flash_attention` for the arguments.
     """
-    del config, dropout_seed
+    del config
     inputs = check_inputs(
         q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
-        allowed_dtypes=(jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64),
+        allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
-    if dropout_rate:
-        raise NotImplementedError("flash_attention_reference: dropout is not implemented yet (issue 3).")
-    compute_dtype = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
-    out, lse = attention_from_inputs(inputs, causal, compute_dtype)
+    check_dropout(dropout_rate, dropout_seed)
+    out, lse = attention_from_inputs(
+        inputs, causal, _compute_dtype(inputs), dropout_rate=dropout_rate, dropout_seed=dropout_seed
+    )
+    return (out, lse) if return_lse else out
+
+
+def _compute_dtype(inputs: AttentionInputs):
+    return jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
+
+
+def flex_attention_reference(
+    q,
+    k,
+    v,
+    score_mod=None,
+    block_mask=None,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    config=None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+):
+    """Plain-jnp attention with the semantics of `probjax_kernels.flex_attention`: the hooks are evaluated
+    on the whole `[B, N, T, S]` score array; the block mask contributes its `mask_mod` (not its tables)."""
+    del config
+    inputs = check_inputs(
+        q, k, v, scale=scale, dropout_rate=dropout_rate, allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
+    )
+    check_dropout(dropout_rate, dropout_seed)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    out, lse = attention_from_inputs(
+        inputs, False, _compute_dtype(inputs), score_mod=score_mod, mask_mod=mask_mod,
+        dropout_rate=dropout_rate, dropout_seed=dropout_seed,
+    )
     return (out, lse) if return_lse else out

@@ -20,7 +20,6 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
         ((q, jnp.zeros((2, 8, 3, 32)), jnp.zeros((2, 8, 3, 32))), {}, ValueError, r"N=4.*K=3"),
         ((q, kv.astype(jnp.bfloat16), kv), {}, TypeError, r"one dtype.*bfloat16"),
         ((q.astype(jnp.int32), kv.astype(jnp.int32), kv.astype(jnp.int32)), {}, TypeError, r"int32"),
-        ((jnp.zeros((1, 8, 1, 300)),) + (jnp.zeros((1, 8, 1, 300)),) * 2, {}, ValueError, r"D=300"),
         ((q, kv, kv), {"q_lengths": jnp.array([8, 9])}, ValueError, r"q_lengths must lie in \[0, 8\]"),
         ((q, kv, kv), {"kv_lengths": jnp.array([-1, 2])}, ValueError, r"kv_lengths"),
         ((q, kv, kv), {"kv_lengths": jnp.array([1, 2, 3])}, ValueError, r"kv_lengths must have shape \[2\]"),
@@ -37,6 +36,13 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
 def test_bad_input(attention_fn, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         attention_fn(*args, **kwargs)
+
+
+def test_kernel_head_dim_limit():
+    x = jnp.zeros((1, 8, 1, 300))
+    with pytest.raises(ValueError, match=r"head dim D=300 is not supported: it must be <= 256"):
+        flash_attention(x, x, x)
+    assert flash_attention_reference(x, x, x).shape == x.shape  # the plain-jnp path takes any head dim
 
 
 def test_empty_sequence():

@@ -1,0 +1,124 @@
+"""`flex_attention`: PyTorch FlexAttention's front-end over the kernel core (score_mod, BlockMask, dropout)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from probjax_kernels import _core
+from probjax_kernels._block_mask import BlockMask
+from probjax_kernels._config import FlashConfig, default_config
+from probjax_kernels._hooks import trace_hook
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._mods import ScoreMod
+
+_EXAMPLE_TILE = 16  # hooks are checked on a (16, 16) tile, the smallest the kernels use
+
+
+def _example_indices():
+    i32 = jnp.int32
+    return (
+        jnp.zeros((), i32), jnp.zeros((), i32),
+        jnp.zeros((_EXAMPLE_TILE, 1), i32), jnp.zeros((1, _EXAMPLE_TILE), i32),
+    )
+
+
+def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
+    mask_b, mask_h, mask_q, mask_kv = block_mask.shape
+    if (mask_q, mask_kv) != (q_len, kv_len):
+        raise ValueError(
+            f"block_mask was built for q_len={mask_q}, kv_len={mask_kv}, but q and k have T={q_len}, S={kv_len}."
+        )
+    if mask_b not in (1, batch) or mask_h not in (1, num_heads):
+        raise ValueError(
+            f"block_mask was built for B={mask_b}, H={mask_h}; q has B={batch} and N={num_heads} heads "
+            "(use B=None / H=None to broadcast)."
+        )
+
+
+def _fit_config(config: FlashConfig | None, block_sizes: tuple[int, int], q_len, kv_len, head_dim):
+    """Kernel tiles must divide the block mask's tiles: defaults shrink to them, explicit ones must fit."""
+    filled = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    table_q, table_k = block_sizes
+    fields = {}
+    for name, limit in (("block_q", table_q), ("block_q_dq", table_q), ("block_q_dkv", table_q),
+                        ("block_k", table_k), ("block_k_dq", table_k), ("block_k_dkv", table_k)):
+        value = getattr(filled, name)
+        if value > limit:
+            if config is not None and getattr(config, name) is not None:
+                raise ValueError(f"config.{name}={value} is larger than the block mask's tile {block_sizes}.")
+            value = limit
+        fields[name] = value
+    return dataclasses.replace(filled, **fields)
+
+
+def flex_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    config: FlashConfig | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | int | None = None,
+):
+    """Attention with user hooks inside the Pallas kernels, with PyTorch FlexAttention's semantics.
+
+    **Arguments:**
+
+    - `q`: `[B, T, N, D]`; `k`, `v`: `[B, S, K, D]` with N a multiple of K (GQA); bfloat16, float16 or
+      float32; D <= 256.
+    - `score_mod`: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to each scaled score
+      (`scale * q.k`) before masking. Called on a float32 tile with broadcasting int32 indices; it must keep
+      the shape and dtype. Arrays it closes over (ALiBi slopes, bias tables, per-token tensors, the
+      parameters of an Equinox / NNX module) are kernel inputs and receive gradients.
+    - `block_mask`: from `create_block_mask(mask_mod, ...)` for these (T, S); positions where its mask_mod
+      is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere.
+    - `scale`: default `D ** -0.5`.
+    - `return_lse`: also return lse `[B, N, T]` float32 (natural log).
+    - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
+    - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
+
+    **Returns:** out `[B, T, N, D]` in q's dtype, or (out, lse). Fully masked rows give 0, lse -inf and
+    zero gradients. Differentiable in q, k, v and the arrays score_mod closes over.
+    """
+    inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
+    check_dropout(dropout_rate, dropout_seed)
+    check_config(config)
+    batch, q_len, kv_len, num_heads, _, head_dim = inputs.shape
+    indices = _example_indices()
+    score_hook, score_consts = None, []
+    if score_mod is not None:
+        score = jnp.zeros((_EXAMPLE_TILE, _EXAMPLE_TILE), jnp.float32)
+        score_hook, score_consts, out = trace_hook("score_mod", score_mod, (score, *indices))
+        if out.shape != score.shape or out.dtype != score.dtype:
+            raise TypeError(
+                f"score_mod must return a score of the input's shape and dtype, float32{list(score.shape)}; "
+                f"it returned {out.dtype}{list(out.shape)} for that input."
+            )
+    mask_hook, mask_consts, tables = None, [], {}
+    block_sizes = None
+    if block_mask is not None:
+        _check_block_mask(block_mask, batch, num_heads, q_len, kv_len)
+        mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
+        if out.dtype != jnp.bool_:
+            raise TypeError(f"mask_mod must return bool (True = attend), got {out.dtype}.")
+        block_sizes = block_mask.block_size
+        config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
+        tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
+    features = _core.Features(
+        scale=inputs.scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
+        dropout_rate=float(dropout_rate),
+    )
+    out, lse = _core.attention(
+        inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
+        score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,
+    )
+    return (out, lse) if return_lse else out

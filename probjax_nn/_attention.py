@@ -1,0 +1,333 @@
+"""`attention`: `jax.nn.dot_product_attention`'s signature over a choice of implementations.
+
+Each implementation states what it can do in `_IMPLEMENTATIONS`; `attention` checks a request against that
+table before anything runs. An explicit `impl` that cannot do the request raises `NotImplementedError`
+naming the impl and the feature; `impl="auto"` tries the implementations of `_AUTO_ORDER` in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jax.tree_util import Partial
+
+from probjax_kernels import (
+    FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
+)
+from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_inputs
+from probjax_kernels._reference import attention_from_inputs
+
+Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One checked request, as every runner receives it."""
+
+    inputs: AttentionInputs
+    causal: bool
+    local_window_size: int | tuple[int, int] | None  # as the caller spelled it (cuDNN takes jax's form)
+    return_residual: bool
+    flash: FlashConfig | None
+    score_mod: Callable | None
+    mask_mod: Callable | None
+
+
+def _with_residual(call: _Call, result):
+    """probjax_kernels give lse `[B, N, T]`; jax's residual is `[B, T, N]`."""
+    if not call.return_residual:
+        return result
+    out, lse = result
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+# Runners look the kernels up when called, so that tests can watch which one runs.
+def _pallas(call: _Call):
+    i = call.inputs
+    return _with_residual(call, flash_attention(
+        i.q, i.k, i.v, bias=i.bias, mask=i.mask, causal=call.causal, scale=i.scale, q_lengths=i.q_lengths,
+        kv_lengths=i.kv_lengths, window=i.window, return_lse=call.return_residual, config=call.flash,
+    ))
+
+
+def _xla(call: _Call):
+    out, lse = attention_from_inputs(call.inputs, call.causal, score_mod=call.score_mod, mask_mod=call.mask_mod)
+    return _with_residual(call, (out, lse) if call.return_residual else out)
+
+
+def _broadcast_lookup(array, b, h, q_idx, kv_idx):
+    """array[b, h, q_idx, kv_idx] for a `[B|1, N|1, T|1, S|1]` array (index 0 on broadcast axes)."""
+    index = [i if size > 1 else 0 for i, size in zip((b, h, q_idx, kv_idx), array.shape)]
+    return array[tuple(index)]
+
+
+def _flex(call: _Call):
+    """Every jax.nn argument becomes a mask_mod or score_mod of one flex_attention call."""
+    i = call.inputs
+    batch, q_len, kv_len, num_heads, _, _ = i.shape
+    mods = [] if call.mask_mod is None else [call.mask_mod]
+    left, right = i.window
+    if call.causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None or right is not None:
+        mods.append(Partial(_window_mask, left, right))
+    if i.q_lengths is not None:
+        mods.append(Partial(_query_length_mask, i.q_lengths))
+    if i.kv_lengths is not None:
+        mods.append(padding_mask(i.kv_lengths))
+    if i.mask is not None:
+        mods.append(Partial(_broadcast_lookup, i.mask))
+    block_mask = create_block_mask(and_masks(*mods), batch, num_heads, q_len, kv_len) if mods else None
+    score_mod = call.score_mod
+    if i.bias is not None:
+        score_mod = Partial(_biased_score_mod, i.bias, score_mod)
+    return _with_residual(call, flex_attention(
+        i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, return_lse=call.return_residual, config=call.flash,
+    ))
+
+
+def _window_mask(left, right, b, h, q_idx, kv_idx):
+    """Query i sees keys in [i - left, i + right] (a None side is unbounded; at least one side is set)."""
+    sides = []
+    if left is not None:
+        sides.append(kv_idx >= q_idx - left)
+    if right is not None:
+        sides.append(kv_idx <= q_idx + right)
+    return sides[0] if len(sides) == 1 else sides[0] & sides[1]
+
+
+def _query_length_mask(q_lengths, b, h, q_idx, kv_idx):
+    return (q_idx < q_lengths[b]) & (kv_idx >= 0)
+
+
+def _biased_score_mod(bias, score_mod, score, b, h, q_idx, kv_idx):
+    score = score + _broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
+    return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+
+
+def _cudnn(call: _Call):
+    i = call.inputs
+    local_window_size = call.local_window_size
+    if call.causal and local_window_size is not None:
+        # Causal cuts the right side anyway, but jax's cuDNN path rejects one when lengths are given too.
+        local_window_size = (i.window[0], 0)
+    result = jax.nn.dot_product_attention(
+        i.q, i.k, i.v, i.bias, i.mask, scale=i.scale, is_causal=call.causal, query_seq_lengths=i.q_lengths,
+        key_value_seq_lengths=i.kv_lengths, local_window_size=local_window_size, implementation="cudnn",
+        return_residual=call.return_residual,
+    )
+    if not call.return_residual:
+        return result
+    out, lse = result  # jax gives [B, T, N] in the input dtype
+    return out, lse.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Implementation:
+    """What one implementation can do, and how to run it."""
+
+    run: Callable[[_Call], jax.Array | tuple[jax.Array, jax.Array]]
+    dtypes: tuple[str, ...]  # input dtypes it computes in
+    needs_gpu: bool = False  # runs only on an NVIDIA GPU
+    hooks: bool = False  # takes score_mod / mask_mod
+    right_window: bool = True  # a local window reaching right of the query without is_causal
+    max_head_dim: int | None = None  # None: any
+
+
+_FLOATS = ("bfloat16", "float16", "float32")
+_IMPLEMENTATIONS: dict[str, _Implementation] = {
+    "pallas": _Implementation(_pallas, dtypes=_FLOATS, max_head_dim=MAX_HEAD_DIM),
+    "flex": _Implementation(_flex, dtypes=_FLOATS, hooks=True, max_head_dim=MAX_HEAD_DIM),
+    "xla": _Implementation(_xla, dtypes=(*_FLOATS, "float64"), hooks=True),
+    # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
+    "cudnn": _Implementation(
+        _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM
+    ),
+}
+# "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
+_AUTO_ORDER = {"gpu": ("pallas", "flex", "xla"), "other": ("xla",)}
+IMPLS: tuple[str, ...] = ("auto", *_IMPLEMENTATIONS)
+_ALL_DTYPES = tuple(dict.fromkeys(d for spec in _IMPLEMENTATIONS.values() for d in spec.dtypes))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How `attention` computes: the one value a model config carries to swap the implementation.
+
+    **Arguments:**
+
+    - `impl`: `"auto"` (on a GPU the Pallas flash kernel, or the flex kernel for score_mod / mask_mod;
+      XLA elsewhere and for what neither kernel can do), `"pallas"` (the Pallas flash kernel; interpret mode
+      off the GPU), `"flex"` (the Pallas kernel with score_mod / mask_mod inside; interpret mode off the GPU),
+      `"xla"` (plain jnp, materialises the `[B, N, T, S]` scores) or `"cudnn"` (the cuDNN path of
+      `jax.nn.dot_product_attention`; NVIDIA GPUs only).
+    - `flash`: block sizes and launch parameters for the Pallas kernel; `None` picks device defaults.
+    """
+
+    impl: Impl = "auto"
+    flash: FlashConfig | None = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is not one of {', '.join(map(repr, IMPLS))}.")
+        if self.flash is not None and not isinstance(self.flash, FlashConfig):
+            raise TypeError(
+                f"flash must be a probjax_kernels.FlashConfig or None, got {type(self.flash).__name__}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """The parts of one call that decide which implementation can run it."""
+
+    dtype: str
+    head_dim: int
+    score_mod: bool
+    mask_mod: bool
+    right_window: bool  # some query sees a key to its right through a local window (is_causal off)
+    gpu: bool
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _check(name: str, request: _Request) -> None:
+    """Raises `NotImplementedError` naming `name` and the first feature of `request` it cannot do."""
+    spec = _IMPLEMENTATIONS[name]
+    if spec.needs_gpu and not request.gpu:
+        raise NotImplementedError(
+            f"impl={name!r} needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}. "
+            "Use impl='auto', 'pallas' or 'xla'."
+        )
+    for feature, wanted in (("score_mod", request.score_mod), ("mask_mod", request.mask_mod)):
+        if wanted and not spec.hooks:
+            raise NotImplementedError(
+                f"impl={name!r} does not support {feature}; use impl='flex', 'xla' or 'auto'."
+            )
+    # Other dtypes are bad input, not a missing feature: check_inputs rejects them with a TypeError.
+    if request.dtype in _ALL_DTYPES and request.dtype not in spec.dtypes:
+        raise NotImplementedError(
+            f"impl={name!r} does not support dtype {request.dtype}; it takes {', '.join(spec.dtypes)}."
+        )
+    if spec.max_head_dim is not None and request.head_dim > spec.max_head_dim:
+        raise NotImplementedError(
+            f"impl={name!r} does not support head dim {request.head_dim}; it takes up to {spec.max_head_dim}."
+        )
+    if request.right_window and not spec.right_window:
+        raise NotImplementedError(
+            f"impl={name!r} does not support a local window that reaches right of the query "
+            "(local_window_size with right > 0) without is_causal."
+        )
+
+
+def _choose(impl: str, request: _Request) -> str:
+    """The implementation that runs `request`: `impl` itself, or for "auto" the first in order that can."""
+    if impl != "auto":
+        _check(impl, request)
+        return impl
+    reasons = []
+    for name in _AUTO_ORDER["gpu" if request.gpu else "other"]:
+        try:
+            _check(name, request)
+        except NotImplementedError as error:
+            reasons.append(str(error))
+            continue
+        return name
+    raise NotImplementedError("impl='auto' found no implementation for this request: " + " ".join(reasons))
+
+
+def _resolve_config(impl: Impl | AttentionConfig, implementation: str | None) -> AttentionConfig:
+    """Merges jax's `implementation` spelling into `impl`; they may not name two different impls."""
+    config = impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
+    if implementation is None or implementation == config.impl:
+        return config
+    if config.impl != "auto":
+        raise ValueError(
+            f"implementation={implementation!r} and impl={config.impl!r} disagree; pass only one of them."
+        )
+    return dataclasses.replace(config, impl=implementation)
+
+
+def _batched(name: str, x: ArrayLike) -> jax.Array:
+    """jax's rank-3 spelling (no batch axis) made rank 4 with a batch of one."""
+    x = jnp.asarray(x)
+    if x.ndim not in (3, 4):
+        raise ValueError(f"{name} must have rank 3 ([T, N, D]) or 4 ([B, T, N, D]), got shape {x.shape}.")
+    return x[None] if x.ndim == 3 else x
+
+
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: bool = False,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    impl: Impl | AttentionConfig = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Scaled dot-product attention, `softmax(scale * query key^T + bias, masked) value`, per head.
+
+    A drop-in for `jax.nn.dot_product_attention`: the same arguments with the same meaning, plus `impl`.
+    Differentiable in query, key, value and bias.
+
+    **Arguments:**
+
+    - `query`: `[B, T, N, D]` (or `[T, N, D]`); `key`, `value`: `[B, S, K, D]` (or `[S, K, D]`) with N a
+      multiple of K (grouped-query / multi-query attention). One dtype for all three.
+    - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
+      scores.
+    - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
+    - `scale`: multiplies `query key^T`; None means `D ** -0.5`.
+    - `is_causal`: query i sees keys j <= i (top-left alignment).
+    - `query_seq_lengths`, `key_value_seq_lengths`: `[B]` ints; positions at or past the length are padding.
+    - `local_window_size`: an int w or a pair (left, right): query i sees keys in [i - left, i + right].
+    - `implementation`: jax's spelling of `impl` ("xla", "cudnn", None); it may not contradict `impl`.
+    - `return_residual`: also return the log-sum-exp of the scaled, masked scores.
+    - `score_mod(score, b, h, q_idx, kv_idx) -> score`, `mask_mod(b, h, q_idx, kv_idx) -> bool`:
+      FlexAttention hooks (see `probjax_kernels.flex_attention`), applied after `bias` and combined with
+      every other mask; run by impl "flex" and "xla" ("pallas" and "cudnn" raise).
+    - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
+
+    **Returns:** the output, shaped and typed like `query`; with `return_residual`, `(output, lse)`, lse
+    `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype). A query row with
+    nothing to attend gives output 0 and lse -inf, where jax's "xla" path averages `value`; impl "cudnn" is
+    jax's cuDNN path and keeps its behaviour there.
+    """
+    config = _resolve_config(impl, implementation)
+    query = jnp.asarray(query)
+    inputs = check_inputs(
+        _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
+        scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,
+        allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,
+    )
+    request = _Request(
+        dtype=inputs.q.dtype.name,
+        head_dim=inputs.q.shape[-1],
+        score_mod=score_mod is not None,
+        mask_mod=mask_mod is not None,
+        right_window=not is_causal and inputs.window != (None, None) and inputs.window[1] != 0,
+        gpu=_on_gpu(),
+    )
+    name = _choose(config.impl, request)
+    call = _Call(inputs, bool(is_causal), local_window_size, return_residual, config.flash, score_mod, mask_mod)
+    result = _IMPLEMENTATIONS[name].run(call)
+    if not return_residual:
+        return result.reshape(query.shape)
+    out, lse = result
+    return out.reshape(query.shape), lse.reshape(query.shape[:-1])

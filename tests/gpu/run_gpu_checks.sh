@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run that ends inside BUDGET_S seconds (default 540): nvidia-smi, versions, the GPU
+# tests (tests/gpu, every test, none stops the run) and the benchmark (benchmarks/gpu_flash.py, bf16, B=4,
+# N=8, head dims 64 and 128, seq 1024..8192). Usage, from anywhere, on a machine with jax[cuda] installed:
+#
+#     OUT=/some/folder bash tests/gpu/run_gpu_checks.sh
+#
+# Results go to ${OUT:-docs/benchmarks} (relative to the repository root): nvidia-smi.txt, versions.txt,
+# pytest_gpu.log, gpu_flash_h200.json, gpu_flash_h200.log and run_gpu_checks.log (each step's exit status).
+# Needs no network: the packages are imported from this checkout through symlinks on PYTHONPATH, not installed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out="${OUT:-docs/benchmarks}"
+mkdir -p "$out"
+budget_s="${BUDGET_S:-540}"
+python="${PYTHON:-python3}"
+log="$out/run_gpu_checks.log"
+: >"$log"
+
+# kernels/ installs as probjax_kernels (pyproject's package-dir); symlinks give the same mapping uninstalled.
+links="$(mktemp -d)"
+ln -sfn "$PWD/kernels" "$links/probjax_kernels"
+ln -sfn "$PWD/probjax_nn" "$links/probjax_nn"
+export PYTHONPATH="$links${PYTHONPATH:+:$PYTHONPATH}"
+
+# step LIMIT NAME FILE COMMAND...: runs COMMAND under `timeout` (at most LIMIT seconds, never past the
+# budget) with its output copied to $out/FILE, and logs its exit status (124: timed out).
+step() {
+    local limit=$1 name=$2 file=$3 left
+    shift 3
+    left=$((budget_s - SECONDS - 5))
+    ((limit > left)) && limit=$left
+    if ((limit < 10)); then
+        echo "$name: skipped, the budget is spent" | tee -a "$log"
+        return
+    fi
+    echo "== $name (limit ${limit}s, at ${SECONDS}s)" | tee -a "$log"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$file"
+    echo "$name: exit $? after ${SECONDS}s" | tee -a "$log"
+}
+
+versions='
+import platform, jax, jaxlib, probjax_kernels, probjax_nn
+print("python", platform.python_version())
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
+print("backend", jax.default_backend(), "devices", jax.devices())
+print("device_kind", jax.devices()[0].device_kind)
+print("probjax_kernels from", probjax_kernels.__file__)
+print("probjax_nn from", probjax_nn.__file__)
+'
+
+pytest_args=(-p no:cacheprovider -q -rA --durations=15)
+if "$python" -c "import xdist" 2>/dev/null; then
+    pytest_args+=(-n 4)
+fi
+if "$python" -c "import pytest_timeout" 2>/dev/null; then
+    pytest_args+=(--timeout 150)
+fi
+
+step 30 nvidia-smi nvidia-smi.txt nvidia-smi
+step 120 versions versions.txt "$python" -c "$versions"
+# The test workers share the GPU (each compiles its own Triton kernels), so none may preallocate its memory.
+step 270 pytest-gpu pytest_gpu.log \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" tests/gpu
+step 900 benchmark gpu_flash_h200.log "$python" benchmarks/gpu_flash.py --output "$out/gpu_flash_h200.json" \
+    --head-dims 64,128 --seq-lens 1024,2048,4096,8192 --causal 0,1 --modes fwd,fwd_bwd \
+    --impls probjax,jax_xla,jax_cudnn --batch 4 --heads 8
+
+rm -rf "$links"
+echo "done after ${SECONDS}s" | tee -a "$log"

@@ -1,0 +1,260 @@
+"""flex_attention (hooks inside the kernels, block-sparse tiles, dropout) against the dense reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+
+from probjax_kernels import (
+    BlockMask, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, dropout_keep_mask,
+    flash_attention, flex_attention, flex_attention_reference, or_masks, padding_mask, prefix_lm,
+    relative_bias, sliding_window, softcap,
+)
+
+T = 100
+DOCS = jnp.array([[0] * 40 + [1] * 60, [0] * 10 + [1] * 85 + [2] * 5], jnp.int32)
+
+
+def flex_gradients(fn, q, k, v, score_mod, block_mask, **kwargs):
+    cotangent = jax.random.normal(jax.random.key(77), q.shape, jnp.float32)
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, score_mod, block_mask, **kwargs).astype(jnp.float32) * cotangent)  # noqa: E731
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+
+def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
+    out, lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
+    expected, expected_lse = flex_attention_reference(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
+    assert_close(out, expected, q.dtype, "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(np.asarray(expected_lse))
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite], atol=1e-4)
+    if grads:
+        actual = flex_gradients(flex_attention, q, k, v, score_mod, block_mask, **kwargs)
+        reference = flex_gradients(flex_attention_reference, q, k, v, score_mod, block_mask, **kwargs)
+        for name, a, e in zip(("dq", "dk", "dv"), actual, reference):
+            assert_close(a, e, q.dtype, name)
+    return out
+
+
+MASKS = {
+    "causal": lambda: create_block_mask(causal_mask, None, None, T, T, block_size=32),
+    "causal_window": lambda: create_block_mask(and_masks(causal_mask, sliding_window(20)), None, None, T, T,
+                                               block_size=32),
+    "prefix_lm_per_batch": lambda: create_block_mask(prefix_lm(jnp.array([30, 5])), 2, None, T, T, block_size=32),
+    "documents_causal": lambda: create_block_mask(and_masks(causal_mask, document_mask(DOCS)), 2, None, T, T,
+                                                  block_size=(32, 16)),
+    "padding_or_diagonal": lambda: create_block_mask(
+        or_masks(padding_mask(jnp.array([70, 0])), lambda b, h, q, k: q == k), 2, 4, T, T, block_size=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_mask_mods_against_reference(name):
+    q, k, v = random_qkv(40, 2, T, T, 4, 2, 32)
+    check_flex(q, k, v, block_mask=MASKS[name]())
+
+
+def test_block_mask_matches_numpy_mask():
+    """The reference's reading of the mods, checked against NumPy masks built independently."""
+    q, k, v = random_qkv(41, 2, T, T, 4, 2, 32)
+    block_mask = MASKS["documents_causal"]()
+    allowed = numpy_allowed(2, T, T, causal=True, q_segment_ids=DOCS, kv_segment_ids=DOCS)
+    expected, _ = numpy_attention(q, k, v, allowed=allowed)
+    assert_close(flex_attention(q, k, v, block_mask=block_mask), expected, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "score_mod",
+    [alibi(alibi_slopes(4)), softcap(1.5), relative_bias(0.3 * jax.random.normal(jax.random.key(3), (4, 2 * T - 1)))],
+    ids=["alibi", "softcap", "relative_bias"],
+)
+def test_score_mods_with_causal_block_mask(score_mod):
+    q, k, v = random_qkv(42, 2, T, T, 4, 2, 32)
+    q = 3.0 * q  # large scores, so softcap changes them
+    check_flex(q, k, v, score_mod, MASKS["causal"]())
+
+
+def test_score_mod_without_block_mask_gqa_and_ragged():
+    q, k, v = random_qkv(43, 1, 77, 150, 8, 2, 48)
+    check_flex(q, k, v, lambda s, b, h, q_idx, kv_idx: s + 0.01 * ((q_idx - kv_idx) * h).astype(s.dtype))
+
+
+def test_ragged_lengths_with_block_mask_and_dtypes():
+    for dtype in (jnp.bfloat16, jnp.float16):
+        q, k, v = random_qkv(44, 1, 77, 130, 2, 1, 64, dtype)
+        block_mask = create_block_mask(lambda b, h, q, k: k <= q + 40, None, None, 77, 130, block_size=32)
+        check_flex(q, k, v, softcap(5.0), block_mask, grads=dtype == jnp.bfloat16)
+
+
+def test_decoding_one_query_against_a_cache():
+    """T = 1: the new token at position `offset[b]` sees the cache up to itself (a captured [B] array)."""
+    q, k, v = random_qkv(45, 2, 1, 300, 4, 1, 32)
+    offset = jnp.array([299, 57], jnp.int32)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= offset[b] + q_idx, 2, None, 1, 300,
+                                   block_size=(16, 64))
+    out = check_flex(q, k, v, alibi(alibi_slopes(4)), block_mask, grads=False)
+    expected = flash_attention(q, k, v, kv_lengths=offset + 1, bias=None)
+    assert_close(flex_attention(q, k, v, None, block_mask), expected, jnp.float32)
+    assert out.shape == q.shape
+
+
+def test_captured_array_gradients_are_exact_and_deterministic():
+    q, k, v = random_qkv(46, 2, T, T, 4, 2, 32)
+    slopes = alibi_slopes(4)
+    table = 0.1 * jax.random.normal(jax.random.key(47), (4, 2 * T - 1))
+    cotangent = jax.random.normal(jax.random.key(48), q.shape)
+    block_mask = MASKS["causal_window"]()
+
+    def loss(fn, slopes, table):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return relative_bias(table)(alibi(slopes)(s, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+        return jnp.sum(fn(q, k, v, score_mod, block_mask) * cotangent)
+
+    grad = jax.jit(jax.grad(lambda s, t: loss(flex_attention, s, t), (0, 1)))
+    actual = grad(slopes, table)
+    expected = jax.grad(lambda s, t: loss(flex_attention_reference, s, t), (0, 1))(slopes, table)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, jnp.float32)
+    again = grad(slopes, table)
+    for a, b in zip(actual, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LearnedAlibi:
+    """A module-like hook (a pytree with parameters and __call__, as an Equinox module is)."""
+
+    slopes: jax.Array
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score - jax.nn.softplus(self.slopes[h]) * jnp.abs(q_idx - kv_idx).astype(score.dtype)
+
+
+def test_module_hook_trains_through_the_kernel():
+    q, k, v = random_qkv(49, 1, 64, 64, 2, 2, 32)
+    target = flex_attention_reference(q, k, v, alibi(jnp.array([0.5, 0.05])))
+    block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
+    causal_target = flex_attention_reference(q, k, v, alibi(jnp.array([0.5, 0.05])), block_mask)
+
+    def loss(module):
+        return jnp.mean((flex_attention(q, k, v, module, block_mask) - causal_target) ** 2)
+
+    module = LearnedAlibi(jnp.zeros(2))
+    grad = jax.jit(jax.grad(loss))
+    expected = jax.grad(lambda m: jnp.mean((flex_attention_reference(q, k, v, m, block_mask) - causal_target) ** 2))
+    assert_close(grad(module).slopes, expected(module).slopes, jnp.float32)
+    losses = []
+    for _ in range(20):
+        losses.append(float(loss(module)))
+        module = jax.tree.map(lambda p, g: p - 20.0 * g, module, grad(module))
+    assert losses[-1] < 0.5 * losses[0], losses
+    del target
+
+
+def test_block_mask_classification_and_sparsity():
+    block_mask = create_block_mask(causal_mask, None, None, 512, 512, block_size=128)
+    dense = np.asarray(block_mask.to_dense()[0, 0])
+    np.testing.assert_array_equal(dense, np.tril(np.full((4, 4), 2), -1) + np.eye(4, dtype=int))
+    assert float(block_mask.sparsity()[0, 0]) == pytest.approx(6 / 16)
+    window = create_block_mask(and_masks(causal_mask, sliding_window(128)), None, None, 2048, 2048, block_size=128)
+    computed = 1.0 - float(window.sparsity()[0, 0])
+    assert computed == pytest.approx((16 + 15) / 256)  # the diagonal and the one block before it
+
+
+def test_empty_tiles_are_really_skipped():
+    """NaN keys/values in tiles the mask never reaches would poison every row that visited them."""
+    q, k, v = random_qkv(50, 1, 128, 128, 2, 2, 32)
+    poison = jnp.zeros((1, 128, 2, 32)).at[:, 96:].set(jnp.nan)
+    block_mask = create_block_mask(causal_mask, None, None, 128, 128, block_size=32)
+    out = flex_attention(q, k + poison, v + poison, None, block_mask)
+    expected = flex_attention_reference(q, k, v, None, block_mask)
+    assert_close(out[:, :96], expected[:, :96], jnp.float32)
+    tiles = FlashConfig(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32)
+    out = flash_attention(q, k + poison, v + poison, causal=True, config=tiles)
+    assert_close(out[:, :96], expected[:, :96], jnp.float32)
+
+
+def test_per_batch_documents_under_jit_do_not_retrace():
+    q, k, v = random_qkv(51, 2, 64, 64, 2, 2, 32)
+    traces = []
+
+    @jax.jit
+    def run(q, k, v, ids):
+        traces.append(None)
+        block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64, block_size=32)
+        return flex_attention(q, k, v, None, block_mask)
+
+    @jax.jit
+    def run_with_mask(q, k, v, block_mask: BlockMask):
+        traces.append(None)
+        return flex_attention(q, k, v, None, block_mask)
+
+    for split in (10, 50):
+        ids = jnp.concatenate([jnp.zeros((2, split), jnp.int32), jnp.ones((2, 64 - split), jnp.int32)], axis=1)
+        expected = flex_attention_reference(
+            q, k, v, None, create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64))
+        assert_close(run(q, k, v, ids), expected, jnp.float32)
+        block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64, block_size=32)
+        assert_close(run_with_mask(q, k, v, block_mask), expected, jnp.float32)
+    assert len(traces) == 2  # one trace per jitted function
+
+
+def test_dropout_matches_reference_and_is_reproducible():
+    q, k, v = random_qkv(52, 2, 64, 64, 2, 1, 32)
+    block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
+    kwargs = dict(dropout_rate=0.3, dropout_seed=jnp.uint32(11))
+    out = check_flex(q, k, v, softcap(4.0), block_mask, **kwargs)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(flex_attention(q, k, v, softcap(4.0), block_mask, **kwargs)))
+    other = flex_attention(q, k, v, softcap(4.0), block_mask, dropout_rate=0.3, dropout_seed=12)
+    assert float(jnp.abs(other - out).max()) > 1e-2
+    flash = flash_attention(q, k, v, causal=True, dropout_rate=0.3, dropout_seed=11)
+    assert_close(flash, flex_attention_reference(q, k, v, None, block_mask, **kwargs), jnp.float32)
+
+
+def test_dropout_keep_mask_statistics():
+    grids = (jnp.arange(2).reshape(2, 1, 1, 1), jnp.arange(4).reshape(1, 4, 1, 1),
+             jnp.arange(512).reshape(1, 1, 512, 1), jnp.arange(512).reshape(1, 1, 1, 512))
+    keep = np.asarray(dropout_keep_mask(3, *grids, 0.2, 4))
+    assert abs(keep.mean() - 0.8) < 0.002  # 2M draws: the standard error is 3e-4
+    row_rates = keep.mean(axis=-1)
+    assert abs(row_rates.std() - np.sqrt(0.8 * 0.2 / 512)) < 0.003  # rows independent, binomial spread
+    assert np.abs(np.corrcoef(keep[0, 0, :, :-1].ravel(), keep[0, 0, :, 1:].ravel())[0, 1]) < 0.01
+    assert (keep[0, 0] != keep[0, 1]).mean() > 0.3 and (keep[0, 0] != keep[1, 0]).mean() > 0.3
+
+
+def test_fully_masked_rows_zero_output_and_gradients():
+    q, k, v = random_qkv(53, 1, 64, 64, 2, 2, 32)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= 16) & (kv_idx <= q_idx), None, None, 64, 64,
+                                   block_size=16)
+    out = check_flex(q, k, v, alibi(alibi_slopes(2)), block_mask)
+    assert np.all(np.asarray(out[:, :16]) == 0)
+    dq, _, _ = flex_gradients(flex_attention, q, k, v, None, block_mask)
+    assert np.all(np.asarray(dq[:, :16]) == 0)
+
+
+def test_errors():
+    q, k, v = random_qkv(54, 2, 32, 32, 2, 2, 16)
+    with pytest.raises(TypeError, match="mask_mod must return bool"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx, None, None, 32, 32)
+    with pytest.raises(TypeError, match="score_mod must return a score of the input's shape and dtype"):
+        flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="score_mod must return"):
+        flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: jnp.sum(s))
+    with pytest.raises(ValueError, match="block_mask was built for q_len=64, kv_len=64, but q and k have T=32"):
+        flex_attention(q, k, v, None, create_block_mask(causal_mask, None, None, 64, 64))
+    with pytest.raises(ValueError, match="block_mask was built for B=3"):
+        flex_attention(q, k, v, None, create_block_mask(causal_mask, 3, None, 32, 32))
+    names = {"a": 1.0}
+    with pytest.raises(TypeError, match="score_mod could not be traced"):
+        flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + names[h])
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        flex_attention(q, k, v, None, causal_mask)
+    with pytest.raises(ValueError, match="block_size"):
+        create_block_mask(causal_mask, None, None, 32, 32, block_size=24)
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        flex_attention(q, k, v, dropout_rate=0.1)
