@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from probjax_kernels import FlashConfig, flash_attention
+from probjax_kernels import (
+    FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention, flex_attention,
+    relative_bias, softcap,
+)
 
 
 def lower_for_cuda(fn, *specs):
@@ -61,3 +64,40 @@ def test_every_option_lowers(bias_shape, mask_shape):
         None if mask_shape is None else spec(mask_shape, jnp.bool_),
         spec((B, T), jnp.int32), spec((B, S), jnp.int32), spec((B,), jnp.int32),
     )
+
+
+def _flex_loss(with_dropout: bool):
+    def loss(q, k, v, slopes, table, ids):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            score = relative_bias(table)(alibi(slopes)(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+            return softcap(20.0)(score, b, h, q_idx, kv_idx)
+
+        block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, T, T, block_size=(64, 128))
+        dropout = dict(dropout_rate=0.1, dropout_seed=7) if with_dropout else {}
+        out = flex_attention(q, k, v, score_mod, block_mask, config=FlashConfig(backend="triton"), **dropout)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return loss
+
+
+@pytest.mark.parametrize("with_dropout", [False, True])
+def test_flex_hooks_block_tables_and_dropout_lower(with_dropout):
+    """Hooks reading captured arrays (as ref loads), per-batch / per-head block tables, jvp of the hook in
+    the backward kernels, and the dropout hash, through the Triton lowering."""
+    text = lower_for_cuda(
+        jax.grad(_flex_loss(with_dropout), (0, 1, 2, 3, 4)),
+        spec((B, T, N, 64), jnp.bfloat16), spec((B, T, K, 64), jnp.bfloat16), spec((B, T, K, 64), jnp.bfloat16),
+        spec((N,), jnp.float32), spec((N, 2 * T - 1), jnp.float32), spec((B, T), jnp.int32),
+    )
+    for name in ("probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv"):
+        assert name in text
+
+
+def test_flash_dropout_lowers():
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, causal=True, dropout_rate=0.2, dropout_seed=jnp.uint32(5),
+                              config=FlashConfig(backend="triton"))
+        return jnp.sum(out.astype(jnp.float32))
+
+    lower_for_cuda(jax.grad(loss, (0, 1, 2)), spec((B, T, N, 64), jnp.float16), spec((B, S, K, 64), jnp.float16),
+                   spec((B, S, K, 64), jnp.float16))
