@@ -258,3 +258,18 @@ def test_errors():
         create_block_mask(causal_mask, None, None, 32, 32, block_size=24)
     with pytest.raises(ValueError, match="needs a dropout_seed"):
         flex_attention(q, k, v, dropout_rate=0.1)
+
+
+def test_block_mask_at_32k_costs_about_window_over_seq():
+    """Built under jit at seq 32768 (one slab of query blocks at a time); a causal 1024-window visits about
+    window / seq of the tiles: per row of 128-blocks the diagonal, 7 full blocks and one partial far end."""
+    seq, window = 32768, 1024
+    build = jax.jit(lambda ids: create_block_mask(
+        and_masks(causal_mask, sliding_window(window), document_mask(ids)), 1, None, seq, seq))
+    block_mask = build(jnp.zeros((1, seq), jnp.int32))
+    dense = np.asarray(block_mask.to_dense()[0, 0])
+    rows = dense.shape[0]
+    visited = (dense > 0).sum()
+    assert visited == sum(min(i, 8) + 1 for i in range(rows))
+    assert (dense == 2).sum() == sum(min(i, 7) for i in range(rows))  # all between the two partial ends
+    assert abs(visited / dense.size - window / seq) < 0.01
