@@ -273,3 +273,18 @@ def test_block_mask_at_32k_costs_about_window_over_seq():
     assert visited == sum(min(i, 8) + 1 for i in range(rows))
     assert (dense == 2).sum() == sum(min(i, 7) for i in range(rows))  # all between the two partial ends
     assert abs(visited / dense.size - window / seq) < 0.01
+
+
+def test_vmap_over_inputs_and_captured_arrays():
+    """Equinox-style per-example vmap: the kernels' batching rules also batch the arrays a hook captures."""
+    q = jax.random.normal(jax.random.key(55), (3, 1, 40, 2, 16))
+    slopes = jnp.array([[0.3, 0.1], [0.6, 0.2], [0.9, 0.3]])
+    block_mask = create_block_mask(causal_mask, None, None, 40, 40, block_size=16)
+
+    def loss(fn, slopes, q):
+        return jnp.sum(fn(q, q, q, alibi(slopes), block_mask) ** 2)
+
+    grads = jax.vmap(jax.grad(lambda s, q: loss(flex_attention, s, q), (0, 1)))(slopes, q)
+    expected = jax.vmap(jax.grad(lambda s, q: loss(flex_attention_reference, s, q), (0, 1)))(slopes, q)
+    for a, e in zip(grads, expected):
+        assert_close(a, e, jnp.float32)
