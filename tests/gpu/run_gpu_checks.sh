@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run that ends inside BUDGET_S seconds (default 540): nvidia-smi, versions, the GPU
-# tests (tests/gpu, every test, none stops the run) and the benchmark (benchmarks/gpu_flash.py, bf16, B=4,
-# N=8, head dims 64 and 128, seq 1024..8192). Usage, from anywhere, on a machine with jax[cuda] installed:
+# tests (tests/gpu, every test, none stops the run), the benchmark (python -m probjax_nn.benchmark: bf16, B=4,
+# N=8, head dims 64 and 128, seq 1024..8192, causal and not, fwd and fwd_bwd; probjax_default, probjax_flex,
+# jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or CUDA is not
+# there) and its plots. Usage, from anywhere, on a machine with jax[cuda] installed:
 #
 #     OUT=/some/folder bash tests/gpu/run_gpu_checks.sh
 #
 # Results go to ${OUT:-docs/benchmarks} (relative to the repository root): nvidia-smi.txt, versions.txt,
-# pytest_gpu.log, gpu_flash_h200.json, gpu_flash_h200.log and run_gpu_checks.log (each step's exit status).
+# pytest_gpu.log, gpu_attention_bf16.json with benchmark_*.log, the plots and gpu_attention_bf16.md (when
+# matplotlib is installed; otherwise run `python -m probjax_nn.benchmark plot` on the JSON elsewhere), and
+# run_gpu_checks.log (each step's exit status).
 # Needs no network: the packages are imported from this checkout through symlinks on PYTHONPATH, not installed.
+#
+# The benchmark's time: on a GPU each JAX row costs its compile (about 1-10 s; jax_xla's fwd_bwd at seq 8192
+# took 17 s on an H200) plus about 0.3 s of timing, and each shape adds one float32 reference (a compile and a
+# run); a torch row costs about 0.3 s, a torch_flex row about 5 s of torch.compile. One seq (2 head dims x
+# 2 causal x 2 modes: 8 shapes x 8 impls) is so about one to three minutes, more than the budget holds for
+# all four after the tests. Hence one step per seq, the most telling first (4096, 8192, 1024, 2048), then
+# torch_flex: every step appends to the same JSON, which the benchmark rewrites after every row, so a step
+# cut short by the budget keeps the rows it measured and the later steps are skipped.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 
@@ -49,6 +61,12 @@ print("backend", jax.default_backend(), "devices", jax.devices())
 print("device_kind", jax.devices()[0].device_kind)
 print("probjax_kernels from", probjax_kernels.__file__)
 print("probjax_nn from", probjax_nn.__file__)
+from importlib import metadata
+for name in ("torch", "triton", "tokamax", "matplotlib", "tqdm"):
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        print(name, "not installed")
 '
 
 pytest_args=(-p no:cacheprovider -q -rA --durations=15)
@@ -64,9 +82,17 @@ step 120 versions versions.txt "$python" -c "$versions"
 # The test workers share the GPU (each compiles its own Triton kernels), so none may preallocate its memory.
 step 270 pytest-gpu pytest_gpu.log \
     env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" tests/gpu
-step 900 benchmark gpu_flash_h200.log "$python" benchmarks/gpu_flash.py --output "$out/gpu_flash_h200.json" \
-    --head-dims 64,128 --seq-lens 1024,2048,4096,8192 --causal 0,1 --modes fwd,fwd_bwd \
-    --impls probjax,jax_xla,jax_cudnn --batch 4 --heads 8
+results="$out/gpu_attention_bf16.json"
+rm -f "$results"
+bench=("$python" -m probjax_nn.benchmark --output "$results" --append
+    --batch 4 --heads 8 --head-dims 64 128 --ragged-seq-lens --dtypes bfloat16 --modes fwd fwd_bwd --causal 0 1)
+impls=(probjax_default probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
+for seq in 4096 8192 1024 2048; do
+    step 300 "benchmark-$seq" "benchmark_$seq.log" "${bench[@]}" --seq-lens "$seq" --impls "${impls[@]}"
+done
+step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \
+    --impls torch_flex
+step 60 plot plot.log "$python" -m probjax_nn.benchmark plot "$results"
 
 rm -rf "$links"
 echo "done after ${SECONDS}s" | tee -a "$log"

@@ -1,0 +1,168 @@
+"""`python -m probjax_nn.benchmark`, run in-process on the CPU at tiny shapes, and its `plot` subcommand."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from probjax_nn.benchmark import main
+from probjax_nn.benchmark._timing import attention_flops
+
+SEED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "seed" / "gpu_attention_rtx3090.json"
+# The seed's schema (../shared/seed/gpu_attention_rtx3090.json): top-level, device and config keys, in order,
+# and the keys of its three kinds of row.
+TOP_KEYS = ["device", "config", "results"]
+DEVICE_KEYS = [
+    "jax", "backend", "devices", "python", "device_kind", "gpu", "driver", "gpu_memory_gb", "torch", "torch_cuda",
+]
+CONFIG_KEYS = [
+    "output", "batch", "heads", "head_dims", "seq_lens", "ragged_seq_lens", "dtypes", "modes", "causal", "impls",
+    "append", "tag",
+]
+KEY_COLUMNS = ["impl", "dtype", "head_dim", "seq", "causal", "mode", "batch", "heads", "tag"]
+TIMING = ["compile_s", "inner", "median_ms", "q1_ms", "q3_ms", "tflops"]
+ROW_KEYS = {
+    "jax": [*KEY_COLUMNS, "max_abs_err", "rel_err", "xla_temp_mb", "xla_arg_mb", "xla_out_mb", *TIMING],
+    "torch": [*KEY_COLUMNS, "max_abs_err", "rel_err", "peak_mb", *TIMING],
+    "error": [*KEY_COLUMNS, "error"],
+}
+
+BATCH, HEADS, HEAD_DIM, SEQS = 1, 2, 16, (40, 64)  # 40: a ragged length, not a multiple of any block
+PROBJAX = ("probjax_flex", "probjax_default")  # probjax_mha runs the same kernel core; left out for time
+# torch is not installed in CI, and has no CUDA device where it is: torch_math is missing either way.
+# jax_cudnn and torch_flash never compute in float32, so they have no rows.
+IMPLS = (*PROBJAX, "jax_xla", "jax_cudnn", "torch_math", "torch_flash")
+RUN = [
+    "--seq-lens", "64", "--ragged-seq-lens", "40", "--head-dims", str(HEAD_DIM), "--batch", str(BATCH),
+    "--heads", str(HEADS), "--dtypes", "float32", "--modes", "fwd", "fwd_bwd", "--causal", "0", "1",
+    "--impls", *IMPLS,
+]
+
+
+@pytest.fixture(scope="module")
+def report_path(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("benchmark") / "cpu.json"
+    assert main(["--output", str(path), *RUN]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(report_path) -> dict:
+    return json.loads(report_path.read_text())
+
+
+def test_schema_is_the_seeds(report):
+    assert list(report) == TOP_KEYS
+    assert list(report["device"]) == DEVICE_KEYS
+    assert list(report["config"]) == CONFIG_KEYS
+    assert report["config"]["impls"] == list(IMPLS)
+    assert report["config"]["causal"] == [0, 1]
+    for row in report["results"]:
+        assert list(row) in ROW_KEYS.values(), row
+        assert isinstance(row["causal"], bool)
+
+
+@pytest.mark.skipif(not SEED.exists(), reason="needs ../shared/seed beside the repository")
+def test_schema_constants_match_the_seed_file():
+    seed = json.loads(SEED.read_text())
+    assert list(seed) == TOP_KEYS
+    assert list(seed["device"]) == DEVICE_KEYS
+    assert list(seed["config"]) == CONFIG_KEYS
+    assert {tuple(row) for row in seed["results"]} == {tuple(keys) for keys in ROW_KEYS.values()}
+
+
+def test_rows_cover_the_grid_in_the_seeds_order(report):
+    rows = report["results"]
+    ran = [impl for impl in IMPLS if impl not in ("jax_cudnn", "torch_flash")]
+    expected = [
+        (impl, seq, causal, mode)
+        for seq in SEQS
+        for causal in (False, True)
+        for mode in ("fwd", "fwd_bwd")
+        for impl in ran
+    ]
+    assert [(row["impl"], row["seq"], row["causal"], row["mode"]) for row in rows] == expected
+    assert all((row["dtype"], row["head_dim"], row["batch"], row["heads"]) == ("float32", HEAD_DIM, BATCH, HEADS)
+               for row in rows)
+
+
+def test_missing_impl_rows_record_an_error_and_the_run_goes_on(report):
+    missing = [row for row in report["results"] if row["impl"] == "torch_math"]
+    assert len(missing) == len(SEQS) * 4
+    assert all(row["error"].startswith("missing: torch") for row in missing)
+    measured = [row for row in report["results"] if row["impl"] != "torch_math"]
+    assert measured and all("error" not in row for row in measured)
+
+
+def test_probjax_matches_the_float32_reference(report):
+    rows = [row for row in report["results"] if row["impl"] in PROBJAX]
+    assert len(rows) == len(PROBJAX) * len(SEQS) * 4
+    for row in rows:
+        assert row["max_abs_err"] < 1e-4 and row["rel_err"] < 1e-4, row
+
+
+def test_measurements_and_flop_count(report):
+    for row in report["results"]:
+        if "error" in row:
+            continue
+        assert row["tflops"] > 0 and row["inner"] >= 1 and row["compile_s"] > 0
+        assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"]
+        assert row["xla_arg_mb"] > 0 and row["xla_out_mb"] > 0
+        flops = 4 * BATCH * HEADS * row["seq"] ** 2 * HEAD_DIM
+        flops *= (0.5 if row["causal"] else 1) * (3.5 if row["mode"] == "fwd_bwd" else 1)
+        assert row["tflops"] == pytest.approx(flops / (row["median_ms"] * 1e-3) / 1e12, rel=1e-9)
+
+
+def test_flop_formula():
+    forward = attention_flops(2, 3, 100, 16, causal=False, mode="fwd")
+    assert forward == 4 * 2 * 3 * 100 * 100 * 16
+    assert attention_flops(2, 3, 100, 16, causal=True, mode="fwd") == forward / 2
+    assert attention_flops(2, 3, 100, 16, causal=False, mode="fwd_bwd") == 3.5 * forward
+    assert attention_flops(2, 3, 100, 16, causal=True, mode="fwd_bwd") == 1.75 * forward
+
+
+def test_append_keeps_old_rows(report_path, report, tmp_path):
+    path = tmp_path / "appended.json"
+    path.write_text(report_path.read_text())
+    args = ["--output", str(path), "--seq-lens", "32", "--ragged-seq-lens", "--head-dims", str(HEAD_DIM),
+            "--batch", str(BATCH), "--heads", str(HEADS), "--dtypes", "float32", "--modes", "fwd", "--causal", "1",
+            "--impls", "jax_xla", "--append", "--tag", "second"]
+    assert main(args) == 0
+    appended = json.loads(path.read_text())
+    old = report["results"]
+    assert appended["results"][: len(old)] == old
+    new = appended["results"][len(old):]
+    assert [(row["impl"], row["seq"], row["causal"], row["mode"], row["tag"]) for row in new] == [
+        ("jax_xla", 32, True, "fwd", "second")
+    ]
+    # The config covers every row: list-valued keys are the union of both runs.
+    assert appended["config"]["seq_lens"] == [32, 64]
+    assert appended["config"]["impls"] == list(IMPLS)
+    assert appended["config"]["append"] is True
+
+
+def test_plot_writes_pngs_and_a_summary(report_path, tmp_path, capsys):
+    assert main(["plot", str(report_path), "--out-dir", str(tmp_path)]) == 0
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert [png.name for png in pngs] == [f"cpu_float32_b{BATCH}_n{HEADS}_hd{HEAD_DIM}.png"]
+    assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (tmp_path / "cpu.md").read_text()
+    assert "python -m probjax_nn.benchmark --output" in summary
+    assert "- torch_math: torch" in summary  # listed as missing
+    assert "| best peer | probjax_flex / best | probjax_default / best |" in summary
+    table = [line for line in summary.splitlines() if line.startswith("| float32 |")]
+    assert len(table) == len(SEQS) * 4
+    assert all("jax_xla" in line for line in table)  # the only peer measured, so the best one
+    assert f"![{pngs[0].stem}]({pngs[0].name})" in summary
+    assert str(tmp_path / "cpu.md") in capsys.readouterr().out
+
+
+def test_import_probjax_nn_imports_no_benchmark_matplotlib_or_torch():
+    code = (
+        "import sys, probjax_nn; "
+        "print([m for m in ('probjax_nn.benchmark', 'matplotlib', 'torch', 'tqdm') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
