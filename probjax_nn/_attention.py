@@ -20,7 +20,7 @@ from jax.tree_util import Partial
 from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
-from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_inputs
+from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_inputs
 from probjax_kernels._reference import attention_from_inputs
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
@@ -37,6 +37,8 @@ class _Call:
     flash: FlashConfig | None
     score_mod: Callable | None
     mask_mod: Callable | None
+    dropout_rate: float
+    dropout_seed: jax.Array | int | None
 
 
 def _with_residual(call: _Call, result):
@@ -53,11 +55,15 @@ def _pallas(call: _Call):
     return _with_residual(call, flash_attention(
         i.q, i.k, i.v, bias=i.bias, mask=i.mask, causal=call.causal, scale=i.scale, q_lengths=i.q_lengths,
         kv_lengths=i.kv_lengths, window=i.window, return_lse=call.return_residual, config=call.flash,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     ))
 
 
 def _xla(call: _Call):
-    out, lse = attention_from_inputs(call.inputs, call.causal, score_mod=call.score_mod, mask_mod=call.mask_mod)
+    out, lse = attention_from_inputs(
+        call.inputs, call.causal, score_mod=call.score_mod, mask_mod=call.mask_mod, dropout_rate=call.dropout_rate,
+        dropout_seed=call.dropout_seed,
+    )
     return _with_residual(call, (out, lse) if call.return_residual else out)
 
 
@@ -89,6 +95,7 @@ def _flex(call: _Call):
         score_mod = Partial(_biased_score_mod, i.bias, score_mod)
     return _with_residual(call, flex_attention(
         i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, return_lse=call.return_residual, config=call.flash,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     ))
 
 
@@ -138,6 +145,7 @@ class _Implementation:
     hooks: bool = False  # takes score_mod / mask_mod
     right_window: bool = True  # a local window reaching right of the query without is_causal
     max_head_dim: int | None = None  # None: any
+    dropout: bool = True  # attention dropout from the kernels' stateless keep mask
 
 
 _FLOATS = ("bfloat16", "float16", "float32")
@@ -147,7 +155,8 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {
     "xla": _Implementation(_xla, dtypes=(*_FLOATS, "float64"), hooks=True),
     # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
     "cudnn": _Implementation(
-        _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM
+        _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM,
+        dropout=False,
     ),
 }
 # "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
@@ -190,6 +199,7 @@ class _Request:
     head_dim: int
     score_mod: bool
     mask_mod: bool
+    dropout: bool
     right_window: bool  # some query sees a key to its right through a local window (is_causal off)
     gpu: bool
 
@@ -211,6 +221,8 @@ def _check(name: str, request: _Request) -> None:
             raise NotImplementedError(
                 f"impl={name!r} does not support {feature}; use impl='flex', 'xla' or 'auto'."
             )
+    if request.dropout and not spec.dropout:
+        raise NotImplementedError(f"impl={name!r} does not support dropout; use impl='pallas', 'flex' or 'xla'.")
     # Other dtypes are bad input, not a missing feature: check_inputs rejects them with a TypeError.
     if request.dtype in _ALL_DTYPES and request.dtype not in spec.dtypes:
         raise NotImplementedError(
@@ -279,6 +291,8 @@ def attention(
     return_residual: bool = False,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | int | None = None,
     impl: Impl | AttentionConfig = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, `softmax(scale * query key^T + bias, masked) value`, per head.
@@ -302,6 +316,8 @@ def attention(
     - `score_mod(score, b, h, q_idx, kv_idx) -> score`, `mask_mod(b, h, q_idx, kv_idx) -> bool`:
       FlexAttention hooks (see `probjax_kernels.flex_attention`), applied after `bias` and combined with
       every other mask; run by impl "flex" and "xla" ("pallas" and "cudnn" raise).
+    - `dropout_rate`, `dropout_seed`: attention dropout, the keep mask a stateless hash of (seed, b, h, q_idx,
+      kv_idx), so every impl that has it ("pallas", "flex", "xla") drops the same weights.
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
 
     **Returns:** the output, shaped and typed like `query`; with `return_residual`, `(output, lse)`, lse
@@ -314,18 +330,23 @@ def attention(
     inputs = check_inputs(
         _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
         scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,
-        allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,
+        dropout_rate=dropout_rate, allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,
     )
+    check_dropout(dropout_rate, dropout_seed)
     request = _Request(
         dtype=inputs.q.dtype.name,
         head_dim=inputs.q.shape[-1],
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None,
+        dropout=dropout_rate > 0,
         right_window=not is_causal and inputs.window != (None, None) and inputs.window[1] != 0,
         gpu=_on_gpu(),
     )
     name = _choose(config.impl, request)
-    call = _Call(inputs, bool(is_causal), local_window_size, return_residual, config.flash, score_mod, mask_mod)
+    call = _Call(
+        inputs, bool(is_causal), local_window_size, return_residual, config.flash, score_mod, mask_mod,
+        float(dropout_rate), dropout_seed,
+    )
     result = _IMPLEMENTATIONS[name].run(call)
     if not return_residual:
         return result.reshape(query.shape)

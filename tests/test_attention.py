@@ -349,3 +349,19 @@ def test_bad_inputs_name_the_argument():
         attention(q, k, v, bias=jnp.ones((HEADS + 1, Q_LEN, KV_LEN)))
     with pytest.raises(ValueError, match="kv_lengths must lie in"):
         attention(q, k, v, key_value_seq_lengths=jnp.array([KV_LEN + 1, 1], jnp.int32))
+
+
+def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
+    (q, k, v), kwargs = _split_case("everything")
+    dropout = {"dropout_rate": 0.25, "dropout_seed": 17}
+    outs = {impl: attention(q, k, v, impl=impl, **kwargs, **dropout) for impl in ("xla", "pallas", "flex")}
+    _assert_close(outs["pallas"], outs["xla"])
+    _assert_close(outs["flex"], outs["xla"])
+    undropped = attention(q, k, v, impl="xla", **kwargs)
+    assert float(jnp.abs(outs["xla"] - undropped).max()) > 0.1
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        attention(q, k, v, dropout_rate=0.1)
+    monkeypatch.setattr(_attention, "_on_gpu", lambda: True)
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="impl='cudnn' does not support dropout"):
+        attention(q16, k16, v16, impl="cudnn", **dropout)

@@ -1,0 +1,211 @@
+"""The attention-function protocol that the NNX, Linen and Equinox modules share.
+
+`attention_function(attention_impl)` is the one place where a module's `attention_impl` (a string or an
+`AttentionConfig`) becomes the function that computes attention. Every module of `probjax_nn.nnx`,
+`probjax_nn.linen` and `probjax_nn.equinox` calls the `AttentionFunction` it returns with its projected
+heads; the framework files only map their own conventions (flax's `dropout_rng` / `deterministic`, Equinox's
+`key` / `inference`, float masks, decode caches) onto its keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import Partial
+
+from probjax_kernels import and_masks
+from probjax_nn._attention import IMPLS, AttentionConfig, Impl, attention
+
+ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def resolve_config(attention_impl: Impl | AttentionConfig) -> AttentionConfig:
+    """`attention_impl` as an `AttentionConfig`; a `ValueError` lists the valid values for anything else."""
+    if isinstance(attention_impl, AttentionConfig):
+        return attention_impl
+    if isinstance(attention_impl, str) and attention_impl in IMPLS:
+        return AttentionConfig(impl=attention_impl)
+    raise ValueError(
+        f"attention_impl={attention_impl!r} is not valid: use one of {', '.join(map(repr, IMPLS))} "
+        "or a probjax_nn.AttentionConfig."
+    )
+
+
+def attention_function(attention_impl: Impl | AttentionConfig) -> AttentionFunction:
+    """The `AttentionFunction` that computes attention the way `attention_impl` says."""
+    return AttentionFunction(resolve_config(attention_impl))
+
+
+def _merge_batch(x: jax.Array | None, batch_shape: tuple[int, ...], event_ndim: int) -> jax.Array | None:
+    """`[*batch, *event]` as `[prod(batch), *event]`; batch axes of size 1 or missing in front broadcast.
+
+    An array without batch axes (ndim <= event_ndim) is returned unchanged: it broadcasts as it is.
+    """
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim <= event_ndim:
+        return x
+    leading = x.shape[: x.ndim - event_ndim]
+    if len(leading) > len(batch_shape):
+        raise ValueError(
+            f"an array of shape {x.shape} has more batch axes than the inputs' batch shape {batch_shape}."
+        )
+    event = x.shape[x.ndim - event_ndim :]
+    if all(size == 1 for size in leading):
+        return x.reshape((1, *event))
+    return jnp.broadcast_to(x, (*batch_shape, *event)).reshape((math.prod(batch_shape), *event))
+
+
+def _pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    padding = [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])]
+    return jnp.pad(x, padding)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFunction:
+    """What every module calls with its projected heads: `probjax_nn.attention` with one `AttentionConfig`.
+
+    Hashable, so that it can be a static attribute of a Flax module.
+    """
+
+    config: AttentionConfig
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        is_causal: bool = False,
+        key_value_seq_lengths: jax.Array | None = None,
+        scale: float | None = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        dropout_rate: float = 0.0,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """**Arguments:**
+
+        - `query`: `[*batch, T, N, D]`; `key`, `value`: `[*batch, S, K, D]` and `[*batch, S, K, Dv]`, N a
+          multiple of K. `batch` may be empty (Equinox's unbatched call) or have several axes (flax's
+          `batch...`).
+        - `mask`: broadcastable to `[*batch, N, T, S]`; True (or, as in flax's float masks, non-zero) =
+          attend.
+        - `bias`: float, broadcastable like `mask`; added to the scaled scores.
+        - `is_causal`: query i sees keys j <= i (top-left alignment).
+        - `key_value_seq_lengths`: `[*batch]` ints; keys at or past the length are masked (a decode cache).
+        - `scale`: None means `D ** -0.5`.
+        - `score_mod`, `mask_mod`: FlexAttention hooks (`probjax_kernels.flex_attention`).
+        - `dropout_rate`, `dropout_key`: attention dropout, applied when `dropout_key` (a PRNG key) is given.
+
+        **Returns:** `[*batch, T, N, Dv]` in the dtype of `query`. A query row with every key masked gives 0.
+        """
+        batch_shape = query.shape[:-3]
+        if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+            raise ValueError(
+                f"query, key and value must share their batch axes, got shapes {query.shape}, {key.shape} "
+                f"and {value.shape}."
+            )
+        qk_dim, value_dim = query.shape[-1], value.shape[-1]
+        if scale is None:
+            scale = qk_dim**-0.5
+        if qk_dim != value_dim:
+            # The kernels take one head dim for q, k and v. Zero columns change neither q.k nor the first
+            # Dv columns of the output, so the smaller head dim is padded to the larger (Equinox's vo_size).
+            head_dim = max(qk_dim, value_dim)
+            query, key, value = (_pad_head_dim(x, head_dim) for x in (query, key, value))
+        size = math.prod(batch_shape)
+        query, key, value = (x.reshape((size, *x.shape[-3:])) for x in (query, key, value))
+        if key_value_seq_lengths is not None:
+            key_value_seq_lengths = jnp.broadcast_to(_merge_batch(key_value_seq_lengths, batch_shape, 0), (size,))
+        if mask is not None:
+            mask = jnp.asarray(mask).astype(jnp.bool_)
+        arguments = dict(
+            bias=_merge_batch(bias, batch_shape, 3),
+            mask=_merge_batch(mask, batch_shape, 3),
+            is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths,
+            scale=scale,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+        )
+        if dropout_key is not None and dropout_rate > 0.0:
+            arguments.update(dropout_rate=dropout_rate, dropout_seed=jax.random.bits(dropout_key, (), jnp.uint32))
+        out = attention(query, key, value, impl=self.config, **arguments)
+        return out[..., :value_dim].reshape((*batch_shape, *out.shape[1:-1], value_dim))
+
+
+def _chained_score_mods(first: ScoreMod, second: ScoreMod, score, b, h, q_idx, kv_idx):
+    return second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+
+def combine_hooks(
+    score_mods: tuple[ScoreMod | None, ...], mask_mods: tuple[MaskMod | None, ...]
+) -> tuple[ScoreMod | None, MaskMod | None]:
+    """One score_mod that applies `score_mods` in order, one mask_mod that attends where all `mask_mods` do
+    (None entries are skipped; None when nothing is left)."""
+    score_mod = None
+    for mod in score_mods:
+        if mod is not None:
+            score_mod = mod if score_mod is None else Partial(_chained_score_mods, score_mod, mod)
+    mask_mods = tuple(mod for mod in mask_mods if mod is not None)
+    if len(mask_mods) > 1:
+        return score_mod, and_masks(*mask_mods)
+    return score_mod, (mask_mods[0] if mask_mods else None)
+
+
+def _shifted_score_mod(score_mod: ScoreMod, offset, score, b, h, q_idx, kv_idx):
+    return score_mod(score, b, h, q_idx + offset, kv_idx)
+
+
+def _shifted_mask_mod(mask_mod: MaskMod, offset, b, h, q_idx, kv_idx):
+    return mask_mod(b, h, q_idx + offset, kv_idx)
+
+
+def shift_queries(
+    score_mod: ScoreMod | None, mask_mod: MaskMod | None, offset: jax.Array
+) -> tuple[ScoreMod | None, MaskMod | None]:
+    """The hooks as seen by queries that start at position `offset` (int32 scalar), e.g. a decode step whose
+    one query sits at the cache index: hooks receive `q_idx + offset`, keys keep their cache positions."""
+    return (
+        None if score_mod is None else Partial(_shifted_score_mod, score_mod, offset),
+        None if mask_mod is None else Partial(_shifted_mask_mod, mask_mod, offset),
+    )
+
+
+def flax_style_attention(
+    attend: AttentionFunction,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dropout_rng: jax.Array | None,
+    dropout_rate: float,
+    deterministic: bool,
+    is_causal: bool = False,
+) -> jax.Array:
+    """Maps the arguments of flax's `dot_product_attention` (NNX and Linen) onto an `AttentionFunction`.
+
+    Dropout runs when `deterministic` is False and `dropout_rate > 0`, and then needs `dropout_rng`.
+    """
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}.")
+    dropout_key = None
+    if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False.")
+        dropout_key = dropout_rng
+    return attend(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
+        dropout_key=dropout_key,
+    )

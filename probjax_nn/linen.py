@@ -1,0 +1,279 @@
+"""Flax Linen attention modules over the probjax kernels: a drop-in `MultiHeadDotProductAttention`,
+`FlexAttention` and learnable hooks.
+
+`MultiHeadDotProductAttention` is `flax.linen.MultiHeadDotProductAttention` with its `attention_fn` set from
+`attention_impl`, so the parameter tree, the decode cache and dropout RNG handling are the stock module's.
+`attention_fn(attention_impl)` is the same function for the stock module's `attention_fn=` attribute.
+
+Linen parameters can be read only in their module's own trace, not inside a kernel's, so a Linen hook with
+parameters (`ALiBi`, `RelativePositionBias`) is a module that `FlexAttention` calls with no arguments; it
+returns the score_mod, a closure over its parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import dtypes
+from jax import lax
+
+from probjax_kernels import alibi, alibi_slopes, relative_bias
+from probjax_nn._attention import AttentionConfig, Impl
+from probjax_nn._protocol import (
+    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, flax_style_attention, resolve_config,
+    shift_queries,
+)
+
+__all__ = [
+    "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadDotProductAttention", "RelativePositionBias",
+    "attention_fn",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DotProductAttention:
+    """`flax.linen.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`.
+
+    Linen passes only the arguments that this signature names, so every one of them is spelled out.
+    """
+
+    attend: AttentionFunction
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        broadcast_dropout: bool = True,
+        dropout_rng: jax.Array | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        dtype: Any = None,
+        precision: Any = None,
+        module: nn.Module | None = None,
+        force_fp32_for_softmax: bool = False,
+        einsum_dot_general: Callable[..., jax.Array] | None = None,
+        qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+        attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+    ) -> jax.Array:
+        # The kernels form neither the weights (to sow) nor the einsums (to replace, e.g. AQT's).
+        needs_flax = module is not None or any(
+            f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
+        )
+        if needs_flax:
+            if self.attend.config.impl != "auto":
+                raise NotImplementedError(
+                    f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
+                    "attention_impl='auto', which falls back to flax's dot_product_attention."
+                )
+            return nn.dot_product_attention(
+                query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+                precision, module, force_fp32_for_softmax, einsum_dot_general=einsum_dot_general,
+                qk_attn_weights_einsum=qk_attn_weights_einsum, attn_weights_value_einsum=attn_weights_value_einsum,
+            )
+        query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
+        return flax_style_attention(
+            self.attend, query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate, deterministic=deterministic,
+        )
+
+
+def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductAttention:
+    """A drop-in for `flax.linen.dot_product_attention`, usable as `attention_fn=` of the stock Linen modules.
+
+    **Arguments:**
+
+    - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`.
+
+    **Returns:** a hashable function with `flax.linen.dot_product_attention`'s arguments: query, key and
+    value `[batch..., T|S, N, D]`, `mask` broadcastable to `[batch..., N, T, S]` (non-zero = attend),
+    dropout from `dropout_rng` when `deterministic` is False; it returns `[batch..., T, N, D]`. Unlike flax:
+    a query row whose keys are all masked gives 0 (flax averages the values); dropout draws one mask per
+    batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
+    ignored. With `module` (sow_weights) or custom einsums impl "auto" runs flax's own function, any other
+    impl raises `NotImplementedError`.
+    """
+    return DotProductAttention(attention_function(attention_impl))
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+    """`flax.linen.MultiHeadDotProductAttention` with attention on the probjax kernels; same variables.
+
+    **Attributes:** those of `flax.linen.MultiHeadDotProductAttention` (`num_heads`, `qkv_features`,
+    `dropout_rate`, `deterministic`, `decode`, `normalize_qk`, `dtype`, `param_dtype`, `precision`, ...), plus
+
+    - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`;
+      a bad value raises a `ValueError` that lists the valid ones. It sets `attention_fn` unless that was
+      given too.
+
+    The call is the stock one: `module.apply(variables, inputs_q, inputs_k=None, inputs_v=None, *,
+    mask=None, deterministic=None, dropout_rng=None)`, `mask` broadcastable to `[batch..., N, T, S]`
+    (True = attend); with `decode=True` one token per call against the `cache` collection. See
+    `attention_fn` for where the results differ from flax's.
+    """
+
+    attention_impl: Impl | AttentionConfig = "auto"
+
+    def __post_init__(self):
+        config = resolve_config(self.attention_impl)
+        ours = DotProductAttention(AttentionFunction(config))
+        if self.attention_fn is nn.dot_product_attention:
+            # Linen modules are frozen dataclasses; fields are settable only while they are built.
+            object.__setattr__(self, "attention_fn", ours)
+        elif config != AttentionConfig() and self.attention_fn != ours:  # clones arrive with `ours` set
+            raise ValueError("pass attention_impl or attention_fn, not both.")
+        super().__post_init__()
+
+
+def _bound_hook(hook):
+    """A Linen module hook called (inside its parent's trace) to get its closure; other hooks as they are."""
+    return hook() if isinstance(hook, nn.Module) else hook
+
+
+class FlexAttention(MultiHeadDotProductAttention):
+    """Multi-head attention with FlexAttention hooks: the projections of `MultiHeadDotProductAttention`
+    (same variable names, plus the hooks' parameters under `score_mod` / `mask_mod`) around
+    `probjax_nn.attention(..., score_mod, mask_mod)`.
+
+    **Attributes:** those of `MultiHeadDotProductAttention`, plus
+
+    - `score_mod`: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled scores inside the
+      kernel; or a Linen module that returns one when called with no arguments (`ALiBi`,
+      `RelativePositionBias`), whose parameters train through the kernel.
+    - `mask_mod`: `mask_mod(b, h, q_idx, kv_idx) -> bool`, True = attend; or a Linen module returning one.
+
+    Hooks are called with int32 index arrays that broadcast against each other (see `probjax_kernels`).
+    `attention_impl="auto"` runs the flex kernel on a GPU and XLA elsewhere.
+    """
+
+    score_mod: ScoreMod | nn.Module | None = None
+    mask_mod: MaskMod | nn.Module | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        dropout_rng: jax.Array | None = None,
+        is_causal: bool = False,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+    ) -> jax.Array:
+        """**Arguments:**
+
+        - `inputs_q`: `[batch..., T, features]`; `inputs_k`, `inputs_v`: `[batch..., S, features]` (default:
+          `inputs_q`, then `inputs_k`).
+        - `mask`: broadcastable to `[batch..., N, T, S]`; True (non-zero) = attend.
+        - `deterministic`, `dropout_rng`: dropout as in flax (`make_rng("dropout")` without `dropout_rng`).
+        - `is_causal`: query i sees keys j <= i (ignored when decoding: the cache length masks instead).
+        - `score_mod`, `mask_mod`: hooks for this call (per-batch data such as document ids), applied after
+          the module's own.
+
+        With `decode=True` one token per call against the `cache` collection; the hooks then see the token's
+        position as `q_idx`. **Returns:** `[batch..., T, out_features or features]`.
+        """
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError("inputs_k cannot be None if inputs_v is given.")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        features = self.out_features or inputs_q.shape[-1]
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        if qkv_features % self.num_heads:
+            raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={self.num_heads}.")
+        dense = functools.partial(
+            nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+            features=(self.num_heads, qkv_features // self.num_heads), kernel_init=self.kernel_init,
+            bias_init=self.bias_init, use_bias=self.use_bias, precision=self.precision,
+        )
+        query = dense(name="query")(inputs_q)
+        key = dense(name="key")(inputs_k)
+        value = dense(name="value")(inputs_v)
+        if self.normalize_qk:
+            norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+            query = norm(name="query_ln")(query)
+            key = norm(name="key_ln")(key)
+        score_mod, mask_mod = combine_hooks(
+            (_bound_hook(self.score_mod), score_mod), (_bound_hook(self.mask_mod), mask_mod)
+        )
+        key_value_seq_lengths = None
+        if self.decode and self.has_variable("cache", "cached_key"):
+            key, value, position = self._append_to_cache(key, value)
+            key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
+            score_mod, mask_mod = shift_queries(score_mod, mask_mod, position)
+            is_causal = False
+        elif self.decode:
+            # Initialisation: the cache takes the shape of the input, which is the full sequence.
+            self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+            self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+            self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+        dropout_key = None
+        if self.dropout_rate > 0.0 and not nn.merge_param("deterministic", self.deterministic, deterministic):
+            dropout_key = self.make_rng("dropout") if dropout_rng is None else dropout_rng
+        query, key, value = dtypes.promote_dtype(query, key, value, dtype=self.dtype)
+        x = attention_function(self.attention_impl)(
+            query, key, value, mask=mask,
+            is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
+            mask_mod=mask_mod, dropout_rate=self.dropout_rate, dropout_key=dropout_key,
+        )
+        return nn.DenseGeneral(
+            features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+            bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+            param_dtype=self.param_dtype, precision=self.precision, name="out",
+        )(x)
+
+    def _append_to_cache(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Writes one step's key and value at the cache index; returns the caches and that index."""
+        cached_key = self.get_variable("cache", "cached_key")
+        *batch_dims, _, num_heads, head_dim = cached_key.shape
+        expected = (*batch_dims, 1, num_heads, head_dim)
+        if key.shape != expected:
+            raise ValueError(f"decode takes one token per call: expected key shape {expected}, got {key.shape}.")
+        position = self.get_variable("cache", "cache_index")
+        zero = jnp.zeros((), position.dtype)
+        indices = (zero,) * len(batch_dims) + (position, zero, zero)
+        key = lax.dynamic_update_slice(cached_key, key, indices)
+        value = lax.dynamic_update_slice(self.get_variable("cache", "cached_value"), value, indices)
+        self.put_variable("cache", "cached_key", key)
+        self.put_variable("cache", "cached_value", value)
+        self.put_variable("cache", "cache_index", position + 1)
+        return key, value, position
+
+
+class ALiBi(nn.Module):
+    """Learnable ALiBi (Press et al. 2022): called with no arguments, returns the score_mod
+    `score - slopes[h] * |q_idx - kv_idx|` over its parameter `slopes` `[num_heads]` float32, initialised
+    to the paper's geometric slopes `2^(-8 i / N)`, i = 1..N."""
+
+    num_heads: int
+
+    @nn.compact
+    def __call__(self) -> ScoreMod:
+        return alibi(self.param("slopes", lambda rng: alibi_slopes(self.num_heads)))
+
+
+class RelativePositionBias(nn.Module):
+    """A learned relative-position bias: called with no arguments, returns the score_mod
+    `score + table[h, kv_idx - q_idx + max_len - 1]` over its parameter `table` `[num_heads, 2 * max_len - 1]`
+    float32, initialised to zeros (plain attention); offsets beyond `max_len - 1` read the end entries."""
+
+    num_heads: int
+    max_len: int
+
+    @nn.compact
+    def __call__(self) -> ScoreMod:
+        shape = (self.num_heads, 2 * self.max_len - 1)
+        return relative_bias(self.param("table", nn.initializers.zeros_init(), shape, jnp.float32))
