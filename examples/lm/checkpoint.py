@@ -1,0 +1,81 @@
+"""Orbax checkpoints of any framework's params and the optimiser state.
+
+Each pytree is saved as a nested dict of its key-path names ("blocks" -> "0" -> "attention" -> ...), which
+orbax stores without knowing NNX states, Equinox modules or optax's named tuples; restoring maps the
+saved arrays back onto a freshly built tree of the same structure, with that tree's shardings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def _names(path) -> list[str]:
+    names = []
+    for entry in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                names.append(str(getattr(entry, attribute)))
+                break
+    return names
+
+
+def to_nested(tree: Any) -> dict:
+    """The leaves of `tree` in a nested dict keyed by their path names."""
+    nested: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        *parents, last = _names(path)
+        node = nested
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[last] = leaf
+    return nested
+
+
+def from_nested(nested: dict, like: Any) -> Any:
+    """A tree shaped like `like` with the leaves of `nested` (from `to_nested`)."""
+    leaves = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(like)[0]:
+        node = nested
+        for name in _names(path):
+            node = node[name]
+        leaves.append(node)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _abstract(tree: Any) -> dict:
+    return to_nested(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree))
+
+
+class Checkpoints:
+    """`out/checkpoints/<step>/{params,opt_state}`, the last `keep` steps kept; saves run in the background."""
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.manager = ocp.CheckpointManager(
+            Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params: Any, opt_state: Any) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(to_nested(params)), opt_state=ocp.args.StandardSave(to_nested(opt_state)),
+        ))
+
+    def restore(self, step: int, params: Any, opt_state: Any | None = None) -> tuple[Any, Any]:
+        """The saved params (and opt_state, unless None) of `step`, shaped and sharded like the given ones."""
+        items = {"params": ocp.args.StandardRestore(_abstract(params))}
+        if opt_state is not None:
+            items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        params = from_nested(restored["params"], params)
+        return params, None if opt_state is None else from_nested(restored["opt_state"], opt_state)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,107 @@
+"""The decoder-only transformer in Flax NNX, with attention by `probjax_nn.nnx.MultiHeadAttention`.
+
+Pre-norm blocks: `x + attention(rms_norm(x))`, then `x + down(gelu(up(rms_norm(x))))`; RoPE on queries and
+keys; grouped-query attention when `num_kv_heads < num_heads`; the output layer tied to the embedding
+unless `tie_embeddings` is off. model_linen.py and model_equinox.py build the same network.
+
+How RoPE reaches the drop-in module: `MultiHeadAttention` projects q, k and v inside, so rotary embeddings
+enter where flax itself puts them (`flax.nnx.dot_product_attention_with_rope`): in the module's
+`attention_fn`, which receives the projected heads and the call's `input_positions`. `RotaryAttention`
+rotates q and k there and hands them to `probjax_nn.nnx.attention_fn(config.attention)`. Everything else
+is the stock module: the `num_kv_heads` projections, `is_causal`, and its KV cache for decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import probjax_nn.nnx
+from lm.common import LanguageModel, partition_specs, rope, shard_heads
+from lm.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryAttention:
+    """An `attention_fn`: RoPE on q and k, then `attention` (per shard under a mesh).
+
+    Queries sit at `input_positions` (default 0..T-1) and keys at 0..S-1. In training S = T; in decoding
+    the keys are the module's whole cache, which holds them unrotated, so one rule covers both.
+    """
+
+    attention: Callable[..., jax.Array]  # probjax_nn.nnx.attention_fn(impl)
+    theta: float
+
+    def __call__(self, query, key, value, *, input_positions=None, **kwargs) -> jax.Array:
+        if input_positions is None:
+            input_positions = jnp.arange(query.shape[-3])
+        query = rope(query, input_positions, self.theta)
+        key = rope(key, jnp.arange(key.shape[-3]), self.theta)
+        return shard_heads(functools.partial(self.attention, **kwargs))(query, key, value)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        d_model = config.d_model
+        self.attention_norm = nnx.RMSNorm(d_model, epsilon=1e-6, rngs=rngs)
+        self.attention = probjax_nn.nnx.MultiHeadAttention(
+            config.num_heads, d_model, num_kv_heads=config.kv_heads, use_bias=False, decode=False,
+            attention_fn=RotaryAttention(probjax_nn.nnx.attention_fn(config.attention), config.rope_theta),
+            rngs=rngs,
+        )
+        self.mlp_norm = nnx.RMSNorm(d_model, epsilon=1e-6, rngs=rngs)
+        self.up = nnx.Linear(d_model, config.hidden_dim, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(config.hidden_dim, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, decode: bool) -> jax.Array:
+        x = x + self.attention(self.attention_norm(x), is_causal=True, decode=decode, input_positions=positions)
+        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(
+            config.vocab_size, config.d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
+        )
+        self.blocks = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = nnx.RMSNorm(config.d_model, epsilon=1e-6, rngs=rngs)
+        self.unembed = (
+            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, decode: bool = False) -> jax.Array:
+        """tokens `[B, T]` int32 at `positions` `[T]` -> logits `[B, T, V]` float32."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, decode)
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.unembed is None else self.unembed(x)
+        return logits.astype(jnp.float32)
+
+
+def build(config: Config, key: jax.Array) -> LanguageModel:
+    graphdef, params = nnx.split(Transformer(config, nnx.Rngs(key)), nnx.Param)
+
+    def apply(params, tokens):
+        return nnx.merge(graphdef, params)(tokens, jnp.arange(tokens.shape[1]))
+
+    def decoder(params, batch, max_len):
+        model = nnx.merge(graphdef, params)
+        dtype = jax.tree.leaves(params)[0].dtype
+        for block in model.blocks:
+            block.attention.init_cache((batch, max_len, config.d_model), dtype)
+        decode_graphdef, _, cache = nnx.split(model, nnx.Param, nnx.Cache)
+
+        def step(params, cache, tokens, position):
+            model = nnx.merge(decode_graphdef, params, cache)
+            logits = model(tokens[:, None], position[None], decode=True)
+            return logits[:, 0], nnx.state(model, nnx.Cache)
+
+        return step, cache
+
+    return LanguageModel(params, apply, decoder, functools.partial(partition_specs, column_axis=1, row_axis=0))

@@ -1,0 +1,263 @@
+"""The training loop: data -> model -> jit-compiled train / eval steps -> metrics, checkpoints -> samples.
+
+Whatever the framework, the loop sees a `LanguageModel`: a params pytree and pure functions over it. The
+optimiser is optax AdamW with linear warmup, cosine decay and global-norm clipping. With `dtype="bfloat16"`
+the float32 params are cast to bfloat16 inside the step (the gradient flows back to float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from lm import data
+from lm.checkpoint import Checkpoints
+from lm.common import LanguageModel, Params
+from lm.config import Config, parse_mesh, to_json
+from lm.sampling import generate
+
+# Dense bfloat16 peak FLOP/s (SXM parts) by device kind; --peak-tflops covers the rest.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def build_model(config: Config, key: jax.Array) -> LanguageModel:
+    """The network of `config.framework`, its model file imported only when asked for."""
+    return importlib.import_module(f"lm.model_{config.framework}").build(config, key)
+
+
+def compute_params(params: Params, config: Config) -> Params:
+    """The params in the compute dtype (a no-op for float32)."""
+    dtype = jnp.dtype(config.dtype)
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.min_lr_ratio,
+    )
+    adamw = optax.adamw(
+        schedule, config.beta1, config.beta2, weight_decay=config.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),  # matrices decay, norm scales do not
+    )
+    return adamw if config.grad_clip is None else optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+
+
+def flops_per_token(config: Config, num_params: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's scores and
+    weighted sum, 12 * layers * heads * head_dim * seq_len, halved because causal attention skips half."""
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * config.seq_len / 2
+    return 6 * num_params + attention
+
+
+def peak_flops(config: Config, num_devices: int) -> float | None:
+    """The peak FLOP/s of `num_devices` devices together, or None where unknown (CPU: MFU is n/a)."""
+    if config.peak_tflops is not None:
+        return config.peak_tflops * 1e12 * num_devices
+    kind = jax.devices()[0].device_kind
+    return next((peak * num_devices for name, peak in _PEAK_FLOPS.items() if name in kind), None)
+
+
+def make_mesh(config: Config) -> jax.sharding.Mesh | None:
+    """The `("data", "model")` mesh of `config.mesh`, or None to run on the default device."""
+    if config.mesh is None:
+        return None
+    axes = parse_mesh(config.mesh)
+    size = axes["data"] * axes["model"]
+    if size > len(jax.devices()):
+        raise ValueError(f"mesh={config.mesh!r} needs {size} devices, this machine has {len(jax.devices())}.")
+    if config.batch_size % axes["data"]:
+        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}.")
+    for name in ("num_heads", "kv_heads", "hidden_dim"):
+        if getattr(config, name) % axes["model"]:
+            raise ValueError(f"{name}={getattr(config, name)} must be a multiple of the model axis, {axes['model']}.")
+    return jax.make_mesh((axes["data"], axes["model"]), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def loss_fn(model: LanguageModel, config: Config, params: Params, batch: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) of `batch` `[B, T + 1]`."""
+    logits = model.apply(compute_params(params, config), batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+class Metrics:
+    """`out/metrics.jsonl`, one JSON row per log step; a resumed run first drops the rows past its step."""
+
+    def __init__(self, path: Path, start_step: int):
+        self.path = path
+        rows = self.read(path) if start_step > 0 and path.exists() else []
+        self.rows = [row for row in rows if row["step"] <= start_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        with self.path.open("a") as file:
+            file.write(json.dumps(row) + "\n")
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], label="train")
+    validation = [r for r in rows if r["val_loss"] is not None]
+    axes.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], "o-", label="validation")
+    axes.set(xlabel="step", ylabel="loss (nats per byte)", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shardings:
+    """Where params, optimiser state and batches live on a mesh; all None without one."""
+
+    params: Any = None
+    opt_state: Any = None
+    batch: NamedSharding | None = None
+
+    @classmethod
+    def on(cls, mesh: jax.sharding.Mesh | None, model: LanguageModel, optimizer: optax.GradientTransformation):
+        if mesh is None:
+            return cls()
+        params = jax.tree.map(lambda _, spec: NamedSharding(mesh, spec), model.params, model.partition(model.params))
+        # Adam's moments follow their parameters; the step count is replicated.
+        opt_state = optax.tree_utils.tree_map_params(
+            optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, model.params), params,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+        return cls(params, opt_state, NamedSharding(mesh, P("data", None)))
+
+    def place(self, batch: np.ndarray) -> jax.Array:
+        return jnp.asarray(batch) if self.batch is None else jax.device_put(batch, self.batch)
+
+
+def make_steps(model: LanguageModel, optimizer: optax.GradientTransformation, config: Config, shardings: Shardings):
+    """The jit-compiled `train_step(params, opt_state, batch) -> (params, opt_state, loss)` and
+    `eval_step(params, batch) -> loss`."""
+    loss = functools.partial(loss_fn, model, config)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(shardings.params, shardings.opt_state, None))
+    def train_step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return train_step, jax.jit(loss)
+
+
+def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
+    """Trains as `config` says and returns the metrics rows (also in `config.out`/metrics.jsonl).
+
+    `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
+    testing `resume`.
+    """
+    out = Path(config.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(to_json(config))
+    train_tokens, val_tokens = data.load_tokens(config)
+    val_batches = data.validation_batches(val_tokens, config)
+    model = build_model(config, jax.random.key(config.seed))
+    optimizer = make_optimizer(config)
+    mesh = make_mesh(config)
+    num_params = sum(x.size for x in jax.tree.leaves(model.params))
+    print(
+        f"{config.framework} model, {num_params / 1e6:.2f}M params, attention={config.attention}, "
+        f"{config.num_layers} layers x {config.num_heads} heads x head_dim {config.head_dim}, "
+        f"batch {config.batch_size} x seq {config.seq_len}, {config.dtype}, devices: {jax.devices()[0].device_kind}"
+        f" x {1 if mesh is None else mesh.size}; {len(train_tokens) / 1e6:.1f}M train / "
+        f"{len(val_tokens) / 1e6:.1f}M validation bytes"
+    )
+
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        shardings = Shardings.on(mesh, model, optimizer)
+        params = model.params if mesh is None else jax.device_put(model.params, shardings.params)
+        opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+        checkpoints = Checkpoints(out / "checkpoints")
+        start = 0
+        if config.resume and checkpoints.latest_step() is not None:
+            start = checkpoints.latest_step()
+            params, opt_state = checkpoints.restore(start, params, opt_state)
+            print(f"resumed from step {start}")
+        metrics = Metrics(out / "metrics.jsonl", start)
+        train_step, eval_step = make_steps(model, optimizer, config, shardings)
+
+        def evaluate(params) -> float:
+            return float(np.mean([eval_step(params, shardings.place(batch)) for batch in val_batches]))
+
+        flops, peak = flops_per_token(config, num_params), peak_flops(config, 1 if mesh is None else mesh.size)
+        last = config.steps if stop_after is None else min(stop_after, config.steps)
+        bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+        losses, timer, timed_steps = [], None, 0  # since the last metrics row
+        try:
+            for step in range(start + 1, last + 1):
+                batch = shardings.place(data.train_batch(train_tokens, config, step))
+                params, opt_state, loss = train_step(params, opt_state, batch)
+                losses.append(loss)
+                if timer is None:  # the first step compiles: time from its end
+                    loss.block_until_ready()
+                    timer = time.perf_counter()
+                else:
+                    timed_steps += 1
+                bar.update()
+                is_eval = step % config.eval_every == 0 or step == config.steps
+                if step % config.log_every == 0 or is_eval:
+                    train_loss = float(np.mean(jax.device_get(losses)))  # waits for the steps to finish
+                    tokens_per_s = timed_steps * config.batch_size * config.seq_len / (time.perf_counter() - timer)
+                    tokens_per_s = tokens_per_s if timed_steps else None
+                    mfu = None if peak is None or tokens_per_s is None else flops * tokens_per_s / peak
+                    val_loss = evaluate(params) if is_eval else None
+                    metrics.append(dict(
+                        step=step, train_loss=train_loss, val_loss=val_loss, tokens_per_s=tokens_per_s, mfu=mfu,
+                    ))
+                    bar.set_postfix(
+                        loss=f"{train_loss:.3f}", tok_s="n/a" if tokens_per_s is None else f"{tokens_per_s:,.0f}",
+                        mfu="n/a" if mfu is None else f"{mfu:.1%}",
+                    )
+                    if val_loss is not None:
+                        bar.write(f"step {step}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}")
+                    losses, timer, timed_steps = [], time.perf_counter(), 0
+                every = config.checkpoint_every
+                if every is not None and (step % every == 0 or step == config.steps):
+                    checkpoints.save(step, params, opt_state)
+        finally:
+            bar.close()
+            checkpoints.close()
+
+    if last < config.steps:
+        return metrics.rows
+    plot_losses(metrics.rows, out / "loss.png", f"{config.framework}, attention={config.attention}")
+    print(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'} and {out / 'checkpoints'}")
+    if config.num_samples:
+        samples = generate(
+            model, compute_params(jax.device_get(params), config), config.sample_prompt.encode(),
+            config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
+            key=jax.random.key(config.seed),
+        )
+        text = "".join(f"--- sample {i} ---\n{s.decode('utf-8', errors='replace')}\n" for i, s in enumerate(samples))
+        (out / "samples.txt").write_text(text)
+        print(text, end="")
+    return metrics.rows
