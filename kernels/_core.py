@@ -553,6 +553,13 @@ def _length_spec():
     return pl.BlockSpec((None,), lambda i, b, h: (b,))
 
 
+def _output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A kernel output that varies over the mesh axes its inputs vary over, so that the kernels run inside
+    `jax.shard_map` with its default `check_vma=True` (outside one, no axis varies)."""
+    manual = max((jax.typeof(x).manual_axis_type for x in inputs), key=lambda t: len(t.varying))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+
+
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
@@ -571,8 +578,8 @@ def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), *extra_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32),
+            _output(q.shape, q.dtype, q, k, v),
+            _output((batch, num_heads, t_pad), jnp.float32, q, k, v),
         ],
         name="probjax_flash_forward",
         **_compiler_params(problem),
@@ -589,10 +596,10 @@ def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, opt
     kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
     out_specs = [q_spec]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [_output(q.shape, q.dtype, q, k, v, do)]
     if emit_ds:
         out_specs.append(pl.BlockSpec((None, None, block_q, s_pad), lambda i, b, h: (b, h, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
+        out_shape.append(_output((batch, num_heads, t_pad, s_pad), jnp.float32, q, k, v, do))
     kernel = functools.partial(_dq_kernel, problem=problem, refs_fn=_refs_fn(problem), emit_ds=emit_ds)
     return pl.pallas_call(
         kernel,
@@ -624,7 +631,7 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
             q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
         ],
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[_output(k.shape, k.dtype, q, k, v, do), _output(v.shape, v.dtype, q, k, v, do)],
         name="probjax_flash_backward_dkv",
         **_compiler_params(problem),
     )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)

@@ -70,3 +70,14 @@ def test_gradient_memory_is_linear_in_sequence_length():
     dense = [temp_mb(flash_attention_reference, seq_len) for seq_len in (1024, 2048)]
     assert flash[1] / flash[0] < 2.2, flash
     assert dense[1] / dense[0] > 3.5, dense  # the check can tell quadratic from linear
+
+
+def test_forward_inside_shard_map_with_default_checks():
+    """Outputs carry their inputs' varying mesh axes, so shard_map's check_vma=True accepts the kernel."""
+    mesh = jax.make_mesh((1,), ("data",))
+    q, k, v = (jax.device_put(x, jax.NamedSharding(mesh, jax.P("data"))) for x in random_qkv(33, 2, 40, 40, 2, 1, 32))
+    sharded = jax.shard_map(
+        lambda q, k, v: flash_attention(q, k, v, causal=True, config=TILES), mesh=mesh,
+        in_specs=jax.P("data"), out_specs=jax.P("data"),
+    )
+    assert_close(jax.jit(sharded)(q, k, v), flash_attention_reference(q, k, v, causal=True), jnp.float32)
