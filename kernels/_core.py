@@ -820,6 +820,9 @@ def attention(
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    if bias is not None and kv_tables is not None:
+        # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
+        raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
     config = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
     q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
