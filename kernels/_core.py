@@ -684,12 +684,20 @@ def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, 
 
     def chunk_gradient(start):
         rows = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)  # noqa: E731
-        q_c = rows(q).reshape(batch, chunk, num_kv_heads, group, d_pad)
-        dot = jnp.einsum("bckgd,bskd->bkgcs", q_c, k, preferred_element_type=jnp.float32,
-                         precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
-        do_c = rows(do).reshape(batch, chunk, num_kv_heads, group, d_pad)
-        dp = jnp.einsum("bckgd,bskd->bkgcs", do_c, v, preferred_element_type=jnp.float32,
-                        precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
+
+        def grouped_dot(x, y):
+            """[B, chunk, N, D] rows of x against [B, S, K, D] y, as [B, N, chunk, S] float32."""
+            x = rows(x).reshape(batch, chunk, num_kv_heads, group, d_pad)
+            return jnp.einsum("bckgd,bskd->bkgcs", x, y, preferred_element_type=jnp.float32,
+                              precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
+
+        def chunk_of(x):
+            """The chunk's query rows of a [B|1, N|1, T|1, S|1] bias or mask (all of a broadcast axis)."""
+            if x is None or x.shape[2] == 1:
+                return x
+            return lax.dynamic_slice_in_dim(x, start, chunk, axis=2)
+
+        dot, dp = grouped_dot(q, k), grouped_dot(do, v)
         lse2_c = lax.dynamic_slice_in_dim(lse2, start, chunk, axis=2)[..., None]
         delta_c = lax.dynamic_slice_in_dim(delta, start, chunk, axis=2)[..., None]
         q_idx = (start + jnp.arange(chunk)).reshape(1, 1, chunk, 1)
@@ -698,10 +706,8 @@ def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, 
             seg = optional.get("q_segment_ids")
             return _ScoreContext(
                 b=b_idx, h=h_idx, q_idx=q_idx, kv_idx=kv_idx, kv_len=kv_len.reshape(batch, 1, 1, 1),
-                bias=None if optional.get("bias") is None else lax.dynamic_slice_in_dim(
-                    optional["bias"], start, chunk, axis=2) if optional["bias"].shape[2] > 1 else optional["bias"],
-                mask=None if optional.get("mask") is None else lax.dynamic_slice_in_dim(
-                    optional["mask"], start, chunk, axis=2) if optional["mask"].shape[2] > 1 else optional["mask"],
+                bias=chunk_of(optional.get("bias")),
+                mask=chunk_of(optional.get("mask")),
                 q_seg=None if seg is None else rows(seg).reshape(batch, 1, chunk, 1),
                 kv_seg=None if seg is None else optional["kv_segment_ids"].reshape(batch, 1, 1, s_pad),
                 dropout_seed=optional.get("dropout_seed"),

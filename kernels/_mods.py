@@ -10,6 +10,8 @@ leaves: a BlockMask built from one passes through `jit` and changes with the dat
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Callable
 
 import jax
@@ -85,18 +87,12 @@ def padding_mask(kv_lengths: jax.Array) -> MaskMod:
 
 def _and_masks(*args):
     *mods, b, h, q_idx, kv_idx = args
-    result = mods[0](b, h, q_idx, kv_idx)
-    for mod in mods[1:]:
-        result = result & mod(b, h, q_idx, kv_idx)
-    return result
+    return functools.reduce(operator.and_, (mod(b, h, q_idx, kv_idx) for mod in mods))
 
 
 def _or_masks(*args):
     *mods, b, h, q_idx, kv_idx = args
-    result = mods[0](b, h, q_idx, kv_idx)
-    for mod in mods[1:]:
-        result = result | mod(b, h, q_idx, kv_idx)
-    return result
+    return functools.reduce(operator.or_, (mod(b, h, q_idx, kv_idx) for mod in mods))
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:
