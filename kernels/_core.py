@@ -32,6 +32,7 @@ from probjax_kernels import _triton
 from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._dropout import keep_mask
 from probjax_kernels._hooks import Hook
+from probjax_kernels._linear import custom_linear
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -93,6 +94,23 @@ class _Refs:
     score_consts: tuple = ()
     mask_consts: tuple = ()
     tables: tuple | None = None  # (num_partial, partial_indices, num_full, full_indices)
+    d_bias: Any = None  # tangent kernel: the tangent of the bias
+    d_score_consts: tuple = ()  # tangent kernel: tangents of the moving score_mod constants
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tangents:
+    """Which inputs have a (nonzero) tangent in a forward-mode pass; static, like `_Problem`."""
+
+    q: bool
+    k: bool
+    v: bool
+    bias: bool
+    score_consts: tuple[bool, ...]
+
+    @property
+    def moves_scores(self) -> bool:
+        return self.q or self.k or self.bias or any(self.score_consts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +130,25 @@ class _ScoreContext:
     dropout_seed: Any = None
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
+    d_bias: Any = None
+    score_mod_jvp: Callable | None = None  # (score, d_score) -> (score_mod(score), its tangent)
+
+
+def _allowed(ctx: _ScoreContext, problem: _Problem):
+    """Where (query, key) pairs attend: key length, window, segments, dense mask and mask_mod."""
+    f = problem.features
+    allowed = ctx.kv_idx < ctx.kv_len
+    if f.window_right is not None:
+        allowed &= ctx.kv_idx <= ctx.q_idx + f.window_right
+    if f.window_left is not None:
+        allowed &= ctx.kv_idx >= ctx.q_idx - f.window_left
+    if ctx.q_seg is not None:
+        allowed &= ctx.q_seg == ctx.kv_seg
+    if ctx.mask is not None:
+        allowed &= ctx.mask != 0
+    if ctx.mask_mod is not None:
+        allowed &= ctx.mask_mod(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)
+    return allowed
 
 
 def _scores(dot, ctx: _ScoreContext, problem: _Problem, masked: bool, with_derivative: bool = False):
@@ -136,19 +173,31 @@ def _scores(dot, ctx: _ScoreContext, problem: _Problem, masked: bool, with_deriv
                 s = modded(s)
         s2 = s * LOG2E
     if masked:
-        allowed = ctx.kv_idx < ctx.kv_len
-        if f.window_right is not None:
-            allowed &= ctx.kv_idx <= ctx.q_idx + f.window_right
-        if f.window_left is not None:
-            allowed &= ctx.kv_idx >= ctx.q_idx - f.window_left
-        if ctx.q_seg is not None:
-            allowed &= ctx.q_seg == ctx.kv_seg
-        if ctx.mask is not None:
-            allowed &= ctx.mask != 0
-        if ctx.mask_mod is not None:
-            allowed &= ctx.mask_mod(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)
-        s2 = jnp.where(allowed, s2, -jnp.inf)
+        s2 = jnp.where(_allowed(ctx, problem), s2, -jnp.inf)
     return s2, derivative
+
+
+def _score_tangents(dot, d_dot, ctx: _ScoreContext, problem: _Problem, masked: bool):
+    """Base-2 scores s2 as in `_scores`, and the tangent of the natural-log score (None when the scores do
+    not move), from `dot` = q k^T and its tangent `d_dot` = dq k^T + q dk^T (None when q and k are fixed).
+    Masked entries of the tangent are left as they are: callers multiply it by p, which is 0 there."""
+    f = problem.features
+    s = dot * f.scale
+    ds = None if d_dot is None else d_dot * f.scale
+    if ctx.bias is not None:
+        s = s + ctx.bias.astype(jnp.float32)
+    if ctx.d_bias is not None:
+        d_bias = ctx.d_bias.astype(jnp.float32)
+        ds = d_bias if ds is None else ds + d_bias
+    if ctx.score_mod_jvp is not None:
+        ds = jnp.zeros_like(s) if ds is None else jnp.broadcast_to(ds, s.shape)
+        s, ds = ctx.score_mod_jvp(s, ds, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)
+    elif ctx.score_mod is not None:
+        s = ctx.score_mod(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx)
+    s2 = s * LOG2E
+    if masked:
+        s2 = jnp.where(_allowed(ctx, problem), s2, -jnp.inf)
+    return s2, ds
 
 
 def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
@@ -260,7 +309,7 @@ def _load_2d(ref, row_start, rows, col_start, cols, head=None):
 
 
 def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, block_q, kv_start, block_k,
-                  kv_len, q_is_tile: bool) -> _ScoreContext:
+                  kv_len, q_is_tile: bool, tangents: _Tangents | None = None) -> _ScoreContext:
     """The score context of tile (q_start:+block_q, kv_start:+block_k) read from a kernel's refs.
 
     `q_is_tile`: the query axis of the bias / mask / segment refs is already the tile (forward, dQ) rather
@@ -283,6 +332,10 @@ def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, 
         dropout_seed=None if refs.dropout_seed is None else refs.dropout_seed[...],
         score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
         mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
+        d_bias=None if refs.d_bias is None else _load_2d(refs.d_bias, q_off, block_q, kv_off, block_k,
+                                                         head_in_block),
+        score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
+            f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
     )
 
 
@@ -440,10 +493,72 @@ def _dkv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+# ----------------------------------------------------------------------------------------- forward-mode tangent
+
+
+def _tangent_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse2_ref, *refs, problem: _Problem, tangents: _Tangents,
+    refs_fn,
+):
+    """d out and d lse of one query tile for tangents of q, k, v, bias and score_mod constants.
+
+    With p = softmax(s) known from lse, d p_j = p_j (d s_j - c) where c = sum_j p_j d s_j, so
+    d out = sum_j p_j z_j (d s_j v_j + d v_j) - c out and d lse = c (z: the dropout factor; out is already
+    dropped). One pass over the KV tiles accumulates both sums; c is subtracted once at the end.
+    """
+    refs = list(refs)
+    dq_ref = refs.pop(0) if tangents.q else None
+    dk_ref = refs.pop(0) if tangents.k else None
+    dv_ref = refs.pop(0) if tangents.v else None
+    *input_refs, d_out_ref, d_lse_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q, cfg.block_k
+    q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    q, lse2 = q_ref[...], lse2_ref[...]
+    dq = None if dq_ref is None else dq_ref[...]
+    dropout = problem.features.dropout_rate > 0
+
+    def body(kv_tile, carry, masked: bool):
+        acc, c = carry
+        kv = pl.ds(kv_tile * block_k, block_k)
+        k, v = k_ref[kv, :], v_ref[kv, :]
+        ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, kv_tile * block_k, block_k,
+                            kv_len, True, tangents)
+        d_dot = None if dq is None else _dot(dq, k, (1, 1), problem.precision)
+        if dk_ref is not None:
+            q_dk = _dot(q, dk_ref[kv, :], (1, 1), problem.precision)
+            d_dot = q_dk if d_dot is None else d_dot + q_dk
+        s2, ds = _score_tangents(_dot(q, k, (1, 1), problem.precision), d_dot, ctx, problem, masked)
+        p = jnp.exp2(s2 - lse2[:, None])
+        scale = _dropout_scale(ctx, problem) if dropout else None
+        if ds is not None:
+            p_ds = jnp.where(p > 0, p * ds, 0.0)  # a non-finite tangent where p = 0 must not leak
+            c = c + jnp.sum(p_ds, axis=1)
+            if dropout:
+                p_ds = p_ds * scale
+            acc = acc + _dot(p_ds.astype(v.dtype), v, (1, 0), problem.precision)
+        if dv_ref is not None:
+            p_kept = p * scale if dropout else p
+            dv = dv_ref[kv, :]
+            acc = acc + _dot(p_kept.astype(dv.dtype), dv, (1, 0), problem.precision)
+        return acc, c
+
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    if opt.tables is not None:
+        acc, c = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, carry, problem)
+    else:
+        tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+        acc, c = _run_ranges(tile_range, body, carry)
+    d_out_ref[...] = (acc - c[:, None] * out_ref[...].astype(jnp.float32)).astype(d_out_ref.dtype)
+    d_lse_ref[...] = c
+
+
 # ----------------------------------------------------------------------------------------------- block specs
 
 
-def _refs_fn(problem: _Problem):
+def _refs_fn(problem: _Problem, tangents: _Tangents | None = None):
     """Maps the trailing optional input refs of a kernel to `_Refs`, in the order `_optional_inputs` uses."""
 
     def to_refs(refs):
@@ -462,6 +577,10 @@ def _refs_fn(problem: _Problem):
         fields["mask_consts"] = take(problem.num_mask_consts)
         if problem.table_shape is not None:
             fields["tables"] = take(4)
+        if tangents is not None:
+            if tangents.bias:
+                (fields["d_bias"],) = take(1)
+            fields["d_score_consts"] = take(sum(tangents.score_consts))
         assert not refs
         return _Refs(**fields)
 
@@ -477,6 +596,7 @@ def _optional_inputs(arrays: dict, problem: _Problem, kind: str, block_q: int, b
 
     "q" grids are (q_tile, b, h) and see one query tile against the whole key axis; "kv" grids are
     (kv_tile, b, kv_head) and see one key tile against the whole query axis of the group's query heads.
+    The tangent kernel's `d_bias` and `d_score_consts` come last, laid out like the bias and the constants.
     """
     group = problem.group
     inputs, specs = [], []
@@ -494,23 +614,9 @@ def _optional_inputs(arrays: dict, problem: _Problem, kind: str, block_q: int, b
                 pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)),
             ]
     for name in ("bias", "mask"):
-        x = arrays.get(name)
-        if x is None:
-            continue
-        nb, nh, nt, ns = x.shape
-        if kind == "q":
-            block = (None, None, block_q if nt > 1 else 1, ns)
-
-            def index_map(i, b, h, nb=nb, nh=nh, nt=nt):
-                return (b if nb > 1 else 0, h if nh > 1 else 0, i if nt > 1 else 0, 0)
-        else:
-            block = (None, group if nh > 1 else None, nt, block_k if ns > 1 else 1)
-
-            def index_map(j, b, h, nb=nb, nh=nh, ns=ns):
-                return (b if nb > 1 else 0, h if nh > 1 else 0, 0, j if ns > 1 else 0)
-
-        inputs.append(x)
-        specs.append(pl.BlockSpec(block, index_map))
+        if arrays.get(name) is not None:
+            inputs.append(arrays[name])
+            specs.append(_broadcast_spec(arrays[name].shape, kind, block_q, block_k, group))
     if problem.features.dropout_rate > 0:
         inputs.append(arrays["dropout_seed"])
         specs.append(pl.BlockSpec((), lambda *_: ()))
@@ -539,7 +645,30 @@ def _optional_inputs(arrays: dict, problem: _Problem, kind: str, block_q: int, b
             )
         inputs += list(tables)
         specs += [num_spec, idx_spec, num_spec, idx_spec]
+    if arrays.get("d_bias") is not None:
+        inputs.append(arrays["d_bias"])
+        specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, block_q, block_k, group))
+    for const in arrays.get("d_score_consts", ()):
+        inputs.append(const)
+        specs.append(_whole(const))
     return inputs, specs
+
+
+def _broadcast_spec(shape, kind: str, block_q: int, block_k: int, group: int) -> pl.BlockSpec:
+    """The BlockSpec of a [B|1, N|1, T|1, S|1] bias or mask on a "q" or "kv" grid (see `_optional_inputs`)."""
+    nb, nh, nt, ns = shape
+    if kind == "q":
+        block = (None, None, block_q if nt > 1 else 1, ns)
+
+        def index_map(i, b, h):
+            return (b if nb > 1 else 0, h if nh > 1 else 0, i if nt > 1 else 0, 0)
+    else:
+        block = (None, group if nh > 1 else None, nt, block_k if ns > 1 else 1)
+
+        def index_map(j, b, h):
+            return (b if nb > 1 else 0, h if nh > 1 else 0, 0, j if ns > 1 else 0)
+
+    return pl.BlockSpec(block, index_map)
 
 
 def _compiler_params(problem: _Problem):
@@ -637,6 +766,40 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
     )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
 
 
+def _tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
+             optional: dict):
+    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad = k.shape[1]
+    block_q = problem.config.block_q
+    group = problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k)
+    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    lin, lin_specs = [], []
+    for name, spec in (("q", q_spec), ("k", kv_spec), ("v", kv_spec)):
+        if getattr(tangents, name):
+            lin.append(linear[name])
+            lin_specs.append(spec)
+    kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents,
+                               refs_fn=_refs_fn(problem, tangents))
+    varying = (q, k, v, *lin)
+    return pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, batch, num_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, *lin_specs,
+                  *extra_specs],
+        out_specs=[q_spec, row_spec],
+        out_shape=[
+            _output(q.shape, q.dtype, *varying),
+            _output((batch, num_heads, t_pad), jnp.float32, *varying),
+        ],
+        name="probjax_flash_tangent",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, out, lse2, *lin, *extra)
+
+
 # ------------------------------------------------------------------------- gradients of score_mod's constants
 
 
@@ -666,58 +829,75 @@ def _prepare_hooks(features: Features, config: FlashConfig, batch: int, num_head
             features.mask_mod.prepare(*indices)
 
 
-def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, optional: dict, consts):
-    """d loss / d (arrays score_mod closes over), by recomputing dS in XLA over query chunks.
+def _chunk_context(problem: _Problem, shape: tuple[int, int, int, int], start, chunk: int, kv_len, optional: dict,
+                   score_consts) -> _ScoreContext:
+    """The score context of query rows [start, start + chunk) against all keys, as [B, N, chunk, S] grids.
+
+    `shape` is (B, N, T, S) padded; bias / mask keep their broadcast axes of size 1."""
+    batch, num_heads, _, s_pad = shape
+    f = problem.features
+
+    def rows(x):
+        """The chunk's query rows of a [B|1, N|1, T|1, S|1] bias or mask (all of a broadcast axis)."""
+        if x is None or x.shape[2] == 1:
+            return x
+        return lax.dynamic_slice_in_dim(x, start, chunk, axis=2)
+
+    seg = optional.get("q_segment_ids")
+    mask_consts = optional["mask_consts"]
+    return _ScoreContext(
+        b=jnp.arange(batch).reshape(batch, 1, 1, 1),
+        h=jnp.arange(num_heads).reshape(1, num_heads, 1, 1),
+        q_idx=(start + jnp.arange(chunk)).reshape(1, 1, chunk, 1),
+        kv_idx=jnp.arange(s_pad).reshape(1, 1, 1, s_pad),
+        kv_len=kv_len.reshape(batch, 1, 1, 1),
+        bias=rows(optional.get("bias")),
+        mask=rows(optional.get("mask")),
+        q_seg=None if seg is None else lax.dynamic_slice_in_dim(seg, start, chunk, axis=1).reshape(
+            batch, 1, chunk, 1),
+        kv_seg=None if seg is None else optional["kv_segment_ids"].reshape(batch, 1, 1, s_pad),
+        dropout_seed=optional.get("dropout_seed"),
+        score_mod=None if f.score_mod is None else functools.partial(f.score_mod.on_values, score_consts),
+        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.on_values, mask_consts),
+    )
+
+
+def _chunk_dot(x, y, start, chunk: int, group: int, precision):
+    """Rows [start, start + chunk) of x [B, T, N, D] against y [B, S, K, D], as [B, N, chunk, S] float32."""
+    batch, _, num_heads, d_pad = x.shape
+    x = lax.dynamic_slice_in_dim(x, start, chunk, axis=1).reshape(batch, chunk, num_heads // group, group, d_pad)
+    return jnp.einsum("bckgd,bskd->bkgcs", x, y, preferred_element_type=jnp.float32,
+                      precision=precision).reshape(batch, num_heads, chunk, y.shape[1])
+
+
+def _with_moving(consts: tuple, moving: tuple[bool, ...], values) -> tuple:
+    """`consts` with the entries flagged in `moving` replaced by `values`, in order."""
+    values = iter(values)
+    return tuple(next(values) if m else c for c, m in zip(consts, moving))
+
+
+def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, optional: dict, consts: tuple,
+                           moving: tuple[bool, ...]) -> tuple:
+    """d loss / d (the arrays score_mod closes over that are flagged in `moving`), by recomputing dS in XLA
+    over query chunks.
 
     Deterministic (no atomics) and general in the hook; it costs about one more dense forward pass, with a
     working set of one query chunk: [B, N, chunk, S] floats.
     """
-    batch, t_pad, num_heads, d_pad = q.shape
-    s_pad, num_kv_heads = k.shape[1], k.shape[2]
-    group = problem.group
-    chunk = _xla_chunk(batch, num_heads, t_pad, s_pad)
-    f = problem.features
-    mask_consts = optional["mask_consts"]
-    b_idx = jnp.arange(batch).reshape(batch, 1, 1, 1)
-    h_idx = jnp.arange(num_heads).reshape(1, num_heads, 1, 1)
-    kv_idx = jnp.arange(s_pad).reshape(1, 1, 1, s_pad)
+    batch, t_pad, num_heads, _ = q.shape
+    shape = (batch, num_heads, t_pad, k.shape[1])
+    chunk = _xla_chunk(*shape)
 
     def chunk_gradient(start):
-        rows = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)  # noqa: E731
-
-        def grouped_dot(x, y):
-            """[B, chunk, N, D] rows of x against [B, S, K, D] y, as [B, N, chunk, S] float32."""
-            x = rows(x).reshape(batch, chunk, num_kv_heads, group, d_pad)
-            return jnp.einsum("bckgd,bskd->bkgcs", x, y, preferred_element_type=jnp.float32,
-                              precision=problem.precision).reshape(batch, num_heads, chunk, s_pad)
-
-        def chunk_of(x):
-            """The chunk's query rows of a [B|1, N|1, T|1, S|1] bias or mask (all of a broadcast axis)."""
-            if x is None or x.shape[2] == 1:
-                return x
-            return lax.dynamic_slice_in_dim(x, start, chunk, axis=2)
-
-        dot, dp = grouped_dot(q, k), grouped_dot(do, v)
+        dot = _chunk_dot(q, k, start, chunk, problem.group, problem.precision)
+        dp = _chunk_dot(do, v, start, chunk, problem.group, problem.precision)
         lse2_c = lax.dynamic_slice_in_dim(lse2, start, chunk, axis=2)[..., None]
         delta_c = lax.dynamic_slice_in_dim(delta, start, chunk, axis=2)[..., None]
-        q_idx = (start + jnp.arange(chunk)).reshape(1, 1, chunk, 1)
-
-        def context(score_consts):
-            seg = optional.get("q_segment_ids")
-            return _ScoreContext(
-                b=b_idx, h=h_idx, q_idx=q_idx, kv_idx=kv_idx, kv_len=kv_len.reshape(batch, 1, 1, 1),
-                bias=chunk_of(optional.get("bias")),
-                mask=chunk_of(optional.get("mask")),
-                q_seg=None if seg is None else rows(seg).reshape(batch, 1, chunk, 1),
-                kv_seg=None if seg is None else optional["kv_segment_ids"].reshape(batch, 1, 1, s_pad),
-                dropout_seed=optional.get("dropout_seed"),
-                score_mod=functools.partial(f.score_mod.on_values, score_consts),
-                mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.on_values, mask_consts),
-            )
-
-        s2, vjp = jax.vjp(lambda c: _scores(dot, context(c), problem, masked=True)[0], consts)
+        context = functools.partial(_chunk_context, problem, shape, start, chunk, kv_len, optional)
+        scores = lambda m: _scores(dot, context(_with_moving(consts, moving, m)), problem, masked=True)[0]  # noqa: E731
+        s2, vjp = jax.vjp(scores, moved)
         p = jnp.exp2(s2 - lse2_c)
-        if f.dropout_rate > 0:
+        if problem.features.dropout_rate > 0:
             dp = dp * _dropout_scale(context(consts), problem)
         ds = p * (dp - delta_c)
         (grads,) = vjp(ds / LOG2E)  # s2 = log2(e) * score
@@ -726,61 +906,146 @@ def _score_const_gradients(problem: _Problem, q, k, v, kv_len, do, lse2, delta, 
     def accumulate(i, total):
         return jax.tree.map(jnp.add, total, chunk_gradient(i * chunk))
 
-    zeros = jax.tree.map(lambda c: jnp.zeros(c.shape, jnp.float32), consts)
+    moved = tuple(c for c, m in zip(consts, moving) if m)
+    zeros = tuple(jnp.zeros(c.shape, jnp.float32) for c in moved)
     total = lax.fori_loop(0, t_pad // chunk, accumulate, zeros)
-    return jax.tree.map(lambda g, c: g.astype(c.dtype), total, consts)
+    return tuple(g.astype(c.dtype) for g, c in zip(total, moved))
 
 
-# -------------------------------------------------------------------------------------------------- custom_vjp
+def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
+    """(out, lse) like the kernels, as XLA ops over query chunks: differentiable to any order, with a working
+    set of one [B, N, chunk, S] chunk (rematerialised under reverse mode). Only second-order derivatives
+    (a derivative of the forward-mode tangent) run it."""
+    batch, t_pad, num_heads, d_pad = q.shape
+    shape = (batch, num_heads, t_pad, k.shape[1])
+    chunk = _xla_chunk(*shape)
+    optional = dict(others, bias=bias)
+    v32 = v.astype(jnp.float32)
+
+    @jax.checkpoint
+    def one_chunk(start):
+        context = _chunk_context(problem, shape, start, chunk, kv_len, optional, score_consts)
+        s2, _ = _scores(_chunk_dot(q, k, start, chunk, problem.group, problem.precision), context, problem, True)
+        m = lax.stop_gradient(jnp.max(s2, axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp2(s2 - m)
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        valid = (context.q_idx < q_len.reshape(batch, 1, 1, 1)) & (l > 0)
+        safe_l = jnp.where(valid, l, 1.0)
+        weights = jnp.where(valid, p / safe_l, 0.0)
+        if problem.features.dropout_rate > 0:
+            weights = weights * _dropout_scale(context, problem)
+        weights = weights.reshape(batch, num_heads // problem.group, problem.group, chunk, -1)
+        out = jnp.einsum("bkgcs,bskd->bckgd", weights, v32, precision=lax.Precision.HIGHEST)
+        lse = jnp.where(valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)[..., 0]
+        return out.reshape(batch, chunk, num_heads, d_pad), lse
+
+    outs, lses = lax.map(one_chunk, jnp.arange(0, t_pad, chunk))
+    out = jnp.moveaxis(outs, 0, 1).reshape(batch, t_pad, num_heads, d_pad).astype(q.dtype)
+    lse = jnp.moveaxis(lses, 0, 2).reshape(batch, num_heads, t_pad)
+    return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
-    """Padded inputs in, (out, lse) padded out. `others` holds the inputs without gradients."""
-    return _forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
+# ---------------------------------------------------------------------------------------- autodiff structure
+#
+# `_attention` is a custom_jvp whose tangent is `custom_linear`: applied, it is the tangent kernel (jax.jvp);
+# transposed, it is the backward kernels (jax.grad, through jax.linearize); differentiated in its residuals
+# (second order: grad of jvp, hessian), it is `_dense_attention` under jax.jvp.
 
 
-def _attention_fwd(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others):
-    values = _value((q, k, v, bias, score_consts, q_len, kv_len, others))
-    q_, k_, v_, bias_, score_consts_, q_len_, kv_len_, others_ = values
-    out, lse = _forward(problem, q_, k_, v_, q_len_, kv_len_, dict(others_, bias=bias_, score_consts=score_consts_))
-    # The bias gradient costs a [B, N, T, S] buffer, the hook-constant gradient an XLA pass: do them only
-    # for inputs that are being differentiated.
-    wants = (bias is not None and bias.perturbed, any(c.perturbed for c in score_consts))
-    wants = tuple(() if w else None for w in wants)
-    return (out, lse), (values, out, lse, wants)
+def _residual_lse2(lse):
+    # Rows without any attended key carry lse = -inf; +inf makes p = exp2(s - lse) exactly 0 there.
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
 
 
-def _attention_bwd(problem: _Problem, saved, cotangents):
-    (q, k, v, bias, score_consts, q_len, kv_len, others), out, lse, (wants_dbias, wants_dconsts) = saved
-    d_out, d_lse = cotangents
-    d_out = jnp.zeros_like(out) if isinstance(d_out, jax.custom_derivatives.SymbolicZero) else d_out
+def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels."""
+    q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
+    bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
     # delta_i = rowsum(dO * O) (FlashAttention-2 preprocess); an lse cotangent enters as -d_lse because
     # d lse / d s = p, which makes dS = p * (dP - delta + d_lse).
     delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
-        delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    # Rows without any attended key carry lse = -inf; +inf makes p = exp2(s - lse) exactly 0 there.
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-    optional = dict(others, bias=bias, score_consts=score_consts)
-    emit_ds = bias is not None and wants_dbias is not None
-    dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, emit_ds)
-    dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
-    dbias = None
-    if emit_ds:
-        broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
-        dbias = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
-    dconsts = jax.tree.map(lambda _: None, score_consts)
-    if wants_dconsts is not None:
-        dconsts = _score_const_gradients(problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts)
-    return dq, dk, dv, dbias, dconsts, None, None, jax.tree.map(lambda _: None, others)
+    delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+    lse2 = _residual_lse2(lse)
+    optional = dict(res["others"], bias=bias, score_consts=score_consts)
+    grads = {}
+    if tangents.q or tangents.bias:
+        dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, tangents.bias)
+        if tangents.q:
+            grads["q"] = dq
+        if tangents.bias:
+            broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+            grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+    if tangents.k or tangents.v:
+        dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    if any(tangents.score_consts):
+        grads["score_consts"] = _score_const_gradients(
+            problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts, tangents.score_consts
+        )
+    return grads
 
 
-def _value(x):
-    return jax.tree.map(lambda leaf: leaf.value, x, is_leaf=lambda leaf: hasattr(leaf, "perturbed"))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
+    """Padded inputs in, (out, lse) padded out. `others` holds the inputs without derivatives."""
+    return _forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+def _is_zero(t) -> bool:
+    return t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+@functools.partial(_attention.defjvp, symbolic_zeros=True)
+def _attention_jvp(problem: _Problem, primals, tangents_in):
+    q, k, v, bias, score_consts, q_len, kv_len, others = primals
+    dq, dk, dv, d_bias, d_consts = tangents_in[:5]
+    # The primal through `_attention` itself, so that an outer derivative of this rule (second order) finds it.
+    out, lse = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
+    tangents = _Tangents(
+        q=not _is_zero(dq), k=not _is_zero(dk), v=not _is_zero(dv), bias=bias is not None and not _is_zero(d_bias),
+        score_consts=tuple(not _is_zero(t) for t in d_consts),
+    )
+    linear = {name: t for name, t in (("q", dq), ("k", dk), ("v", dv), ("bias", d_bias)) if not _is_zero(t)}
+    if any(tangents.score_consts):
+        linear["score_consts"] = tuple(t for t in d_consts if not _is_zero(t))
+    if not linear:
+        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+    residuals = dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias, score_consts=score_consts, q_len=q_len,
+                     kv_len=kv_len, others=others)
+    res_flat, res_tree = jax.tree.flatten(residuals)
+    lin_flat, lin_tree = jax.tree.flatten(linear)
+    unflatten_res = functools.partial(jax.tree.unflatten, res_tree)
+    unflatten_lin = functools.partial(jax.tree.unflatten, lin_tree)
+
+    def apply(res_flat, lin_flat):
+        res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
+        optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"],
+                        d_bias=lin.get("bias"), d_score_consts=lin.get("score_consts", ()))
+        return _tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"], res["out"],
+                        _residual_lse2(res["lse"]), lin, optional)
+
+    def transpose(res_flat, cts):
+        grads = _backward(problem, tangents, unflatten_res(res_flat), *cts)
+        return jax.tree.leaves({name: grads[name] for name in linear})
+
+    def reference(res_flat, lin_flat):
+        res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
+        moving = [c for c, m in zip(res["score_consts"], tangents.score_consts) if m]
+
+        def dense(q, k, v, bias, moving):
+            consts = _with_moving(res["score_consts"], tangents.score_consts, moving)
+            return _dense_attention(problem, q, k, v, bias, consts, res["q_len"], res["kv_len"], res["others"])
+
+        zero = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+        primal = (res["q"], res["k"], res["v"], res["bias"], moving)
+        tangent = tuple(lin.get(name, zero(x)) for name, x in zip(("q", "k", "v", "bias"), primal[:4]))
+        _, d = jax.jvp(dense, primal, (*tangent, list(lin.get("score_consts", ()))))
+        return list(d)
+
+    out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
+    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs)
+    return (out, lse), (d_out, d_lse)
 
 
 # ---------------------------------------------------------------------------------------------- entry point

@@ -71,6 +71,35 @@ class Hook:
         return result
 
 
+    def jvp_in_kernel(self, const_refs, tangent_refs, moved: tuple[bool, ...], score, d_score, *indices):
+        """(hook(score), its tangent) inside a Pallas kernel, for a score tangent `d_score` and tangents
+        `tangent_refs` of the captured arrays flagged in `moved` (the others are held fixed)."""
+        args = (score, *indices)
+        key = ("jvp", moved, _key(args))
+        if key not in self.jaxprs:
+            self._jaxpr(args)  # the primal must have been prepared at this shape
+
+            def tangent(consts, d_consts, s, ds, *idx):
+                def of_moving(s, moving):
+                    it = iter(moving)
+                    full = [next(it) if m else c for c, m in zip(consts, moved)]
+                    return self.on_values(full, s, *idx)
+
+                moving = [c for c, m in zip(consts, moved) if m]
+                return jax.jvp(of_moving, (s, moving), (ds, list(d_consts)))
+
+            specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
+            d_specs = [s for s, m in zip(specs, moved) if m]
+            arg_specs = [jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in args]
+            self.jaxprs[key] = jax.make_jaxpr(tangent)(specs, d_specs, arg_specs[0], arg_specs[0], *arg_specs[1:])
+        closed = self.jaxprs[key]
+        env = dict(zip(closed.jaxpr.constvars, closed.consts))
+        refs = [*const_refs, *tangent_refs]
+        env.update(zip(closed.jaxpr.invars, [*map(_RefValue, refs), score, d_score, *indices]))
+        value, tangent = _eval(closed.jaxpr, env)
+        return value, tangent
+
+
 def _key(args) -> tuple:
     return tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in args)
 
