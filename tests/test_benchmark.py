@@ -111,7 +111,7 @@ def test_measurements_and_flop_count(report):
         assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"]
         assert row["xla_arg_mb"] > 0 and row["xla_out_mb"] > 0
         flops = 4 * BATCH * HEADS * row["seq"] ** 2 * HEAD_DIM
-        flops *= (0.5 if row["causal"] else 1) * (3.5 if row["mode"] == "fwd_bwd" else 1)
+        flops *= (0.5 if row["causal"] else 1) * {"fwd": 1, "fwd_bwd": 3.5, "jvp": 3}[row["mode"]]
         assert row["tflops"] == pytest.approx(flops / (row["median_ms"] * 1e-3) / 1e12, rel=1e-9)
 
 
@@ -121,6 +121,20 @@ def test_flop_formula():
     assert attention_flops(2, 3, 100, 16, causal=True, mode="fwd") == forward / 2
     assert attention_flops(2, 3, 100, 16, causal=False, mode="fwd_bwd") == 3.5 * forward
     assert attention_flops(2, 3, 100, 16, causal=True, mode="fwd_bwd") == 1.75 * forward
+    assert attention_flops(2, 3, 100, 16, causal=True, mode="jvp") == 1.5 * forward
+
+
+def test_jvp_mode_rows(tmp_path):
+    """Forward-mode AD rows: the output and its tangent against the reference's jax.jvp."""
+    path = tmp_path / "jvp.json"
+    args = ["--output", str(path), "--seq-lens", "40", "--ragged-seq-lens", "--head-dims", str(HEAD_DIM),
+            "--batch", str(BATCH), "--heads", str(HEADS), "--dtypes", "float32", "--modes", "jvp", "--causal", "1",
+            "--impls", *PROBJAX, "jax_xla"]
+    assert main(args) == 0
+    rows = json.loads(path.read_text())["results"]
+    assert [(row["impl"], row["mode"]) for row in rows] == [(impl, "jvp") for impl in (*PROBJAX, "jax_xla")]
+    for row in rows:
+        assert row["max_abs_err"] < 1e-4 and row["rel_err"] < 1e-4, row
 
 
 def test_append_keeps_old_rows(report_path, report, tmp_path):

@@ -83,7 +83,7 @@ def test_tile_ranges_cover_every_pair_and_unmasked_tiles_need_no_mask(
     num_kv_heads=st.integers(1, 2), group=st.integers(1, 3), head_dim=st.sampled_from([16, 32, 48, 80]),
     causal=st.booleans(), use_lengths=st.booleans(), block_q=blocks, block_k=blocks, seed=st.integers(0, 99),
 )
-def test_random_shapes_forward_and_gradients(
+def test_random_shapes_forward_gradients_and_jvp(
     batch, q_len, kv_len, num_kv_heads, group, head_dim, causal, use_lengths, block_q, block_k, seed
 ):
     keys = jax.random.split(jax.random.key(seed), 5)
@@ -107,3 +107,8 @@ def test_random_shapes_forward_and_gradients(
     expected_grads = jax.grad(lambda *a: jnp.sum(flash_attention_reference(*a, **kwargs) * cotangent), (0, 1, 2))
     for name, a, e in zip(("dq", "dk", "dv"), grads(q, k, v), expected_grads(q, k, v)):
         assert_close(a, e, jnp.float32, name)
+
+    tangents = tuple(jax.random.normal(key, x.shape, jnp.float32) for key, x in zip(keys[2:], (q, k, v)))
+    _, d_out = jax.jvp(lambda *a: flash_attention(*a, config=config, **kwargs), (q, k, v), tangents)
+    _, expected_d_out = jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), (q, k, v), tangents)
+    assert_close(d_out, expected_d_out, jnp.float32, "d_out")

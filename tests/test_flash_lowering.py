@@ -101,3 +101,40 @@ def test_flash_dropout_lowers():
 
     lower_for_cuda(jax.grad(loss, (0, 1, 2)), spec((B, T, N, 64), jnp.float16), spec((B, S, K, 64), jnp.float16),
                    spec((B, S, K, 64), jnp.float16))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tangent_kernel_lowers(head_dim):
+    """Forward mode: the tangent kernel with every flash option and tangents of q, k, v and the bias."""
+    config = FlashConfig(backend="triton")
+
+    def attention(q, k, v, bias, mask, segments, lengths):
+        return flash_attention(
+            q, k, v, bias=bias, mask=mask, q_segment_ids=segments, kv_segment_ids=segments, q_lengths=lengths,
+            kv_lengths=lengths, window=(64, 8), causal=True, dropout_rate=0.1, dropout_seed=3, return_lse=True,
+            config=config,
+        )
+
+    def jvp(q, k, v, bias, mask, segments, lengths):
+        return jax.jvp(lambda q, k, v, bias: attention(q, k, v, bias, mask, segments, lengths), (q, k, v, bias),
+                       (q, k, v, bias))
+
+    x = spec((B, T, N, head_dim), jnp.bfloat16)
+    kv = spec((B, T, K, head_dim), jnp.bfloat16)
+    text = lower_for_cuda(jvp, x, kv, kv, spec((1, N, T, T), jnp.float32), spec((B, 1, 1, T), jnp.bool_),
+                          spec((B, T), jnp.int32), spec((B,), jnp.int32))
+    assert "probjax_flash_tangent" in text
+
+
+def test_flex_tangent_kernel_lowers():
+    """Forward mode through hooks: the jvp of score_mod in its captured arrays reads their tangents as refs."""
+
+    def jvp(q, k, v, slopes, table, ids):
+        fn = lambda q, k, v, slopes, table: _flex_loss(True)(q, k, v, slopes, table, ids)  # noqa: E731
+        return jax.jvp(fn, (q, k, v, slopes, table), (q, k, v, slopes, table))
+
+    text = lower_for_cuda(
+        jvp, spec((B, T, N, 64), jnp.bfloat16), spec((B, T, K, 64), jnp.bfloat16), spec((B, T, K, 64), jnp.bfloat16),
+        spec((N,), jnp.float32), spec((N, 2 * T - 1), jnp.float32), spec((B, T), jnp.int32),
+    )
+    assert "probjax_flash_tangent" in text

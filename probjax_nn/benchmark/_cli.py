@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_nn.benchmark._impls import FLOATS, IMPLS, MODES, SEED_IMPLS, Case, Impl, reference_outputs
+from probjax_nn.benchmark._impls import FLOATS, IMPLS, MODES, SEED_IMPLS, SEED_MODES, Case, Impl, reference_outputs
 from probjax_nn.benchmark._timing import attention_flops, time_steps
 
 USAGE = """\
@@ -34,9 +34,10 @@ python -m probjax_nn.benchmark plot FILE [--out-dir DIR]"""
 DESCRIPTION = """\
 Attention speed, memory and error of probjax against every peer a user could pick instead, one JSON row per
 impl x dtype x head_dim x seq x causal x mode (q, k, v [B, T, N, D], S = T). Each row: max_abs_err and
-rel_err against a float32 reference (fwd: the output; fwd_bwd: dq, dk, dv of sum(out * cotangent)),
-XLA's memory analysis (JAX) or peak memory (torch), compile_s, the median and quartiles of 7 samples of an
-inner loop (after a warm-up), and TFLOP/s (4 B N T S D per forward, half when causal, 3.5x for fwd_bwd).
+rel_err against a float32 reference (fwd: the output; fwd_bwd: dq, dk, dv of sum(out * cotangent); jvp:
+the output and its tangent), XLA's memory analysis (JAX) or peak memory (torch), compile_s, the median and
+quartiles of 7 samples of an inner loop (after a warm-up), and TFLOP/s (4 B N T S D per forward, half when
+causal, 3.5x for fwd_bwd, 3x for jvp).
 A failing case (out of memory, unsupported, impl missing) gets an "error" instead and the run goes on; a
 dtype an impl never computes in is left out. `plot FILE` draws the PNGs and a Markdown summary."""
 
@@ -66,7 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="lengths that are not a multiple of the block size; measured together with --seq-lens",
     )
     parser.add_argument("--dtypes", nargs="+", choices=FLOATS, default=["bfloat16", "float32"])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(SEED_MODES),
+                        help="fwd, fwd_bwd (the default, the seed's) and jvp (forward-mode AD)")
     parser.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[0, 1])
     parser.add_argument(
         "--impls", nargs="+", choices=tuple(IMPLS), metavar="IMPL",

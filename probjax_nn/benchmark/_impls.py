@@ -2,7 +2,8 @@
 
 Every adapter gets the same `Case`: q, k, v `[B, T, N, D]` in the benchmark dtype and a float32 cotangent,
 made once per shape. `Impl.build(case)` returns a `Runner`, the step ready to time: "fwd" computes the
-attention output, "fwd_bwd" the gradients of `sum(out * cotangent)` w.r.t. q, k and v. JAX steps are
+attention output, "fwd_bwd" the gradients of `sum(out * cotangent)` w.r.t. q, k and v, "jvp" the output and
+its forward-mode tangent (`jax.jvp`) for tangents of q, k and v made from the cotangent. JAX steps are
 jitted and compiled in `build` (compile_s, XLA's memory analysis); torch steps run twice there (the first
 call's time is compile_s; the second measures peak memory). torch, tokamax and JAX's Pallas Triton op are
 imported only by the adapters that need them.
@@ -23,7 +24,8 @@ import numpy as np
 import probjax_nn
 from probjax_kernels import causal_mask, create_block_mask, flash_attention_reference, flex_attention
 
-MODES = ("fwd", "fwd_bwd")
+MODES = ("fwd", "fwd_bwd", "jvp")
+SEED_MODES = ("fwd", "fwd_bwd")  # the seed's grid; "jvp" is asked for by name
 FLOATS = ("bfloat16", "float16", "float32")
 HALF = ("bfloat16", "float16")
 _MB = 1 / 2**20
@@ -36,9 +38,9 @@ class Case:
     q: jax.Array  # [B, T, N, D]
     k: jax.Array  # [B, T, N, D]
     v: jax.Array  # [B, T, N, D]
-    cotangent: jax.Array  # float32, [B, T, N, D]: the output's cotangent in fwd_bwd
+    cotangent: jax.Array  # float32, [B, T, N, D]: the output's cotangent in fwd_bwd, the tangents' source in jvp
     causal: bool
-    mode: str  # "fwd" | "fwd_bwd"
+    mode: str  # "fwd" | "fwd_bwd" | "jvp"
 
 
 class Runner(Protocol):
@@ -69,10 +71,18 @@ class Impl:
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (q, k, v) -> out, for one Case
 
 
+def jvp_tangents(q: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The tangents of q, k and v in mode "jvp": the cotangent rolled by 0, 1 and 2 rows, in q's dtype."""
+    return tuple(jnp.roll(cotangent, shift, axis=1).astype(q.dtype) for shift in range(3))
+
+
 def jax_step(attention: Attention, mode: str) -> Callable:
-    """fwd: (q, k, v) -> out; fwd_bwd: (q, k, v, cotangent) -> (dq, dk, dv) of sum(out * cotangent)."""
+    """fwd: (q, k, v) -> out; fwd_bwd: (q, k, v, cotangent) -> (dq, dk, dv) of sum(out * cotangent);
+    jvp: (q, k, v, cotangent) -> (out, d_out) for the tangents `jvp_tangents(q, cotangent)`."""
     if mode == "fwd":
         return attention
+    if mode == "jvp":
+        return lambda q, k, v, cotangent: jax.jvp(attention, (q, k, v), jvp_tangents(q, cotangent))
 
     def loss(q, k, v, cotangent):
         return jnp.sum(attention(q, k, v).astype(jnp.float32) * cotangent)
@@ -224,6 +234,9 @@ class _TorchRunner:
         self._cuda = q.is_cuda
         if case.mode == "fwd":
             self._step = lambda: attention(q, k, v)
+        elif case.mode == "jvp":  # forward-mode AD; torch's fused SDPA and flex kernels refuse it
+            tangents = tuple(_to_torch(t) for t in jvp_tangents(case.q, case.cotangent))
+            self._step = lambda: torch.func.jvp(attention, (q, k, v), tangents)
         else:
             cotangent = _to_torch(case.cotangent).to(q.dtype)  # what jax's astype(float32) passes back
             self._step = lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), cotangent)

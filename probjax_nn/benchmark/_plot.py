@@ -123,7 +123,7 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
         f"- command: `{command_line(config)}`",
         f"- data: `{stem}.json`, {len(report['results'])} rows",
         "",
-        "TFLOP/s (4 B N T S D per forward; causal counts half; fwd_bwd counts 3.5x the forward). "
+        "TFLOP/s (4 B N T S D per forward; causal counts half; fwd_bwd counts 3.5x the forward, jvp 3x). "
         "ERR: the row holds an error (see the JSON). Blank: not run. Ratios: probjax impl / the best peer.",
         "",
     ]

@@ -35,6 +35,8 @@ def time_steps(run: Callable[[], Any], wait: Callable[[Any], None]) -> dict[str,
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, mode: str) -> float:
-    """4 B N T S D for the two matmuls of a forward (T = S = seq); causal counts half; fwd_bwd 3.5 times."""
+    """4 B N T S D for the two matmuls of a forward (T = S = seq); causal counts half; fwd_bwd 3.5 times (the
+    forward's 2 matmuls and the backward's 5); jvp 3 times (2 for the output, 4 for its tangent:
+    dq k^T, q dk^T, dp v and p dv)."""
     flops = 4.0 * batch * heads * seq * seq * head_dim
-    return flops * (0.5 if causal else 1.0) * (3.5 if mode == "fwd_bwd" else 1.0)
+    return flops * (0.5 if causal else 1.0) * {"fwd": 1.0, "fwd_bwd": 3.5, "jvp": 3.0}[mode]
