@@ -1,5 +1,6 @@
 """The attention kernel core shared by `flash_attention` and `flex_attention`: Pallas forward, dQ and dK/dV
-kernels (FlashAttention-2) under one `jax.custom_vjp`.
+kernels (FlashAttention-2), and a forward-mode tangent kernel, under one `jax.custom_jvp` (see
+"autodiff structure" below and docs/forward_mode.md).
 
 Notation (FlashAttention-2, Alg. 1 and 2): per query row, m_i is the running max of the scores and l_i the
 running sum of exp(s - m_i); lse = m + log l. Scores are kept in the base-2 domain inside the kernels
@@ -62,7 +63,7 @@ class Features:
 
 @dataclasses.dataclass(frozen=True)
 class _Problem:
-    """Features plus the static facts of the padded arrays; the nondiff argument of the custom_vjp."""
+    """Features plus the static facts of the padded arrays; the nondiff argument of the custom_jvp."""
 
     features: Features
     group: int  # query heads per key/value head

@@ -31,7 +31,8 @@ def flash_attention(
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
 
     Always runs the Pallas kernels: the Triton lowering on NVIDIA GPUs, interpret mode elsewhere (see
-    `FlashConfig.backend`). Differentiable in q, k, v and bias; composes with jit, vmap, grad and remat.
+    `FlashConfig.backend`). Differentiable in q, k, v and bias, in reverse and forward mode; composes with
+    jit, vmap, grad, jvp, jacfwd and remat (docs/forward_mode.md).
 
     **Arguments:**
 

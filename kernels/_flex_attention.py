@@ -87,7 +87,8 @@ def flex_attention(
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
 
     **Returns:** out `[B, T, N, D]` in q's dtype, or (out, lse). Fully masked rows give 0, lse -inf and
-    zero gradients. Differentiable in q, k, v and the arrays score_mod closes over.
+    zero gradients. Differentiable in q, k, v and the arrays score_mod closes over, in reverse and forward
+    mode (jax.grad, jax.jvp; docs/forward_mode.md).
     """
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
     check_dropout(dropout_rate, dropout_seed)

@@ -1,4 +1,4 @@
-"""jit / vmap / grad / remat compose with the kernel's custom_vjp."""
+"""jit / vmap / grad / remat compose with the kernel's custom_jvp (forward mode: test_forward_ad.py)."""
 
 import jax
 import jax.numpy as jnp

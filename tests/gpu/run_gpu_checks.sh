@@ -89,6 +89,10 @@ bench=("$python" -m probjax_nn.benchmark --output "$results" --append
 impls=(probjax_default probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
 for seq in 4096 8192 1024 2048; do
     step 300 "benchmark-$seq" "benchmark_$seq.log" "${bench[@]}" --seq-lens "$seq" --impls "${impls[@]}"
+    if [[ $seq == 8192 ]]; then  # forward mode (issue 8): the tangent kernel against dense jax.jvp
+        step 120 benchmark-jvp benchmark_jvp.log "${bench[@]}" --seq-lens 4096 8192 --modes jvp \
+            --impls probjax_default probjax_flex jax_xla jax_cudnn
+    fi
 done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \
     --impls torch_flex
