@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src import core as jax_src_core  # get_cur_mesh_sharding has no public name
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -84,7 +85,9 @@ def _abstract_eval(*avals, maps: _Maps, num_res: int):
     del num_res
     # The outputs vary over every mesh axis any input varies over (inside jax.shard_map).
     manual = max((a.manual_axis_type for a in avals), key=lambda t: len(t.varying))
-    return [jax.core.ShapedArray(a.shape, a.dtype).update(manual_axis_type=manual) for a in maps.out_avals]
+    sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
+    return [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
+            for a in maps.out_avals]
 
 
 def _jvp(primals, tangents, *, maps: _Maps, num_res: int):
