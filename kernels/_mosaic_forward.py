@@ -1,0 +1,368 @@
+"""Flash-attention forward for Hopper (sm_90) in Pallas Mosaic GPU: wgmma, TMA and a warp-specialised
+producer / consumer pipeline (FlashAttention-3 layout).
+
+One CTA owns a query tile of `block_q` rows of one (batch, query head) and runs three warpgroups:
+
+- two consumer warpgroups, each owning `block_q // 2` rows. Each keeps its Q half in SMEM and the running
+  m_i, l_i (FlashAttention-2, Alg. 1) and the float32 accumulator in registers. S = Q K^T and O += P V are
+  `wgmma`s; P goes from registers straight into the second one. Scores live in the base-2 domain
+  (s2 = scale * log2(e) * q k^T, folded into one multiply) so every exponential is an exp2.
+- one producer warpgroup that fills a ring of `num_stages` K / V slots with TMA copies. A slot is ready
+  when its TMA lands (`k_ready` / `v_ready`, one arrival each) and free once both consumers have arrived
+  on `k_free` / `v_free`.
+
+The two consumers ping-pong on a two-arrival `turn` barrier so that one warpgroup's softmax overlaps the
+other's matmuls (FlashAttention-3, Sec. 3.1): each step passes the turn once after issuing Q K^T and once
+before issuing P V, and warpgroup 1 starts one turn behind.
+
+KV tiles visited, per consumer: [0, full_hi) without any mask, then [full_hi, hi) with the per-element
+mask (keys >= kv_lengths[b], and keys above the diagonal when causal). Causal tiles above the diagonal are
+never loaded. The producer loads the tiles of the consumer that needs more; the other one passes the turn
+and frees those slots without computing. Rows >= q_lengths[b] and fully masked rows give output 0 and lse
+-inf (the convention of `_core`).
+
+The caller pads: T to a multiple of `block_q`, S to a multiple of `block_kv`, with finite values (zeros);
+keys past `kv_lengths` are masked, but their V rows still meet p = 0 in the P V matmul, so they must not be
+NaN / inf.
+
+Interpret mode (`interpret=True`, the Mosaic GPU CPU interpreter) runs the same kernel with two differences,
+both in `_accumulate_pv`: the interpreter's wgmma reads only SMEM operands, so P is staged in shared memory
+(`p_in_smem`, also selectable on the GPU), and it cannot run a wgmma into an accumulator initialised from a
+value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator that is then added.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
+_CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup _CONSUMERS
+SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on sm_90
+_SWIZZLE = 128  # bytes; the head dim is tiled in 64-element (128-byte) columns
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def smem_bytes(
+    head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2
+) -> int:
+    """Shared memory of one CTA: the Q / O tile, the K and V rings, the lse staging rows and, with
+    `p_in_smem`, the P tiles (barriers aside)."""
+    p_tiles = block_q * block_kv if p_in_smem else 0
+    return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q
+
+
+def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
+           p_in_smem: bool):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B, S, K, D] matching q; got {q.shape=}, {k.shape=}, {v.shape=}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise NotImplementedError(f"the Mosaic GPU kernel takes bfloat16 / float16, not {q.dtype}")
+    if head_dim not in _HEAD_DIMS:
+        raise NotImplementedError(f"the Mosaic GPU kernel takes head_dim in {_HEAD_DIMS}, not {head_dim}")
+    if block_q % (64 * _CONSUMERS):
+        raise ValueError(f"{block_q=} must be a multiple of {64 * _CONSUMERS} (64 rows per consumer warpgroup)")
+    if block_kv % 64:
+        raise ValueError(f"{block_kv=} must be a multiple of 64")
+    if not scale > 0:
+        raise ValueError(f"{scale=} must be positive")
+    if num_stages < 2:  # a consumer waits for the next K before it frees the current V
+        raise ValueError(f"{num_stages=} must be at least 2")
+    if q_len % block_q or kv_len % block_kv:
+        raise ValueError(f"pad T={q_len} to a multiple of {block_q=} and S={kv_len} to a multiple of {block_kv=}")
+    if q_lengths.shape != (batch,) or kv_lengths.shape != (batch,):
+        raise ValueError(f"lengths must be [B]={batch}; got {q_lengths.shape=}, {kv_lengths.shape=}")
+    if (need := smem_bytes(head_dim, block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize)) > SMEM_BYTES:
+        raise ValueError(
+            f"{block_q=}, {block_kv=}, {num_stages=}, {p_in_smem=} at {head_dim=} need {need} bytes of SMEM"
+            f" (> {SMEM_BYTES})"
+        )
+
+
+def _kv_steps(row0, q_len, kv_len, rows: int, block_kv: int, causal: bool):
+    """(full_hi, hi) for the query rows [row0, row0 + rows): tiles [0, full_hi) need no mask, tiles
+    [full_hi, hi) need the per-element one, tiles >= hi are not visited. Traced int32 scalars."""
+    row_end = jnp.minimum(row0 + rows, q_len)
+    key_end = jnp.minimum(kv_len, row_end) if causal else kv_len
+    hi = jnp.where(row_end > row0, (key_end + block_kv - 1) // block_kv, 0)
+    full_hi = kv_len // block_kv
+    if causal:  # tile j is below the diagonal for every row iff its last key (j+1)*block_kv - 1 <= row0
+        full_hi = jnp.minimum(full_hi, (row0 + 1) // block_kv)
+    return jnp.clip(full_hi, 0, hi), hi
+
+
+def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
+    """acc + p @ v; `while_running()` is traced between issuing the wgmma and waiting for it.
+
+    With `p_smem`, P is staged in shared memory (the interpreter's wgmma only reads SMEM operands); else it
+    goes from registers. `in_place` accumulates into `acc` itself (not supported by the interpreter).
+    """
+    if p_smem is not None:
+        p_smem[...] = p
+        plgpu.commit_smem()
+        p = p_smem
+    if in_place:
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem)
+            while_running()
+
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def scoped(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+        while_running()
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _forward_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref, smem, ready, free, turn, *,
+    scale: float, causal: bool, block_q: int, block_kv: int, num_stages: int, group: int, interpret: bool,
+):
+    qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
+    q_ready, k_ready, v_ready = ready
+    k_free, v_free = free
+    rows = block_q // _CONSUMERS
+    head_dim = q_ref.shape[-1]
+    num_q_tiles = q_ref.shape[1] // block_q
+    q_tile = lax.axis_index("q")
+    if causal:  # heaviest tiles first, so the short ones fill the tail of the grid
+        q_tile = num_q_tiles - 1 - q_tile
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    tile_row0 = q_tile * block_q
+    scale_log2 = scale * LOG2E
+
+    # The producer loads what the busier consumer needs.
+    cta_steps = jnp.int32(0)
+    for c in range(_CONSUMERS):
+        cta_steps = jnp.maximum(cta_steps, _kv_steps(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, causal)[1])
+
+    def pass_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = tile_row0 + wg * rows
+        full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
+        q_smem = qo_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        def step(kv_step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(kv_step, num_stages)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                pass_turn()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                kv_idx = kv_step * block_kv + plgpu.broadcasted_iota(
+                    jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
+                )
+                allowed = kv_idx < kv_len
+                if causal:
+                    allowed &= kv_idx <= q_idx
+                s = jnp.where(allowed, s, -jnp.inf)
+            # m_i is kept in the base-2 domain, so p = exp2(s * scale * log2(e) - m) is one FMA and an exp2
+            # per score (scale > 0, so scaling commutes with the row max).
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p = p.astype(v_smem.dtype)
+            if head_dim <= 128:
+                # Pins the row sum before the hand-over below; tokamax / JAX measured this order to be faster.
+                acc, m_new, l_i, p = lax.optimization_barrier((acc, m_new, l_i, p))
+            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)
+
+            def prefetch_wait():  # wait for the next K while P V runs
+                @pl.when(kv_step + 1 < hi)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1, num_stages)])
+
+            acc = _accumulate_pv(
+                acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg], not interpret, prefetch_wait
+            )
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        def skip(kv_step, _):
+            # Tiles only the other consumer needs: keep the turn order and free the slot. Waiting for the
+            # loads costs nothing (the turn ties this consumer to the other one, which waits for them anyway)
+            # and keeps this warpgroup's view of the barrier phases whole.
+            slot = lax.rem(kv_step, num_stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            pass_turn()
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            pass_turn()
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        carry = (
+            plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((rows,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+
+        @pl.when(hi > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(pass_turn)
+        carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        lax.fori_loop(hi, cta_steps, skip, None)
+        pl.when(wg == 0)(pass_turn)
+
+        q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        valid = (q_idx < q_len) & (l_i > 0)
+        inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
+        qo_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(qo_smem.dtype)
+        lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
+
+        def load(kv_step):
+            slot = lax.rem(kv_step, num_stages)
+            tile = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+        @pl.loop(0, cta_steps)
+        def _(kv_step):
+            slot = lax.rem(kv_step, num_stages)
+
+            @pl.when(kv_step >= num_stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+            load(kv_step)
+
+        # Await the last releases, so that no barrier phase is left pending when the CTA exits.
+        @pl.loop(jnp.maximum(cta_steps - num_stages, 0), cta_steps)
+        def _(kv_step):
+            slot = lax.rem(kv_step, num_stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret")
+)
+def mosaic_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_lengths: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    scale: float,
+    causal: bool,
+    block_q: int = 128,
+    block_kv: int = 128,
+    num_stages: int = 2,
+    p_in_smem: bool = False,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Flash-attention forward on Hopper through Pallas Mosaic GPU.
+
+    **Arguments:**
+
+    - `q`: `[B, T, N, D]`, bfloat16 or float16, D in {64, 128, 256}; T a multiple of `block_q`.
+    - `k`, `v`: `[B, S, K, D]`, q's dtype, N a multiple of K (GQA / MQA); S a multiple of `block_kv`. Padding
+      rows must be finite (zeros).
+    - `q_lengths`, `kv_lengths`: int32 `[B]`; query rows >= q_lengths[b] give output 0 and lse -inf, keys
+      >= kv_lengths[b] are masked.
+    - `scale`: multiplies q k^T, > 0. `causal`: query i sees keys j <= i (top-left alignment).
+    - `block_q`: query rows per CTA, a multiple of 128 (each of the two consumer warpgroups owns half).
+      `block_kv`: keys per pipeline step, a multiple of 64. `num_stages`: K / V slots in the SMEM ring.
+    - `p_in_smem`: stage P in shared memory for the P V matmul instead of feeding it from registers (always
+      on in interpret mode, whose wgmma reads only SMEM operands).
+    - `interpret`: run in the Mosaic GPU CPU interpreter instead of compiling for the GPU.
+
+    **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
+    sum-exp of the scaled, masked scores.
+    """
+    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    p_in_smem = p_in_smem or interpret
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    num_stages = min(num_stages, kv_len // block_kv)
+    rows = block_q // _CONSUMERS
+    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    kernel = functools.partial(
+        _forward_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        group=num_heads // num_kv_heads, interpret=interpret,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+        ),
+        scratch_types=(
+            (
+                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                plgpu.SMEM((_CONSUMERS, rows, block_kv), q.dtype, transforms=transforms) if p_in_smem else None,
+            ),
+            (
+                plgpu.Barrier(num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=num_stages),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+            ),
+            plgpu.Barrier(num_arrivals=_CONSUMERS),
+        ),
+        grid=(q_len // block_q, num_heads, batch),
+        grid_names=("q", "heads", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v, q_lengths, kv_lengths)

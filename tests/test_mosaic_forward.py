@@ -1,0 +1,140 @@
+"""The Mosaic GPU (Hopper) forward kernel: numerics in the Mosaic GPU CPU interpreter, and CUDA lowering on CPU.
+
+The interpreter runs the warp-specialised pipeline (TMA, barriers, both consumer warpgroups, wgmma from SMEM)
+but stages P through shared memory and accumulates P V out of place (see `_mosaic_forward`); the register-fed,
+in-place P V of the compiled kernel is only lowered here, not run.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    reset_gpu_interpret_mode_state,
+)
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from probjax_kernels._mosaic_forward import SMEM_BYTES, mosaic_forward, smem_bytes
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    # After an error inside the interpreter its global state must be reset before the next kernel runs.
+    yield
+    reset_gpu_interpret_mode_state()
+
+
+def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
+                         kv_lengths, poison_from=None, **tiles):
+    """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read."""
+    q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    k_in, v_in = k, v
+    if poison_from is not None:
+        k_in, v_in = (x.at[:, poison_from:].set(jnp.nan) for x in (k, v))
+    out, lse = mosaic_forward(
+        q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), scale=scale,
+        causal=causal, interpret=True, **tiles,
+    )
+    allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
+    assert_close(out, expected_out, dtype, "out")
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+CASES = {
+    # name: (B, T, S, N, K, D, dtype, causal, q_lengths, kv_lengths, tiles)
+    "dense_mqa": (1, 256, 256, 2, 1, 64, jnp.bfloat16, False, [256], [256], {}),
+    "causal_ring_wraps": (1, 256, 256, 2, 2, 64, jnp.bfloat16, True, [256], [256], {"block_kv": 64}),
+    "causal_three_stages": (1, 256, 256, 2, 1, 64, jnp.bfloat16, True, [256], [256],
+                            {"block_kv": 64, "num_stages": 3}),
+    "causal_ragged": (2, 256, 256, 2, 1, 64, jnp.bfloat16, True, [200, 256], [150, 77], {"block_kv": 64}),
+    "ragged_empty_rows": (2, 128, 256, 4, 2, 64, jnp.float16, False, [100, 128], [0, 130], {"block_kv": 64}),
+    "causal_short_queries": (1, 128, 256, 2, 1, 64, jnp.bfloat16, True, [60], [256], {}),
+    "head_dim_128": (1, 128, 256, 2, 1, 128, jnp.float16, True, [128], [200], {"block_kv": 64}),
+    "block_q_256": (1, 256, 128, 2, 1, 64, jnp.bfloat16, False, [256], [128], {"block_q": 256, "block_kv": 64}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_numpy_in_interpreter(case):
+    *shape, tiles = CASES[case]
+    _check_against_numpy(*shape, **tiles)
+
+
+@pytest.mark.parametrize(
+    "causal, q_lengths, kv_lengths",
+    [(True, [128], [512]), (False, [128], [100])],  # above the diagonal / past the last partial tile
+)
+def test_skipped_tiles_are_never_read(causal, q_lengths, kv_lengths):
+    _check_against_numpy(1, 128, 512, 2, 1, 64, jnp.bfloat16, causal, q_lengths, kv_lengths, poison_from=128,
+                         block_kv=64)
+
+
+def _lower_for_cuda(fn, *specs) -> str:
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "head_dim, causal, tiles",
+    [
+        (64, False, {"block_q": 128, "block_kv": 128, "num_stages": 2}),
+        (64, True, {"block_q": 256, "block_kv": 128, "num_stages": 3}),
+        (128, False, {"block_q": 128, "block_kv": 128, "num_stages": 2}),
+        (128, True, {"block_q": 128, "block_kv": 64, "num_stages": 4}),
+        (128, True, {"block_q": 128, "block_kv": 128, "num_stages": 2, "p_in_smem": True}),
+        (256, True, {"block_q": 128, "block_kv": 64, "num_stages": 2}),
+    ],
+)
+def test_lowers_for_cuda(head_dim, causal, tiles):
+    batch, seq, num_heads, num_kv_heads = 2, 1024, 8, 2
+    fn = functools.partial(mosaic_forward, scale=head_dim**-0.5, causal=causal, **tiles)
+    text = _lower_for_cuda(
+        fn,
+        jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    assert "mosaic_gpu" in text
+
+
+def test_smem_estimate():
+    assert smem_bytes(128, 128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 4 * 128
+    assert smem_bytes(128, 128, 128, 3) <= SMEM_BYTES < smem_bytes(128, 128, 128, 3, p_in_smem=True)
+    assert smem_bytes(256, 128, 128, 2) > SMEM_BYTES
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"dtype": jnp.float32}, NotImplementedError, "bfloat16 / float16"),
+        ({"head_dim": 96}, NotImplementedError, "head_dim"),
+        ({"q_len": 200}, ValueError, "pad T=200"),
+        ({"block_q": 64}, ValueError, "block_q=64"),
+        ({"block_kv": 96}, ValueError, "block_kv=96"),
+        ({"num_stages": 1}, ValueError, "num_stages=1"),
+        ({"num_heads": 3}, ValueError, "num_heads=3"),
+        ({"head_dim": 256, "block_kv": 128}, ValueError, "bytes of SMEM"),
+    ],
+)
+def test_rejects(change, error, match):
+    args = {"q_len": 256, "num_heads": 4, "head_dim": 64, "dtype": jnp.bfloat16, "block_q": 128, "block_kv": 128,
+            "num_stages": 2} | change
+    q = jax.ShapeDtypeStruct((1, args["q_len"], args["num_heads"], args["head_dim"]), args["dtype"])
+    kv = jax.ShapeDtypeStruct((1, 256, 2, args["head_dim"]), args["dtype"])
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = functools.partial(mosaic_forward, scale=1.0, causal=False, block_q=args["block_q"],
+                           block_kv=args["block_kv"], num_stages=args["num_stages"])
+    with pytest.raises(error, match=match):
+        jax.eval_shape(fn, q, kv, kv, lengths, lengths)
