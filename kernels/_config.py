@@ -7,7 +7,7 @@ from typing import Literal
 
 import jax
 
-Backend = Literal["triton", "interpret"]
+Backend = Literal["triton", "interpret", "mosaic", "mosaic_interpret"]
 
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
@@ -25,8 +25,13 @@ class FlashConfig:
     - `block_q_dkv`, `block_k_dkv`: tiles of the backward dK/dV kernel (K/V resident, loop over Q tiles).
     - `block_q_dq`, `block_k_dq`: tiles of the backward dQ kernel (Q resident, loop over K/V tiles).
     - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
-    - `backend`: `"triton"` (Pallas Triton lowering, NVIDIA GPUs) or `"interpret"` (Pallas interpret mode,
-      any device, used on the CPU). `None` picks from the default device.
+    - `backend`: `"triton"` (Pallas Triton lowering, NVIDIA GPUs), `"interpret"` (Pallas interpret mode,
+      any device, used on the CPU) or `"mosaic"`: the forward in Pallas Mosaic GPU for Hopper (wgmma, TMA,
+      warp specialisation; `_mosaic_forward.py`) where the call fits it (bfloat16 / float16, padded head
+      dim 64, 128 or 256, no bias / mask / segments / hooks / dropout / window other than causal, tiles that
+      are multiples of 128 x 64), the Triton kernels for the rest and for the backward. `"mosaic_interpret"`
+      makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
+      (never "mosaic" yet: it has not run on a GPU, see docs/perf-notes.md).
     """
 
     block_q: int | None = None
@@ -50,8 +55,11 @@ class FlashConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"FlashConfig.{field}={value!r} must be a positive int.")
-        if self.backend not in (None, "triton", "interpret"):
-            raise ValueError(f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret' or None.")
+        if self.backend not in (None, "triton", "interpret", "mosaic", "mosaic_interpret"):
+            raise ValueError(
+                f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret', 'mosaic', "
+                "'mosaic_interpret' or None."
+            )
 
 
 def default_backend() -> Backend:
@@ -87,6 +95,10 @@ def default_config(
     def pick(value: int | None, default: int, seq_len: int) -> int:
         return value if value is not None else _fit_block(default, seq_len)
 
+    if backend in ("mosaic", "mosaic_interpret"):
+        # The Mosaic forward's CTA: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
+        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles.
+        fwd_q, fwd_k, stages = 128, 128 if head_dim <= 128 else 64, 2
     return FlashConfig(
         block_q=pick(config.block_q, fwd_q, q_len),
         block_k=pick(config.block_k, fwd_k, kv_len),

@@ -34,6 +34,9 @@ from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._dropout import keep_mask
 from probjax_kernels._hooks import Hook
 from probjax_kernels._linear import custom_linear
+from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
+from probjax_kernels._mosaic_forward import mosaic_forward
+from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -672,9 +675,13 @@ def _broadcast_spec(shape, kind: str, block_q: int, block_k: int, group: int) ->
     return pl.BlockSpec(block, index_map)
 
 
+def _interpreted(problem: _Problem) -> bool:
+    return problem.config.backend in ("interpret", "mosaic_interpret")
+
+
 def _compiler_params(problem: _Problem):
     cfg = problem.config
-    if cfg.backend == "interpret":
+    if _interpreted(problem):
         return dict(interpret=True)
     return dict(compiler_params=_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
@@ -693,7 +700,28 @@ def _output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
+def _fits_mosaic(problem: _Problem, q) -> bool:
+    """Whether backend "mosaic" runs this forward in the Mosaic GPU kernel (else in the Triton one)."""
+    f, cfg = problem.features, problem.config
+    plain = (
+        f.score_mod is None and f.mask_mod is None and f.block_sizes is None and f.dropout_rate == 0
+        and f.window_left is None and f.window_right in (None, 0) and problem.bias_shape is None
+        and problem.mask_shape is None and not problem.has_segments
+    )
+    return (
+        cfg.backend in ("mosaic", "mosaic_interpret") and plain and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
+        and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
+        and mosaic_smem_bytes(q.shape[3], cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
+    )
+
+
 def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    if _fits_mosaic(problem, q):
+        cfg = problem.config
+        return mosaic_forward(
+            q, k, v, q_len, kv_len, scale=problem.features.scale, causal=problem.features.window_right == 0,
+            block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
+        )
     batch, t_pad, num_heads, d_pad = q.shape
     s_pad = k.shape[1]
     block_q = problem.config.block_q

@@ -163,6 +163,14 @@ def _probjax_default(case: Case) -> Attention:
     return lambda q, k, v: probjax_nn.attention(q, k, v, is_causal=case.causal)
 
 
+def _probjax_mosaic(case: Case) -> Attention:
+    """flash_attention with FlashConfig(backend="mosaic"): the Mosaic GPU (Hopper) forward, Triton backward."""
+    from probjax_kernels import FlashConfig, flash_attention
+
+    config = FlashConfig(backend="mosaic")
+    return lambda q, k, v: flash_attention(q, k, v, causal=case.causal, config=config)
+
+
 def _jax_nn(implementation: str) -> Callable[[Case], Attention]:
     def attention_for(case: Case) -> Attention:
         return lambda q, k, v: jax.nn.dot_product_attention(
@@ -300,6 +308,7 @@ IMPLS: dict[str, Impl] = {
         _jax("probjax_mha", FLOATS, _anywhere, _probjax_mha),
         _jax("probjax_flex", FLOATS, _anywhere, _probjax_flex),
         _jax("probjax_default", FLOATS, _anywhere, _probjax_default),
+        _jax("probjax_mosaic", HALF, _on_gpu, _probjax_mosaic),
         _jax("jax_xla", FLOATS, _anywhere, _jax_nn("xla")),
         _jax("jax_cudnn", HALF, _on_gpu, _jax_nn("cudnn")),
         _jax("jax_pallas_triton", FLOATS, _on_gpu, _jax_pallas_triton),

@@ -86,12 +86,15 @@ results="$out/gpu_attention_bf16.json"
 rm -f "$results"
 bench=("$python" -m probjax_nn.benchmark --output "$results" --append
     --batch 4 --heads 8 --head-dims 64 128 --ragged-seq-lens --dtypes bfloat16 --modes fwd fwd_bwd --causal 0 1)
-impls=(probjax_default probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
+impls=(probjax_default probjax_mosaic probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
 for seq in 4096 8192 1024 2048; do
     step 300 "benchmark-$seq" "benchmark_$seq.log" "${bench[@]}" --seq-lens "$seq" --impls "${impls[@]}"
-    if [[ $seq == 8192 ]]; then  # forward mode (issue 8): the tangent kernel against dense jax.jvp
+    if [[ $seq == 8192 ]]; then
+        # forward mode (issue 8): the tangent kernel against dense jax.jvp
         step 120 benchmark-jvp benchmark_jvp.log "${bench[@]}" --seq-lens 4096 8192 --modes jvp \
             --impls probjax_default probjax_flex jax_xla jax_cudnn
+        # the Mosaic GPU kernels' tile configs (issue 7), hd 128 at seq 8192 first; one JSON line per config
+        step 120 mosaic-sweep mosaic_sweep.log "$python" tests/gpu/mosaic_sweep.py "$out/mosaic_sweep.jsonl"
     fi
 done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \

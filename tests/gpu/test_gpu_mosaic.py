@@ -1,0 +1,71 @@
+"""The Mosaic GPU (Hopper) kernels compiled on the GPU against the plain-jnp reference: forward, dQ, and
+flash_attention with FlashConfig(backend="mosaic") (Mosaic forward, Triton backward).
+
+Skipped off the GPU and on GPUs older than sm_90; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the
+same kernels in the Mosaic GPU interpreter (tests/test_mosaic_*.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import random_qkv
+from test_gpu_flash import TOLERANCE, _assert_close, _normal
+
+from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels._mosaic_backward import mosaic_backward_dq
+from probjax_kernels._mosaic_forward import mosaic_forward
+
+
+def _is_hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0" or "H100" in jax.devices()[0].device_kind or (
+        "H200" in jax.devices()[0].device_kind)
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")]
+TOL = TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("p_in_smem", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward(causal, head_dim, p_in_smem):
+    q, k, v = random_qkv(0, 2, 1024, 1024, 8, 2, head_dim, jnp.bfloat16)
+    q_lengths, kv_lengths = jnp.array([1024, 700]), jnp.array([1024, 333])
+    out, lse = jax.jit(lambda q, k, v: mosaic_forward(
+        q, k, v, q_lengths, kv_lengths, scale=head_dim**-0.5, causal=causal, p_in_smem=p_in_smem))(q, k, v)
+    expected, expected_lse = flash_attention_reference(q, k, v, causal=causal, q_lengths=q_lengths,
+                                                       kv_lengths=kv_lengths, return_lse=True)
+    _assert_close("out", out, expected, TOL)
+    _assert_close("lse", lse, expected_lse, TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq(causal):
+    q, k, v = random_qkv(1, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+    lengths = jnp.array([1024, 500])
+    d_out = _normal(2, q.shape, jnp.bfloat16)
+    out, lse = flash_attention_reference(q, k, v, causal=causal, kv_lengths=lengths, return_lse=True)
+    dq = jax.jit(lambda *a: mosaic_backward_dq(*a, jnp.full((2,), 1024), lengths, scale=128**-0.5,
+                                               causal=causal))(q, k, v, out, lse, d_out)
+    _, vjp = jax.vjp(lambda q: flash_attention_reference(q, k, v, causal=causal, kv_lengths=lengths), q)
+    _assert_close("dq", dq, vjp(d_out)[0], 2 * TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_with_the_mosaic_backend(causal):
+    q, k, v = random_qkv(3, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
+    cotangent = _normal(4, q.shape)
+
+    def value_and_grads(attention, **extra):
+        loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+    (value, grads), (expected_value, expected_grads) = (
+        value_and_grads(flash_attention, config=FlashConfig(backend="mosaic")),
+        value_and_grads(flash_attention_reference),
+    )
+    _assert_close("loss", value, expected_value, TOL)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        _assert_close(name, a, e, 2 * TOL)

@@ -1,0 +1,64 @@
+"""FlashConfig(backend="mosaic"): the Mosaic GPU forward where a call fits it, the Triton kernels elsewhere
+and for the backward; run here in both interpreters ("mosaic_interpret"), and lowered for CUDA on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_close, random_qkv
+from test_flash_lowering import lower_for_cuda, spec
+
+from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+
+MOSAIC = FlashConfig(backend="mosaic_interpret")
+
+
+def runs_triton_forward(fn, *args) -> bool:
+    return "probjax_flash_forward" in str(jax.make_jaxpr(fn)(*args))
+
+
+def test_forward_gradients_and_jvp_through_the_mosaic_forward():
+    q, k, v = random_qkv(0, 2, 256, 256, 4, 2, 64, jnp.bfloat16)
+    kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
+    out, lse = flash_attention(q, k, v, return_lse=True, config=MOSAIC, **kwargs)
+    expected, expected_lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
+    assert_close(out, expected, jnp.bfloat16, "out")
+    assert_close(jnp.where(jnp.isfinite(expected_lse), lse, 0), jnp.where(jnp.isfinite(expected_lse), expected_lse, 0),
+                 jnp.bfloat16, "lse")
+    assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
+
+    cotangent = jax.random.normal(jax.random.key(1), q.shape)
+    loss = lambda attention, **extra: lambda q, k, v: jnp.sum(  # noqa: E731
+        attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)
+    grads = jax.grad(loss(flash_attention, config=MOSAIC), (0, 1, 2))(q, k, v)
+    expected_grads = jax.grad(loss(flash_attention_reference), (0, 1, 2))(q, k, v)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(a, e, jnp.bfloat16, name)
+
+    tangents = (0.5 * q, 0.5 * k, -v)
+    _, d_out = jax.jvp(lambda *a: flash_attention(*a, config=MOSAIC, **kwargs), (q, k, v), tangents)
+    _, expected_d_out = jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), (q, k, v), tangents)
+    assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
+
+
+@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "window"])
+def test_calls_that_do_not_fit_fall_back_to_triton(case):
+    shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32)}.get(case, (1, 128, 128, 2, 2, 64))
+    dtype = jnp.float32 if case == "float32" else jnp.bfloat16
+    q, k, v = random_qkv(2, *shape, dtype)
+    kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))}, "window": {"window": 16}}.get(case, {})
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), dtype)
+    assert runs_triton_forward(fn, q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mosaic_forward_with_triton_backward_lowers_for_cuda(head_dim):
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=True, config=FlashConfig(backend="mosaic")).astype(jnp.float32))
+
+    q, kv = spec((2, 1024, 8, head_dim), jnp.bfloat16), spec((2, 1024, 2, head_dim), jnp.bfloat16)
+    text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
+    assert "mosaic_gpu" in text
+    for name in ("probjax_flash_backward_dq", "probjax_flash_backward_dkv"):
+        assert name in text
+    assert "probjax_flash_forward" not in text
