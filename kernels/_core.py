@@ -700,6 +700,17 @@ def _output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
+def _q_grid(problem: _Problem, q, k, block_q: int, block_k: int, optional: dict):
+    """The specs of a (q_tile, b, h) grid: a query tile, the whole K / V of the head's group, a row vector of
+    the tile, and the optional inputs."""
+    d_pad, s_pad, group = q.shape[3], k.shape[1], problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, block_k)
+    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    return q_spec, kv_spec, row_spec, extra, extra_specs
+
+
 def _fits_mosaic(problem: _Problem, q) -> bool:
     """Whether backend "mosaic" runs this forward in the Mosaic GPU kernel (else in the Triton one)."""
     f, cfg = problem.features, problem.config
@@ -722,19 +733,15 @@ def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
             q, k, v, q_len, kv_len, scale=problem.features.scale, causal=problem.features.window_right == 0,
             block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
         )
-    batch, t_pad, num_heads, d_pad = q.shape
-    s_pad = k.shape[1]
+    batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
-    group = problem.group
-    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k)
-    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(problem, q, k, block_q, problem.config.block_k, optional)
     kernel = functools.partial(_forward_kernel, problem=problem, refs_fn=_refs_fn(problem))
     return pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, batch, num_heads),
         in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), *extra_specs],
-        out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+        out_specs=[q_spec, row_spec],
         out_shape=[
             _output(q.shape, q.dtype, q, k, v),
             _output((batch, num_heads, t_pad), jnp.float32, q, k, v),
@@ -745,14 +752,11 @@ def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
 
 
 def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict, emit_ds: bool):
-    batch, t_pad, num_heads, d_pad = q.shape
+    batch, t_pad, num_heads, _ = q.shape
     s_pad = k.shape[1]
     block_q = problem.config.block_q_dq
-    group = problem.group
-    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k_dq)
-    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
-    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(
+        problem, q, k, block_q, problem.config.block_k_dq, optional)
     out_specs = [q_spec]
     out_shape = [_output(q.shape, q.dtype, q, k, v, do)]
     if emit_ds:
@@ -798,14 +802,9 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
 def _tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
              optional: dict):
     """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
-    batch, t_pad, num_heads, d_pad = q.shape
-    s_pad = k.shape[1]
+    batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
-    group = problem.group
-    extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, problem.config.block_k)
-    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
-    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(problem, q, k, block_q, problem.config.block_k, optional)
     lin, lin_specs = [], []
     for name, spec in (("q", q_spec), ("k", kv_spec), ("v", kv_spec)):
         if getattr(tangents, name):
