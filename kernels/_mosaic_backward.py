@@ -1,5 +1,5 @@
-"""Flash-attention backward for Hopper (sm_90) in Pallas Mosaic GPU: the dQ kernel (FlashAttention-2, Alg. 2,
-split by query tile, so no atomics).
+"""Flash-attention backward for Hopper (sm_90) in Pallas Mosaic GPU: the dQ kernel and the dK / dV kernel
+(FlashAttention-2, Alg. 2, split by query tile and by KV tile respectively, so no atomics).
 
 Same CTA layout as `_mosaic_forward`: one CTA per (query tile of `block_q` rows, batch, query head), two
 consumer warpgroups owning `block_q // 2` rows each and a producer warpgroup feeding a ring of K / V slots
@@ -9,7 +9,17 @@ in SMEM in interpret mode). `lse2` is the forward's lse in base 2, +inf for rows
 and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
 Causal tile skipping, lengths masking and the caller's padding contract are those of `_mosaic_forward`.
-The dK / dV kernel is not written yet.
+
+dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
+consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
+Q, dO, lse2 and delta tiles of `block_q` rows through a ring of `num_stages` slots, over the query tiles of
+every query head of the GQA group (so the group sum happens in the kernel). Per tile a consumer computes
+S^T = K Q^T and dP^T = V dO^T (wgmma from SMEM), P^T = exp2(S^T * scale * log2(e) - lse2),
+dS^T = P^T * (dP^T - delta), then dV += P^T dO and dK += dS^T Q (wgmma, the left operand from registers;
+staged in SMEM in interpret mode, through the same `_accumulate_pv` helper as the forward). Causal: only query
+tiles with a row >= the consumer's first key are computed (the other consumer's extra tiles are waited for
+and released without compute) and only tiles crossing the diagonal, or holding keys >= kv_lengths[b],
+evaluate the per-element mask. Rows >= q_lengths[b] get lse2 = +inf in the XLA preprocess, so p = 0 there.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_kernels._mosaic_forward import (
     _CONSUMERS,
+    _DTYPES,
     _SWIZZLE,
     LOG2E,
     SMEM_BYTES,
@@ -228,6 +239,286 @@ def mosaic_backward_dq(
         ),
         grid=(q_len // block_q, num_heads, batch),
         grid_names=("q", "heads", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+
+
+# ------------------------------------------------------------------------------------------------- dK / dV
+
+
+def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
+                   itemsize: int = 2) -> int:
+    """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
+    the lse2 / delta rows of each slot and, with `p_in_smem`, one staging tile per consumer for P^T and dS^T.
+    Barriers aside."""
+    staging = block_kv * block_q if p_in_smem else 0
+    return itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
+
+
+_DKV_HEAD_DIMS = (64, 128)
+
+
+def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
+               num_stages: int, p_in_smem: bool):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B, S, K, D] matching q; got {q.shape=}, {k.shape=}, {v.shape=}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+    if q.dtype != k.dtype or q.dtype != v.dtype or d_out.dtype != q.dtype:
+        raise ValueError(f"q, k, v, d_out must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {d_out.dtype}")
+    if q.dtype not in _DTYPES:
+        raise NotImplementedError(f"the Mosaic GPU kernel takes bfloat16 / float16, not {q.dtype}")
+    if head_dim not in _DKV_HEAD_DIMS:
+        # D = 256: K, V and two Q / dO stages need 256 KiB of SMEM, and the dK + dV accumulators alone would
+        # take 256 float32 registers per thread.
+        raise NotImplementedError(f"the Mosaic GPU dK / dV kernel takes head_dim in {_DKV_HEAD_DIMS}, not {head_dim}")
+    if out.shape != q.shape or d_out.shape != q.shape or lse.shape != (batch, num_heads, q_len):
+        raise ValueError(f"out / d_out must be q's shape and lse [B, N, T]; got {out.shape=}, {d_out.shape=},"
+                         f" {lse.shape=}")
+    if block_q % 64:
+        raise ValueError(f"{block_q=} must be a multiple of 64")
+    if block_kv % (64 * _CONSUMERS):
+        raise ValueError(f"{block_kv=} must be a multiple of {64 * _CONSUMERS} (64 keys per consumer warpgroup)")
+    if not scale > 0:
+        raise ValueError(f"{scale=} must be positive")
+    if num_stages < 1:
+        raise ValueError(f"{num_stages=} must be at least 1")
+    if q_len % block_q or kv_len % block_kv:
+        raise ValueError(f"pad T={q_len} to a multiple of {block_q=} and S={kv_len} to a multiple of {block_kv=}")
+    if q_lengths.shape != (batch,) or kv_lengths.shape != (batch,):
+        raise ValueError(f"lengths must be [B]={batch}; got {q_lengths.shape=}, {kv_lengths.shape=}")
+    if (need := dkv_smem_bytes(head_dim, block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize)) > SMEM_BYTES:
+        raise ValueError(
+            f"{block_q=}, {block_kv=}, {num_stages=}, {p_in_smem=} at {head_dim=} need {need} bytes of SMEM"
+            f" (> {SMEM_BYTES})"
+        )
+
+
+def _q_steps(key0, q_len, kv_len, keys: int, block_q: int, causal: bool):
+    """(lo, full_lo, hi) in query tiles for the keys [key0, key0 + keys): tiles [lo, full_lo) need the
+    per-element mask, tiles [full_lo, hi) none, tiles outside [lo, hi) see none of these keys. Traced int32."""
+    hi = jnp.where(key0 < kv_len, (q_len + block_q - 1) // block_q, 0)
+    lo = key0 // block_q if causal else jnp.int32(0)
+    lo = jnp.minimum(lo, hi)
+    if causal:  # tile t is on or below the diagonal for every key iff its first row t*block_q >= the last key
+        full_lo = (key0 + keys - 1 + block_q - 1) // block_q
+    else:
+        full_lo = lo
+    full_lo = jnp.where(key0 + keys > kv_len, hi, full_lo)  # keys past kv_len: mask every tile
+    return lo, jnp.clip(full_lo, lo, hi), hi
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem, kv_ready,
+    ready, free, *, scale: float, causal: bool, block_q: int, block_kv: int, num_stages: int, group: int,
+    interpret: bool,
+):
+    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
+    k_ready, v_ready = kv_ready
+    q_ready, do_ready, lse2_ready, delta_ready = ready
+    q_free, do_free = free
+    keys = block_kv // _CONSUMERS
+    head_dim = q_ref.shape[-1]
+    kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    tile_key0 = kv_tile * block_kv
+    scale_log2 = scale * LOG2E
+    # The producer streams query tiles [lo, hi) of every head of the group: what the consumer with the first
+    # keys needs (the other one skips the tiles it does not see).
+    lo, _, hi = _q_steps(tile_key0, q_len, kv_len, keys, block_q, causal)
+    tiles = hi - lo  # per head; step g = h * tiles + (t - lo) uses ring slot g % num_stages
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        key0 = tile_key0 + wg * keys
+        k_own, v_own = k_smem.at[wg], v_smem.at[wg]
+        key_tile = (batch, pl.ds(key0, keys), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[key_tile], k_own, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        own_lo, full_lo, own_hi = _q_steps(key0, q_len, kv_len, keys, block_q, causal)
+        own_lo = jnp.clip(own_lo, lo, hi)
+        full_lo = jnp.clip(full_lo, own_lo, hi)  # own_hi is hi, or 0 when no key of this consumer is valid
+        own_lo = jnp.where(own_hi > 0, own_lo, hi)
+        full_lo = jnp.where(own_hi > 0, full_lo, hi)
+
+        def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, block_q)
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(body, plgpu.ACC((keys, block_q), jnp.float32))
+
+        def step(t, carry, head_step0, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(head_step0 + t - lo, num_stages)
+            q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse2_ready.at[slot])
+            s_t = transposed_scores(k_own, q_slot)  # S^T = K Q^T, keys x queries
+            lse2 = plgpu.load(lse2_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+            dp_t = transposed_scores(v_own, do_slot)  # dP^T = V dO^T
+            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            if masked:
+                kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+                q_idx = t * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+                allowed = kv_idx < kv_len
+                if causal:
+                    allowed &= kv_idx <= q_idx
+                s_t = jnp.where(allowed, s_t, -jnp.inf)
+            # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
+            p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+            staging = None if p_smem is None else p_smem.at[wg]
+            dv = _accumulate_pv(dv, p_t.astype(do_slot.dtype), do_slot, staging, not interpret, lambda: None)
+            plgpu.barrier_arrive(do_free.at[slot])
+            dk = _accumulate_pv(dk, ds_t.astype(q_slot.dtype), q_slot, staging, not interpret, lambda: None)
+            plgpu.barrier_arrive(q_free.at[slot])
+            return dk, dv
+
+        def skip(t, carry, head_step0):
+            slot = lax.rem(head_step0 + t - lo, num_stages)
+            for barrier in (q_ready, lse2_ready, do_ready, delta_ready):
+                plgpu.barrier_wait(barrier.at[slot])
+            plgpu.barrier_arrive(do_free.at[slot])
+            plgpu.barrier_arrive(q_free.at[slot])
+            return carry
+
+        def head_body(h, carry):
+            head_step0 = h * tiles
+            carry = lax.fori_loop(lo, own_lo, functools.partial(skip, head_step0=head_step0), carry)
+            carry = lax.fori_loop(own_lo, full_lo, functools.partial(step, head_step0=head_step0, masked=True),
+                                  carry)
+            return lax.fori_loop(full_lo, hi, functools.partial(step, head_step0=head_step0, masked=False), carry)
+
+        zeros = plgpu.layout_cast(jnp.zeros((keys, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+        # K and V are no longer read: their tiles carry dK and dV out.
+        k_own[...] = (dk * scale).astype(k_own.dtype)
+        v_own[...] = dv.astype(v_own.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[key_tile])
+        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[key_tile])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        steps = group * tiles
+
+        @pl.loop(0, steps)
+        def _(g):
+            slot = lax.rem(g, num_stages)
+            h = lax.div(g, tiles)
+            t = lo + g - h * tiles
+            head = kv_head * group + h
+
+            @pl.when(g >= num_stages)
+            def _():
+                plgpu.barrier_wait(q_free.at[slot])
+                plgpu.barrier_wait(do_free.at[slot])
+
+            row_tile = (batch, pl.ds(t * block_q, block_q), head)
+            row_vector = (batch, head, pl.ds(t * block_q, block_q))
+            plgpu.copy_gmem_to_smem(q_ref.at[row_tile], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse2_ref.at[row_vector], lse2_smem.at[slot], lse2_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[row_tile], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[row_vector], delta_smem.at[slot], delta_ready.at[slot])
+
+        # Await the last releases, so that no barrier phase is left pending when the CTA exits.
+        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+        def _(g):
+            slot = lax.rem(g, num_stages)
+            plgpu.barrier_wait(q_free.at[slot])
+            plgpu.barrier_wait(do_free.at[slot])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret")
+)
+def mosaic_backward_dkv(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    q_lengths: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    scale: float,
+    causal: bool,
+    block_q: int = 64,
+    block_kv: int = 128,
+    num_stages: int = 2,
+    p_in_smem: bool = False,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
+    KV tile, so no atomics; the GQA group sum happens in the kernel).
+
+    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal as in `mosaic_forward` (same padding
+    contract, with d_out's padding rows finite too); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log,
+    -inf for empty rows) from the forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`.
+
+    - `block_kv`: keys per CTA, a multiple of 128 (each of the two consumer warpgroups owns half, resident in
+      SMEM). `block_q`: query rows per pipeline step, a multiple of 64. `num_stages`: Q / dO slots in the ring.
+    - `p_in_smem`: stage P^T and dS^T in shared memory for the P^T dO and dS^T Q matmuls instead of feeding
+      them from registers (always on in interpret mode).
+
+    **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
+    """
+    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    p_in_smem = p_in_smem or interpret
+    _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    keys = block_kv // _CONSUMERS
+    # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends and
+    # for rows >= q_lengths, so those rows give p = 0 without a per-element row mask.
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    rows_valid = jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None]
+    lse2 = jnp.where(jnp.isneginf(lse) | ~rows_valid, jnp.inf, lse * LOG2E)
+    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    kernel = functools.partial(
+        _dkv_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        group=num_heads // num_kv_heads, interpret=interpret,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        scratch_types=(
+            (
+                plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
+                plgpu.SMEM((_CONSUMERS, keys, head_dim), v.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_q), jnp.float32),
+                plgpu.SMEM((num_stages, block_q), jnp.float32),
+                plgpu.SMEM((_CONSUMERS, keys, block_q), q.dtype, transforms=transforms) if p_in_smem else None,
+            ),
+            (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
+            tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),
+            (
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+            ),
+        ),
+        grid=(kv_len // block_kv, num_kv_heads, batch),
+        grid_names=("kv", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
