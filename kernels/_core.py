@@ -34,11 +34,13 @@ from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._dropout import keep_mask
 from probjax_kernels._hooks import Hook
 from probjax_kernels._linear import custom_linear
+from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
 from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels._mosaic_forward import mosaic_forward
 from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
 
 LOG2E = math.log2(math.e)
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
 LN2 = math.log(2.0)
 _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 _XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk when the hook-constant gradients run
@@ -994,6 +996,8 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
     # d lse / d s = p, which makes dS = p * (dP - delta + d_lse).
     delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+    if _fits_mosaic(problem, q) and q.shape[3] in MOSAIC_BACKWARD_HEAD_DIMS:
+        return _mosaic_backward(problem, tangents, res, d_out, d_lse)
     lse2 = _residual_lse2(lse)
     optional = dict(res["others"], bias=bias, score_consts=score_consts)
     grads = {}
@@ -1011,6 +1015,21 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
         grads["score_consts"] = _score_const_gradients(
             problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts, tangents.score_consts
         )
+    return grads
+
+
+def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, hooks or
+    masks beyond causal and lengths)."""
+    args = (res["q"], res["k"], res["v"], res["out"], res["lse"], d_out, res["q_len"], res["kv_len"])
+    options = dict(scale=problem.features.scale, causal=problem.features.window_right == 0,
+                   interpret=_interpreted(problem), d_lse=d_lse)
+    grads = {}
+    if tangents.q:
+        grads["q"] = mosaic_backward_dq(*args, **options)
+    if tangents.k or tangents.v:
+        dk, dv = mosaic_backward_dkv(*args, **options)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
     return grads
 
 

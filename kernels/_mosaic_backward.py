@@ -166,6 +166,13 @@ def _dq_kernel(
             plgpu.barrier_wait(v_free.at[slot])
 
 
+def _delta(out, lse, d_out, d_lse):
+    """delta = rowsum(dO * O) - d_lse: an lse cotangent enters dS = p (dP - delta) as -d_lse, since
+    d lse / d s = p."""
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    return delta if d_lse is None else delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret")
 )
@@ -186,13 +193,14 @@ def mosaic_backward_dq(
     num_stages: int = 2,
     ds_in_smem: bool = False,
     interpret: bool = False,
+    d_lse: jax.Array | None = None,
 ) -> jax.Array:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal and the tiles as in `mosaic_forward` (same
     padding contract); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log, -inf for empty rows) from the
     forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`. `ds_in_smem` stages dS in shared memory
-    for the dS K matmul (always on in interpret mode).
+    for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype.
     """
@@ -210,7 +218,7 @@ def mosaic_backward_dq(
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
     # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends.
-    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = _delta(out, lse, d_out, d_lse)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
@@ -465,6 +473,7 @@ def mosaic_backward_dkv(
     num_stages: int = 2,
     p_in_smem: bool = False,
     interpret: bool = False,
+    d_lse: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -477,6 +486,7 @@ def mosaic_backward_dkv(
       SMEM). `block_q`: query rows per pipeline step, a multiple of 64. `num_stages`: Q / dO slots in the ring.
     - `p_in_smem`: stage P^T and dS^T in shared memory for the P^T dO and dS^T Q matmuls instead of feeding
       them from registers (always on in interpret mode).
+    - `d_lse` `[B, N, T]`: a cotangent of lse, if any.
 
     **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
     """
@@ -489,7 +499,7 @@ def mosaic_backward_dkv(
     keys = block_kv // _CONSUMERS
     # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends and
     # for rows >= q_lengths, so those rows give p = 0 without a per-element row mask.
-    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = _delta(out, lse, d_out, d_lse)
     rows_valid = jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None]
     lse2 = jnp.where(jnp.isneginf(lse) | ~rows_valid, jnp.inf, lse * LOG2E)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))

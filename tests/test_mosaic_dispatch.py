@@ -1,5 +1,6 @@
-"""FlashConfig(backend="mosaic"): the Mosaic GPU forward where a call fits it, the Triton kernels elsewhere
-and for the backward; run here in both interpreters ("mosaic_interpret"), and lowered for CUDA on the CPU."""
+"""FlashConfig(backend="mosaic"): the Mosaic GPU kernels (forward, dQ, dK/dV) where a call fits them, the
+Triton kernels elsewhere; run here in both interpreters ("mosaic_interpret"), and lowered for CUDA on the
+CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ def runs_triton_forward(fn, *args) -> bool:
     return "probjax_flash_forward" in str(jax.make_jaxpr(fn)(*args))
 
 
-def test_forward_gradients_and_jvp_through_the_mosaic_forward():
+def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     q, k, v = random_qkv(0, 2, 256, 256, 4, 2, 64, jnp.bfloat16)
     kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
     out, lse = flash_attention(q, k, v, return_lse=True, config=MOSAIC, **kwargs)
@@ -27,8 +28,16 @@ def test_forward_gradients_and_jvp_through_the_mosaic_forward():
     assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
 
     cotangent = jax.random.normal(jax.random.key(1), q.shape)
-    loss = lambda attention, **extra: lambda q, k, v: jnp.sum(  # noqa: E731
-        attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)
+
+    def loss(attention, **extra):
+        def value(q, k, v):
+            out, lse = attention(q, k, v, return_lse=True, **kwargs, **extra)
+            return jnp.sum(out.astype(jnp.float32) * cotangent) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return value
+
+    grad_program = str(jax.make_jaxpr(jax.grad(loss(flash_attention, config=MOSAIC), (0, 1, 2)))(q, k, v))
+    assert "probjax_flash_backward" not in grad_program  # the Mosaic dQ and dK/dV kernels ran instead
     grads = jax.grad(loss(flash_attention, config=MOSAIC), (0, 1, 2))(q, k, v)
     expected_grads = jax.grad(loss(flash_attention_reference), (0, 1, 2))(q, k, v)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
@@ -51,14 +60,15 @@ def test_calls_that_do_not_fit_fall_back_to_triton(case):
     assert runs_triton_forward(fn, q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_mosaic_forward_with_triton_backward_lowers_for_cuda(head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_mosaic_backend_lowers_for_cuda(head_dim):
+    """Forward, dQ and dK/dV in Mosaic GPU; at head dim 256 the backward stays on Triton."""
+
     def loss(q, k, v):
         return jnp.sum(flash_attention(q, k, v, causal=True, config=FlashConfig(backend="mosaic")).astype(jnp.float32))
 
     q, kv = spec((2, 1024, 8, head_dim), jnp.bfloat16), spec((2, 1024, 2, head_dim), jnp.bfloat16)
     text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
-    assert "mosaic_gpu" in text
-    for name in ("probjax_flash_backward_dq", "probjax_flash_backward_dkv"):
-        assert name in text
-    assert "probjax_flash_forward" not in text
+    assert "mosaic_gpu" in text and "probjax_flash_forward" not in text
+    triton_backward = "probjax_flash_backward_dq" in text and "probjax_flash_backward_dkv" in text
+    assert triton_backward == (head_dim == 256)
