@@ -164,7 +164,8 @@ def _probjax_default(case: Case) -> Attention:
 
 
 def _probjax_mosaic(case: Case) -> Attention:
-    """flash_attention with FlashConfig(backend="mosaic"): the Mosaic GPU (Hopper) forward, Triton backward."""
+    """flash_attention with FlashConfig(backend="mosaic"): the Mosaic GPU (Hopper) kernels: forward, dQ and
+    dK/dV."""
     from probjax_kernels import FlashConfig, flash_attention
 
     config = FlashConfig(backend="mosaic")

@@ -4,7 +4,8 @@ config, so that a run cut short keeps what it measured. Run by tests/gpu/run_gpu
     python tests/gpu/mosaic_sweep.py OUT.jsonl
 
 Each line: kernel, head_dim, seq, causal, block_q, block_kv, num_stages, p_in_smem, median_ms and tflops (4 B N
-T S D per forward, half when causal; the dQ kernel's 3 matmuls count 1.5x that), or an error. B = 4, N = K = 8,
+T S D per forward, half when causal; the dQ kernel's 3 matmuls count 1.5x that, dK/dV's 4 count 2x), or an
+error. B = 4, N = K = 8,
 bfloat16; each shape also records cuDNN's forward (jax.nn.dot_product_attention) for comparison.
 """
 
@@ -17,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._mosaic_backward import mosaic_backward_dq
+from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
 from probjax_kernels._mosaic_forward import mosaic_forward
 from probjax_nn.benchmark._timing import time_steps
 
@@ -27,6 +28,7 @@ FORWARD_CONFIGS = {
     64: [(128, 128, 2, False), (128, 128, 3, False), (256, 128, 2, False), (128, 128, 2, True)],
 }
 DQ_CONFIGS = [(128, 64, 2), (128, 128, 2)]
+DKV_CONFIGS = [(64, 128, 2, False), (64, 128, 3, False), (64, 128, 4, False), (128, 128, 2, False), (64, 128, 2, True)]
 BATCH, HEADS = 4, 8
 
 
@@ -80,6 +82,16 @@ def main(path: str) -> None:
                             write(kernel="mosaic_dq", **shape, **config, median_ms=ms, tflops=1.5 * flops / ms / 1e9)
                         except Exception as error:  # noqa: BLE001
                             write(kernel="mosaic_dq", **shape, **config, error=f"{type(error).__name__}: {error}"[:300])
+                    for block_q, block_kv, stages, p_in_smem in DKV_CONFIGS:
+                        config = dict(block_q=block_q, block_kv=block_kv, num_stages=stages, p_in_smem=p_in_smem)
+                        try:
+                            ms = timed(lambda q, k, v, out, lse, d_out: mosaic_backward_dkv(
+                                q, k, v, out, lse, d_out, lengths, lengths, scale=head_dim**-0.5, causal=causal,
+                                **config), q, k, v, out, lse, d_out)
+                            write(kernel="mosaic_dkv", **shape, **config, median_ms=ms, tflops=2 * flops / ms / 1e9)
+                        except Exception as error:  # noqa: BLE001
+                            write(kernel="mosaic_dkv", **shape, **config,
+                                  error=f"{type(error).__name__}: {error}"[:300])
 
 
 if __name__ == "__main__":

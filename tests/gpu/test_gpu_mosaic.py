@@ -1,5 +1,5 @@
-"""The Mosaic GPU (Hopper) kernels compiled on the GPU against the plain-jnp reference: forward, dQ, and
-flash_attention with FlashConfig(backend="mosaic") (Mosaic forward, Triton backward).
+"""The Mosaic GPU (Hopper) kernels compiled on the GPU against the plain-jnp reference: forward, dQ, dK/dV,
+and flash_attention with FlashConfig(backend="mosaic").
 
 Skipped off the GPU and on GPUs older than sm_90; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the
 same kernels in the Mosaic GPU interpreter (tests/test_mosaic_*.py).
@@ -12,7 +12,7 @@ from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
-from probjax_kernels._mosaic_backward import mosaic_backward_dq
+from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
 from probjax_kernels._mosaic_forward import mosaic_forward
 
 
@@ -51,6 +51,22 @@ def test_dq(causal):
                                                causal=causal))(q, k, v, out, lse, d_out)
     _, vjp = jax.vjp(lambda q: flash_attention_reference(q, k, v, causal=causal, kv_lengths=lengths), q)
     _assert_close("dq", dq, vjp(d_out)[0], 2 * TOL)
+
+
+@pytest.mark.parametrize("p_in_smem", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dkv(causal, p_in_smem):
+    q, k, v = random_qkv(5, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+    q_lengths, kv_lengths = jnp.array([1024, 600]), jnp.array([1024, 500])
+    d_out = _normal(6, q.shape, jnp.bfloat16)
+    kwargs = {"causal": causal, "q_lengths": q_lengths, "kv_lengths": kv_lengths}
+    out, lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
+    dk, dv = jax.jit(lambda *a: mosaic_backward_dkv(*a, q_lengths, kv_lengths, scale=128**-0.5, causal=causal,
+                                                    p_in_smem=p_in_smem))(q, k, v, out, lse, d_out)
+    _, vjp = jax.vjp(lambda k, v: flash_attention_reference(q, k, v, **kwargs), k, v)
+    expected_dk, expected_dv = vjp(d_out)
+    _assert_close("dk", dk, expected_dk, 2 * TOL)
+    _assert_close("dv", dv, expected_dv, 2 * TOL)
 
 
 @pytest.mark.parametrize("causal", [False, True])
