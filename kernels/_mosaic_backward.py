@@ -33,13 +33,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_kernels._mosaic_forward import (
     _CONSUMERS,
-    _DTYPES,
     _SWIZZLE,
     LOG2E,
     SMEM_BYTES,
     _accumulate_pv,
     _check,
     _kv_steps,
+    check_layout,
 )
 
 
@@ -271,42 +271,20 @@ _DKV_HEAD_DIMS = (64, 128)
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
                num_stages: int, p_in_smem: bool):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
-    batch, q_len, num_heads, head_dim = q.shape
-    _, kv_len, num_kv_heads, _ = k.shape
-    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B, S, K, D] matching q; got {q.shape=}, {k.shape=}, {v.shape=}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
-    if q.dtype != k.dtype or q.dtype != v.dtype or d_out.dtype != q.dtype:
-        raise ValueError(f"q, k, v, d_out must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {d_out.dtype}")
-    if q.dtype not in _DTYPES:
-        raise NotImplementedError(f"the Mosaic GPU kernel takes bfloat16 / float16, not {q.dtype}")
-    if head_dim not in _DKV_HEAD_DIMS:
-        # D = 256: K, V and two Q / dO stages need 256 KiB of SMEM, and the dK + dV accumulators alone would
-        # take 256 float32 registers per thread.
-        raise NotImplementedError(f"the Mosaic GPU dK / dV kernel takes head_dim in {_DKV_HEAD_DIMS}, not {head_dim}")
+    # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
+    # dK + dV accumulators alone would take 256 float32 registers per thread.
+    check_layout(
+        q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
+        kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
+        smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
+        kernel="the Mosaic GPU dK / dV kernel",
+    )
+    batch, q_len, num_heads, _ = q.shape
+    if d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must have q's dtype {q.dtype}, got {d_out.dtype}")
     if out.shape != q.shape or d_out.shape != q.shape or lse.shape != (batch, num_heads, q_len):
         raise ValueError(f"out / d_out must be q's shape and lse [B, N, T]; got {out.shape=}, {d_out.shape=},"
                          f" {lse.shape=}")
-    if block_q % 64:
-        raise ValueError(f"{block_q=} must be a multiple of 64")
-    if block_kv % (64 * _CONSUMERS):
-        raise ValueError(f"{block_kv=} must be a multiple of {64 * _CONSUMERS} (64 keys per consumer warpgroup)")
-    if not scale > 0:
-        raise ValueError(f"{scale=} must be positive")
-    if num_stages < 1:
-        raise ValueError(f"{num_stages=} must be at least 1")
-    if q_len % block_q or kv_len % block_kv:
-        raise ValueError(f"pad T={q_len} to a multiple of {block_q=} and S={kv_len} to a multiple of {block_kv=}")
-    if q_lengths.shape != (batch,) or kv_lengths.shape != (batch,):
-        raise ValueError(f"lengths must be [B]={batch}; got {q_lengths.shape=}, {kv_lengths.shape=}")
-    if (need := dkv_smem_bytes(head_dim, block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize)) > SMEM_BYTES:
-        raise ValueError(
-            f"{block_q=}, {block_kv=}, {num_stages=}, {p_in_smem=} at {head_dim=} need {need} bytes of SMEM"
-            f" (> {SMEM_BYTES})"
-        )
 
 
 def _q_steps(key0, q_len, kv_len, keys: int, block_q: int, causal: bool):

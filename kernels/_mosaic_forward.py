@@ -61,8 +61,11 @@ def smem_bytes(
     return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q
 
 
-def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
-           p_in_smem: bool):
+def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, q_multiple: int, block_kv: int,
+                 kv_multiple: int, num_stages: int, min_stages: int, head_dims: tuple[int, ...], smem_need: int,
+                 kernel: str = "the Mosaic GPU kernel"):
+    """The argument checks the Mosaic kernels share: shapes, GQA, dtypes, head dim, tile multiples, padding,
+    lengths and shared memory (`smem_need` bytes for the chosen tiles)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
     batch, q_len, num_heads, head_dim = q.shape
@@ -74,26 +77,36 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _DTYPES:
-        raise NotImplementedError(f"the Mosaic GPU kernel takes bfloat16 / float16, not {q.dtype}")
-    if head_dim not in _HEAD_DIMS:
-        raise NotImplementedError(f"the Mosaic GPU kernel takes head_dim in {_HEAD_DIMS}, not {head_dim}")
-    if block_q % (64 * _CONSUMERS):
-        raise ValueError(f"{block_q=} must be a multiple of {64 * _CONSUMERS} (64 rows per consumer warpgroup)")
-    if block_kv % 64:
-        raise ValueError(f"{block_kv=} must be a multiple of 64")
+        raise NotImplementedError(f"{kernel} takes bfloat16 / float16, not {q.dtype}")
+    if head_dim not in head_dims:
+        raise NotImplementedError(f"{kernel} takes head_dim in {head_dims}, not {head_dim}")
+    if block_q % q_multiple:
+        raise ValueError(f"{block_q=} must be a multiple of {q_multiple}")
+    if block_kv % kv_multiple:
+        raise ValueError(f"{block_kv=} must be a multiple of {kv_multiple}")
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive")
-    if num_stages < 2:  # a consumer waits for the next K before it frees the current V
-        raise ValueError(f"{num_stages=} must be at least 2")
+    if num_stages < min_stages:
+        raise ValueError(f"{num_stages=} must be at least {min_stages}")
     if q_len % block_q or kv_len % block_kv:
         raise ValueError(f"pad T={q_len} to a multiple of {block_q=} and S={kv_len} to a multiple of {block_kv=}")
     if q_lengths.shape != (batch,) or kv_lengths.shape != (batch,):
         raise ValueError(f"lengths must be [B]={batch}; got {q_lengths.shape=}, {kv_lengths.shape=}")
-    if (need := smem_bytes(head_dim, block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize)) > SMEM_BYTES:
+    if smem_need > SMEM_BYTES:
         raise ValueError(
-            f"{block_q=}, {block_kv=}, {num_stages=}, {p_in_smem=} at {head_dim=} need {need} bytes of SMEM"
-            f" (> {SMEM_BYTES})"
+            f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {smem_need} bytes of SMEM (> {SMEM_BYTES})"
         )
+
+
+def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
+           p_in_smem: bool):
+    # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
+    # it frees the current V.
+    check_layout(
+        q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
+        kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
+        smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
+    )
 
 
 def _kv_steps(row0, q_len, kv_len, rows: int, block_kv: int, causal: bool):
