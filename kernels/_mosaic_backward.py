@@ -40,6 +40,7 @@ from probjax_kernels._mosaic_forward import (
     _check,
     _kv_steps,
     check_layout,
+    drain_ring,
 )
 
 
@@ -423,12 +424,7 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(do_ref.at[row_tile], do_smem.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[row_vector], delta_smem.at[slot], delta_ready.at[slot])
 
-        # Await the last releases, so that no barrier phase is left pending when the CTA exits.
-        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
-        def _(g):
-            slot = lax.rem(g, num_stages)
-            plgpu.barrier_wait(q_free.at[slot])
-            plgpu.barrier_wait(do_free.at[slot])
+        drain_ring(steps, num_stages, q_free, do_free)
 
 
 @functools.partial(

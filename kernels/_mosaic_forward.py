@@ -289,12 +289,18 @@ def _forward_kernel(
 
             load(kv_step)
 
-        # Await the last releases, so that no barrier phase is left pending when the CTA exits.
-        @pl.loop(jnp.maximum(cta_steps - num_stages, 0), cta_steps)
-        def _(kv_step):
-            slot = lax.rem(kv_step, num_stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        drain_ring(cta_steps, num_stages, k_free, v_free)
+
+
+def drain_ring(steps, num_stages: int, *free_barriers) -> None:
+    """Producer side: awaits the consumers' releases of the last `num_stages` ring slots, so that no barrier
+    phase is left pending when the CTA exits."""
+
+    @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+    def _(step):
+        slot = lax.rem(step, num_stages)
+        for barrier in free_barriers:
+            plgpu.barrier_wait(barrier.at[slot])
 
 
 @functools.partial(
