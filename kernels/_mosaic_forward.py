@@ -18,8 +18,11 @@ before issuing P V, and warpgroup 1 starts one turn behind.
 KV tiles visited, per consumer: [0, full_hi) without any mask, then [full_hi, hi) with the per-element
 mask (keys >= kv_lengths[b], and keys above the diagonal when causal). Causal tiles above the diagonal are
 never loaded. The producer loads the tiles of the consumer that needs more; the other one passes the turn
-and frees those slots without computing. Rows >= q_lengths[b] and fully masked rows give output 0 and lse
--inf (the convention of `_core`).
+and frees those slots without computing. With block tables (`kv_tables`, FlexAttention's `BlockMask`
+layout) both consumers and the producer instead walk the table row of the CTA's query block, read as
+scalars from GMEM: its partial KV blocks (per-element `mask_fn`, causal and length masks), then its full
+ones (length mask only). Rows >= q_lengths[b] and fully masked rows give output 0 and lse -inf (the
+convention of `_core`).
 
 The caller pads: T to a multiple of `block_q`, S to a multiple of `block_kv`, with finite values (zeros);
 keys past `kv_lengths` are masked, but their V rows still meet p = 0 in the P V matmul, so they must not be
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -146,10 +150,18 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def _table_row(ref, batch, head, q_tile) -> tuple:
+    """The index of this CTA's row in a `[B|1, H|1, nq(, nk)]` table (axes of size 1 broadcast)."""
+    return (batch if ref.shape[0] > 1 else 0, head if ref.shape[1] > 1 else 0, q_tile)
+
+
 def _forward_kernel(
-    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref, smem, ready, free, turn, *,
-    scale: float, causal: bool, block_q: int, block_kv: int, num_stages: int, group: int, interpret: bool,
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, causal: bool, block_q: int, block_kv: int,
+    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn,
 ):
+    if has_tables:
+        num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
+    out_ref, lse_ref, smem, ready, free, turn = refs
     qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
@@ -165,10 +177,20 @@ def _forward_kernel(
     tile_row0 = q_tile * block_q
     scale_log2 = scale * LOG2E
 
-    # The producer loads what the busier consumer needs.
-    cta_steps = jnp.int32(0)
-    for c in range(_CONSUMERS):
-        cta_steps = jnp.maximum(cta_steps, _kv_steps(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, causal)[1])
+    if has_tables:
+        # Both consumers walk the table row of the CTA's query block: its partial blocks, then its full ones.
+        num_partial = num_partial_ref[_table_row(num_partial_ref, batch, head, q_tile)]
+        cta_steps = num_partial + num_full_ref[_table_row(num_full_ref, batch, head, q_tile)]
+
+        def table_block(table_ref, n):
+            return table_ref[(*_table_row(table_ref, batch, head, q_tile), n)]
+    else:
+        # The producer loads what the busier consumer needs.
+        cta_steps = jnp.int32(0)
+        for c in range(_CONSUMERS):
+            cta_steps = jnp.maximum(
+                cta_steps, _kv_steps(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, causal)[1]
+            )
 
     def pass_turn():
         plgpu.barrier_arrive(turn)
@@ -178,12 +200,17 @@ def _forward_kernel(
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
-        full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
+        if has_tables:
+            hi = cta_steps
+        else:
+            full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
 
-        def step(kv_step, carry, masked: bool):
+        def step(kv_step, carry, block, masked: bool, user_mask: bool):
+            """Pipeline step `kv_step` (ring slot kv_step % num_stages) computes KV tile `block`. `masked`:
+            apply the length mask, and with `user_mask` also causality and `mask_fn`."""
             acc, m_i, l_i = carry
             slot = lax.rem(kv_step, num_stages)
 
@@ -196,12 +223,12 @@ def _forward_kernel(
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
                 q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                kv_idx = kv_step * block_kv + plgpu.broadcasted_iota(
-                    jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
-                )
+                kv_idx = block * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                 allowed = kv_idx < kv_len
-                if causal:
+                if causal and user_mask:
                     allowed &= kv_idx <= q_idx
+                if mask_fn is not None and user_mask:
+                    allowed &= mask_fn(q_idx, kv_idx)
                 s = jnp.where(allowed, s, -jnp.inf)
             # m_i is kept in the base-2 domain, so p = exp2(s * scale * log2(e) - m) is one FMA and an exp2
             # per score (scale > 0, so scaling commutes with the row max).
@@ -252,9 +279,20 @@ def _forward_kernel(
             plgpu.barrier_wait(k_ready.at[0])
 
         pl.when(wg == 1)(pass_turn)
-        carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-        lax.fori_loop(hi, cta_steps, skip, None)
+        if has_tables:
+            carry = lax.fori_loop(
+                0, num_partial,
+                lambda n, c: step(n, c, table_block(partial_ref, n), masked=True, user_mask=True), carry,
+            )
+            acc, m_i, l_i = lax.fori_loop(
+                num_partial, hi,
+                lambda n, c: step(n, c, table_block(full_ref, n - num_partial), masked=True, user_mask=False),
+                carry,
+            )
+        else:
+            carry = lax.fori_loop(0, full_hi, lambda n, c: step(n, c, n, masked=False, user_mask=False), carry)
+            acc, m_i, l_i = lax.fori_loop(full_hi, hi, lambda n, c: step(n, c, n, masked=True, user_mask=True), carry)
+            lax.fori_loop(hi, cta_steps, skip, None)
         pl.when(wg == 0)(pass_turn)
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -272,14 +310,8 @@ def _forward_kernel(
         plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        def load(kv_step):
-            slot = lax.rem(kv_step, num_stages)
-            tile = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
-
-        @pl.loop(0, cta_steps)
-        def _(kv_step):
+        def load(kv_step, block):
+            """Step `kv_step`: once both consumers freed its slot, TMA KV tile `block` into it."""
             slot = lax.rem(kv_step, num_stages)
 
             @pl.when(kv_step >= num_stages)
@@ -287,7 +319,15 @@ def _forward_kernel(
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-            load(kv_step)
+            tile = (batch, pl.ds(block * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+        if has_tables:  # the consumers' sequence: partial blocks, then full ones
+            pl.loop(0, num_partial)(lambda n: load(n, table_block(partial_ref, n)))
+            pl.loop(num_partial, cta_steps)(lambda n: load(n, table_block(full_ref, n - num_partial)))
+        else:
+            pl.loop(0, cta_steps)(lambda n: load(n, n))
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
 
@@ -303,8 +343,33 @@ def drain_ring(steps, num_stages: int, *free_barriers) -> None:
             plgpu.barrier_wait(barrier.at[slot])
 
 
+def _check_tables(kv_tables, mask_fn, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
+                  block_q: int, block_kv: int) -> tuple[jax.Array, ...] | None:
+    """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's."""
+    if kv_tables is None:
+        if mask_fn is not None:
+            raise ValueError("mask_fn is evaluated on the partial blocks of kv_tables; pass kv_tables too")
+        return None
+    if len(kv_tables) != 4:
+        raise ValueError("kv_tables must be (num_partial, partial_indices, num_full, full_indices)")
+    tables = tuple(jnp.asarray(t) for t in kv_tables)
+    for name, table, ndim in zip(("num_partial", "partial_indices", "num_full", "full_indices"), tables, (3, 4, 3, 4)):
+        if not jnp.issubdtype(table.dtype, jnp.integer):
+            raise ValueError(f"kv_tables {name} must be integer, got {table.dtype}")
+        expected = (num_q_blocks, num_kv_blocks)[: ndim - 2]
+        if (table.ndim != ndim or table.shape[0] not in (1, batch) or table.shape[1] not in (1, num_heads)
+                or table.shape[2:] != expected):
+            raise ValueError(
+                f"kv_tables {name} must be [B|1={batch}, H|1={num_heads}, {', '.join(map(str, expected))}] "
+                f"(tables of tiles block_size=({block_q}, {block_kv}), the kernel's block_q / block_kv, over the "
+                f"padded sequences); got {table.shape}"
+            )
+    return tuple(t.astype(jnp.int32) for t in tables)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret")
+    jax.jit,
+    static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn"),
 )
 def mosaic_forward(
     q: jax.Array,
@@ -320,6 +385,8 @@ def mosaic_forward(
     num_stages: int = 2,
     p_in_smem: bool = False,
     interpret: bool = False,
+    kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    mask_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -336,6 +403,17 @@ def mosaic_forward(
     - `p_in_smem`: stage P in shared memory for the P V matmul instead of feeding it from registers (always
       on in interpret mode, whose wgmma reads only SMEM operands).
     - `interpret`: run in the Mosaic GPU CPU interpreter instead of compiling for the GPU.
+    - `kv_tables`: optional block tables `(num_partial, partial_indices, num_full, full_indices)`, integer,
+      counts `[B|1, H|1, nq]` and indices `[B|1, H|1, nq, nk]` with nq = T / block_q and nk = S / block_kv:
+      the layout of `BlockMask.kv_tables` built with `block_size=(block_q, block_kv)` (the kernel's tiles;
+      other shapes raise ValueError), axes of size 1 broadcast over batch / query heads. Each CTA then
+      visits exactly the listed KV blocks of its query block, the partial ones (with `mask_fn`, the causal
+      mask when `causal`, and the length mask), then the full ones (length mask only), instead of the causal
+      / length tile ranges; unlisted blocks are never loaded, listed indices must be < nk. `causal` still
+      orders the query tiles heaviest first.
+    - `mask_fn`: with `kv_tables`, `mask_fn(q_idx, kv_idx) -> bool` (True = attend) on int32 arrays of
+      global query / key positions, evaluated inside the kernel on partial blocks. It must be a pure index
+      function (jnp arithmetic and comparisons only, no captured arrays) and hashable (a static argument).
 
     **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
@@ -346,12 +424,14 @@ def mosaic_forward(
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    tables = _check_tables(kv_tables, mask_fn, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
+                           block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
         _forward_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        group=num_heads // num_kv_heads, interpret=interpret,
+        group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
     )
     return plgpu.kernel(
         kernel,
@@ -384,4 +464,4 @@ def mosaic_forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths)
+    )(q, k, v, q_lengths, kv_lengths, *(tables or ()))
