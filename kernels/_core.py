@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
 
 from probjax_kernels import _triton
 from probjax_kernels._config import FlashConfig, default_config
@@ -728,12 +729,47 @@ def _fits_mosaic(problem: _Problem, q) -> bool:
     )
 
 
+def _index_mask_fn(hook: Hook | None):
+    """A mask_mod as the Mosaic kernel's `mask_fn(q_idx, kv_idx)`: only when it reads neither b, h nor an
+    array it closes over (the kernel has none of them); else None."""
+    if hook is None or hook.const_avals:
+        return None
+    jaxpr = next(iter(hook.jaxprs.values()))
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex_core.Literal)}
+    used |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    if any(v in used for v in jaxpr.invars[:2]):
+        return None
+    return functools.partial(_call_index_mask, hook)
+
+
+def _call_index_mask(hook: Hook, q_idx, kv_idx):
+    zero = jnp.zeros((), jnp.int32)
+    return hook.fn(zero, zero, q_idx, kv_idx)
+
+
+def _mosaic_forward_options(problem: _Problem, q) -> dict | None:
+    """The block tables and mask of a flex call that the Mosaic forward can take ({} without tables), or None."""
+    f, cfg = problem.features, problem.config
+    if f.block_sizes is None:
+        return {} if _fits_mosaic(problem, q) else None
+    mask_fn = _index_mask_fn(f.mask_mod)
+    plain_flex = dataclasses.replace(problem, features=dataclasses.replace(f, mask_mod=None, block_sizes=None),
+                                     table_shape=None, num_mask_consts=0)
+    if mask_fn is None or f.block_sizes != (cfg.block_q, cfg.block_k) or not _fits_mosaic(plain_flex, q):
+        return None
+    return {"mask_fn": mask_fn}
+
+
 def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    if _fits_mosaic(problem, q):
+    mosaic_options = _mosaic_forward_options(problem, q)
+    if mosaic_options is not None:
         cfg = problem.config
+        if mosaic_options:
+            mosaic_options["kv_tables"] = optional["kv_tables"]
         return mosaic_forward(
             q, k, v, q_len, kv_len, scale=problem.features.scale, causal=problem.features.window_right == 0,
             block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
+            **mosaic_options,
         )
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q

@@ -8,7 +8,10 @@ import pytest
 from helpers import assert_close, random_qkv
 from test_flash_lowering import lower_for_cuda, spec
 
-from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels import (
+    FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, flash_attention, flash_attention_reference,
+    flex_attention, flex_attention_reference, sliding_window,
+)
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
 
@@ -72,3 +75,19 @@ def test_the_mosaic_backend_lowers_for_cuda(head_dim):
     assert "mosaic_gpu" in text and "probjax_flash_forward" not in text
     triton_backward = "probjax_flash_backward_dq" in text and "probjax_flash_backward_dkv" in text
     assert triton_backward == (head_dim == 256)
+
+
+def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
+    """A BlockMask of a pure index mask_mod (causal and a sliding window) at the kernel's 128 x 128 tiles runs
+    the Mosaic forward with the block tables; a mask_mod reading arrays (documents) falls back to Triton."""
+    q, k, v = random_qkv(7, 2, 384, 384, 2, 2, 64, jnp.bfloat16)
+    window = create_block_mask(and_masks(causal_mask, sliding_window(150)), None, None, 384, 384)
+    documents = create_block_mask(document_mask(jnp.array([[0] * 200 + [1] * 184] * 2)), 2, None, 384, 384)
+    for block_mask, mosaic in ((window, True), (documents, False)):
+        fn = lambda q, k, v, bm=block_mask: flex_attention(q, k, v, None, bm, config=MOSAIC)  # noqa: E731
+        assert runs_triton_forward(fn, q, k, v) != mosaic
+        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, None, block_mask), jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(8), q.shape)
+    grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, None, window).astype(jnp.float32) * cotangent))(q)
+             for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)]
+    assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
