@@ -85,3 +85,15 @@ def test_flash_attention_with_the_mosaic_backend(causal):
     _assert_close("loss", value, expected_value, TOL)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         _assert_close(name, a, e, 2 * TOL)
+
+
+def test_flex_block_mask_through_the_mosaic_forward():
+    """Block tables walked by the compiled Mosaic forward (partial and full tiles, ring wrap-around)."""
+    from probjax_kernels import and_masks, causal_mask, create_block_mask, flex_attention, flex_attention_reference
+    from probjax_kernels import sliding_window
+
+    q, k, v = random_qkv(7, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
+    block_mask = create_block_mask(and_masks(causal_mask, sliding_window(700)), None, None, 2048, 2048)
+    out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_mask,
+                                                 config=FlashConfig(backend="mosaic")))(q, k, v)
+    _assert_close("out", out, flex_attention_reference(q, k, v, None, block_mask), TOL)
