@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run that ends inside BUDGET_S seconds (default 540): nvidia-smi, versions, the GPU
-# tests (tests/gpu, every test, none stops the run), the benchmark (python -m probjax_nn.benchmark: bf16, B=4,
-# N=8, head dims 64 and 128, seq 1024..8192, causal and not, fwd and fwd_bwd; probjax_default, probjax_flex,
-# jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or CUDA is not
-# there) and its plots. Usage, from anywhere, on a machine with jax[cuda] installed:
+# tests of the Triton and tangent kernels, the benchmark (python -m probjax_nn.benchmark: bf16, B=4, N=8,
+# head dims 64 and 128, seq 1024..8192, causal and not, fwd and fwd_bwd; probjax_default, probjax_mosaic,
+# probjax_flex, jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or
+# CUDA is not there), after seq 8192 the jvp rows, the Mosaic GPU tests and the Mosaic tile sweep
+# (tests/gpu/mosaic_sweep.py -> mosaic_sweep.jsonl), and the plots. Later steps are cut when the budget
+# runs out, so the order is the priority. Usage, from anywhere, on a machine with jax[cuda] installed:
 #
 #     OUT=/some/folder bash tests/gpu/run_gpu_checks.sh
 #
@@ -80,8 +82,9 @@ fi
 step 30 nvidia-smi nvidia-smi.txt nvidia-smi
 step 120 versions versions.txt "$python" -c "$versions"
 # The test workers share the GPU (each compiles its own Triton kernels), so none may preallocate its memory.
-step 270 pytest-gpu pytest_gpu.log \
-    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" tests/gpu
+step 200 pytest-gpu pytest_gpu.log \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" \
+    tests/gpu/test_gpu_flash.py tests/gpu/test_gpu_forward_ad.py
 results="$out/gpu_attention_bf16.json"
 rm -f "$results"
 bench=("$python" -m probjax_nn.benchmark --output "$results" --append
@@ -93,7 +96,10 @@ for seq in 4096 8192 1024 2048; do
         # forward mode (issue 8): the tangent kernel against dense jax.jvp
         step 120 benchmark-jvp benchmark_jvp.log "${bench[@]}" --seq-lens 4096 8192 --modes jvp \
             --impls probjax_default probjax_flex jax_xla jax_cudnn
-        # the Mosaic GPU kernels' tile configs (issue 7), hd 128 at seq 8192 first; one JSON line per config
+        # the Mosaic GPU kernels (issue 7, opt-in): correctness (-v: a hang or a cut leaves the test names),
+        # then their tile configs, hd 128 at seq 8192 first; one JSON line per config
+        step 150 pytest-mosaic pytest_mosaic.log \
+            env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" -v tests/gpu/test_gpu_mosaic.py
         step 120 mosaic-sweep mosaic_sweep.log "$python" tests/gpu/mosaic_sweep.py "$out/mosaic_sweep.jsonl"
     fi
 done
