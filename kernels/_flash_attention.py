@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from probjax_kernels import _core
+from probjax_kernels import _autodiff, _core
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 
@@ -67,7 +67,7 @@ def flash_attention(
     features = _core.Features(
         scale=inputs.scale, window_left=left, window_right=right, dropout_rate=float(dropout_rate)
     )
-    out, lse = _core.attention(
+    out, lse = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=inputs.bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
         kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed,

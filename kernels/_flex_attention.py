@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels import _core
+from probjax_kernels import _autodiff, _core
 from probjax_kernels._block_mask import BlockMask
 from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._hooks import trace_hook
@@ -118,7 +118,7 @@ def flex_attention(
         scale=inputs.scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate),
     )
-    out, lse = _core.attention(
+    out, lse = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,
     )

@@ -1,0 +1,241 @@
+"""The autodiff structure and the entry point of the kernel core.
+
+`_attention` is a custom_jvp whose tangent is `custom_linear`: applied, it is the tangent kernel (jax.jvp);
+transposed, it is the backward kernels (jax.grad, through jax.linearize); differentiated in its residuals
+(second order: grad of jvp, hessian), it is `_dense_attention` under jax.jvp. `attention` pads the inputs,
+builds the static `_Problem` and calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
+from probjax_kernels._config import FlashConfig, default_config
+from probjax_kernels._core import (
+    LOG2E, Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _Problem, _tangent,
+    _Tangents,
+)
+from probjax_kernels._linear import custom_linear
+from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
+
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
+
+
+def _residual_lse2(lse):
+    # Rows without any attended key carry lse = -inf; +inf makes p = exp2(s - lse) exactly 0 there.
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+
+
+def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels."""
+    q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
+    bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
+    # delta_i = rowsum(dO * O) (FlashAttention-2 preprocess); an lse cotangent enters as -d_lse because
+    # d lse / d s = p, which makes dS = p * (dP - delta + d_lse).
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+    if _fits_mosaic(problem, q) and q.shape[3] in MOSAIC_BACKWARD_HEAD_DIMS:
+        return _mosaic_backward(problem, tangents, res, d_out, d_lse)
+    lse2 = _residual_lse2(lse)
+    optional = dict(res["others"], bias=bias, score_consts=score_consts)
+    grads = {}
+    if tangents.q or tangents.bias:
+        dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, tangents.bias)
+        if tangents.q:
+            grads["q"] = dq
+        if tangents.bias:
+            broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+            grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+    if tangents.k or tangents.v:
+        dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    if any(tangents.score_consts):
+        grads["score_consts"] = _score_const_gradients(
+            problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts, tangents.score_consts
+        )
+    return grads
+
+
+def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, hooks or
+    masks beyond causal and lengths)."""
+    args = (res["q"], res["k"], res["v"], res["out"], res["lse"], d_out, res["q_len"], res["kv_len"])
+    options = dict(scale=problem.features.scale, causal=problem.features.window_right == 0,
+                   interpret=_interpreted(problem), d_lse=d_lse)
+    grads = {}
+    if tangents.q:
+        grads["q"] = mosaic_backward_dq(*args, **options)
+    if tangents.k or tangents.v:
+        dk, dv = mosaic_backward_dkv(*args, **options)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    return grads
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
+    """Padded inputs in, (out, lse) padded out. `others` holds the inputs without derivatives."""
+    return _forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
+
+
+def _is_zero(t) -> bool:
+    return t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+@functools.partial(_attention.defjvp, symbolic_zeros=True)
+def _attention_jvp(problem: _Problem, primals, tangents_in):
+    q, k, v, bias, score_consts, q_len, kv_len, others = primals
+    dq, dk, dv, d_bias, d_consts = tangents_in[:5]
+    # The primal through `_attention` itself, so that an outer derivative of this rule (second order) finds it.
+    out, lse = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
+    tangents = _Tangents(
+        q=not _is_zero(dq), k=not _is_zero(dk), v=not _is_zero(dv), bias=bias is not None and not _is_zero(d_bias),
+        score_consts=tuple(not _is_zero(t) for t in d_consts),
+    )
+    linear = {name: t for name, t in (("q", dq), ("k", dk), ("v", dv), ("bias", d_bias)) if not _is_zero(t)}
+    if any(tangents.score_consts):
+        linear["score_consts"] = tuple(t for t in d_consts if not _is_zero(t))
+    if not linear:
+        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+    residuals = dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias, score_consts=score_consts, q_len=q_len,
+                     kv_len=kv_len, others=others)
+    res_flat, res_tree = jax.tree.flatten(residuals)
+    lin_flat, lin_tree = jax.tree.flatten(linear)
+    unflatten_res = functools.partial(jax.tree.unflatten, res_tree)
+    unflatten_lin = functools.partial(jax.tree.unflatten, lin_tree)
+
+    def apply(res_flat, lin_flat):
+        res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
+        optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"],
+                        d_bias=lin.get("bias"), d_score_consts=lin.get("score_consts", ()))
+        return _tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"], res["out"],
+                        _residual_lse2(res["lse"]), lin, optional)
+
+    def transpose(res_flat, cts):
+        grads = _backward(problem, tangents, unflatten_res(res_flat), *cts)
+        return jax.tree.leaves({name: grads[name] for name in linear})
+
+    def reference(res_flat, lin_flat):
+        res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
+        moving = [c for c, m in zip(res["score_consts"], tangents.score_consts) if m]
+
+        def dense(q, k, v, bias, moving):
+            consts = _with_moving(res["score_consts"], tangents.score_consts, moving)
+            return _dense_attention(problem, q, k, v, bias, consts, res["q_len"], res["kv_len"], res["others"])
+
+        zero = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+        primal = (res["q"], res["k"], res["v"], res["bias"], moving)
+        tangent = tuple(lin.get(name, zero(x)) for name, x in zip(("q", "k", "v", "bias"), primal[:4]))
+        _, d = jax.jvp(dense, primal, (*tangent, list(lin.get("score_consts", ()))))
+        return list(d)
+
+    out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
+    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs)
+    return (out, lse), (d_out, d_lse)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pads one axis of x up to `size` (no-op when it already has that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    features: Features,
+    config: FlashConfig | None,
+    *,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    dropout_seed: jax.Array | None = None,
+    score_consts: tuple = (),
+    mask_consts: tuple = (),
+    kv_tables: tuple | None = None,
+    q_tables: tuple | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernels on checked inputs (see `_inputs.check_inputs`); returns (out, lse) unpadded.
+
+    `bias` / `mask` are 4-D with 1 on broadcast axes; `kv_tables` / `q_tables` are the block tables of a
+    `BlockMask` (num_partial, partial_indices, num_full, full_indices), for the query-tile kernels and the
+    key-tile kernel respectively; their tile is `features.block_sizes`.
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    if bias is not None and kv_tables is not None:
+        # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
+        raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    config = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
+    q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
+    kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
+    if features.block_sizes is not None:
+        table_q, table_k = features.block_sizes
+        q_multiple, kv_multiple = max(q_multiple, table_q), max(kv_multiple, table_k)
+    t_pad, s_pad = _round_up(q_len, q_multiple), _round_up(kv_len, kv_multiple)
+
+    def pad_4d(x, seq_size):
+        return _pad_axis(_pad_axis(x, 1, seq_size), 3, d_pad)
+
+    def pad_broadcastable(x):
+        # Only the sequence axes that are not broadcast get padded; padded bias is 0 and padded mask False.
+        if x.shape[2] > 1:
+            x = _pad_axis(x, 2, t_pad)
+        if x.shape[3] > 1:
+            x = _pad_axis(x, 3, s_pad)
+        return x
+
+    others = {"mask_consts": tuple(mask_consts)}
+    if mask is not None:
+        # Triton loads of i1 are awkward; int8 costs one byte per element of the mask as given.
+        others["mask"] = pad_broadcastable(mask.astype(jnp.int8))
+    if q_segment_ids is not None:
+        others["q_segment_ids"] = _pad_axis(q_segment_ids, 1, t_pad)
+        others["kv_segment_ids"] = _pad_axis(kv_segment_ids, 1, s_pad)
+    if features.dropout_rate > 0:
+        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(())
+    if kv_tables is not None:
+        others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
+    bias = None if bias is None else pad_broadcastable(bias)
+    _prepare_hooks(features, config, batch, num_heads, t_pad, s_pad)
+    problem = _Problem(
+        features=features,
+        group=num_heads // num_kv_heads,
+        num_heads=num_heads,
+        bias_shape=None if bias is None else bias.shape,
+        mask_shape=None if mask is None else others["mask"].shape,
+        table_shape=None if kv_tables is None else kv_tables[0].shape[:2],
+        has_segments=q_segment_ids is not None,
+        num_score_consts=len(score_consts),
+        num_mask_consts=len(mask_consts),
+        config=config,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
+    )
+    if q_lengths is None:
+        q_lengths = jnp.full((batch,), q_len, jnp.int32)
+    if kv_lengths is None:
+        kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
+    out, lse = _attention(
+        problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad), bias, tuple(score_consts),
+        q_lengths, kv_lengths, others,
+    )
+    return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
