@@ -17,8 +17,8 @@ from jax import lax
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
 from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._core import (
-    LOG2E, Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _Problem, _tangent,
-    _Tangents,
+    Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _Problem, _tangent,
+    _Tangents, backward_delta, base2_lse,
 )
 from probjax_kernels._linear import custom_linear
 from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
@@ -26,22 +26,13 @@ from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backwar
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
 
 
-def _residual_lse2(lse):
-    # Rows without any attended key carry lse = -inf; +inf makes p = exp2(s - lse) exactly 0 there.
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-
-
 def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
     bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
-    # delta_i = rowsum(dO * O) (FlashAttention-2 preprocess); an lse cotangent enters as -d_lse because
-    # d lse / d s = p, which makes dS = p * (dP - delta + d_lse).
-    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
     if _fits_mosaic(problem, q) and q.shape[3] in MOSAIC_BACKWARD_HEAD_DIMS:
         return _mosaic_backward(problem, tangents, res, d_out, d_lse)
-    lse2 = _residual_lse2(lse)
+    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     optional = dict(res["others"], bias=bias, score_consts=score_consts)
     grads = {}
     if tangents.q or tangents.bias:
@@ -113,7 +104,7 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
         optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"],
                         d_bias=lin.get("bias"), d_score_consts=lin.get("score_consts", ()))
         return _tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"], res["out"],
-                        _residual_lse2(res["lse"]), lin, optional)
+                        base2_lse(res["lse"]), lin, optional)
 
     def transpose(res_flat, cts):
         grads = _backward(problem, tangents, unflatten_res(res_flat), *cts)

@@ -204,6 +204,19 @@ def _score_tangents(dot, d_dot, ctx: _ScoreContext, problem: _Problem, masked: b
     return s2, ds
 
 
+def base2_lse(lse):
+    """lse `[B, N, T]` as the backward and tangent kernels read it: in base 2, and +inf for rows without any
+    attended key (lse -inf), so that p = exp2(s2 - lse2) is exactly 0 there."""
+    return jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+
+
+def backward_delta(out, lse, d_out, d_lse=None):
+    """delta = rowsum(dO * O) `[B, N, T]` float32 (FlashAttention-2's preprocess), minus an lse cotangent if
+    given: d lse / d s = p, so d_lse enters dS = p (dP - delta) as -d_lse."""
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    return delta if d_lse is None else delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+
+
 def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
     """keep / (1 - rate) for the tile: the factor on dropped-out probabilities."""
     rate = problem.features.dropout_rate

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax_kernels._core import backward_delta, base2_lse
 from probjax_kernels._mosaic_forward import (
     _CONSUMERS,
     _SWIZZLE,
@@ -41,6 +43,7 @@ from probjax_kernels._mosaic_forward import (
     _kv_steps,
     check_layout,
     drain_ring,
+    fill_ring_slot,
 )
 
 
@@ -149,29 +152,11 @@ def _dq_kernel(
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
-            slot = lax.rem(kv_step, num_stages)
-
-            @pl.when(kv_step >= num_stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-
             tile = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+            fill_ring_slot(kv_step, num_stages, (k_free, v_free),
+                           ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
 
-        @pl.loop(jnp.maximum(cta_steps - num_stages, 0), cta_steps)
-        def _(kv_step):
-            slot = lax.rem(kv_step, num_stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-
-def _delta(out, lse, d_out, d_lse):
-    """delta = rowsum(dO * O) - d_lse: an lse cotangent enters dS = p (dP - delta) as -d_lse, since
-    d lse / d s = p."""
-    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return delta if d_lse is None else delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+        drain_ring(cta_steps, num_stages, k_free, v_free)
 
 
 @functools.partial(
@@ -219,8 +204,7 @@ def mosaic_backward_dq(
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
     # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends.
-    delta = _delta(out, lse, d_out, d_lse)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
         _dq_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
@@ -407,22 +391,15 @@ def _dkv_kernel(
 
         @pl.loop(0, steps)
         def _(g):
-            slot = lax.rem(g, num_stages)
             h = lax.div(g, tiles)
             t = lo + g - h * tiles
             head = kv_head * group + h
-
-            @pl.when(g >= num_stages)
-            def _():
-                plgpu.barrier_wait(q_free.at[slot])
-                plgpu.barrier_wait(do_free.at[slot])
-
             row_tile = (batch, pl.ds(t * block_q, block_q), head)
             row_vector = (batch, head, pl.ds(t * block_q, block_q))
-            plgpu.copy_gmem_to_smem(q_ref.at[row_tile], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse2_ref.at[row_vector], lse2_smem.at[slot], lse2_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[row_tile], do_smem.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[row_vector], delta_smem.at[slot], delta_ready.at[slot])
+            fill_ring_slot(g, num_stages, (q_free, do_free), (
+                (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, lse2_ready),
+                (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, delta_ready),
+            ))
 
         drain_ring(steps, num_stages, q_free, do_free)
 
@@ -473,9 +450,9 @@ def mosaic_backward_dkv(
     keys = block_kv // _CONSUMERS
     # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends and
     # for rows >= q_lengths, so those rows give p = 0 without a per-element row mask.
-    delta = _delta(out, lse, d_out, d_lse)
+    delta = backward_delta(out, lse, d_out, d_lse)
     rows_valid = jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None]
-    lse2 = jnp.where(jnp.isneginf(lse) | ~rows_valid, jnp.inf, lse * LOG2E)
+    lse2 = jnp.where(rows_valid, base2_lse(lse), jnp.inf)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
         _dkv_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,

@@ -312,16 +312,9 @@ def _forward_kernel(
 
         def load(kv_step, block):
             """Step `kv_step`: once both consumers freed its slot, TMA KV tile `block` into it."""
-            slot = lax.rem(kv_step, num_stages)
-
-            @pl.when(kv_step >= num_stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-
             tile = (batch, pl.ds(block * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+            fill_ring_slot(kv_step, num_stages, (k_free, v_free),
+                           ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
 
         if has_tables:  # the consumers' sequence: partial blocks, then full ones
             pl.loop(0, num_partial)(lambda n: load(n, table_block(partial_ref, n)))
@@ -330,6 +323,21 @@ def _forward_kernel(
             pl.loop(0, cta_steps)(lambda n: load(n, n))
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
+
+
+def fill_ring_slot(step, num_stages: int, free_barriers, copies) -> None:
+    """Producer side of a ring of `num_stages` SMEM slots: once the consumers have freed the slot of `step`
+    (on every pass after the first), starts the TMA `copies` into it, each (GMEM source, SMEM ring, ready
+    barrier ring)."""
+    slot = lax.rem(step, num_stages)
+
+    @pl.when(step >= num_stages)
+    def _():
+        for barrier in free_barriers:
+            plgpu.barrier_wait(barrier.at[slot])
+
+    for source, ring, ready in copies:
+        plgpu.copy_gmem_to_smem(source, ring.at[slot], ready.at[slot])
 
 
 def drain_ring(steps, num_stages: int, *free_barriers) -> None:
