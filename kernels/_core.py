@@ -724,19 +724,25 @@ def _q_grid(problem: _Problem, q, k, block_q: int, block_k: int, optional: dict)
     return q_spec, kv_spec, row_spec, extra, extra_specs
 
 
-def _fits_mosaic(problem: _Problem, q) -> bool:
-    """Whether backend "mosaic" runs this forward in the Mosaic GPU kernel (else in the Triton one)."""
+def _mosaic_takes(problem: _Problem, q) -> bool:
+    """Whether backend "mosaic" is asked for and the Mosaic GPU kernels take this call's dtype, head dim and
+    tiles, and none of what they lack (score_mod, dropout, windows other than causal, bias, dense masks,
+    segments); block tables and mask_mod are left to the callers."""
     f, cfg = problem.features, problem.config
-    plain = (
-        f.score_mod is None and f.mask_mod is None and f.block_sizes is None and f.dropout_rate == 0
+    return (
+        cfg.backend in ("mosaic", "mosaic_interpret") and f.score_mod is None and f.dropout_rate == 0
         and f.window_left is None and f.window_right in (None, 0) and problem.bias_shape is None
         and problem.mask_shape is None and not problem.has_segments
-    )
-    return (
-        cfg.backend in ("mosaic", "mosaic_interpret") and plain and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
+        and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(q.shape[3], cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
     )
+
+
+def _fits_mosaic(problem: _Problem, q) -> bool:
+    """Whether the Mosaic GPU kernels run this call without block tables: the forward, and (at head dim 64 /
+    128) the backward."""
+    return _mosaic_takes(problem, q) and problem.features.mask_mod is None and problem.features.block_sizes is None
 
 
 def _index_mask_fn(hook: Hook | None):
@@ -763,9 +769,7 @@ def _mosaic_forward_options(problem: _Problem, q) -> dict | None:
     if f.block_sizes is None:
         return {} if _fits_mosaic(problem, q) else None
     mask_fn = _index_mask_fn(f.mask_mod)
-    plain_flex = dataclasses.replace(problem, features=dataclasses.replace(f, mask_mod=None, block_sizes=None),
-                                     table_shape=None, num_mask_consts=0)
-    if mask_fn is None or f.block_sizes != (cfg.block_q, cfg.block_k) or not _fits_mosaic(plain_flex, q):
+    if mask_fn is None or f.block_sizes != (cfg.block_q, cfg.block_k) or not _mosaic_takes(problem, q):
         return None
     return {"mask_fn": mask_fn}
 
