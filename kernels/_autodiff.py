@@ -83,13 +83,12 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
     dq, dk, dv, d_bias, d_consts = tangents_in[:5]
     # The primal through `_attention` itself, so that an outer derivative of this rule (second order) finds it.
     out, lse = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
-    tangents = _Tangents(
-        q=not _is_zero(dq), k=not _is_zero(dk), v=not _is_zero(dv), bias=bias is not None and not _is_zero(d_bias),
-        score_consts=tuple(not _is_zero(t) for t in d_consts),
-    )
     linear = {name: t for name, t in (("q", dq), ("k", dk), ("v", dv), ("bias", d_bias)) if not _is_zero(t)}
-    if any(tangents.score_consts):
+    moving_consts = tuple(not _is_zero(t) for t in d_consts)
+    if any(moving_consts):
         linear["score_consts"] = tuple(t for t in d_consts if not _is_zero(t))
+    tangents = _Tangents(q="q" in linear, k="k" in linear, v="v" in linear, bias="bias" in linear,
+                         score_consts=moving_consts)
     if not linear:
         return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
     residuals = dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias, score_consts=score_consts, q_len=q_len,

@@ -112,10 +112,6 @@ class _Tangents:
     bias: bool
     score_consts: tuple[bool, ...]
 
-    @property
-    def moves_scores(self) -> bool:
-        return self.q or self.k or self.bias or any(self.score_consts)
-
 
 @dataclasses.dataclass(frozen=True)
 class _ScoreContext:
