@@ -35,6 +35,7 @@ from probjax_kernels import _triton
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dropout import keep_mask
 from probjax_kernels._hooks import Hook
+from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels._mosaic_forward import mosaic_forward
 from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
@@ -702,7 +703,7 @@ def _length_spec():
 def _output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     """A kernel output that varies over the mesh axes its inputs vary over, so that the kernels run inside
     `jax.shard_map` with its default `check_vma=True` (outside one, no axis varies)."""
-    manual = max((jax.typeof(x).manual_axis_type for x in inputs), key=lambda t: len(t.varying))
+    manual = widest_manual_axis_type([jax.typeof(x) for x in inputs])
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 

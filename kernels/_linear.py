@@ -77,14 +77,19 @@ def _aval(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
 
 
+def widest_manual_axis_type(avals):
+    """The manual axis type of the aval that varies over the most mesh axes: what an output computed from
+    all of `avals` varies over inside `jax.shard_map` (outside one, no axis varies)."""
+    return max((a.manual_axis_type for a in avals), key=lambda t: len(t.varying))
+
+
 def _impl(*args, maps: _Maps, num_res: int):
     return maps.apply(list(args[:num_res]), list(args[num_res:]))
 
 
 def _abstract_eval(*avals, maps: _Maps, num_res: int):
     del num_res
-    # The outputs vary over every mesh axis any input varies over (inside jax.shard_map).
-    manual = max((a.manual_axis_type for a in avals), key=lambda t: len(t.varying))
+    manual = widest_manual_axis_type(avals)
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
     return [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
             for a in maps.out_avals]
