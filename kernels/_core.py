@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+# Pallas' interpret-mode lowering imports the fuser on first use, and the fuser registers a config value that
+# is part of the tracing context: imported mid-way, it makes every `jit` that traced before it retrace once.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.extend import core as jex_core
 
 from probjax_kernels import _triton
