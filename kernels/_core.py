@@ -32,6 +32,8 @@ from jax.experimental import pallas as pl
 # Pallas' interpret-mode lowering imports the fuser on first use, and the fuser registers a config value that
 # is part of the tracing context: imported mid-way, it makes every `jit` that traced before it retrace once.
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
+from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
+from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
 from probjax_kernels import _triton
@@ -725,14 +727,16 @@ def _q_grid(problem: _Problem, q, k, block_q: int, block_k: int, optional: dict)
 
 
 def _mosaic_takes(problem: _Problem, q) -> bool:
-    """Whether backend "mosaic" is asked for and the Mosaic GPU kernels take this call's dtype, head dim and
-    tiles, and none of what they lack (score_mod, dropout, windows other than causal, bias, dense masks,
-    segments); block tables and mask_mod are left to the callers."""
+    """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
+    tiles and hooks, and none of what it lacks (dropout, windows other than causal, bias, dense masks,
+    segments, hooks that close over arrays or use an op Mosaic GPU cannot lower)."""
     f, cfg = problem.features, problem.config
     return (
-        cfg.backend in ("mosaic", "mosaic_interpret") and f.score_mod is None and f.dropout_rate == 0
+        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0
         and f.window_left is None and f.window_right in (None, 0) and problem.bias_shape is None
         and problem.mask_shape is None and not problem.has_segments
+        and all(hook is None or _is_mosaic_hook(hook) for hook in (f.score_mod, f.mask_mod))
+        and (f.block_sizes is None or f.block_sizes == (cfg.block_q, cfg.block_k))
         and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(q.shape[3], cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
@@ -740,50 +744,49 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
 
 
 def _fits_mosaic(problem: _Problem, q) -> bool:
-    """Whether the Mosaic GPU kernels run this call without block tables: the forward, and (at head dim 64 /
-    128) the backward."""
-    return _mosaic_takes(problem, q) and problem.features.mask_mod is None and problem.features.block_sizes is None
+    """Whether the Mosaic GPU kernels run both passes of this call (the backward at head dim 64 / 128): the
+    plain ones, without hooks or block tables. Calls with those run only the forward in Mosaic GPU."""
+    f = problem.features
+    return _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
 
 
-def _index_mask_fn(hook: Hook | None):
-    """A mask_mod as the Mosaic kernel's `mask_fn(q_idx, kv_idx)`: only when it reads neither b, h nor an
-    array it closes over (the kernel has none of them); else None."""
-    if hook is None or hook.const_avals:
-        return None
-    jaxpr = next(iter(hook.jaxprs.values()))
-    used = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex_core.Literal)}
-    used |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-    if any(v in used for v in jaxpr.invars[:2]):
-        return None
-    return functools.partial(_call_index_mask, hook)
+def _is_mosaic_hook(hook: Hook) -> bool:
+    """Whether a hook can run inside the Mosaic GPU forward: it closes over no array (the kernel reads none)
+    and every primitive of its jaxpr has a Mosaic GPU lowering rule."""
+    return not hook.const_avals and all(_lowers_in_mosaic(jaxpr) for jaxpr in hook.jaxprs.values())
 
 
-def _call_index_mask(hook: Hook, q_idx, kv_idx):
-    zero = jnp.zeros((), jnp.int32)
-    return hook.fn(zero, zero, q_idx, kv_idx)
+def _lowers_in_mosaic(jaxpr) -> bool:
+    rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
+    for eqn in jaxpr.eqns:
+        if eqn.primitive not in rules:
+            return False
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            if not _lowers_in_mosaic(sub):
+                return False
+    return True
 
 
-def _mosaic_forward_options(problem: _Problem, q) -> dict | None:
-    """The block tables and mask of a flex call that the Mosaic forward can take ({} without tables), or None."""
-    f, cfg = problem.features, problem.config
-    if f.block_sizes is None:
-        return {} if _fits_mosaic(problem, q) else None
-    mask_fn = _index_mask_fn(f.mask_mod)
-    if mask_fn is None or f.block_sizes != (cfg.block_q, cfg.block_k) or not _mosaic_takes(problem, q):
-        return None
-    return {"mask_fn": mask_fn}
+def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
+    """A pure hook as the Mosaic forward calls it, hashable (a static argument) whatever the user's callable."""
+    return None if hook is None else functools.partial(_call_pure_hook, hook)
+
+
+def _call_pure_hook(hook: Hook, *args):
+    # Re-running the user's function in the kernel is safe only because the hook closes over no array (and so
+    # over no tracer of the caller's transformations): the kernel calls it at its own tile shapes.
+    return hook.fn(*args)
 
 
 def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    mosaic_options = _mosaic_forward_options(problem, q)
-    if mosaic_options is not None:
+    f = problem.features
+    if _mosaic_takes(problem, q):
         cfg = problem.config
-        if mosaic_options:
-            mosaic_options["kv_tables"] = optional["kv_tables"]
         return mosaic_forward(
-            q, k, v, q_len, kv_len, scale=problem.features.scale, causal=problem.features.window_right == 0,
-            block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
-            **mosaic_options,
+            q, k, v, q_len, kv_len, scale=f.scale, causal=f.window_right == 0, block_q=cfg.block_q,
+            block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
+            kv_tables=optional["kv_tables"] if f.block_sizes is not None else None,
+            mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
         )
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q

@@ -21,8 +21,10 @@ never loaded. The producer loads the tiles of the consumer that needs more; the 
 and frees those slots without computing. With block tables (`kv_tables`, FlexAttention's `BlockMask`
 layout) both consumers and the producer instead walk the table row of the CTA's query block, read as
 scalars from GMEM: its partial KV blocks (per-element `mask_fn`, causal and length masks), then its full
-ones (length mask only). Rows >= q_lengths[b] and fully masked rows give output 0 and lse -inf (the
-convention of `_core`).
+ones (length mask only). Without tables, a `mask_fn` is evaluated on every visited tile. A `score_fn`
+(FlexAttention's score_mod) is applied to every tile's natural-log scores before the mask; the scale then
+no longer folds into the exp2 multiply. Rows >= q_lengths[b] and fully masked rows give output 0 and
+lse -inf (the convention of `_core`).
 
 The caller pads: T to a multiple of `block_q`, S to a multiple of `block_kv`, with finite values (zeros);
 keys past `kv_lengths` are masked, but their V rows still meet p = 0 in the P V matmul, so they must not be
@@ -157,7 +159,7 @@ def _table_row(ref, batch, head, q_tile) -> tuple:
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, causal: bool, block_q: int, block_kv: int,
-    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn,
+    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn, score_fn,
 ):
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
@@ -204,6 +206,8 @@ def _forward_kernel(
             hi = cta_steps
         else:
             full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
+            if mask_fn is not None:  # without tables no tile is known to be full
+                full_hi = jnp.int32(0)
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
@@ -221,20 +225,26 @@ def _forward_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
+            if masked or score_fn is not None:
                 q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 kv_idx = block * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            # s_scale turns s into base-2 scores: m_i is kept in the base-2 domain, so without a score_fn
+            # p = exp2(s * scale * log2(e) - m) is one FMA and an exp2 per score (scale > 0, so scaling commutes
+            # with the row max).
+            s_scale = scale_log2
+            if score_fn is not None:
+                s = score_fn(s * scale, batch, head, q_idx, kv_idx) * LOG2E
+                s_scale = 1.0
+            if masked:
                 allowed = kv_idx < kv_len
                 if causal and user_mask:
                     allowed &= kv_idx <= q_idx
                 if mask_fn is not None and user_mask:
-                    allowed &= mask_fn(q_idx, kv_idx)
+                    allowed &= mask_fn(batch, head, q_idx, kv_idx)
                 s = jnp.where(allowed, s, -jnp.inf)
-            # m_i is kept in the base-2 domain, so p = exp2(s * scale * log2(e) - m) is one FMA and an exp2
-            # per score (scale > 0, so scaling commutes with the row max).
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             p = p.astype(v_smem.dtype)
@@ -351,12 +361,10 @@ def drain_ring(steps, num_stages: int, *free_barriers) -> None:
             plgpu.barrier_wait(barrier.at[slot])
 
 
-def _check_tables(kv_tables, mask_fn, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
+def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
                   block_q: int, block_kv: int) -> tuple[jax.Array, ...] | None:
     """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's."""
     if kv_tables is None:
-        if mask_fn is not None:
-            raise ValueError("mask_fn is evaluated on the partial blocks of kv_tables; pass kv_tables too")
         return None
     if len(kv_tables) != 4:
         raise ValueError("kv_tables must be (num_partial, partial_indices, num_full, full_indices)")
@@ -377,7 +385,9 @@ def _check_tables(kv_tables, mask_fn, batch: int, num_heads: int, num_q_blocks: 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn"),
+    static_argnames=(
+        "scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn", "score_fn",
+    ),
 )
 def mosaic_forward(
     q: jax.Array,
@@ -394,7 +404,8 @@ def mosaic_forward(
     p_in_smem: bool = False,
     interpret: bool = False,
     kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
-    mask_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    mask_fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
+    score_fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -419,9 +430,13 @@ def mosaic_forward(
       mask when `causal`, and the length mask), then the full ones (length mask only), instead of the causal
       / length tile ranges; unlisted blocks are never loaded, listed indices must be < nk. `causal` still
       orders the query tiles heaviest first.
-    - `mask_fn`: with `kv_tables`, `mask_fn(q_idx, kv_idx) -> bool` (True = attend) on int32 arrays of
-      global query / key positions, evaluated inside the kernel on partial blocks. It must be a pure index
-      function (jnp arithmetic and comparisons only, no captured arrays) and hashable (a static argument).
+    - `mask_fn`: `mask_fn(b, h, q_idx, kv_idx) -> bool` (True = attend): b, h int32 scalars (batch and
+      query head), q_idx, kv_idx int32 `[block_q // 2, block_kv]` global query / key positions. Evaluated
+      inside the kernel on the partial blocks of `kv_tables`, or on every visited tile without tables.
+    - `score_fn`: `score_fn(score, b, h, q_idx, kv_idx) -> score` (FlexAttention's score_mod) on the float32
+      tile of `scale * q k^T`, before any mask; indices as for `mask_fn`.
+    - Both hooks must be pure (jnp elementwise arithmetic, comparisons and math on their arguments, no
+      captured arrays: the kernel has no way to read them) and hashable (static arguments).
 
     **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
@@ -432,7 +447,7 @@ def mosaic_forward(
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
-    tables = _check_tables(kv_tables, mask_fn, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
+    tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
                            block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
@@ -440,6 +455,7 @@ def mosaic_forward(
     kernel = functools.partial(
         _forward_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
+        score_fn=score_fn,
     )
     return plgpu.kernel(
         kernel,

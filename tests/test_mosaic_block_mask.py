@@ -29,11 +29,13 @@ def _fresh_interpreter():
     reset_gpu_interpret_mode_state()
 
 
-def _window_fn(q_idx, kv_idx):
+def _window_fn(b, h, q_idx, kv_idx):
+    del b, h
     return (kv_idx <= q_idx) & (jnp.abs(q_idx - kv_idx) < WINDOW)
 
 
-def _prefix_fn(q_idx, kv_idx):
+def _prefix_fn(b, h, q_idx, kv_idx):
+    del b, h
     return (kv_idx < PREFIX) | (q_idx >= kv_idx)
 
 
@@ -79,13 +81,13 @@ def test_sliding_window_causal_tables():
 
 
 def test_per_batch_and_head_tables_skip_unlisted_tiles():
-    # Batch 1 drops key block 1 and head 1 drops key block 0, whole tiles only, so the partial tiles stay
-    # those of the prefix-LM predicate that mask_fn evaluates.
+    # Batch 1 drops key block 1 and head 1 drops key block 0, whole tiles only; the kernel evaluates the same
+    # mask_mod (reading b and h) on the partial tiles.
     seq = 512
 
     def mod(b, h, q_idx, kv_idx):
         kv_block = kv_idx // BLOCK
-        return _prefix_fn(q_idx, kv_idx) & ((b == 0) | (kv_block != 1)) & ((h == 0) | (kv_block != 0))
+        return _prefix_fn(b, h, q_idx, kv_idx) & ((b == 0) | (kv_block != 1)) & ((h == 0) | (kv_block != 0))
 
     block_mask = create_block_mask(mod, 2, 2, seq, seq, block_size=(BLOCK, BLOCK))
     assert block_mask.kv_num_blocks.shape == (2, 2, seq // BLOCK)
@@ -97,7 +99,7 @@ def test_per_batch_and_head_tables_skip_unlisted_tiles():
     # kv_length 300 cuts the full tile of keys [256, 384) of the last query block (length mask on full tiles).
     poison = np.zeros((2, seq), bool)
     poison[1, BLOCK:2 * BLOCK] = True
-    _run_and_compare(block_mask.kv_tables, _prefix_fn, dense, batch=2, q_len=seq, kv_len=seq, num_heads=2,
+    _run_and_compare(block_mask.kv_tables, mod, dense, batch=2, q_len=seq, kv_len=seq, num_heads=2,
                      num_kv_heads=1, q_lengths=[512, 450], kv_lengths=[512, 300], poison=poison)
 
 
@@ -115,11 +117,26 @@ def test_query_block_with_no_listed_blocks():
     rows, cols = _rows_cols(seq, seq)
     poison = np.zeros((1, seq), bool)
     poison[0, BLOCK:] = True
-    out, lse = _run_and_compare(block_mask.kv_tables, lambda q_idx, kv_idx: q_idx >= kv_idx,
+    out, lse = _run_and_compare(block_mask.kv_tables, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
                                 (rows >= cols) & (rows < BLOCK), batch=1, q_len=seq, kv_len=seq, num_heads=2,
                                 num_kv_heads=2, q_lengths=[seq], kv_lengths=[seq], poison=poison)
     assert not np.asarray(out[:, BLOCK:], np.float32).any()
     assert np.isneginf(lse[:, :, BLOCK:]).all()
+
+
+def test_mask_fn_without_tables_masks_every_tile():
+    # No tables: every visited tile is masked with mask_fn, here a per-(batch, head) window, GQA and causal.
+    seq = 384
+
+    def mask_fn(b, h, q_idx, kv_idx):
+        return jnp.abs(q_idx - kv_idx) < 100 + 50 * h + 20 * b
+
+    rows, cols = _rows_cols(seq, seq)
+    b = np.arange(2)[:, None, None, None]
+    h = np.arange(4)[None, :, None, None]
+    dense = (np.abs(rows - cols) < 100 + 50 * h + 20 * b) & (cols <= rows)
+    _run_and_compare(None, mask_fn, dense, batch=2, q_len=seq, kv_len=seq, num_heads=4, num_kv_heads=2,
+                     q_lengths=[384, 300], kv_lengths=[384, 250], causal=True)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +145,6 @@ def test_query_block_with_no_listed_blocks():
         ((128, 64), {}, _window_fn, "kv_tables partial_indices"),  # table block_kv != the kernel's
         ((64, 128), {}, _window_fn, "kv_tables num_partial"),  # table block_q != the kernel's
         ((128, 128), {"block_kv": 64}, _window_fn, "kv_tables partial_indices"),
-        (None, {}, _window_fn, "pass kv_tables too"),  # mask_fn without tables
     ],
 )
 def test_rejects_mismatched_tables(table_block, kernel_tiles, mask_fn, match):

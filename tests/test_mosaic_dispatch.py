@@ -9,8 +9,8 @@ from helpers import assert_close, random_qkv
 from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
-    FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, flash_attention, flash_attention_reference,
-    flex_attention, flex_attention_reference, sliding_window,
+    FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
+    flash_attention_reference, flex_attention, flex_attention_reference, sliding_window, softcap,
 )
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
@@ -91,3 +91,50 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, None, window).astype(jnp.float32) * cotangent))(q)
              for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
+
+
+def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's mask_fn reads h
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 100 + 100 * h)
+
+
+def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
+    """Pure score_mods (soft-capping; ALiBi with slopes computed from h) run inside the Mosaic forward, with or
+    without a BlockMask (its mask_mod reading h); the backward runs the Triton kernels from the Mosaic lse.
+    score_mods that close over arrays (ALiBi with a slope table) or use an op without a Mosaic GPU lowering
+    (a custom_jvp such as relu) run the Triton forward."""
+    q, k, v = random_qkv(9, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    block_mask = create_block_mask(_head_window, None, 2, 256, 256)
+
+    def head_alibi(score, b, h, q_idx, kv_idx):
+        slope = jnp.exp2(-(h + 1).astype(jnp.float32))
+        return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+    cases = [
+        (softcap(1.5), block_mask, True), (head_alibi, None, True),
+        (alibi(alibi_slopes(2)), block_mask, False), (lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s), None, False),
+    ]
+    cotangent = jax.random.normal(jax.random.key(10), q.shape)
+    for score_mod, mask, mosaic in cases:
+        fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, config=MOSAIC)  # noqa: E731
+        assert runs_triton_forward(fn, q, k, v) != mosaic
+        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask), jnp.bfloat16)
+    for score_mod, mask, _ in cases[:2]:
+        grads = [
+            jax.grad(lambda *a, f=f: jnp.sum(f(*a, score_mod, mask).astype(jnp.float32) * cotangent), (0, 1, 2))(
+                q, k, v)
+            for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)
+        ]
+        for name, got, expected in zip(("dq", "dk", "dv"), *grads):
+            assert_close(got, expected, jnp.bfloat16, name)
+
+
+def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda():
+    def loss(q, k, v):
+        out = flex_attention(q, k, v, softcap(30.0), create_block_mask(_head_window, None, 8, 1024, 1024),
+                             config=FlashConfig(backend="mosaic"))
+        return jnp.sum(out.astype(jnp.float32))
+
+    q, kv = spec((2, 1024, 8, 128), jnp.bfloat16), spec((2, 1024, 2, 128), jnp.bfloat16)
+    text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
+    assert "mosaic_gpu" in text and "probjax_flash_forward" not in text
+    assert "probjax_flash_backward_dq" in text and "probjax_flash_backward_dkv" in text

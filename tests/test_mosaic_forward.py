@@ -138,3 +138,70 @@ def test_rejects(change, error, match):
                            block_kv=args["block_kv"], num_stages=args["num_stages"])
     with pytest.raises(error, match=match):
         jax.eval_shape(fn, q, kv, kv, lengths, lengths)
+
+
+def _alibi_from_head(score, b, h, q_idx, kv_idx):
+    # ALiBi with slopes computed from the head index (no captured array), plus a per-batch offset.
+    slope = jnp.exp2(-(h + 1).astype(jnp.float32))
+    return score + slope * (kv_idx - q_idx).astype(jnp.float32) + 0.5 * b.astype(jnp.float32)
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 2.0 * jnp.tanh(score / 2.0)
+
+
+SCORE_FNS = {
+    # name: (kernel score_fn, its float64 numpy twin on [B, N, T, S] scores)
+    "alibi_from_head": (_alibi_from_head, lambda s, b, h, rows, cols: s + 2.0 ** -(h + 1.0) * (cols - rows) + 0.5 * b),
+    "softcap": (_softcap, lambda s, b, h, rows, cols: 2.0 * np.tanh(s / 2.0)),
+}
+
+
+@pytest.mark.parametrize("name", SCORE_FNS)
+def test_score_fn_matches_numpy_in_interpreter(name):
+    score_fn, numpy_fn = SCORE_FNS[name]
+    batch, seq, num_heads, num_kv_heads, head_dim = 2, 256, 4, 2, 64
+    q_lengths, kv_lengths = [256, 190], [256, 130]
+    q, k, v = random_qkv(3, batch, seq, seq, num_heads, num_kv_heads, head_dim, jnp.bfloat16)
+    scale = 0.5  # scores of a few units, so that the soft cap bends them
+    out, lse = mosaic_forward(q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
+                              scale=scale, causal=True, block_kv=64, interpret=True, score_fn=score_fn)
+
+    q64, k64, v64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    k64, v64 = (np.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k64, v64))
+    scores = np.einsum("btnd,bsnd->bnts", q64, k64) * scale
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(num_heads)[None, :, None, None]
+    rows, cols = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    allowed = numpy_allowed(batch, seq, seq, causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    scores = np.where(allowed, numpy_fn(scores, b, h, rows, cols), -np.inf)
+    row_max = np.where(allowed.any(-1), scores.max(-1), 0.0)
+    with np.errstate(divide="ignore"):  # log(0) = -inf on rows without any key
+        expected_lse = np.log(np.exp(scores - row_max[..., None]).sum(-1)) + row_max
+    weights = np.exp(scores - np.where(np.isfinite(expected_lse), expected_lse, 0.0)[..., None])
+    expected_out = np.einsum("bnts,bsnd->btnd", weights, v64)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(lse)
+    np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SCORE_FNS)
+def test_score_fn_lowers_for_cuda(name):
+    batch, seq, num_heads, num_kv_heads, head_dim = 2, 1024, 8, 2, 128
+
+    def mask_fn(b, h, q_idx, kv_idx):  # reads the batch and head indices too
+        return (q_idx - kv_idx < 256 + 64 * h) | (b == 1)
+
+    fn = functools.partial(mosaic_forward, scale=head_dim**-0.5, causal=True, score_fn=SCORE_FNS[name][0],
+                           mask_fn=mask_fn)
+    text = _lower_for_cuda(
+        fn,
+        jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    assert "mosaic_gpu" in text
