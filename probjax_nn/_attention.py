@@ -60,9 +60,11 @@ def _pallas(call: _Call):
 
 
 def _xla(call: _Call):
+    # float64 inputs compute in float64, as in jax.nn.dot_product_attention; the rest in float32.
+    compute_dtype = jnp.float64 if call.inputs.q.dtype == jnp.float64 else jnp.float32
     out, lse = attention_from_inputs(
-        call.inputs, call.causal, score_mod=call.score_mod, mask_mod=call.mask_mod, dropout_rate=call.dropout_rate,
-        dropout_seed=call.dropout_seed,
+        call.inputs, call.causal, compute_dtype, score_mod=call.score_mod, mask_mod=call.mask_mod,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     )
     return _with_residual(call, (out, lse) if call.return_residual else out)
 

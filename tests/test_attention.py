@@ -206,6 +206,21 @@ def test_auto_on_gpu_runs_pallas_and_falls_back_to_xla(monkeypatch):
     assert (len(flash_calls), len(reference_calls)) == (1, 1)
 
 
+def test_xla_computes_float64_in_float64():
+    """jax.nn.dot_product_attention keeps float64 inputs in float64; so must impl "xla" (it computed in float32)."""
+    q, k, v = (np.asarray(x, np.float64) for x in _qkv())
+    bias = np.asarray(_normal(4, (1, HEADS, Q_LEN, KV_LEN)), np.float64)
+    group = HEADS // KV_HEADS
+    scores = np.einsum("btnd,bsnd->bnts", q, np.repeat(k, group, axis=2)) * HEAD_DIM**-0.5 + bias
+    scores = np.where(np.tril(np.ones((Q_LEN, KV_LEN), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = np.einsum("bnts,bsnd->btnd", probs / probs.sum(axis=-1, keepdims=True), np.repeat(v, group, axis=2))
+    with jax.enable_x64(True):
+        out = attention(*(jnp.asarray(x) for x in (q, k, v, bias)), is_causal=True, impl="xla")
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-12)
+
+
 def test_config_flash_reaches_the_kernel_under_jit(monkeypatch):
     flash_calls = _recording(monkeypatch, "flash_attention")
     flash = FlashConfig(block_q=16, block_k=16)
