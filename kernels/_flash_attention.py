@@ -59,7 +59,7 @@ def flash_attention(
         q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
     )
-    check_dropout(dropout_rate, dropout_seed)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
     left, right = inputs.window
     if causal:

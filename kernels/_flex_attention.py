@@ -91,7 +91,7 @@ def flex_attention(
     mode (jax.grad, jax.jvp; docs/forward_mode.md).
     """
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
-    check_dropout(dropout_rate, dropout_seed)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
     batch, q_len, kv_len, num_heads, _, head_dim = inputs.shape
     indices = _example_indices()

@@ -73,15 +73,24 @@ def _check_ids(name: str, x, shape: tuple[int, ...], upper: int | None) -> jax.A
     return x.astype(jnp.int32)
 
 
+def _is_int(x) -> bool:
+    """A Python or NumPy int, not a bool (True is an int to Python, but never a size)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_window(window) -> tuple[int | None, int | None]:
     """`None`, an int w (left and right w) or a (left, right) pair; None on a side means unbounded."""
     if window is None:
         return (None, None)
-    pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
-    if len(pair) != 2 or any(
-        side is not None and (not isinstance(side, (int, np.integer)) or side < 0) for side in pair
-    ):
-        raise ValueError(f"window must be None, an int >= 0 or a (left, right) pair of them, got {window!r}.")
+    message = f"window must be None, an int >= 0 or a (left, right) pair of them, got {window!r}."
+    if _is_int(window):
+        pair = (window, window)
+    elif isinstance(window, (tuple, list)):
+        pair = tuple(window)
+    else:
+        raise ValueError(message)
+    if len(pair) != 2 or any(side is not None and (not _is_int(side) or side < 0) for side in pair):
+        raise ValueError(message)
     return tuple(None if side is None else int(side) for side in pair)
 
 
@@ -159,12 +168,31 @@ def check_inputs(
     )
 
 
-def check_dropout(dropout_rate: float, dropout_seed) -> None:
-    """A non-zero rate needs a seed: the keep mask is a function of (seed, b, h, q_idx, kv_idx)."""
+def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:
+    """A non-zero rate needs a seed: the keep mask is a function of (seed, b, h, q_idx, kv_idx).
+
+    Returns the seed as a uint32 scalar array (None without one). A Python int may be anything in
+    [-2**31, 2**32) (negative ones wrap, as an int32 array's do); an array must be an integer scalar.
+    """
     if dropout_rate and dropout_seed is None:
         raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int or a uint32 scalar array).")
-    if dropout_seed is not None and jnp.ndim(dropout_seed) != 0:
-        raise ValueError(f"dropout_seed must be a scalar, got shape {jnp.shape(dropout_seed)}.")
+    if dropout_seed is None:
+        return None
+    if _is_int(dropout_seed):
+        if not -(2**31) <= int(dropout_seed) < 2**32:
+            raise ValueError(f"dropout_seed must lie in [-2**31, 2**32) (a 32-bit seed), got {dropout_seed}.")
+        return jnp.asarray(np.uint32(int(dropout_seed) % 2**32))
+    seed = jnp.asarray(dropout_seed)
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            "dropout_seed must be an int or an integer scalar array, got a PRNG key; pass "
+            "jax.random.bits(key, (), jnp.uint32) instead."
+        )
+    if not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise TypeError(f"dropout_seed must be an int or an integer scalar array, got dtype {seed.dtype}.")
+    if seed.ndim != 0:
+        raise ValueError(f"dropout_seed must be a scalar, got shape {seed.shape}.")
+    return seed.astype(jnp.uint32)
 
 
 def check_config(config) -> None:

@@ -129,7 +129,7 @@ def flash_attention_reference(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
         allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
-    check_dropout(dropout_rate, dropout_seed)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     out, lse = attention_from_inputs(
         inputs, causal, _compute_dtype(inputs), dropout_rate=dropout_rate, dropout_seed=dropout_seed
     )
@@ -159,7 +159,7 @@ def flex_attention_reference(
     inputs = check_inputs(
         q, k, v, scale=scale, dropout_rate=dropout_rate, allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
-    check_dropout(dropout_rate, dropout_seed)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     out, lse = attention_from_inputs(
         inputs, False, _compute_dtype(inputs), score_mod=score_mod, mask_mod=mask_mod,

@@ -334,7 +334,7 @@ def attention(
         scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,
         dropout_rate=dropout_rate, allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,
     )
-    check_dropout(dropout_rate, dropout_seed)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     request = _Request(
         dtype=inputs.q.dtype.name,
         head_dim=inputs.q.shape[-1],

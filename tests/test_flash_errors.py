@@ -1,10 +1,12 @@
 """Bad input fails at the boundary with a ValueError / TypeError naming the argument and what it got."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, random_qkv
 
-from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels import FlashConfig, dropout_keep_mask, flash_attention, flash_attention_reference
 
 q = jnp.zeros((2, 8, 4, 32), jnp.float32)
 kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
@@ -30,6 +32,11 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
         ((q, kv, kv), {"bias": jnp.ones((2, 4, 8, 8), jnp.int32)}, TypeError, r"bias must be a floating"),
         ((q, kv, kv), {"q_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError, r"kv_segment_ids"),
         ((q, kv, kv), {"window": (-1, 2)}, ValueError, r"window"),
+        ((q, kv, kv), {"window": 2.0}, ValueError, r"window must be None, an int >= 0.*got 2.0"),
+        ((q, kv, kv), {"window": True}, ValueError, r"window must be None, an int >= 0.*got True"),
+        ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": 1.5}, TypeError, r"dropout_seed.*got dtype float"),
+        ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": jax.random.key(0)}, TypeError, r"dropout_seed.*PRNG key"),
+        ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": 2**40}, ValueError, r"dropout_seed must lie in"),
         ((q, kv, kv), {"dropout_rate": 1.5}, ValueError, r"dropout_rate"),
     ],
 )
@@ -70,3 +77,20 @@ def test_dropout_needs_a_scalar_seed():
         flash_attention(q, kv, kv, dropout_rate=0.1)
     with pytest.raises(ValueError, match="dropout_seed must be a scalar"):
         flash_attention(q, kv, kv, dropout_rate=0.1, dropout_seed=np.zeros(2, np.uint32))
+
+
+@pytest.mark.parametrize("attention_fn", [flash_attention, flash_attention_reference])
+@pytest.mark.parametrize("seed", [3_000_000_000, 2**32 - 1, -1])
+def test_any_32_bit_python_int_is_a_seed(attention_fn, seed):
+    """Python ints past int32 (the upper half of the uint32 seeds) raised an OverflowError; -1 wraps like int32."""
+    rate, (batch, q_len, kv_len, heads, kv_heads, head_dim) = 0.3, (2, 9, 13, 2, 1, 16)
+    q, k, v = random_qkv(5, batch, q_len, kv_len, heads, kv_heads, head_dim)
+    out = attention_fn(q, k, v, dropout_rate=rate, dropout_seed=seed)
+    grids = np.ix_(np.arange(batch), np.arange(heads), np.arange(q_len), np.arange(kv_len))
+    keep = np.asarray(dropout_keep_mask(jnp.uint32(seed % 2**32), *map(jnp.asarray, grids), rate, heads))
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("btnd,bsnd->bnts", q64, np.repeat(k64, heads // kv_heads, axis=2)) * head_dim**-0.5
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = probs / probs.sum(axis=-1, keepdims=True) * keep / (1 - rate)
+    expected = np.einsum("bnts,bsnd->btnd", probs, np.repeat(v64, heads // kv_heads, axis=2))
+    assert_close(out, expected, jnp.float32, "out")
