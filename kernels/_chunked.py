@@ -11,7 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._core import LN2, LOG2E, Features, _dropout_scale, _Problem, _scores, _ScoreContext
+from probjax_kernels._core import (
+    LN2, LOG2E, Features, _dropout_scale, _Problem, _scores, _ScoreContext, mosaic_hook_shapes,
+)
 
 _XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk
 
@@ -34,6 +36,8 @@ def _prepare_hooks(features: Features, config: FlashConfig, batch: int, num_head
     chunk = _xla_chunk(batch, num_heads, t_pad, s_pad)
     shapes.append(((batch, 1, 1, 1), (1, num_heads, 1, 1), (1, 1, chunk, 1), (1, 1, 1, s_pad),
                    (batch, num_heads, chunk, s_pad)))
+    if config.backend in ("mosaic", "mosaic_interpret"):
+        shapes.append(mosaic_hook_shapes(config))
     for b, h, q_idx, kv_idx, score in shapes:
         indices = (spec(b, i32), spec(h, i32), spec(q_idx, i32), spec(kv_idx, i32))
         if features.score_mod is not None:

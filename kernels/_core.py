@@ -735,7 +735,8 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
         cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0
         and f.window_left is None and f.window_right in (None, 0) and problem.bias_shape is None
         and problem.mask_shape is None and not problem.has_segments
-        and all(hook is None or _is_mosaic_hook(hook) for hook in (f.score_mod, f.mask_mod))
+        and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
+        and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         and (f.block_sizes is None or f.block_sizes == (cfg.block_q, cfg.block_k))
         and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
@@ -750,32 +751,65 @@ def _fits_mosaic(problem: _Problem, q) -> bool:
     return _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
 
 
-def _is_mosaic_hook(hook: Hook) -> bool:
-    """Whether a hook can run inside the Mosaic GPU forward: it closes over no array (the kernel reads none)
-    and every primitive of its jaxpr has a Mosaic GPU lowering rule."""
-    return not hook.const_avals and all(_lowers_in_mosaic(jaxpr) for jaxpr in hook.jaxprs.values())
+def mosaic_hook_shapes(config: FlashConfig) -> tuple:
+    """Shapes of (b, h, q_idx, kv_idx, score) where the Mosaic forward calls the hooks: scalar b and h, and
+    [block_q // 2, block_k] tiles of a consumer warpgroup for the rest."""
+    tile = (config.block_q // 2, config.block_k)
+    return (), (), tile, tile, tile
 
 
-def _lowers_in_mosaic(jaxpr) -> bool:
-    rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
+def _hook_jaxpr(hook: Hook, config: FlashConfig, with_score: bool):
+    b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
+    specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
+    if with_score:
+        specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
+    return hook._jaxpr(specs)
+
+
+def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
+    """Whether a hook can run inside the Mosaic GPU forward: every primitive of its jaxpr has a Mosaic GPU
+    lowering rule, and it reads the arrays it closes over only one element at a time (`slopes[h]`: a
+    `dynamic_slice` of size 1 then squeezed, a scalar load from global memory), never as arrays."""
+    jaxpr = _hook_jaxpr(hook, config, with_score)
+    consts = set(jaxpr.constvars)
+    elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
     for eqn in jaxpr.eqns:
-        if eqn.primitive not in rules:
+        reads_element = (
+            eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in consts
+            and all(size == 1 for size in eqn.params["slice_sizes"])
+        )
+        if reads_element:  # a scalar load in the kernel (`_hooks._Element`), not a lowered dynamic_slice
+            elements.add(eqn.outvars[0])
+        elif not _lowers_in_mosaic(eqn):
             return False
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            if not _lowers_in_mosaic(sub):
+        for position, var in enumerate(eqn.invars):
+            if isinstance(var, jex_core.Literal):
+                continue
+            if var in consts and not (reads_element and position == 0):
                 return False
-    return True
+            if var in elements and not (eqn.primitive.name == "squeeze" and not eqn.outvars[0].aval.shape):
+                return False
+    outputs = {var for var in jaxpr.outvars if not isinstance(var, jex_core.Literal)}
+    return not outputs & (consts | elements)
+
+
+def _lowers_in_mosaic(eqn) -> bool:
+    """Whether Mosaic GPU has a lowering rule for the equation's primitive and those of its sub-jaxprs."""
+    rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
+    return eqn.primitive in rules and all(
+        _lowers_in_mosaic(inner) for sub in jex_core.jaxprs_in_params(eqn.params) for inner in sub.eqns
+    )
 
 
 def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
-    """A pure hook as the Mosaic forward calls it, hashable (a static argument) whatever the user's callable."""
-    return None if hook is None else functools.partial(_call_pure_hook, hook)
+    """A hook as the Mosaic forward calls it, `fn(*args, *array_refs)`, from its jaxpr prepared at the
+    kernel's shapes (never the user's Python again); hashable (a static argument) by the hook's identity."""
+    return None if hook is None else functools.partial(_call_hook_in_mosaic, hook)
 
 
-def _call_pure_hook(hook: Hook, *args):
-    # Re-running the user's function in the kernel is safe only because the hook closes over no array (and so
-    # over no tracer of the caller's transformations): the kernel calls it at its own tile shapes.
-    return hook.fn(*args)
+def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
+    num_args = len(args_and_refs) - len(hook.const_avals)
+    return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
 
 
 def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
@@ -787,6 +821,7 @@ def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
             block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
             kv_tables=optional["kv_tables"] if f.block_sizes is not None else None,
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+            mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
         )
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q

@@ -149,10 +149,22 @@ class _Stacked:
         return jnp.stack(self.pieces, axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Element:
+    """A `dynamic_slice` of size 1 on every axis of a ref constant (`slopes[h]` with a scalar h): kept as the
+    scalar it reads, so that a following squeeze needs no 1-element array (Mosaic GPU has none)."""
+
+    value: Any
+    ndim: int
+
+    def materialize(self):
+        return jnp.reshape(self.value, (1,) * self.ndim)
+
+
 def _materialize(value):
     if isinstance(value, _RefValue):
         return value.load()
-    if isinstance(value, _Stacked):
+    if isinstance(value, (_Stacked, _Element)):
         return value.materialize()
     return value
 
@@ -164,7 +176,9 @@ def _eval(jaxpr, env: dict):
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         # Index vectors are stacked lazily: the concatenate that builds them has only plain inputs.
-        special = eqn.primitive.name == "concatenate" or any(isinstance(x, (_RefValue, _Stacked)) for x in invals)
+        special = eqn.primitive.name == "concatenate" or any(
+            isinstance(x, (_RefValue, _Stacked, _Element)) for x in invals
+        )
         outvals = _special_rule(eqn, invals) if special else None
         if outvals is None:
             invals = [_materialize(x) for x in invals]
@@ -194,7 +208,11 @@ def _special_rule(eqn, invals):
     if name == "dynamic_slice" and isinstance(invals[0], _RefValue):
         ref = invals[0].ref
         starts = [jnp.clip(s, 0, dim - size) for s, dim, size in zip(invals[1:], ref.shape, params["slice_sizes"])]
+        if all(size == 1 for size in params["slice_sizes"]):
+            return [_Element(ref[tuple(starts)], len(starts))]
         return [ref[tuple(pl.ds(s, size) for s, size in zip(starts, params["slice_sizes"]))]]
+    if name == "squeeze" and isinstance(invals[0], _Element) and len(params["dimensions"]) == invals[0].ndim:
+        return [invals[0].value]
     if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint"):
         inner = params.get("jaxpr") or params.get("call_jaxpr")
         closed = inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ())

@@ -159,10 +159,13 @@ def _table_row(ref, batch, head, q_tile) -> tuple:
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, causal: bool, block_q: int, block_kv: int,
-    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn, score_fn,
+    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn, score_fn, num_score_arrays: int,
+    num_mask_arrays: int,
 ):
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
+    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
+    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
     out_ref, lse_ref, smem, ready, free, turn = refs
     qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
     q_ready, k_ready, v_ready = ready
@@ -233,14 +236,14 @@ def _forward_kernel(
             # with the row max).
             s_scale = scale_log2
             if score_fn is not None:
-                s = score_fn(s * scale, batch, head, q_idx, kv_idx) * LOG2E
+                s = score_fn(s * scale, batch, head, q_idx, kv_idx, *score_arrays) * LOG2E
                 s_scale = 1.0
             if masked:
                 allowed = kv_idx < kv_len
                 if causal and user_mask:
                     allowed &= kv_idx <= q_idx
                 if mask_fn is not None and user_mask:
-                    allowed &= mask_fn(batch, head, q_idx, kv_idx)
+                    allowed &= mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
                 s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
@@ -404,8 +407,10 @@ def mosaic_forward(
     p_in_smem: bool = False,
     interpret: bool = False,
     kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
-    mask_fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
-    score_fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
+    mask_fn: Callable[..., jax.Array] | None = None,
+    score_fn: Callable[..., jax.Array] | None = None,
+    mask_arrays: tuple[jax.Array, ...] = (),
+    score_arrays: tuple[jax.Array, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -435,8 +440,10 @@ def mosaic_forward(
       inside the kernel on the partial blocks of `kv_tables`, or on every visited tile without tables.
     - `score_fn`: `score_fn(score, b, h, q_idx, kv_idx) -> score` (FlexAttention's score_mod) on the float32
       tile of `scale * q k^T`, before any mask; indices as for `mask_fn`.
-    - Both hooks must be pure (jnp elementwise arithmetic, comparisons and math on their arguments, no
-      captured arrays: the kernel has no way to read them) and hashable (static arguments).
+    - `mask_arrays`, `score_arrays`: arrays the hooks read, passed to them after the indices as global-memory
+      refs (`mask_fn(b, h, q_idx, kv_idx, *mask_refs)`); a hook may read them only one element at a time with
+      scalar indices (`slopes_ref[h]`). Otherwise both hooks are elementwise jnp arithmetic, comparisons and
+      math on their arguments, and hashable (static arguments).
 
     **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
@@ -455,7 +462,7 @@ def mosaic_forward(
     kernel = functools.partial(
         _forward_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
-        score_fn=score_fn,
+        score_fn=score_fn, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
     )
     return plgpu.kernel(
         kernel,
@@ -488,4 +495,4 @@ def mosaic_forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths, *(tables or ()))
+    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)

@@ -10,7 +10,7 @@ from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
     FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
-    flash_attention_reference, flex_attention, flex_attention_reference, sliding_window, softcap,
+    flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
 )
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
@@ -98,10 +98,11 @@ def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's
 
 
 def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
-    """Pure score_mods (soft-capping; ALiBi with slopes computed from h) run inside the Mosaic forward, with or
-    without a BlockMask (its mask_mod reading h); the backward runs the Triton kernels from the Mosaic lse.
-    score_mods that close over arrays (ALiBi with a slope table) or use an op without a Mosaic GPU lowering
-    (a custom_jvp such as relu) run the Triton forward."""
+    """score_mods of elementwise ops and scalar reads of captured arrays (soft-capping, ALiBi with slopes from h
+    or from a slope table) run inside the Mosaic forward, with or without a BlockMask (its mask_mod reading h);
+    the backward runs the Triton kernels from the Mosaic lse. score_mods that gather a captured array per
+    element (a relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as
+    relu) run the Triton forward."""
     q, k, v = random_qkv(9, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     block_mask = create_block_mask(_head_window, None, 2, 256, 256)
 
@@ -110,15 +111,16 @@ def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
         return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
 
     cases = [
-        (softcap(1.5), block_mask, True), (head_alibi, None, True),
-        (alibi(alibi_slopes(2)), block_mask, False), (lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s), None, False),
+        (softcap(1.5), block_mask, True), (head_alibi, None, True), (alibi(alibi_slopes(2)), block_mask, True),
+        (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511)), None, False),
+        (lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s), None, False),
     ]
     cotangent = jax.random.normal(jax.random.key(10), q.shape)
     for score_mod, mask, mosaic in cases:
         fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, config=MOSAIC)  # noqa: E731
         assert runs_triton_forward(fn, q, k, v) != mosaic
         assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask), jnp.bfloat16)
-    for score_mod, mask, _ in cases[:2]:
+    for score_mod, mask, _ in cases[:3]:
         grads = [
             jax.grad(lambda *a, f=f: jnp.sum(f(*a, score_mod, mask).astype(jnp.float32) * cotangent), (0, 1, 2))(
                 q, k, v)
@@ -126,11 +128,18 @@ def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
         ]
         for name, got, expected in zip(("dq", "dk", "dv"), *grads):
             assert_close(got, expected, jnp.bfloat16, name)
+    slope_grads = [
+        jax.grad(lambda slopes, f=f: jnp.sum(f(q, k, v, alibi(slopes), block_mask).astype(jnp.float32) * cotangent))(
+            alibi_slopes(2))
+        for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)
+    ]
+    assert_close(slope_grads[0], slope_grads[1], jnp.bfloat16, "d_slopes")
 
 
-def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda():
+@pytest.mark.parametrize("score_mod", [softcap(30.0), alibi(alibi_slopes(8))], ids=["softcap", "alibi"])
+def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda(score_mod):
     def loss(q, k, v):
-        out = flex_attention(q, k, v, softcap(30.0), create_block_mask(_head_window, None, 8, 1024, 1024),
+        out = flex_attention(q, k, v, score_mod, create_block_mask(_head_window, None, 8, 1024, 1024),
                              config=FlashConfig(backend="mosaic"))
         return jnp.sum(out.astype(jnp.float32))
 

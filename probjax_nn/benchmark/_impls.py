@@ -153,12 +153,20 @@ def _probjax_mha(case: Case) -> Attention:
     return lambda q, k, v: probjax_nn.attention(q, k, v, is_causal=case.causal, impl="pallas")
 
 
-def _probjax_flex(case: Case) -> Attention:
+def _probjax_flex(case: Case, config=None) -> Attention:
     """flex_attention; causal through a block mask built once per shape, outside the step, as a model
     builds it once per sequence length."""
     seq = case.q.shape[1]
     block_mask = create_block_mask(causal_mask, None, None, seq, seq) if case.causal else None
-    return lambda q, k, v: flex_attention(q, k, v, None, block_mask)
+    return lambda q, k, v: flex_attention(q, k, v, None, block_mask, config=config)
+
+
+def _probjax_flex_mosaic(case: Case) -> Attention:
+    """probjax_flex with FlashConfig(backend="mosaic"): the Mosaic GPU forward over the block tables, the
+    Triton backward."""
+    from probjax_kernels import FlashConfig
+
+    return _probjax_flex(case, FlashConfig(backend="mosaic"))
 
 
 def _probjax_default(case: Case) -> Attention:
@@ -312,6 +320,7 @@ IMPLS: dict[str, Impl] = {
         _jax("probjax_flex", FLOATS, _anywhere, _probjax_flex),
         _jax("probjax_default", FLOATS, _anywhere, _probjax_default),
         _jax("probjax_mosaic", HALF, _on_gpu, _probjax_mosaic),
+        _jax("probjax_flex_mosaic", HALF, _on_gpu, _probjax_flex_mosaic),
         _jax("jax_xla", FLOATS, _anywhere, _jax_nn("xla")),
         _jax("jax_cudnn", HALF, _on_gpu, _jax_nn("cudnn")),
         _jax("jax_pallas_triton", FLOATS, _on_gpu, _jax_pallas_triton),

@@ -2,7 +2,7 @@
 # The GPU checks, in one run that ends inside BUDGET_S seconds (default 540): nvidia-smi, versions, the GPU
 # tests of the Triton and tangent kernels, the benchmark (python -m probjax_nn.benchmark: bf16, B=4, N=8,
 # head dims 64 and 128, seq 1024..8192, causal and not, fwd and fwd_bwd; probjax_default, probjax_mosaic,
-# probjax_flex, jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or
+# probjax_flex, probjax_flex_mosaic, jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or
 # CUDA is not there), after seq 8192 the jvp rows, the Mosaic GPU tests and the Mosaic tile sweep
 # (tests/gpu/mosaic_sweep.py -> mosaic_sweep.jsonl), and the plots. Later steps are cut when the budget
 # runs out, so the order is the priority. Usage, from anywhere, on a machine with jax[cuda] installed:
@@ -89,7 +89,7 @@ results="$out/gpu_attention_bf16.json"
 rm -f "$results"
 bench=("$python" -m probjax_nn.benchmark --output "$results" --append
     --batch 4 --heads 8 --head-dims 64 128 --ragged-seq-lens --dtypes bfloat16 --modes fwd fwd_bwd --causal 0 1)
-impls=(probjax_default probjax_mosaic probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
+impls=(probjax_default probjax_mosaic probjax_flex probjax_flex_mosaic jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
 for seq in 4096 8192 1024 2048; do
     step 300 "benchmark-$seq" "benchmark_$seq.log" "${bench[@]}" --seq-lens "$seq" --impls "${impls[@]}"
     if [[ $seq == 8192 ]]; then

@@ -97,3 +97,34 @@ def test_flex_block_mask_through_the_mosaic_forward():
     out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_mask,
                                                  config=FlashConfig(backend="mosaic")))(q, k, v)
     _assert_close("out", out, flex_attention_reference(q, k, v, None, block_mask), TOL)
+
+
+@pytest.mark.parametrize("hook", ["softcap", "alibi"])
+def test_flex_score_mod_inside_the_mosaic_forward(hook):
+    """score_mod in the compiled Mosaic forward (tanh; a scalar GMEM read of the slope table), with a per-head
+    mask_mod over block tables; gradients from the Triton backward."""
+    from probjax_kernels import alibi, alibi_slopes, create_block_mask, flex_attention, flex_attention_reference
+    from probjax_kernels import softcap
+
+    q, k, v = random_qkv(8, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    score_mod = softcap(20.0) if hook == "softcap" else alibi(alibi_slopes(8))
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 300 + 100 * h)
+
+    block_mask = create_block_mask(head_window, None, 8, 2048, 2048)
+    cotangent = _normal(9, q.shape)
+
+    def value_and_grads(attention, **extra):
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v, score_mod, block_mask, **extra).astype(jnp.float32) * cotangent)
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+    (value, grads), (expected_value, expected_grads) = (
+        value_and_grads(flex_attention, config=FlashConfig(backend="mosaic")),
+        value_and_grads(flex_attention_reference),
+    )
+    _assert_close("loss", value, expected_value, TOL)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        _assert_close(name, a, e, 2 * TOL)
