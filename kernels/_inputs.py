@@ -78,6 +78,16 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def _is_real(x) -> bool:
+    """An int or a float (Python, NumPy or an array), not a bool, a complex number or a string."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+
+
 def _check_window(window) -> tuple[int | None, int | None]:
     """`None`, an int w (left and right w) or a (left, right) pair; None on a side means unbounded."""
     if window is None:
@@ -149,8 +159,11 @@ def check_inputs(
         raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither).")
     if scale is None:
         scale = head_dim**-0.5
-    elif isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0:
+    elif isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0 or not _is_real(scale):
         raise TypeError(f"scale must be a Python float (a static value), got {scale!r}.")
+    elif not np.isfinite(float(scale)):
+        # A NaN or infinite scale would make every score NaN, which the kernels treat as masked: output 0.
+        raise ValueError(f"scale must be finite, got {scale!r}.")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
     return AttentionInputs(

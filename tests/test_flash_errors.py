@@ -38,6 +38,9 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
         ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": jax.random.key(0)}, TypeError, r"dropout_seed.*PRNG key"),
         ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": 2**40}, ValueError, r"dropout_seed must lie in"),
         ((q, kv, kv), {"dropout_rate": 1.5}, ValueError, r"dropout_rate"),
+        ((q, kv, kv), {"scale": float("nan")}, ValueError, r"scale must be finite, got nan"),
+        ((q, kv, kv), {"scale": float("inf")}, ValueError, r"scale must be finite, got inf"),
+        ((q, kv, kv), {"scale": "0.5"}, TypeError, r"scale must be a Python float.*'0.5'"),
     ],
 )
 def test_bad_input(attention_fn, args, kwargs, error, match):
