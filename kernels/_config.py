@@ -28,11 +28,11 @@ class FlashConfig:
     - `backend`: `"triton"` (Pallas Triton lowering, NVIDIA GPUs), `"interpret"` (Pallas interpret mode,
       any device, used on the CPU) or `"mosaic"`: the forward in Pallas Mosaic GPU for Hopper (wgmma, TMA,
       warp specialisation; `_mosaic_forward.py`) where the call fits it (bfloat16 / float16, padded head
-      dim 64, 128 or 256, no bias / dense mask / segments / dropout / window other than causal, tiles that
-      are multiples of 128 x 64; flex calls too when their score_mod and mask_mod are pure, closing over no
-      array and using only ops with a Mosaic GPU lowering, and their `BlockMask` tiles are the kernel's),
-      and the Mosaic dQ and dK/dV kernels for the backward of the plain calls (head dim 64 or 128, no
-      hooks or block mask); the Triton kernels for everything else. `"mosaic_interpret"`
+      dim 64, 128 or 256, no bias / dense mask / segments / dropout, tiles that are multiples of 128 x 64;
+      windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
+      read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
+      dQ and dK/dV kernels for the backward of the plain calls (head dim 64 or 128, no hooks, block mask or
+      window other than causal); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
       (never "mosaic" yet: it has not run on a GPU, see docs/perf-notes.md).
     """

@@ -728,12 +728,11 @@ def _q_grid(problem: _Problem, q, k, block_q: int, block_k: int, optional: dict)
 
 def _mosaic_takes(problem: _Problem, q) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
-    tiles and hooks, and none of what it lacks (dropout, windows other than causal, bias, dense masks,
-    segments, hooks that close over arrays or use an op Mosaic GPU cannot lower)."""
+    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, segments, hooks that read
+    captured arrays other than as scalars or use an op Mosaic GPU cannot lower)."""
     f, cfg = problem.features, problem.config
     return (
-        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0
-        and f.window_left is None and f.window_right in (None, 0) and problem.bias_shape is None
+        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
         and problem.mask_shape is None and not problem.has_segments
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
@@ -746,9 +745,13 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
 
 def _fits_mosaic(problem: _Problem, q) -> bool:
     """Whether the Mosaic GPU kernels run both passes of this call (the backward at head dim 64 / 128): the
-    plain ones, without hooks or block tables. Calls with those run only the forward in Mosaic GPU."""
+    plain ones, without hooks, block tables or windows other than causal. Calls with those run only the
+    forward in Mosaic GPU."""
     f = problem.features
-    return _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
+    return (
+        _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
+        and f.window_left is None and f.window_right in (None, 0)
+    )
 
 
 def mosaic_hook_shapes(config: FlashConfig) -> tuple:
@@ -817,8 +820,8 @@ def _forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     if _mosaic_takes(problem, q):
         cfg = problem.config
         return mosaic_forward(
-            q, k, v, q_len, kv_len, scale=f.scale, causal=f.window_right == 0, block_q=cfg.block_q,
-            block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
+            q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
+            block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
             kv_tables=optional["kv_tables"] if f.block_sizes is not None else None,
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
             mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],

@@ -40,7 +40,7 @@ from probjax_kernels._mosaic_forward import (
     SMEM_BYTES,
     _accumulate_pv,
     _check,
-    _kv_steps,
+    kv_tile_ranges,
     check_layout,
     drain_ring,
     fill_ring_slot,
@@ -76,13 +76,14 @@ def _dq_kernel(
     scale_log2 = scale * LOG2E
     cta_steps = jnp.int32(0)
     for c in range(_CONSUMERS):
-        cta_steps = jnp.maximum(cta_steps, _kv_steps(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, causal)[1])
+        cta_steps = jnp.maximum(cta_steps, kv_tile_ranges(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, None,
+                                                          0 if causal else None)[3])
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
-        full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
+        _, _, full_hi, hi = kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, None, 0 if causal else None)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         own = [x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)]

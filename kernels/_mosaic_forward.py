@@ -51,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
+_BIG = jnp.iinfo(jnp.int32).max
 _CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup _CONSUMERS
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on sm_90
 _SWIZZLE = 128  # bytes; the head dim is tiled in 64-element (128-byte) columns
@@ -115,16 +116,25 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
     )
 
 
-def _kv_steps(row0, q_len, kv_len, rows: int, block_kv: int, causal: bool):
-    """(full_hi, hi) for the query rows [row0, row0 + rows): tiles [0, full_hi) need no mask, tiles
-    [full_hi, hi) need the per-element one, tiles >= hi are not visited. Traced int32 scalars."""
+def kv_tile_ranges(row0, q_len, kv_len, rows: int, block_kv: int, window_left: int | None,
+                   window_right: int | None):
+    """(lo, full_lo, full_hi, hi) for the query rows [row0, row0 + rows), where row r sees the keys in
+    [r - window_left, r + window_right] (None: unbounded; causal is window_right = 0) below kv_len: tiles
+    [lo, hi) are visited, [full_lo, full_hi) of them need no mask, the others the per-element one; lo = hi
+    when no row < q_len sees a key. Traced int32 scalars."""
     row_end = jnp.minimum(row0 + rows, q_len)
-    key_end = jnp.minimum(kv_len, row_end) if causal else kv_len
-    hi = jnp.where(row_end > row0, (key_end + block_kv - 1) // block_kv, 0)
+    key_start = 0 if window_left is None else jnp.maximum(row0 - window_left, 0)
+    key_end = kv_len if window_right is None else jnp.minimum(kv_len, row_end + window_right)
+    hi = jnp.where((row_end > row0) & (key_end > key_start), (key_end + block_kv - 1) // block_kv, 0)
+    lo = jnp.minimum(key_start // block_kv, hi)
+    full_lo = lo
+    if window_left is not None:  # tile j is inside every row's left edge iff j * block_kv >= last row - left
+        full_lo = -((window_left + 1 - row0 - rows) // block_kv)  # ceil((row0 + rows - 1 - left) / block_kv)
     full_hi = kv_len // block_kv
-    if causal:  # tile j is below the diagonal for every row iff its last key (j+1)*block_kv - 1 <= row0
-        full_hi = jnp.minimum(full_hi, (row0 + 1) // block_kv)
-    return jnp.clip(full_hi, 0, hi), hi
+    if window_right is not None:  # ... and inside the right edge iff its last key (j+1)*block_kv - 1 <= row0 + right
+        full_hi = jnp.minimum(full_hi, (row0 + window_right + 1) // block_kv)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
 def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
@@ -158,9 +168,9 @@ def _table_row(ref, batch, head, q_tile) -> tuple:
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, causal: bool, block_q: int, block_kv: int,
-    num_stages: int, group: int, interpret: bool, has_tables: bool, mask_fn, score_fn, num_score_arrays: int,
-    num_mask_arrays: int,
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, window_left: int | None,
+    window_right: int | None, block_q: int, block_kv: int, num_stages: int, group: int, interpret: bool,
+    has_tables: bool, mask_fn, score_fn, num_score_arrays: int, num_mask_arrays: int,
 ):
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
@@ -174,13 +184,16 @@ def _forward_kernel(
     head_dim = q_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
-    if causal:  # heaviest tiles first, so the short ones fill the tail of the grid
-        q_tile = num_q_tiles - 1 - q_tile
+    if window_right is not None and window_left is None:  # causal: heaviest tiles first, so the short ones
+        q_tile = num_q_tiles - 1 - q_tile  # fill the tail of the grid
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_row0 = q_tile * block_q
     scale_log2 = scale * LOG2E
+
+    def tile_ranges(row0):
+        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, window_left, window_right)
 
     if has_tables:
         # Both consumers walk the table row of the CTA's query block: its partial blocks, then its full ones.
@@ -190,12 +203,12 @@ def _forward_kernel(
         def table_block(table_ref, n):
             return table_ref[(*_table_row(table_ref, batch, head, q_tile), n)]
     else:
-        # The producer loads what the busier consumer needs.
-        cta_steps = jnp.int32(0)
-        for c in range(_CONSUMERS):
-            cta_steps = jnp.maximum(
-                cta_steps, _kv_steps(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, causal)[1]
-            )
+        # The producer loads the union of the consumers' tiles, [cta_lo, cta_lo + cta_steps).
+        ranges = [tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)]
+        cta_lo = functools.reduce(jnp.minimum, [jnp.where(hi > lo, lo, _BIG) for lo, _, _, hi in ranges])
+        cta_hi = functools.reduce(jnp.maximum, [hi for *_, hi in ranges])
+        cta_lo = jnp.minimum(cta_lo, cta_hi)
+        cta_steps = cta_hi - cta_lo
 
     def pass_turn():
         plgpu.barrier_arrive(turn)
@@ -206,18 +219,21 @@ def _forward_kernel(
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
         if has_tables:
-            hi = cta_steps
+            first_step, end_step = jnp.int32(0), cta_steps
         else:
-            full_hi, hi = _kv_steps(row0, q_len, kv_len, rows, block_kv, causal)
+            lo, full_lo, full_hi, hi = tile_ranges(row0)
+            lo, hi = (jnp.where(hi > lo, x, cta_lo) for x in (lo, hi))  # a consumer without tiles skips all
+            full_lo, full_hi = jnp.clip(full_lo, lo, hi), jnp.clip(full_hi, lo, hi)
             if mask_fn is not None:  # without tables no tile is known to be full
-                full_hi = jnp.int32(0)
+                full_hi = full_lo
+            first_step, end_step = lo - cta_lo, hi - cta_lo  # this consumer's pipeline steps
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
 
         def step(kv_step, carry, block, masked: bool, user_mask: bool):
             """Pipeline step `kv_step` (ring slot kv_step % num_stages) computes KV tile `block`. `masked`:
-            apply the length mask, and with `user_mask` also causality and `mask_fn`."""
+            apply the length mask, and with `user_mask` also the window (causality) and `mask_fn`."""
             acc, m_i, l_i = carry
             slot = lax.rem(kv_step, num_stages)
 
@@ -240,8 +256,10 @@ def _forward_kernel(
                 s_scale = 1.0
             if masked:
                 allowed = kv_idx < kv_len
-                if causal and user_mask:
-                    allowed &= kv_idx <= q_idx
+                if window_right is not None and user_mask:
+                    allowed &= kv_idx <= q_idx + window_right
+                if window_left is not None and user_mask:
+                    allowed &= kv_idx >= q_idx - window_left
                 if mask_fn is not None and user_mask:
                     allowed &= mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
                 s = jnp.where(allowed, s, -jnp.inf)
@@ -259,7 +277,7 @@ def _forward_kernel(
             plgpu.barrier_wait(turn)
 
             def prefetch_wait():  # wait for the next K while P V runs
-                @pl.when(kv_step + 1 < hi)
+                @pl.when(kv_step + 1 < end_step)
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1, num_stages)])
 
@@ -287,25 +305,35 @@ def _forward_kernel(
             plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
 
-        @pl.when(hi > 0)
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
+        def wait_first_k():  # later steps wait for their K while the step before runs P V
+            @pl.when(end_step > first_step)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(first_step, num_stages)])
 
         pl.when(wg == 1)(pass_turn)
         if has_tables:
+            wait_first_k()
             carry = lax.fori_loop(
                 0, num_partial,
                 lambda n, c: step(n, c, table_block(partial_ref, n), masked=True, user_mask=True), carry,
             )
             acc, m_i, l_i = lax.fori_loop(
-                num_partial, hi,
+                num_partial, cta_steps,
                 lambda n, c: step(n, c, table_block(full_ref, n - num_partial), masked=True, user_mask=False),
                 carry,
             )
         else:
-            carry = lax.fori_loop(0, full_hi, lambda n, c: step(n, c, n, masked=False, user_mask=False), carry)
-            acc, m_i, l_i = lax.fori_loop(full_hi, hi, lambda n, c: step(n, c, n, masked=True, user_mask=True), carry)
-            lax.fori_loop(hi, cta_steps, skip, None)
+            def visit(start, end, carry, masked: bool):
+                return lax.fori_loop(
+                    start, end, lambda n, c: step(n - cta_lo, c, n, masked=masked, user_mask=masked), carry
+                )
+
+            lax.fori_loop(0, first_step, skip, None)  # tiles only the other consumer needs, before and after
+            wait_first_k()
+            carry = visit(lo, full_lo, carry, masked=True)
+            carry = visit(full_lo, full_hi, carry, masked=False)
+            acc, m_i, l_i = visit(full_hi, hi, carry, masked=True)
+            lax.fori_loop(end_step, cta_steps, skip, None)
         pl.when(wg == 0)(pass_turn)
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -333,7 +361,7 @@ def _forward_kernel(
             pl.loop(0, num_partial)(lambda n: load(n, table_block(partial_ref, n)))
             pl.loop(num_partial, cta_steps)(lambda n: load(n, table_block(full_ref, n - num_partial)))
         else:
-            pl.loop(0, cta_steps)(lambda n: load(n, n))
+            pl.loop(0, cta_steps)(lambda n: load(n, cta_lo + n))
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
 
@@ -364,6 +392,14 @@ def drain_ring(steps, num_stages: int, *free_barriers) -> None:
             plgpu.barrier_wait(barrier.at[slot])
 
 
+def _check_window(window) -> tuple[int | None, int | None]:
+    if not isinstance(window, tuple) or len(window) != 2 or not all(
+        w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in window
+    ):
+        raise ValueError(f"window must be a (left, right) pair of ints >= 0 or None, got {window!r}")
+    return window
+
+
 def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
                   block_q: int, block_kv: int) -> tuple[jax.Array, ...] | None:
     """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's."""
@@ -389,7 +425,8 @@ def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn", "score_fn",
+        "scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn",
+        "score_fn",
     ),
 )
 def mosaic_forward(
@@ -401,6 +438,7 @@ def mosaic_forward(
     *,
     scale: float,
     causal: bool,
+    window: tuple[int | None, int | None] = (None, None),
     block_q: int = 128,
     block_kv: int = 128,
     num_stages: int = 2,
@@ -422,6 +460,8 @@ def mosaic_forward(
     - `q_lengths`, `kv_lengths`: int32 `[B]`; query rows >= q_lengths[b] give output 0 and lse -inf, keys
       >= kv_lengths[b] are masked.
     - `scale`: multiplies q k^T, > 0. `causal`: query i sees keys j <= i (top-left alignment).
+    - `window`: `(left, right)`, ints >= 0 or None (unbounded): query i sees keys in [i - left, i + right]
+      (with `causal`, right is at most 0). Tiles outside every row's window are never loaded.
     - `block_q`: query rows per CTA, a multiple of 128 (each of the two consumer warpgroups owns half).
       `block_kv`: keys per pipeline step, a multiple of 64. `num_stages`: K / V slots in the SMEM ring.
     - `p_in_smem`: stage P in shared memory for the P V matmul instead of feeding it from registers (always
@@ -432,7 +472,7 @@ def mosaic_forward(
       the layout of `BlockMask.kv_tables` built with `block_size=(block_q, block_kv)` (the kernel's tiles;
       other shapes raise ValueError), axes of size 1 broadcast over batch / query heads. Each CTA then
       visits exactly the listed KV blocks of its query block, the partial ones (with `mask_fn`, the causal
-      mask when `causal`, and the length mask), then the full ones (length mask only), instead of the causal
+      and window masks, and the length mask), then the full ones (length mask only), instead of the window
       / length tile ranges; unlisted blocks are never loaded, listed indices must be < nk. `causal` still
       orders the query tiles heaviest first.
     - `mask_fn`: `mask_fn(b, h, q_idx, kv_idx) -> bool` (True = attend): b, h int32 scalars (batch and
@@ -452,6 +492,9 @@ def mosaic_forward(
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
+    window_left, window_right = _check_window(window)
+    if causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
@@ -460,7 +503,7 @@ def mosaic_forward(
     rows = block_q // _CONSUMERS
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _forward_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        _forward_kernel, scale=scale, window_left=window_left, window_right=window_right, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
         score_fn=score_fn, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
     )

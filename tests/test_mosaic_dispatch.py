@@ -52,12 +52,14 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
 
 
-@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "window"])
+@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "segments"])
 def test_calls_that_do_not_fit_fall_back_to_triton(case):
     shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32)}.get(case, (1, 128, 128, 2, 2, 64))
     dtype = jnp.float32 if case == "float32" else jnp.bfloat16
     q, k, v = random_qkv(2, *shape, dtype)
-    kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))}, "window": {"window": 16}}.get(case, {})
+    segments = jnp.array([[0] * 50 + [1] * 78])
+    kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))},
+              "segments": {"q_segment_ids": segments, "kv_segment_ids": segments}}.get(case, {})
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), dtype)
     assert runs_triton_forward(fn, q, k, v)
@@ -147,3 +149,17 @@ def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda(score_mod):
     text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
     assert "mosaic_gpu" in text and "probjax_flash_forward" not in text
     assert "probjax_flash_backward_dq" in text and "probjax_flash_backward_dkv" in text
+
+
+@pytest.mark.parametrize("window, causal", [((40, 70), False), (100, True)])
+def test_windows_run_the_mosaic_forward_and_the_triton_backward(window, causal):
+    q, k, v = random_qkv(11, 2, 384, 384, 4, 2, 64, jnp.bfloat16)
+    kwargs = {"window": window, "causal": causal, "kv_lengths": jnp.array([384, 290])}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(12), q.shape)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * cotangent), (0, 1, 2))(q, k, v)
+             for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs))]
+    for name, got, expected in zip(("dq", "dk", "dv"), *grads):
+        assert_close(got, expected, jnp.bfloat16, name)

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from probjax_kernels._mosaic_forward import SMEM_BYTES, mosaic_forward, smem_bytes
+from probjax_kernels._mosaic_forward import SMEM_BYTES, kv_tile_ranges, mosaic_forward, smem_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +29,7 @@ def _fresh_interpreter():
 
 
 def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
-                         kv_lengths, poison_from=None, **tiles):
+                         kv_lengths, poison_from=None, window=(None, None), **tiles):
     """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
@@ -36,9 +38,10 @@ def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
         k_in, v_in = (x.at[:, poison_from:].set(jnp.nan) for x in (k, v))
     out, lse = mosaic_forward(
         q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), scale=scale,
-        causal=causal, interpret=True, **tiles,
+        causal=causal, window=window, interpret=True, **tiles,
     )
-    allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths)
     expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
@@ -61,6 +64,46 @@ CASES = {
     "head_dim_128": (1, 128, 256, 2, 1, 128, jnp.float16, True, [128], [200], {"block_kv": 64}),
     "block_q_256": (1, 256, 128, 2, 1, 64, jnp.bfloat16, False, [256], [128], {"block_q": 256, "block_kv": 64}),
 }
+
+
+WINDOW_CASES = {
+    # name: (B, T, S, N, K, D, dtype, causal, q_lengths, kv_lengths, window, tiles)
+    "causal_sliding": (1, 512, 512, 2, 1, 64, jnp.bfloat16, True, [512], [512], (100, None), {"block_kv": 64}),
+    "two_sided_ragged": (2, 256, 384, 2, 1, 64, jnp.bfloat16, False, [256, 200], [384, 100], (70, 30),
+                         {"block_kv": 64}),
+    "right_only_gqa": (1, 256, 512, 4, 2, 64, jnp.float16, False, [256], [500], (None, 40), {}),
+    "diagonal_only": (1, 384, 384, 2, 1, 64, jnp.bfloat16, False, [384], [384], (0, 0), {"block_kv": 64}),
+}
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_windows_match_numpy_in_interpreter(case):
+    *shape, window, tiles = WINDOW_CASES[case]
+    _check_against_numpy(*shape, window=window, **tiles)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    row0=st.integers(0, 600), q_len=st.integers(0, 700), kv_len=st.integers(0, 700),
+    rows=st.sampled_from([64, 128]), block_kv=st.sampled_from([64, 128]),
+    left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
+)
+def test_kv_tile_ranges_visit_exactly_the_tiles_a_window_reaches(row0, q_len, kv_len, rows, block_kv, left, right):
+    """[lo, hi) spans the tiles holding an attended pair of a row < q_len, from the first to the last; the
+    tiles in [full_lo, full_hi) hold attended pairs only, for every row of the CTA (rows >= q_len included)."""
+    lo, full_lo, full_hi, hi = (int(x) for x in kv_tile_ranges(
+        jnp.int32(row0), jnp.int32(q_len), jnp.int32(kv_len), rows, block_kv, left, right))
+    num_tiles = -(-kv_len // block_kv) + 1
+    r = np.arange(row0, row0 + rows)[:, None]
+    c = np.arange(num_tiles * block_kv)[None, :]
+    allowed = (c < kv_len) & (c >= r - (np.inf if left is None else left)) & (c <= r + (np.inf if right is None else right))
+    reached = (allowed & (r < q_len)).reshape(rows, num_tiles, block_kv).any(axis=(0, 2))
+    if reached.any():
+        assert (lo, hi) == (np.argmax(reached), num_tiles - np.argmax(reached[::-1]))
+    else:
+        assert lo == hi
+    assert lo <= full_lo <= full_hi <= hi
+    assert allowed.reshape(rows, num_tiles, block_kv)[:, full_lo:full_hi].all()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -93,6 +136,8 @@ def _lower_for_cuda(fn, *specs) -> str:
         (128, True, {"block_q": 128, "block_kv": 64, "num_stages": 4}),
         (128, True, {"block_q": 128, "block_kv": 128, "num_stages": 2, "p_in_smem": True}),
         (256, True, {"block_q": 128, "block_kv": 64, "num_stages": 2}),
+        (128, False, {"block_q": 128, "block_kv": 128, "num_stages": 2, "window": (256, 64)}),
+        (64, True, {"block_q": 128, "block_kv": 64, "num_stages": 3, "window": (1000, None)}),
     ],
 )
 def test_lowers_for_cuda(head_dim, causal, tiles):
