@@ -165,7 +165,7 @@ def create_block_mask(
         every_pair = jnp.all(tiles | row_free, axis=(2, 4)) & any_pair
         return any_pair & ~every_pair, every_pair
 
-    partial, full = lax.map(classify, jnp.arange(num_q_blocks))  # [num_q_blocks, B, H, num_kv_blocks]
+    partial, full = lax.map(classify, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [num_q_blocks, B, H, num_kv_blocks]
     partial, full = jnp.moveaxis(partial, 0, 2), jnp.moveaxis(full, 0, 2)
     kv_num, kv_indices = _ordered_indices(partial)
     full_kv_num, full_kv_indices = _ordered_indices(full)

@@ -63,10 +63,10 @@ def _chunk_context(problem: _Problem, shape: tuple[int, int, int, int], start, c
     seg = optional.get("q_segment_ids")
     mask_consts = optional["mask_consts"]
     return _ScoreContext(
-        b=jnp.arange(batch).reshape(batch, 1, 1, 1),
-        h=jnp.arange(num_heads).reshape(1, num_heads, 1, 1),
-        q_idx=(start + jnp.arange(chunk)).reshape(1, 1, chunk, 1),
-        kv_idx=jnp.arange(s_pad).reshape(1, 1, 1, s_pad),
+        b=jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
+        h=jnp.arange(num_heads, dtype=jnp.int32).reshape(1, num_heads, 1, 1),
+        q_idx=(start + jnp.arange(chunk, dtype=jnp.int32)).reshape(1, 1, chunk, 1),
+        kv_idx=jnp.arange(s_pad, dtype=jnp.int32).reshape(1, 1, 1, s_pad),
         kv_len=kv_len.reshape(batch, 1, 1, 1),
         bias=rows(optional.get("bias")),
         mask=rows(optional.get("mask")),
@@ -147,7 +147,7 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.exp2(s2 - m)
         l = jnp.sum(p, axis=-1, keepdims=True)
-        valid = (context.q_idx < q_len.reshape(batch, 1, 1, 1)) & (l > 0)
+        valid = (context.q_idx < q_len.reshape(batch, 1, 1, 1)) & ~(l <= 0)  # as in the forward kernel
         safe_l = jnp.where(valid, l, 1.0)
         weights = jnp.where(valid, p / safe_l, 0.0)
         if problem.features.dropout_rate > 0:
@@ -157,7 +157,7 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
         lse = jnp.where(valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)[..., 0]
         return out.reshape(batch, chunk, num_heads, d_pad), lse
 
-    outs, lses = lax.map(one_chunk, jnp.arange(0, t_pad, chunk))
+    outs, lses = lax.map(one_chunk, jnp.arange(0, t_pad, chunk, dtype=jnp.int32))
     out = jnp.moveaxis(outs, 0, 1).reshape(batch, t_pad, num_heads, d_pad).astype(q.dtype)
     lse = jnp.moveaxis(lses, 0, 2).reshape(batch, num_heads, t_pad)
     return out, lse

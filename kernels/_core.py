@@ -339,8 +339,8 @@ def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, 
     return _ScoreContext(
         b=b,
         h=h,
-        q_idx=q_start + jnp.arange(block_q)[:, None],
-        kv_idx=kv_start + jnp.arange(block_k)[None, :],
+        q_idx=q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None],  # int32 under jax_enable_x64 too: the
+        kv_idx=kv_start + jnp.arange(block_k, dtype=jnp.int32)[None, :],  # hooks were traced with int32
         kv_len=kv_len,
         bias=None if refs.bias is None else _load_2d(refs.bias, q_off, block_q, kv_off, block_k, head_in_block),
         mask=None if refs.mask is None else _load_2d(refs.mask, q_off, block_q, kv_off, block_k, head_in_block),
@@ -397,8 +397,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
     else:
         tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
         acc, m, l = _run_ranges(tile_range, body, carry)
-    rows = q_tile * block_q + jnp.arange(block_q)
-    row_valid = (rows < q_len) & (l > 0)
+    rows = q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_valid = (rows < q_len) & ~(l <= 0)  # l = 0: no key attended; a NaN l (NaN / inf inputs) stays NaN
     safe_l = jnp.where(row_valid, l, 1.0)
     out_ref[...] = jnp.where(row_valid[:, None], acc / safe_l[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)

@@ -337,7 +337,7 @@ def _forward_kernel(
         pl.when(wg == 0)(pass_turn)
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-        valid = (q_idx < q_len) & (l_i > 0)
+        valid = (q_idx < q_len) & ~(l_i <= 0)  # a NaN l_i (NaN / inf inputs) stays NaN
         inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
         qo_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(qo_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)

@@ -129,3 +129,18 @@ def test_custom_scale_and_float16_bias():
     q, k, v = random_qkv(12, 1, 48, 48, 2, 2, 64, jnp.float16)
     bias = jax.random.normal(jax.random.key(13), (1, 2, 48, 48), jnp.float16)
     check_forward(q, k, v, bias=bias, scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_and_inf_inputs_propagate_as_in_numpy(causal):
+    """A NaN key or an infinite query entry makes NaN exactly the output rows that see it (not zeros, which
+    would hide a diverging run); float64 NumPy says which."""
+    q, k, v = random_qkv(30, 1, 40, 40, 2, 2, 16, jnp.float32)
+    k = k.at[0, 2, 0, 3].set(jnp.nan)
+    q = q.at[0, 30, 1, 0].set(jnp.inf)
+    out = np.asarray(flash_attention(q, k, v, causal=causal))
+    allowed = numpy_allowed(1, 40, 40, causal=causal)
+    with np.errstate(invalid="ignore"):
+        expected, _ = numpy_attention(q, k, v, allowed=allowed)
+    assert np.isnan(out).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))

@@ -288,3 +288,16 @@ def test_vmap_over_inputs_and_captured_arrays():
     expected = jax.vmap(jax.grad(lambda s, q: loss(flex_attention_reference, s, q), (0, 1)))(slopes, q)
     for a, e in zip(grads, expected):
         assert_close(a, e, jnp.float32)
+
+
+def test_hooks_with_jax_enable_x64():
+    """Under jax_enable_x64 the kernels' index tiles stay int32, the dtype the hooks were traced with."""
+    q, k, v = random_qkv(40, 1, 40, 40, 2, 2, 16, jnp.float32)
+    with jax.enable_x64(True):
+        block_mask = create_block_mask(causal_mask, None, None, 40, 40)
+        score_mod = softcap(2.0)
+        out = flex_attention(q, k, v, score_mod, block_mask)
+        assert_close(out, flex_attention_reference(q, k, v, score_mod, block_mask), jnp.float32)
+        grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, score_mod, block_mask)))(q)
+                 for f in (flex_attention, flex_attention_reference)]
+        assert_close(grads[0], grads[1], jnp.float32, "dq")
