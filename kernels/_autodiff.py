@@ -54,9 +54,10 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
 
 def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, hooks or
-    masks beyond causal and lengths)."""
+    masks beyond windows and lengths)."""
     args = (res["q"], res["k"], res["v"], res["out"], res["lse"], d_out, res["q_len"], res["kv_len"])
-    options = dict(scale=problem.features.scale, causal=problem.features.window_right == 0,
+    f = problem.features
+    options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse)
     grads = {}
     if tangents.q:

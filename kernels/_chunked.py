@@ -147,7 +147,7 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.exp2(s2 - m)
         l = jnp.sum(p, axis=-1, keepdims=True)
-        valid = (context.q_idx < q_len.reshape(batch, 1, 1, 1)) & ~(l <= 0)  # as in the forward kernel
+        valid = (context.q_idx < q_len.reshape(batch, 1, 1, 1)) & (l != 0)  # as in the forward kernel
         safe_l = jnp.where(valid, l, 1.0)
         weights = jnp.where(valid, p / safe_l, 0.0)
         if problem.features.dropout_rate > 0:

@@ -398,7 +398,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
         tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
         acc, m, l = _run_ranges(tile_range, body, carry)
     rows = q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    row_valid = (rows < q_len) & ~(l <= 0)  # l = 0: no key attended; a NaN l (NaN / inf inputs) stays NaN
+    row_valid = (rows < q_len) & (l != 0)  # l = 0: no key attended; a NaN l (NaN / inf inputs) stays NaN
     safe_l = jnp.where(row_valid, l, 1.0)
     out_ref[...] = jnp.where(row_valid[:, None], acc / safe_l[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
@@ -745,13 +745,9 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
 
 def _fits_mosaic(problem: _Problem, q) -> bool:
     """Whether the Mosaic GPU kernels run both passes of this call (the backward at head dim 64 / 128): the
-    plain ones, without hooks, block tables or windows other than causal. Calls with those run only the
-    forward in Mosaic GPU."""
+    calls without hooks or block tables. Calls with those run only the forward in Mosaic GPU."""
     f = problem.features
-    return (
-        _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
-        and f.window_left is None and f.window_right in (None, 0)
-    )
+    return _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
 
 
 def mosaic_hook_shapes(config: FlashConfig) -> tuple:

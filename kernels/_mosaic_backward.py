@@ -8,7 +8,8 @@ p = exp2(s * scale * log2(e) - lse2), dS = p * (dP - delta) and dQ += dS K (wgmm
 in SMEM in interpret mode). `lse2` is the forward's lse in base 2, +inf for rows with no key so that p = 0
 and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
-Causal tile skipping, lengths masking and the caller's padding contract are those of `_mosaic_forward`.
+Window (causal) tile skipping, lengths masking and the caller's padding contract are those of
+`_mosaic_forward`.
 
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
@@ -16,9 +17,10 @@ Q, dO, lse2 and delta tiles of `block_q` rows through a ring of `num_stages` slo
 every query head of the GQA group (so the group sum happens in the kernel). Per tile a consumer computes
 S^T = K Q^T and dP^T = V dO^T (wgmma from SMEM), P^T = exp2(S^T * scale * log2(e) - lse2),
 dS^T = P^T * (dP^T - delta), then dV += P^T dO and dK += dS^T Q (wgmma, the left operand from registers;
-staged in SMEM in interpret mode, through the same `_accumulate_pv` helper as the forward). Causal: only query
-tiles with a row >= the consumer's first key are computed (the other consumer's extra tiles are waited for
-and released without compute) and only tiles crossing the diagonal, or holding keys >= kv_lengths[b],
+staged in SMEM in interpret mode, through the same `_accumulate_pv` helper as the forward). With a window
+(causal): only query tiles with a row that sees one of the consumer's keys are computed (the producer streams
+the union of both consumers' tiles; a consumer waits for the others and releases them without compute) and
+only tiles crossing a window edge, or holding keys >= kv_lengths[b],
 evaluate the per-element mask. Rows >= q_lengths[b] get lse2 = +inf in the XLA preprocess, so p = 0 there.
 """
 
@@ -40,10 +42,14 @@ from probjax_kernels._mosaic_forward import (
     SMEM_BYTES,
     _accumulate_pv,
     _check,
-    kv_tile_ranges,
+    allowed_in_window,
     check_layout,
     drain_ring,
     fill_ring_slot,
+    kv_tile_ranges,
+    own_ranges,
+    union_of_ranges,
+    window_options,
 )
 
 
@@ -57,8 +63,8 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref, smem, row_ready, ready,
-    free, *, scale: float, causal: bool, block_q: int, block_kv: int, num_stages: int, group: int,
-    interpret: bool,
+    free, *, scale: float, window_left: int | None, window_right: int | None, block_q: int, block_kv: int,
+    num_stages: int, group: int, interpret: bool,
 ):
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     k_ready, v_ready = ready
@@ -67,23 +73,26 @@ def _dq_kernel(
     head_dim = q_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
-    if causal:
+    if window_right is not None and window_left is None:  # causal: heaviest tiles first
         q_tile = num_q_tiles - 1 - q_tile
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_row0 = q_tile * block_q
     scale_log2 = scale * LOG2E
-    cta_steps = jnp.int32(0)
-    for c in range(_CONSUMERS):
-        cta_steps = jnp.maximum(cta_steps, kv_tile_ranges(tile_row0 + c * rows, q_len, kv_len, rows, block_kv, None,
-                                                          0 if causal else None)[3])
+
+    def tile_ranges(row0):
+        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, window_left, window_right)
+
+    # The producer loads the union of the consumers' KV tiles, [cta_lo, cta_hi); step n holds tile cta_lo + n.
+    cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
+    cta_steps = cta_hi - cta_lo
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
-        _, _, full_hi, hi = kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, None, 0 if causal else None)
+        lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         own = [x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)]
@@ -114,13 +123,10 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             if masked:
                 q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                kv_idx = kv_step * block_kv + plgpu.broadcasted_iota(
+                kv_idx = (cta_lo + kv_step) * block_kv + plgpu.broadcasted_iota(
                     jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
                 )
-                allowed = kv_idx < kv_len
-                if causal:
-                    allowed &= kv_idx <= q_idx
-                s = jnp.where(allowed, s, -jnp.inf)
+                s = jnp.where(allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right), s, -jnp.inf)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, s.shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             dq = _accumulate_pv(
@@ -138,9 +144,10 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[slot])
 
         dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-        dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
-        lax.fori_loop(hi, cta_steps, skip, None)
+        lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
+        for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+            dq = lax.fori_loop(start - cta_lo, end - cta_lo, functools.partial(step, masked=masked), dq)
+        lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
         q_own[...] = (dq * scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, dq_ref.at[row_tile])
@@ -153,7 +160,7 @@ def _dq_kernel(
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
-            tile = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+            tile = (batch, pl.ds((cta_lo + kv_step) * block_kv, block_kv), kv_head)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free),
                            ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
 
@@ -161,7 +168,8 @@ def _dq_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret")
+    jax.jit,
+    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -175,6 +183,7 @@ def mosaic_backward_dq(
     *,
     scale: float,
     causal: bool,
+    window: tuple[int | None, int | None] = (None, None),
     block_q: int = 128,
     block_kv: int = 64,
     num_stages: int = 2,
@@ -184,8 +193,8 @@ def mosaic_backward_dq(
 ) -> jax.Array:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
-    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal and the tiles as in `mosaic_forward` (same
-    padding contract); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log, -inf for empty rows) from the
+    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
+    (same padding contract); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log, -inf for empty rows) from the
     forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`. `ds_in_smem` stages dS in shared memory
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
 
@@ -208,7 +217,8 @@ def mosaic_backward_dq(
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _dq_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        _dq_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
+        num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret,
     )
     return plgpu.kernel(
@@ -273,24 +283,32 @@ def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, bl
                          f" {lse.shape=}")
 
 
-def _q_steps(key0, q_len, kv_len, keys: int, block_q: int, causal: bool):
-    """(lo, full_lo, hi) in query tiles for the keys [key0, key0 + keys): tiles [lo, full_lo) need the
-    per-element mask, tiles [full_lo, hi) none, tiles outside [lo, hi) see none of these keys. Traced int32."""
-    hi = jnp.where(key0 < kv_len, (q_len + block_q - 1) // block_q, 0)
-    lo = key0 // block_q if causal else jnp.int32(0)
-    lo = jnp.minimum(lo, hi)
-    if causal:  # tile t is on or below the diagonal for every key iff its first row t*block_q >= the last key
-        full_lo = (key0 + keys - 1 + block_q - 1) // block_q
-    else:
-        full_lo = lo
-    full_lo = jnp.where(key0 + keys > kv_len, hi, full_lo)  # keys past kv_len: mask every tile
-    return lo, jnp.clip(full_lo, lo, hi), hi
+def q_tile_ranges(key0, q_len, kv_len, keys: int, block_q: int, window_left: int | None,
+                  window_right: int | None):
+    """(lo, full_lo, full_hi, hi) in query tiles for the keys [key0, key0 + keys), where row r sees the keys in
+    [r - window_left, r + window_right] (None: unbounded; causal is window_right = 0) below kv_len: tiles
+    [lo, hi) hold a row < q_len that sees one of these keys, [full_lo, full_hi) of them need no mask (rows
+    >= q_len need none: their lse2 is +inf), the others the per-element one; lo = hi when no row sees a key.
+    Traced int32 scalars."""
+    key_end = jnp.minimum(key0 + keys, kv_len)  # the keys that exist: [key0, key_end)
+    row_start = 0 if window_right is None else jnp.maximum(key0 - window_right, 0)
+    row_end = q_len if window_left is None else jnp.minimum(q_len, key_end + window_left)
+    hi = jnp.where((key_end > key0) & (row_end > row_start), (row_end + block_q - 1) // block_q, 0)
+    lo = jnp.minimum(row_start // block_q, hi)
+    full_lo = lo
+    if window_right is not None:  # tile t is right of every key's diagonal iff t * block_q >= last key - right
+        full_lo = -((window_right + 1 - key0 - keys) // block_q)  # ceil((key0 + keys - 1 - right) / block_q)
+    full_hi = jnp.where(key0 + keys > kv_len, 0, hi)  # keys past kv_len: mask every tile
+    if window_left is not None:  # ... and its last row (t+1) * block_q - 1 <= first key + left
+        full_hi = jnp.minimum(full_hi, (key0 + window_left + 1) // block_q)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem, kv_ready,
-    ready, free, *, scale: float, causal: bool, block_q: int, block_kv: int, num_stages: int, group: int,
-    interpret: bool,
+    ready, free, *, scale: float, window_left: int | None, window_right: int | None, block_q: int,
+    block_kv: int, num_stages: int, group: int, interpret: bool,
 ):
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
     k_ready, v_ready = kv_ready
@@ -303,10 +321,15 @@ def _dkv_kernel(
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
     scale_log2 = scale * LOG2E
-    # The producer streams query tiles [lo, hi) of every head of the group: what the consumer with the first
-    # keys needs (the other one skips the tiles it does not see).
-    lo, _, hi = _q_steps(tile_key0, q_len, kv_len, keys, block_q, causal)
-    tiles = hi - lo  # per head; step g = h * tiles + (t - lo) uses ring slot g % num_stages
+
+    def tile_ranges(key0):
+        return q_tile_ranges(key0, q_len, kv_len, keys, block_q, window_left, window_right)
+
+    # The producer streams query tiles [cta_lo, cta_hi) of every head of the group: the union of what the two
+    # consumers need (each skips the tiles it does not see).
+    ranges = [tile_ranges(tile_key0 + c * keys) for c in range(_CONSUMERS)]
+    cta_lo, cta_hi = union_of_ranges(ranges)
+    tiles = cta_hi - cta_lo  # per head; step g = h * tiles + (t - cta_lo) uses ring slot g % num_stages
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
@@ -318,11 +341,7 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
-        own_lo, full_lo, own_hi = _q_steps(key0, q_len, kv_len, keys, block_q, causal)
-        own_lo = jnp.clip(own_lo, lo, hi)
-        full_lo = jnp.clip(full_lo, own_lo, hi)  # own_hi is hi, or 0 when no key of this consumer is valid
-        own_lo = jnp.where(own_hi > 0, own_lo, hi)
-        full_lo = jnp.where(own_hi > 0, full_lo, hi)
+        own_lo, full_lo, full_hi, own_hi = own_ranges(tile_ranges(key0), cta_lo)
 
         def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, block_q)
             def body(acc_ref):
@@ -333,7 +352,7 @@ def _dkv_kernel(
 
         def step(t, carry, head_step0, masked: bool):
             dk, dv = carry
-            slot = lax.rem(head_step0 + t - lo, num_stages)
+            slot = lax.rem(head_step0 + t - cta_lo, num_stages)
             q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
@@ -346,10 +365,7 @@ def _dkv_kernel(
             if masked:
                 kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
                 q_idx = t * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-                allowed = kv_idx < kv_len
-                if causal:
-                    allowed &= kv_idx <= q_idx
-                s_t = jnp.where(allowed, s_t, -jnp.inf)
+                s_t = jnp.where(allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right), s_t, -jnp.inf)
             # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
             p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
@@ -361,7 +377,7 @@ def _dkv_kernel(
             return dk, dv
 
         def skip(t, carry, head_step0):
-            slot = lax.rem(head_step0 + t - lo, num_stages)
+            slot = lax.rem(head_step0 + t - cta_lo, num_stages)
             for barrier in (q_ready, lse2_ready, do_ready, delta_ready):
                 plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(do_free.at[slot])
@@ -370,10 +386,13 @@ def _dkv_kernel(
 
         def head_body(h, carry):
             head_step0 = h * tiles
-            carry = lax.fori_loop(lo, own_lo, functools.partial(skip, head_step0=head_step0), carry)
-            carry = lax.fori_loop(own_lo, full_lo, functools.partial(step, head_step0=head_step0, masked=True),
-                                  carry)
-            return lax.fori_loop(full_lo, hi, functools.partial(step, head_step0=head_step0, masked=False), carry)
+            for start, end, body in (
+                (cta_lo, own_lo, skip), (own_lo, full_lo, functools.partial(step, masked=True)),
+                (full_lo, full_hi, functools.partial(step, masked=False)),
+                (full_hi, own_hi, functools.partial(step, masked=True)), (own_hi, cta_hi, skip),
+            ):
+                carry = lax.fori_loop(start, end, functools.partial(body, head_step0=head_step0), carry)
+            return carry
 
         zeros = plgpu.layout_cast(jnp.zeros((keys, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
@@ -393,7 +412,7 @@ def _dkv_kernel(
         @pl.loop(0, steps)
         def _(g):
             h = lax.div(g, tiles)
-            t = lo + g - h * tiles
+            t = cta_lo + g - h * tiles
             head = kv_head * group + h
             row_tile = (batch, pl.ds(t * block_q, block_q), head)
             row_vector = (batch, head, pl.ds(t * block_q, block_q))
@@ -406,7 +425,8 @@ def _dkv_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "causal", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret")
+    jax.jit,
+    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -420,6 +440,7 @@ def mosaic_backward_dkv(
     *,
     scale: float,
     causal: bool,
+    window: tuple[int | None, int | None] = (None, None),
     block_q: int = 64,
     block_kv: int = 128,
     num_stages: int = 2,
@@ -430,7 +451,7 @@ def mosaic_backward_dkv(
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
 
-    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal as in `mosaic_forward` (same padding
+    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window as in `mosaic_forward` (same padding
     contract, with d_out's padding rows finite too); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log,
     -inf for empty rows) from the forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`.
 
@@ -456,7 +477,8 @@ def mosaic_backward_dkv(
     lse2 = jnp.where(rows_valid, base2_lse(lse), jnp.inf)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _dkv_kernel, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        _dkv_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
+        num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret,
     )
     return plgpu.kernel(

@@ -137,6 +137,32 @@ def kv_tile_ranges(row0, q_len, kv_len, rows: int, block_kv: int, window_left: i
     return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
+def union_of_ranges(ranges) -> tuple:
+    """(lo, hi): the tiles some consumer visits, from each consumer's (lo, ..., hi); empty ranges are left out
+    (lo = hi when all are empty)."""
+    lo = functools.reduce(jnp.minimum, [jnp.where(hi > lo, lo, _BIG) for lo, *_, hi in ranges])
+    hi = functools.reduce(jnp.maximum, [hi for *_, hi in ranges])
+    return jnp.minimum(lo, hi), hi
+
+
+def own_ranges(ranges, cta_lo) -> tuple:
+    """One consumer's (lo, full_lo, full_hi, hi); a consumer without tiles gets the empty range at cta_lo, so
+    that it skips every step of the CTA."""
+    lo, full_lo, full_hi, hi = ranges
+    lo, hi = (jnp.where(hi > lo, x, cta_lo) for x in (lo, hi))
+    return lo, jnp.clip(full_lo, lo, hi), jnp.clip(full_hi, lo, hi), hi
+
+
+def allowed_in_window(q_idx, kv_idx, kv_len, window_left: int | None, window_right: int | None):
+    """The per-element mask of the Mosaic kernels: keys below kv_len inside the window."""
+    allowed = kv_idx < kv_len
+    if window_right is not None:
+        allowed &= kv_idx <= q_idx + window_right
+    if window_left is not None:
+        allowed &= kv_idx >= q_idx - window_left
+    return allowed
+
+
 def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     """acc + p @ v; `while_running()` is traced between issuing the wgmma and waiting for it.
 
@@ -204,10 +230,7 @@ def _forward_kernel(
             return table_ref[(*_table_row(table_ref, batch, head, q_tile), n)]
     else:
         # The producer loads the union of the consumers' tiles, [cta_lo, cta_lo + cta_steps).
-        ranges = [tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)]
-        cta_lo = functools.reduce(jnp.minimum, [jnp.where(hi > lo, lo, _BIG) for lo, _, _, hi in ranges])
-        cta_hi = functools.reduce(jnp.maximum, [hi for *_, hi in ranges])
-        cta_lo = jnp.minimum(cta_lo, cta_hi)
+        cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
         cta_steps = cta_hi - cta_lo
 
     def pass_turn():
@@ -221,9 +244,7 @@ def _forward_kernel(
         if has_tables:
             first_step, end_step = jnp.int32(0), cta_steps
         else:
-            lo, full_lo, full_hi, hi = tile_ranges(row0)
-            lo, hi = (jnp.where(hi > lo, x, cta_lo) for x in (lo, hi))  # a consumer without tiles skips all
-            full_lo, full_hi = jnp.clip(full_lo, lo, hi), jnp.clip(full_hi, lo, hi)
+            lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
             if mask_fn is not None:  # without tables no tile is known to be full
                 full_hi = full_lo
             first_step, end_step = lo - cta_lo, hi - cta_lo  # this consumer's pipeline steps
@@ -255,11 +276,10 @@ def _forward_kernel(
                 s = score_fn(s * scale, batch, head, q_idx, kv_idx, *score_arrays) * LOG2E
                 s_scale = 1.0
             if masked:
-                allowed = kv_idx < kv_len
-                if window_right is not None and user_mask:
-                    allowed &= kv_idx <= q_idx + window_right
-                if window_left is not None and user_mask:
-                    allowed &= kv_idx >= q_idx - window_left
+                if user_mask:
+                    allowed = allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right)
+                else:
+                    allowed = kv_idx < kv_len
                 if mask_fn is not None and user_mask:
                     allowed &= mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
                 s = jnp.where(allowed, s, -jnp.inf)
@@ -337,7 +357,7 @@ def _forward_kernel(
         pl.when(wg == 0)(pass_turn)
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-        valid = (q_idx < q_len) & ~(l_i <= 0)  # a NaN l_i (NaN / inf inputs) stays NaN
+        valid = (q_idx < q_len) & (l_i != 0)  # l_i = 0: no key attended; a NaN l_i (NaN / inf inputs) stays NaN
         inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
         qo_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(qo_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
@@ -398,6 +418,14 @@ def _check_window(window) -> tuple[int | None, int | None]:
     ):
         raise ValueError(f"window must be a (left, right) pair of ints >= 0 or None, got {window!r}")
     return window
+
+
+def window_options(causal: bool, window) -> dict:
+    """The kernels' window_left / window_right from `causal` and `window` (causal caps the right side at 0)."""
+    window_left, window_right = _check_window(window)
+    if causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    return {"window_left": window_left, "window_right": window_right}
 
 
 def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
@@ -492,9 +520,6 @@ def mosaic_forward(
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
-    window_left, window_right = _check_window(window)
-    if causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
@@ -503,7 +528,8 @@ def mosaic_forward(
     rows = block_q // _CONSUMERS
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _forward_kernel, scale=scale, window_left=window_left, window_right=window_right, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        _forward_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
+        num_stages=num_stages,
         group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
         score_fn=score_fn, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
     )

@@ -7,8 +7,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_close, random_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
@@ -18,6 +21,7 @@ from probjax_kernels._mosaic_backward import (
     dkv_smem_bytes,
     mosaic_backward_dkv,
     mosaic_backward_dq,
+    q_tile_ranges,
 )
 
 
@@ -28,10 +32,15 @@ def _fresh_interpreter():
 
 
 @pytest.mark.parametrize(
-    "causal, q_lengths, kv_lengths, num_kv_heads",
-    [(False, [256, 256], [256, 256], 1), (True, [200, 256], [77, 256], 2), (False, [256, 100], [0, 130], 2)],
+    "causal, q_lengths, kv_lengths, num_kv_heads, window",
+    [
+        (False, [256, 256], [256, 256], 1, (None, None)), (True, [200, 256], [77, 256], 2, (None, None)),
+        (False, [256, 100], [0, 130], 2, (None, None)),
+        (False, [256, 200], [256, 100], 2, (70, 30)),  # two-sided window: tiles skipped on both edges
+        (True, [256, 256], [256, 256], 1, (100, None)),  # causal sliding window
+    ],
 )
-def test_dq_matches_reference_in_interpreter(causal, q_lengths, kv_lengths, num_kv_heads):
+def test_dq_matches_reference_in_interpreter(causal, q_lengths, kv_lengths, num_kv_heads, window):
     batch, seq, num_heads, head_dim, dtype = 2, 256, 2, 64, jnp.bfloat16
     q, k, v = random_qkv(0, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(1, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
@@ -40,27 +49,31 @@ def test_dq_matches_reference_in_interpreter(causal, q_lengths, kv_lengths, num_
 
     def reference(q):
         return flash_attention_reference(
-            q, k.astype(jnp.float32), v.astype(jnp.float32), causal=causal, scale=scale, q_lengths=q_lengths,
-            kv_lengths=kv_lengths, return_lse=True,
+            q, k.astype(jnp.float32), v.astype(jnp.float32), causal=causal, window=window, scale=scale,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, return_lse=True,
         )
 
     (out, lse), vjp = jax.vjp(reference, q.astype(jnp.float32))
     (expected,) = vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))
     dq = mosaic_backward_dq(
-        q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths, scale=scale, causal=causal, interpret=True,
+        q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths, scale=scale, causal=causal, window=window,
+        interpret=True,
     )
     assert dq.shape == q.shape and dq.dtype == q.dtype
     assert_close(dq, expected, dtype, "dq")
 
 
-@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (128, True)])
-def test_dq_lowers_for_cuda(head_dim, causal):
+@pytest.mark.parametrize("head_dim, causal, window", [
+    (64, True, (None, None)), (128, False, (None, None)), (128, True, (None, None)), (128, False, (256, 64)),
+])
+def test_dq_lowers_for_cuda(head_dim, causal, window):
     batch, seq, num_heads, num_kv_heads = 2, 1024, 8, 2
     q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    fn = functools.partial(mosaic_backward_dq, scale=head_dim**-0.5, causal=causal, block_q=128, block_kv=64)
+    fn = functools.partial(mosaic_backward_dq, scale=head_dim**-0.5, causal=causal, window=window, block_q=128,
+                           block_kv=64)
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
     with use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(q, kv, kv, q, lse, q, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
@@ -68,15 +81,18 @@ def test_dq_lowers_for_cuda(head_dim, causal):
 
 
 @pytest.mark.parametrize(
-    "causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q",
+    "causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q, window",
     [
-        (False, 256, 256, [256, 256], [256, 256], 1, 64),  # MQA, group of 4 summed in the kernel
-        (True, 256, 256, [200, 256], [77, 256], 2, 64),  # ragged, GQA
-        (False, 256, 256, [256, 100], [0, 130], 2, 64),  # batch 0 fully masked: zero grads
-        (True, 128, 384, [128, 90], [384, 300], 1, 128),  # T < S: the last KV tile sees no query row
+        (False, 256, 256, [256, 256], [256, 256], 1, 64, (None, None)),  # MQA, group of 4 summed in the kernel
+        (True, 256, 256, [200, 256], [77, 256], 2, 64, (None, None)),  # ragged, GQA
+        (False, 256, 256, [256, 100], [0, 130], 2, 64, (None, None)),  # batch 0 fully masked: zero grads
+        (True, 128, 384, [128, 90], [384, 300], 1, 128, (None, None)),  # T < S: the last KV tile sees no row
+        (False, 256, 384, [256, 200], [384, 100], 2, 64, (70, 30)),  # two-sided window, ragged
+        (True, 384, 256, [384, 384], [256, 256], 1, 64, (100, None)),  # causal sliding window, T > S
     ],
 )
-def test_dkv_matches_reference_in_interpreter(causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q):
+def test_dkv_matches_reference_in_interpreter(causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q,
+                                               window):
     batch, num_heads, head_dim, dtype = 2, 4, 64, jnp.bfloat16
     q, k, v = random_qkv(2, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(3, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
@@ -85,14 +101,14 @@ def test_dkv_matches_reference_in_interpreter(causal, q_seq, kv_seq, q_lengths, 
 
     def reference(k, v):
         return flash_attention_reference(
-            q.astype(jnp.float32), k, v, causal=causal, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
-            return_lse=True,
+            q.astype(jnp.float32), k, v, causal=causal, window=window, scale=scale, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, return_lse=True,
         )
 
     (out, lse), vjp = jax.vjp(reference, k.astype(jnp.float32), v.astype(jnp.float32))
     expected_dk, expected_dv = vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))
     dk, dv = mosaic_backward_dkv(
-        q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths, scale=scale, causal=causal,
+        q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths, scale=scale, causal=causal, window=window,
         block_q=block_q, interpret=True,
     )
     assert dk.shape == k.shape and dk.dtype == k.dtype and dv.shape == v.shape and dv.dtype == v.dtype
@@ -104,18 +120,19 @@ def test_dkv_matches_reference_in_interpreter(causal, q_seq, kv_seq, q_lengths, 
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, block_q, p_in_smem",
-    [(64, True, 64, False), (128, False, 64, False), (128, True, 64, False), (128, True, 128, False),
-     (128, False, 64, True)],
+    "head_dim, causal, block_q, p_in_smem, window",
+    [(64, True, 64, False, (None, None)), (128, False, 64, False, (None, None)), (128, True, 64, False, (None, None)),
+     (128, True, 128, False, (None, None)), (128, False, 64, True, (None, None)), (128, True, 64, False, (512, None))],
 )
-def test_dkv_lowers_for_cuda(head_dim, causal, block_q, p_in_smem):
+def test_dkv_lowers_for_cuda(head_dim, causal, block_q, p_in_smem, window):
     batch, seq, num_heads, num_kv_heads = 2, 1024, 8, 2
     q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = functools.partial(
-        mosaic_backward_dkv, scale=head_dim**-0.5, causal=causal, block_q=block_q, block_kv=128, p_in_smem=p_in_smem
+        mosaic_backward_dkv, scale=head_dim**-0.5, causal=causal, window=window, block_q=block_q, block_kv=128,
+        p_in_smem=p_in_smem,
     )
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
     with use_abstract_mesh(mesh):
@@ -139,3 +156,27 @@ def test_dkv_rejects_what_it_cannot_run():
         mosaic_backward_dkv(big, big, big, big, jnp.zeros((1, 1, 128)), big, lengths, lengths, scale=0.1,
                             causal=False)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key0=st.integers(0, 600), q_len=st.integers(0, 700), kv_len=st.integers(0, 700),
+    keys=st.sampled_from([64, 128]), block_q=st.sampled_from([64, 128]),
+    left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
+)
+def test_q_tile_ranges_visit_exactly_the_tiles_a_window_reaches(key0, q_len, kv_len, keys, block_q, left, right):
+    """[lo, hi) spans the query tiles holding a row < q_len that sees one of the keys [key0, key0 + keys) below
+    kv_len; the tiles in [full_lo, full_hi) see all those keys from every row (rows >= q_len included)."""
+    lo, full_lo, full_hi, hi = (int(x) for x in q_tile_ranges(
+        jnp.int32(key0), jnp.int32(q_len), jnp.int32(kv_len), keys, block_q, left, right))
+    num_tiles = -(-max(q_len, 1) // block_q) + 1
+    r = np.arange(num_tiles * block_q)[:, None]
+    c = np.arange(key0, key0 + keys)[None, :]
+    allowed = (c < kv_len) & (c >= r - (np.inf if left is None else left)) & (c <= r + (np.inf if right is None else right))
+    reached = (allowed & (r < q_len)).reshape(num_tiles, block_q, keys).any(axis=(1, 2))
+    if reached.any():
+        assert (lo, hi) == (np.argmax(reached), num_tiles - np.argmax(reached[::-1]))
+    else:
+        assert lo == hi
+    assert lo <= full_lo <= full_hi <= hi
+    assert allowed.reshape(num_tiles, block_q, keys)[full_lo:full_hi].all()

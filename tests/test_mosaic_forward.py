@@ -250,3 +250,12 @@ def test_score_fn_lowers_for_cuda(name):
         jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
     assert "mosaic_gpu" in text
+
+
+def test_nan_keys_give_nan_rows_as_in_numpy():
+    q, k, v = random_qkv(5, 1, 128, 256, 2, 1, 64, jnp.bfloat16)
+    k = k.at[0, 200, 0, 7].set(jnp.nan)  # seen by every row (non-causal), by none past kv_lengths=150 (below)
+    for kv_length, rows_nan in ((256, True), (150, False)):
+        out, _ = mosaic_forward(q, k, v, jnp.array([128], jnp.int32), jnp.array([kv_length], jnp.int32),
+                                scale=0.125, causal=False, interpret=True)
+        assert bool(jnp.isnan(out).all()) if rows_nan else not bool(jnp.isnan(out).any())
