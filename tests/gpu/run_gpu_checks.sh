@@ -2,9 +2,10 @@
 # The GPU checks, in one run that ends inside BUDGET_S seconds (default 540): nvidia-smi, versions, the GPU
 # tests of the Triton and tangent kernels, the benchmark (python -m probjax_nn.benchmark: bf16, B=4, N=8,
 # head dims 64 and 128, seq 1024..8192, causal and not, fwd and fwd_bwd; probjax_default, probjax_mosaic,
-# probjax_flex, probjax_flex_mosaic, jax_xla, jax_cudnn and the torch impls, which record themselves as missing where torch or
-# CUDA is not there), after seq 8192 the jvp rows, the Mosaic GPU tests and the Mosaic tile sweep
-# (tests/gpu/mosaic_sweep.py -> mosaic_sweep.jsonl), and the plots. Later steps are cut when the budget
+# probjax_flex, probjax_flex_mosaic, jax_xla, jax_cudnn and the torch impls, which record themselves as
+# missing where torch or CUDA is not there), after seq 8192 the jvp rows and the Mosaic tile sweep
+# (tests/gpu/mosaic_sweep.py -> mosaic_sweep.jsonl), and the plots. The Mosaic GPU tests run before the
+# benchmark, whose Mosaic rows and sweep run only if they pass. Later steps are cut when the budget
 # runs out, so the order is the priority. Usage, from anywhere, on a machine with jax[cuda] installed:
 #
 #     OUT=/some/folder bash tests/gpu/run_gpu_checks.sh
@@ -85,22 +86,28 @@ step 120 versions versions.txt "$python" -c "$versions"
 step 200 pytest-gpu pytest_gpu.log \
     env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" \
     tests/gpu/test_gpu_flash.py tests/gpu/test_gpu_forward_ad.py
+# The Mosaic GPU kernels (issue 7, opt-in) before any timing: they have never run on a GPU, and a barrier
+# mistake hangs rather than fails (-v: a hang or a cut leaves the test names). Only when they pass do the
+# benchmark steps time them, so a hang cannot eat a benchmark step's budget.
+step 150 pytest-mosaic pytest_mosaic.log \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" -v tests/gpu/test_gpu_mosaic.py
+mosaic_ok=0
+grep -q "^pytest-mosaic: exit 0 " "$log" && mosaic_ok=1
 results="$out/gpu_attention_bf16.json"
 rm -f "$results"
 bench=("$python" -m probjax_nn.benchmark --output "$results" --append
     --batch 4 --heads 8 --head-dims 64 128 --ragged-seq-lens --dtypes bfloat16 --modes fwd fwd_bwd --causal 0 1)
-impls=(probjax_default probjax_mosaic probjax_flex probjax_flex_mosaic jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
+impls=(probjax_default probjax_flex jax_xla jax_cudnn torch_flash torch_efficient torch_math torch_cudnn)
+((mosaic_ok)) && impls=(probjax_mosaic probjax_flex_mosaic "${impls[@]}")
 for seq in 4096 8192 1024 2048; do
     step 300 "benchmark-$seq" "benchmark_$seq.log" "${bench[@]}" --seq-lens "$seq" --impls "${impls[@]}"
     if [[ $seq == 8192 ]]; then
         # forward mode (issue 8): the tangent kernel against dense jax.jvp
         step 120 benchmark-jvp benchmark_jvp.log "${bench[@]}" --seq-lens 4096 8192 --modes jvp \
             --impls probjax_default probjax_flex jax_xla jax_cudnn
-        # the Mosaic GPU kernels (issue 7, opt-in): correctness (-v: a hang or a cut leaves the test names),
-        # then their tile configs, hd 128 at seq 8192 first; one JSON line per config
-        step 150 pytest-mosaic pytest_mosaic.log \
-            env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" -v tests/gpu/test_gpu_mosaic.py
-        step 120 mosaic-sweep mosaic_sweep.log "$python" tests/gpu/mosaic_sweep.py "$out/mosaic_sweep.jsonl"
+        # the Mosaic tile configs, hd 128 at seq 8192 first; one JSON line per config
+        ((mosaic_ok)) && step 120 mosaic-sweep mosaic_sweep.log "$python" tests/gpu/mosaic_sweep.py \
+            "$out/mosaic_sweep.jsonl"
     fi
 done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \
