@@ -105,6 +105,20 @@ def test_resume_after_interruption_matches_an_unbroken_run(framework, data_cache
             np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)
 
 
+def test_resume_from_a_checkpoint_between_metrics_rows(data_cache, tmp_path):
+    """A checkpoint at step 7 with a metrics row every 5 steps: the resumed row of step 10 averages the losses
+    of steps 6..10, as the unbroken run's does (steps 6 and 7 come from the checkpoint)."""
+    config = dict(framework="linen", steps=12, checkpoint_every=7, num_samples=0)
+    unbroken = train.run(micro(data_cache, tmp_path / "unbroken", **config))
+    train.run(micro(data_cache, tmp_path / "interrupted", **config), stop_after=9)
+    resumed = train.run(micro(data_cache, tmp_path / "interrupted", resume=True, **config))
+    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 12]
+    for got, want in zip(resumed, unbroken):
+        np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
+    # Steps 1..7 of the interrupted run are the unbroken run's: the row's mean includes them exactly.
+    assert resumed[1]["train_loss"] == unbroken[1]["train_loss"]
+
+
 def test_pallas_and_xla_give_the_same_losses(data_cache, tmp_path):
     losses = {}
     for impl in ("pallas", "xla"):

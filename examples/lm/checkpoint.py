@@ -2,15 +2,19 @@
 
 Each pytree is saved as a nested dict of its key-path names ("blocks" -> "0" -> "attention" -> ...), which
 orbax stores without knowing NNX states, Equinox modules or optax's named tuples; restoring maps the
-saved arrays back onto a freshly built tree of the same structure, with that tree's shardings.
+saved arrays back onto a freshly built tree of the same structure, with that tree's shardings. A step also
+keeps the train losses of the steps since the last metrics row, so that a resumed run averages the same
+losses into its next row as an unbroken one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -52,7 +56,8 @@ def _abstract(tree: Any) -> dict:
 
 
 class Checkpoints:
-    """`out/checkpoints/<step>/{params,opt_state}`, the last `keep` steps kept; saves run in the background."""
+    """`out/checkpoints/<step>/{params,opt_state,metrics}`, the last `keep` steps kept; saves run in the
+    background."""
 
     def __init__(self, directory: str | Path, keep: int = 2):
         self.manager = ocp.CheckpointManager(
@@ -62,10 +67,20 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params: Any, opt_state: Any) -> None:
+    def save(self, step: int, params: Any, opt_state: Any, pending_losses: Sequence[float] = ()) -> None:
+        """Saves `step`; `pending_losses` are the train losses of the steps since the last metrics row."""
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(to_nested(params)), opt_state=ocp.args.StandardSave(to_nested(opt_state)),
+            metrics=ocp.args.JsonSave({"pending_losses": [float(loss) for loss in pending_losses]}),
         ))
+
+    def pending_losses(self, step: int) -> list[np.float32]:
+        """The train losses that `step` saved as not yet in a metrics row, as float32 (the dtype of the
+        losses they stand for); none for a checkpoint written without them."""
+        if "metrics" not in self.manager.item_metadata(step):
+            return []
+        saved = self.manager.restore(step, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))
+        return [np.float32(loss) for loss in saved["metrics"]["pending_losses"]]
 
     def restore(self, step: int, params: Any, opt_state: Any | None = None) -> tuple[Any, Any]:
         """The saved params (and opt_state, unless None) of `step`, shaped and sharded like the given ones."""

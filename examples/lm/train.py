@@ -197,10 +197,11 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
         params = model.params if mesh is None else jax.device_put(model.params, shardings.params)
         opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
         checkpoints = Checkpoints(out / "checkpoints")
-        start = 0
+        start, pending_losses = 0, []
         if config.resume and checkpoints.latest_step() is not None:
             start = checkpoints.latest_step()
             params, opt_state = checkpoints.restore(start, params, opt_state)
+            pending_losses = checkpoints.pending_losses(start)
             print(f"resumed from step {start}")
         metrics = Metrics(out / "metrics.jsonl", start)
         train_step, eval_step = make_steps(model, optimizer, config, shardings)
@@ -211,7 +212,8 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
         flops, peak = flops_per_token(config, num_params), peak_flops(config, 1 if mesh is None else mesh.size)
         last = config.steps if stop_after is None else min(stop_after, config.steps)
         bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
-        losses, timer, timed_steps = [], None, 0  # since the last metrics row
+        # Since the last metrics row; a resumed run starts with the losses its checkpoint kept of them.
+        losses, timer, timed_steps = list(pending_losses), None, 0
         try:
             for step in range(start + 1, last + 1):
                 batch = shardings.place(data.train_batch(train_tokens, config, step))
@@ -242,7 +244,7 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     losses, timer, timed_steps = [], time.perf_counter(), 0
                 every = config.checkpoint_every
                 if every is not None and (step % every == 0 or step == config.steps):
-                    checkpoints.save(step, params, opt_state)
+                    checkpoints.save(step, params, opt_state, jax.device_get(losses))
         finally:
             bar.close()
             checkpoints.close()
