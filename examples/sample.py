@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, help="checkpoint step; default: the latest")
     parser.add_argument("--prompt", help="default: the run's sample_prompt")
     parser.add_argument("--tokens", type=int, help="bytes to generate; default: the run's sample_tokens")
-    parser.add_argument("--num-samples", type=int, help="default: the run's num_samples")
+    parser.add_argument("--num-samples", type=int, help="default: the run's num_samples (1 if that is 0)")
     parser.add_argument("--temperature", type=float, help="0 picks the most likely byte; default: the run's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, help="default: the run's (auto = best here)")
@@ -39,18 +39,30 @@ def main(argv: list[str] | None = None) -> None:
     config = from_json(out / "config.json")
     if args.attention is not None:
         config = dataclasses.replace(config, attention=args.attention)
+    # An explicit 0 or "" is a value, not "use the run's" (`or` took the run's value for them).
+    prompt = config.sample_prompt if args.prompt is None else args.prompt
+    tokens = config.sample_tokens if args.tokens is None else args.tokens
+    num_samples = max(config.num_samples, 1) if args.num_samples is None else args.num_samples
+    temperature = config.temperature if args.temperature is None else args.temperature
+    bounds = (("--tokens", tokens, 0), ("--num-samples", num_samples, 1), ("--temperature", temperature, 0))
+    for name, value, least in bounds:
+        if value < least:
+            parser.error(f"{name} must be at least {least}, got {value}")
+    if not prompt:
+        parser.error("--prompt must hold at least one character")
     checkpoints = Checkpoints(out / "checkpoints")
+    steps = checkpoints.manager.all_steps()
     step = args.step if args.step is not None else checkpoints.latest_step()
     if step is None:
         sys.exit(f"no checkpoint in {out / 'checkpoints'}")
+    if step not in steps:
+        sys.exit(f"--step {step}: no checkpoint of that step in {out / 'checkpoints'}; it has steps {sorted(steps)}")
     model = build_model(config, jax.random.key(config.seed))
     params, _ = checkpoints.restore(step, model.params)
     checkpoints.close()
     samples = generate(
-        model, compute_params(params, config), (args.prompt or config.sample_prompt).encode(),
-        args.tokens or config.sample_tokens, num_samples=args.num_samples or config.num_samples,
-        temperature=config.temperature if args.temperature is None else args.temperature,
-        key=jax.random.key(args.seed),
+        model, compute_params(params, config), prompt.encode(), tokens, num_samples=num_samples,
+        temperature=temperature, key=jax.random.key(args.seed),
     )
     print(f"{config.framework} model, step {step}, attention={config.attention}")
     for i, sample in enumerate(samples):

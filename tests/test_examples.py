@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -78,6 +79,21 @@ def test_thirty_steps_loss_falls_and_samples(framework, data_cache, tmp_path, ca
                  "--num-samples", "2"])
     printed = capsys.readouterr().out
     assert f"{framework} model, step 30" in printed and "--- sample 1 ---\nimport" in printed
+
+
+def test_sample_takes_explicit_zeros_and_names_bad_flags(data_cache, tmp_path, capsys):
+    train.run(micro(data_cache, tmp_path, steps=1, num_samples=0, sample_tokens=8))  # checkpoint of step 1
+    sample = _load_script("sample")
+    capsys.readouterr()
+    # --tokens 0 is the prompt alone (it was the run's sample_tokens); the run's num_samples=0 means one.
+    sample.main(["--out", str(tmp_path), "--prompt", "abc", "--tokens", "0", "--temperature", "0"])
+    assert capsys.readouterr().out.endswith("--- sample 0 ---\nabc\n")
+    with pytest.raises(SystemExit, match=r"--step 5: no checkpoint of that step .* it has steps \[1\]"):
+        sample.main(["--out", str(tmp_path), "--step", "5"])
+    for flags in (["--num-samples", "0"], ["--temperature", "-1"], ["--tokens", "-2"], ["--prompt", ""]):
+        with pytest.raises(SystemExit):
+            sample.main(["--out", str(tmp_path), *flags])
+        assert flags[0] in capsys.readouterr().err
 
 
 def _load_script(name: str):
@@ -200,6 +216,31 @@ def test_config_precedence_preset_file_cli(tmp_path):
         make_config("tiny", {"sequence_length": 3})
     with pytest.raises(ValueError, match="mesh"):
         make_config("tiny", {"mesh": "data=two"})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "abc"], "steps='abc' must be of type int"),
+        (["--learning-rate", "fast"], "learning_rate='fast' must be of type float"),
+        (["--checkpoint-every", "0"], "checkpoint_every=0 must be at least 1"),  # was a ZeroDivisionError at step 1
+        (["--eval-batches", "0"], "eval_batches=0 must be at least 1"),  # was a NaN validation loss
+        (["--num-heads", "0"], "num_heads=0 must be at least 1"),  # was a ZeroDivisionError
+        (["--num-kv-heads", "0"], "num_kv_heads=0 must be at least 1"),
+        (["--temperature", "-1"], "temperature=-1.0 must be at least 0"),
+        (["--warmup-steps", "-5"], "warmup_steps=-5 must be at least 0"),
+        (["--vocab-size", "100"], "vocab_size=100 must be at least 256"),  # bytes past the table read garbage
+    ],
+)
+def test_invalid_flags_name_the_field(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(flags)
+
+
+def test_valid_edge_values_are_accepted():
+    config = parse_args(["--checkpoint-every", "none", "--grad-clip", "none", "--temperature", "0", "--warmup-steps",
+                         "0", "--num-samples", "0", "--num-kv-heads", "1"])
+    assert (config.checkpoint_every, config.grad_clip, config.temperature, config.kv_heads) == (None, None, 0.0, 1)
 
 
 def test_data_split_is_deterministic_and_cached(tmp_path):

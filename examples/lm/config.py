@@ -81,6 +81,9 @@ class Config:
         for name, allowed in (("framework", FRAMEWORKS), ("attention", ATTENTION_IMPLS), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}.")
+        for name in ("num_heads", "num_kv_heads"):  # checked before they divide below
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}.")
         if self.head_dim % 2:
@@ -89,9 +92,25 @@ class Config:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}.")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={self.val_fraction} must be in (0, 1).")
-        if min(self.steps, self.seq_len, self.batch_size, self.log_every, self.eval_every) < 1:
-            raise ValueError("steps, seq_len, batch_size, log_every and eval_every must be at least 1.")
+        if self.vocab_size < 256:
+            # Tokens are bytes: an embedding lookup past the table would not fail, it would read garbage.
+            raise ValueError(f"vocab_size={self.vocab_size} must be at least 256 (the tokens are bytes).")
+        for name, least in _LOWER_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name}={value!r} must be at least {least}.")
         parse_mesh(self.mesh)
+
+
+# The smallest value of each numeric field (None, where a field allows it, is always fine). Without these,
+# checkpoint_every=0 failed with a ZeroDivisionError after the first step, eval_batches=0 gave a NaN
+# validation loss, num_heads=0 a ZeroDivisionError and a negative temperature sampled the least likely bytes.
+_LOWER_BOUNDS: dict[str, float] = {
+    "num_layers": 1, "d_model": 1, "num_heads": 1, "num_kv_heads": 1, "d_ff": 1, "seq_len": 1, "batch_size": 1,
+    "steps": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "checkpoint_every": 1, "warmup_steps": 0,
+    "num_samples": 0, "sample_tokens": 0, "temperature": 0.0, "learning_rate": 0.0, "min_lr_ratio": 0.0,
+    "weight_decay": 0.0, "grad_clip": 0.0, "rope_theta": 0.0,
+}
 
 
 def parse_mesh(mesh: str | None) -> dict[str, int]:
@@ -146,8 +165,11 @@ def _convert(name: str, value: Any) -> Any:
         return float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         if not isinstance(value, str):
-            raise ValueError(f"{name}={value!r} should be a {kind.__name__}.")
-        return kind(value)
+            raise ValueError(f"{name}={value!r} must be of type {kind.__name__}.")
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} must be of type {kind.__name__}.") from None
     return value
 
 
