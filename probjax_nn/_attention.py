@@ -8,6 +8,7 @@ naming the impl and the feature; `impl="auto"` tries the implementations of `_AU
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Literal
 
@@ -262,11 +263,33 @@ def _resolve_config(impl: Impl | AttentionConfig, implementation: str | None) ->
     config = impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
     if implementation is None or implementation == config.impl:
         return config
+    if implementation not in IMPLS:
+        raise ValueError(f"implementation={implementation!r} is not one of {', '.join(map(repr, IMPLS))} or None.")
     if config.impl != "auto":
         raise ValueError(
             f"implementation={implementation!r} and impl={config.impl!r} disagree; pass only one of them."
         )
     return dataclasses.replace(config, impl=implementation)
+
+
+# probjax_kernels' input checks name the kernels' arguments; `attention` names jax's instead.
+_PUBLIC_NAMES = {
+    r"^q, k and v\b": "query, key and value", r"^k and v\b": "key and value", r"^q_lengths\b": "query_seq_lengths",
+    r"^kv_lengths\b": "key_value_seq_lengths", r"^window\b": "local_window_size",
+}
+
+
+def _checked(query: jax.Array, key: jax.Array, value: jax.Array, **kwargs) -> AttentionInputs:
+    """`check_inputs`, its errors naming `attention`'s arguments (key_value_seq_lengths, not kv_lengths)."""
+    try:
+        return check_inputs(query, key, value, **kwargs)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        for kernel_name, public_name in _PUBLIC_NAMES.items():
+            message = re.sub(kernel_name, public_name, message)
+        if message == str(error):
+            raise
+        raise type(error)(message) from None
 
 
 def _batched(name: str, x: ArrayLike) -> jax.Array:
@@ -329,7 +352,7 @@ def attention(
     """
     config = _resolve_config(impl, implementation)
     query = jnp.asarray(query)
-    inputs = check_inputs(
+    inputs = _checked(
         _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
         scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,
         dropout_rate=dropout_rate, allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,

@@ -252,7 +252,7 @@ def test_bad_impl_lists_the_valid_ones():
         attention(q, k, v, impl="triton")
     with pytest.raises(ValueError, match=f"impl='XLA' is not one of {valid}"):
         AttentionConfig(impl="XLA")
-    with pytest.raises(ValueError, match=f"impl='mosaic' is not one of {valid}"):
+    with pytest.raises(ValueError, match=f"^implementation='mosaic' is not one of {valid} or None"):
         attention(q, k, v, implementation="mosaic")
     with pytest.raises(TypeError, match="flash must be a probjax_kernels.FlashConfig"):
         AttentionConfig(flash={"block_q": 16})
@@ -362,8 +362,17 @@ def test_bad_inputs_name_the_argument():
         attention(q[0, 0], k, v)
     with pytest.raises(ValueError, match="bias must be broadcastable"):
         attention(q, k, v, bias=jnp.ones((HEADS + 1, Q_LEN, KV_LEN)))
-    with pytest.raises(ValueError, match="kv_lengths must lie in"):
+    # Errors name attention's (jax's) arguments, not the kernel's q_lengths / kv_lengths / window / q, k, v.
+    with pytest.raises(ValueError, match=r"^key_value_seq_lengths must lie in"):
         attention(q, k, v, key_value_seq_lengths=jnp.array([KV_LEN + 1, 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"^key_value_seq_lengths must have shape \[2\], got \(\)"):
+        attention(q, k, v, key_value_seq_lengths=jnp.array(5, jnp.int32))
+    with pytest.raises(TypeError, match=r"^query_seq_lengths must be an integer array"):
+        attention(q, k, v, query_seq_lengths=jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"^local_window_size must be None, an int >= 0.*got -1"):
+        attention(q, k, v, local_window_size=-1)
+    with pytest.raises(TypeError, match=r"^query, key and value must share one dtype"):
+        attention(q, k.astype(jnp.bfloat16), v)
 
 
 def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
