@@ -181,6 +181,18 @@ def shift_queries(
     )
 
 
+def check_cache_room(position: jax.Array, max_length: int) -> None:
+    """Raises a `ValueError` when a decode step finds its cache full (checked only where `position`, the
+    cache index, is concrete: under `jit` the step would overwrite the last entry, as flax's modules do)."""
+    if isinstance(position, jax.core.Tracer):
+        return
+    if int(position) >= max_length:
+        raise ValueError(
+            f"the decode cache is full: cache_index={int(position)} and the cache holds {max_length} tokens; "
+            "size it with init_cache (or the decode=True init) for the longest sequence to decode."
+        )
+
+
 def flax_style_attention(
     attend: AttentionFunction,
     query: jax.Array,

@@ -26,8 +26,8 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, flax_style_attention, resolve_config,
-    shift_queries,
+    AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
+    resolve_config, shift_queries,
 )
 
 __all__ = [
@@ -243,6 +243,7 @@ class FlexAttention(MultiHeadDotProductAttention):
         if key.shape != expected:
             raise ValueError(f"decode takes one token per call: expected key shape {expected}, got {key.shape}.")
         position = self.get_variable("cache", "cache_index")
+        check_cache_room(position, cached_key.shape[-3])
         zero = jnp.zeros((), position.dtype)
         indices = (zero,) * len(batch_dims) + (position, zero, zero)
         key = lax.dynamic_update_slice(cached_key, key, indices)

@@ -21,8 +21,8 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, flax_style_attention, resolve_config,
-    shift_queries,
+    AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
+    resolve_config, shift_queries,
 )
 
 __all__ = [
@@ -228,6 +228,7 @@ class FlexAttention(MultiHeadAttention):
         if key.shape != expected:
             raise ValueError(f"decode takes one token per call: expected key shape {expected}, got {key.shape}.")
         position = self.cache_index[...]
+        check_cache_room(position, self.cached_key.shape[-3])
         zero = jnp.zeros((), position.dtype)
         indices = (zero,) * len(batch_dims) + (position, zero, zero)
         key = lax.dynamic_update_slice(self.cached_key[...], key, indices)

@@ -203,3 +203,15 @@ def test_flex_decode_gives_hooks_the_token_position(impl):
     params = ours.init(jax.random.key(0), x)["params"]
     outputs, _ = _decode(ours, params, x)
     assert_trees_close(outputs, ours.apply({"params": params}, x, is_causal=True), name="decode")
+
+
+def test_flex_decode_past_the_cache_names_the_cache():
+    ours = plinen.FlexAttention(HEADS, attention_impl="xla", decode=True)
+    x = inputs(11)[:, :2]
+    variables = ours.init(jax.random.key(0), x)  # a cache of 2 tokens
+    for t in range(2):
+        _, mutated = ours.apply(variables, x[:, t : t + 1], mutable=["cache"])
+        variables = {**variables, **mutated}
+    # It said "key_value_seq_lengths must lie in [0, 2]", an argument the caller never passed.
+    with pytest.raises(ValueError, match=r"decode cache is full: cache_index=2 and the cache holds 2 tokens"):
+        ours.apply(variables, x[:, :1], mutable=["cache"])

@@ -232,3 +232,14 @@ def test_flex_decode_gives_hooks_the_token_position(impl):
     x = inputs(14)
     expected = ours(x, is_causal=True)
     assert_trees_close(_decode(ours, x), expected, name="decode")
+
+
+def test_flex_decode_past_the_cache_names_the_cache():
+    ours = _flex("xla")
+    x = inputs(15, (BATCH, 2, FEATURES))
+    ours.init_cache(x.shape)
+    ours(x[:, :1], decode=True)
+    ours(x[:, 1:], decode=True)
+    # It said "key_value_seq_lengths must lie in [0, 2]", an argument the caller never passed.
+    with pytest.raises(ValueError, match=r"decode cache is full: cache_index=2 and the cache holds 2 tokens"):
+        ours(x[:, :1], decode=True)
