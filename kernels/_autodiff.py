@@ -17,7 +17,8 @@ from jax import lax
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
 from probjax_kernels._config import FlashConfig, default_config
 from probjax_kernels._core import (
-    Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _Problem, _tangent,
+    Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _mosaic_hook_fn,
+    _mosaic_score_jvp_fn, _Problem, _tangent,
     _Tangents, backward_delta, base2_lse,
 )
 from probjax_kernels._linear import custom_linear
@@ -53,18 +54,38 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
 
 
 def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, hooks or
-    masks beyond windows and lengths)."""
-    args = (res["q"], res["k"], res["v"], res["out"], res["lse"], d_out, res["q_len"], res["kv_len"])
-    f = problem.features
+    """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, dense
+    mask, segments or dropout). Calls with hooks or block tables run both kernels on the forward's
+    block_q x block_k tiles (the tables' tiles, and the shapes the hooks were vetted at); the gradients of
+    a score_mod's arrays come from the same XLA pass as on Triton."""
+    q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
+    f, cfg, others = problem.features, problem.config, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse)
+    dq_options, dkv_options = {}, {}
+    if f.score_mod is not None or f.mask_mod is not None or f.block_sizes is not None:
+        options.update(
+            mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+            score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
+            score_arrays=res["score_consts"],
+        )
+        dq_options = dict(block_q=cfg.block_q, block_kv=cfg.block_k)
+        dkv_options = dict(block_q=cfg.block_q, block_kv=cfg.block_k)
+        if f.block_sizes is not None:
+            dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
+    args = (q, k, v, out, lse, d_out, q_len, kv_len)
     grads = {}
     if tangents.q:
-        grads["q"] = mosaic_backward_dq(*args, **options)
+        grads["q"] = mosaic_backward_dq(*args, **options, **dq_options)
     if tangents.k or tangents.v:
-        dk, dv = mosaic_backward_dkv(*args, **options)
+        dk, dv = mosaic_backward_dkv(*args, **options, **dkv_options)
         grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    if any(tangents.score_consts):
+        delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
+        optional = dict(others, bias=None, score_consts=res["score_consts"])
+        grads["score_consts"] = _score_const_gradients(
+            problem, q, k, v, kv_len, d_out, lse2, delta, optional, res["score_consts"], tangents.score_consts
+        )
     return grads
 
 

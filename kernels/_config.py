@@ -31,8 +31,8 @@ class FlashConfig:
       dim 64, 128 or 256, no bias / dense mask / segments / dropout, tiles that are multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
       read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
-      dQ and dK/dV kernels for the backward of the calls without hooks or block mask (head dim 64 or 128,
-      windows included); the Triton kernels for everything else. `"mosaic_interpret"`
+      dQ and dK/dV kernels for the backward of those calls at head dim 64 or 128 (with a score_mod, when
+      its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
       (never "mosaic" yet: it has not run on a GPU, see docs/perf-notes.md).
     """

@@ -744,10 +744,12 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
 
 
 def _fits_mosaic(problem: _Problem, q) -> bool:
-    """Whether the Mosaic GPU kernels run both passes of this call (the backward at head dim 64 / 128): the
-    calls without hooks or block tables. Calls with those run only the forward in Mosaic GPU."""
+    """Whether the Mosaic GPU kernels run the backward of this call too (at head dim 64 / 128): when they run
+    its forward and a score_mod's derivative also runs in Mosaic GPU."""
     f = problem.features
-    return _mosaic_takes(problem, q) and f.score_mod is None and f.mask_mod is None and f.block_sizes is None
+    return _mosaic_takes(problem, q) and (
+        f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
+    )
 
 
 def mosaic_hook_shapes(config: FlashConfig) -> tuple:
@@ -757,20 +759,31 @@ def mosaic_hook_shapes(config: FlashConfig) -> tuple:
     return (), (), tile, tile, tile
 
 
-def _hook_jaxpr(hook: Hook, config: FlashConfig, with_score: bool):
+def _hook_specs(config: FlashConfig, with_score: bool) -> list[jax.ShapeDtypeStruct]:
     b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
     specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
     if with_score:
         specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
-    return hook._jaxpr(specs)
+    return specs
 
 
 def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
-    """Whether a hook can run inside the Mosaic GPU forward: every primitive of its jaxpr has a Mosaic GPU
-    lowering rule, and it reads the arrays it closes over only one element at a time (`slopes[h]`: a
-    `dynamic_slice` of size 1 then squeezed, a scalar load from global memory), never as arrays."""
-    jaxpr = _hook_jaxpr(hook, config, with_score)
-    consts = set(jaxpr.constvars)
+    """Whether a hook can run inside the Mosaic GPU kernels (see `_runs_in_mosaic`), at their tile shapes."""
+    jaxpr = hook._jaxpr(_hook_specs(config, with_score))
+    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
+
+
+def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
+    """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU."""
+    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *_hook_specs(config, with_score=True))
+    captured = closed.jaxpr.invars[: len(hook.const_avals)]  # the refs of the hook's arrays
+    return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
+
+
+def _runs_in_mosaic(jaxpr, consts: set) -> bool:
+    """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
+    only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
+    global memory), never as arrays."""
     elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
     for eqn in jaxpr.eqns:
         reads_element = (
@@ -798,6 +811,19 @@ def _lowers_in_mosaic(eqn) -> bool:
     return eqn.primitive in rules and all(
         _lowers_in_mosaic(inner) for sub in jex_core.jaxprs_in_params(eqn.params) for inner in sub.eqns
     )
+
+
+def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
+    """`(score, b, h, q_idx, kv_idx, *array_refs) -> (score_mod(score), d score_mod / d score)` for the
+    Mosaic backward kernels, from the hook's jvp jaxpr."""
+    return None if hook is None else functools.partial(_call_score_jvp_in_mosaic, hook)
+
+
+def _call_score_jvp_in_mosaic(hook: Hook, score, *indices_and_refs):
+    num_indices = len(indices_and_refs) - len(hook.const_avals)
+    indices, refs = indices_and_refs[:num_indices], indices_and_refs[num_indices:]
+    moved = (False,) * len(hook.const_avals)
+    return hook.jvp_in_kernel(refs, (), moved, score, jnp.ones_like(score), *indices)
 
 
 def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:

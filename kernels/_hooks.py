@@ -71,13 +71,12 @@ class Hook:
         return result
 
 
-    def jvp_in_kernel(self, const_refs, tangent_refs, moved: tuple[bool, ...], score, d_score, *indices):
-        """(hook(score), its tangent) inside a Pallas kernel, for a score tangent `d_score` and tangents
-        `tangent_refs` of the captured arrays flagged in `moved` (the others are held fixed)."""
-        args = (score, *indices)
-        key = ("jvp", moved, _key(args))
+    def jvp_jaxpr(self, moved: tuple[bool, ...], *arg_specs) -> jex_core.ClosedJaxpr:
+        """The jaxpr of `(consts, moving tangents, score, d_score, *indices) -> (hook(score), its tangent)` at
+        `arg_specs` (score, *indices), for tangents of the captured arrays flagged in `moved`; traced once."""
+        key = ("jvp", moved, _key(arg_specs))
         if key not in self.jaxprs:
-            self._jaxpr(args)  # the primal must have been prepared at this shape
+            self._jaxpr(arg_specs)  # the primal must have been prepared at this shape
 
             def tangent(consts, d_consts, s, ds, *idx):
                 def of_moving(s, moving):
@@ -90,9 +89,16 @@ class Hook:
 
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
             d_specs = [s for s, m in zip(specs, moved) if m]
-            arg_specs = [jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in args]
-            self.jaxprs[key] = jax.make_jaxpr(tangent)(specs, d_specs, arg_specs[0], arg_specs[0], *arg_specs[1:])
-        closed = self.jaxprs[key]
+            specs_of_args = [jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in arg_specs]
+            self.jaxprs[key] = jax.make_jaxpr(tangent)(
+                specs, d_specs, specs_of_args[0], specs_of_args[0], *specs_of_args[1:]
+            )
+        return self.jaxprs[key]
+
+    def jvp_in_kernel(self, const_refs, tangent_refs, moved: tuple[bool, ...], score, d_score, *indices):
+        """(hook(score), its tangent) inside a Pallas kernel, for a score tangent `d_score` and tangents
+        `tangent_refs` of the captured arrays flagged in `moved` (the others are held fixed)."""
+        closed = self.jvp_jaxpr(moved, score, *indices)
         env = dict(zip(closed.jaxpr.constvars, closed.consts))
         refs = [*const_refs, *tangent_refs]
         env.update(zip(closed.jaxpr.invars, [*map(_RefValue, refs), score, d_score, *indices]))

@@ -27,6 +27,7 @@ evaluate the per-element mask. Rows >= q_lengths[b] get lse2 = +inf in the XLA p
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,13 @@ from probjax_kernels._core import backward_delta, base2_lse
 from probjax_kernels._mosaic_forward import (
     _CONSUMERS,
     _SWIZZLE,
-    LOG2E,
     SMEM_BYTES,
+    ScoreRule,
     _accumulate_pv,
     _check,
-    allowed_in_window,
+    _check_tables,
+    table_walk,
+    tile_indices,
     check_layout,
     drain_ring,
     fill_ring_slot,
@@ -62,10 +65,16 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref, smem, row_ready, ready,
-    free, *, scale: float, window_left: int | None, window_right: int | None, block_q: int, block_kv: int,
-    num_stages: int, group: int, interpret: bool,
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
+    block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
+    num_mask_arrays: int,
 ):
+    tables = None
+    if has_tables:
+        tables, refs = refs[:4], refs[4:]
+    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
+    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+    dq_ref, smem, row_ready, ready, free = refs
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     k_ready, v_ready = ready
     k_free, v_free = free
@@ -73,26 +82,32 @@ def _dq_kernel(
     head_dim = q_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
-    if window_right is not None and window_left is None:  # causal: heaviest tiles first
+    if rule.causal_only:  # heaviest tiles first
         q_tile = num_q_tiles - 1 - q_tile
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_row0 = q_tile * block_q
-    scale_log2 = scale * LOG2E
 
     def tile_ranges(row0):
-        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, window_left, window_right)
+        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, rule.window_left, rule.window_right)
 
-    # The producer loads the union of the consumers' KV tiles, [cta_lo, cta_hi); step n holds tile cta_lo + n.
-    cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
-    cta_steps = cta_hi - cta_lo
+    if has_tables:
+        # As in the forward: both consumers and the producer walk the table row of the CTA's query block, its
+        # partial blocks (steps [0, num_partial)) then its full ones.
+        num_partial, cta_steps, block_of = table_walk(tables, batch, head, q_tile)
+    else:
+        # The producer loads the union of the consumers' KV tiles [cta_lo, cta_hi); step n holds tile cta_lo + n.
+        cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
+        cta_steps = cta_hi - cta_lo
+
+        def block_of(n):
+            return cta_lo + n
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
-        lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         own = [x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)]
@@ -114,21 +129,22 @@ def _dq_kernel(
 
             return pl.run_scoped(body, plgpu.ACC((rows, block_kv), jnp.float32))
 
-        def step(kv_step, dq, masked: bool):
+        def step(kv_step, dq, masked: bool, user_mask: bool):
             slot = lax.rem(kv_step, num_stages)
             plgpu.barrier_wait(k_ready.at[slot])
             s = matmul_t(q_own, k_smem.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             dp = matmul_t(do_own, v_smem.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            if masked:
-                q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                kv_idx = (cta_lo + kv_step) * block_kv + plgpu.broadcasted_iota(
-                    jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
-                )
-                s = jnp.where(allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right), s, -jnp.inf)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, s.shape, [0]))
+            s, s_scale, derivative = rule.scores(
+                s, lambda: tile_indices(s.shape, row0, block_of(kv_step) * block_kv), batch, head, kv_len,
+                masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                with_derivative=True,
+            )
+            p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            if derivative is not None:  # the chain rule through score_mod
+                ds = ds * derivative
             dq = _accumulate_pv(
                 dq, ds.astype(k_smem.dtype), k_smem.at[slot], None if ds_smem is None else ds_smem.at[wg],
                 not interpret, lambda: None,
@@ -144,11 +160,19 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[slot])
 
         dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
-        for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
-            dq = lax.fori_loop(start - cta_lo, end - cta_lo, functools.partial(step, masked=masked), dq)
-        lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
-        q_own[...] = (dq * scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
+        if has_tables:  # partial blocks: every mask; full blocks: the length mask only
+            dq = lax.fori_loop(0, num_partial, functools.partial(step, masked=True, user_mask=True), dq)
+            dq = lax.fori_loop(num_partial, cta_steps, functools.partial(step, masked=True, user_mask=False), dq)
+        else:
+            lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
+            if rule.mask_fn is not None:  # without tables no tile is known to be full
+                full_hi = full_lo
+            lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
+            for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+                dq = lax.fori_loop(start - cta_lo, end - cta_lo,
+                                   functools.partial(step, masked=masked, user_mask=masked), dq)
+            lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
+        q_own[...] = (dq * rule.scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, dq_ref.at[row_tile])
         plgpu.wait_smem_to_gmem(0)
@@ -160,7 +184,7 @@ def _dq_kernel(
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
-            tile = (batch, pl.ds((cta_lo + kv_step) * block_kv, block_kv), kv_head)
+            tile = (batch, pl.ds(block_of(kv_step) * block_kv, block_kv), kv_head)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free),
                            ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
 
@@ -169,7 +193,8 @@ def _dq_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret"),
+    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret",
+                     "mask_fn", "score_fn", "score_jvp"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -190,6 +215,12 @@ def mosaic_backward_dq(
     ds_in_smem: bool = False,
     interpret: bool = False,
     d_lse: jax.Array | None = None,
+    kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    mask_fn: Callable[..., jax.Array] | None = None,
+    score_fn: Callable[..., jax.Array] | None = None,
+    score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+    mask_arrays: tuple[jax.Array, ...] = (),
+    score_arrays: tuple[jax.Array, ...] = (),
 ) -> jax.Array:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
@@ -197,6 +228,8 @@ def mosaic_backward_dq(
     (same padding contract); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log, -inf for empty rows) from the
     forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`. `ds_in_smem` stages dS in shared memory
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
+    `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
+    tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype.
     """
@@ -211,15 +244,17 @@ def mosaic_backward_dq(
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv)
+    rule = _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp)
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
     # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends.
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _dq_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
-        num_stages=num_stages,
-        group=num_heads // num_kv_heads, interpret=interpret,
+        _dq_kernel, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None,
+        num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
     )
     return plgpu.kernel(
         kernel,
@@ -247,7 +282,13 @@ def mosaic_backward_dq(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
+
+
+def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
+    if score_fn is not None and score_jvp is None:
+        raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
+    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp)
 
 
 # ------------------------------------------------------------------------------------------------- dK / dV
@@ -306,10 +347,16 @@ def q_tile_ranges(key0, q_len, kv_len, keys: int, block_q: int, window_left: int
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem, kv_ready,
-    ready, free, *, scale: float, window_left: int | None, window_right: int | None, block_q: int,
-    block_kv: int, num_stages: int, group: int, interpret: bool,
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
+    block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
+    num_mask_arrays: int,
 ):
+    tables = None
+    if has_tables:
+        tables, refs = refs[:4], refs[4:]
+    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
+    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+    dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
     k_ready, v_ready = kv_ready
     q_ready, do_ready, lse2_ready, delta_ready = ready
@@ -320,16 +367,22 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
-    scale_log2 = scale * LOG2E
 
     def tile_ranges(key0):
-        return q_tile_ranges(key0, q_len, kv_len, keys, block_q, window_left, window_right)
+        return q_tile_ranges(key0, q_len, kv_len, keys, block_q, rule.window_left, rule.window_right)
 
-    # The producer streams query tiles [cta_lo, cta_hi) of every head of the group: the union of what the two
-    # consumers need (each skips the tiles it does not see).
-    ranges = [tile_ranges(tile_key0 + c * keys) for c in range(_CONSUMERS)]
-    cta_lo, cta_hi = union_of_ranges(ranges)
-    tiles = cta_hi - cta_lo  # per head; step g = h * tiles + (t - cta_lo) uses ring slot g % num_stages
+    # Pipeline steps run over the query heads h of the group, each over its query tiles: without tables the
+    # union [cta_lo, cta_hi) of what the two consumers need (each skips the tiles it does not see); with
+    # tables the head's row of the transposed tables (q_tables) for this KV tile, partial tiles first.
+    # Step g of the CTA uses ring slot g % num_stages.
+    if not has_tables:
+        cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_key0 + c * keys) for c in range(_CONSUMERS)])
+
+    def head_walk(h):
+        """(num_partial, steps, tile_of) for query head h of the group."""
+        if has_tables:
+            return table_walk(tables, batch, kv_head * group + h, kv_tile)
+        return None, cta_hi - cta_lo, lambda n: cta_lo + n
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
@@ -341,7 +394,6 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
-        own_lo, full_lo, full_hi, own_hi = own_ranges(tile_ranges(key0), cta_lo)
 
         def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, block_q)
             def body(acc_ref):
@@ -350,9 +402,10 @@ def _dkv_kernel(
 
             return pl.run_scoped(body, plgpu.ACC((keys, block_q), jnp.float32))
 
-        def step(t, carry, head_step0, masked: bool):
+        def step(g, t, carry, head, masked: bool, user_mask: bool):
+            """Step g: query tile t of query head `head`."""
             dk, dv = carry
-            slot = lax.rem(head_step0 + t - cta_lo, num_stages)
+            slot = lax.rem(g, num_stages)
             q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
@@ -362,13 +415,16 @@ def _dkv_kernel(
             plgpu.barrier_wait(delta_ready.at[slot])
             dp_t = transposed_scores(v_own, do_slot)  # dP^T = V dO^T
             delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            if masked:
-                kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-                q_idx = t * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-                s_t = jnp.where(allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right), s_t, -jnp.inf)
+            s_t, s_scale, derivative = rule.scores(
+                s_t, lambda: tile_indices(s_t.shape, t * block_q, key0, transposed=True), batch, head, kv_len,
+                masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                with_derivative=True,
+            )
             # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
-            p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+            p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+            if derivative is not None:  # the chain rule through score_mod
+                ds_t = ds_t * derivative
             staging = None if p_smem is None else p_smem.at[wg]
             dv = _accumulate_pv(dv, p_t.astype(do_slot.dtype), do_slot, staging, not interpret, lambda: None)
             plgpu.barrier_arrive(do_free.at[slot])
@@ -376,28 +432,45 @@ def _dkv_kernel(
             plgpu.barrier_arrive(q_free.at[slot])
             return dk, dv
 
-        def skip(t, carry, head_step0):
-            slot = lax.rem(head_step0 + t - cta_lo, num_stages)
+        def skip(g, t, carry, head):
+            del t, head
+            slot = lax.rem(g, num_stages)
             for barrier in (q_ready, lse2_ready, do_ready, delta_ready):
                 plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(do_free.at[slot])
             plgpu.barrier_arrive(q_free.at[slot])
             return carry
 
-        def head_body(h, carry):
-            head_step0 = h * tiles
-            for start, end, body in (
-                (cta_lo, own_lo, skip), (own_lo, full_lo, functools.partial(step, masked=True)),
-                (full_lo, full_hi, functools.partial(step, masked=False)),
-                (full_hi, own_hi, functools.partial(step, masked=True)), (own_hi, cta_hi, skip),
-            ):
-                carry = lax.fori_loop(start, end, functools.partial(body, head_step0=head_step0), carry)
-            return carry
+        def visit(start, end, base, tile_of, body, carry, head):
+            return lax.fori_loop(start, end, lambda n, c: body(base + n, tile_of(n), c, head), carry)
+
+        def head_body(h, carry_and_base):
+            carry, base = carry_and_base
+            head = kv_head * group + h
+            num_partial, steps, tile_of = head_walk(h)
+            if has_tables:  # partial tiles: every mask; full tiles: the length mask only
+                carry = visit(0, num_partial, base, tile_of, functools.partial(step, masked=True, user_mask=True),
+                              carry, head)
+                carry = visit(num_partial, steps, base, tile_of,
+                              functools.partial(step, masked=True, user_mask=False), carry, head)
+            else:
+                own_lo, full_lo, full_hi, own_hi = (
+                    x - cta_lo for x in own_ranges(tile_ranges(key0), cta_lo)
+                )  # in steps of this head
+                if rule.mask_fn is not None:  # without tables no tile is known to be full
+                    full_hi = full_lo
+                for start, end, body in (
+                    (0, own_lo, skip), (own_lo, full_lo, functools.partial(step, masked=True, user_mask=True)),
+                    (full_lo, full_hi, functools.partial(step, masked=False, user_mask=False)),
+                    (full_hi, own_hi, functools.partial(step, masked=True, user_mask=True)), (own_hi, steps, skip),
+                ):
+                    carry = visit(start, end, base, tile_of, body, carry, head)
+            return carry, base + steps
 
         zeros = plgpu.layout_cast(jnp.zeros((keys, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+        (dk, dv), _ = lax.fori_loop(0, group, head_body, ((zeros, zeros), jnp.int32(0)))
         # K and V are no longer read: their tiles carry dK and dV out.
-        k_own[...] = (dk * scale).astype(k_own.dtype)
+        k_own[...] = (dk * rule.scale).astype(k_own.dtype)
         v_own[...] = dv.astype(v_own.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_own, dk_ref.at[key_tile])
@@ -407,26 +480,30 @@ def _dkv_kernel(
     @pl.when(wg == _CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        steps = group * tiles
 
-        @pl.loop(0, steps)
-        def _(g):
-            h = lax.div(g, tiles)
-            t = cta_lo + g - h * tiles
+        def head_loads(h, base):
             head = kv_head * group + h
-            row_tile = (batch, pl.ds(t * block_q, block_q), head)
-            row_vector = (batch, head, pl.ds(t * block_q, block_q))
-            fill_ring_slot(g, num_stages, (q_free, do_free), (
-                (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, lse2_ready),
-                (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, delta_ready),
-            ))
+            _, steps, tile_of = head_walk(h)
 
-        drain_ring(steps, num_stages, q_free, do_free)
+            @pl.loop(0, steps)
+            def _(n):
+                t = tile_of(n)
+                row_tile = (batch, pl.ds(t * block_q, block_q), head)
+                row_vector = (batch, head, pl.ds(t * block_q, block_q))
+                fill_ring_slot(base + n, num_stages, (q_free, do_free), (
+                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, lse2_ready),
+                    (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, delta_ready),
+                ))
+
+            return base + steps
+
+        drain_ring(lax.fori_loop(0, group, head_loads, jnp.int32(0)), num_stages, q_free, do_free)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret"),
+    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
+                     "mask_fn", "score_fn", "score_jvp"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -447,6 +524,12 @@ def mosaic_backward_dkv(
     p_in_smem: bool = False,
     interpret: bool = False,
     d_lse: jax.Array | None = None,
+    q_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    mask_fn: Callable[..., jax.Array] | None = None,
+    score_fn: Callable[..., jax.Array] | None = None,
+    score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+    mask_arrays: tuple[jax.Array, ...] = (),
+    score_arrays: tuple[jax.Array, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -460,6 +543,10 @@ def mosaic_backward_dkv(
     - `p_in_smem`: stage P^T and dS^T in shared memory for the P^T dO and dS^T Q matmuls instead of feeding
       them from registers (always on in interpret mode).
     - `d_lse` `[B, N, T]`: a cotangent of lse, if any.
+    - `q_tables`: the transposed block tables (`BlockMask.q_tables`: counts `[B|1, H|1, nk]`, indices
+      `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(block_q, block_kv)`; each CTA walks the rows
+      of its KV block for every query head of its group. `mask_fn`, `score_fn`, `score_jvp`, `mask_arrays`,
+      `score_arrays` as in `mosaic_backward_dq`.
 
     **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
     """
@@ -476,10 +563,12 @@ def mosaic_backward_dkv(
     rows_valid = jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None]
     lse2 = jnp.where(rows_valid, base2_lse(lse), jnp.inf)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    tables = _check_tables(q_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv,
+                           name="q_tables")
     kernel = functools.partial(
-        _dkv_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
-        num_stages=num_stages,
-        group=num_heads // num_kv_heads, interpret=interpret,
+        _dkv_kernel, rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp), block_q=block_q,
+        block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads, interpret=interpret,
+        has_tables=tables is not None, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
     )
     return plgpu.kernel(
         kernel,
@@ -507,4 +596,4 @@ def mosaic_backward_dkv(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)

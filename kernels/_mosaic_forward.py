@@ -38,6 +38,7 @@ value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator tha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -163,6 +164,61 @@ def allowed_in_window(q_idx, kv_idx, kv_len, window_left: int | None, window_rig
     return allowed
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreRule:
+    """What the Mosaic kernels apply to a tile of q k^T (static and hashable): the scale, the window (causal),
+    and FlexAttention's hooks.
+
+    - `score_fn(score, b, h, q_idx, kv_idx, *score_refs) -> score`, on `scale * q k^T`, before any mask.
+    - `score_jvp(...)`: the same arguments, returns (score_fn(score), d score_fn / d score); the backward
+      kernels need it when there is a score_fn.
+    - `mask_fn(b, h, q_idx, kv_idx, *mask_refs) -> bool`, True = attend.
+
+    b, h are int32 scalars; q_idx, kv_idx int32 arrays of the tile's shape; the refs are global-memory refs of
+    the arrays the hooks read (one element at a time, with scalar indices).
+    """
+
+    scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    mask_fn: Callable | None = None
+    score_fn: Callable | None = None
+    score_jvp: Callable | None = None
+
+    @property
+    def causal_only(self) -> bool:
+        return self.window_right is not None and self.window_left is None
+
+    def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
+               score_arrays=(), mask_arrays=(), with_derivative: bool = False):
+        """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
+
+        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask, and
+        with `user_mask` also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
+        FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
+        """
+        derivative = None
+        s_scale = self.scale * LOG2E
+        if masked or self.score_fn is not None:
+            q_idx, kv_idx = indices()
+        if self.score_fn is not None:
+            hook_args = (s * self.scale, batch, head, q_idx, kv_idx, *score_arrays)
+            if with_derivative:
+                s, derivative = self.score_jvp(*hook_args)
+            else:
+                s = self.score_fn(*hook_args)
+            s_scale = LOG2E
+        if masked:
+            if user_mask:
+                allowed = allowed_in_window(q_idx, kv_idx, kv_len, self.window_left, self.window_right)
+                if self.mask_fn is not None:
+                    allowed &= self.mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
+            else:
+                allowed = kv_idx < kv_len
+            s = jnp.where(allowed, s, -jnp.inf)
+        return s, s_scale, derivative
+
+
 def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     """acc + p @ v; `while_running()` is traced between issuing the wgmma and waiting for it.
 
@@ -188,15 +244,39 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def _table_row(ref, batch, head, q_tile) -> tuple:
+def tile_indices(shape, row0, key0, transposed: bool = False):
+    """(q_idx, kv_idx) of a WGMMA-layout tile whose rows start at query row0 and columns at key key0 (with
+    `transposed`, rows are keys from key0 and columns queries from row0)."""
+    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+    q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
+    kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, shape, kv_axis, layout=plgpu.Layout.WGMMA)
+    return q_idx, kv_idx
+
+
+def table_walk(tables, batch, head, tile) -> tuple:
+    """(num_partial, steps, block_of) of one row of block tables `(num_partial, partial_indices, num_full,
+    full_indices)`: the CTA's steps [0, steps) visit block_of(n), the partial blocks first."""
+    num_partial_ref, partial_ref, num_full_ref, full_ref = tables
+    num_partial = num_partial_ref[table_row(num_partial_ref, batch, head, tile)]
+    steps = num_partial + num_full_ref[table_row(num_full_ref, batch, head, tile)]
+
+    def block_of(n):
+        in_full = n >= num_partial
+        partial = partial_ref[(*table_row(partial_ref, batch, head, tile), jnp.where(in_full, 0, n))]
+        full = full_ref[(*table_row(full_ref, batch, head, tile), jnp.where(in_full, n - num_partial, 0))]
+        return jnp.where(in_full, full, partial)
+
+    return num_partial, steps, block_of
+
+
+def table_row(ref, batch, head, q_tile) -> tuple:
     """The index of this CTA's row in a `[B|1, H|1, nq(, nk)]` table (axes of size 1 broadcast)."""
     return (batch if ref.shape[0] > 1 else 0, head if ref.shape[1] > 1 else 0, q_tile)
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, scale: float, window_left: int | None,
-    window_right: int | None, block_q: int, block_kv: int, num_stages: int, group: int, interpret: bool,
-    has_tables: bool, mask_fn, score_fn, num_score_arrays: int, num_mask_arrays: int,
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
+    num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
 ):
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
@@ -210,24 +290,23 @@ def _forward_kernel(
     head_dim = q_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
-    if window_right is not None and window_left is None:  # causal: heaviest tiles first, so the short ones
-        q_tile = num_q_tiles - 1 - q_tile  # fill the tail of the grid
+    if rule.causal_only:  # heaviest tiles first, so the short ones fill the tail of the grid
+        q_tile = num_q_tiles - 1 - q_tile
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_row0 = q_tile * block_q
-    scale_log2 = scale * LOG2E
 
     def tile_ranges(row0):
-        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, window_left, window_right)
+        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, rule.window_left, rule.window_right)
 
     if has_tables:
         # Both consumers walk the table row of the CTA's query block: its partial blocks, then its full ones.
-        num_partial = num_partial_ref[_table_row(num_partial_ref, batch, head, q_tile)]
-        cta_steps = num_partial + num_full_ref[_table_row(num_full_ref, batch, head, q_tile)]
+        num_partial = num_partial_ref[table_row(num_partial_ref, batch, head, q_tile)]
+        cta_steps = num_partial + num_full_ref[table_row(num_full_ref, batch, head, q_tile)]
 
         def table_block(table_ref, n):
-            return table_ref[(*_table_row(table_ref, batch, head, q_tile), n)]
+            return table_ref[(*table_row(table_ref, batch, head, q_tile), n)]
     else:
         # The producer loads the union of the consumers' tiles, [cta_lo, cta_lo + cta_steps).
         cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
@@ -245,7 +324,7 @@ def _forward_kernel(
             first_step, end_step = jnp.int32(0), cta_steps
         else:
             lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
-            if mask_fn is not None:  # without tables no tile is known to be full
+            if rule.mask_fn is not None:  # without tables no tile is known to be full
                 full_hi = full_lo
             first_step, end_step = lo - cta_lo, hi - cta_lo  # this consumer's pipeline steps
         q_smem = qo_smem.at[wg]
@@ -265,24 +344,11 @@ def _forward_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if masked or score_fn is not None:
-                q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                kv_idx = block * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            # s_scale turns s into base-2 scores: m_i is kept in the base-2 domain, so without a score_fn
-            # p = exp2(s * scale * log2(e) - m) is one FMA and an exp2 per score (scale > 0, so scaling commutes
-            # with the row max).
-            s_scale = scale_log2
-            if score_fn is not None:
-                s = score_fn(s * scale, batch, head, q_idx, kv_idx, *score_arrays) * LOG2E
-                s_scale = 1.0
-            if masked:
-                if user_mask:
-                    allowed = allowed_in_window(q_idx, kv_idx, kv_len, window_left, window_right)
-                else:
-                    allowed = kv_idx < kv_len
-                if mask_fn is not None and user_mask:
-                    allowed &= mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
-                s = jnp.where(allowed, s, -jnp.inf)
+            # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
+            s, s_scale, _ = rule.scores(
+                s, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, kv_len, masked=masked,
+                user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+            )
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -429,21 +495,23 @@ def window_options(causal: bool, window) -> dict:
 
 
 def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
-                  block_q: int, block_kv: int) -> tuple[jax.Array, ...] | None:
-    """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's."""
+                  block_q: int, block_kv: int, name: str = "kv_tables") -> tuple[jax.Array, ...] | None:
+    """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's.
+    `kv_tables` rows are query blocks; with name="q_tables" (the transposed tables) rows are KV blocks."""
     if kv_tables is None:
         return None
     if len(kv_tables) != 4:
-        raise ValueError("kv_tables must be (num_partial, partial_indices, num_full, full_indices)")
+        raise ValueError(f"{name} must be (num_partial, partial_indices, num_full, full_indices)")
     tables = tuple(jnp.asarray(t) for t in kv_tables)
-    for name, table, ndim in zip(("num_partial", "partial_indices", "num_full", "full_indices"), tables, (3, 4, 3, 4)):
+    grid = (num_q_blocks, num_kv_blocks) if name == "kv_tables" else (num_kv_blocks, num_q_blocks)
+    for part, table, ndim in zip(("num_partial", "partial_indices", "num_full", "full_indices"), tables, (3, 4, 3, 4)):
         if not jnp.issubdtype(table.dtype, jnp.integer):
-            raise ValueError(f"kv_tables {name} must be integer, got {table.dtype}")
-        expected = (num_q_blocks, num_kv_blocks)[: ndim - 2]
+            raise ValueError(f"{name} {part} must be integer, got {table.dtype}")
+        expected = grid[: ndim - 2]
         if (table.ndim != ndim or table.shape[0] not in (1, batch) or table.shape[1] not in (1, num_heads)
                 or table.shape[2:] != expected):
             raise ValueError(
-                f"kv_tables {name} must be [B|1={batch}, H|1={num_heads}, {', '.join(map(str, expected))}] "
+                f"{name} {part} must be [B|1={batch}, H|1={num_heads}, {', '.join(map(str, expected))}] "
                 f"(tables of tiles block_size=({block_q}, {block_kv}), the kernel's block_q / block_kv, over the "
                 f"padded sequences); got {table.shape}"
             )
@@ -528,10 +596,10 @@ def mosaic_forward(
     rows = block_q // _CONSUMERS
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _forward_kernel, scale=scale, **window_options(causal, window), block_q=block_q, block_kv=block_kv,
-        num_stages=num_stages,
-        group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None, mask_fn=mask_fn,
-        score_fn=score_fn, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
+        _forward_kernel, rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn),
+        block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
+        interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
+        num_mask_arrays=len(mask_arrays),
     )
     return plgpu.kernel(
         kernel,

@@ -16,7 +16,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from probjax_kernels import flash_attention_reference
+from probjax_kernels import create_block_mask, flash_attention_reference, flex_attention_reference
 from probjax_kernels._mosaic_backward import (
     dkv_smem_bytes,
     mosaic_backward_dkv,
@@ -180,3 +180,65 @@ def test_q_tile_ranges_visit_exactly_the_tiles_a_window_reaches(key0, q_len, kv_
         assert lo == hi
     assert lo <= full_lo <= full_hi <= hi
     assert allowed.reshape(num_tiles, block_q, keys)[full_lo:full_hi].all()
+
+
+def _hooked_score(score, b, h, q_idx, kv_idx):
+    # soft-capping and a per-head distance penalty: a nonlinear score_mod that reads h
+    return 2.0 * jnp.tanh(score / 2.0) - 0.01 * jnp.abs(q_idx - kv_idx).astype(jnp.float32) * (h + 1).astype(jnp.float32)
+
+
+def _hooked_score_jvp(score, b, h, q_idx, kv_idx):
+    return jax.jvp(lambda s: _hooked_score(s, b, h, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
+
+
+def _head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 150 + 100 * h)
+
+
+def test_block_tables_and_hooks_match_the_reference_in_interpreter():
+    """dQ over kv_tables and dK/dV over q_tables with a score_mod (and its derivative) and a per-head mask_mod,
+    GQA: against jax.vjp of flex_attention_reference."""
+    batch, seq, num_heads, num_kv_heads, head_dim, dtype = 2, 384, 4, 2, 64, jnp.bfloat16
+    q, k, v = random_qkv(4, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
+    d_out = random_qkv(5, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
+    block_mask = create_block_mask(_head_window, None, num_heads, seq, seq, block_size=(128, 128))
+    lengths = jnp.full((batch,), seq, jnp.int32)
+
+    def reference(q, k, v):
+        return flex_attention_reference(q, k, v, _hooked_score, block_mask, scale=0.125, return_lse=True)
+
+    (out, lse), vjp = jax.vjp(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+    expected = vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))
+    options = dict(scale=0.125, causal=False, block_q=128, block_kv=128, interpret=True, mask_fn=_head_window,
+                   score_fn=_hooked_score, score_jvp=_hooked_score_jvp)
+    args = (q, k, v, out.astype(dtype), lse, d_out, lengths, lengths)
+    dq = mosaic_backward_dq(*args, kv_tables=block_mask.kv_tables, **options)
+    dk, dv = mosaic_backward_dkv(*args, q_tables=block_mask.q_tables, **options)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_close(got, want, dtype, name)
+
+
+@pytest.mark.parametrize("kernel, tables", [(mosaic_backward_dq, "kv_tables"), (mosaic_backward_dkv, "q_tables")])
+def test_block_tables_and_hooks_lower_for_cuda(kernel, tables):
+    batch, seq, num_heads, num_kv_heads, head_dim = 2, 1024, 8, 2, 128
+    block_mask = create_block_mask(_head_window, None, num_heads, seq, seq)
+    q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fn = functools.partial(kernel, scale=head_dim**-0.5, causal=False, block_q=128, block_kv=128,
+                           mask_fn=_head_window, score_fn=_hooked_score, score_jvp=_hooked_score_jvp,
+                           **{tables: getattr(block_mask, tables)})
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(q, kv, kv, q, lse, q, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_score_fn_needs_its_jvp():
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = functools.partial(mosaic_backward_dq, scale=0.125, causal=False, score_fn=_hooked_score)
+    with pytest.raises(ValueError, match="score_jvp"):
+        jax.eval_shape(fn, q, q, q, q, lse, q, lengths, lengths)

@@ -81,7 +81,8 @@ def test_the_mosaic_backend_lowers_for_cuda(head_dim):
 
 def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     """A BlockMask of a pure index mask_mod (causal and a sliding window) at the kernel's 128 x 128 tiles runs
-    the Mosaic forward with the block tables; a mask_mod reading arrays (documents) falls back to Triton."""
+    the Mosaic kernels with the block tables; a mask_mod gathering an array per element (documents) falls
+    back to Triton."""
     q, k, v = random_qkv(7, 2, 384, 384, 2, 2, 64, jnp.bfloat16)
     window = create_block_mask(and_masks(causal_mask, sliding_window(150)), None, None, 384, 384)
     documents = create_block_mask(document_mask(jnp.array([[0] * 200 + [1] * 184] * 2)), 2, None, 384, 384)
@@ -99,12 +100,13 @@ def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's
     return (kv_idx <= q_idx) & (q_idx - kv_idx < 100 + 100 * h)
 
 
-def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
+def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
     """score_mods of elementwise ops and scalar reads of captured arrays (soft-capping, ALiBi with slopes from h
-    or from a slope table) run inside the Mosaic forward, with or without a BlockMask (its mask_mod reading h);
-    the backward runs the Triton kernels from the Mosaic lse. score_mods that gather a captured array per
-    element (a relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as
-    relu) run the Triton forward."""
+    or from a slope table) run inside the Mosaic forward and the Mosaic dQ / dK/dV kernels (with the score_mod's
+    derivative), with or without a BlockMask (its mask_mod reading h; the backward walks kv_tables and
+    q_tables); the slope gradient comes from XLA. score_mods that gather a captured array per element (a
+    relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as relu) run the
+    Triton kernels."""
     q, k, v = random_qkv(9, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     block_mask = create_block_mask(_head_window, None, 2, 256, 256)
 
@@ -123,6 +125,8 @@ def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
         assert runs_triton_forward(fn, q, k, v) != mosaic
         assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask), jnp.bfloat16)
     for score_mod, mask, _ in cases[:3]:
+        loss = lambda q, sm=score_mod, bm=mask: jnp.sum(flex_attention(q, k, v, sm, bm, config=MOSAIC))  # noqa: E731
+        assert "probjax_flash_backward" not in str(jax.make_jaxpr(jax.grad(loss))(q))
         grads = [
             jax.grad(lambda *a, f=f: jnp.sum(f(*a, score_mod, mask).astype(jnp.float32) * cotangent), (0, 1, 2))(
                 q, k, v)
@@ -139,7 +143,7 @@ def test_flex_score_mod_runs_in_the_mosaic_forward_when_it_is_pure():
 
 
 @pytest.mark.parametrize("score_mod", [softcap(30.0), alibi(alibi_slopes(8))], ids=["softcap", "alibi"])
-def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda(score_mod):
+def test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda(score_mod):
     def loss(q, k, v):
         out = flex_attention(q, k, v, score_mod, create_block_mask(_head_window, None, 8, 1024, 1024),
                              config=FlashConfig(backend="mosaic"))
@@ -148,7 +152,7 @@ def test_flex_score_mod_through_the_mosaic_forward_lowers_for_cuda(score_mod):
     q, kv = spec((2, 1024, 8, 128), jnp.bfloat16), spec((2, 1024, 2, 128), jnp.bfloat16)
     text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
     assert "mosaic_gpu" in text and "probjax_flash_forward" not in text
-    assert "probjax_flash_backward_dq" in text and "probjax_flash_backward_dkv" in text
+    assert "probjax_flash_backward" not in text
 
 
 @pytest.mark.parametrize("window, causal", [((40, 70), False), (100, True)])
