@@ -101,8 +101,8 @@ def test_flex_block_mask_through_the_mosaic_forward():
 
 @pytest.mark.parametrize("hook", ["softcap", "alibi"])
 def test_flex_score_mod_inside_the_mosaic_forward(hook):
-    """score_mod in the compiled Mosaic forward (tanh; a scalar GMEM read of the slope table), with a per-head
-    mask_mod over block tables; gradients from the Triton backward."""
+    """score_mod in the compiled Mosaic kernels (tanh; a scalar GMEM read of the slope table) with a per-head
+    mask_mod over block tables: the forward, and dQ / dK/dV with the score_mod's derivative."""
     from probjax_kernels import alibi, alibi_slopes, create_block_mask, flex_attention, flex_attention_reference
     from probjax_kernels import softcap
 
