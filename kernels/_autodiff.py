@@ -22,7 +22,8 @@ from probjax_kernels._core import (
     _Tangents, backward_delta, base2_lse,
 )
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels._mosaic_backward import dkv_smem_bytes, dq_smem_bytes, mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
 
@@ -31,8 +32,9 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
     """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
     bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
-    if _fits_mosaic(problem, q) and q.shape[3] in MOSAIC_BACKWARD_HEAD_DIMS:
-        return _mosaic_backward(problem, tangents, res, d_out, d_lse)
+    tiles = _mosaic_backward_tiles(problem, q)
+    if tiles is not None:
+        return _mosaic_backward(problem, tangents, res, d_out, d_lse, *tiles)
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     optional = dict(res["others"], bias=bias, score_consts=score_consts)
     grads = {}
@@ -53,26 +55,43 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
     return grads
 
 
-def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
+    """The (dQ, dK/dV) tile options of the Mosaic backward for this call, or None when it runs on Triton.
+
+    Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
+    tiles, which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed (block_k / 2,
+    block_q) one are then the shape the hooks were vetted and traced at, and the tables' tile."""
+    if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
+        return None
+    f, cfg = problem.features, problem.config
+    if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
+        return {}, {}
+    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
+    head_dim, tile = q.shape[3], cfg.block_q
+    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
+                                  dkv_smem_bytes(head_dim, tile, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+        return None
+    return {"block_q": tile, "block_kv": tile}, {"block_q": tile, "block_kv": tile}
+
+
+def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, dq_tiles: dict,
+                     dkv_tiles: dict) -> dict:
     """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, dense
-    mask, segments or dropout). Calls with hooks or block tables run both kernels on the forward's
-    block_q x block_k tiles (the tables' tiles, and the shapes the hooks were vetted at); the gradients of
-    a score_mod's arrays come from the same XLA pass as on Triton."""
+    mask, segments or dropout) on the tiles of `_mosaic_backward_tiles`. The gradients of a score_mod's
+    arrays come from the same XLA pass as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
-    f, cfg, others = problem.features, problem.config, res["others"]
+    f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse)
-    dq_options, dkv_options = {}, {}
-    if f.score_mod is not None or f.mask_mod is not None or f.block_sizes is not None:
+    dq_options, dkv_options = dict(dq_tiles), dict(dkv_tiles)
+    if f.score_mod is not None or f.mask_mod is not None:
         options.update(
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
             score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
             score_arrays=res["score_consts"],
         )
-        dq_options = dict(block_q=cfg.block_q, block_kv=cfg.block_k)
-        dkv_options = dict(block_q=cfg.block_q, block_kv=cfg.block_k)
-        if f.block_sizes is not None:
-            dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
+    if f.block_sizes is not None:
+        dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
     args = (q, k, v, out, lse, d_out, q_len, kv_len)
     grads = {}
     if tangents.q:
