@@ -28,12 +28,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
+from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.experimental import pallas as pl
 # Pallas' interpret-mode lowering imports the fuser on first use, and the fuser registers a config value that
 # is part of the tracing context: imported mid-way, it makes every `jit` that traced before it retrace once.
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
-from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
-from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
 from probjax_kernels import _triton
@@ -44,6 +44,7 @@ from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels._mosaic_forward import mosaic_forward
 from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -229,47 +230,21 @@ def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
 # ----------------------------------------------------------------------------------------------- tile ranges
 
 
-def _cdiv(a, b: int):
-    return (a + b - 1) // b
+def _window(problem: _Problem) -> tuple[int | None, int | None]:
+    return problem.features.window_left, problem.features.window_right
 
 
 def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
-    """KV tiles that query tile `q_tile` needs: masked [lo, full_lo), unmasked [full_lo, full_hi), masked
-    [full_hi, hi), all within [0, num_tiles). Traced int32 scalars in, traced int32 scalars out."""
-    left, right = problem.features.window_left, problem.features.window_right
-    row0 = q_tile * block_q
-    row_last = jnp.minimum(row0 + block_q, q_len) - 1
-    lo = jnp.int32(0) if left is None else jnp.maximum(row0 - left, 0) // block_k
-    key_end = kv_len if right is None else jnp.minimum(kv_len, row_last + right + 1)
-    hi = jnp.where(row_last >= row0, jnp.maximum(_cdiv(key_end, block_k), lo), lo)
-    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
-    if problem.per_element_mask_everywhere:
-        return lo, hi, hi, hi
-    full_lo = lo if left is None else _cdiv(jnp.maximum(row0 + block_q - 1 - left, 0), block_k)
-    full_hi = kv_len // block_k
-    if right is not None:
-        full_hi = jnp.minimum(full_hi, (row0 + right + 1) // block_k)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+    """KV tiles that query tile `q_tile` needs (`_tiles.kv_tile_range`): masked [lo, full_lo), unmasked
+    [full_lo, full_hi), masked [full_hi, hi), all within [0, num_tiles)."""
+    return kv_tile_range(q_tile * block_q, block_q, q_len, kv_len, block_k, _window(problem), num_tiles,
+                         problem.per_element_mask_everywhere)
 
 
 def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
-    """Query tiles that KV tile `kv_tile` is seen by, split like `_kv_tile_range`."""
-    left, right = problem.features.window_left, problem.features.window_right
-    key0 = kv_tile * block_k
-    key_last = jnp.minimum(key0 + block_k, kv_len) - 1
-    lo = jnp.int32(0) if right is None else jnp.maximum(key0 - right, 0) // block_q
-    row_end = q_len if left is None else jnp.minimum(q_len, key_last + left + 1)
-    hi = jnp.where(key_last >= key0, jnp.maximum(_cdiv(row_end, block_q), lo), lo)
-    lo, hi = jnp.minimum(lo, num_tiles), jnp.minimum(hi, num_tiles)
-    if problem.per_element_mask_everywhere:
-        return lo, hi, hi, hi
-    full_lo = lo if right is None else _cdiv(jnp.maximum(key0 + block_k - 1 - right, 0), block_q)
-    full_hi = hi if left is None else (key0 + left + 1) // block_q
-    # A KV tile that straddles kv_len needs the per-element mask against every query tile.
-    full_hi = jnp.where(key0 + block_k <= kv_len, full_hi, 0)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+    """Query tiles that KV tile `kv_tile` is seen by (`_tiles.q_tile_range`), split like `_kv_tile_range`."""
+    return q_tile_range(kv_tile * block_k, block_k, q_len, kv_len, block_q, _window(problem), num_tiles,
+                        problem.per_element_mask_everywhere)
 
 
 def _run_ranges(tile_range, body, carry):

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from probjax_kernels._core import backward_delta, base2_lse
 from probjax_kernels._mosaic_forward import (
     _CONSUMERS,
@@ -44,16 +43,16 @@ from probjax_kernels._mosaic_forward import (
     _accumulate_pv,
     _check,
     _check_tables,
-    table_walk,
-    tile_indices,
     check_layout,
     drain_ring,
     fill_ring_slot,
-    kv_tile_ranges,
     own_ranges,
+    table_walk,
+    tile_indices,
     union_of_ranges,
     window_options,
 )
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
@@ -90,7 +89,7 @@ def _dq_kernel(
     tile_row0 = q_tile * block_q
 
     def tile_ranges(row0):
-        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, rule.window_left, rule.window_right)
+        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, (rule.window_left, rule.window_right))
 
     if has_tables:
         # As in the forward: both consumers and the producer walk the table row of the CTA's query block, its
@@ -324,28 +323,6 @@ def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, bl
                          f" {lse.shape=}")
 
 
-def q_tile_ranges(key0, q_len, kv_len, keys: int, block_q: int, window_left: int | None,
-                  window_right: int | None):
-    """(lo, full_lo, full_hi, hi) in query tiles for the keys [key0, key0 + keys), where row r sees the keys in
-    [r - window_left, r + window_right] (None: unbounded; causal is window_right = 0) below kv_len: tiles
-    [lo, hi) hold a row < q_len that sees one of these keys, [full_lo, full_hi) of them need no mask (rows
-    >= q_len need none: their lse2 is +inf), the others the per-element one; lo = hi when no row sees a key.
-    Traced int32 scalars."""
-    key_end = jnp.minimum(key0 + keys, kv_len)  # the keys that exist: [key0, key_end)
-    row_start = 0 if window_right is None else jnp.maximum(key0 - window_right, 0)
-    row_end = q_len if window_left is None else jnp.minimum(q_len, key_end + window_left)
-    hi = jnp.where((key_end > key0) & (row_end > row_start), (row_end + block_q - 1) // block_q, 0)
-    lo = jnp.minimum(row_start // block_q, hi)
-    full_lo = lo
-    if window_right is not None:  # tile t is right of every key's diagonal iff t * block_q >= last key - right
-        full_lo = -((window_right + 1 - key0 - keys) // block_q)  # ceil((key0 + keys - 1 - right) / block_q)
-    full_hi = jnp.where(key0 + keys > kv_len, 0, hi)  # keys past kv_len: mask every tile
-    if window_left is not None:  # ... and its last row (t+1) * block_q - 1 <= first key + left
-        full_hi = jnp.minimum(full_hi, (key0 + window_left + 1) // block_q)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
-
-
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
@@ -369,7 +346,7 @@ def _dkv_kernel(
     tile_key0 = kv_tile * block_kv
 
     def tile_ranges(key0):
-        return q_tile_ranges(key0, q_len, kv_len, keys, block_q, rule.window_left, rule.window_right)
+        return q_tile_range(key0, keys, q_len, kv_len, block_q, (rule.window_left, rule.window_right))
 
     # Pipeline steps run over the query heads h of the group, each over its query tiles: without tables the
     # union [cta_lo, cta_hi) of what the two consumers need (each skips the tiles it does not see); with

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from probjax_kernels._tiles import kv_tile_range
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -115,27 +116,6 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
     )
-
-
-def kv_tile_ranges(row0, q_len, kv_len, rows: int, block_kv: int, window_left: int | None,
-                   window_right: int | None):
-    """(lo, full_lo, full_hi, hi) for the query rows [row0, row0 + rows), where row r sees the keys in
-    [r - window_left, r + window_right] (None: unbounded; causal is window_right = 0) below kv_len: tiles
-    [lo, hi) are visited, [full_lo, full_hi) of them need no mask, the others the per-element one; lo = hi
-    when no row < q_len sees a key. Traced int32 scalars."""
-    row_end = jnp.minimum(row0 + rows, q_len)
-    key_start = 0 if window_left is None else jnp.maximum(row0 - window_left, 0)
-    key_end = kv_len if window_right is None else jnp.minimum(kv_len, row_end + window_right)
-    hi = jnp.where((row_end > row0) & (key_end > key_start), (key_end + block_kv - 1) // block_kv, 0)
-    lo = jnp.minimum(key_start // block_kv, hi)
-    full_lo = lo
-    if window_left is not None:  # tile j is inside every row's left edge iff j * block_kv >= last row - left
-        full_lo = -((window_left + 1 - row0 - rows) // block_kv)  # ceil((row0 + rows - 1 - left) / block_kv)
-    full_hi = kv_len // block_kv
-    if window_right is not None:  # ... and inside the right edge iff its last key (j+1)*block_kv - 1 <= row0 + right
-        full_hi = jnp.minimum(full_hi, (row0 + window_right + 1) // block_kv)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
 def union_of_ranges(ranges) -> tuple:
@@ -298,7 +278,7 @@ def _forward_kernel(
     tile_row0 = q_tile * block_q
 
     def tile_ranges(row0):
-        return kv_tile_ranges(row0, q_len, kv_len, rows, block_kv, rule.window_left, rule.window_right)
+        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, (rule.window_left, rule.window_right))
 
     if has_tables:
         # Both consumers walk the table row of the CTA's query block: its partial blocks, then its full ones.

@@ -7,11 +7,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from helpers import assert_close, random_qkv
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
@@ -21,7 +18,6 @@ from probjax_kernels._mosaic_backward import (
     dkv_smem_bytes,
     mosaic_backward_dkv,
     mosaic_backward_dq,
-    q_tile_ranges,
 )
 
 
@@ -156,30 +152,6 @@ def test_dkv_rejects_what_it_cannot_run():
         mosaic_backward_dkv(big, big, big, big, jnp.zeros((1, 1, 128)), big, lengths, lengths, scale=0.1,
                             causal=False)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    key0=st.integers(0, 600), q_len=st.integers(0, 700), kv_len=st.integers(0, 700),
-    keys=st.sampled_from([64, 128]), block_q=st.sampled_from([64, 128]),
-    left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
-)
-def test_q_tile_ranges_visit_exactly_the_tiles_a_window_reaches(key0, q_len, kv_len, keys, block_q, left, right):
-    """[lo, hi) spans the query tiles holding a row < q_len that sees one of the keys [key0, key0 + keys) below
-    kv_len; the tiles in [full_lo, full_hi) see all those keys from every row (rows >= q_len included)."""
-    lo, full_lo, full_hi, hi = (int(x) for x in q_tile_ranges(
-        jnp.int32(key0), jnp.int32(q_len), jnp.int32(kv_len), keys, block_q, left, right))
-    num_tiles = -(-max(q_len, 1) // block_q) + 1
-    r = np.arange(num_tiles * block_q)[:, None]
-    c = np.arange(key0, key0 + keys)[None, :]
-    allowed = (c < kv_len) & (c >= r - (np.inf if left is None else left)) & (c <= r + (np.inf if right is None else right))
-    reached = (allowed & (r < q_len)).reshape(num_tiles, block_q, keys).any(axis=(1, 2))
-    if reached.any():
-        assert (lo, hi) == (np.argmax(reached), num_tiles - np.argmax(reached[::-1]))
-    else:
-        assert lo == hi
-    assert lo <= full_lo <= full_hi <= hi
-    assert allowed.reshape(num_tiles, block_q, keys)[full_lo:full_hi].all()
 
 
 def _hooked_score(score, b, h, q_idx, kv_idx):

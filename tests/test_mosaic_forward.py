@@ -12,13 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from probjax_kernels._mosaic_forward import SMEM_BYTES, kv_tile_ranges, mosaic_forward, smem_bytes
+from probjax_kernels._mosaic_forward import SMEM_BYTES, mosaic_forward, smem_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -80,30 +78,6 @@ WINDOW_CASES = {
 def test_windows_match_numpy_in_interpreter(case):
     *shape, window, tiles = WINDOW_CASES[case]
     _check_against_numpy(*shape, window=window, **tiles)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    row0=st.integers(0, 600), q_len=st.integers(0, 700), kv_len=st.integers(0, 700),
-    rows=st.sampled_from([64, 128]), block_kv=st.sampled_from([64, 128]),
-    left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
-)
-def test_kv_tile_ranges_visit_exactly_the_tiles_a_window_reaches(row0, q_len, kv_len, rows, block_kv, left, right):
-    """[lo, hi) spans the tiles holding an attended pair of a row < q_len, from the first to the last; the
-    tiles in [full_lo, full_hi) hold attended pairs only, for every row of the CTA (rows >= q_len included)."""
-    lo, full_lo, full_hi, hi = (int(x) for x in kv_tile_ranges(
-        jnp.int32(row0), jnp.int32(q_len), jnp.int32(kv_len), rows, block_kv, left, right))
-    num_tiles = -(-kv_len // block_kv) + 1
-    r = np.arange(row0, row0 + rows)[:, None]
-    c = np.arange(num_tiles * block_kv)[None, :]
-    allowed = (c < kv_len) & (c >= r - (np.inf if left is None else left)) & (c <= r + (np.inf if right is None else right))
-    reached = (allowed & (r < q_len)).reshape(rows, num_tiles, block_kv).any(axis=(0, 2))
-    if reached.any():
-        assert (lo, hi) == (np.argmax(reached), num_tiles - np.argmax(reached[::-1]))
-    else:
-        assert lo == hi
-    assert lo <= full_lo <= full_hi <= hi
-    assert allowed.reshape(rows, num_tiles, block_kv)[:, full_lo:full_hi].all()
 
 
 @pytest.mark.parametrize("case", CASES)
