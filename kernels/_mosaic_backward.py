@@ -47,6 +47,7 @@ from probjax_kernels._mosaic_forward import (
     drain_ring,
     fill_ring_slot,
     own_ranges,
+    split_hook_refs,
     table_walk,
     tile_indices,
     union_of_ranges,
@@ -68,11 +69,7 @@ def _dq_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int,
 ):
-    tables = None
-    if has_tables:
-        tables, refs = refs[:4], refs[4:]
-    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
-    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     dq_ref, smem, row_ready, ready, free = refs
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     k_ready, v_ready = ready
@@ -328,11 +325,7 @@ def _dkv_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int,
 ):
-    tables = None
-    if has_tables:
-        tables, refs = refs[:4], refs[4:]
-    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
-    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
     k_ready, v_ready = kv_ready

@@ -224,6 +224,17 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int) -> tuple:
+    """(tables, score_arrays, mask_arrays, rest) of the kernels' refs after the lengths: the 4 block-table
+    refs (None without tables), then the refs of the score_fn's and the mask_fn's arrays."""
+    tables = None
+    if has_tables:
+        tables, refs = refs[:4], refs[4:]
+    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
+    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+    return tables, score_arrays, mask_arrays, refs
+
+
 def tile_indices(shape, row0, key0, transposed: bool = False):
     """(q_idx, kv_idx) of a WGMMA-layout tile whose rows start at query row0 and columns at key key0 (with
     `transposed`, rows are keys from key0 and columns queries from row0)."""
@@ -258,10 +269,9 @@ def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
 ):
+    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     if has_tables:
-        num_partial_ref, partial_ref, num_full_ref, full_ref, *refs = refs
-    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
-    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
+        num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     out_ref, lse_ref, smem, ready, free, turn = refs
     qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
     q_ready, k_ready, v_ready = ready

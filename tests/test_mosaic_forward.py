@@ -95,6 +95,14 @@ def test_skipped_tiles_are_never_read(causal, q_lengths, kv_lengths):
                          block_kv=64)
 
 
+def _specs(batch, seq, num_heads, num_kv_heads, head_dim) -> tuple:
+    """q, k, v (bf16) and the two length vectors of a `mosaic_forward` call, as abstract shapes."""
+    q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return q, kv, kv, lengths, lengths
+
+
 def _lower_for_cuda(fn, *specs) -> str:
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
     with use_abstract_mesh(mesh):
@@ -117,15 +125,7 @@ def _lower_for_cuda(fn, *specs) -> str:
 def test_lowers_for_cuda(head_dim, causal, tiles):
     batch, seq, num_heads, num_kv_heads = 2, 1024, 8, 2
     fn = functools.partial(mosaic_forward, scale=head_dim**-0.5, causal=causal, **tiles)
-    text = _lower_for_cuda(
-        fn,
-        jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-    )
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in _lower_for_cuda(fn, *_specs(batch, seq, num_heads, num_kv_heads, head_dim))
 
 
 def test_smem_estimate():
@@ -215,15 +215,7 @@ def test_score_fn_lowers_for_cuda(name):
 
     fn = functools.partial(mosaic_forward, scale=head_dim**-0.5, causal=True, score_fn=SCORE_FNS[name][0],
                            mask_fn=mask_fn)
-    text = _lower_for_cuda(
-        fn,
-        jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-    )
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in _lower_for_cuda(fn, *_specs(batch, seq, num_heads, num_kv_heads, head_dim))
 
 
 def test_nan_keys_give_nan_rows_as_in_numpy():
