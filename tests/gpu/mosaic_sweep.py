@@ -32,6 +32,19 @@ DKV_CONFIGS = [(64, 128, 2, False), (64, 128, 3, False), (64, 128, 4, False), (1
 BATCH, HEADS = 4, 8
 
 
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * jnp.tanh(score / 30.0)
+
+
+def _window_flops(seq: int, head_dim: int, window: int, causal: bool) -> float:
+    """Forward flops of the attended pairs only: row r sees keys [r - window, r] (causal) or
+    [r - window, r + window]."""
+    rows = jnp.arange(seq)
+    lo = jnp.maximum(rows - window, 0)
+    hi = rows if causal else jnp.minimum(rows + window, seq - 1)
+    return 4.0 * BATCH * HEADS * head_dim * float(jnp.sum(hi - lo + 1))
+
+
 def timed(fn, *args) -> float:
     compiled = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
@@ -72,6 +85,19 @@ def main(path: str) -> None:
                                   error=f"{type(error).__name__}: {error}"[:300])
                     if head_dim != 128:
                         continue
+                    if seq == 8192:  # the cost of a score_fn (one tanh per score) and the gain of a window
+                        extras = {
+                            "mosaic_forward_softcap": (dict(score_fn=_softcap), flops),
+                            "mosaic_forward_window_1024": (dict(window=(1024, None if causal else 1024)),
+                                                           _window_flops(seq, head_dim, 1024, causal)),
+                        }
+                        for kernel, (options, kernel_flops) in extras.items():
+                            try:
+                                ms = timed(lambda q, k, v: mosaic_forward(
+                                    q, k, v, lengths, lengths, scale=head_dim**-0.5, causal=causal, **options), q, k, v)
+                                write(kernel=kernel, **shape, median_ms=ms, tflops=kernel_flops / ms / 1e9)
+                            except Exception as error:  # noqa: BLE001
+                                write(kernel=kernel, **shape, error=f"{type(error).__name__}: {error}"[:300])
                     out, lse = mosaic_forward(q, k, v, lengths, lengths, scale=head_dim**-0.5, causal=causal)
                     for block_q, block_kv, stages in DQ_CONFIGS:
                         config = dict(block_q=block_q, block_kv=block_kv, num_stages=stages)
