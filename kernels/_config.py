@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 import jax
@@ -34,7 +35,7 @@ class FlashConfig:
       dQ and dK/dV kernels for the backward of those calls at head dim 64 or 128 (with a score_mod, when
       its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
-      (never "mosaic" yet: it has not run on a GPU, see docs/perf-notes.md).
+      (`default_backend`: "mosaic" on Hopper only with PROBJAX_MOSAIC=1 until it has run on a GPU).
     """
 
     block_q: int | None = None
@@ -65,9 +66,25 @@ class FlashConfig:
             )
 
 
+MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
+
+
 def default_backend() -> Backend:
-    """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else."""
-    return "triton" if jax.default_backend() == "gpu" else "interpret"
+    """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else; on Hopper (compute
+    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1.
+
+    Mosaic GPU is opt-in until it has run on a GPU (docs/perf-notes.md); then this becomes the default on
+    Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
+    """
+    if jax.default_backend() != "gpu":
+        return "interpret"
+    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(jax.devices()[0]):
+        return "mosaic"
+    return "triton"
+
+
+def _is_hopper(device) -> bool:
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def _fit_block(block: int, seq_len: int) -> int:

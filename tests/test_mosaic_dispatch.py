@@ -14,6 +14,7 @@ from probjax_kernels import (
     FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
 )
+from probjax_kernels._config import MOSAIC_ENV, default_backend
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
 
@@ -203,3 +204,21 @@ def test_hooks_on_non_square_tiles_run_the_triton_backward():
     grads = [jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent))(q)
              for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod))]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
+
+
+@pytest.mark.parametrize(
+    "platform, capability, env, expected",
+    [("gpu", "9.0", "1", "mosaic"), ("gpu", "9.0", None, "triton"), ("gpu", "8.6", "1", "triton"),
+     ("cpu", None, "1", "interpret")],
+)
+def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, platform, capability, env, expected):
+    class Device:
+        compute_capability = capability
+
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(jax, "devices", lambda *_: [Device()])
+    if env is None:
+        monkeypatch.delenv(MOSAIC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MOSAIC_ENV, env)
+    assert default_backend() == expected
