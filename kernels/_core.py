@@ -758,8 +758,9 @@ def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
 def _runs_in_mosaic(jaxpr, consts: set) -> bool:
     """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
     only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
-    global memory), never as arrays."""
+    global memory), never as arrays; 0-d arrays (a learnable soft cap) are scalar loads wherever used."""
     elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
+    consts = {var for var in consts if var.aval.shape}
     for eqn in jaxpr.eqns:
         reads_element = (
             eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in consts

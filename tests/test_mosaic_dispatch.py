@@ -115,8 +115,8 @@ def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's
 
 
 def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
-    """score_mods of elementwise ops and scalar reads of captured arrays (soft-capping, ALiBi with slopes from h
-    or from a slope table) run inside the Mosaic forward and the Mosaic dQ / dK/dV kernels (with the score_mod's
+    """score_mods of elementwise ops and scalar reads of captured arrays (soft-capping with a float or a 0-d
+    array cap, ALiBi with slopes from h or from a slope table) run inside the Mosaic forward and the Mosaic dQ / dK/dV kernels (with the score_mod's
     derivative), with or without a BlockMask (its mask_mod reading h; the backward walks kv_tables and
     q_tables); the slope gradient comes from XLA. score_mods that gather a captured array per element (a
     relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as relu) run the
@@ -128,9 +128,14 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
         slope = jnp.exp2(-(h + 1).astype(jnp.float32))
         return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
 
+    cap = jnp.array(1.5)  # a 0-d array, as a learnable soft cap: a scalar load wherever the hook reads it
+
+    def array_softcap(score, b, h, q_idx, kv_idx):
+        return cap * jnp.tanh(score / cap)
+
     cases = [
         (softcap(1.5), block_mask, True), (head_alibi, None, True), (alibi(alibi_slopes(2)), block_mask, True),
-        (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511)), None, False),
+        (array_softcap, None, True), (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511)), None, False),
         (lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s), None, False),
     ]
     cotangent = jax.random.normal(jax.random.key(10), q.shape)
@@ -138,7 +143,7 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
         fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, config=MOSAIC)  # noqa: E731
         assert runs_triton_forward(fn, q, k, v) != mosaic
         assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask), jnp.bfloat16)
-    for score_mod, mask, _ in cases[:3]:
+    for score_mod, mask, _ in cases[:4]:
         def loss_of_config(config, sm=score_mod, bm=mask):
             return lambda q, k, v: jnp.sum(flex_attention(q, k, v, sm, bm, config=config).astype(jnp.float32))
 
