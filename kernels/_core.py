@@ -708,6 +708,7 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
+        and f.scale > 0  # the Mosaic kernels take the row max before scaling
         and problem.mask_shape is None and not problem.has_segments
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))

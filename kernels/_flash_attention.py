@@ -42,7 +42,8 @@ def flash_attention(
     - `bias`: float, broadcastable to `[B, N, T, S]`, added to the scaled scores; differentiable.
     - `mask`: bool, broadcastable to `[B, N, T, S]`; True = attend.
     - `causal`: query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
-    - `scale`: multiplies q k^T; default `D ** -0.5`.
+    - `scale`: multiplies q k^T; default `D ** -0.5`. A traced 0-d array (a jit argument, a learnable
+      temperature) is folded into q, in float32 or wider, and differentiates through that product.
     - `q_lengths`, `kv_lengths`: `[B]` ints; query rows >= q_lengths[b] and keys >= kv_lengths[b] are masked.
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: ints; a query attends only keys with its id.
     - `dropout_rate`, `dropout_seed`: attention dropout; the keep mask is a stateless hash of (seed, b, h,

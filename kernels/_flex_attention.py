@@ -81,7 +81,7 @@ def flex_attention(
       parameters of an Equinox / NNX module) are kernel inputs and receive gradients.
     - `block_mask`: from `create_block_mask(mask_mod, ...)` for these (T, S); positions where its mask_mod
       is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere.
-    - `scale`: default `D ** -0.5`.
+    - `scale`: default `D ** -0.5`; traced values as in `flash_attention`.
     - `return_lse`: also return lse `[B, N, T]` float32 (natural log).
     - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.

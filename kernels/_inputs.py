@@ -159,8 +159,16 @@ def check_inputs(
         raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither).")
     if scale is None:
         scale = head_dim**-0.5
-    elif isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0 or not _is_real(scale):
-        raise TypeError(f"scale must be a Python float (a static value), got {scale!r}.")
+    elif isinstance(scale, jax.core.Tracer):
+        # A traced scale (a learnable temperature, a jit argument): the kernels compile a static scale, so it
+        # is folded into q (in at least float32) and differentiates through that product.
+        if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.number):
+            raise TypeError(f"scale must be a real scalar, got {scale.dtype}{list(scale.shape)}.")
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        q = (q.astype(compute) * scale.astype(compute)).astype(q.dtype)
+        scale = 1.0
+    elif np.ndim(scale) != 0 or not _is_real(scale):
+        raise TypeError(f"scale must be a real scalar (a Python float or a traced 0-d array), got {scale!r}.")
     elif not np.isfinite(float(scale)):
         # A NaN or infinite scale would make every score NaN, which the kernels treat as masked: output 0.
         raise ValueError(f"scale must be finite, got {scale!r}.")

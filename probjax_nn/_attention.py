@@ -332,7 +332,7 @@ def attention(
     - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
       scores.
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
-    - `scale`: multiplies `query key^T`; None means `D ** -0.5`.
+    - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (folded into the query).
     - `is_causal`: query i sees keys j <= i (top-left alignment).
     - `query_seq_lengths`, `key_value_seq_lengths`: `[B]` ints; positions at or past the length are padding.
     - `local_window_size`: an int w or a pair (left, right): query i sees keys in [i - left, i + right].

@@ -389,3 +389,22 @@ def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
     with pytest.raises(NotImplementedError, match="impl='cudnn' does not support dropout"):
         attention(q16, k16, v16, impl="cudnn", **dropout)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "flex", "xla"])
+def test_traced_scale_matches_jax_nn_with_its_gradient(impl):
+    """A traced scale (a jit argument, a learnable temperature) is folded into the query: values and the
+    gradient in the scale match jax.nn.dot_product_attention, which takes a traced scale too."""
+    key_q, key_k, key_v = jax.random.split(jax.random.key(50), 3)
+    q = jax.random.normal(key_q, (2, 40, 4, 16), jnp.float32)
+    k = jax.random.normal(key_k, (2, 40, 2, 16), jnp.float32)
+    v = jax.random.normal(key_v, (2, 40, 2, 16), jnp.float32)
+
+    def loss(attention, scale):
+        return jnp.sum(jnp.sin(attention(q, k, v, scale=scale, is_causal=True)))
+
+    ours = jax.jit(jax.value_and_grad(lambda s: loss(functools.partial(attention, impl=impl), s)))
+    expected = jax.jit(jax.value_and_grad(lambda s: loss(jax.nn.dot_product_attention, s)))
+    (value, grad), (expected_value, expected_grad) = ours(0.3), expected(0.3)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-3)

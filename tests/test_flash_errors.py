@@ -40,7 +40,7 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
         ((q, kv, kv), {"dropout_rate": 1.5}, ValueError, r"dropout_rate"),
         ((q, kv, kv), {"scale": float("nan")}, ValueError, r"scale must be finite, got nan"),
         ((q, kv, kv), {"scale": float("inf")}, ValueError, r"scale must be finite, got inf"),
-        ((q, kv, kv), {"scale": "0.5"}, TypeError, r"scale must be a Python float.*'0.5'"),
+        ((q, kv, kv), {"scale": "0.5"}, TypeError, r"scale must be a real scalar.*'0.5'"),
     ],
 )
 def test_bad_input(attention_fn, args, kwargs, error, match):

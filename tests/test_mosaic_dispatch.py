@@ -66,14 +66,15 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
 
 
-@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "segments"])
+@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "segments", "negative_scale"])
 def test_calls_that_do_not_fit_fall_back_to_triton(case):
     shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32)}.get(case, (1, 128, 128, 2, 2, 64))
     dtype = jnp.float32 if case == "float32" else jnp.bfloat16
     q, k, v = random_qkv(2, *shape, dtype)
     segments = jnp.array([[0] * 50 + [1] * 78])
     kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))},
-              "segments": {"q_segment_ids": segments, "kv_segment_ids": segments}}.get(case, {})
+              "segments": {"q_segment_ids": segments, "kv_segment_ids": segments},
+              "negative_scale": {"scale": -0.2}}.get(case, {})
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), dtype)
     assert runs_triton_forward(fn, q, k, v)
