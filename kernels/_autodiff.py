@@ -34,7 +34,7 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
     bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
     tiles = _mosaic_backward_tiles(problem, q)
     if tiles is not None:
-        return _mosaic_backward(problem, tangents, res, d_out, d_lse, *tiles)
+        return _mosaic_backward(problem, tangents, res, d_out, d_lse, tiles)
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
     optional = dict(res["others"], bias=bias, score_consts=score_consts)
     grads = {}
@@ -55,8 +55,8 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
     return grads
 
 
-def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
-    """The (dQ, dK/dV) tile options of the Mosaic backward for this call, or None when it runs on Triton.
+def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
+    """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
 
     Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
     tiles, which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed (block_k / 2,
@@ -65,17 +65,16 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
         return None
     f, cfg = problem.features, problem.config
     if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
-        return {}, {}
+        return {}
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     head_dim, tile = q.shape[3], cfg.block_q
     if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
                                   dkv_smem_bytes(head_dim, tile, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
         return None
-    return {"block_q": tile, "block_kv": tile}, {"block_q": tile, "block_kv": tile}
+    return {"block_q": tile, "block_kv": tile}
 
 
-def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, dq_tiles: dict,
-                     dkv_tiles: dict) -> dict:
+def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: dict) -> dict:
     """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, dense
     mask, segments or dropout) on the tiles of `_mosaic_backward_tiles`. The gradients of a score_mod's
     arrays come from the same XLA pass as on Triton."""
@@ -83,7 +82,7 @@ def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse)
-    dq_options, dkv_options = dict(dq_tiles), dict(dkv_tiles)
+    dq_options, dkv_options = dict(tiles), dict(tiles)
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),

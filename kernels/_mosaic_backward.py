@@ -86,7 +86,7 @@ def _dq_kernel(
     tile_row0 = q_tile * block_q
 
     def tile_ranges(row0):
-        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, (rule.window_left, rule.window_right))
+        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, rule.window, mask_everywhere=rule.mask_everywhere)
 
     if has_tables:
         # As in the forward: both consumers and the producer walk the table row of the CTA's query block, its
@@ -161,8 +161,6 @@ def _dq_kernel(
             dq = lax.fori_loop(num_partial, cta_steps, functools.partial(step, masked=True, user_mask=False), dq)
         else:
             lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
-            if rule.mask_fn is not None:  # without tables no tile is known to be full
-                full_hi = full_lo
             lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
             for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
                 dq = lax.fori_loop(start - cta_lo, end - cta_lo,
@@ -339,7 +337,7 @@ def _dkv_kernel(
     tile_key0 = kv_tile * block_kv
 
     def tile_ranges(key0):
-        return q_tile_range(key0, keys, q_len, kv_len, block_q, (rule.window_left, rule.window_right))
+        return q_tile_range(key0, keys, q_len, kv_len, block_q, rule.window, mask_everywhere=rule.mask_everywhere)
 
     # Pipeline steps run over the query heads h of the group, each over its query tiles: without tables the
     # union [cta_lo, cta_hi) of what the two consumers need (each skips the tiles it does not see); with
@@ -414,6 +412,9 @@ def _dkv_kernel(
         def visit(start, end, base, tile_of, body, carry, head):
             return lax.fori_loop(start, end, lambda n, c: body(base + n, tile_of(n), c, head), carry)
 
+        if not has_tables:  # this consumer's query tiles, in steps of each head (the same for every head)
+            own_lo, full_lo, full_hi, own_hi = (x - cta_lo for x in own_ranges(tile_ranges(key0), cta_lo))
+
         def head_body(h, carry_and_base):
             carry, base = carry_and_base
             head = kv_head * group + h
@@ -424,11 +425,6 @@ def _dkv_kernel(
                 carry = visit(num_partial, steps, base, tile_of,
                               functools.partial(step, masked=True, user_mask=False), carry, head)
             else:
-                own_lo, full_lo, full_hi, own_hi = (
-                    x - cta_lo for x in own_ranges(tile_ranges(key0), cta_lo)
-                )  # in steps of this head
-                if rule.mask_fn is not None:  # without tables no tile is known to be full
-                    full_hi = full_lo
                 for start, end, body in (
                     (0, own_lo, skip), (own_lo, full_lo, functools.partial(step, masked=True, user_mask=True)),
                     (full_lo, full_hi, functools.partial(step, masked=False, user_mask=False)),

@@ -169,6 +169,15 @@ class ScoreRule:
     def causal_only(self) -> bool:
         return self.window_right is not None and self.window_left is None
 
+    @property
+    def window(self) -> tuple[int | None, int | None]:
+        return self.window_left, self.window_right
+
+    @property
+    def mask_everywhere(self) -> bool:
+        """Without block tables a mask_fn may cut any tile, so no tile skips the per-element mask."""
+        return self.mask_fn is not None
+
     def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
                score_arrays=(), mask_arrays=(), with_derivative: bool = False):
         """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
@@ -288,7 +297,7 @@ def _forward_kernel(
     tile_row0 = q_tile * block_q
 
     def tile_ranges(row0):
-        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, (rule.window_left, rule.window_right))
+        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, rule.window, mask_everywhere=rule.mask_everywhere)
 
     if has_tables:
         # Both consumers walk the table row of the CTA's query block: its partial blocks, then its full ones.
@@ -314,8 +323,6 @@ def _forward_kernel(
             first_step, end_step = jnp.int32(0), cta_steps
         else:
             lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
-            if rule.mask_fn is not None:  # without tables no tile is known to be full
-                full_hi = full_lo
             first_step, end_step = lo - cta_lo, hi - cta_lo  # this consumer's pipeline steps
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
