@@ -1,5 +1,5 @@
-"""The shape of the house, read from the source (no kernels run): modules that import each other only
-downwards, small enough to hold one job."""
+"""The shape of the house, read from the source (no kernels run): packages whose modules import each other
+only downwards, modules small enough to hold one job."""
 
 import ast
 import graphlib
@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = {"probjax_kernels": ROOT / "kernels"}
+PACKAGES = {"probjax_kernels": ROOT / "kernels", "probjax_nn": ROOT / "probjax_nn"}
 MAX_MODULE_LINES = 600
 
 

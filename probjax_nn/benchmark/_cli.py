@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax_nn.benchmark._command import CONFIG_KEYS
 from probjax_nn.benchmark._impls import FLOATS, IMPLS, MODES, SEED_IMPLS, SEED_MODES, Case, Impl, reference_outputs
 from probjax_nn.benchmark._timing import attention_flops, time_steps
 
@@ -82,22 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_of(args: argparse.Namespace) -> dict:
     """The seed's config keys, in its order."""
-    keys = (
-        "output", "batch", "heads", "head_dims", "seq_lens", "ragged_seq_lens", "dtypes", "modes", "causal",
-        "impls", "append", "tag",
-    )
-    return {key: getattr(args, key) for key in keys}
-
-
-def command_line(config: dict) -> str:
-    """A command that measures the grid of `config` (without --append)."""
-    words = ["python", "-m", "probjax_nn.benchmark"]
-    for key, value in config.items():
-        if key == "append" or value is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return " ".join(words)
+    return {key: getattr(args, key) for key in CONFIG_KEYS}
 
 
 def device_info() -> dict:

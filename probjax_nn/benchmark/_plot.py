@@ -16,7 +16,7 @@ import math
 import pathlib
 from collections.abc import Sequence
 
-from probjax_nn.benchmark._cli import command_line
+from probjax_nn.benchmark._command import command_line
 
 SHAPE_KEYS = ("dtype", "batch", "heads", "head_dim", "seq", "causal", "mode")
 
