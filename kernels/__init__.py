@@ -1,4 +1,8 @@
-"""probjax_kernels: the Pallas flash-attention core and its FlexAttention front-end. Depends on jax alone."""
+"""probjax_kernels: the Pallas flash-attention core and its FlexAttention front-end. Depends on jax alone.
+
+Layer libraries (probjax_nn) build on these names and on `probjax_kernels.layer_api`, never on the private
+modules.
+"""
 
 from probjax_kernels._block_mask import BlockMask as BlockMask
 from probjax_kernels._block_mask import create_block_mask as create_block_mask

@@ -21,8 +21,9 @@ from jax.tree_util import Partial
 from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
-from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_inputs
-from probjax_kernels._reference import attention_from_inputs
+from probjax_kernels.layer_api import (
+    MAX_HEAD_DIM, AttentionInputs, attention_from_inputs, check_dropout, check_inputs,
+)
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
 

@@ -1,5 +1,5 @@
 """The shape of the house, read from the source (no kernels run): packages whose modules import each other
-only downwards, modules small enough to hold one job."""
+only downwards, modules small enough to hold one job, and a layer that uses only the kernels' public names."""
 
 import ast
 import graphlib
@@ -69,4 +69,37 @@ def test_only_the_dispatch_module_picks_kernels_for_the_autodiff_core():
     kernels = {f"probjax_kernels.{name}" for name in (
         "_triton_forward", "_triton_backward", "_tangent", "_mosaic_forward", "_mosaic_backward", "_mosaic_glue")}
     assert not _graph("probjax_kernels")["probjax_kernels._autodiff"] & kernels
+
+
+def _private_kernel_imports(path: pathlib.Path) -> list[str]:
+    """The private probjax_kernels modules that a file imports (`probjax_kernels._inputs`, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            package_level = node.module == "probjax_kernels"  # `from probjax_kernels import _inputs`
+            modules = [f"{node.module}.{alias.name}" for alias in node.names] if package_level else [node.module]
+        else:
+            continue
+        found += [m for m in modules if m.startswith("probjax_kernels.") and m.split(".")[1].startswith("_")]
+    return found
+
+
+def test_the_layer_and_the_examples_use_only_public_kernel_names():
+    """probjax_nn and examples/ reach the kernels through `probjax_kernels` and `probjax_kernels.layer_api`
+    only, so the kernels can change inside without breaking them."""
+    files = [*(ROOT / "probjax_nn").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    assert files
+    private = {str(f.relative_to(ROOT)): found for f in files if (found := _private_kernel_imports(f))}
+    assert not private
+
+
+def test_the_private_import_check_sees_every_spelling(tmp_path):
+    source = tmp_path / "layer.py"
+    source.write_text(
+        "import probjax_kernels._a\nfrom probjax_kernels._b import x\nfrom probjax_kernels import _c\n"
+        "from probjax_kernels import flash_attention\nfrom probjax_kernels.layer_api import check_inputs\n"
+    )
+    assert _private_kernel_imports(source) == ["probjax_kernels._a", "probjax_kernels._b", "probjax_kernels._c"]
 

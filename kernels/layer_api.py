@@ -1,0 +1,25 @@
+"""The seam between the kernels and a layer library: what `probjax_nn` builds on besides the attention
+functions of `probjax_kernels`, so that the kernels can change inside without breaking the layers.
+
+- `check_inputs(q, k, v, *, bias, mask, scale, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, window,
+  dropout_rate, allowed_dtypes, max_head_dim) -> AttentionInputs`: every check that `flash_attention` makes
+  (a `ValueError` / `TypeError` naming the argument, the value it got and what it needs), returning the
+  inputs normalised: bias and mask 4-D with 1 on broadcast axes, the scale a float, the window a
+  `(left, right)` pair. `allowed_dtypes` and `max_head_dim` state what the caller's implementation computes.
+- `check_dropout(dropout_rate, dropout_seed)`: the dropout seed as a uint32 scalar (None without dropout);
+  a rate without a seed is a `ValueError`.
+- `AttentionInputs`: the checked inputs, with `.shape = (B, T, S, N, K, D)`.
+- `attention_from_inputs(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate,
+  dropout_seed) -> (out, lse)`: dense softmax attention in plain jnp on checked inputs (out `[B, T, N, D]` in
+  q's dtype, lse `[B, N, T]`), with the kernels' masking conventions and dropout keep mask, so that it agrees
+  with them exactly; `probjax_nn.attention`'s XLA implementation.
+- `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take.
+"""
+
+from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
+from probjax_kernels._inputs import AttentionInputs as AttentionInputs
+from probjax_kernels._inputs import check_dropout as check_dropout
+from probjax_kernels._inputs import check_inputs as check_inputs
+from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
+
+__all__ = ["MAX_HEAD_DIM", "AttentionInputs", "attention_from_inputs", "check_dropout", "check_inputs"]
