@@ -1,9 +1,12 @@
 """The shape of the house, read from the source (no kernels run): packages whose modules import each other
-only downwards, modules small enough to hold one job, and a layer that uses only the kernels' public names."""
+only downwards, modules small enough to hold one job, a layer that uses only the kernels' public names, and
+no path of a particular machine in the tracked files (see docs/contributing.md)."""
 
 import ast
 import graphlib
 import pathlib
+import re
+import subprocess
 
 import pytest
 
@@ -103,3 +106,27 @@ def test_the_private_import_check_sees_every_spelling(tmp_path):
     )
     assert _private_kernel_imports(source) == ["probjax_kernels._a", "probjax_kernels._b", "probjax_kernels._c"]
 
+
+# A directory of one machine: home and root folders, the scratch folder, this project's work folder. Spelled in
+# pieces so that this file does not match itself.
+_MACHINE_FOLDERS = ["wo" + "rk", "ro" + "ot", "ho" + "me", "Us" + "ers", "t" + "mp"]
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:" + "|".join(_MACHINE_FOLDERS) + r")/")
+
+
+def test_no_tracked_file_names_a_path_of_one_machine():
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    hits = []
+    for name in filter(None, listed.decode().split("\0")):
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:  # binary (PNG plots)
+            continue
+        for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                hits.append(f"{name}:{number}: {line.strip()}")
+    assert not hits
