@@ -66,6 +66,7 @@ class _Problem:
         """Segments and dense masks can cut any tile, so no tile may skip the per-element mask."""
         return self.has_segments or self.mask_shape is not None
 
+
 @dataclasses.dataclass(frozen=True)
 class _Tangents:
     """Which inputs have a (nonzero) tangent in a forward-mode pass; static, like `_Problem`."""

@@ -73,8 +73,12 @@ def _tangent_kernel(
     d_out_ref[...] = (acc - c[:, None] * out_ref[...].astype(jnp.float32)).astype(d_out_ref.dtype)
     d_lse_ref[...] = c
 
+
+# ------------------------------------------------------------------------------------------- pallas_call glue
+
+
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
-             optional: dict):
+            optional: dict):
     """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q

@@ -127,6 +127,10 @@ def _dkv_kernel(
     dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
+
+# ------------------------------------------------------------------------------------------- pallas_call glue
+
+
 def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict, emit_ds: bool):
     batch, t_pad, num_heads, _ = q.shape
     s_pad = k.shape[1]

@@ -59,6 +59,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
     lse_ref[...] = jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
 
 
+# ------------------------------------------------------------------------------------------- pallas_call glue
+
+
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse) of padded q `[B, T, N, D]`, k, v `[B, S, K, D]`; `optional` holds the optional inputs by
     name (see `_triton_specs._optional_inputs`)."""

@@ -129,6 +129,7 @@ def _broadcast_spec(shape, kind: str, block_q: int, block_k: int, group: int) ->
 
     return pl.BlockSpec(block, index_map)
 
+
 def _compiler_params(problem: _Problem):
     cfg = problem.config
     if _interpreted(problem):
