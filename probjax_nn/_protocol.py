@@ -115,6 +115,12 @@ class AttentionFunction:
                 f"and {value.shape}."
             )
         qk_dim, value_dim = query.shape[-1], value.shape[-1]
+        if key.shape[-1] != qk_dim:
+            # Only the value's head dim may differ: q.k needs one D (flax raises here too).
+            raise ValueError(
+                f"query and key must have the same head dim, got query head dim {qk_dim} and key head dim "
+                f"{key.shape[-1]} (shapes {query.shape} and {key.shape})."
+            )
         if scale is None:
             scale = qk_dim**-0.5
         if qk_dim != value_dim:

@@ -107,6 +107,15 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
         plinen.MultiHeadDotProductAttention(HEADS, attention_impl="xla").apply(variables, x, sow_weights=True)
 
 
+def test_query_and_key_head_dims_must_match():
+    """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
+    The value's head dim may differ."""
+    q, k = jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 7))
+    with pytest.raises(ValueError, match="query head dim 8 and key head dim 7"):
+        plinen.attention_fn("xla")(q, k, k)
+    assert plinen.attention_fn("xla")(q, q, k).shape == (1, 4, 2, 7)
+
+
 class _Stack(nn.Module):
     """Two attention layers under nn.scan, each rematerialised."""
 

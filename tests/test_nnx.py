@@ -112,6 +112,15 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
         xla(x, sow_weights=True)
 
 
+def test_query_and_key_head_dims_must_match():
+    """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
+    The value's head dim may differ."""
+    q, k = jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 7))
+    with pytest.raises(ValueError, match="query head dim 8 and key head dim 7"):
+        pnnx.attention_fn("xla")(q, k, k)
+    assert pnnx.attention_fn("xla")(q, q, k).shape == (1, 4, 2, 7)
+
+
 def test_several_batch_axes():
     stock, ours = _pair("xla")
     x = inputs(8, (2, 3, SEQ, FEATURES))
