@@ -21,6 +21,7 @@ from jax.tree_util import Partial
 from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
+from probjax_kernels._hooks import broadcast_lookup
 from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_inputs
 from probjax_kernels._reference import attention_from_inputs
 
@@ -70,12 +71,6 @@ def _xla(call: _Call):
     return _with_residual(call, (out, lse) if call.return_residual else out)
 
 
-def _broadcast_lookup(array, b, h, q_idx, kv_idx):
-    """array[b, h, q_idx, kv_idx] for a `[B|1, N|1, T|1, S|1]` array (index 0 on broadcast axes)."""
-    index = [i if size > 1 else 0 for i, size in zip((b, h, q_idx, kv_idx), array.shape)]
-    return array[tuple(index)]
-
-
 def _flex(call: _Call):
     """Every jax.nn argument becomes a mask_mod or score_mod of one flex_attention call."""
     i = call.inputs
@@ -91,7 +86,7 @@ def _flex(call: _Call):
     if i.kv_lengths is not None:
         mods.append(padding_mask(i.kv_lengths))
     if i.mask is not None:
-        mods.append(Partial(_broadcast_lookup, i.mask))
+        mods.append(Partial(broadcast_lookup, i.mask))
     block_mask = create_block_mask(and_masks(*mods), batch, num_heads, q_len, kv_len) if mods else None
     score_mod = call.score_mod
     if i.bias is not None:
@@ -117,18 +112,22 @@ def _query_length_mask(q_lengths, b, h, q_idx, kv_idx):
 
 
 def _biased_score_mod(bias, score_mod, score, b, h, q_idx, kv_idx):
-    score = score + _broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
+    score = score + broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
     return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
 
 
 def _cudnn(call: _Call):
     i = call.inputs
+    q, scale = i.q, i.scale
+    if i.traced_scale:
+        # jax's cuDNN path compiles a static scale: fold the traced one into the query (rounded to its dtype).
+        q, scale = (q.astype(jnp.float32) * scale).astype(q.dtype), 1.0
     local_window_size = call.local_window_size
     if call.causal and local_window_size is not None:
         # Causal cuts the right side anyway, but jax's cuDNN path rejects one when lengths are given too.
         local_window_size = (i.window[0], 0)
     result = jax.nn.dot_product_attention(
-        i.q, i.k, i.v, i.bias, i.mask, scale=i.scale, is_causal=call.causal, query_seq_lengths=i.q_lengths,
+        q, i.k, i.v, i.bias, i.mask, scale=scale, is_causal=call.causal, query_seq_lengths=i.q_lengths,
         key_value_seq_lengths=i.kv_lengths, local_window_size=local_window_size, implementation="cudnn",
         return_residual=call.return_residual,
     )
@@ -332,7 +331,8 @@ def attention(
     - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
       scores.
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
-    - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (folded into the query).
+    - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (a 0-d array, applied to the
+      float32 scores as a static scale is; impl "cudnn" folds it into the query).
     - `is_causal`: query i sees keys j <= i (top-left alignment).
     - `query_seq_lengths`, `key_value_seq_lengths`: `[B]` ints; positions at or past the length are padding.
     - `local_window_size`: an int w or a pair (left, right): query i sees keys in [i - left, i + right].

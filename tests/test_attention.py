@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv
+from helpers import numpy_attention, random_qkv
 
 from probjax_kernels import FlashConfig, flash_attention_reference
 from probjax_nn import AttentionConfig, _attention, attention
@@ -391,10 +391,43 @@ def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
         attention(q16, k16, v16, impl="cudnn", **dropout)
 
 
+@pytest.mark.parametrize("dtype, q_factor, k_factor, scale", [("bfloat16", 3, 1, 0.7), ("float16", 100, 0.01, 1000.0)])
+def test_traced_scale_is_as_accurate_as_a_static_one(dtype, q_factor, k_factor, scale):
+    """A traced scale multiplies the float32 scores, as a static one does. It was folded into the query and
+    rounded to its dtype: in bfloat16 over twice the static error, in float16 (q ~ 100, scale 1000) every
+    output NaN where the static scale gives none."""
+    q, k, v = random_qkv(51, 1, 16, 16, 2, 2, 16)
+    q, k, v = (x.astype(dtype) for x in (q_factor * q, k_factor * k, v))
+    expected, _ = numpy_attention(q, k, v, scale=scale)
+    static = attention(q, k, v, scale=scale, impl="pallas")
+    traced = jax.jit(lambda s: attention(q, k, v, scale=s, impl="pallas"))(scale)
+    assert np.isfinite(np.asarray(traced, np.float32)).all()
+    static_error = np.abs(np.asarray(static, np.float64) - expected).max()
+    traced_error = np.abs(np.asarray(traced, np.float64) - expected).max()
+    assert traced_error <= 1.25 * static_error + 1e-6, (traced_error, static_error)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "flex"])
+def test_traced_negative_scale_with_a_bias_and_their_gradients(impl):
+    """With a traced scale the kernels take the bias inside the scale's score_mod (their own bias would be
+    scaled too): values and the gradients in the scale and the bias match jax.nn.dot_product_attention."""
+    q, k, v = random_qkv(52, 1, 8, 12, 2, 1, 16)
+    bias = _normal(53, (1, 2, 8, 12))
+
+    def loss(attention, scale, bias):
+        return jnp.sum(jnp.sin(attention(q, k, v, bias, scale=scale, is_causal=True)))
+
+    ours = jax.jit(jax.value_and_grad(lambda s, b: loss(functools.partial(attention, impl=impl), s, b), (0, 1)))
+    expected = jax.jit(jax.value_and_grad(lambda s, b: loss(jax.nn.dot_product_attention, s, b), (0, 1)))
+    (value, grads), (expected_value, expected_grads) = ours(-0.4, bias), expected(-0.4, bias)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    np.testing.assert_allclose(grads[0], expected_grads[0], rtol=1e-3)
+    np.testing.assert_allclose(grads[1], expected_grads[1], rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "flex", "xla"])
 def test_traced_scale_matches_jax_nn_with_its_gradient(impl):
-    """A traced scale (a jit argument, a learnable temperature) is folded into the query: values and the
-    gradient in the scale match jax.nn.dot_product_attention, which takes a traced scale too."""
+    """A traced scale (a jit argument, a learnable temperature): values and the gradient in the scale match jax.nn.dot_product_attention, which takes a traced scale too."""
     key_q, key_k, key_v = jax.random.split(jax.random.key(50), 3)
     q = jax.random.normal(key_q, (2, 40, 4, 16), jnp.float32)
     k = jax.random.normal(key_k, (2, 40, 2, 16), jnp.float32)
