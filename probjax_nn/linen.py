@@ -65,19 +65,26 @@ class DotProductAttention:
         attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
     ) -> jax.Array:
         # The kernels form neither the weights (to sow) nor the einsums (to replace, e.g. AQT's).
-        needs_flax = module is not None or any(
+        custom_einsums = any(
             f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
         )
-        if needs_flax:
-            if self.attend.config.impl != "auto":
-                raise NotImplementedError(
-                    f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
-                    "attention_impl='auto', which falls back to flax's dot_product_attention."
-                )
+        if (module is not None or custom_einsums) and self.attend.config.impl != "auto":
+            raise NotImplementedError(
+                f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
+                "attention_impl='auto', which sows flax's weights and falls back to flax's function for einsums."
+            )
+        if custom_einsums:
             return nn.dot_product_attention(
                 query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
                 precision, module, force_fp32_for_softmax, einsum_dot_general=einsum_dot_general,
                 qk_attn_weights_einsum=qk_attn_weights_einsum, attn_weights_value_einsum=attn_weights_value_einsum,
+            )
+        if module is not None:
+            # Flax sows its (undropped) weights; the output below is the one without sow_weights, so a fully
+            # masked row still gives 0 (flax's output would average the values there).
+            nn.dot_product_attention_weights(
+                query, key, bias, mask, broadcast_dropout, None, 0.0, True, dtype, precision, module,
+                force_fp32_for_softmax,
             )
         query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
         return flax_style_attention(
@@ -98,8 +105,9 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     dropout from `dropout_rng` when `deterministic` is False; it returns `[batch..., T, N, D]`. Unlike flax:
     a query row whose keys are all masked gives 0 (flax averages the values); dropout draws one mask per
     batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
-    ignored. With `module` (sow_weights) or custom einsums impl "auto" runs flax's own function, any other
-    impl raises `NotImplementedError`.
+    ignored. With `module` (sow_weights) impl "auto" sows flax's `dot_product_attention_weights` and returns
+    the same output as without it; with custom einsums it runs flax's own function; any other impl raises
+    `NotImplementedError` for both.
     """
     return DotProductAttention(attention_function(attention_impl))
 

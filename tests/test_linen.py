@@ -107,6 +107,20 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
         plinen.MultiHeadDotProductAttention(HEADS, attention_impl="xla").apply(variables, x, sow_weights=True)
 
 
+def test_sow_weights_does_not_change_a_fully_masked_row():
+    """Under "auto", sow_weights sows flax's weights but the output stays ours: a query row with every key
+    masked gives 0 with or without sowing (it gave flax's average of the values when sowing)."""
+    x = inputs(6)
+    mask = jnp.ones((x.shape[0], 1, SEQ, SEQ), bool).at[0, :, 3].set(False)
+    module = plinen.MultiHeadDotProductAttention(HEADS)
+    variables = module.init(jax.random.key(0), x)
+    plain = module.apply(variables, x, mask=mask)
+    sown, state = module.apply(variables, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+    assert_trees_close(sown, plain, name="out")
+    assert float(jnp.abs(plain[0, 3]).max()) == 0.0  # zero heads through a zero-initialised output bias
+    assert state["intermediates"]["attention_weights"][0].shape == (x.shape[0], HEADS, SEQ, SEQ)
+
+
 def test_query_and_key_head_dims_must_match():
     """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
     The value's head dim may differ."""

@@ -112,6 +112,19 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
         xla(x, sow_weights=True)
 
 
+def test_sow_weights_does_not_change_a_fully_masked_row():
+    """Under "auto", sow_weights sows flax's weights but the output stays ours: a query row with every key
+    masked gives 0 with or without sowing (it gave flax's average of the values when sowing)."""
+    _, auto = _pair("auto")
+    x = inputs(9)
+    mask = jnp.ones((BATCH, 1, SEQ, SEQ), bool).at[0, :, 3].set(False)
+    plain = auto(x, mask=mask)
+    sown, intermediates = nnx.capture(lambda m: m(x, mask=mask, sow_weights=True), nnx.Intermediate)(auto)
+    assert_trees_close(sown, plain, name="out")
+    assert float(jnp.abs(plain[0, 3]).max()) == 0.0  # zero heads through a zero-initialised output bias
+    assert intermediates["attention_weights"][0].shape == (BATCH, HEADS, SEQ, SEQ)
+
+
 def test_query_and_key_head_dims_must_match():
     """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
     The value's head dim may differ."""
