@@ -175,8 +175,7 @@ def check_inputs(
     elif not np.isfinite(float(scale)):
         # A NaN or infinite scale would make every score NaN, which the kernels treat as masked: output 0.
         raise ValueError(f"scale must be finite, got {scale!r}.")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+    check_dropout_rate(dropout_rate)
     return AttentionInputs(
         q=q,
         k=k,
@@ -190,6 +189,27 @@ def check_inputs(
         scale=scale if isinstance(scale, jax.core.Tracer) else float(scale),
         window=_check_window(window),
     )
+
+
+def check_flag(name: str, value) -> bool:
+    """A Python (or NumPy) bool such as `causal`; a string, a number or a traced value is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}.")
+    return bool(value)
+
+
+def check_dropout_rate(dropout_rate) -> float:
+    """A Python float in [0, 1): the kernels compile the rate, so it cannot be traced."""
+    if isinstance(dropout_rate, jax.core.Tracer):
+        raise TypeError(
+            "dropout_rate must be a Python float, got a traced value (a jit argument?): the kernels compile the "
+            "rate. Pass it as a static argument (jax.jit's static_argnames) or close over it."
+        )
+    if np.ndim(dropout_rate) != 0 or not _is_real(dropout_rate):
+        raise TypeError(f"dropout_rate must be a real number in [0, 1), got {dropout_rate!r}.")
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+    return float(dropout_rate)
 
 
 def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:

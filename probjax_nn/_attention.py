@@ -22,7 +22,7 @@ from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
 from probjax_kernels._hooks import broadcast_lookup
-from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_inputs
+from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_flag, check_inputs
 from probjax_kernels._reference import attention_from_inputs
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
@@ -333,7 +333,7 @@ def attention(
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
     - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (a 0-d array, applied to the
       float32 scores as a static scale is; impl "cudnn" folds it into the query).
-    - `is_causal`: query i sees keys j <= i (top-left alignment).
+    - `is_causal`: a bool; query i sees keys j <= i (top-left alignment).
     - `query_seq_lengths`, `key_value_seq_lengths`: `[B]` ints; positions at or past the length are padding.
     - `local_window_size`: an int w or a pair (left, right): query i sees keys in [i - left, i + right].
     - `implementation`: jax's spelling of `impl` ("xla", "cudnn", None); it may not contradict `impl`.
@@ -341,8 +341,9 @@ def attention(
     - `score_mod(score, b, h, q_idx, kv_idx) -> score`, `mask_mod(b, h, q_idx, kv_idx) -> bool`:
       FlexAttention hooks (see `probjax_kernels.flex_attention`), applied after `bias` and combined with
       every other mask; run by impl "flex" and "xla" ("pallas" and "cudnn" raise).
-    - `dropout_rate`, `dropout_seed`: attention dropout, the keep mask a stateless hash of (seed, b, h, q_idx,
-      kv_idx), so every impl that has it ("pallas", "flex", "xla") drops the same weights.
+    - `dropout_rate`, `dropout_seed`: attention dropout (the rate a Python float: the kernels compile it), the
+      keep mask a stateless hash of (seed, b, h, q_idx, kv_idx), so every impl that has it ("pallas", "flex",
+      "xla") drops the same weights.
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
 
     **Returns:** the output, shaped and typed like `query`; with `return_residual`, `(output, lse)`, lse
@@ -351,6 +352,7 @@ def attention(
     jax's cuDNN path and keeps its behaviour there.
     """
     config = _resolve_config(impl, implementation)
+    is_causal = check_flag("is_causal", is_causal)
     query = jnp.asarray(query)
     inputs = _checked(
         _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
@@ -369,7 +371,7 @@ def attention(
     )
     name = _choose(config.impl, request)
     call = _Call(
-        inputs, bool(is_causal), local_window_size, return_residual, config.flash, score_mod, mask_mod,
+        inputs, is_causal, local_window_size, return_residual, config.flash, score_mod, mask_mod,
         float(dropout_rate), dropout_seed,
     )
     result = _IMPLEMENTATIONS[name].run(call)

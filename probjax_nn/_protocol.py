@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from probjax_kernels import and_masks
+from probjax_kernels._inputs import check_dropout_rate
 from probjax_nn._attention import IMPLS, AttentionConfig, Impl, attention
 
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -108,6 +109,7 @@ class AttentionFunction:
 
         **Returns:** `[*batch, T, N, Dv]` in the dtype of `query`. A query row with every key masked gives 0.
         """
+        dropout_rate = check_dropout_rate(dropout_rate)
         batch_shape = query.shape[:-3]
         if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
             raise ValueError(
@@ -216,8 +218,7 @@ def flax_style_attention(
 
     Dropout runs when `deterministic` is False and `dropout_rate > 0`, and then needs `dropout_rng`.
     """
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}.")
+    dropout_rate = check_dropout_rate(dropout_rate)
     dropout_key = None
     if not deterministic and dropout_rate > 0.0:
         if dropout_rng is None:

@@ -373,6 +373,11 @@ def test_bad_inputs_name_the_argument():
         attention(q, k, v, local_window_size=-1)
     with pytest.raises(TypeError, match=r"^query, key and value must share one dtype"):
         attention(q, k.astype(jnp.bfloat16), v)
+    # A truthy non-bool was taken as True; a traced rate failed with a TracerBoolConversionError.
+    with pytest.raises(TypeError, match=r"^is_causal must be a bool \(True or False\), got 'yes'"):
+        attention(q, k, v, is_causal="yes")
+    with pytest.raises(TypeError, match=r"^dropout_rate must be a Python float, got a traced value"):
+        jax.jit(lambda rate: attention(q, k, v, dropout_rate=rate, dropout_seed=1))(0.1)
 
 
 def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
