@@ -112,6 +112,12 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     return DotProductAttention(attention_function(attention_impl))
 
 
+@dataclasses.dataclass(frozen=True)
+class _ImplAttention(DotProductAttention):
+    """The attention_fn that `MultiHeadDotProductAttention` builds from its `attention_impl` (a user's
+    attention_fn is never one), so that `clone(attention_impl=...)` can tell it apart and rebuild it."""
+
+
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """`flax.linen.MultiHeadDotProductAttention` with attention on the probjax kernels; same variables.
 
@@ -132,11 +138,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
     def __post_init__(self):
         config = resolve_config(self.attention_impl)
-        ours = DotProductAttention(AttentionFunction(config))
-        if self.attention_fn is nn.dot_product_attention:
+        # Clones arrive with the attention_fn built from the original's attention_impl: rebuilt from theirs.
+        if self.attention_fn is nn.dot_product_attention or isinstance(self.attention_fn, _ImplAttention):
             # Linen modules are frozen dataclasses; fields are settable only while they are built.
-            object.__setattr__(self, "attention_fn", ours)
-        elif config != AttentionConfig() and self.attention_fn != ours:  # clones arrive with `ours` set
+            object.__setattr__(self, "attention_fn", _ImplAttention(AttentionFunction(config)))
+        elif config != AttentionConfig():
             raise ValueError("pass attention_impl or attention_fn, not both.")
         super().__post_init__()
 

@@ -12,6 +12,7 @@ from probjax_kernels import alibi_slopes, causal_mask
 
 nn = pytest.importorskip("flax.linen")
 import probjax_nn.linen as plinen  # noqa: E402
+from probjax_nn import _attention  # noqa: E402
 
 CAUSAL = nn.make_causal_mask(jnp.ones((1, SEQ)), dtype=jnp.bool_)  # [1, 1, T, T]
 # Call arguments; no query row loses every key, where flax would average the values.
@@ -59,6 +60,28 @@ def test_stock_module_takes_attention_fn():
     x = inputs(2)
     variables = stock.init(jax.random.key(0), x)
     assert_trees_close(swapped.apply(variables, x, mask=CAUSAL), stock.apply(variables, x, mask=CAUSAL), name="out")
+
+
+def test_clone_switches_attention_impl(monkeypatch):
+    """clone(attention_impl=...) rebuilds the attention function (it kept the old one, or raised "pass
+    attention_impl or attention_fn, not both"); a user's attention_fn survives clones."""
+    calls = []
+    flash = _attention.flash_attention
+    monkeypatch.setattr(_attention, "flash_attention", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    module = plinen.MultiHeadDotProductAttention(HEADS, attention_impl="xla")
+    x = inputs(3)
+    variables = module.init(jax.random.key(0), x)
+    expected = module.apply(variables, x, mask=CAUSAL)
+    clone = module.clone(attention_impl="pallas")
+    assert_trees_close(clone.apply(variables, x, mask=CAUSAL), expected, name="out")
+    assert calls == [1]
+    clone.clone(attention_impl="xla").apply(variables, x, mask=CAUSAL)
+    plinen.MultiHeadDotProductAttention(HEADS).clone(attention_impl="xla").apply(variables, x)
+    assert calls == [1]
+    custom = plinen.MultiHeadDotProductAttention(HEADS, attention_fn=plinen.attention_fn("xla"))
+    assert custom.clone(dropout_rate=0.1).attention_fn == plinen.attention_fn("xla")
+    with pytest.raises(ValueError, match="pass attention_impl or attention_fn, not both"):
+        custom.clone(attention_impl="pallas")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
