@@ -31,8 +31,8 @@ from probjax_nn._protocol import (
 )
 
 __all__ = [
-    "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadDotProductAttention", "RelativePositionBias",
-    "attention_fn",
+    "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadAttention", "MultiHeadDotProductAttention",
+    "RelativePositionBias", "SelfAttention", "attention_fn", "dot_product_attention",
 ]
 
 
@@ -112,6 +112,39 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     return DotProductAttention(attention_function(attention_impl))
 
 
+_AUTO = DotProductAttention(attention_function("auto"))
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: nn.Module | None = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., jax.Array] | None = None,
+    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+) -> jax.Array:
+    """`flax.linen.dot_product_attention` with its signature, computed as `attention_fn("auto")`.
+
+    query `[batch..., T, N, D]`, key `[batch..., S, N, D]`, value `[batch..., S, N, Dv]`; `bias` and `mask`
+    broadcastable to `[batch..., N, T, S]` (mask non-zero = attend). Returns `[batch..., T, N, Dv]`. See
+    `attention_fn` for where the result differs from flax's (a fully masked row gives 0).
+    """
+    return _AUTO(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision,
+        module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _ImplAttention(DotProductAttention):
     """The attention_fn that `MultiHeadDotProductAttention` builds from its `attention_impl` (a user's
@@ -145,6 +178,19 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         elif config != AttentionConfig():
             raise ValueError("pass attention_impl or attention_fn, not both.")
         super().__post_init__()
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention, nn.MultiHeadAttention):
+    """`flax.linen.MultiHeadAttention` (flax's alias of `MultiHeadDotProductAttention`, named
+    `MultiHeadAttention_{i}` in a parent) with attention on the probjax kernels: the attributes, variables
+    and call of `MultiHeadDotProductAttention`, plus `attention_impl`. An instance of the stock class too."""
+
+
+class SelfAttention(MultiHeadDotProductAttention, nn.SelfAttention):
+    """`flax.linen.SelfAttention` with attention on the probjax kernels: the stock call `module.apply(variables,
+    inputs_q, mask=None, deterministic=None, dropout_rng=None, sow_weights=False)` (flax's, with its
+    deprecation warning) over the attributes and variables of `MultiHeadDotProductAttention`, plus
+    `attention_impl`. An instance of the stock class too."""
 
 
 def _bound_hook(hook):

@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from module_helpers import HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask
+from module_helpers import BATCH, HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask
 
 from probjax_kernels import alibi_slopes, causal_mask
 
@@ -60,6 +60,42 @@ def test_stock_module_takes_attention_fn():
     x = inputs(2)
     variables = stock.init(jax.random.key(0), x)
     assert_trees_close(swapped.apply(variables, x, mask=CAUSAL), stock.apply(variables, x, mask=CAUSAL), name="out")
+
+
+def test_stock_aliases_match_flax():
+    """flax.linen's MultiHeadAttention, SelfAttention and dot_product_attention exist here too, with the stock
+    signatures, variable names and outputs (they were missing)."""
+    import inspect
+
+    def parameters(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert parameters(plinen.dot_product_attention) == parameters(nn.dot_product_attention)
+    assert parameters(plinen.SelfAttention.__call__) == parameters(nn.SelfAttention.__call__)
+    q, k, v = (inputs(seed, (BATCH, SEQ, HEADS, 8)) for seed in (11, 12, 13))
+    mask = padding_mask()
+    out = plinen.dot_product_attention(q, k, v, mask=mask)
+    assert_trees_close(out, nn.dot_product_attention(q, k, v, mask=mask), name="dot_product_attention")
+
+    class Parent(nn.Module):
+        layer: type
+
+        @nn.compact
+        def __call__(self, x):
+            options = {"attention_impl": "xla"} if self.layer is plinen.MultiHeadAttention else {}
+            return self.layer(HEADS, **options)(x)
+
+    x = inputs(14)
+    variables = Parent(nn.MultiHeadAttention).init(jax.random.key(0), x)
+    assert list(variables["params"]) == ["MultiHeadAttention_0"]
+    out = Parent(plinen.MultiHeadAttention).apply(variables, x)
+    assert_trees_close(out, Parent(nn.MultiHeadAttention).apply(variables, x), name="MultiHeadAttention")
+    assert isinstance(plinen.MultiHeadAttention(HEADS), nn.MultiHeadAttention)
+    with pytest.warns(DeprecationWarning, match="SelfAttention will be deprecated"):  # flax's own warning
+        variables = nn.SelfAttention(HEADS).init(jax.random.key(1), x)
+        out = plinen.SelfAttention(HEADS, attention_impl="xla").apply(variables, x, mask, True)
+        expected = nn.SelfAttention(HEADS).apply(variables, x, mask, True)
+    assert_trees_close(out, expected, name="SelfAttention")
 
 
 def test_clone_switches_attention_impl(monkeypatch):
