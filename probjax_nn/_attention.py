@@ -22,7 +22,9 @@ from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
 from probjax_kernels._hooks import broadcast_lookup
-from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_flag, check_inputs
+from probjax_kernels._inputs import (
+    MAX_HEAD_DIM, AttentionInputs, check_dropout, check_dropout_rate, check_flag, check_inputs,
+)
 from probjax_kernels._reference import attention_from_inputs
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
@@ -299,6 +301,22 @@ def _batched(name: str, x: ArrayLike) -> jax.Array:
     return x[None] if x.ndim == 3 else x
 
 
+def _check_complex(impl: str, dtype, score_mod, mask_mod, dropout_rate) -> None:
+    """Complex inputs run only under "auto", as `jax.nn.dot_product_attention`, which has no hooks or dropout."""
+    if impl != "auto":
+        raise NotImplementedError(
+            f"impl={impl!r} does not support dtype {dtype.name}; impl='auto' runs jax.nn.dot_product_attention "
+            "for complex inputs."
+        )
+    for feature, wanted in (("score_mod", score_mod is not None), ("mask_mod", mask_mod is not None),
+                            ("dropout", check_dropout_rate(dropout_rate) > 0)):
+        if wanted:
+            raise NotImplementedError(
+                f"impl='auto' does not support {feature} with dtype {dtype.name}: complex inputs run "
+                f"jax.nn.dot_product_attention, which has no {feature}."
+            )
+
+
 def attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -347,13 +365,25 @@ def attention(
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
 
     **Returns:** the output, shaped and typed like `query`; with `return_residual`, `(output, lse)`, lse
-    `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype). A query row with
+    `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype). Complex inputs
+    run `jax.nn.dot_product_attention` itself under impl "auto" (no implementation here computes in
+    complex numbers; jax 0.11.2 casts their scores to float32 with a DeprecationWarning); any other impl
+    raises `NotImplementedError`. A query row with
     nothing to attend gives output 0 and lse -inf, where jax's "xla" path averages `value`; impl "cudnn" is
     jax's cuDNN path and keeps its behaviour there.
     """
     config = _resolve_config(impl, implementation)
     is_causal = check_flag("is_causal", is_causal)
     query = jnp.asarray(query)
+    complex_dtype = next((jnp.dtype(x.dtype) for x in (query, key, value) if jnp.iscomplexobj(x)), None)
+    if complex_dtype is not None:
+        _check_complex(config.impl, complex_dtype, score_mod, mask_mod, dropout_rate)
+        # No implementation here computes in complex numbers: "auto" runs the stock function.
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            return_residual=return_residual,
+        )
     inputs = _checked(
         _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
         scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,

@@ -201,6 +201,20 @@ def check_cache_room(position: jax.Array, max_length: int) -> None:
         )
 
 
+def runs_stock_for_complex(attend: AttentionFunction, *arrays: jax.Array) -> bool:
+    """Whether a framework's stock attention function must run: complex inputs under impl "auto" (no
+    implementation here computes in complex numbers). Under another impl they raise `NotImplementedError`."""
+    dtype = next((jnp.dtype(x.dtype) for x in arrays if jnp.iscomplexobj(x)), None)
+    if dtype is None:
+        return False
+    if attend.config.impl != "auto":
+        raise NotImplementedError(
+            f"impl={attend.config.impl!r} does not support dtype {dtype.name}; attention_impl='auto' falls back "
+            "to the stock attention function for complex inputs."
+        )
+    return True
+
+
 def flax_style_attention(
     attend: AttentionFunction,
     query: jax.Array,

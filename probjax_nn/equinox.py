@@ -18,7 +18,9 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
-from probjax_nn._protocol import MaskMod, ScoreMod, attention_function, combine_hooks, resolve_config
+from probjax_nn._protocol import (
+    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, resolve_config, runs_stock_for_complex,
+)
 
 __all__ = ["ALiBi", "FlexAttention", "MultiheadAttention", "RelativePositionBias"]
 
@@ -110,6 +112,9 @@ class MultiheadAttention(eqx.Module):
           same shapes (e.g. rotary embeddings); heads it returns in different dtypes are promoted to one
           (`jnp.result_type`), as in Equinox.
 
+        Complex heads run the stock `equinox.nn.MultiheadAttention` call under `attention_impl="auto"`
+        (another impl raises `NotImplementedError`).
+
         **Returns:** `[q_seq, output_size]`. Dropout draws the kernels' stateless mask from `key` (not
         Equinox's Bernoulli draw), so it matches Equinox in distribution, not bit for bit; `dropout_p=1`
         drops every weight (the attention output is 0), as in Equinox.
@@ -139,6 +144,13 @@ class MultiheadAttention(eqx.Module):
             # Heads of mixed dtypes compute in their promoted dtype, as the stock module's einsums do.
             dtype = jnp.result_type(query_heads, key_heads, value_heads)
             query_heads, key_heads, value_heads = (x.astype(dtype) for x in (query_heads, key_heads, value_heads))
+        if score_mod is None and mask_mod is None and runs_stock_for_complex(
+            AttentionFunction(self.attention_impl), query_heads, key_heads, value_heads
+        ):
+            # Complex heads under "auto": the stock module's call, on the same fields (it projects again).
+            return eqx.nn.MultiheadAttention.__call__(
+                self, query, key_, value, mask, key=key, inference=inference, process_heads=process_heads
+            )
         if mask is not None:
             expected = (query_seq_length, kv_seq_length)
             if mask.shape not in (expected, (self.num_heads, *expected)):

@@ -27,7 +27,7 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, shift_queries,
+    resolve_config, runs_stock_for_complex, shift_queries,
 )
 
 __all__ = [
@@ -73,7 +73,7 @@ class DotProductAttention:
                 f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
                 "attention_impl='auto', which sows flax's weights and falls back to flax's function for einsums."
             )
-        if custom_einsums:
+        if custom_einsums or runs_stock_for_complex(self.attend, query, key, value):
             return nn.dot_product_attention(
                 query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
                 precision, module, force_fp32_for_softmax, einsum_dot_general=einsum_dot_general,
@@ -106,8 +106,8 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     a query row whose keys are all masked gives 0 (flax averages the values); dropout draws one mask per
     batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
     ignored. With `module` (sow_weights) impl "auto" sows flax's `dot_product_attention_weights` and returns
-    the same output as without it; with custom einsums it runs flax's own function; any other impl raises
-    `NotImplementedError` for both.
+    the same output as without it; with custom einsums or complex inputs it runs flax's own function; any
+    other impl raises `NotImplementedError` for these.
     """
     return DotProductAttention(attention_function(attention_impl))
 

@@ -22,7 +22,7 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, shift_queries,
+    resolve_config, runs_stock_for_complex, shift_queries,
 )
 
 __all__ = [
@@ -53,6 +53,11 @@ class DotProductAttention:
         promote_dtype: Callable = dtypes.promote_dtype,
         is_causal: bool = False,
     ) -> jax.Array:
+        if runs_stock_for_complex(self.attend, query, key, value):
+            return nnx.dot_product_attention(
+                query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+                precision, module, promote_dtype, is_causal,
+            )
         if module is not None:
             # Sowing needs the `[.., N, T, S]` weights, which the kernels never form.
             if self.attend.config.impl != "auto":
@@ -86,8 +91,8 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     returns `[batch..., T, N, D]`. Unlike flax: a query row whose keys are all masked gives 0 (flax averages
     the values); dropout draws one mask per batch entry and head (`broadcast_dropout` is ignored);
     `precision` is ignored (the kernels accumulate in float32). With `module` (sow_weights) impl "auto" sows
-    flax's `dot_product_attention_weights` and returns the same output as without it; any other impl raises
-    `NotImplementedError`.
+    flax's `dot_product_attention_weights` and returns the same output as without it; complex inputs run
+    flax's `dot_product_attention` under "auto". Any other impl raises `NotImplementedError` for both.
     """
     return DotProductAttention(attention_function(attention_impl))
 

@@ -1,6 +1,7 @@
 """`probjax_nn.attention` against `jax.nn.dot_product_attention` and against the kernel's plain-jnp reference."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +379,22 @@ def test_bad_inputs_name_the_argument():
         attention(q, k, v, is_causal="yes")
     with pytest.raises(TypeError, match=r"^dropout_rate must be a Python float, got a traced value"):
         jax.jit(lambda rate: attention(q, k, v, dropout_rate=rate, dropout_seed=1))(0.1)
+
+
+def test_complex_inputs_run_jax_nn_under_auto_and_raise_otherwise():
+    """No implementation here computes in complex numbers: "auto" runs jax.nn.dot_product_attention (it was a
+    TypeError), an explicit impl raises NotImplementedError naming the dtype, and so do hooks / dropout."""
+    q, k, v = (jax.lax.complex(*random_qkv(seed, 1, 6, 6, 2, 2, 8)[:2]) for seed in (60, 61, 62))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    # jax.nn casts the complex scores to float32 (deprecated, warning) and mixes dtypes: as it does, so do we.
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Casting from complex", DeprecationWarning)
+        np.testing.assert_array_equal(attention(q, k, v, mask=mask), jax.nn.dot_product_attention(q, k, v, mask=mask))
+    for impl in ("pallas", "xla"):
+        with pytest.raises(NotImplementedError, match=f"impl='{impl}' does not support dtype complex64"):
+            attention(q, k, v, impl=impl)
+    with pytest.raises(NotImplementedError, match="score_mod with dtype complex64"):
+        attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
 
 
 def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):

@@ -124,6 +124,18 @@ def test_dropout_p_one_drops_everything_as_stock():
     assert_trees_close(ours(x, x, x, inference=True), stock(x, x, x, inference=True), name="inference")
 
 
+def test_complex_inputs_run_the_stock_module_under_auto_and_raise_otherwise():
+    """Complex heads run equinox.nn.MultiheadAttention's own call under "auto" (a TypeError before); an
+    explicit impl raises NotImplementedError naming the dtype."""
+    stock = eqx.nn.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(7))
+    x = jax.lax.complex(inputs(10)[0], inputs(11)[0])
+    with jax.numpy_dtype_promotion("standard"):  # real weights times complex inputs
+        out = peqx.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(7))(x, x, x, CAUSAL)
+        np.testing.assert_array_equal(out, stock(x, x, x, CAUSAL))
+        with pytest.raises(NotImplementedError, match="impl='xla' does not support dtype complex64"):
+            peqx.MultiheadAttention(HEADS, FEATURES, attention_impl="xla", key=jax.random.key(7))(x, x, x)
+
+
 def test_scan_and_remat_over_layers():
     def run(cls, **kwargs):
         keys = jax.random.split(jax.random.key(0))

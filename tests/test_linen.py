@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from module_helpers import BATCH, HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask
 
@@ -178,6 +179,18 @@ def test_sow_weights_does_not_change_a_fully_masked_row():
     assert_trees_close(sown, plain, name="out")
     assert float(jnp.abs(plain[0, 3]).max()) == 0.0  # zero heads through a zero-initialised output bias
     assert state["intermediates"]["attention_weights"][0].shape == (x.shape[0], HEADS, SEQ, SEQ)
+
+
+def test_complex_inputs_run_flax_under_auto_and_raise_otherwise():
+    """Complex inputs fall back to flax's dot_product_attention under "auto" (they were a TypeError); an
+    explicit impl raises NotImplementedError naming the dtype."""
+    q, k, v = (jax.lax.complex(inputs(seed, (1, 6, 2, 8)), inputs(seed + 1, (1, 6, 2, 8))) for seed in (20, 22, 24))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    with jax.numpy_dtype_promotion("standard"):  # flax mixes complex and float32
+        out = plinen.attention_fn()(q, k, v, mask=mask)
+        np.testing.assert_array_equal(out, nn.dot_product_attention(q, k, v, mask=mask))
+    with pytest.raises(NotImplementedError, match="impl='xla' does not support dtype complex64"):
+        plinen.attention_fn("xla")(q, k, v)
 
 
 def test_query_and_key_head_dims_must_match():
