@@ -112,37 +112,9 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     return DotProductAttention(attention_function(attention_impl))
 
 
-_AUTO = DotProductAttention(attention_function("auto"))
-
-
-def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: nn.Module | None = None,
-    force_fp32_for_softmax: bool = False,
-    einsum_dot_general: Callable[..., jax.Array] | None = None,
-    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
-    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
-) -> jax.Array:
-    """`flax.linen.dot_product_attention` with its signature, computed as `attention_fn("auto")`.
-
-    query `[batch..., T, N, D]`, key `[batch..., S, N, D]`, value `[batch..., S, N, Dv]`; `bias` and `mask`
-    broadcastable to `[batch..., N, T, S]` (mask non-zero = attend). Returns `[batch..., T, N, Dv]`. See
-    `attention_fn` for where the result differs from flax's (a fully masked row gives 0).
-    """
-    return _AUTO(
-        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision,
-        module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum,
-    )
+# `flax.linen.dot_product_attention` under its own name: the same signature (`DotProductAttention.__call__`),
+# computed as `attention_fn("auto")`.
+dot_product_attention = DotProductAttention(attention_function("auto"))
 
 
 @dataclasses.dataclass(frozen=True)
