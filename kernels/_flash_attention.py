@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from probjax_kernels import _autodiff, _core
+from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._hooks import trace_score_mod, traced_scale_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
+from probjax_kernels._problem import Features
 
 
 def flash_attention(
@@ -72,7 +73,7 @@ def flash_attention(
     if inputs.traced_scale:
         score_hook, score_consts = trace_score_mod(traced_scale_mod(scale, bias))
         scale, bias = 1.0, None
-    features = _core.Features(
+    features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate)
     )
     out, lse = _autodiff.attention(
