@@ -449,7 +449,8 @@ def test_traced_negative_scale_with_a_bias_and_their_gradients(impl):
 
 @pytest.mark.parametrize("impl", ["pallas", "flex", "xla"])
 def test_traced_scale_matches_jax_nn_with_its_gradient(impl):
-    """A traced scale (a jit argument, a learnable temperature): values and the gradient in the scale match jax.nn.dot_product_attention, which takes a traced scale too."""
+    """A traced scale (a jit argument, a learnable temperature): values and the gradient in the scale match
+    jax.nn.dot_product_attention, which takes a traced scale too."""
     key_q, key_k, key_v = jax.random.split(jax.random.key(50), 3)
     q = jax.random.normal(key_q, (2, 40, 4, 16), jnp.float32)
     k = jax.random.normal(key_k, (2, 40, 2, 16), jnp.float32)
