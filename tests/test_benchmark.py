@@ -187,7 +187,8 @@ def _usage_error(capsys, argv: list[str]) -> str:
 def test_a_bad_output_is_refused_before_measuring(tmp_path, capsys):
     """A folder or a path under a file failed only after the first row was measured, leaving a .partial file;
     --append onto a file that is not a benchmark's JSON gave a traceback."""
-    folder, a_file, notes, other = tmp_path / "folder", tmp_path / "file.txt", tmp_path / "notes.json", tmp_path / "o.json"
+    folder, a_file = tmp_path / "folder", tmp_path / "file.txt"
+    notes, other = tmp_path / "notes.json", tmp_path / "o.json"
     folder.mkdir()
     a_file.write_text("x")
     notes.write_text("measured by hand")

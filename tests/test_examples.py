@@ -146,7 +146,8 @@ def micro_flags(data_cache: str, out: Path, **overrides) -> list[str]:
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     """Every file under `folder`: its bytes and modification time."""
-    return {str(f.relative_to(folder)): (f.read_bytes(), f.stat().st_mtime_ns) for f in folder.rglob("*") if f.is_file()}
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return {str(f.relative_to(folder)): (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
 
 
 def _fake_run(out: Path, config: Config) -> None:
@@ -337,13 +338,15 @@ def test_config_precedence_preset_file_cli(tmp_path):
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
         (["--mesh", "foo"], "argument --mesh: mesh='foo'"),
         (["--num-kv-heads", "3"], "argument --num-kv-heads: num_heads=4 must be a multiple of num_kv_heads=3"),
-        (["--checkpoint-every", "0"], "argument --checkpoint-every: checkpoint_every=0 must be at least 1"),  # was a ZeroDivisionError at step 1
-        (["--eval-batches", "0"], "argument --eval-batches: eval_batches=0 must be at least 1"),  # was a NaN validation loss
+        # Was a ZeroDivisionError at step 1, and a NaN validation loss.
+        (["--checkpoint-every", "0"], "argument --checkpoint-every: checkpoint_every=0 must be at least 1"),
+        (["--eval-batches", "0"], "argument --eval-batches: eval_batches=0 must be at least 1"),
         (["--num-heads", "0"], "argument --num-heads: num_heads=0 must be at least 1"),  # was a ZeroDivisionError
         (["--num-kv-heads", "0"], "argument --num-kv-heads: num_kv_heads=0 must be at least 1"),
         (["--temperature", "-1"], "argument --temperature: temperature=-1.0 must be at least 0"),
         (["--warmup-steps", "-5"], "argument --warmup-steps: warmup_steps=-5 must be at least 0"),
-        (["--vocab-size", "100"], "argument --vocab-size: vocab_size=100 must be at least 256"),  # bytes past the table read garbage
+        # Bytes past the table read garbage.
+        (["--vocab-size", "100"], "argument --vocab-size: vocab_size=100 must be at least 256"),
         (["--resume", "--overwrite"], "argument --overwrite: "),
         (["--config", "missing.yaml"], "argument --config: can't read 'missing.yaml'"),
     ],

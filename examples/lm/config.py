@@ -117,7 +117,8 @@ class Config:
             raise ConfigError("val_fraction", f"val_fraction={self.val_fraction} must be in (0, 1).")
         if self.vocab_size < 256:
             # Tokens are bytes: an embedding lookup past the table would not fail, it would read garbage.
-            raise ConfigError("vocab_size", f"vocab_size={self.vocab_size} must be at least 256 (the tokens are bytes).")
+            message = f"vocab_size={self.vocab_size} must be at least 256 (the tokens are bytes)."
+            raise ConfigError("vocab_size", message)
         for name, least in _LOWER_BOUNDS.items():
             value = getattr(self, name)
             if value is not None and value < least:
