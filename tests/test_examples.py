@@ -182,7 +182,8 @@ def test_a_used_out_folder_needs_resume_or_overwrite(data_cache, tmp_path, capsy
     train_lm.main([*micro_flags(data_cache, tmp_path, steps=1, num_samples=0, checkpoint_every=1), "--overwrite"])
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1]
     assert [row["step"] for row in train.Metrics.read(tmp_path / "metrics.jsonl")] == [1]
-    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 1
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["steps"] == 1 and saved["overwrite"] is False  # a --config of it must not delete the folder
     assert (tmp_path / "notes.txt").read_text() == "the user's own file"
 
 

@@ -272,7 +272,9 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
             params, opt_state = checkpoints.restore(start, params, opt_state)
             pending_losses = checkpoints.pending_losses(start)
             print(f"resumed from step {start}")
-        (out / "config.json").write_text(to_json(config))
+        # resume and overwrite are what this command did, not part of the run: a later --config of this file
+        # must not delete the folder.
+        (out / "config.json").write_text(to_json(dataclasses.replace(config, resume=False, overwrite=False)))
         metrics = Metrics(out / "metrics.jsonl", start)
         train_step, eval_step = make_steps(model, optimizer, config, shardings)
 
