@@ -6,7 +6,7 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._hooks import trace_score_mod, traced_scale_mod
+from probjax_kernels._hooks import trace_score_mod, affine_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
 from probjax_kernels._problem import Features
 
@@ -71,7 +71,7 @@ def flash_attention(
         right = 0 if right is None else min(right, 0)
     scale, bias, score_hook, score_consts = inputs.scale, inputs.bias, None, ()
     if inputs.traced_scale:
-        score_hook, score_consts = trace_score_mod(traced_scale_mod(scale, bias))
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
         scale, bias = 1.0, None
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate)

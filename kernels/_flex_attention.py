@@ -11,7 +11,7 @@ from probjax_kernels import _autodiff
 from probjax_kernels._block_mask import BlockMask
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
-from probjax_kernels._hooks import example_indices, trace_hook, trace_score_mod, traced_scale_mod
+from probjax_kernels._hooks import example_indices, trace_hook, trace_score_mod, affine_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._mods import ScoreMod
 from probjax_kernels._problem import Features
@@ -90,7 +90,7 @@ def flex_attention(
     if score_mod is not None:
         score_hook, score_consts = trace_score_mod(score_mod)
     if inputs.traced_scale:  # after the user's score_mod was checked on its own, so its errors name it
-        score_hook, score_consts = trace_score_mod(traced_scale_mod(scale, score_mod=score_mod))
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, score_mod=score_mod))
         scale = 1.0
     mask_hook, mask_consts, tables = None, [], {}
     block_sizes = None

@@ -162,23 +162,27 @@ def broadcast_lookup(array: jax.Array, b, h, q_idx, kv_idx) -> jax.Array:
     return array[tuple(index)]
 
 
-def _traced_scale_mod(scale, bias, score_mod, score, b, h, q_idx, kv_idx):
-    score = score * scale
+def _affine_score_mod(scale, bias, score_mod, score, b, h, q_idx, kv_idx):
+    if scale is not None:
+        score = score * scale
     if bias is not None:
         score = score + broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
     return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
 
 
-def traced_scale_mod(scale: jax.Array, bias: jax.Array | None = None, score_mod: Callable | None = None) -> Partial:
-    """The score_mod `score_mod(scale * score + bias[b, h, q_idx, kv_idx])`, for kernels run with scale 1.
+def affine_score_mod(
+    scale: jax.Array | None = None, bias: jax.Array | None = None, score_mod: Callable | None = None
+) -> Partial:
+    """The score_mod `score_mod(scale * score + bias[b, h, q_idx, kv_idx])` (None parts left out).
 
-    A traced scale (a jit argument, a learnable temperature) cannot be compiled into the kernels; as a 0-d
-    float32 array that this hook closes over it multiplies the float32 scores inside them, exactly as a
-    static scale would (folded into q it would be rounded to q's dtype), and receives its gradient as a
-    hook array. A dense `bias` `[B|1, N|1, T|1, S|1]` moves into the hook too: the kernels add their bias
-    before the score_mod, where it would be scaled.
+    A traced scale (a jit argument, a learnable temperature) cannot be compiled into the kernels, which then
+    run with scale 1: as a 0-d float32 array that this hook closes over it multiplies the float32 scores
+    inside them, exactly as a static scale would (folded into q it would be rounded to q's dtype), and
+    receives its gradient as a hook array. A dense `bias` `[B|1, N|1, T|1, S|1]` moves into the hook with
+    it (the kernels add their own bias before the score_mod, where it would be scaled); flex calls of
+    `probjax_nn.attention` pass their bias this way too.
     """
-    return Partial(_traced_scale_mod, scale, bias, score_mod)
+    return Partial(_affine_score_mod, scale, bias, score_mod)
 
 
 # ----------------------------------------------------------------------------------------- kernel evaluation

@@ -36,7 +36,7 @@ class AttentionInputs:
 
     @property
     def traced_scale(self) -> bool:
-        """Whether `scale` is a traced array, which the kernels apply through a score_mod (`traced_scale_mod`)."""
+        """Whether `scale` is a traced array, which the kernels apply through a score_mod (`affine_score_mod`)."""
         return not isinstance(self.scale, float)
 
     @property

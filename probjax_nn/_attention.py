@@ -21,7 +21,7 @@ from jax.tree_util import Partial
 from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
-from probjax_kernels._hooks import broadcast_lookup
+from probjax_kernels._hooks import affine_score_mod, broadcast_lookup
 from probjax_kernels._inputs import (
     MAX_HEAD_DIM, AttentionInputs, check_dropout, check_dropout_rate, check_flag, check_inputs,
 )
@@ -92,7 +92,7 @@ def _flex(call: _Call):
     block_mask = create_block_mask(and_masks(*mods), batch, num_heads, q_len, kv_len) if mods else None
     score_mod = call.score_mod
     if i.bias is not None:
-        score_mod = Partial(_biased_score_mod, i.bias, score_mod)
+        score_mod = affine_score_mod(bias=i.bias, score_mod=score_mod)
     return _with_residual(call, flex_attention(
         i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, return_lse=call.return_residual, config=call.flash,
         dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
@@ -111,11 +111,6 @@ def _window_mask(left, right, b, h, q_idx, kv_idx):
 
 def _query_length_mask(q_lengths, b, h, q_idx, kv_idx):
     return (q_idx < q_lengths[b]) & (kv_idx >= 0)
-
-
-def _biased_score_mod(bias, score_mod, score, b, h, q_idx, kv_idx):
-    score = score + broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
-    return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
 
 
 def _cudnn(call: _Call):
