@@ -7,19 +7,32 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   inputs normalised: bias and mask 4-D with 1 on broadcast axes, the scale a float, the window a
   `(left, right)` pair. `allowed_dtypes` and `max_head_dim` state what the caller's implementation computes.
 - `check_dropout(dropout_rate, dropout_seed)`: the dropout seed as a uint32 scalar (None without dropout);
-  a rate without a seed is a `ValueError`.
+  a rate without a seed is a `ValueError`. `check_dropout_rate(dropout_rate)`: the rate as a Python float in
+  [0, 1) (a traced rate is a `TypeError`: the kernels compile it). `check_flag(name, value)`: a Python bool
+  such as `causal`, else a `TypeError` naming `name`.
 - `AttentionInputs`: the checked inputs, with `.shape = (B, T, S, N, K, D)`.
 - `attention_from_inputs(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate,
   dropout_seed) -> (out, lse)`: dense softmax attention in plain jnp on checked inputs (out `[B, T, N, D]` in
   q's dtype, lse `[B, N, T]`), with the kernels' masking conventions and dropout keep mask, so that it agrees
   with them exactly; `probjax_nn.attention`'s XLA implementation.
+- `affine_score_mod(scale, bias, score_mod)`: the score_mod `score_mod(scale * score + bias[b, h, q_idx,
+  kv_idx])`, how a traced scale or a dense bias reaches `flex_attention`; `broadcast_lookup(array, b, h,
+  q_idx, kv_idx)`: `array[b, h, q_idx, kv_idx]` of a `[B|1, N|1, T|1, S|1]` array (a dense mask as a
+  mask_mod).
 - `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take.
 """
 
+from probjax_kernels._hooks import affine_score_mod as affine_score_mod
+from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
 from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from probjax_kernels._inputs import AttentionInputs as AttentionInputs
 from probjax_kernels._inputs import check_dropout as check_dropout
+from probjax_kernels._inputs import check_dropout_rate as check_dropout_rate
+from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
 
-__all__ = ["MAX_HEAD_DIM", "AttentionInputs", "attention_from_inputs", "check_dropout", "check_inputs"]
+__all__ = [
+    "MAX_HEAD_DIM", "AttentionInputs", "affine_score_mod", "attention_from_inputs", "broadcast_lookup",
+    "check_dropout", "check_dropout_rate", "check_flag", "check_inputs",
+]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_nn.benchmark._command import CONFIG_KEYS
+from probjax_nn.benchmark._report import CONFIG_KEYS, load_report
 from probjax_nn.benchmark._impls import FLOATS, IMPLS, MODES, SEED_IMPLS, SEED_MODES, Case, Impl, reference_outputs
 from probjax_nn.benchmark._timing import attention_flops, time_steps
 
@@ -78,7 +78,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--append", action="store_true", help="keep the rows already in --output")
     parser.add_argument("--tag", default=None, help="free text stored in every row")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = _output_problem(pathlib.Path(args.output), args.append)
+    if problem is not None:
+        parser.error(problem)
+    return args
+
+
+def _output_problem(path: pathlib.Path, append: bool) -> str | None:
+    """Why --output (with --append) cannot take the rows, as a usage error's message; None when it can.
+    Checked before the first row is measured, which may take minutes."""
+    if path.is_dir():
+        return f"argument --output: {path} is a folder; name a file in it, e.g. {path / 'results.json'}"
+    folder = next(parent for parent in path.parents if parent.exists())  # "." or "/" at the latest
+    if not folder.is_dir():
+        return f"argument --output: {folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"argument --output: cannot write in {folder}"
+    if append and path.exists():
+        try:
+            load_report(path)
+        except (OSError, ValueError) as error:
+            return f"argument --append: {error}; --append adds rows to a file that this benchmark wrote"
+    return None
 
 
 def config_of(args: argparse.Namespace) -> dict:
@@ -125,7 +147,7 @@ class Report:
         self.config = config_of(args)
         self.results: list[dict] = []
         if args.append and self.path.exists():
-            self._keep_old_rows(json.loads(self.path.read_text()))
+            self._keep_old_rows(load_report(self.path))
 
     def _keep_old_rows(self, old: dict) -> None:
         """Keeps old's rows; list-valued config keys become the union, so the config covers every row."""
