@@ -184,3 +184,52 @@ def test_bad_arguments():
         call(layout="zigzag")
     with pytest.raises(ValueError, match="strategy='tree'"):
         call(strategy="tree")
+
+
+def _modules(config):
+    """(params, apply(params, inputs)) of Equinox's MultiheadAttention (unbatched, under vmap) and NNX's
+    FlexAttention with learnable ALiBi (slopes' gradients too); the same weights for any config. Linen's and
+    NNX's MultiHeadAttention reach `attention` through the same AttentionFunction as NNX's FlexAttention."""
+    from flax import nnx
+
+    from probjax_nn import equinox as pe
+    from probjax_nn import nnx as pn
+
+    features, heads = 32, 4
+    eqx_module = pe.MultiheadAttention(heads, features, attention_impl=config, key=jax.random.key(1))
+    flex = pn.FlexAttention(heads, features, score_mod=pn.ALiBi(heads), attention_impl=config, rngs=nnx.Rngs(2),
+                            decode=False)
+    graph, state = nnx.split(flex)
+    return {
+        "equinox": (eqx_module, lambda m, x: jax.vmap(lambda x: m(x, x, x))(x)),
+        "nnx_flex": (state, lambda state, x: nnx.merge(graph, state)(x, is_causal=True)),
+    }
+
+
+def test_modules_context_parallel():
+    """Modules under `jax.set_mesh` with `AttentionConfig(context_axis=...)` give the unsharded outputs and
+    parameter gradients, with the batch on a second mesh axis."""
+    import equinox as eqx
+
+    from probjax_nn import AttentionConfig
+
+    plain = _modules(AttentionConfig(impl="xla"))
+    sharded = _modules(AttentionConfig(impl="xla", context_axis="sp"))
+    mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jax.random.normal(jax.random.key(7), (2, 32, 32), jnp.float32)
+
+    def loss(apply, params, x):
+        return jnp.sum(jnp.sin(apply(params, x)))
+
+    for name in plain:
+        value_and_grad = lambda entry: eqx.filter_value_and_grad(functools.partial(loss, entry[1]))  # noqa: E731
+        expected, expected_grads = value_and_grad(plain[name])(plain[name][0], x)
+        with jax.set_mesh(mesh):
+            step = eqx.filter_jit(value_and_grad(sharded[name]))
+            placed = jax.device_put(x, P("data"))
+            assert "ppermute" in str(eqx.filter_make_jaxpr(step)(sharded[name][0], placed)[0]), name
+            value, grads = step(sharded[name][0], placed)
+        np.testing.assert_allclose(value, expected, rtol=1e-5, err_msg=name)
+        leaves = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))  # noqa: E731
+        for actual, wanted in zip(leaves(grads), leaves(expected_grads), strict=True):
+            assert_close(actual, wanted, jnp.float32, name)
