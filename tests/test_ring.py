@@ -233,3 +233,37 @@ def test_modules_context_parallel():
         leaves = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))  # noqa: E731
         for actual, wanted in zip(leaves(grads), leaves(expected_grads), strict=True):
             assert_close(actual, wanted, jnp.float32, name)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_ring_lowers_for_cuda(hooks):
+    """The schedule around the Triton kernels lowers for CUDA on 4 abstract H100s: the flash path (zigzag,
+    causal) with shard_map's default varying-axes checks, the flex path (a captured table, a window) without
+    them (hooks traced at unvarying indices then meet the varying global positions)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from probjax_kernels import FlashConfig
+
+    mesh = AbstractMesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                        abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
+    config = FlashConfig(backend="triton")
+    table = jax.ShapeDtypeStruct((4, 1023), jnp.float32)
+
+    def loss(q, k, v, table):
+        def attend(q, k, v, table):
+            if not hooks:
+                return ring_attention(q, k, v, axis_name="sp", layout="zigzag", causal=True, config=config)
+            return ring_attention(q, k, v, axis_name="sp", window=100, config=config,
+                                  score_mod=lambda s, b, h, i, j: s + table[h, j - i + 511])
+
+        out = jax.shard_map(attend, mesh=mesh, in_specs=(SEQ, SEQ, SEQ, P()), out_specs=SEQ,
+                            check_vma=not hooks)(q, k, v, table)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    with use_abstract_mesh(mesh):
+        text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(q, kv, kv, table).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv",
+                 "collective_permute"):
+        assert name in text, name
