@@ -252,23 +252,18 @@ def _merge(out, lse, out_b, lse_b):
     return out * weight(lse) + out_b.astype(jnp.float32) * weight(lse_b), new
 
 
-def _like(x, shape, dtype, fill=0.0):
-    """A constant array that varies over the mesh axes x varies over (lax.switch / fori_loop need one type)."""
-    value = jnp.full(shape, fill, dtype)
-    varying = tuple(jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(value, varying, to="varying") if varying else value
-
-
 def _vma_union(*xs):
+    """The mesh axes any of xs varies over (inside shard_map with its varying-axes checks; else none)."""
     return tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))))
 
 
 def _pvary(x, axes):
+    """x marked as varying over `axes`: lax.switch / cond / fori_loop need one type in every branch."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _source(problem: _Ring, step, i, n):
+def _source(step, i, n):
     """The device whose keys device i holds at `step` (blocks move one device forward per step)."""
     return (i - step) % n
 
@@ -277,7 +272,7 @@ def _send(tree, axis_name: str, n: int):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, [(d, (d + 1) % n) for d in range(n)]), tree)
 
 
-def _gathered(problem: _Ring, kv: dict, n: int):
+def _gathered(problem: _Ring, kv: dict):
     """K/V (and kv segment ids) of every device, `[B, n * S, ...]`, gathered once."""
     return jax.tree.map(lambda x: lax.all_gather(x, problem.axis_name, axis=1, tiled=True), kv)
 
@@ -286,17 +281,10 @@ def _take(gathered: dict, j, shard_kv: int):
     return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * shard_kv, shard_kv, axis=1), gathered)
 
 
-def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
-    """(out float32 `[B, T, N, D]`, lse `[B, N, T]`) of device i's queries against device j's keys, padded
-    to the whole shard; zeros and -inf where nothing is visible (the kernel then does not run)."""
+def _schedule_pair(problem: _Ring, q, kv, q_seg, i, j, n, compute, empty):
+    """`compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments)` for the kind of pair that device
+    i's queries make with device j's keys, or `empty()` where nothing is visible (no kernel runs)."""
     shard_q, shard_kv = q.shape[1], kv["k"].shape[1]
-    score_consts, mask_consts = consts
-    varying = _vma_union(q, kv["k"])
-    batch, _, num_heads, head_dim = q.shape
-
-    def empty():
-        return (_pvary(jnp.zeros((batch, shard_q, num_heads, head_dim), jnp.float32), varying),
-                _pvary(jnp.full((batch, num_heads, shard_q), -jnp.inf, jnp.float32), varying))
 
     def branch(q_part, kv_part, causal_local):
         def run():
@@ -305,25 +293,37 @@ def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
             segments = None
             if problem.has_segments:
                 segments = (q_seg[:, q_part.lo:q_part.hi], kv["seg"][:, kv_part.lo:kv_part.hi])
-
-            def compute():
-                out, lse = _block(
-                    problem, q[:, q_part.lo:q_part.hi], kv["k"][:, kv_part.lo:kv_part.hi],
-                    kv["v"][:, kv_part.lo:kv_part.hi], segments, score_consts, mask_consts, q_pos, kv_pos,
-                    causal_local,
-                )
-                rows = ((0, 0), (q_part.lo, shard_q - q_part.hi))
-                out = jnp.pad(out.astype(jnp.float32), (*rows, (0, 0), (0, 0)))
-                lse = jnp.pad(lse, ((0, 0), (0, 0), rows[1]), constant_values=-jnp.inf)
-                return _pvary(out, varying), _pvary(lse, varying)
-
             visible = _visible(problem, q_pos, kv_pos, q_part.hi - q_part.lo, kv_part.hi - kv_part.lo, segments)
-            return lax.cond(visible, compute, empty)
+            pair = functools.partial(compute, q_part, kv_part, causal_local, q_pos, kv_pos, segments)
+            return lax.cond(visible, pair, empty)
 
         return run
 
     branches = [empty] + [branch(*kind) for kind in problem.blocks(shard_q, shard_kv)]
     return lax.switch(problem.kind(i, j), branches)
+
+
+def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
+    """(out float32 `[B, T, N, D]`, lse `[B, N, T]`) of device i's queries against device j's keys, padded
+    to the whole shard; zeros and -inf where nothing is visible."""
+    score_consts, mask_consts = consts
+    varying = _vma_union(q, kv["k"])
+    batch, shard_q, num_heads, head_dim = q.shape
+
+    def empty():
+        return (_pvary(jnp.zeros((batch, shard_q, num_heads, head_dim), jnp.float32), varying),
+                _pvary(jnp.full((batch, num_heads, shard_q), -jnp.inf, jnp.float32), varying))
+
+    def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
+        rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
+        out, lse = _block(problem, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], segments, score_consts,
+                          mask_consts, q_pos, kv_pos, causal_local)
+        padding = (q_part.lo, shard_q - q_part.hi)
+        out = jnp.pad(out.astype(jnp.float32), ((0, 0), padding, (0, 0), (0, 0)))
+        lse = jnp.pad(lse, ((0, 0), (0, 0), padding), constant_values=-jnp.inf)
+        return _pvary(out, varying), _pvary(lse, varying)
+
+    return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, empty)
 
 
 def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts):
@@ -339,12 +339,12 @@ def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts):
         def step(s, carry):
             kv, out, lse = carry
             incoming = _send(kv, problem.axis_name, n)  # in flight while the kernel runs on `kv`
-            out_b, lse_b = _block_forward(problem, q, kv, q_seg, consts, i, _source(problem, s, i, n), n)
+            out_b, lse_b = _block_forward(problem, q, kv, q_seg, consts, i, _source(s, i, n), n)
             return (incoming, *_merge(out, lse, out_b, lse_b))
 
         _, out, lse = lax.fori_loop(0, n, step, (kv, out, lse))
     else:
-        gathered = _gathered(problem, kv, n)
+        gathered = _gathered(problem, kv)
 
         def step(j, carry):
             out_b, lse_b = _block_forward(problem, q, _take(gathered, j, k.shape[1]), q_seg, consts, i, j, n)
@@ -370,42 +370,29 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
         return z(q), z(kv["k"]), z(kv["v"]), tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts
                                                     if _differentiable(c))
 
-    def branch(q_part, kv_part, causal_local):
-        def run():
-            q_pos = _positions(problem.layout, i, shard_q, n, q_part)
-            kv_pos = _positions(problem.layout, j, shard_kv, n, kv_part)
-            segments = None
-            if problem.has_segments:
-                segments = (q_seg[:, q_part.lo:q_part.hi], kv["seg"][:, kv_part.lo:kv_part.hi])
-            qs, ks = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
+    def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
+        rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
 
-            def compute():
-                def block(q, k, v, moving):
-                    return _block(problem, q, k, v, segments, _with_moving(score_consts, moving), mask_consts,
-                                  q_pos, kv_pos, causal_local)
+        def block(q, k, v, moving):
+            return _block(problem, q, k, v, segments, _with_moving(score_consts, moving), mask_consts, q_pos,
+                          kv_pos, causal_local)
 
-                moving = tuple(c for c in score_consts if _differentiable(c))
-                (out_b, lse_b), vjp = jax.vjp(block, q[:, qs], kv["k"][:, ks], kv["v"][:, ks], moving)
-                rows_lse, rows_delta, rows_dlse = lse[:, :, qs], delta[:, :, qs], d_lse[:, :, qs]
-                rows_dout = d_out[:, qs].astype(jnp.float32)
-                finite = jnp.isfinite(lse_b) & jnp.isfinite(rows_lse)
-                weight = jnp.where(finite, jnp.exp(lse_b - jnp.where(finite, rows_lse, 0.0)), 0.0)
-                d_out_b = rows_dout * jnp.swapaxes(weight, 1, 2)[..., None]
-                own = jnp.einsum("btnd,btnd->bnt", rows_dout, out_b.astype(jnp.float32))
-                d_lse_b = weight * (own - rows_delta + rows_dlse)
-                dq, dk, dv, d_consts = vjp((d_out_b.astype(out_b.dtype), d_lse_b))
-                dq = jnp.pad(dq.astype(jnp.float32), ((0, 0), (q_part.lo, shard_q - q_part.hi), (0, 0), (0, 0)))
-                pad_kv = ((0, 0), (kv_part.lo, shard_kv - kv_part.hi), (0, 0), (0, 0))
-                dk, dv = (jnp.pad(x.astype(jnp.float32), pad_kv) for x in (dk, dv))
-                return _pvary(dq, varying), _pvary(dk, varying), _pvary(dv, varying), tuple(d_consts)
+        moving = tuple(c for c in score_consts if _differentiable(c))
+        (out_b, lse_b), vjp = jax.vjp(block, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], moving)
+        row_lse = lse[:, :, rows]
+        row_d_out = d_out[:, rows].astype(jnp.float32)
+        finite = jnp.isfinite(lse_b) & jnp.isfinite(row_lse)
+        weight = jnp.where(finite, jnp.exp(lse_b - jnp.where(finite, row_lse, 0.0)), 0.0)  # w_j `[B, N, Tq]`
+        d_out_b = row_d_out * jnp.swapaxes(weight, 1, 2)[..., None]
+        own = jnp.einsum("btnd,btnd->bnt", row_d_out, out_b.astype(jnp.float32))
+        d_lse_b = weight * (own - delta[:, :, rows] + d_lse[:, :, rows])
+        dq, dk, dv, d_consts = vjp((d_out_b.astype(out_b.dtype), d_lse_b))
+        dq = jnp.pad(dq.astype(jnp.float32), ((0, 0), (q_part.lo, shard_q - q_part.hi), (0, 0), (0, 0)))
+        pad_kv = ((0, 0), (kv_part.lo, shard_kv - kv_part.hi), (0, 0), (0, 0))
+        dk, dv = (jnp.pad(x.astype(jnp.float32), pad_kv) for x in (dk, dv))
+        return _pvary(dq, varying), _pvary(dk, varying), _pvary(dv, varying), tuple(d_consts)
 
-            visible = _visible(problem, q_pos, kv_pos, q_part.hi - q_part.lo, kv_part.hi - kv_part.lo, segments)
-            return lax.cond(visible, compute, zeros)
-
-        return run
-
-    branches = [zeros] + [branch(*kind) for kind in problem.blocks(shard_q, shard_kv)]
-    return lax.switch(problem.kind(i, j), branches)
+    return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, zeros)
 
 
 def _backward(problem: _Ring, res, cotangents):
@@ -425,7 +412,7 @@ def _backward(problem: _Ring, res, cotangents):
         def step(s, carry):
             kv, dkv, dq, d_consts = carry
             incoming = _send(kv, problem.axis_name, n)
-            dq_b, dk_b, dv_b, dc_b = _block_backward(problem, q, kv, q_seg, consts, i, _source(problem, s, i, n),
+            dq_b, dk_b, dv_b, dc_b = _block_backward(problem, q, kv, q_seg, consts, i, _source(s, i, n),
                                                      n, cot)
             dkv = _send(add(dkv, (dk_b, dv_b)), problem.axis_name, n)  # home after n sends
             return incoming, dkv, dq + dq_b, add(d_consts, dc_b)
@@ -433,7 +420,7 @@ def _backward(problem: _Ring, res, cotangents):
         dkv = tuple(_pvary(jnp.zeros(x.shape, jnp.float32), varying) for x in (k, v))
         _, (dk, dv), dq, d_consts = lax.fori_loop(0, n, step, (kv, dkv, dq, d_consts))
     else:
-        gathered = _gathered(problem, kv, n)
+        gathered = _gathered(problem, kv)
         shard_kv = k.shape[1]
 
         def step(j, carry):
