@@ -172,7 +172,8 @@ def attention(
         others["q_segment_ids"] = _pad_axis(q_segment_ids, 1, t_pad)
         others["kv_segment_ids"] = _pad_axis(kv_segment_ids, 1, s_pad)
     if features.dropout_rate > 0:
-        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(())
+        seed_shape = () if features.dropout_positions is None else (5,)  # _dropout.positional_seed's
+        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(seed_shape)
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)

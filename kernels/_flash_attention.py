@@ -6,6 +6,7 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dropout import positional_seed
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._problem import Features
 
@@ -28,6 +29,7 @@ def flash_attention(
     return_lse: bool = False,
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    _dropout_positions=None,
 ):
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
 
@@ -67,11 +69,22 @@ def flash_attention(
     if causal:
         right = 0 if right is None else min(right, 0)
     features = Features(
-        scale=inputs.scale, window_left=left, window_right=right, dropout_rate=float(dropout_rate)
+        scale=inputs.scale, window_left=left, window_right=right, dropout_rate=float(dropout_rate),
+        **_positional_dropout(_dropout_positions, dropout_rate),
     )
+    if _dropout_positions is not None and dropout_rate:
+        dropout_seed = positional_seed(dropout_seed, _dropout_positions)
     out, lse = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=inputs.bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
         kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed,
     )
     return (out, lse) if return_lse else out
+
+
+def _positional_dropout(positions, dropout_rate) -> dict:
+    """`Features` fields for a keep mask on global positions (`ring_attention`'s shards; see
+    `_dropout.positional_seed`); `positions` is private to probjax_kernels."""
+    if positions is None or not dropout_rate:
+        return {}
+    return {"dropout_positions": (positions[0][0], positions[1][0])}

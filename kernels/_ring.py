@@ -18,7 +18,8 @@ recomputed to get (out_j, lse_j); memory per device stays O(L/n) (two blocks of 
 Layouts: `"contiguous"` gives device i positions [i C, (i+1) C); `"zigzag"` cuts the sequence into 2n chunks
 of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, windows and causal masks see
 global positions: every block maps its local indices to global ones through 0-d int32 offsets that the
-wrapped hooks capture (kernel inputs, as any captured array).
+wrapped hooks capture (kernel inputs, as any captured array); dropout's keep mask gets the same offsets
+beside its seed (`_dropout.positional_seed`), so the same weights drop as in the unsharded call.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from probjax_kernels._config import FlashConfig
 from probjax_kernels._flash_attention import flash_attention
 from probjax_kernels._flex_attention import _example_indices, flex_attention
 from probjax_kernels._hooks import Hook, trace_hook
-from probjax_kernels._inputs import check_config, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._reference import attention_from_inputs
 
 Layout = Literal["contiguous", "zigzag"]
@@ -130,7 +131,8 @@ class _Ring:
     score_mod: Hook | None
     mask_mod: Hook | None
     config: FlashConfig | None
-    backend: str  # "kernel": flash / flex kernels; "reference": plain jnp (probjax_nn's impl="xla")
+    backend: str
+    dropout_rate: float = 0.0  # "kernel": flash / flex kernels; "reference": plain jnp (probjax_nn's impl="xla")
 
     @property
     def positional(self) -> bool:
@@ -190,8 +192,15 @@ def _call_hook(hook: Hook, consts, *args):
     return hook.on_values(consts, *args)
 
 
-def _block(problem: _Ring, q, k, v, segments, score_consts, mask_consts, q_pos, kv_pos, causal_local: bool):
-    """(out in q's dtype, lse float32 `[B, N, Tq]`) of one (query block, key block) pair."""
+def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_local: bool):
+    """(out in q's dtype, lse float32 `[B, N, Tq]`) of one (query block, key block) pair; `consts` are
+    (score_mod's arrays, mask_mod's arrays, the dropout seed)."""
+    score_consts, mask_consts, dropout_seed = consts
+    dropout = {}
+    if problem.dropout_rate:
+        positions = tuple((p.split, p.first, p.second) for p in (q_pos, kv_pos))
+        dropout = dict(dropout_rate=problem.dropout_rate, dropout_seed=dropout_seed)
+        dropout["dropout_positions" if problem.backend == "reference" else "_dropout_positions"] = positions
     mask_mod = _allowed(problem, q_pos, kv_pos, segments, mask_consts)
     score_mod = None
     if problem.score_mod is not None:
@@ -200,11 +209,11 @@ def _block(problem: _Ring, q, k, v, segments, score_consts, mask_consts, q_pos, 
 
     if problem.backend == "reference":
         inputs = check_inputs(q, k, v, scale=problem.scale)
-        return attention_from_inputs(inputs, False, jnp.float32, score_mod=score_mod, mask_mod=mask_mod)
+        return attention_from_inputs(inputs, False, jnp.float32, score_mod=score_mod, mask_mod=mask_mod, **dropout)
     if not problem.positional:
         seg = dict(q_segment_ids=segments[0], kv_segment_ids=segments[1]) if segments is not None else {}
         return flash_attention(q, k, v, causal=causal_local, scale=problem.scale, return_lse=True,
-                               config=problem.config, **seg)
+                               config=problem.config, **seg, **dropout)
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
     per_batch = segments is not None or problem.mask_mod is not None
@@ -213,7 +222,7 @@ def _block(problem: _Ring, q, k, v, segments, score_consts, mask_consts, q_pos, 
         q_len, kv_len, block_size=_table_tile(problem.config, q_len, kv_len),
     )
     return flex_attention(q, k, v, score_mod, block_mask, scale=problem.scale, return_lse=True,
-                          config=problem.config)
+                          config=problem.config, **dropout)
 
 
 def _table_tile(config: FlashConfig | None, q_len: int, kv_len: int) -> tuple[int, int]:
@@ -306,7 +315,6 @@ def _schedule_pair(problem: _Ring, q, kv, q_seg, i, j, n, compute, empty):
 def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
     """(out float32 `[B, T, N, D]`, lse `[B, N, T]`) of device i's queries against device j's keys, padded
     to the whole shard; zeros and -inf where nothing is visible."""
-    score_consts, mask_consts = consts
     varying = _vma_union(q, kv["k"])
     batch, shard_q, num_heads, head_dim = q.shape
 
@@ -316,8 +324,8 @@ def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
 
     def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
         rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
-        out, lse = _block(problem, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], segments, score_consts,
-                          mask_consts, q_pos, kv_pos, causal_local)
+        out, lse = _block(problem, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], segments, consts, q_pos,
+                          kv_pos, causal_local)
         padding = (q_part.lo, shard_q - q_part.hi)
         out = jnp.pad(out.astype(jnp.float32), ((0, 0), padding, (0, 0), (0, 0)))
         lse = jnp.pad(lse, ((0, 0), (0, 0), padding), constant_values=-jnp.inf)
@@ -326,11 +334,11 @@ def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
     return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, empty)
 
 
-def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts):
+def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
     """(out in q's dtype, lse float32 `[B, N, T]`) of the whole schedule, on one device's shard."""
     n, i = lax.axis_size(problem.axis_name), lax.axis_index(problem.axis_name)
     kv = {"k": k, "v": v, **({"seg": kv_seg} if problem.has_segments else {})}
-    consts = (score_consts, mask_consts)
+    consts = (score_consts, mask_consts, dropout_seed)
     batch, shard_q, num_heads, head_dim = q.shape
     varying = _vma_union(q, k)
     out = _pvary(jnp.zeros((batch, shard_q, num_heads, head_dim), jnp.float32), varying)
@@ -362,7 +370,7 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
     the block's own vjp with the cotangents of the merge (module docstring); zeros where nothing is visible."""
     d_out, d_lse, lse, delta = cot
     shard_q, shard_kv = q.shape[1], kv["k"].shape[1]
-    score_consts, mask_consts = consts
+    score_consts, mask_consts, dropout_seed = consts
     varying = _vma_union(q, kv["k"], d_out)
 
     def zeros():
@@ -374,8 +382,8 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
         rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
 
         def block(q, k, v, moving):
-            return _block(problem, q, k, v, segments, _with_moving(score_consts, moving), mask_consts, q_pos,
-                          kv_pos, causal_local)
+            return _block(problem, q, k, v, segments, (_with_moving(score_consts, moving), mask_consts,
+                                                        dropout_seed), q_pos, kv_pos, causal_local)
 
         moving = tuple(c for c in score_consts if _differentiable(c))
         (out_b, lse_b), vjp = jax.vjp(block, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], moving)
@@ -396,13 +404,13 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
 
 
 def _backward(problem: _Ring, res, cotangents):
-    q, k, v, score_consts, q_seg, kv_seg, mask_consts, out, lse = res
+    q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed, out, lse = res
     d_out, d_lse = cotangents
     n, i = lax.axis_size(problem.axis_name), lax.axis_index(problem.axis_name)
     delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
     cot = (d_out, d_lse, lse, delta)
-    consts = (score_consts, mask_consts)
+    consts = (score_consts, mask_consts, dropout_seed)
     varying = _vma_union(q, k, d_out)
     dq = _pvary(jnp.zeros(q.shape, jnp.float32), varying)
     d_consts = tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts if _differentiable(c))
@@ -447,7 +455,7 @@ def _backward(problem: _Ring, res, cotangents):
         for c, d in zip(moving, d_consts)
     )
     d_consts = tuple(next(d_moving) if _differentiable(c) else None for c in score_consts)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_consts, None, None, None)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_consts, None, None, None, None)
 
 
 def _differentiable(x) -> bool:
@@ -461,13 +469,13 @@ def _with_moving(consts, moving):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts):
-    return _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts)
+def _ring(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
+    return _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed)
 
 
-def _ring_fwd(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts):
-    out, lse = _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts)
-    return (out, lse), (q, k, v, score_consts, q_seg, kv_seg, mask_consts, out, lse)
+def _ring_fwd(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
+    out, lse = _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed)
+    return (out, lse), (q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed, out, lse)
 
 
 _ring.defvjp(_ring_fwd, _backward)
@@ -526,8 +534,8 @@ def ring_attention(
       shards): as in `flash_attention`, on global positions.
     - `score_mod(score, b, h, q_idx, kv_idx)`, `mask_mod(b, h, q_idx, kv_idx)`: as in `flex_attention`,
       called with global positions (the original ones under zigzag) and the local batch index.
-    - `dropout_rate`, `dropout_seed`: not yet supported (NotImplementedError); the keep mask hashes global
-      positions, which the kernels do not receive yet.
+    - `dropout_rate`, `dropout_seed`: attention dropout with the keep mask of the unsharded call (the kernels
+      hash global positions: the same weights drop as in `flash_attention` on the gathered arrays).
     - `return_lse`: also return lse `[B, N, T]` float32.
     - `config`: the kernels' `FlashConfig`.
 
@@ -537,13 +545,10 @@ def ring_attention(
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}.")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
-    if dropout_rate:
-        raise NotImplementedError(
-            "ring_attention does not support dropout yet: the kernels' keep mask needs global positions."
-        )
     check_config(config)
     inputs = check_inputs(q, k, v, scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                          window=window)
+                          window=window, dropout_rate=dropout_rate)
+    dropout_seed = check_dropout(dropout_rate, dropout_seed)
     shard_q, shard_kv = inputs.q.shape[1], inputs.k.shape[1]
     if causal and shard_q != shard_kv:
         raise ValueError(f"causal ring_attention needs equal query and key shards, got T={shard_q}, S={shard_kv}.")
@@ -557,8 +562,8 @@ def ring_attention(
     problem = _Ring(
         axis_name=axis_name, layout=layout, strategy=strategy, causal=bool(causal), scale=inputs.scale,
         window=inputs.window, has_segments=inputs.q_segment_ids is not None, score_mod=score_hook,
-        mask_mod=mask_hook, config=config, backend=_backend,
+        mask_mod=mask_hook, config=config, backend=_backend, dropout_rate=float(dropout_rate),
     )
     out, lse = _ring(problem, inputs.q, inputs.k, inputs.v, score_consts, inputs.q_segment_ids,
-                     inputs.kv_segment_ids, mask_consts)
+                     inputs.kv_segment_ids, mask_consts, dropout_seed)
     return (out, lse) if return_lse else out

@@ -409,7 +409,7 @@ def _context_parallel(config: AttentionConfig, name: str, call: _Call):
     i, axis = call.inputs, config.context_axis
     for feature, present in (("bias", i.bias is not None), ("mask", i.mask is not None),
                              ("query_seq_lengths", i.q_lengths is not None),
-                             ("key_value_seq_lengths", i.kv_lengths is not None), ("dropout", call.dropout_rate > 0)):
+                             ("key_value_seq_lengths", i.kv_lengths is not None)):
         if present:
             raise NotImplementedError(
                 f"context parallelism (context_axis={axis!r}) does not support {feature}; express masks as a "
@@ -420,7 +420,8 @@ def _context_parallel(config: AttentionConfig, name: str, call: _Call):
     attend = functools.partial(
         ring_attention, axis_name=axis, layout=config.context_layout, strategy=config.context_strategy,
         causal=call.causal, scale=i.scale, window=i.window, score_mod=call.score_mod, mask_mod=call.mask_mod,
-        return_lse=True, config=call.flash, _backend="reference" if name == "xla" else "kernel",
+        return_lse=True, config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        _backend="reference" if name == "xla" else "kernel",
     )
     mesh = jax.sharding.get_abstract_mesh()
     if axis in mesh.manual_axes:

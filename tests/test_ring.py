@@ -116,8 +116,9 @@ def test_kernels_zigzag_ring_causal_gqa_documents():
 
 
 def test_kernels_allgather_hooks_see_global_positions():
-    """Flex kernel per block: a relative-position table (captured, with its gradient), a mask_mod and a
-    window, all on global positions, with the all-gather schedule on 4 devices, contiguous, not causal."""
+    """Flex kernel per block: a relative-position table (captured, with its gradient), a mask_mod, a window
+    and dropout (the unsharded call's keep mask), all on global positions, with the all-gather schedule on 4
+    devices, contiguous, not causal."""
     n, length, heads = 4, 64, 2
     q, k, v = random_qkv(1, 1, length, length, heads, 2, 16)
     table = jax.random.normal(jax.random.key(3), (heads, 2 * length - 1), jnp.float32)
@@ -134,7 +135,7 @@ def test_kernels_allgather_hooks_see_global_positions():
         def fn(q, k, v):
             return ring_attention(q, k, v, axis_name="sp", strategy="allgather", window=(9, 20),
                                   score_mod=functools.partial(score_mod, table), mask_mod=mask_mod,
-                                  return_lse=True)
+                                  dropout_rate=0.25, dropout_seed=11, return_lse=True)
         _, ring = _sharded(n, fn, check_vma=False)
         out, lse = ring(q, k, v)
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
@@ -145,7 +146,7 @@ def test_kernels_allgather_hooks_see_global_positions():
 
         block_mask = create_block_mask(both, None, None, length, length, block_size=16)
         out, lse = flex_attention_reference(q, k, v, functools.partial(score_mod, table), block_mask,
-                                            return_lse=True)
+                                            dropout_rate=0.25, dropout_seed=11, return_lse=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(ring_loss, (0, 1, 2, 3), has_aux=True))(table, q, k, v)
@@ -238,7 +239,7 @@ def test_modules_context_parallel():
 @pytest.mark.parametrize("hooks", [False, True])
 def test_ring_lowers_for_cuda(hooks):
     """The schedule around the Triton kernels lowers for CUDA on 4 abstract H100s: the flash path (zigzag,
-    causal) with shard_map's default varying-axes checks, the flex path (a captured table, a window) without
+    causal, dropout on global positions) with shard_map's default varying-axes checks, the flex path (a captured table, a window) without
     them (hooks traced at unvarying indices then meet the varying global positions)."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
@@ -252,7 +253,8 @@ def test_ring_lowers_for_cuda(hooks):
     def loss(q, k, v, table):
         def attend(q, k, v, table):
             if not hooks:
-                return ring_attention(q, k, v, axis_name="sp", layout="zigzag", causal=True, config=config)
+                return ring_attention(q, k, v, axis_name="sp", layout="zigzag", causal=True, config=config,
+                                      dropout_rate=0.1, dropout_seed=3)
             return ring_attention(q, k, v, axis_name="sp", window=100, config=config,
                                   score_mod=lambda s, b, h, i, j: s + table[h, j - i + 511])
 
@@ -267,3 +269,20 @@ def test_ring_lowers_for_cuda(hooks):
     for name in ("probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv",
                  "collective_permute"):
         assert name in text, name
+
+
+def test_attention_context_parallel_dropout_zigzag():
+    """`probjax_nn.attention` with a zigzag context axis and dropout drops the unsharded call's weights (the
+    tokens laid out by `zigzag_permutation`, the result compared in that order)."""
+    import probjax_nn
+
+    q, k, v = random_qkv(8, 2, 64, 64, 4, 2, 16)
+    order = zigzag_permutation(64, 4)
+    kwargs = dict(is_causal=True, dropout_rate=0.2, dropout_seed=5)
+    expected = probjax_nn.attention(q, k, v, impl="xla", **kwargs)
+    config = probjax_nn.AttentionConfig(impl="xla", context_axis="sp", context_layout="zigzag")
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        out = jax.jit(functools.partial(probjax_nn.attention, impl=config, **kwargs))(
+            q[:, order], k[:, order], v[:, order])
+    assert_close(out, np.asarray(expected)[:, order], jnp.float32)
