@@ -286,3 +286,23 @@ def test_attention_context_parallel_dropout_zigzag():
         out = jax.jit(functools.partial(probjax_nn.attention, impl=config, **kwargs))(
             q[:, order], k[:, order], v[:, order])
     assert_close(out, np.asarray(expected)[:, order], jnp.float32)
+
+
+def test_ring_never_holds_the_whole_key_value():
+    """Per-device memory O(L/n): the compiled forward and backward of the ring has no array of the whole
+    sequence's K/V (`[1, 64, 2, 8]` on 4 devices of 16), where the all-gather schedule has them."""
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.float32)
+
+    def compiled(strategy):
+        def loss(q, k, v):
+            attend = functools.partial(ring_attention, axis_name="sp", strategy=strategy, causal=True,
+                                       _backend="reference")
+            return jnp.sum(jax.shard_map(attend, mesh=mesh, in_specs=SEQ, out_specs=SEQ, check_vma=False)(q, k, v))
+
+        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).compile().as_text()
+
+    whole = "[1,64,2,8]"
+    assert whole not in compiled("ring")
+    assert any(whole in line and "all-gather" in line for line in compiled("allgather").splitlines())
