@@ -131,8 +131,8 @@ class _Ring:
     score_mod: Hook | None
     mask_mod: Hook | None
     config: FlashConfig | None
-    backend: str
-    dropout_rate: float = 0.0  # "kernel": flash / flex kernels; "reference": plain jnp (probjax_nn's impl="xla")
+    backend: str  # "kernel": the flash / flex kernels; "reference": plain jnp (probjax_nn's impl="xla")
+    dropout_rate: float = 0.0
 
     @property
     def positional(self) -> bool:
@@ -141,7 +141,7 @@ class _Ring:
 
     def blocks(self, shard_q: int, shard_kv: int) -> tuple[tuple[_Slice, _Slice, bool], ...]:
         """The kinds of (query rows, key rows, causal on local indices) pairs; index 0 of the schedule's
-        `lax.switch` is the empty pair, kind k its branch k + 1 (see `_kind`)."""
+        `lax.switch` is the empty pair, kind k its branch k + 1 (see `kind`)."""
         whole_q, whole_kv = _Slice(0, shard_q), _Slice(0, shard_kv)
         if not self.causal:
             return ((whole_q, whole_kv, False),)
