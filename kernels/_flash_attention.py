@@ -30,6 +30,7 @@ def flash_attention(
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     _dropout_positions=None,
+    _cotangents=None,
 ):
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
 
@@ -74,11 +75,14 @@ def flash_attention(
     )
     if _dropout_positions is not None and dropout_rate:
         dropout_seed = positional_seed(dropout_seed, _dropout_positions)
-    out, lse = _autodiff.attention(
+    result = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=inputs.bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
-        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed,
+        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed, cotangents=_cotangents,
     )
+    if _cotangents is not None:  # private to probjax_kernels: (dq, dk, dv), see `_autodiff.attention`
+        return result
+    out, lse = result
     return (out, lse) if return_lse else out
 
 

@@ -8,12 +8,13 @@ empty pairs skip the kernel (`lax.switch` on the traced device index). The parti
 their lse in float32: O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
 
 Backward (`jax.custom_vjp`): the blocks travel the ring again, each with its float32 dK / dV accumulator,
-which arrives home after n sends; no atomics, one fixed order of sums, so gradients are deterministic. A
-block's gradients are those of its own (out_j, lse_j) under the cotangents that the merge gives them:
-d out_j = w_j dO and d lse_j = w_j (rowsum(dO out_j) - delta + d lse) with w_j = exp(lse_j - lse) and
-delta = rowsum(dO O). The kernels' backward then sees delta_j = w_j (delta - d lse) and P_j w_j = exp(s - lse):
-the global probabilities, as FlashAttention-2's backward on the whole sequence. The block forward is
-recomputed to get (out_j, lse_j); memory per device stays O(L/n) (two blocks of K/V and their gradients).
+which arrives home after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
+flash path runs the backward kernels alone on the whole sequence's (O, lse, dO, d lse): probabilities
+exp(s - lse) and delta = rowsum(dO O) are then the global ones, as FlashAttention-2's backward on the whole
+sequence. Blocks with hooks or windows (the flex path) take their own (out_j, lse_j)'s vjp under the
+cotangents that the merge gives them, d out_j = w_j dO and d lse_j = w_j (rowsum(dO out_j) - delta + d lse)
+with w_j = exp(lse_j - lse): the kernels then see delta_j = w_j (delta - d lse) and P_j w_j = exp(s - lse),
+the same gradients, at the cost of the block's forward once more. Memory per device stays O(L/n).
 
 Layouts: `"contiguous"` gives device i positions [i C, (i+1) C); `"zigzag"` cuts the sequence into 2n chunks
 of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, windows and causal masks see
@@ -196,11 +197,7 @@ def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_loca
     """(out in q's dtype, lse float32 `[B, N, Tq]`) of one (query block, key block) pair; `consts` are
     (score_mod's arrays, mask_mod's arrays, the dropout seed)."""
     score_consts, mask_consts, dropout_seed = consts
-    dropout = {}
-    if problem.dropout_rate:
-        positions = tuple((p.split, p.first, p.second) for p in (q_pos, kv_pos))
-        dropout = dict(dropout_rate=problem.dropout_rate, dropout_seed=dropout_seed)
-        dropout["dropout_positions" if problem.backend == "reference" else "_dropout_positions"] = positions
+    dropout = _dropout_args(problem, dropout_seed, q_pos, kv_pos)
     mask_mod = _allowed(problem, q_pos, kv_pos, segments, mask_consts)
     score_mod = None
     if problem.score_mod is not None:
@@ -223,6 +220,15 @@ def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_loca
     )
     return flex_attention(q, k, v, score_mod, block_mask, scale=problem.scale, return_lse=True,
                           config=problem.config, **dropout)
+
+
+def _dropout_args(problem: _Ring, seed, q_pos: _Positions, kv_pos: _Positions) -> dict:
+    """The dropout arguments of one block's call: the keep mask on global positions."""
+    if not problem.dropout_rate:
+        return {}
+    positions = tuple((p.split, p.first, p.second) for p in (q_pos, kv_pos))
+    name = "dropout_positions" if problem.backend == "reference" else "_dropout_positions"
+    return {"dropout_rate": problem.dropout_rate, "dropout_seed": seed, name: positions}
 
 
 def _table_tile(config: FlashConfig | None, q_len: int, kv_len: int) -> tuple[int, int]:
@@ -368,7 +374,7 @@ def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, 
 def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
     """(dq float32 `[B, T, N, D]`, dk, dv float32 `[B, S, K, D]`, d score consts) of one pair, through
     the block's own vjp with the cotangents of the merge (module docstring); zeros where nothing is visible."""
-    d_out, d_lse, lse, delta = cot
+    out, d_out, d_lse, lse, delta = cot
     shard_q, shard_kv = q.shape[1], kv["k"].shape[1]
     score_consts, mask_consts, dropout_seed = consts
     varying = _vma_union(q, kv["k"], d_out)
@@ -386,6 +392,15 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
                                                         dropout_seed), q_pos, kv_pos, causal_local)
 
         moving = tuple(c for c in score_consts if _differentiable(c))
+        if problem.backend == "kernel" and not problem.positional:
+            # The backward kernels alone, on the whole sequence's out and lse: no block forward to recompute.
+            grads = flash_attention(
+                q[:, rows], kv["k"][:, keys], kv["v"][:, keys], causal=causal_local, scale=problem.scale,
+                config=problem.config, **_dropout_args(problem, dropout_seed, q_pos, kv_pos),
+                **({} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])),
+                _cotangents=(out[:, rows], lse[:, :, rows], d_out[:, rows], d_lse[:, :, rows]),
+            )
+            return _padded_grads(grads, q_part, kv_part, shard_q, shard_kv, varying) + ((),)
         (out_b, lse_b), vjp = jax.vjp(block, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], moving)
         row_lse = lse[:, :, rows]
         row_d_out = d_out[:, rows].astype(jnp.float32)
@@ -395,12 +410,18 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
         own = jnp.einsum("btnd,btnd->bnt", row_d_out, out_b.astype(jnp.float32))
         d_lse_b = weight * (own - delta[:, :, rows] + d_lse[:, :, rows])
         dq, dk, dv, d_consts = vjp((d_out_b.astype(out_b.dtype), d_lse_b))
-        dq = jnp.pad(dq.astype(jnp.float32), ((0, 0), (q_part.lo, shard_q - q_part.hi), (0, 0), (0, 0)))
-        pad_kv = ((0, 0), (kv_part.lo, shard_kv - kv_part.hi), (0, 0), (0, 0))
-        dk, dv = (jnp.pad(x.astype(jnp.float32), pad_kv) for x in (dk, dv))
-        return _pvary(dq, varying), _pvary(dk, varying), _pvary(dv, varying), tuple(d_consts)
+        return _padded_grads((dq, dk, dv), q_part, kv_part, shard_q, shard_kv, varying) + (tuple(d_consts),)
 
     return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, zeros)
+
+
+def _padded_grads(grads, q_part: _Slice, kv_part: _Slice, shard_q: int, shard_kv: int, varying) -> tuple:
+    """A block's (dq, dk, dv) in float32, zero-padded from its rows to the whole shards."""
+    dq, dk, dv = grads
+    dq = jnp.pad(dq.astype(jnp.float32), ((0, 0), (q_part.lo, shard_q - q_part.hi), (0, 0), (0, 0)))
+    pad_kv = ((0, 0), (kv_part.lo, shard_kv - kv_part.hi), (0, 0), (0, 0))
+    dk, dv = (jnp.pad(x.astype(jnp.float32), pad_kv) for x in (dk, dv))
+    return _pvary(dq, varying), _pvary(dk, varying), _pvary(dv, varying)
 
 
 def _backward(problem: _Ring, res, cotangents):
@@ -409,7 +430,7 @@ def _backward(problem: _Ring, res, cotangents):
     n, i = lax.axis_size(problem.axis_name), lax.axis_index(problem.axis_name)
     delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    cot = (d_out, d_lse, lse, delta)
+    cot = (out, d_out, d_lse, lse, delta)
     consts = (score_consts, mask_consts, dropout_seed)
     varying = _vma_union(q, k, d_out)
     dq = _pvary(jnp.zeros(q.shape, jnp.float32), varying)
