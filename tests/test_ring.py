@@ -188,28 +188,21 @@ def test_bad_arguments():
 
 
 def _modules(config):
-    """(params, apply(params, inputs)) of Equinox's MultiheadAttention (unbatched, under vmap) and NNX's
-    FlexAttention with learnable ALiBi (slopes' gradients too); the same weights for any config. Linen's and
-    NNX's MultiHeadAttention reach `attention` through the same AttentionFunction as NNX's FlexAttention."""
+    """(params, apply(params, inputs)) of NNX's FlexAttention with learnable ALiBi (slopes' gradients too);
+    the same weights for any config. Every module reaches `attention` through the same AttentionFunction;
+    tests/test_examples.py trains NNX, Linen and Equinox models context parallel."""
     from flax import nnx
 
-    from probjax_nn import equinox as pe
     from probjax_nn import nnx as pn
 
-    features, heads = 32, 4
-    eqx_module = pe.MultiheadAttention(heads, features, attention_impl=config, key=jax.random.key(1))
-    flex = pn.FlexAttention(heads, features, score_mod=pn.ALiBi(heads), attention_impl=config, rngs=nnx.Rngs(2),
-                            decode=False)
+    flex = pn.FlexAttention(4, 32, score_mod=pn.ALiBi(4), attention_impl=config, rngs=nnx.Rngs(2), decode=False)
     graph, state = nnx.split(flex)
-    return {
-        "equinox": (eqx_module, lambda m, x: jax.vmap(lambda x: m(x, x, x))(x)),
-        "nnx_flex": (state, lambda state, x: nnx.merge(graph, state)(x, is_causal=True)),
-    }
+    return {"nnx_flex": (state, lambda state, x: nnx.merge(graph, state)(x, is_causal=True))}
 
 
 def test_modules_context_parallel():
-    """Modules under `jax.set_mesh` with `AttentionConfig(context_axis=...)` give the unsharded outputs and
-    parameter gradients, with the batch on a second mesh axis."""
+    """A module under `jax.set_mesh` with `AttentionConfig(context_axis=...)` gives the unsharded outputs and
+    parameter gradients (a learnable hook's too), with the batch on a second, Explicit mesh axis."""
     import equinox as eqx
 
     from probjax_nn import AttentionConfig
