@@ -37,8 +37,8 @@ from jax import lax
 from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE, create_block_mask
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._flash_attention import flash_attention
-from probjax_kernels._flex_attention import _example_indices, flex_attention
-from probjax_kernels._hooks import Hook, trace_hook
+from probjax_kernels._flex_attention import flex_attention
+from probjax_kernels._hooks import Hook, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._reference import attention_from_inputs
 
@@ -509,7 +509,7 @@ def _trace(name: str, fn: Callable | None, with_score: bool):
     """(Hook, the arrays it captures) of a user hook."""
     if fn is None:
         return None, ()
-    indices = _example_indices()
+    indices = example_indices()
     args = (jnp.zeros((16, 16), jnp.float32), *indices) if with_score else indices
     hook, consts, _ = trace_hook(name, fn, args)
     return hook, tuple(consts)
@@ -570,7 +570,10 @@ def ring_attention(
     inputs = check_inputs(q, k, v, scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           window=window, dropout_rate=dropout_rate)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
-    shard_q, shard_kv = inputs.q.shape[1], inputs.k.shape[1]
+    q, scale = inputs.q, inputs.scale
+    if inputs.traced_scale:  # the schedule's static description takes a float: fold the scale into q
+        q, scale = (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(q.dtype), 1.0
+    shard_q, shard_kv = q.shape[1], inputs.k.shape[1]
     if causal and shard_q != shard_kv:
         raise ValueError(f"causal ring_attention needs equal query and key shards, got T={shard_q}, S={shard_kv}.")
     if layout == "zigzag" and (shard_q % 2 or shard_kv % 2):
@@ -581,10 +584,10 @@ def ring_attention(
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)
     problem = _Ring(
-        axis_name=axis_name, layout=layout, strategy=strategy, causal=bool(causal), scale=inputs.scale,
+        axis_name=axis_name, layout=layout, strategy=strategy, causal=bool(causal), scale=scale,
         window=inputs.window, has_segments=inputs.q_segment_ids is not None, score_mod=score_hook,
         mask_mod=mask_hook, config=config, backend=_backend, dropout_rate=float(dropout_rate),
     )
-    out, lse = _ring(problem, inputs.q, inputs.k, inputs.v, score_consts, inputs.q_segment_ids,
+    out, lse = _ring(problem, q, inputs.k, inputs.v, score_consts, inputs.q_segment_ids,
                      inputs.kv_segment_ids, mask_consts, dropout_seed)
     return (out, lse) if return_lse else out
