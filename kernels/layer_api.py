@@ -19,7 +19,8 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   kv_idx])`, how a traced scale or a dense bias reaches `flex_attention`; `broadcast_lookup(array, b, h,
   q_idx, kv_idx)`: `array[b, h, q_idx, kv_idx]` of a `[B|1, N|1, T|1, S|1]` array (a dense mask as a
   mask_mod).
-- `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take.
+- `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take. `LAYOUTS`, `STRATEGIES`: the sequence
+  layouts ("contiguous", "zigzag") and schedules ("ring", "allgather") that `ring_attention` takes.
 """
 
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
@@ -31,8 +32,10 @@ from probjax_kernels._inputs import check_dropout_rate as check_dropout_rate
 from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
+from probjax_kernels._ring import LAYOUTS as LAYOUTS
+from probjax_kernels._ring import STRATEGIES as STRATEGIES
 
 __all__ = [
-    "MAX_HEAD_DIM", "AttentionInputs", "affine_score_mod", "attention_from_inputs", "broadcast_lookup",
-    "check_dropout", "check_dropout_rate", "check_flag", "check_inputs",
+    "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
+    "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs",
 ]
