@@ -97,8 +97,8 @@ def _flex(call: _Call):
     if i.bias is not None:
         score_mod = Partial(_biased_score_mod, i.bias, score_mod)
     return _with_residual(call, flex_attention(
-        i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, return_lse=call.return_residual, config=call.flash,
-        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, enable_gqa=True, return_lse=call.return_residual,
+        config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     ))
 
 

@@ -74,7 +74,8 @@ def _flex_loss(with_dropout: bool):
 
         block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, T, T, block_size=(64, 128))
         dropout = dict(dropout_rate=0.1, dropout_seed=7) if with_dropout else {}
-        out = flex_attention(q, k, v, score_mod, block_mask, config=FlashConfig(backend="triton"), **dropout)
+        out = flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True, config=FlashConfig(backend="triton"),
+                             **dropout)
         return jnp.sum(out.astype(jnp.float32))
 
     return loss

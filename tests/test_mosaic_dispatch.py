@@ -200,15 +200,17 @@ def test_hooks_on_non_square_tiles_run_the_triton_backward():
     q, k, v = random_qkv(13, 1, 256, 256, 2, 1, 64, jnp.bfloat16)
     config = FlashConfig(backend="mosaic_interpret", block_k=64)
     score_mod = softcap(1.5)
-    fn = lambda q: flex_attention(q, k, v, score_mod, config=config)  # noqa: E731
-    assert not runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, score_mod, config=config), q, k, v)
+    fn = lambda q: flex_attention(q, k, v, score_mod, enable_gqa=True, config=config)  # noqa: E731
+    assert not runs_triton_forward(
+        lambda q, k, v: flex_attention(q, k, v, score_mod, enable_gqa=True, config=config), q, k, v)
     assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flex_attention(*a, score_mod, config=dataclasses.replace(config, block_k=64))
+        lambda config: lambda *a: jnp.sum(flex_attention(*a, score_mod, enable_gqa=True,
+                                                         config=dataclasses.replace(config, block_k=64))
                                           .astype(jnp.float32)), q, k, v
     ) == "triton"
     cotangent = jax.random.normal(jax.random.key(14), q.shape)
     grads = [jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent))(q)
-             for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod))]
+             for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod, enable_gqa=True))]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
 
 
