@@ -6,7 +6,7 @@ import jax
 
 from probjax_kernels import _autodiff, _core
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
 
 
 def flash_attention(
@@ -62,6 +62,7 @@ def flash_attention(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
+    check_kernel_shapes(inputs)
     left, right = inputs.window
     if causal:
         right = 0 if right is None else min(right, 0)

@@ -14,7 +14,7 @@ from probjax_kernels._flex_options import (
     AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
 )
 from probjax_kernels._hooks import reads_argument, trace_hook
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
 from probjax_kernels._mods import ScoreMod
 
 _EXAMPLE_TILE = 16  # hooks are checked on a (16, 16) tile, the smallest the kernels use
@@ -121,6 +121,7 @@ def flex_attention(
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
+    check_kernel_shapes(inputs)
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     check_heads(num_heads, num_kv_heads, enable_gqa)
     if aux is not None and aux.max_scores:

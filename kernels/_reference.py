@@ -61,7 +61,7 @@ def attention_from_inputs(
     dropout_seed=None,
     return_max: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, D]` in q's dtype, lse `[B, N, T]`),
+    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]`),
     and with `return_max` the row max of the masked scores `[B, N, T]` float32 (-inf where fully masked, no
     gradient).
 
@@ -73,7 +73,10 @@ def attention_from_inputs(
     q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
     k = inputs.k.astype(compute_dtype)
     v = inputs.v.astype(compute_dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=lax.Precision.HIGHEST)
+    # k / v of batch 1 are shared by every example: contract against them without repeating them.
+    kv = "skd" if inputs.kv_broadcast else "bskd"
+    k, v = (k[0], v[0]) if inputs.kv_broadcast else (k, v)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k, precision=lax.Precision.HIGHEST)
     scores = scores.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
     if inputs.bias is not None:
         scores = scores + inputs.bias.astype(compute_dtype)
@@ -96,8 +99,8 @@ def attention_from_inputs(
         keep = keep_mask(dropout_seed, *grids, dropout_rate, num_heads)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=lax.Precision.HIGHEST)
-    out = out.reshape(batch, q_len, num_heads, head_dim).astype(inputs.q.dtype)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v, precision=lax.Precision.HIGHEST)
+    out = out.reshape(batch, q_len, num_heads, inputs.value_dim).astype(inputs.q.dtype)
     lse = jnp.where(row_sum > 0, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
     lse = jnp.broadcast_to(lse, (batch, num_heads, q_len)).astype(jnp.float32)
     if return_max:
