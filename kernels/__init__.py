@@ -4,7 +4,7 @@ from probjax_kernels._block_mask import BlockMask as BlockMask
 from probjax_kernels._block_mask import create_block_mask as create_block_mask
 from probjax_kernels._block_mask import create_mask as create_mask
 from probjax_kernels._config import FlashConfig as FlashConfig
-from probjax_kernels._config import default_config as default_config
+from probjax_kernels._dispatch import default_config as default_config
 from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
 from probjax_kernels._flex_options import AuxOutput as AuxOutput

@@ -14,95 +14,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from probjax_kernels import _dispatch
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
-from probjax_kernels._config import FlashConfig, default_config
-from probjax_kernels._core import (
-    Features, _backward_dkv, _backward_dq, _fits_mosaic, _forward, _interpreted, _mosaic_hook_fn,
-    _mosaic_score_jvp_fn, _Problem, _tangent,
-    _Tangents, backward_delta, base2_lse,
-)
+from probjax_kernels._config import FlashConfig
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._mosaic_backward import dkv_smem_bytes, dq_smem_bytes, mosaic_backward_dkv, mosaic_backward_dq
-from probjax_kernels._mosaic_forward import SMEM_BYTES as MOSAIC_SMEM_BYTES
-
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
+from probjax_kernels._problem import Features, _Problem, _Tangents
+from probjax_kernels._scores import backward_delta, base2_lse
 
 
 def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels."""
-    q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
-    bias, score_consts, q_len, kv_len = res["bias"], res["score_consts"], res["q_len"], res["kv_len"]
-    tiles = _mosaic_backward_tiles(problem, q)
-    if tiles is not None:
-        return _mosaic_backward(problem, tangents, res, d_out, d_lse, tiles)
-    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
-    optional = dict(res["others"], bias=bias, score_consts=score_consts)
-    grads = {}
-    if tangents.q or tangents.bias:
-        dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, tangents.bias)
-        if tangents.q:
-            grads["q"] = dq
-        if tangents.bias:
-            broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
-            grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
-    if tangents.k or tangents.v:
-        dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
-        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels
+    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend)."""
+    grads = _dispatch.backward(problem, tangents, res, d_out, d_lse)
     if any(tangents.score_consts):
-        grads["score_consts"] = _score_const_gradients(
-            problem, q, k, v, kv_len, d_out, lse2, delta, optional, score_consts, tangents.score_consts
-        )
-    return grads
-
-
-def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
-    """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
-
-    Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
-    tiles, which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed (block_k / 2,
-    block_q) one are then the shape the hooks were vetted and traced at, and the tables' tile."""
-    if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
-        return None
-    f, cfg = problem.features, problem.config
-    if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
-        return {}
-    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
-    head_dim, tile = q.shape[3], cfg.block_q
-    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
-                                  dkv_smem_bytes(head_dim, tile, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
-        return None
-    return {"block_q": tile, "block_kv": tile}
-
-
-def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: dict) -> dict:
-    """`_backward` through the Mosaic GPU dQ and dK/dV kernels (calls that `_fits_mosaic`: no bias, dense
-    mask, segments or dropout) on the tiles of `_mosaic_backward_tiles`. The gradients of a score_mod's
-    arrays come from the same XLA pass as on Triton."""
-    q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
-    f, others = problem.features, res["others"]
-    options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
-                   interpret=_interpreted(problem), d_lse=d_lse)
-    dq_options, dkv_options = dict(tiles), dict(tiles)
-    if f.score_mod is not None or f.mask_mod is not None:
-        options.update(
-            mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
-            score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
-            score_arrays=res["score_consts"],
-        )
-    if f.block_sizes is not None:
-        dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
-    args = (q, k, v, out, lse, d_out, q_len, kv_len)
-    grads = {}
-    if tangents.q:
-        grads["q"] = mosaic_backward_dq(*args, **options, **dq_options)
-    if tangents.k or tangents.v:
-        dk, dv = mosaic_backward_dkv(*args, **options, **dkv_options)
-        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
-    if any(tangents.score_consts):
+        q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
         delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
-        optional = dict(others, bias=None, score_consts=res["score_consts"])
+        optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"])
         grads["score_consts"] = _score_const_gradients(
-            problem, q, k, v, kv_len, d_out, lse2, delta, optional, res["score_consts"], tangents.score_consts
+            problem, q, k, v, res["kv_len"], d_out, lse2, delta, optional, res["score_consts"],
+            tangents.score_consts,
         )
     return grads
 
@@ -110,7 +40,7 @@ def _mosaic_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
     """Padded inputs in, (out, lse) padded out. `others` holds the inputs without derivatives."""
-    return _forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
+    return _dispatch.forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
 
 
 def _is_zero(t) -> bool:
@@ -142,8 +72,8 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
         res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
         optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"],
                         d_bias=lin.get("bias"), d_score_consts=lin.get("score_consts", ()))
-        return _tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"], res["out"],
-                        base2_lse(res["lse"]), lin, optional)
+        return _dispatch.tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"],
+                                 res["out"], base2_lse(res["lse"]), lin, optional)
 
     def transpose(res_flat, cts):
         grads = _backward(problem, tangents, unflatten_res(res_flat), *cts)
@@ -215,7 +145,7 @@ def attention(
         # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
         raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
     d_pad = max(16, 1 << (head_dim - 1).bit_length())
-    config = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
+    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
     q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
     kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
     if features.block_sizes is not None:

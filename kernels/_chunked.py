@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._core import (
-    LN2, LOG2E, Features, _dropout_scale, _Problem, _scores, _ScoreContext, mosaic_hook_shapes,
-)
+from probjax_kernels._mosaic_common import mosaic_hook_shapes
+from probjax_kernels._problem import Features, _Problem
+from probjax_kernels._scores import LN2, LOG2E, _dropout_scale, _scores, _ScoreContext
 
 _XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk
 

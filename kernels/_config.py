@@ -1,12 +1,10 @@
-"""Kernel choices for the flash-attention core: one frozen, hashable dataclass and its per-device defaults."""
+"""Kernel choices for the flash-attention core: one frozen, hashable dataclass. Its per-device defaults
+(`default_backend`, `default_config`) are in `_dispatch.py`, with the rest of the choice of backend."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal
-
-import jax
 
 Backend = Literal["triton", "interpret", "mosaic", "mosaic_interpret"]
 
@@ -64,69 +62,3 @@ class FlashConfig:
                 f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret', 'mosaic', "
                 "'mosaic_interpret' or None."
             )
-
-
-MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
-
-
-def default_backend() -> Backend:
-    """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else; on Hopper (compute
-    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1.
-
-    Mosaic GPU is opt-in until it has run on a GPU (docs/perf-notes.md); then this becomes the default on
-    Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
-    """
-    if jax.default_backend() != "gpu":
-        return "interpret"
-    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(jax.devices()[0]):
-        return "mosaic"
-    return "triton"
-
-
-def _is_hopper(device) -> bool:
-    return str(getattr(device, "compute_capability", "")).startswith("9.")
-
-
-def _fit_block(block: int, seq_len: int) -> int:
-    """Shrink a block to the sequence (rounded up to a power of two, at least 16) so short inputs pad little."""
-    return max(_MIN_BLOCK, min(block, 1 << max(seq_len - 1, 0).bit_length()))
-
-
-def default_config(
-    config: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int
-) -> FlashConfig:
-    """Fill the `None` fields of `config` with defaults for the backend, sequence lengths and padded head dim.
-
-    GPU defaults follow the Triton flash-attention heuristics (JAX's Pallas example, tokamax): 128 x 64
-    forward tiles with 4 warps up to head dim 64 and 8 above, 64 x 64 backward tiles; they shrink for head
-    dim 256 to stay inside shared memory. Interpret mode favours large tiles: it pays per grid step.
-    """
-    config = config or FlashConfig()
-    backend = config.backend or default_backend()
-    if backend == "interpret":
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 128, 128, 128, 4, 2
-    elif head_dim <= 64:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 4, 2
-    elif head_dim <= 128:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 8, 2
-    else:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 64, 32, 32, 32, 8, 1
-
-    def pick(value: int | None, default: int, seq_len: int) -> int:
-        return value if value is not None else _fit_block(default, seq_len)
-
-    if backend in ("mosaic", "mosaic_interpret"):
-        # The Mosaic forward's CTA: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
-        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles.
-        fwd_q, fwd_k, stages = 128, 128 if head_dim <= 128 else 64, 2
-    return FlashConfig(
-        block_q=pick(config.block_q, fwd_q, q_len),
-        block_k=pick(config.block_k, fwd_k, kv_len),
-        block_q_dkv=pick(config.block_q_dkv, bwd_q, q_len),
-        block_k_dkv=pick(config.block_k_dkv, bwd_k, kv_len),
-        block_q_dq=pick(config.block_q_dq, bwd_q, q_len),
-        block_k_dq=pick(config.block_k_dq, bwd_k, kv_len),
-        num_warps=config.num_warps if config.num_warps is not None else warps,
-        num_stages=config.num_stages if config.num_stages is not None else stages,
-        backend=backend,
-    )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from probjax_kernels import _autodiff, _core
+from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
+from probjax_kernels._problem import Features
 
 
 def flash_attention(
@@ -66,7 +67,7 @@ def flash_attention(
     left, right = inputs.window
     if causal:
         right = 0 if right is None else min(right, 0)
-    features = _core.Features(
+    features = Features(
         scale=inputs.scale, window_left=left, window_right=right, dropout_rate=float(dropout_rate)
     )
     out, lse = _autodiff.attention(

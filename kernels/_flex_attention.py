@@ -7,15 +7,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels import _autodiff, _core
+from probjax_kernels import _autodiff
 from probjax_kernels._block_mask import BlockMask
-from probjax_kernels._config import FlashConfig, default_config
+from probjax_kernels._config import FlashConfig
+from probjax_kernels._dispatch import default_config
 from probjax_kernels._flex_options import (
     AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
 )
 from probjax_kernels._hooks import reads_argument, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
 from probjax_kernels._mods import ScoreMod
+from probjax_kernels._problem import Features
 
 _EXAMPLE_TILE = 16  # hooks are checked on a (16, 16) tile, the smallest the kernels use
 
@@ -150,7 +152,7 @@ def flex_attention(
         block_sizes = block_mask.block_size
         config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
-    features = _core.Features(
+    features = Features(
         scale=inputs.scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate),
     )

@@ -34,14 +34,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from probjax_kernels._core import backward_delta, base2_lse
-from probjax_kernels._mosaic_forward import (
+from probjax_kernels._mosaic_common import (
     _CONSUMERS,
     _SWIZZLE,
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
-    _check,
     _check_tables,
     check_layout,
     drain_ring,
@@ -53,6 +51,8 @@ from probjax_kernels._mosaic_forward import (
     union_of_ranges,
     window_options,
 )
+from probjax_kernels._mosaic_forward import _check
+from probjax_kernels._scores import backward_delta, base2_lse
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
 
 

@@ -24,23 +24,24 @@ scalars from GMEM: its partial KV blocks (per-element `mask_fn`, causal and leng
 ones (length mask only). Without tables, a `mask_fn` is evaluated on every visited tile. A `score_fn`
 (FlexAttention's score_mod) is applied to every tile's natural-log scores before the mask; the scale then
 no longer folds into the exp2 multiply. Rows >= q_lengths[b] and fully masked rows give output 0 and
-lse -inf (the convention of `_core`).
+lse -inf (the convention of every backend, `_problem.py`).
 
 The caller pads: T to a multiple of `block_q`, S to a multiple of `block_kv`, with finite values (zeros);
 keys past `kv_lengths` are masked, but their V rows still meet p = 0 in the P V matmul, so they must not be
 NaN / inf.
 
 Interpret mode (`interpret=True`, the Mosaic GPU CPU interpreter) runs the same kernel with two differences,
-both in `_accumulate_pv`: the interpreter's wgmma reads only SMEM operands, so P is staged in shared memory
-(`p_in_smem`, also selectable on the GPU), and it cannot run a wgmma into an accumulator initialised from a
-value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator that is then added.
+both in `_mosaic_common._accumulate_pv`: the interpreter's wgmma reads only SMEM operands, so P is staged in
+shared memory (`p_in_smem`, also selectable on the GPU), and it cannot run a wgmma into an accumulator
+initialised from a value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator that is then
+added.
+
+The pieces this kernel shares with the backward kernels (`_mosaic_backward.py`) are in `_mosaic_common.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -48,17 +49,28 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from probjax_kernels._mosaic_common import (
+    _CONSUMERS,
+    _M_INIT,
+    _SWIZZLE,
+    LN2,
+    ScoreRule,
+    _accumulate_pv,
+    _check_tables,
+    check_layout,
+    drain_ring,
+    fill_ring_slot,
+    own_ranges,
+    split_hook_refs,
+    table_row,
+    tile_indices,
+    union_of_ranges,
+    window_options,
+)
+from probjax_kernels._mosaic_common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 from probjax_kernels._tiles import kv_tile_range
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-_M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
-_BIG = jnp.iinfo(jnp.int32).max
-_CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup _CONSUMERS
-SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on sm_90
-_SWIZZLE = 128  # bytes; the head dim is tiled in 64-element (128-byte) columns
 _HEAD_DIMS = (64, 128, 256)
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def smem_bytes(
@@ -70,43 +82,6 @@ def smem_bytes(
     return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q
 
 
-def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, q_multiple: int, block_kv: int,
-                 kv_multiple: int, num_stages: int, min_stages: int, head_dims: tuple[int, ...], smem_need: int,
-                 kernel: str = "the Mosaic GPU kernel"):
-    """The argument checks the Mosaic kernels share: shapes, GQA, dtypes, head dim, tile multiples, padding,
-    lengths and shared memory (`smem_need` bytes for the chosen tiles)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
-    batch, q_len, num_heads, head_dim = q.shape
-    _, kv_len, num_kv_heads, _ = k.shape
-    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B, S, K, D] matching q; got {q.shape=}, {k.shape=}, {v.shape=}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _DTYPES:
-        raise NotImplementedError(f"{kernel} takes bfloat16 / float16, not {q.dtype}")
-    if head_dim not in head_dims:
-        raise NotImplementedError(f"{kernel} takes head_dim in {head_dims}, not {head_dim}")
-    if block_q % q_multiple:
-        raise ValueError(f"{block_q=} must be a multiple of {q_multiple}")
-    if block_kv % kv_multiple:
-        raise ValueError(f"{block_kv=} must be a multiple of {kv_multiple}")
-    if not scale > 0:
-        raise ValueError(f"{scale=} must be positive")
-    if num_stages < min_stages:
-        raise ValueError(f"{num_stages=} must be at least {min_stages}")
-    if q_len % block_q or kv_len % block_kv:
-        raise ValueError(f"pad T={q_len} to a multiple of {block_q=} and S={kv_len} to a multiple of {block_kv=}")
-    if q_lengths.shape != (batch,) or kv_lengths.shape != (batch,):
-        raise ValueError(f"lengths must be [B]={batch}; got {q_lengths.shape=}, {kv_lengths.shape=}")
-    if smem_need > SMEM_BYTES:
-        raise ValueError(
-            f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {smem_need} bytes of SMEM (> {SMEM_BYTES})"
-        )
-
-
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
            p_in_smem: bool):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
@@ -116,162 +91,6 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
     )
-
-
-def union_of_ranges(ranges) -> tuple:
-    """(lo, hi): the tiles some consumer visits, from each consumer's (lo, ..., hi); empty ranges are left out
-    (lo = hi when all are empty)."""
-    lo = functools.reduce(jnp.minimum, [jnp.where(hi > lo, lo, _BIG) for lo, *_, hi in ranges])
-    hi = functools.reduce(jnp.maximum, [hi for *_, hi in ranges])
-    return jnp.minimum(lo, hi), hi
-
-
-def own_ranges(ranges, cta_lo) -> tuple:
-    """One consumer's (lo, full_lo, full_hi, hi); a consumer without tiles gets the empty range at cta_lo, so
-    that it skips every step of the CTA."""
-    lo, full_lo, full_hi, hi = ranges
-    lo, hi = (jnp.where(hi > lo, x, cta_lo) for x in (lo, hi))
-    return lo, jnp.clip(full_lo, lo, hi), jnp.clip(full_hi, lo, hi), hi
-
-
-def allowed_in_window(q_idx, kv_idx, kv_len, window_left: int | None, window_right: int | None):
-    """The per-element mask of the Mosaic kernels: keys below kv_len inside the window."""
-    allowed = kv_idx < kv_len
-    if window_right is not None:
-        allowed &= kv_idx <= q_idx + window_right
-    if window_left is not None:
-        allowed &= kv_idx >= q_idx - window_left
-    return allowed
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoreRule:
-    """What the Mosaic kernels apply to a tile of q k^T (static and hashable): the scale, the window (causal),
-    and FlexAttention's hooks.
-
-    - `score_fn(score, b, h, q_idx, kv_idx, *score_refs) -> score`, on `scale * q k^T`, before any mask.
-    - `score_jvp(...)`: the same arguments, returns (score_fn(score), d score_fn / d score); the backward
-      kernels need it when there is a score_fn.
-    - `mask_fn(b, h, q_idx, kv_idx, *mask_refs) -> bool`, True = attend.
-
-    b, h are int32 scalars; q_idx, kv_idx int32 arrays of the tile's shape; the refs are global-memory refs of
-    the arrays the hooks read (one element at a time, with scalar indices).
-    """
-
-    scale: float
-    window_left: int | None = None
-    window_right: int | None = None
-    mask_fn: Callable | None = None
-    score_fn: Callable | None = None
-    score_jvp: Callable | None = None
-
-    @property
-    def causal_only(self) -> bool:
-        return self.window_right is not None and self.window_left is None
-
-    @property
-    def window(self) -> tuple[int | None, int | None]:
-        return self.window_left, self.window_right
-
-    @property
-    def mask_everywhere(self) -> bool:
-        """Without block tables a mask_fn may cut any tile, so no tile skips the per-element mask."""
-        return self.mask_fn is not None
-
-    def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
-               score_arrays=(), mask_arrays=(), with_derivative: bool = False):
-        """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
-
-        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask, and
-        with `user_mask` also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
-        FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
-        """
-        derivative = None
-        s_scale = self.scale * LOG2E
-        if masked or self.score_fn is not None:
-            q_idx, kv_idx = indices()
-        if self.score_fn is not None:
-            hook_args = (s * self.scale, batch, head, q_idx, kv_idx, *score_arrays)
-            if with_derivative:
-                s, derivative = self.score_jvp(*hook_args)
-            else:
-                s = self.score_fn(*hook_args)
-            s_scale = LOG2E
-        if masked:
-            if user_mask:
-                allowed = allowed_in_window(q_idx, kv_idx, kv_len, self.window_left, self.window_right)
-                if self.mask_fn is not None:
-                    allowed &= self.mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
-            else:
-                allowed = kv_idx < kv_len
-            s = jnp.where(allowed, s, -jnp.inf)
-        return s, s_scale, derivative
-
-
-def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
-    """acc + p @ v; `while_running()` is traced between issuing the wgmma and waiting for it.
-
-    With `p_smem`, P is staged in shared memory (the interpreter's wgmma only reads SMEM operands); else it
-    goes from registers. `in_place` accumulates into `acc` itself (not supported by the interpreter).
-    """
-    if p_smem is not None:
-        p_smem[...] = p
-        plgpu.commit_smem()
-        p = p_smem
-    if in_place:
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_smem)
-            while_running()
-
-        return pl.run_state(body)(plgpu.ACC.init(acc))
-
-    def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_smem)
-        while_running()
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
-
-
-def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int) -> tuple:
-    """(tables, score_arrays, mask_arrays, rest) of the kernels' refs after the lengths: the 4 block-table
-    refs (None without tables), then the refs of the score_fn's and the mask_fn's arrays."""
-    tables = None
-    if has_tables:
-        tables, refs = refs[:4], refs[4:]
-    score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
-    mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
-    return tables, score_arrays, mask_arrays, refs
-
-
-def tile_indices(shape, row0, key0, transposed: bool = False):
-    """(q_idx, kv_idx) of a WGMMA-layout tile whose rows start at query row0 and columns at key key0 (with
-    `transposed`, rows are keys from key0 and columns queries from row0)."""
-    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
-    q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
-    kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, shape, kv_axis, layout=plgpu.Layout.WGMMA)
-    return q_idx, kv_idx
-
-
-def table_walk(tables, batch, head, tile) -> tuple:
-    """(num_partial, steps, block_of) of one row of block tables `(num_partial, partial_indices, num_full,
-    full_indices)`: the CTA's steps [0, steps) visit block_of(n), the partial blocks first."""
-    num_partial_ref, partial_ref, num_full_ref, full_ref = tables
-    num_partial = num_partial_ref[table_row(num_partial_ref, batch, head, tile)]
-    steps = num_partial + num_full_ref[table_row(num_full_ref, batch, head, tile)]
-
-    def block_of(n):
-        in_full = n >= num_partial
-        partial = partial_ref[(*table_row(partial_ref, batch, head, tile), jnp.where(in_full, 0, n))]
-        full = full_ref[(*table_row(full_ref, batch, head, tile), jnp.where(in_full, n - num_partial, 0))]
-        return jnp.where(in_full, full, partial)
-
-    return num_partial, steps, block_of
-
-
-def table_row(ref, batch, head, q_tile) -> tuple:
-    """The index of this CTA's row in a `[B|1, H|1, nq(, nk)]` table (axes of size 1 broadcast)."""
-    return (batch if ref.shape[0] > 1 else 0, head if ref.shape[1] > 1 else 0, q_tile)
 
 
 def _forward_kernel(
@@ -447,72 +266,6 @@ def _forward_kernel(
             pl.loop(0, cta_steps)(lambda n: load(n, cta_lo + n))
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
-
-
-def fill_ring_slot(step, num_stages: int, free_barriers, copies) -> None:
-    """Producer side of a ring of `num_stages` SMEM slots: once the consumers have freed the slot of `step`
-    (on every pass after the first), starts the TMA `copies` into it, each (GMEM source, SMEM ring, ready
-    barrier ring)."""
-    slot = lax.rem(step, num_stages)
-
-    @pl.when(step >= num_stages)
-    def _():
-        for barrier in free_barriers:
-            plgpu.barrier_wait(barrier.at[slot])
-
-    for source, ring, ready in copies:
-        plgpu.copy_gmem_to_smem(source, ring.at[slot], ready.at[slot])
-
-
-def drain_ring(steps, num_stages: int, *free_barriers) -> None:
-    """Producer side: awaits the consumers' releases of the last `num_stages` ring slots, so that no barrier
-    phase is left pending when the CTA exits."""
-
-    @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
-    def _(step):
-        slot = lax.rem(step, num_stages)
-        for barrier in free_barriers:
-            plgpu.barrier_wait(barrier.at[slot])
-
-
-def _check_window(window) -> tuple[int | None, int | None]:
-    if not isinstance(window, tuple) or len(window) != 2 or not all(
-        w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in window
-    ):
-        raise ValueError(f"window must be a (left, right) pair of ints >= 0 or None, got {window!r}")
-    return window
-
-
-def window_options(causal: bool, window) -> dict:
-    """The kernels' window_left / window_right from `causal` and `window` (causal caps the right side at 0)."""
-    window_left, window_right = _check_window(window)
-    if causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
-    return {"window_left": window_left, "window_right": window_right}
-
-
-def _check_tables(kv_tables, batch: int, num_heads: int, num_q_blocks: int, num_kv_blocks: int,
-                  block_q: int, block_kv: int, name: str = "kv_tables") -> tuple[jax.Array, ...] | None:
-    """int32 block tables, checked against the kernel's grid: the table's tiles must be the kernel's.
-    `kv_tables` rows are query blocks; with name="q_tables" (the transposed tables) rows are KV blocks."""
-    if kv_tables is None:
-        return None
-    if len(kv_tables) != 4:
-        raise ValueError(f"{name} must be (num_partial, partial_indices, num_full, full_indices)")
-    tables = tuple(jnp.asarray(t) for t in kv_tables)
-    grid = (num_q_blocks, num_kv_blocks) if name == "kv_tables" else (num_kv_blocks, num_q_blocks)
-    for part, table, ndim in zip(("num_partial", "partial_indices", "num_full", "full_indices"), tables, (3, 4, 3, 4)):
-        if not jnp.issubdtype(table.dtype, jnp.integer):
-            raise ValueError(f"{name} {part} must be integer, got {table.dtype}")
-        expected = grid[: ndim - 2]
-        if (table.ndim != ndim or table.shape[0] not in (1, batch) or table.shape[1] not in (1, num_heads)
-                or table.shape[2:] != expected):
-            raise ValueError(
-                f"{name} {part} must be [B|1={batch}, H|1={num_heads}, {', '.join(map(str, expected))}] "
-                f"(tables of tiles block_size=({block_q}, {block_kv}), the kernel's block_q / block_kv, over the "
-                f"padded sequences); got {table.shape}"
-            )
-    return tuple(t.astype(jnp.int32) for t in tables)
 
 
 @functools.partial(

@@ -14,7 +14,7 @@ from probjax_kernels import (
     FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
 )
-from probjax_kernels._config import MOSAIC_ENV, default_backend
+from probjax_kernels._dispatch import MOSAIC_ENV, default_backend
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
 

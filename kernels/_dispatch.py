@@ -1,0 +1,230 @@
+"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels and the
+Mosaic GPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
+
+- `default_backend`: what `FlashConfig.backend=None` means on this device; `default_config` fills the other
+  `None` fields with that backend's tiles.
+- `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
+  its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
+  `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
+- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic kernels cannot take runs on
+  Triton (Pallas interpret mode on the CPU); the tangent always does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
+from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
+from jax.extend import core as jex_core
+
+from probjax_kernels import _mosaic_glue, _tangent, _triton_backward, _triton_forward
+from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
+from probjax_kernels._hooks import Hook
+from probjax_kernels._mosaic_backward import dkv_smem_bytes, dq_smem_bytes
+from probjax_kernels._mosaic_common import SMEM_BYTES as MOSAIC_SMEM_BYTES
+from probjax_kernels._mosaic_common import mosaic_hook_shapes
+from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
+
+
+# ------------------------------------------------------------------------------------------ device defaults
+
+
+MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
+
+
+def default_backend() -> Backend:
+    """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else; on Hopper (compute
+    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1.
+
+    Mosaic GPU is opt-in until it has run on a GPU (docs/perf-notes.md); then this becomes the default on
+    Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
+    """
+    if jax.default_backend() != "gpu":
+        return "interpret"
+    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(jax.devices()[0]):
+        return "mosaic"
+    return "triton"
+
+
+def _is_hopper(device) -> bool:
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _fit_block(block: int, seq_len: int) -> int:
+    """Shrink a block to the sequence (rounded up to a power of two, at least 16) so short inputs pad little."""
+    return max(_MIN_BLOCK, min(block, 1 << max(seq_len - 1, 0).bit_length()))
+
+
+def default_config(
+    config: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int
+) -> FlashConfig:
+    """Fill the `None` fields of `config` with defaults for the backend, sequence lengths and padded head dim.
+
+    GPU defaults follow the Triton flash-attention heuristics (JAX's Pallas example, tokamax): 128 x 64
+    forward tiles with 4 warps up to head dim 64 and 8 above, 64 x 64 backward tiles; they shrink for head
+    dim 256 to stay inside shared memory. Interpret mode favours large tiles: it pays per grid step.
+    """
+    config = config or FlashConfig()
+    backend = config.backend or default_backend()
+    if backend == "interpret":
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 128, 128, 128, 4, 2
+    elif head_dim <= 64:
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 4, 2
+    elif head_dim <= 128:
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 8, 2
+    else:
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 64, 32, 32, 32, 8, 1
+
+    def pick(value: int | None, default: int, seq_len: int) -> int:
+        return value if value is not None else _fit_block(default, seq_len)
+
+    if backend in ("mosaic", "mosaic_interpret"):
+        # The Mosaic forward's CTA: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
+        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles.
+        fwd_q, fwd_k, stages = 128, 128 if head_dim <= 128 else 64, 2
+    return FlashConfig(
+        block_q=pick(config.block_q, fwd_q, q_len),
+        block_k=pick(config.block_k, fwd_k, kv_len),
+        block_q_dkv=pick(config.block_q_dkv, bwd_q, q_len),
+        block_k_dkv=pick(config.block_k_dkv, bwd_k, kv_len),
+        block_q_dq=pick(config.block_q_dq, bwd_q, q_len),
+        block_k_dq=pick(config.block_k_dq, bwd_k, kv_len),
+        num_warps=config.num_warps if config.num_warps is not None else warps,
+        num_stages=config.num_stages if config.num_stages is not None else stages,
+        backend=backend,
+    )
+
+
+# --------------------------------------------------------------------------------------------- per call
+
+
+def _mosaic_takes(problem: _Problem, q) -> bool:
+    """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
+    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, segments, hooks that read
+    captured arrays other than as scalars or use an op Mosaic GPU cannot lower)."""
+    f, cfg = problem.features, problem.config
+    return (
+        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
+        and f.scale > 0  # the Mosaic kernels take the row max before scaling
+        and problem.mask_shape is None and not problem.has_segments
+        and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
+        and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
+        and (f.block_sizes is None or f.block_sizes == (cfg.block_q, cfg.block_k))
+        and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
+        and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
+        and mosaic_smem_bytes(q.shape[3], cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
+    )
+
+
+def _fits_mosaic(problem: _Problem, q) -> bool:
+    """Whether the Mosaic GPU kernels run the backward of this call too (at head dim 64 / 128): when they run
+    its forward and a score_mod's derivative also runs in Mosaic GPU."""
+    f = problem.features
+    return _mosaic_takes(problem, q) and (
+        f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
+    )
+
+
+def _hook_specs(config: FlashConfig, with_score: bool) -> list[jax.ShapeDtypeStruct]:
+    b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
+    specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
+    if with_score:
+        specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
+    return specs
+
+
+def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
+    """Whether a hook can run inside the Mosaic GPU kernels (see `_runs_in_mosaic`), at their tile shapes."""
+    jaxpr = hook._jaxpr(_hook_specs(config, with_score))
+    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
+
+
+def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
+    """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU."""
+    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *_hook_specs(config, with_score=True))
+    captured = closed.jaxpr.invars[: len(hook.const_avals)]  # the refs of the hook's arrays
+    return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
+
+
+def _runs_in_mosaic(jaxpr, consts: set) -> bool:
+    """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
+    only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
+    global memory), never as arrays; 0-d arrays (a learnable soft cap) are scalar loads wherever used."""
+    elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
+    consts = {var for var in consts if var.aval.shape}
+    for eqn in jaxpr.eqns:
+        reads_element = (
+            eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in consts
+            and all(size == 1 for size in eqn.params["slice_sizes"])
+        )
+        if reads_element:  # a scalar load in the kernel (`_hooks._Element`), not a lowered dynamic_slice
+            elements.add(eqn.outvars[0])
+        elif not _lowers_in_mosaic(eqn):
+            return False
+        for position, var in enumerate(eqn.invars):
+            if isinstance(var, jex_core.Literal):
+                continue
+            if var in consts and not (reads_element and position == 0):
+                return False
+            if var in elements and not (eqn.primitive.name == "squeeze" and not eqn.outvars[0].aval.shape):
+                return False
+    outputs = {var for var in jaxpr.outvars if not isinstance(var, jex_core.Literal)}
+    return not outputs & (consts | elements)
+
+
+def _lowers_in_mosaic(eqn) -> bool:
+    """Whether Mosaic GPU has a lowering rule for the equation's primitive and those of its sub-jaxprs."""
+    rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
+    return eqn.primitive in rules and all(
+        _lowers_in_mosaic(inner) for sub in jex_core.jaxprs_in_params(eqn.params) for inner in sub.eqns
+    )
+
+
+def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
+    """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
+
+    Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
+    tiles, which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed (block_k / 2,
+    block_q) one are then the shape the hooks were vetted and traced at, and the tables' tile."""
+    if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
+        return None
+    f, cfg = problem.features, problem.config
+    if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
+        return {}
+    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
+    head_dim, tile = q.shape[3], cfg.block_q
+    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
+                                  dkv_smem_bytes(head_dim, tile, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+        return None
+    return {"block_q": tile, "block_kv": tile}
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+
+def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    """(out, lse) of the padded inputs, by the Mosaic GPU forward where it takes the call, else Triton."""
+    if _mosaic_takes(problem, q):
+        return _mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
+    return _triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
+
+
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """Gradients of q, k, v and the bias flagged in `tangents`, by the Mosaic GPU dQ and dK/dV kernels where
+    they take the call (`_mosaic_backward_tiles`), else Triton's."""
+    tiles = _mosaic_backward_tiles(problem, res["q"])
+    if tiles is not None:
+        return _mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
+    return _triton_backward.backward(problem, tangents, res, d_out, d_lse)
+
+
+def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
+            optional: dict):
+    """(d out, d lse) of a forward-mode pass: the Triton tangent kernel on every backend."""
+    return _tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)

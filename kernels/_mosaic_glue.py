@@ -1,0 +1,80 @@
+"""The Mosaic GPU kernels as the autodiff core calls them: a `_Problem` and its padded arrays turned into the
+arguments of `mosaic_forward`, `mosaic_backward_dq` and `mosaic_backward_dkv`, with the hooks called from their
+jaxprs prepared at the kernels' shapes. Which calls come here is `_dispatch`'s choice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax.numpy as jnp
+
+from probjax_kernels._hooks import Hook
+from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels._mosaic_forward import mosaic_forward
+from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+
+
+def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
+    """`(score, b, h, q_idx, kv_idx, *array_refs) -> (score_mod(score), d score_mod / d score)` for the
+    Mosaic backward kernels, from the hook's jvp jaxpr."""
+    return None if hook is None else functools.partial(_call_score_jvp_in_mosaic, hook)
+
+
+def _call_score_jvp_in_mosaic(hook: Hook, score, *indices_and_refs):
+    num_indices = len(indices_and_refs) - len(hook.const_avals)
+    indices, refs = indices_and_refs[:num_indices], indices_and_refs[num_indices:]
+    moved = (False,) * len(hook.const_avals)
+    return hook.jvp_in_kernel(refs, (), moved, score, jnp.ones_like(score), *indices)
+
+
+def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
+    """A hook as the Mosaic forward calls it, `fn(*args, *array_refs)`, from its jaxpr prepared at the
+    kernel's shapes (never the user's Python again); hashable (a static argument) by the hook's identity."""
+    return None if hook is None else functools.partial(_call_hook_in_mosaic, hook)
+
+
+def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
+    num_args = len(args_and_refs) - len(hook.const_avals)
+    return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
+
+
+def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `_dispatch._mosaic_takes`)."""
+    f, cfg = problem.features, problem.config
+    return mosaic_forward(
+        q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
+        block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
+        kv_tables=optional["kv_tables"] if f.block_sizes is not None else None,
+        mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+        mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
+    )
+
+
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: dict) -> dict:
+    """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
+    `_dispatch._fits_mosaic`: no bias, dense mask, segments or dropout) on the tiles of
+    `_dispatch._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
+    Triton."""
+    q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
+    f, others = problem.features, res["others"]
+    options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
+                   interpret=_interpreted(problem), d_lse=d_lse)
+    dq_options, dkv_options = dict(tiles), dict(tiles)
+    if f.score_mod is not None or f.mask_mod is not None:
+        options.update(
+            mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+            score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
+            score_arrays=res["score_consts"],
+        )
+    if f.block_sizes is not None:
+        dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
+    args = (q, k, v, out, lse, d_out, q_len, kv_len)
+    grads = {}
+    if tangents.q:
+        grads["q"] = mosaic_backward_dq(*args, **options, **dq_options)
+    if tangents.k or tangents.v:
+        dk, dv = mosaic_backward_dkv(*args, **options, **dkv_options)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    return grads

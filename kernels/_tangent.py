@@ -1,0 +1,102 @@
+"""The forward-mode tangent kernel in Pallas Triton (see docs/forward_mode.md): (d out, d lse) of one query
+tile for tangents of q, k, v, the bias and score_mod constants, in one pass over the KV tiles. Every backend
+runs it: the Mosaic kernels have no tangent kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _dropout_scale, _score_tangents
+from probjax_kernels._triton_specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
+from probjax_kernels._triton_tiles import _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _tile_context
+
+
+def _tangent_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse2_ref, *refs, problem: _Problem, tangents: _Tangents,
+    refs_fn,
+):
+    """d out and d lse of one query tile for tangents of q, k, v, bias and score_mod constants.
+
+    With p = softmax(s) known from lse, d p_j = p_j (d s_j - c) where c = sum_j p_j d s_j, so
+    d out = sum_j p_j z_j (d s_j v_j + d v_j) - c out and d lse = c (z: the dropout factor; out is already
+    dropped). One pass over the KV tiles accumulates both sums; c is subtracted once at the end.
+    """
+    refs = list(refs)
+    dq_ref = refs.pop(0) if tangents.q else None
+    dk_ref = refs.pop(0) if tangents.k else None
+    dv_ref = refs.pop(0) if tangents.v else None
+    *input_refs, d_out_ref, d_lse_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q, cfg.block_k
+    q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    q, lse2 = q_ref[...], lse2_ref[...]
+    dq = None if dq_ref is None else dq_ref[...]
+    dropout = problem.features.dropout_rate > 0
+
+    def body(kv_tile, carry, masked: bool):
+        acc, c = carry
+        kv = pl.ds(kv_tile * block_k, block_k)
+        k, v = k_ref[kv, :], v_ref[kv, :]
+        ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, kv_tile * block_k, block_k,
+                            kv_len, True, tangents)
+        d_dot = None if dq is None else _dot(dq, k, (1, 1), problem.precision)
+        if dk_ref is not None:
+            q_dk = _dot(q, dk_ref[kv, :], (1, 1), problem.precision)
+            d_dot = q_dk if d_dot is None else d_dot + q_dk
+        s2, ds = _score_tangents(_dot(q, k, (1, 1), problem.precision), d_dot, ctx, problem, masked)
+        p = jnp.exp2(s2 - lse2[:, None])
+        scale = _dropout_scale(ctx, problem) if dropout else None
+        if ds is not None:
+            p_ds = jnp.where(p > 0, p * ds, 0.0)  # a non-finite tangent where p = 0 must not leak
+            c = c + jnp.sum(p_ds, axis=1)
+            if dropout:
+                p_ds = p_ds * scale
+            acc = acc + _dot(p_ds.astype(v.dtype), v, (1, 0), problem.precision)
+        if dv_ref is not None:
+            p_kept = p * scale if dropout else p
+            dv = dv_ref[kv, :]
+            acc = acc + _dot(p_kept.astype(dv.dtype), dv, (1, 0), problem.precision)
+        return acc, c
+
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    if opt.tables is not None:
+        acc, c = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, carry, problem)
+    else:
+        tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+        acc, c = _run_ranges(tile_range, body, carry)
+    d_out_ref[...] = (acc - c[:, None] * out_ref[...].astype(jnp.float32)).astype(d_out_ref.dtype)
+    d_lse_ref[...] = c
+
+def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
+             optional: dict):
+    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
+    batch, t_pad, num_heads, _ = q.shape
+    block_q = problem.config.block_q
+    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(problem, q, k, block_q, problem.config.block_k, optional)
+    lin, lin_specs = [], []
+    for name, spec in (("q", q_spec), ("k", kv_spec), ("v", kv_spec)):
+        if getattr(tangents, name):
+            lin.append(linear[name])
+            lin_specs.append(spec)
+    kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents,
+                               refs_fn=_refs_fn(problem, tangents))
+    varying = (q, k, v, *lin)
+    return pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, batch, num_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, *lin_specs,
+                  *extra_specs],
+        out_specs=[q_spec, row_spec],
+        out_shape=[
+            _output(q.shape, q.dtype, *varying),
+            _output((batch, num_heads, t_pad), jnp.float32, *varying),
+        ],
+        name="probjax_flash_tangent",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, out, lse2, *lin, *extra)

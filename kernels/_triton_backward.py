@@ -1,0 +1,196 @@
+"""The flash-attention backward in Pallas Triton (FlashAttention-2, Alg. 2), split so that nothing needs
+atomics: the dQ kernel (one program per query tile, which can also write dS for the bias gradient) and the
+dK/dV kernel (one program per KV tile and KV head, summing its GQA group's query heads)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _dropout_scale, _scores, backward_delta, base2_lse
+from probjax_kernels._triton_specs import (
+    _compiler_params, _length_spec, _optional_inputs, _output, _q_grid, _refs_fn,
+)
+from probjax_kernels._triton_tiles import (
+    _dot, _kv_tile_range, _q_tile_range, _Refs, _run_ranges, _run_table, _tile_context,
+)
+
+
+# --------------------------------------------------------------------------------------------- backward: dQ
+
+
+def _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem: _Problem):
+    """p and dS = d loss / d (scaled, biased score) of one tile, FlashAttention-2 with dropout and score_mod."""
+    p = jnp.exp2(s - lse2[:, None])
+    dp = _dot(do, v, (1, 1), problem.precision)
+    p_dropped = p
+    if problem.features.dropout_rate > 0:
+        scale = _dropout_scale(ctx, problem)
+        dp, p_dropped = dp * scale, p * scale
+    ds = p * (dp - delta[:, None])
+    if derivative is not None:
+        ds = ds * derivative
+    return p_dropped, ds
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, do_ref, lse2_ref, delta_ref, *refs, problem: _Problem,
+    refs_fn, emit_ds: bool,
+):
+    if emit_ds:
+        *input_refs, dq_ref, ds_ref = refs
+    else:
+        *input_refs, dq_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q_dq, cfg.block_k_dq
+    q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    q, do = q_ref[...], do_ref[...]
+    lse2, delta = lse2_ref[...], delta_ref[...]
+    with_derivative = problem.features.score_mod is not None
+
+    def body(kv_tile, dq, masked: bool):
+        start = kv_tile * block_k
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, start, block_k, kv_len, True)
+        s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
+        _, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+        if emit_ds:
+            ds_ref[:, pl.ds(start, block_k)] = ds
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0), problem.precision)
+
+    zeros = jnp.zeros(q.shape, jnp.float32)
+    if opt.tables is not None:
+        dq = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, zeros, problem)
+    else:
+        tile_range = _kv_tile_range(q_tile, q_len, kv_len, block_q, block_k, problem, k_ref.shape[0] // block_k)
+        dq = _run_ranges(tile_range, body, zeros)
+    dq_ref[...] = (dq * problem.features.scale).astype(dq_ref.dtype)
+    if emit_ds:
+        # Skipped tiles still need their zeros: Pallas outputs start uninitialised.
+        def zero_tile(kv_tile, _):
+            ds_ref[:, pl.ds(kv_tile * block_k, block_k)] = jnp.zeros((block_q, block_k), jnp.float32)
+
+        lo, hi = tile_range[0], tile_range[3]
+        lax.fori_loop(0, lo, zero_tile, None)
+        lax.fori_loop(hi, k_ref.shape[0] // block_k, zero_tile, None)
+
+
+# ------------------------------------------------------------------------------------------ backward: dK, dV
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, do_ref, lse2_ref, delta_ref, *refs, problem: _Problem, refs_fn,
+):
+    *input_refs, dk_ref, dv_ref = refs
+    opt: _Refs = refs_fn(input_refs)
+    cfg = problem.config
+    block_q, block_k = cfg.block_q_dkv, cfg.block_k_dkv
+    kv_tile, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len, kv_len = q_len_ref[...], kv_len_ref[...]
+    k, v = k_ref[...], v_ref[...]
+    with_derivative = problem.features.score_mod is not None
+    kv_start = kv_tile * block_k
+
+    def head_body(head, carry):
+        # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
+        def body(q_tile, carry, masked: bool):
+            dk, dv = carry
+            start = q_tile * block_q
+            q = q_ref[pl.ds(start, block_q), head, :]
+            do = do_ref[pl.ds(start, block_q), head, :]
+            lse2 = lse2_ref[head, pl.ds(start, block_q)]
+            delta = delta_ref[head, pl.ds(start, block_q)]
+            ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q, kv_start,
+                                block_k, kv_len, False)
+            s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
+            p, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+            dv = dv + _dot(p.astype(do.dtype), do, (0, 0), problem.precision)
+            dk = dk + _dot(ds.astype(q.dtype), q, (0, 0), problem.precision)
+            return dk, dv
+
+        if opt.tables is not None:
+            table_head = head if problem.table_shape[1] > 1 else None
+            return _run_table(opt.tables, table_head, problem.features.block_sizes[0] // block_q, body, carry,
+                              problem)
+        tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem, q_ref.shape[0] // block_q)
+        return _run_ranges(tile_range, body, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, problem.group, head_body, (zeros, zeros))
+    dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict, emit_ds: bool):
+    batch, t_pad, num_heads, _ = q.shape
+    s_pad = k.shape[1]
+    block_q = problem.config.block_q_dq
+    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(
+        problem, q, k, block_q, problem.config.block_k_dq, optional)
+    out_specs = [q_spec]
+    out_shape = [_output(q.shape, q.dtype, q, k, v, do)]
+    if emit_ds:
+        out_specs.append(pl.BlockSpec((None, None, block_q, s_pad), lambda i, b, h: (b, h, i, 0)))
+        out_shape.append(_output((batch, num_heads, t_pad, s_pad), jnp.float32, q, k, v, do))
+    kernel = functools.partial(_dq_kernel, problem=problem, refs_fn=_refs_fn(problem), emit_ds=emit_ds)
+    return pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, batch, num_heads),
+        in_specs=[
+            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="probjax_flash_backward_dq",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+
+
+def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict):
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad, num_kv_heads = k.shape[1], k.shape[2]
+    block_k = problem.config.block_k_dkv
+    group = problem.group
+    extra, extra_specs = _optional_inputs(optional, problem, "kv", problem.config.block_q_dkv, block_k)
+    q_spec = pl.BlockSpec((None, t_pad, group, d_pad), lambda j, b, h: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, block_k, None, d_pad), lambda j, b, h: (b, j, h, 0))
+    row_spec = pl.BlockSpec((None, group, t_pad), lambda j, b, h: (b, h, 0))
+    kernel = functools.partial(_dkv_kernel, problem=problem, refs_fn=_refs_fn(problem))
+    return pl.pallas_call(
+        kernel,
+        grid=(s_pad // block_k, batch, num_kv_heads),
+        in_specs=[
+            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+        ],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[_output(k.shape, k.dtype, q, k, v, do), _output(v.shape, v.dtype, q, k, v, do)],
+        name="probjax_flash_backward_dkv",
+        **_compiler_params(problem),
+    )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+
+
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """Gradients of q, k, v and the bias (those flagged in `tangents`) from the residuals `res` of
+    `_autodiff`, by the dQ and dK/dV kernels; the score_mod constants' come from `_chunked`."""
+    q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
+    bias, q_len, kv_len = res["bias"], res["q_len"], res["kv_len"]
+    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
+    optional = dict(res["others"], bias=bias, score_consts=res["score_consts"])
+    grads = {}
+    if tangents.q or tangents.bias:
+        dq, *ds = _backward_dq(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional, tangents.bias)
+        if tangents.q:
+            grads["q"] = dq
+        if tangents.bias:
+            broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+            grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+    if tangents.k or tangents.v:
+        dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
+        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    return grads

@@ -1,0 +1,139 @@
+"""How a Triton kernel walks and reads its tiles, shared by the forward, dQ, dK/dV and tangent kernels: the
+refs of its optional inputs, the three tile ranges (`_tiles.py`) or the rows of a `BlockMask`'s tables, the
+float32 tile matmul, and the score context of one tile read from the refs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _ScoreContext
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """Refs of one program's optional inputs (None / empty when absent)."""
+
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    dropout_seed: Any = None
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    tables: tuple | None = None  # (num_partial, partial_indices, num_full, full_indices)
+    d_bias: Any = None  # tangent kernel: the tangent of the bias
+    d_score_consts: tuple = ()  # tangent kernel: tangents of the moving score_mod constants
+
+# ----------------------------------------------------------------------------------------------- tile ranges
+
+
+def _window(problem: _Problem) -> tuple[int | None, int | None]:
+    return problem.features.window_left, problem.features.window_right
+
+
+def _kv_tile_range(q_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
+    """KV tiles that query tile `q_tile` needs (`_tiles.kv_tile_range`): masked [lo, full_lo), unmasked
+    [full_lo, full_hi), masked [full_hi, hi), all within [0, num_tiles)."""
+    return kv_tile_range(q_tile * block_q, block_q, q_len, kv_len, block_k, _window(problem), num_tiles,
+                         problem.per_element_mask_everywhere)
+
+
+def _q_tile_range(kv_tile, q_len, kv_len, block_q: int, block_k: int, problem: _Problem, num_tiles: int):
+    """Query tiles that KV tile `kv_tile` is seen by (`_tiles.q_tile_range`), split like `_kv_tile_range`."""
+    return q_tile_range(kv_tile * block_k, block_k, q_len, kv_len, block_q, _window(problem), num_tiles,
+                        problem.per_element_mask_everywhere)
+
+
+def _run_ranges(tile_range, body, carry):
+    """Runs body(tile, carry, masked) over the three ranges of `_kv_tile_range` / `_q_tile_range`."""
+    lo, full_lo, full_hi, hi = tile_range
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+
+
+def _run_table(tables, head, tiles_per_block: int, body, carry, problem: _Problem):
+    """Runs body(tile, carry, masked) over the partial blocks, then the full blocks, of one row of a block
+    table; a block of the table spans `tiles_per_block` kernel tiles. `head` picks the row of a table block
+    that carries several query heads (dK/dV kernel)."""
+    num_partial, partial, num_full, full = tables
+
+    def read(ref, *index):
+        return ref[(head, *index)] if head is not None else ref[index] if index else ref[...]
+
+    def visit(indices, masked):
+        def block_body(n, carry):
+            block = read(indices, n)
+            if tiles_per_block == 1:
+                return body(block, carry, masked=masked)
+            return lax.fori_loop(
+                0, tiles_per_block, lambda t, c: body(block * tiles_per_block + t, c, masked=masked), carry
+            )
+
+        return block_body
+
+    carry = lax.fori_loop(0, read(num_partial), visit(partial, True), carry)
+    return lax.fori_loop(0, read(num_full), visit(full, problem.per_element_mask_everywhere), carry)
+
+
+# ------------------------------------------------------------------------------------------- shared tile math
+
+
+def _dot(a, b, contract: tuple[int, int], precision):
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32,
+        precision=precision,
+    )
+
+
+def _load_2d(ref, row_start, rows, col_start, cols, head=None):
+    """A (rows|1, cols|1) tile of a bias / mask block, honouring broadcast axes of size 1.
+
+    A 3-D block carries the query heads of one KV head (dK/dV kernel); `head` picks one. The index is built
+    as one tuple because the Triton lowering takes a single indexer per load.
+    """
+    head_index = (head,) if len(ref.shape) == 3 else ()
+    row_axis, col_axis = ref.shape[-2], ref.shape[-1]
+    row_slice = pl.ds(row_start, rows) if row_axis > 1 else slice(None)
+    col_slice = pl.ds(col_start, cols) if col_axis > 1 else slice(None)
+    return ref[(*head_index, row_slice, col_slice)]
+
+
+def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, block_q, kv_start, block_k,
+                  kv_len, q_is_tile: bool, tangents: _Tangents | None = None) -> _ScoreContext:
+    """The score context of tile (q_start:+block_q, kv_start:+block_k) read from a kernel's refs.
+
+    `q_is_tile`: the query axis of the bias / mask / segment refs is already the tile (forward, dQ) rather
+    than the whole sequence (dK/dV, where the key axis is the tile instead).
+    """
+    q_off, kv_off = (0, kv_start) if q_is_tile else (q_start, 0)
+    f = problem.features
+    return _ScoreContext(
+        b=b,
+        h=h,
+        q_idx=q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None],  # int32 under jax_enable_x64 too: the
+        kv_idx=kv_start + jnp.arange(block_k, dtype=jnp.int32)[None, :],  # hooks were traced with int32
+        kv_len=kv_len,
+        bias=None if refs.bias is None else _load_2d(refs.bias, q_off, block_q, kv_off, block_k, head_in_block),
+        mask=None if refs.mask is None else _load_2d(refs.mask, q_off, block_q, kv_off, block_k, head_in_block),
+        q_seg=None if refs.q_segment_ids is None else (
+            refs.q_segment_ids[...] if q_is_tile else refs.q_segment_ids[pl.ds(q_start, block_q)])[:, None],
+        kv_seg=None if refs.kv_segment_ids is None else (
+            refs.kv_segment_ids[pl.ds(kv_start, block_k)] if q_is_tile else refs.kv_segment_ids[...])[None, :],
+        dropout_seed=None if refs.dropout_seed is None else refs.dropout_seed[...],
+        score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
+        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
+        d_bias=None if refs.d_bias is None else _load_2d(refs.d_bias, q_off, block_q, kv_off, block_k,
+                                                         head_in_block),
+        score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
+            f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
+    )
