@@ -6,7 +6,7 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._problem import Features
 
 
@@ -37,9 +37,11 @@ def flash_attention(
 
     **Arguments:**
 
-    - `q`: `[B, T, N, D]` queries; `k`, `v`: `[B, S, K, D]` keys and values with N a multiple of K
-      (grouped-query / multi-query attention without repeating K and V). One dtype for all three: bfloat16,
-      float16 or float32; any T, S >= 1; D <= 256. Accumulation is float32.
+    - `q`: `[B, T, N, D]` queries; `k`: `[B, S, K, D]` keys and `v`: `[B, S, K, Dv]` values with N a multiple
+      of K (grouped-query / multi-query attention without repeating K and V). The value head dim Dv may differ
+      from D (e.g. 192 / 128 as in multi-head latent attention); k and v may have batch 1, shared by every
+      example of q without being repeated (their gradients are summed over the batch). One dtype for all
+      three: bfloat16, float16 or float32; any T, S >= 1; D, Dv <= 256. Accumulation is float32.
     - `bias`: float, broadcastable to `[B, N, T, S]`, added to the scaled scores; differentiable.
     - `mask`: bool, broadcastable to `[B, N, T, S]`; True = attend.
     - `causal`: query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
@@ -54,7 +56,7 @@ def flash_attention(
     - `window`: local attention, an int w or a pair (left, right): query i sees keys in [i - left, i + right]
       (a None side is unbounded). Combined with `causal`, right is 0.
 
-    **Returns:** out `[B, T, N, D]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
+    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
     to attend gives out 0, lse -inf and zero gradients.
     """
     inputs = check_inputs(
@@ -63,7 +65,6 @@ def flash_attention(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
-    check_kernel_shapes(inputs)
     left, right = inputs.window
     if causal:
         right = 0 if right is None else min(right, 0)

@@ -15,7 +15,7 @@ from probjax_kernels._flex_options import (
     AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
 )
 from probjax_kernels._hooks import reads_argument, trace_hook
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_kernel_shapes
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._mods import ScoreMod
 from probjax_kernels._problem import Features
 
@@ -92,7 +92,8 @@ def flex_attention(
 
     **Arguments:**
 
-    - `q`: `[B, T, N, D]`; `k`, `v`: `[B, S, K, D]`; bfloat16, float16 or float32; D <= 256.
+    - `q`: `[B, T, N, D]`; `k`: `[B, S, K, D]`; `v`: `[B, S, K, Dv]`, Dv may differ from D (PyTorch's Ev);
+      k and v may have batch 1, shared by the batch; bfloat16, float16 or float32; D, Dv <= 256.
     - `score_mod`: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to each scaled score
       (`scale * q.k`) before masking. Called on a float32 tile with broadcasting int32 indices; it must keep
       the shape and dtype. Arrays it closes over (ALiBi slopes, bias tables, per-token tensors, the
@@ -113,7 +114,7 @@ def flex_attention(
     - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
 
-    **Returns:** out `[B, T, N, D]` in q's dtype; `(out, lse)` with `return_lse`; `(out, AuxOutput(lse,
+    **Returns:** out `[B, T, N, Dv]` in q's dtype; `(out, lse)` with `return_lse`; `(out, AuxOutput(lse,
     max_scores))` with `return_aux`. Fully masked rows give 0, lse -inf and zero gradients.
     Differentiable in q, k, v and the arrays score_mod closes over, in reverse and forward mode (jax.grad,
     jax.jvp; docs/forward_mode.md).
@@ -123,13 +124,8 @@ def flex_attention(
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
-    check_kernel_shapes(inputs)
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     check_heads(num_heads, num_kv_heads, enable_gqa)
-    if aux is not None and aux.max_scores:
-        raise NotImplementedError(
-            "flex_attention cannot return max_scores yet; flex_attention_reference can (AuxRequest(max_scores=True))."
-        )
     indices = _example_indices()
     score_hook, score_consts = None, []
     if score_mod is not None:
@@ -154,10 +150,10 @@ def flex_attention(
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
     features = Features(
         scale=inputs.scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
-        dropout_rate=float(dropout_rate),
+        dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
     )
-    out, lse = _autodiff.attention(
+    out, lse, *max_scores = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,
     )
-    return results(out, lse, None, return_lse, aux)
+    return results(out, lse, max_scores[0] if max_scores else None, return_lse, aux)

@@ -231,20 +231,6 @@ def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:
     return seed.astype(jnp.uint32)
 
 
-def check_kernel_shapes(inputs: AttentionInputs) -> None:
-    """The Pallas kernels need Dv = D and k / v with q's batch (the references take either)."""
-    if inputs.value_dim != inputs.q.shape[3]:
-        raise NotImplementedError(
-            f"the Pallas kernels need v's head dim Dv={inputs.value_dim} equal to q / k's D={inputs.q.shape[3]}; "
-            "the references (and attention(impl='xla')) take Dv != D."
-        )
-    if inputs.kv_broadcast:
-        raise NotImplementedError(
-            f"the Pallas kernels need k / v with q's batch B={inputs.q.shape[0]}, not 1; the references (and "
-            "attention(impl='xla')) share batch-1 k / v across the batch."
-        )
-
-
 def check_config(config) -> None:
     if config is not None and not isinstance(config, FlashConfig):
         raise TypeError(f"config must be a FlashConfig or None, got {type(config).__name__}.")

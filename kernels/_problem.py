@@ -34,6 +34,7 @@ class Features:
     - `score_mod`, `mask_mod`: traced user hooks (see `_hooks.Hook`).
     - `block_sizes`: the (q, kv) tile of the block tables, when tile visits come from a `BlockMask`.
     - `dropout_rate`: probability of dropping an attention weight (0 = off).
+    - `return_max`: also output the row max of the scaled, modified, masked scores (AuxRequest.max_scores).
     """
 
     scale: float
@@ -43,6 +44,7 @@ class Features:
     mask_mod: Hook | None = None
     block_sizes: tuple[int, int] | None = None
     dropout_rate: float = 0.0
+    return_max: bool = False  # the forward also writes the row max of the masked scores (natural units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,8 @@ class _Problem:
     num_mask_consts: int
     config: FlashConfig  # every field filled
     precision: lax.Precision
+    kv_broadcast: bool = False  # k / v have batch 1, shared by every query batch (not repeated)
+    same_value_dim: bool = True  # v's (padded) head dim is q / k's
 
     @property
     def per_element_mask_everywhere(self) -> bool:

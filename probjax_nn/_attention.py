@@ -155,8 +155,10 @@ class _Implementation:
 
 _FLOATS = ("bfloat16", "float16", "float32")
 _IMPLEMENTATIONS: dict[str, _Implementation] = {
-    "pallas": _Implementation(_pallas, dtypes=_FLOATS, max_head_dim=MAX_HEAD_DIM),
-    "flex": _Implementation(_flex, dtypes=_FLOATS, hooks=True, max_head_dim=MAX_HEAD_DIM),
+    "pallas": _Implementation(_pallas, dtypes=_FLOATS, max_head_dim=MAX_HEAD_DIM, value_dim=True, kv_broadcast=True),
+    "flex": _Implementation(
+        _flex, dtypes=_FLOATS, hooks=True, max_head_dim=MAX_HEAD_DIM, value_dim=True, kv_broadcast=True
+    ),
     "xla": _Implementation(_xla, dtypes=(*_FLOATS, "float64"), hooks=True, value_dim=True, kv_broadcast=True),
     # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
     "cudnn": _Implementation(
@@ -340,7 +342,7 @@ def attention(
     - `query`: `[B, T, N, D]` (or `[T, N, D]`); `key` `[B, S, K, D]` and `value` `[B, S, K, Dv]` (or without
       B) with N a multiple of K (grouped-query / multi-query attention); the value head dim Dv may differ from D
       (as in multi-head latent attention), and key / value may have batch 1, shared by every query example
-      without being repeated (impl "xla" for now). One dtype for all three.
+      without being repeated (every impl but "cudnn"). One dtype for all three.
     - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
       scores.
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
