@@ -18,25 +18,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 
 from lm.checkpoint import Checkpoints  # noqa: E402
-from lm.config import ATTENTION_IMPLS, from_json  # noqa: E402
+from lm.config import ATTENTION_IMPLS, finite_float, from_json  # noqa: E402
 from lm.sampling import generate  # noqa: E402
 from lm.train import build_model, compute_params  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s --out DIR [--step N] [--prompt TEXT] [--tokens N] [...]  (-h lists the flags)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, help="the --out folder of a train_lm.py run")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the latest")
     parser.add_argument("--prompt", help="default: the run's sample_prompt")
     parser.add_argument("--tokens", type=int, help="bytes to generate; default: the run's sample_tokens")
     parser.add_argument("--num-samples", type=int, help="default: the run's num_samples (1 if that is 0)")
-    parser.add_argument("--temperature", type=float, help="0 picks the most likely byte; default: the run's")
+    parser.add_argument("--temperature", type=finite_float, help="0 picks the most likely byte; default: the run's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, help="default: the run's (auto = best here)")
     args = parser.parse_args(argv)
 
     out = Path(args.out).expanduser()
-    config = from_json(out / "config.json")
+    if not (out / "config.json").is_file():
+        parser.error(f"argument --out: {out} holds no train_lm.py run (no config.json)")
+    try:
+        config = from_json(out / "config.json")
+    except (OSError, ValueError, TypeError) as error:
+        parser.error(f"argument --out: cannot read {out / 'config.json'}: {error}")
     if args.attention is not None:
         config = dataclasses.replace(config, attention=args.attention)
     # An explicit 0 or "" is a value, not "use the run's" (`or` took the run's value for them).
@@ -50,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{name} must be at least {least}, got {value}")
     if not prompt:
         parser.error("--prompt must hold at least one character")
+    if not (out / "checkpoints").is_dir():  # Checkpoints() would create the folder
+        sys.exit(f"no checkpoint in {out / 'checkpoints'}")
     checkpoints = Checkpoints(out / "checkpoints")
     steps = checkpoints.manager.all_steps()
     step = args.step if args.step is not None else checkpoints.latest_step()

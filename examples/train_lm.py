@@ -6,7 +6,8 @@
 
 Presets: tiny, small, bench-hd64, bench-hd128 (batch 4, 8 heads, head_dim 64 / 128). A JSON or YAML file
 (--config) overrides the preset, and every flag overrides both. Writes config.json, metrics.jsonl, loss.png,
-samples.txt and checkpoints/ to --out. docs/examples.md has the details.
+samples.txt and checkpoints/ to --out. An --out folder that holds a run needs --resume (continue it) or
+--overwrite (start it afresh). docs/examples.md has the details.
 """
 
 from __future__ import annotations
@@ -16,12 +17,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lm.config import parse_args  # noqa: E402
-from lm.train import run  # noqa: E402
+from lm.config import ConfigError, make_parser, parse_args  # noqa: E402
+from lm.train import NonFiniteLoss, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv, description=__doc__))
+    parser = make_parser(__doc__)
+    try:
+        run(parse_args(argv, parser))
+    except ConfigError as error:  # found by the checks that run before anything is written
+        parser.error(f"argument {error.flag}: {error}")
+    except NonFiniteLoss as error:
+        sys.exit(str(error))
 
 
 if __name__ == "__main__":

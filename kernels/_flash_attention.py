@@ -6,7 +6,8 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._hooks import trace_score_mod, affine_score_mod
+from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
 from probjax_kernels._problem import Features
 
 
@@ -44,12 +45,14 @@ def flash_attention(
       three: bfloat16, float16 or float32; any T, S >= 1; D, Dv <= 256. Accumulation is float32.
     - `bias`: float, broadcastable to `[B, N, T, S]`, added to the scaled scores; differentiable.
     - `mask`: bool, broadcastable to `[B, N, T, S]`; True = attend.
-    - `causal`: query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
+    - `causal`: a bool; query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
     - `scale`: multiplies q k^T; default `D ** -0.5`. A traced 0-d array (a jit argument, a learnable
-      temperature) is folded into q, in float32 or wider, and differentiates through that product.
+      temperature) multiplies the float32 scores inside the kernels as a static one does, and is
+      differentiable (its gradient, and a bias's with it, from an XLA pass over query chunks).
     - `q_lengths`, `kv_lengths`: `[B]` ints; query rows >= q_lengths[b] and keys >= kv_lengths[b] are masked.
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: ints; a query attends only keys with its id.
-    - `dropout_rate`, `dropout_seed`: attention dropout; the keep mask is a stateless hash of (seed, b, h,
+    - `dropout_rate`, `dropout_seed`: attention dropout, the rate a Python float in [0, 1) (compiled into
+      the kernels, so not traced); the keep mask is a stateless hash of (seed, b, h,
       q_idx, kv_idx) (`probjax_kernels.dropout_keep_mask`), identical in forward, backward and reference.
     - `return_lse`: also return lse `[B, N, T]` float32, the natural-log sum-exp of the masked scores.
     - `config`: a `FlashConfig` of block sizes, warps, stages and backend; None picks device defaults.
@@ -66,14 +69,18 @@ def flash_attention(
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
     left, right = inputs.window
-    if causal:
+    if check_flag("causal", causal):
         right = 0 if right is None else min(right, 0)
+    scale, bias, score_hook, score_consts = inputs.scale, inputs.bias, None, ()
+    if inputs.traced_scale:
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
+        scale, bias = 1.0, None
     features = Features(
-        scale=inputs.scale, window_left=left, window_right=right, dropout_rate=float(dropout_rate)
+        scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate)
     )
     out, lse = _autodiff.attention(
-        inputs.q, inputs.k, inputs.v, features, config, bias=inputs.bias, mask=inputs.mask,
+        inputs.q, inputs.k, inputs.v, features, config, bias=bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
-        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed,
+        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed, score_consts=tuple(score_consts),
     )
     return (out, lse) if return_lse else out

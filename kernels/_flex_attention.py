@@ -14,20 +14,10 @@ from probjax_kernels._dispatch import default_config
 from probjax_kernels._flex_options import (
     AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
 )
-from probjax_kernels._hooks import reads_argument, trace_hook
+from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._mods import ScoreMod
 from probjax_kernels._problem import Features
-
-_EXAMPLE_TILE = 16  # hooks are checked on a (16, 16) tile, the smallest the kernels use
-
-
-def _example_indices():
-    i32 = jnp.int32
-    return (
-        jnp.zeros((), i32), jnp.zeros((), i32),
-        jnp.zeros((_EXAMPLE_TILE, 1), i32), jnp.zeros((1, _EXAMPLE_TILE), i32),
-    )
 
 
 def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int, mask_hook) -> None:
@@ -100,7 +90,7 @@ def flex_attention(
       parameters of an Equinox / NNX module) are kernel inputs and receive gradients.
     - `block_mask`: from `create_block_mask(mask_mod, ...)` for these (T, S); positions where its mask_mod
       is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere.
-    - `scale`: default `D ** -0.5`; traced values as in `flash_attention`.
+    - `scale`: default `D ** -0.5`; a traced 0-d array as in `flash_attention`.
     - `enable_gqa`: allow K < N key/value heads (grouped-query attention, N a multiple of K); without it
       N != K is an error, as in PyTorch.
     - `return_lse`: also return lse `[B, N, T]` float32 (natural log); PyTorch's older spelling of
@@ -126,16 +116,13 @@ def flex_attention(
     check_config(config)
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     check_heads(num_heads, num_kv_heads, enable_gqa)
-    indices = _example_indices()
-    score_hook, score_consts = None, []
+    indices = example_indices()
+    scale, score_hook, score_consts = inputs.scale, None, []
     if score_mod is not None:
-        score = jnp.zeros((_EXAMPLE_TILE, _EXAMPLE_TILE), jnp.float32)
-        score_hook, score_consts, out = trace_hook("score_mod", score_mod, (score, *indices))
-        if out.shape != score.shape or out.dtype != score.dtype:
-            raise TypeError(
-                f"score_mod must return a score of the input's shape and dtype, float32{list(score.shape)}; "
-                f"it returned {out.dtype}{list(out.shape)} for that input."
-            )
+        score_hook, score_consts = trace_score_mod(score_mod)
+    if inputs.traced_scale:  # after the user's score_mod was checked on its own, so its errors name it
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, score_mod=score_mod))
+        scale = 1.0
     mask_hook, mask_consts, tables = None, [], {}
     block_sizes = None
     if block_mask is not None:
@@ -149,7 +136,7 @@ def flex_attention(
         config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
     features = Features(
-        scale=inputs.scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
+        scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
     )
     out, lse, *max_scores = _autodiff.attention(

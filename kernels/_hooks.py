@@ -20,6 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
+from jax.tree_util import Partial
+
+EXAMPLE_TILE = 16  # hooks are checked on a (16, 16) tile, the smallest the kernels use
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -140,6 +143,56 @@ def reads_argument(jaxpr, position: int) -> bool:
         if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
             dependent.update(eqn.outvars)
     return any(not isinstance(v, jex_core.Literal) and v in dependent for v in jaxpr.outvars)
+
+
+def example_indices() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(b, h, q_idx, kv_idx) as the kernels pass them: int32 scalars, a (16, 1) column and a (1, 16) row."""
+    i32 = jnp.int32
+    return (
+        jnp.zeros((), i32), jnp.zeros((), i32),
+        jnp.zeros((EXAMPLE_TILE, 1), i32), jnp.zeros((1, EXAMPLE_TILE), i32),
+    )
+
+
+def trace_score_mod(score_mod: Callable) -> tuple[Hook, list[jax.Array]]:
+    """`trace_hook` for a score_mod, which must return a score of its input's shape and dtype (float32)."""
+    score = jnp.zeros((EXAMPLE_TILE, EXAMPLE_TILE), jnp.float32)
+    hook, consts, out = trace_hook("score_mod", score_mod, (score, *example_indices()))
+    if out.shape != score.shape or out.dtype != score.dtype:
+        raise TypeError(
+            f"score_mod must return a score of the input's shape and dtype, float32{list(score.shape)}; "
+            f"it returned {out.dtype}{list(out.shape)} for that input."
+        )
+    return hook, consts
+
+
+def broadcast_lookup(array: jax.Array, b, h, q_idx, kv_idx) -> jax.Array:
+    """array[b, h, q_idx, kv_idx] for a `[B|1, N|1, T|1, S|1]` array (index 0 on broadcast axes)."""
+    index = [i if size > 1 else 0 for i, size in zip((b, h, q_idx, kv_idx), array.shape)]
+    return array[tuple(index)]
+
+
+def _affine_score_mod(scale, bias, score_mod, score, b, h, q_idx, kv_idx):
+    if scale is not None:
+        score = score * scale
+    if bias is not None:
+        score = score + broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
+    return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+
+
+def affine_score_mod(
+    scale: jax.Array | None = None, bias: jax.Array | None = None, score_mod: Callable | None = None
+) -> Partial:
+    """The score_mod `score_mod(scale * score + bias[b, h, q_idx, kv_idx])` (None parts left out).
+
+    A traced scale (a jit argument, a learnable temperature) cannot be compiled into the kernels, which then
+    run with scale 1: as a 0-d float32 array that this hook closes over it multiplies the float32 scores
+    inside them, exactly as a static scale would (folded into q it would be rounded to q's dtype), and
+    receives its gradient as a hook array. A dense `bias` `[B|1, N|1, T|1, S|1]` moves into the hook with
+    it (the kernels add their own bias before the score_mod, where it would be scaled); flex calls of
+    `probjax_nn.attention` pass their bias this way too.
+    """
+    return Partial(_affine_score_mod, scale, bias, score_mod)
 
 
 # ----------------------------------------------------------------------------------------- kernel evaluation

@@ -31,8 +31,13 @@ class AttentionInputs:
     kv_lengths: jax.Array | None
     q_segment_ids: jax.Array | None
     kv_segment_ids: jax.Array | None
-    scale: float
+    scale: float | jax.Array  # a float, or a traced 0-d float32 (float64 for float64 q) array
     window: tuple[int | None, int | None]
+
+    @property
+    def traced_scale(self) -> bool:
+        """Whether `scale` is a traced array, which the kernels apply through a score_mod (`affine_score_mod`)."""
+        return not isinstance(self.scale, float)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -175,20 +180,17 @@ def check_inputs(
     if scale is None:
         scale = head_dim**-0.5
     elif isinstance(scale, jax.core.Tracer):
-        # A traced scale (a learnable temperature, a jit argument): the kernels compile a static scale, so it
-        # is folded into q (in at least float32) and differentiates through that product.
-        if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.number):
+        # A traced scale (a learnable temperature, a jit argument) stays an array, applied to the float32
+        # scores: folded into q it would be rounded to q's dtype (and overflow float16).
+        if scale.ndim != 0 or not _is_real(scale):
             raise TypeError(f"scale must be a real scalar, got {scale.dtype}{list(scale.shape)}.")
-        compute = jnp.promote_types(q.dtype, jnp.float32)
-        q = (q.astype(compute) * scale.astype(compute)).astype(q.dtype)
-        scale = 1.0
+        scale = scale.astype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
     elif np.ndim(scale) != 0 or not _is_real(scale):
         raise TypeError(f"scale must be a real scalar (a Python float or a traced 0-d array), got {scale!r}.")
     elif not np.isfinite(float(scale)):
         # A NaN or infinite scale would make every score NaN, which the kernels treat as masked: output 0.
         raise ValueError(f"scale must be finite, got {scale!r}.")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+    check_dropout_rate(dropout_rate)
     return AttentionInputs(
         q=q,
         k=k,
@@ -199,9 +201,30 @@ def check_inputs(
         kv_lengths=_check_ids("kv_lengths", kv_lengths, (batch,), kv_len),
         q_segment_ids=_check_ids("q_segment_ids", q_segment_ids, (batch, q_len), None),
         kv_segment_ids=_check_ids("kv_segment_ids", kv_segment_ids, (batch, kv_len), None),
-        scale=float(scale),
+        scale=scale if isinstance(scale, jax.core.Tracer) else float(scale),
         window=_check_window(window),
     )
+
+
+def check_flag(name: str, value) -> bool:
+    """A Python (or NumPy) bool such as `causal`; a string, a number or a traced value is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}.")
+    return bool(value)
+
+
+def check_dropout_rate(dropout_rate) -> float:
+    """A Python float in [0, 1): the kernels compile the rate, so it cannot be traced."""
+    if isinstance(dropout_rate, jax.core.Tracer):
+        raise TypeError(
+            "dropout_rate must be a Python float, got a traced value (a jit argument?): the kernels compile the "
+            "rate. Pass it as a static argument (jax.jit's static_argnames) or close over it."
+        )
+    if np.ndim(dropout_rate) != 0 or not _is_real(dropout_rate):
+        raise TypeError(f"dropout_rate must be a real number in [0, 1), got {dropout_rate!r}.")
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+    return float(dropout_rate)
 
 
 def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:

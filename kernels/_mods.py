@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
+from probjax_kernels._inputs import _is_int
+
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -36,14 +38,16 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 def _sliding_window(window, b, h, q_idx, kv_idx):
     del b, h
-    return jnp.abs(q_idx - kv_idx) < window
+    return jnp.abs(q_idx - kv_idx) <= window
 
 
 def sliding_window(window: int) -> MaskMod:
-    """`|q_idx - kv_idx| < window`; `and_masks(causal_mask, sliding_window(w))` keeps the last w keys."""
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}.")
-    return Partial(_sliding_window, window)
+    """`|q_idx - kv_idx| <= window`, window >= 0: the convention of `flash_attention(window=w)`, jax.nn's
+    `local_window_size` and attention-gym. `and_masks(causal_mask, sliding_window(w))` keeps the current key
+    and the w before it. It used to keep `|q_idx - kv_idx| < window`: that is now `sliding_window(window - 1)`."""
+    if not _is_int(window) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}.")
+    return Partial(_sliding_window, int(window))
 
 
 def _prefix_lm(prefix_len, b, h, q_idx, kv_idx):

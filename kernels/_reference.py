@@ -11,7 +11,7 @@ from jax import lax
 
 from probjax_kernels._dropout import keep_mask
 from probjax_kernels._flex_options import AuxRequest, check_aux, check_heads, results
-from probjax_kernels._inputs import AttentionInputs, check_dropout, check_inputs
+from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
@@ -140,7 +140,8 @@ def flash_attention_reference(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     out, lse = attention_from_inputs(
-        inputs, causal, _compute_dtype(inputs), dropout_rate=dropout_rate, dropout_seed=dropout_seed
+        inputs, check_flag("causal", causal), _compute_dtype(inputs), dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
     )
     return (out, lse) if return_lse else out
 

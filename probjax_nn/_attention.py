@@ -21,7 +21,10 @@ from jax.tree_util import Partial
 from probjax_kernels import (
     FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask,
 )
-from probjax_kernels._inputs import MAX_HEAD_DIM, AttentionInputs, check_dropout, check_inputs
+from probjax_kernels._hooks import affine_score_mod, broadcast_lookup
+from probjax_kernels._inputs import (
+    MAX_HEAD_DIM, AttentionInputs, check_dropout, check_dropout_rate, check_flag, check_inputs,
+)
 from probjax_kernels._reference import attention_from_inputs
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
@@ -70,12 +73,6 @@ def _xla(call: _Call):
     return _with_residual(call, (out, lse) if call.return_residual else out)
 
 
-def _broadcast_lookup(array, b, h, q_idx, kv_idx):
-    """array[b, h, q_idx, kv_idx] for a `[B|1, N|1, T|1, S|1]` array (index 0 on broadcast axes)."""
-    index = [i if size > 1 else 0 for i, size in zip((b, h, q_idx, kv_idx), array.shape)]
-    return array[tuple(index)]
-
-
 def _flex(call: _Call):
     """Every jax.nn argument becomes a mask_mod or score_mod of one flex_attention call."""
     i = call.inputs
@@ -91,11 +88,11 @@ def _flex(call: _Call):
     if i.kv_lengths is not None:
         mods.append(padding_mask(i.kv_lengths))
     if i.mask is not None:
-        mods.append(Partial(_broadcast_lookup, i.mask))
+        mods.append(Partial(broadcast_lookup, i.mask))
     block_mask = create_block_mask(and_masks(*mods), batch, num_heads, q_len, kv_len) if mods else None
     score_mod = call.score_mod
     if i.bias is not None:
-        score_mod = Partial(_biased_score_mod, i.bias, score_mod)
+        score_mod = affine_score_mod(bias=i.bias, score_mod=score_mod)
     return _with_residual(call, flex_attention(
         i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, enable_gqa=True, return_lse=call.return_residual,
         config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
@@ -116,19 +113,18 @@ def _query_length_mask(q_lengths, b, h, q_idx, kv_idx):
     return (q_idx < q_lengths[b]) & (kv_idx >= 0)
 
 
-def _biased_score_mod(bias, score_mod, score, b, h, q_idx, kv_idx):
-    score = score + _broadcast_lookup(bias, b, h, q_idx, kv_idx).astype(score.dtype)
-    return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
-
-
 def _cudnn(call: _Call):
     i = call.inputs
+    q, scale = i.q, i.scale
+    if i.traced_scale:
+        # jax's cuDNN path compiles a static scale: fold the traced one into the query (rounded to its dtype).
+        q, scale = (q.astype(jnp.float32) * scale).astype(q.dtype), 1.0
     local_window_size = call.local_window_size
     if call.causal and local_window_size is not None:
         # Causal cuts the right side anyway, but jax's cuDNN path rejects one when lengths are given too.
         local_window_size = (i.window[0], 0)
     result = jax.nn.dot_product_attention(
-        i.q, i.k, i.v, i.bias, i.mask, scale=i.scale, is_causal=call.causal, query_seq_lengths=i.q_lengths,
+        q, i.k, i.v, i.bias, i.mask, scale=scale, is_causal=call.causal, query_seq_lengths=i.q_lengths,
         key_value_seq_lengths=i.kv_lengths, local_window_size=local_window_size, implementation="cudnn",
         return_residual=call.return_residual,
     )
@@ -312,6 +308,22 @@ def _batched(name: str, x: ArrayLike) -> jax.Array:
     return x[None] if x.ndim == 3 else x
 
 
+def _check_complex(impl: str, dtype, score_mod, mask_mod, dropout_rate) -> None:
+    """Complex inputs run only under "auto", as `jax.nn.dot_product_attention`, which has no hooks or dropout."""
+    if impl != "auto":
+        raise NotImplementedError(
+            f"impl={impl!r} does not support dtype {dtype.name}; impl='auto' runs jax.nn.dot_product_attention "
+            "for complex inputs."
+        )
+    for feature, wanted in (("score_mod", score_mod is not None), ("mask_mod", mask_mod is not None),
+                            ("dropout", check_dropout_rate(dropout_rate) > 0)):
+        if wanted:
+            raise NotImplementedError(
+                f"impl='auto' does not support {feature} with dtype {dtype.name}: complex inputs run "
+                f"jax.nn.dot_product_attention, which has no {feature}."
+            )
+
+
 def attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -346,8 +358,9 @@ def attention(
     - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
       scores.
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
-    - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (folded into the query).
-    - `is_causal`: query i sees keys j <= i (top-left alignment).
+    - `scale`: multiplies `query key^T`; None means `D ** -0.5`. May be traced (a 0-d array, applied to the
+      float32 scores as a static scale is; impl "cudnn" folds it into the query).
+    - `is_causal`: a bool; query i sees keys j <= i (top-left alignment).
     - `query_seq_lengths`, `key_value_seq_lengths`: `[B]` ints; positions at or past the length are padding.
     - `local_window_size`: an int w or a pair (left, right): query i sees keys in [i - left, i + right].
     - `implementation`: jax's spelling of `impl` ("xla", "cudnn", None); it may not contradict `impl`.
@@ -355,17 +368,30 @@ def attention(
     - `score_mod(score, b, h, q_idx, kv_idx) -> score`, `mask_mod(b, h, q_idx, kv_idx) -> bool`:
       FlexAttention hooks (see `probjax_kernels.flex_attention`), applied after `bias` and combined with
       every other mask; run by impl "flex" and "xla" ("pallas" and "cudnn" raise).
-    - `dropout_rate`, `dropout_seed`: attention dropout, the keep mask a stateless hash of (seed, b, h, q_idx,
-      kv_idx), so every impl that has it ("pallas", "flex", "xla") drops the same weights.
+    - `dropout_rate`, `dropout_seed`: attention dropout (the rate a Python float: the kernels compile it), the
+      keep mask a stateless hash of (seed, b, h, q_idx, kv_idx), so every impl that has it ("pallas", "flex",
+      "xla") drops the same weights.
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
 
     **Returns:** the output, shaped like `query` with head dim Dv, typed like `query`; with `return_residual`,
     `(output, lse)`, lse `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype).
-    A query row with nothing to attend gives output 0 and lse -inf, where jax's "xla" path averages `value`;
-    impl "cudnn" is jax's cuDNN path and keeps its behaviour there.
+    Complex inputs run `jax.nn.dot_product_attention` itself under impl "auto" (no implementation here computes
+    in complex numbers; jax 0.11.2 casts their scores to float32 with a DeprecationWarning); any other impl
+    raises `NotImplementedError`. A query row with nothing to attend gives output 0 and lse -inf, where jax's
+    "xla" path averages `value`; impl "cudnn" is jax's cuDNN path and keeps its behaviour there.
     """
     config = _resolve_config(impl, implementation)
+    is_causal = check_flag("is_causal", is_causal)
     query = jnp.asarray(query)
+    complex_dtype = next((jnp.dtype(x.dtype) for x in (query, key, value) if jnp.iscomplexobj(x)), None)
+    if complex_dtype is not None:
+        _check_complex(config.impl, complex_dtype, score_mod, mask_mod, dropout_rate)
+        # No implementation here computes in complex numbers: "auto" runs the stock function.
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            return_residual=return_residual,
+        )
     inputs = _checked(
         _batched("query", query), _batched("key", key), _batched("value", value), bias=bias, mask=mask,
         scale=scale, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths, window=local_window_size,
@@ -385,7 +411,7 @@ def attention(
     )
     name = _choose(config.impl, request)
     call = _Call(
-        inputs, bool(is_causal), local_window_size, return_residual, config.flash, score_mod, mask_mod,
+        inputs, is_causal, local_window_size, return_residual, config.flash, score_mod, mask_mod,
         float(dropout_rate), dropout_seed,
     )
     result = _IMPLEMENTATIONS[name].run(call)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from probjax_kernels import and_masks
+from probjax_kernels._inputs import check_dropout_rate
 from probjax_nn._attention import IMPLS, AttentionConfig, Impl, attention
 
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -108,6 +109,7 @@ class AttentionFunction:
 
         **Returns:** `[*batch, T, N, Dv]` in the dtype of `query`. A query row with every key masked gives 0.
         """
+        dropout_rate = check_dropout_rate(dropout_rate)
         batch_shape = query.shape[:-3]
         if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
             raise ValueError(
@@ -115,6 +117,12 @@ class AttentionFunction:
                 f"and {value.shape}."
             )
         qk_dim, value_dim = query.shape[-1], value.shape[-1]
+        if key.shape[-1] != qk_dim:
+            # Only the value's head dim may differ: q.k needs one D (flax raises here too).
+            raise ValueError(
+                f"query and key must have the same head dim, got query head dim {qk_dim} and key head dim "
+                f"{key.shape[-1]} (shapes {query.shape} and {key.shape})."
+            )
         if scale is None:
             scale = qk_dim**-0.5
         if qk_dim != value_dim and self.config.impl == "cudnn":
@@ -193,6 +201,20 @@ def check_cache_room(position: jax.Array, max_length: int) -> None:
         )
 
 
+def runs_stock_for_complex(attend: AttentionFunction, *arrays: jax.Array) -> bool:
+    """Whether a framework's stock attention function must run: complex inputs under impl "auto" (no
+    implementation here computes in complex numbers). Under another impl they raise `NotImplementedError`."""
+    dtype = next((jnp.dtype(x.dtype) for x in arrays if jnp.iscomplexobj(x)), None)
+    if dtype is None:
+        return False
+    if attend.config.impl != "auto":
+        raise NotImplementedError(
+            f"impl={attend.config.impl!r} does not support dtype {dtype.name}; attention_impl='auto' falls back "
+            "to the stock attention function for complex inputs."
+        )
+    return True
+
+
 def flax_style_attention(
     attend: AttentionFunction,
     query: jax.Array,
@@ -210,8 +232,7 @@ def flax_style_attention(
 
     Dropout runs when `deterministic` is False and `dropout_rate > 0`, and then needs `dropout_rng`.
     """
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}.")
+    dropout_rate = check_dropout_rate(dropout_rate)
     dropout_key = None
     if not deterministic and dropout_rate > 0.0:
         if dropout_rng is None:

@@ -18,7 +18,9 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
-from probjax_nn._protocol import MaskMod, ScoreMod, attention_function, combine_hooks, resolve_config
+from probjax_nn._protocol import (
+    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, resolve_config, runs_stock_for_complex,
+)
 
 __all__ = ["ALiBi", "FlexAttention", "MultiheadAttention", "RelativePositionBias"]
 
@@ -107,10 +109,15 @@ class MultiheadAttention(eqx.Module):
         - `inference`: True = no dropout; None uses the module's `dropout.inference`. `deterministic` is
           its deprecated alias.
         - `process_heads`: maps the `[seq, num_heads, size]` query, key and value heads to new ones of the
-          same shapes (e.g. rotary embeddings).
+          same shapes (e.g. rotary embeddings); heads it returns in different dtypes are promoted to one
+          (`jnp.result_type`), as in Equinox.
+
+        Complex heads run the stock `equinox.nn.MultiheadAttention` call under `attention_impl="auto"`
+        (another impl raises `NotImplementedError`).
 
         **Returns:** `[q_seq, output_size]`. Dropout draws the kernels' stateless mask from `key` (not
-        Equinox's Bernoulli draw), so it matches Equinox in distribution, not bit for bit.
+        Equinox's Bernoulli draw), so it matches Equinox in distribution, not bit for bit; `dropout_p=1`
+        drops every weight (the attention output is 0), as in Equinox.
         """
         return self._attend(query, key_, value, mask, key, inference, deterministic, process_heads, None, None)
 
@@ -134,6 +141,16 @@ class MultiheadAttention(eqx.Module):
             query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
             if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
                 raise ValueError("process_heads must not change the shape of the heads.")
+            # Heads of mixed dtypes compute in their promoted dtype, as the stock module's einsums do.
+            dtype = jnp.result_type(query_heads, key_heads, value_heads)
+            query_heads, key_heads, value_heads = (x.astype(dtype) for x in (query_heads, key_heads, value_heads))
+        if score_mod is None and mask_mod is None and runs_stock_for_complex(
+            AttentionFunction(self.attention_impl), query_heads, key_heads, value_heads
+        ):
+            # Complex heads under "auto": the stock module's call, on the same fields (it projects again).
+            return eqx.nn.MultiheadAttention.__call__(
+                self, query, key_, value, mask, key=key, inference=inference, process_heads=process_heads
+            )
         if mask is not None:
             expected = (query_seq_length, kv_seq_length)
             if mask.shape not in (expected, (self.num_heads, *expected)):
@@ -142,10 +159,14 @@ class MultiheadAttention(eqx.Module):
                     f"got {mask.shape}."
                 )
         dropout_key = self._dropout_key(key, inference)
-        attn = attention_function(self.attention_impl)(
-            query_heads, key_heads, value_heads, mask=mask, score_mod=score_mod, mask_mod=mask_mod,
-            dropout_rate=0.0 if dropout_key is None else float(self.dropout.p), dropout_key=dropout_key,
-        )
+        if dropout_key is not None and self.dropout.p == 1:
+            # Stock Equinox drops every weight at p = 1; the kernels take rates in [0, 1).
+            attn = jnp.zeros((*query_heads.shape[:-1], value_heads.shape[-1]), query_heads.dtype)
+        else:
+            attn = attention_function(self.attention_impl)(
+                query_heads, key_heads, value_heads, mask=mask, score_mod=score_mod, mask_mod=mask_mod,
+                dropout_rate=0.0 if dropout_key is None else float(self.dropout.p), dropout_key=dropout_key,
+            )
         return jax.vmap(self.output_proj)(attn.reshape(query_seq_length, -1))
 
     def _project(self, projection: eqx.nn.Linear, x: Array) -> Array:

@@ -27,12 +27,12 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, shift_queries,
+    resolve_config, runs_stock_for_complex, shift_queries,
 )
 
 __all__ = [
-    "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadDotProductAttention", "RelativePositionBias",
-    "attention_fn",
+    "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadAttention", "MultiHeadDotProductAttention",
+    "RelativePositionBias", "SelfAttention", "attention_fn", "dot_product_attention",
 ]
 
 
@@ -65,19 +65,26 @@ class DotProductAttention:
         attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
     ) -> jax.Array:
         # The kernels form neither the weights (to sow) nor the einsums (to replace, e.g. AQT's).
-        needs_flax = module is not None or any(
+        custom_einsums = any(
             f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
         )
-        if needs_flax:
-            if self.attend.config.impl != "auto":
-                raise NotImplementedError(
-                    f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
-                    "attention_impl='auto', which falls back to flax's dot_product_attention."
-                )
+        if (module is not None or custom_einsums) and self.attend.config.impl != "auto":
+            raise NotImplementedError(
+                f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
+                "attention_impl='auto', which sows flax's weights and falls back to flax's function for einsums."
+            )
+        if custom_einsums or runs_stock_for_complex(self.attend, query, key, value):
             return nn.dot_product_attention(
                 query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
                 precision, module, force_fp32_for_softmax, einsum_dot_general=einsum_dot_general,
                 qk_attn_weights_einsum=qk_attn_weights_einsum, attn_weights_value_einsum=attn_weights_value_einsum,
+            )
+        if module is not None:
+            # Flax sows its (undropped) weights; the output below is the one without sow_weights, so a fully
+            # masked row still gives 0 (flax's output would average the values there).
+            nn.dot_product_attention_weights(
+                query, key, bias, mask, broadcast_dropout, None, 0.0, True, dtype, precision, module,
+                force_fp32_for_softmax,
             )
         query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
         return flax_style_attention(
@@ -98,10 +105,22 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     dropout from `dropout_rng` when `deterministic` is False; it returns `[batch..., T, N, D]`. Unlike flax:
     a query row whose keys are all masked gives 0 (flax averages the values); dropout draws one mask per
     batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
-    ignored. With `module` (sow_weights) or custom einsums impl "auto" runs flax's own function, any other
-    impl raises `NotImplementedError`.
+    ignored. With `module` (sow_weights) impl "auto" sows flax's `dot_product_attention_weights` and returns
+    the same output as without it; with custom einsums or complex inputs it runs flax's own function; any
+    other impl raises `NotImplementedError` for these.
     """
     return DotProductAttention(attention_function(attention_impl))
+
+
+# `flax.linen.dot_product_attention` under its own name: the same signature (`DotProductAttention.__call__`),
+# computed as `attention_fn("auto")`.
+dot_product_attention = DotProductAttention(attention_function("auto"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ImplAttention(DotProductAttention):
+    """The attention_fn that `MultiHeadDotProductAttention` builds from its `attention_impl` (a user's
+    attention_fn is never one), so that `clone(attention_impl=...)` can tell it apart and rebuild it."""
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
@@ -124,13 +143,26 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
     def __post_init__(self):
         config = resolve_config(self.attention_impl)
-        ours = DotProductAttention(AttentionFunction(config))
-        if self.attention_fn is nn.dot_product_attention:
+        # Clones arrive with the attention_fn built from the original's attention_impl: rebuilt from theirs.
+        if self.attention_fn is nn.dot_product_attention or isinstance(self.attention_fn, _ImplAttention):
             # Linen modules are frozen dataclasses; fields are settable only while they are built.
-            object.__setattr__(self, "attention_fn", ours)
-        elif config != AttentionConfig() and self.attention_fn != ours:  # clones arrive with `ours` set
+            object.__setattr__(self, "attention_fn", _ImplAttention(AttentionFunction(config)))
+        elif config != AttentionConfig():
             raise ValueError("pass attention_impl or attention_fn, not both.")
         super().__post_init__()
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention, nn.MultiHeadAttention):
+    """`flax.linen.MultiHeadAttention` (flax's alias of `MultiHeadDotProductAttention`, named
+    `MultiHeadAttention_{i}` in a parent) with attention on the probjax kernels: the attributes, variables
+    and call of `MultiHeadDotProductAttention`, plus `attention_impl`. An instance of the stock class too."""
+
+
+class SelfAttention(MultiHeadDotProductAttention, nn.SelfAttention):
+    """`flax.linen.SelfAttention` with attention on the probjax kernels: the stock call `module.apply(variables,
+    inputs_q, mask=None, deterministic=None, dropout_rng=None, sow_weights=False)` (flax's, with its
+    deprecation warning) over the attributes and variables of `MultiHeadDotProductAttention`, plus
+    `attention_impl`. An instance of the stock class too."""
 
 
 def _bound_hook(hook):

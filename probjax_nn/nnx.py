@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
-from flax.nnx.nn import dtypes
+from flax.nnx.nn import attention, dtypes
 from jax import lax
 
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, shift_queries,
+    resolve_config, runs_stock_for_complex, shift_queries,
 )
 
 __all__ = [
@@ -53,16 +53,23 @@ class DotProductAttention:
         promote_dtype: Callable = dtypes.promote_dtype,
         is_causal: bool = False,
     ) -> jax.Array:
+        if runs_stock_for_complex(self.attend, query, key, value):
+            return nnx.dot_product_attention(
+                query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+                precision, module, promote_dtype, is_causal,
+            )
         if module is not None:
             # Sowing needs the `[.., N, T, S]` weights, which the kernels never form.
             if self.attend.config.impl != "auto":
                 raise NotImplementedError(
                     f"impl={self.attend.config.impl!r} does not support sow_weights (the attention weights are "
-                    "never formed); use attention_impl='auto', which falls back to flax's dot_product_attention."
+                    "never formed); use attention_impl='auto', which sows flax's dot_product_attention_weights."
                 )
-            return nnx.dot_product_attention(
-                query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
-                precision, module, promote_dtype, is_causal,
+            # Flax sows its (undropped) weights; the output below is the one without sow_weights, so a fully
+            # masked row still gives 0 (flax's output would average the values there).
+            attention.dot_product_attention_weights(
+                query, key, bias, mask, broadcast_dropout, None, 0.0, True, dtype, precision, module, promote_dtype,
+                is_causal,
             )
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
         return flax_style_attention(
@@ -83,8 +90,9 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     S]` (non-zero = attend), `is_causal`, dropout from `dropout_rng` when `deterministic` is False. It
     returns `[batch..., T, N, D]`. Unlike flax: a query row whose keys are all masked gives 0 (flax averages
     the values); dropout draws one mask per batch entry and head (`broadcast_dropout` is ignored);
-    `precision` is ignored (the kernels accumulate in float32). With `module` (sow_weights) impl "auto" runs
-    flax's own function, any other impl raises `NotImplementedError`.
+    `precision` is ignored (the kernels accumulate in float32). With `module` (sow_weights) impl "auto" sows
+    flax's `dot_product_attention_weights` and returns the same output as without it; complex inputs run
+    flax's `dot_product_attention` under "auto". Any other impl raises `NotImplementedError` for both.
     """
     return DotProductAttention(attention_function(attention_impl))
 

@@ -1,12 +1,13 @@
 """`probjax_nn.attention` against `jax.nn.dot_product_attention` and against the kernel's plain-jnp reference."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv
+from helpers import numpy_attention, random_qkv
 
 from probjax_kernels import FlashConfig, flash_attention_reference
 from probjax_nn import AttentionConfig, _attention, attention
@@ -373,6 +374,27 @@ def test_bad_inputs_name_the_argument():
         attention(q, k, v, local_window_size=-1)
     with pytest.raises(TypeError, match=r"^query, key and value must share one dtype"):
         attention(q, k.astype(jnp.bfloat16), v)
+    # A truthy non-bool was taken as True; a traced rate failed with a TracerBoolConversionError.
+    with pytest.raises(TypeError, match=r"^is_causal must be a bool \(True or False\), got 'yes'"):
+        attention(q, k, v, is_causal="yes")
+    with pytest.raises(TypeError, match=r"^dropout_rate must be a Python float, got a traced value"):
+        jax.jit(lambda rate: attention(q, k, v, dropout_rate=rate, dropout_seed=1))(0.1)
+
+
+def test_complex_inputs_run_jax_nn_under_auto_and_raise_otherwise():
+    """No implementation here computes in complex numbers: "auto" runs jax.nn.dot_product_attention (it was a
+    TypeError), an explicit impl raises NotImplementedError naming the dtype, and so do hooks / dropout."""
+    q, k, v = (jax.lax.complex(*random_qkv(seed, 1, 6, 6, 2, 2, 8)[:2]) for seed in (60, 61, 62))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    # jax.nn casts the complex scores to float32 (deprecated, warning) and mixes dtypes: as it does, so do we.
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Casting from complex", DeprecationWarning)
+        np.testing.assert_array_equal(attention(q, k, v, mask=mask), jax.nn.dot_product_attention(q, k, v, mask=mask))
+    for impl in ("pallas", "xla"):
+        with pytest.raises(NotImplementedError, match=f"impl='{impl}' does not support dtype complex64"):
+            attention(q, k, v, impl=impl)
+    with pytest.raises(NotImplementedError, match="score_mod with dtype complex64"):
+        attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
 
 
 def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
@@ -391,10 +413,44 @@ def test_dropout_drops_the_same_weights_on_every_impl(monkeypatch):
         attention(q16, k16, v16, impl="cudnn", **dropout)
 
 
+@pytest.mark.parametrize("dtype, q_factor, k_factor, scale", [("bfloat16", 3, 1, 0.7), ("float16", 100, 0.01, 1000.0)])
+def test_traced_scale_is_as_accurate_as_a_static_one(dtype, q_factor, k_factor, scale):
+    """A traced scale multiplies the float32 scores, as a static one does. It was folded into the query and
+    rounded to its dtype: in bfloat16 over twice the static error, in float16 (q ~ 100, scale 1000) every
+    output NaN where the static scale gives none."""
+    q, k, v = random_qkv(51, 1, 16, 16, 2, 2, 16)
+    q, k, v = (x.astype(dtype) for x in (q_factor * q, k_factor * k, v))
+    expected, _ = numpy_attention(q, k, v, scale=scale)
+    static = attention(q, k, v, scale=scale, impl="pallas")
+    traced = jax.jit(lambda s: attention(q, k, v, scale=s, impl="pallas"))(scale)
+    assert np.isfinite(np.asarray(traced, np.float32)).all()
+    static_error = np.abs(np.asarray(static, np.float64) - expected).max()
+    traced_error = np.abs(np.asarray(traced, np.float64) - expected).max()
+    assert traced_error <= 1.25 * static_error + 1e-6, (traced_error, static_error)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "flex"])
+def test_traced_negative_scale_with_a_bias_and_their_gradients(impl):
+    """With a traced scale the kernels take the bias inside the scale's score_mod (their own bias would be
+    scaled too): values and the gradients in the scale and the bias match jax.nn.dot_product_attention."""
+    q, k, v = random_qkv(52, 1, 8, 12, 2, 1, 16)
+    bias = _normal(53, (1, 2, 8, 12))
+
+    def loss(attention, scale, bias):
+        return jnp.sum(jnp.sin(attention(q, k, v, bias, scale=scale, is_causal=True)))
+
+    ours = jax.jit(jax.value_and_grad(lambda s, b: loss(functools.partial(attention, impl=impl), s, b), (0, 1)))
+    expected = jax.jit(jax.value_and_grad(lambda s, b: loss(jax.nn.dot_product_attention, s, b), (0, 1)))
+    (value, grads), (expected_value, expected_grads) = ours(-0.4, bias), expected(-0.4, bias)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    np.testing.assert_allclose(grads[0], expected_grads[0], rtol=1e-3)
+    np.testing.assert_allclose(grads[1], expected_grads[1], rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "flex", "xla"])
 def test_traced_scale_matches_jax_nn_with_its_gradient(impl):
-    """A traced scale (a jit argument, a learnable temperature) is folded into the query: values and the
-    gradient in the scale match jax.nn.dot_product_attention, which takes a traced scale too."""
+    """A traced scale (a jit argument, a learnable temperature): values and the gradient in the scale match
+    jax.nn.dot_product_attention, which takes a traced scale too."""
     key_q, key_k, key_v = jax.random.split(jax.random.key(50), 3)
     q = jax.random.normal(key_q, (2, 40, 4, 16), jnp.float32)
     k = jax.random.normal(key_k, (2, 40, 2, 16), jnp.float32)

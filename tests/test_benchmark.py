@@ -173,6 +173,54 @@ def test_plot_writes_pngs_and_a_summary(report_path, tmp_path, capsys):
     assert str(tmp_path / "cpu.md") in capsys.readouterr().out
 
 
+def _usage_error(capsys, argv: list[str]) -> str:
+    """The error line of a usage error: exit 2, no traceback, nothing measured."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert exit.value.code == 2 and lines[0].startswith("usage:") and "Traceback" not in captured.err, captured.err
+    assert captured.out == ""  # no row was measured
+    return lines[-1]
+
+
+def test_a_bad_output_is_refused_before_measuring(tmp_path, capsys):
+    """A folder or a path under a file failed only after the first row was measured, leaving a .partial file;
+    --append onto a file that is not a benchmark's JSON gave a traceback."""
+    folder, a_file = tmp_path / "folder", tmp_path / "file.txt"
+    notes, other = tmp_path / "notes.json", tmp_path / "o.json"
+    folder.mkdir()
+    a_file.write_text("x")
+    notes.write_text("measured by hand")
+    other.write_text('{"rows": []}')
+    tiny = ["--seq-lens", "32", "--ragged-seq-lens", "--head-dims", "16", "--batch", "1", "--heads", "1", "--dtypes",
+            "float32", "--modes", "fwd", "--causal", "1", "--impls", "jax_xla"]
+    cases = [
+        (["--output", str(folder)], f"argument --output: {folder} is a folder"),
+        (["--output", str(a_file / "sub" / "out.json")], f"argument --output: {a_file} is not a folder"),
+        (["--output", str(notes), "--append"], f"argument --append: {notes} is not JSON"),
+        (["--output", str(other), "--append"], f"argument --append: {other} is not a benchmark report"),
+    ]
+    for flags, message in cases:
+        assert message in _usage_error(capsys, [*tiny, *flags])
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["file.txt", "folder", "notes.json", "o.json"]
+    assert notes.read_text() == "measured by hand" and a_file.read_text() == "x"
+
+
+def test_plot_of_a_missing_or_corrupt_file_is_a_usage_error(tmp_path, capsys):
+    corrupt, wrong = tmp_path / "corrupt.json", tmp_path / "wrong.json"
+    corrupt.write_text('{"device": ')
+    wrong.write_text("[1, 2]")
+    for path in (tmp_path / "missing.json", corrupt, wrong, tmp_path):
+        line = _usage_error(capsys, ["plot", str(path)])
+        assert "argument FILE: " in line and str(path) in line, line
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"device": {}, "config": {}, "results": []}))
+    line = _usage_error(capsys, ["plot", str(empty), "--out-dir", str(wrong)])
+    assert f"argument --out-dir: {wrong} is not a folder" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corrupt.json", "empty.json", "wrong.json"]
+
+
 def test_import_probjax_nn_imports_no_benchmark_matplotlib_or_torch():
     code = (
         "import sys, probjax_nn; "

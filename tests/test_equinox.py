@@ -93,6 +93,49 @@ def test_dropout_follows_the_stock_rules():
     assert_trees_close(out, expected, name="vmap dropout")
 
 
+def test_process_heads_of_mixed_dtypes_are_promoted():
+    """Heads returned in different dtypes compute in their promoted dtype, as the stock module's einsums do
+    (they raised "must share one dtype")."""
+    stock = eqx.nn.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(4))
+    ours = peqx.MultiheadAttention(HEADS, FEATURES, attention_impl="xla", key=jax.random.key(4))
+    x = inputs(8)[0]
+
+    def process_heads(q, k, v):
+        return q.astype(jnp.bfloat16), k, v.astype(jnp.bfloat16)
+
+    with jax.numpy_dtype_promotion("standard"):  # the stock module's einsums need it
+        expected = stock(x, x, x, CAUSAL, process_heads=process_heads)
+        out = ours(x, x, x, CAUSAL, process_heads=process_heads)
+    assert out.dtype == expected.dtype == jnp.float32
+    assert_trees_close(out, expected, jnp.bfloat16, name="out")  # Equinox scales the bfloat16 query in bfloat16
+
+
+def test_dropout_p_one_drops_everything_as_stock():
+    """dropout_p=1.0 drops every attention weight, as in Equinox (the kernels' rate check raised); in
+    inference nothing is dropped."""
+    stock = eqx.nn.MultiheadAttention(HEADS, FEATURES, dropout_p=1.0, use_output_bias=True, key=jax.random.key(5))
+    ours = peqx.MultiheadAttention(
+        HEADS, FEATURES, dropout_p=1.0, use_output_bias=True, attention_impl="xla", key=jax.random.key(5)
+    )
+    x = inputs(9)[0]
+    out = ours(x, x, x, key=jax.random.key(6))
+    assert_trees_close(out, stock(x, x, x, key=jax.random.key(6)), name="dropped")
+    np.testing.assert_allclose(out, jnp.broadcast_to(ours.output_proj.bias, out.shape))
+    assert_trees_close(ours(x, x, x, inference=True), stock(x, x, x, inference=True), name="inference")
+
+
+def test_complex_inputs_run_the_stock_module_under_auto_and_raise_otherwise():
+    """Complex heads run equinox.nn.MultiheadAttention's own call under "auto" (a TypeError before); an
+    explicit impl raises NotImplementedError naming the dtype."""
+    stock = eqx.nn.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(7))
+    x = jax.lax.complex(inputs(10)[0], inputs(11)[0])
+    with jax.numpy_dtype_promotion("standard"):  # real weights times complex inputs
+        out = peqx.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(7))(x, x, x, CAUSAL)
+        np.testing.assert_array_equal(out, stock(x, x, x, CAUSAL))
+        with pytest.raises(NotImplementedError, match="impl='xla' does not support dtype complex64"):
+            peqx.MultiheadAttention(HEADS, FEATURES, attention_impl="xla", key=jax.random.key(7))(x, x, x)
+
+
 def test_scan_and_remat_over_layers():
     def run(cls, **kwargs):
         keys = jax.random.split(jax.random.key(0))

@@ -25,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from lm import data, train  # noqa: E402
-from lm.config import Config, make_config, parse_args  # noqa: E402
+from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
 # Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
@@ -90,10 +90,13 @@ def test_sample_takes_explicit_zeros_and_names_bad_flags(data_cache, tmp_path, c
     assert capsys.readouterr().out.endswith("--- sample 0 ---\nabc\n")
     with pytest.raises(SystemExit, match=r"--step 5: no checkpoint of that step .* it has steps \[1\]"):
         sample.main(["--out", str(tmp_path), "--step", "5"])
-    for flags in (["--num-samples", "0"], ["--temperature", "-1"], ["--tokens", "-2"], ["--prompt", ""]):
-        with pytest.raises(SystemExit):
-            sample.main(["--out", str(tmp_path), *flags])
-        assert flags[0] in capsys.readouterr().err
+    for flags in (["--num-samples", "0"], ["--temperature", "-1"], ["--tokens", "-2"], ["--prompt", ""],
+                  ["--temperature", "nan"], ["--temperature", "inf"]):
+        assert flags[0] in _usage_error(capsys, lambda: sample.main(["--out", str(tmp_path), *flags]))
+    # A folder without a run was a FileNotFoundError traceback.
+    for out in (tmp_path / "missing", tmp_path / "checkpoints"):
+        line = _usage_error(capsys, lambda: sample.main(["--out", str(out)]))
+        assert "argument --out: " in line and str(out) in line
 
 
 def _load_script(name: str):
@@ -135,6 +138,99 @@ def test_resume_from_a_checkpoint_between_metrics_rows(data_cache, tmp_path):
     assert resumed[1]["train_loss"] == unbroken[1]["train_loss"]
 
 
+def micro_flags(data_cache: str, out: Path, **overrides) -> list[str]:
+    """`micro`'s config as train_lm.py flags."""
+    values = {**MICRO, "data_cache": data_cache, "out": str(out), **overrides}
+    return [word for name, value in values.items() for word in ("--" + name.replace("_", "-"), str(value))]
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `folder`: its bytes and modification time."""
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return {str(f.relative_to(folder)): (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+
+
+def _fake_run(out: Path, config: Config) -> None:
+    """A finished run's files (checkpoints of a later step than any new run here would reach)."""
+    (out / "checkpoints" / "50").mkdir(parents=True)
+    (out / "checkpoints" / "50" / "params").write_text("old weights")
+    (out / "config.json").write_text(to_json(config))
+    (out / "metrics.jsonl").write_text('{"step": 50, "train_loss": 1.0}\n')
+    (out / "notes.txt").write_text("the user's own file")
+
+
+def _usage_error(capsys, run) -> str:
+    """The one error line of a usage error (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit:
+        run()
+    lines = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and len(lines) == 2 and lines[0].startswith("usage:"), lines
+    return lines[1]
+
+
+def test_a_used_out_folder_needs_resume_or_overwrite(data_cache, tmp_path, capsys):
+    """Training into an old run's folder kept its checkpoints (orbax skips steps at or below its latest) next to
+    new metrics; sample.py and --resume then loaded the old weights."""
+    train_lm = _load_script("train_lm")
+    _fake_run(tmp_path, micro(data_cache, tmp_path))
+    before = _snapshot(tmp_path)
+    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, tmp_path, steps=1, num_samples=0)))
+    assert "argument --out: " in line and "--resume" in line and "--overwrite" in line
+    assert _snapshot(tmp_path) == before
+
+    # --overwrite starts the folder afresh: only the run's own files go.
+    train_lm.main([*micro_flags(data_cache, tmp_path, steps=1, num_samples=0, checkpoint_every=1), "--overwrite"])
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1]
+    assert [row["step"] for row in train.Metrics.read(tmp_path / "metrics.jsonl")] == [1]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["steps"] == 1 and saved["overwrite"] is False  # a --config of it must not delete the folder
+    assert (tmp_path / "notes.txt").read_text() == "the user's own file"
+
+
+def test_failed_checks_write_nothing(data_cache, tmp_path, capsys):
+    """A missing --data, or --resume with another architecture, rewrote config.json before failing."""
+    train_lm = _load_script("train_lm")
+    fresh = tmp_path / "fresh"
+    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, fresh, data=str(tmp_path / "none"))))
+    assert "argument --data: " in line and "none" in line
+    assert not fresh.exists()
+
+    _fake_run(tmp_path, micro(data_cache, tmp_path))
+    before = _snapshot(tmp_path)
+    line = _usage_error(capsys, lambda: train_lm.main(
+        [*micro_flags(data_cache, tmp_path, data=str(tmp_path / "none")), "--resume"]))
+    assert "argument --data: " in line
+    changed = micro_flags(data_cache, tmp_path, num_layers=3, d_model=64, framework="linen", steps=99)
+    line = _usage_error(capsys, lambda: train_lm.main([*changed, "--resume"]))
+    assert "argument --resume: " in line and "--overwrite" in line
+    assert "num_layers 2 -> 3" in line and "d_model 32 -> 64" in line and "framework 'nnx' -> 'linen'" in line
+    assert "steps" not in line  # a longer schedule is a fine thing to resume with
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_diverging_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_cache, tmp_path):
+    """A learning rate of 1e12 turns the loss to NaN within a few steps (step 1 has rate 0: warmup). The run
+    wrote NaN into metrics.jsonl (invalid JSON) and checkpointed the weights that produced it."""
+    train_lm = _load_script("train_lm")
+    flags = micro_flags(data_cache, tmp_path, learning_rate=1e12, steps=8, log_every=1, checkpoint_every=1,
+                        num_samples=0)
+    with pytest.raises(SystemExit) as exit:
+        train_lm.main(flags)
+    message = str(exit.value.code)
+    first = int(re.search(r"step (\d+): the train loss is nan", message)[1])
+    assert 3 <= first <= 8, message
+
+    def strict(constant):
+        raise ValueError(f"{constant} in metrics.jsonl")
+
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, first))
+    # The weights after step first - 1 gave the NaN loss of step `first`: only earlier checkpoints stay.
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+    assert kept and max(kept) == first - 2, (kept, message)
+    assert f"checkpoint of step {first - 2}" in message
+
+
 def test_pallas_and_xla_give_the_same_losses(data_cache, tmp_path):
     losses = {}
     for impl in ("pallas", "xla"):
@@ -157,23 +253,31 @@ def test_decode_with_the_cache_matches_the_full_forward(framework):
 
 
 _SHARDED_SCRIPT = """
-    import os, re, sys
+    import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax is imported
     sys.path.insert(0, {examples!r})
-    import functools, json
-    import jax, numpy as np
+    import dataclasses, functools, json, re
+    import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
-    from lm import train
+    from lm import data, train
     from lm.config import make_config
 
     base = json.loads({config!r})
     for framework in ("nnx", "linen", "equinox"):
-        losses = {{}}
-        for mesh in (None, "data=2,model=2"):
-            out = os.path.join({out!r}, framework, str(mesh))
-            config = make_config("tiny", dict(base, framework=framework, mesh=mesh, out=out))
-            losses[mesh] = [row["train_loss"] for row in train.run(config)]
-        np.testing.assert_allclose(losses["data=2,model=2"], losses[None], rtol=1e-5)
+        out = os.path.join({out!r}, framework)
+        config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=out))
+        sharded = [row["train_loss"] for row in train.run(config)]
+        # The same steps on one device, without the run's evaluation, checkpoints and plot.
+        config = dataclasses.replace(config, mesh=None)
+        model, optimizer = train.build_model(config, jax.random.key(config.seed)), train.make_optimizer(config)
+        train_step, _ = train.make_steps(model, optimizer, config, train.Shardings())
+        params, opt_state, unsharded = model.params, optimizer.init(model.params), []
+        tokens, _ = data.load_tokens(config)
+        for step in range(1, config.steps + 1):
+            batch = jnp.asarray(data.train_batch(tokens, config, step))
+            params, opt_state, loss = train_step(params, opt_state, batch)
+            unsharded.append(float(loss))
+        np.testing.assert_allclose(sharded, unsharded, rtol=1e-5)
 
         # The sharded gradient step, with the Pallas kernel: attention runs per shard, nothing is gathered.
         config = make_config("tiny", dict(base, framework=framework, attention="pallas", mesh="data=2,model=2"))
@@ -187,16 +291,18 @@ _SHARDED_SCRIPT = """
         gathers = re.findall(r" (all-gather|all-to-all)\\(", hlo)
         assert not gathers, (framework, gathers)
         assert sum(leaf.sharding.spec != P() for leaf in jax.tree.leaves(params)) == 6 * config.num_layers
-        print(framework, "sharded == unsharded:", losses[None])
+        print(framework, "sharded == unsharded:", unsharded)
 """
 
 
 def test_sharded_run_matches_the_unsharded_one(data_cache, tmp_path):
-    config = json.dumps({**MICRO, "data_cache": data_cache, "steps": 3, "log_every": 1, "eval_every": 3,
-                         "eval_batches": 1, "num_samples": 0})
+    """In a subprocess: the 4 virtual CPU devices must be set before jax starts. No timeout: on a busy machine
+    this took over 4 minutes once, and a slow machine is not a failure."""
+    config = json.dumps({**MICRO, "data_cache": data_cache, "num_layers": 1, "steps": 2, "log_every": 1,
+                         "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2, "num_samples": 0})
     script = textwrap.dedent(_SHARDED_SCRIPT).format(examples=str(EXAMPLES), config=config, out=str(tmp_path))
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert result.stdout.count("sharded == unsharded") == 3
 
@@ -221,20 +327,51 @@ def test_config_precedence_preset_file_cli(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--steps", "abc"], "steps='abc' must be of type int"),
-        (["--learning-rate", "fast"], "learning_rate='fast' must be of type float"),
-        (["--checkpoint-every", "0"], "checkpoint_every=0 must be at least 1"),  # was a ZeroDivisionError at step 1
-        (["--eval-batches", "0"], "eval_batches=0 must be at least 1"),  # was a NaN validation loss
-        (["--num-heads", "0"], "num_heads=0 must be at least 1"),  # was a ZeroDivisionError
-        (["--num-kv-heads", "0"], "num_kv_heads=0 must be at least 1"),
-        (["--temperature", "-1"], "temperature=-1.0 must be at least 0"),
-        (["--warmup-steps", "-5"], "warmup_steps=-5 must be at least 0"),
-        (["--vocab-size", "100"], "vocab_size=100 must be at least 256"),  # bytes past the table read garbage
+        (["--steps", "abc"], "argument --steps: steps='abc' must be of type int"),
+        (["--learning-rate", "fast"], "argument --learning-rate: learning_rate='fast' must be of type float"),
+        # NaN passed every bound (nan < 0 is False) and reached metrics.jsonl as invalid JSON.
+        (["--learning-rate", "nan"], "argument --learning-rate: learning_rate=nan must be a finite number"),
+        (["--learning-rate", "inf"], "argument --learning-rate: learning_rate=inf must be a finite number"),
+        (["--temperature", "nan"], "argument --temperature: temperature=nan must be a finite number"),
+        (["--grad-clip=-inf"], "argument --grad-clip: grad_clip=-inf must be a finite number"),
+        (["--sample-prompt", ""], "argument --sample-prompt: sample_prompt='' must hold at least one character"),
+        (["--framework", "torch"], "argument --framework: invalid choice: 'torch'"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--mesh", "foo"], "argument --mesh: mesh='foo'"),
+        (["--num-kv-heads", "3"], "argument --num-kv-heads: num_heads=4 must be a multiple of num_kv_heads=3"),
+        # Was a ZeroDivisionError at step 1, and a NaN validation loss.
+        (["--checkpoint-every", "0"], "argument --checkpoint-every: checkpoint_every=0 must be at least 1"),
+        (["--eval-batches", "0"], "argument --eval-batches: eval_batches=0 must be at least 1"),
+        (["--num-heads", "0"], "argument --num-heads: num_heads=0 must be at least 1"),  # was a ZeroDivisionError
+        (["--num-kv-heads", "0"], "argument --num-kv-heads: num_kv_heads=0 must be at least 1"),
+        (["--temperature", "-1"], "argument --temperature: temperature=-1.0 must be at least 0"),
+        (["--warmup-steps", "-5"], "argument --warmup-steps: warmup_steps=-5 must be at least 0"),
+        # Bytes past the table read garbage.
+        (["--vocab-size", "100"], "argument --vocab-size: vocab_size=100 must be at least 256"),
+        (["--resume", "--overwrite"], "argument --overwrite: "),
+        (["--config", "missing.yaml"], "argument --config: can't read 'missing.yaml'"),
     ],
 )
-def test_invalid_flags_name_the_field(flags, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+def test_invalid_flags_are_usage_errors_that_name_the_flag(flags, message, capsys):
+    """argparse's way: exit 2, a short usage line and one error line; no traceback (all were tracebacks)."""
+    with pytest.raises(SystemExit) as exit:
         parse_args(flags)
+    assert exit.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage:"), lines
+    assert ": error: " + message in lines[1], lines
+
+
+def test_config_file_errors_name_the_file(tmp_path, capsys):
+    files = {"bad.yaml": "steps: [1,\n", "bad.json": "{", "list.json": "[1]", "field.json": '{"sequence_length": 3}',
+             "type.yaml": "steps: many\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as exit:
+            parse_args(["--config", str(tmp_path / name)])
+        lines = capsys.readouterr().err.splitlines()
+        assert exit.value.code == 2 and len(lines) == 2 and "error: argument --config: " in lines[1], (name, lines)
+        assert name in lines[1] or "sequence_length" in lines[1] or "steps='many'" in lines[1], lines
 
 
 def test_valid_edge_values_are_accepted():

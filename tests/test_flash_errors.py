@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_close, random_qkv
 
-from probjax_kernels import FlashConfig, dropout_keep_mask, flash_attention, flash_attention_reference
+from probjax_kernels import FlashConfig, dropout_keep_mask, flash_attention, flash_attention_reference, flex_attention
 
 q = jnp.zeros((2, 8, 4, 32), jnp.float32)
 kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
@@ -38,6 +38,8 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
         ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": jax.random.key(0)}, TypeError, r"dropout_seed.*PRNG key"),
         ((q, kv, kv), {"dropout_rate": 0.1, "dropout_seed": 2**40}, ValueError, r"dropout_seed must lie in"),
         ((q, kv, kv), {"dropout_rate": 1.5}, ValueError, r"dropout_rate"),
+        ((q, kv, kv), {"dropout_rate": "0.1", "dropout_seed": 1}, TypeError, r"dropout_rate must be a real.*'0.1'"),
+        ((q, kv, kv), {"causal": "yes"}, TypeError, r"causal must be a bool \(True or False\), got 'yes'"),
         ((q, kv, kv), {"scale": float("nan")}, ValueError, r"scale must be finite, got nan"),
         ((q, kv, kv), {"scale": float("inf")}, ValueError, r"scale must be finite, got inf"),
         ((q, kv, kv), {"scale": "0.5"}, TypeError, r"scale must be a real scalar.*'0.5'"),
@@ -46,6 +48,14 @@ kv = jnp.zeros((2, 8, 2, 32), jnp.float32)
 def test_bad_input(attention_fn, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         attention_fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("attention_fn", [flash_attention, flex_attention])
+def test_traced_dropout_rate_is_named(attention_fn):
+    """The kernels compile the rate: a traced one is a TypeError naming dropout_rate (it was a
+    TracerBoolConversionError that named nothing)."""
+    with pytest.raises(TypeError, match=r"dropout_rate must be a Python float, got a traced value"):
+        jax.jit(lambda rate: attention_fn(q, kv, kv, dropout_rate=rate, dropout_seed=1))(0.1)
 
 
 def test_kernel_head_dim_limit():

@@ -67,6 +67,22 @@ def test_block_mask_matches_numpy_mask():
     assert_close(flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), expected, jnp.float32)
 
 
+def test_sliding_window_keeps_distances_up_to_and_including_w():
+    """sliding_window(w) keeps |q_idx - kv_idx| <= w, w >= 0, as flash_attention(window=w) does (it kept
+    < w); with causal_mask, the current key and the w before it."""
+    rows, cols = np.arange(12)[:, None], np.arange(12)[None, :]
+    for w in (0, 3):
+        np.testing.assert_array_equal(sliding_window(w)(0, 0, jnp.asarray(rows), jnp.asarray(cols)),
+                                      np.abs(rows - cols) <= w)
+    q, k, v = random_qkv(43, 1, 12, 12, 2, 2, 16)
+    block_mask = create_block_mask(and_masks(causal_mask, sliding_window(3)), None, None, 12, 12)
+    expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 12, 12, causal=True, window=(3, 3)))
+    assert_close(flex_attention_reference(q, k, v, None, block_mask), expected, jnp.float32)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"window must be an int >= 0"):
+            sliding_window(bad)
+
+
 @pytest.mark.parametrize(
     "score_mod",
     [alibi(alibi_slopes(4)), softcap(1.5), relative_bias(0.3 * jax.random.normal(jax.random.key(3), (4, 2 * T - 1)))],

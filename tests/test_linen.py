@@ -5,13 +5,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from module_helpers import HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask
+from module_helpers import BATCH, HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask
 
 from probjax_kernels import alibi_slopes, causal_mask
 
 nn = pytest.importorskip("flax.linen")
 import probjax_nn.linen as plinen  # noqa: E402
+from probjax_nn import _attention  # noqa: E402
 
 CAUSAL = nn.make_causal_mask(jnp.ones((1, SEQ)), dtype=jnp.bool_)  # [1, 1, T, T]
 # Call arguments; no query row loses every key, where flax would average the values.
@@ -61,6 +63,64 @@ def test_stock_module_takes_attention_fn():
     assert_trees_close(swapped.apply(variables, x, mask=CAUSAL), stock.apply(variables, x, mask=CAUSAL), name="out")
 
 
+def test_stock_aliases_match_flax():
+    """flax.linen's MultiHeadAttention, SelfAttention and dot_product_attention exist here too, with the stock
+    signatures, variable names and outputs (they were missing)."""
+    import inspect
+
+    def parameters(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert parameters(plinen.dot_product_attention) == parameters(nn.dot_product_attention)
+    assert parameters(plinen.SelfAttention.__call__) == parameters(nn.SelfAttention.__call__)
+    q, k, v = (inputs(seed, (BATCH, SEQ, HEADS, 8)) for seed in (11, 12, 13))
+    mask = padding_mask()
+    out = plinen.dot_product_attention(q, k, v, mask=mask)
+    assert_trees_close(out, nn.dot_product_attention(q, k, v, mask=mask), name="dot_product_attention")
+
+    class Parent(nn.Module):
+        layer: type
+
+        @nn.compact
+        def __call__(self, x):
+            options = {"attention_impl": "xla"} if self.layer is plinen.MultiHeadAttention else {}
+            return self.layer(HEADS, **options)(x)
+
+    x = inputs(14)
+    variables = Parent(nn.MultiHeadAttention).init(jax.random.key(0), x)
+    assert list(variables["params"]) == ["MultiHeadAttention_0"]
+    out = Parent(plinen.MultiHeadAttention).apply(variables, x)
+    assert_trees_close(out, Parent(nn.MultiHeadAttention).apply(variables, x), name="MultiHeadAttention")
+    assert isinstance(plinen.MultiHeadAttention(HEADS), nn.MultiHeadAttention)
+    with pytest.warns(DeprecationWarning, match="SelfAttention will be deprecated"):  # flax's own warning
+        variables = nn.SelfAttention(HEADS).init(jax.random.key(1), x)
+        out = plinen.SelfAttention(HEADS, attention_impl="xla").apply(variables, x, mask, True)
+        expected = nn.SelfAttention(HEADS).apply(variables, x, mask, True)
+    assert_trees_close(out, expected, name="SelfAttention")
+
+
+def test_clone_switches_attention_impl(monkeypatch):
+    """clone(attention_impl=...) rebuilds the attention function (it kept the old one, or raised "pass
+    attention_impl or attention_fn, not both"); a user's attention_fn survives clones."""
+    calls = []
+    flash = _attention.flash_attention
+    monkeypatch.setattr(_attention, "flash_attention", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    module = plinen.MultiHeadDotProductAttention(HEADS, attention_impl="xla")
+    x = inputs(3)
+    variables = module.init(jax.random.key(0), x)
+    expected = module.apply(variables, x, mask=CAUSAL)
+    clone = module.clone(attention_impl="pallas")
+    assert_trees_close(clone.apply(variables, x, mask=CAUSAL), expected, name="out")
+    assert calls == [1]
+    clone.clone(attention_impl="xla").apply(variables, x, mask=CAUSAL)
+    plinen.MultiHeadDotProductAttention(HEADS).clone(attention_impl="xla").apply(variables, x)
+    assert calls == [1]
+    custom = plinen.MultiHeadDotProductAttention(HEADS, attention_fn=plinen.attention_fn("xla"))
+    assert custom.clone(dropout_rate=0.1).attention_fn == plinen.attention_fn("xla")
+    with pytest.raises(ValueError, match="pass attention_impl or attention_fn, not both"):
+        custom.clone(attention_impl="pallas")
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_decode_step_by_step_matches_a_causal_forward(impl):
     ours = plinen.MultiHeadDotProductAttention(HEADS, attention_impl=impl)
@@ -105,6 +165,41 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
     assert state["intermediates"]["attention_weights"][0].shape == (x.shape[0], HEADS, SEQ, SEQ)
     with pytest.raises(NotImplementedError, match="sow_weights"):
         plinen.MultiHeadDotProductAttention(HEADS, attention_impl="xla").apply(variables, x, sow_weights=True)
+
+
+def test_sow_weights_does_not_change_a_fully_masked_row():
+    """Under "auto", sow_weights sows flax's weights but the output stays ours: a query row with every key
+    masked gives 0 with or without sowing (it gave flax's average of the values when sowing)."""
+    x = inputs(6)
+    mask = jnp.ones((x.shape[0], 1, SEQ, SEQ), bool).at[0, :, 3].set(False)
+    module = plinen.MultiHeadDotProductAttention(HEADS)
+    variables = module.init(jax.random.key(0), x)
+    plain = module.apply(variables, x, mask=mask)
+    sown, state = module.apply(variables, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+    assert_trees_close(sown, plain, name="out")
+    assert float(jnp.abs(plain[0, 3]).max()) == 0.0  # zero heads through a zero-initialised output bias
+    assert state["intermediates"]["attention_weights"][0].shape == (x.shape[0], HEADS, SEQ, SEQ)
+
+
+def test_complex_inputs_run_flax_under_auto_and_raise_otherwise():
+    """Complex inputs fall back to flax's dot_product_attention under "auto" (they were a TypeError); an
+    explicit impl raises NotImplementedError naming the dtype."""
+    q, k, v = (jax.lax.complex(inputs(seed, (1, 6, 2, 8)), inputs(seed + 1, (1, 6, 2, 8))) for seed in (20, 22, 24))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    with jax.numpy_dtype_promotion("standard"):  # flax mixes complex and float32
+        out = plinen.attention_fn()(q, k, v, mask=mask)
+        np.testing.assert_array_equal(out, nn.dot_product_attention(q, k, v, mask=mask))
+    with pytest.raises(NotImplementedError, match="impl='xla' does not support dtype complex64"):
+        plinen.attention_fn("xla")(q, k, v)
+
+
+def test_query_and_key_head_dims_must_match():
+    """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
+    The value's head dim may differ."""
+    q, k = jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 7))
+    with pytest.raises(ValueError, match="query head dim 8 and key head dim 7"):
+        plinen.attention_fn("xla")(q, k, k)
+    assert plinen.attention_fn("xla")(q, q, k).shape == (1, 4, 2, 7)
 
 
 class _Stack(nn.Module):

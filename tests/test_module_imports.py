@@ -21,4 +21,4 @@ assert probjax_nn.equinox.eqx is equinox and equinox.__name__ == "equinox"  # th
 
 
 def test_frameworks_load_only_with_their_submodule():
-    subprocess.run([sys.executable, "-c", _SCRIPT], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", _SCRIPT], check=True)  # no timeout: a slow machine is no failure

@@ -31,7 +31,7 @@ def _fresh_interpreter():
 
 def _window_fn(b, h, q_idx, kv_idx):
     del b, h
-    return (kv_idx <= q_idx) & (jnp.abs(q_idx - kv_idx) < WINDOW)
+    return (kv_idx <= q_idx) & (jnp.abs(q_idx - kv_idx) <= WINDOW)
 
 
 def _prefix_fn(b, h, q_idx, kv_idx):
@@ -73,7 +73,7 @@ def test_sliding_window_causal_tables():
     kinds = np.asarray(block_mask.to_dense())[0, 0]
     assert (kinds == 0).any() and (kinds == 1).any() and (kinds == 2).any()  # empty, partial and full tiles
     rows, cols = _rows_cols(seq, seq)
-    dense = (cols <= rows) & (np.abs(rows - cols) < WINDOW)
+    dense = (cols <= rows) & (np.abs(rows - cols) <= WINDOW)
     # The diagonal's tiles are partial, so the causal flag (query tiles in reverse) changes nothing else.
     for causal in (False, True):
         _run_and_compare(block_mask.kv_tables, _window_fn, dense, batch=1, q_len=seq, kv_len=seq, num_heads=2,

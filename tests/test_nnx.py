@@ -1,9 +1,11 @@
 """probjax_nn.nnx against flax.nnx.MultiHeadAttention: parameters, outputs, gradients, decode, dropout, hooks."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from module_helpers import (
     BATCH, FEATURES, HEADS, SEQ, alibi_bias, assert_trees_close, cotangent, inputs, padding_mask,
@@ -110,6 +112,42 @@ def test_sow_weights_falls_back_on_auto_and_raises_otherwise():
     _, xla = _pair("xla")
     with pytest.raises(NotImplementedError, match="sow_weights"):
         xla(x, sow_weights=True)
+
+
+def test_sow_weights_does_not_change_a_fully_masked_row():
+    """Under "auto", sow_weights sows flax's weights but the output stays ours: a query row with every key
+    masked gives 0 with or without sowing (it gave flax's average of the values when sowing)."""
+    _, auto = _pair("auto")
+    x = inputs(9)
+    mask = jnp.ones((BATCH, 1, SEQ, SEQ), bool).at[0, :, 3].set(False)
+    plain = auto(x, mask=mask)
+    sown, intermediates = nnx.capture(lambda m: m(x, mask=mask, sow_weights=True), nnx.Intermediate)(auto)
+    assert_trees_close(sown, plain, name="out")
+    assert float(jnp.abs(plain[0, 3]).max()) == 0.0  # zero heads through a zero-initialised output bias
+    assert intermediates["attention_weights"][0].shape == (BATCH, HEADS, SEQ, SEQ)
+
+
+def test_complex_inputs_run_flax_under_auto_and_raise_otherwise():
+    """Complex inputs fall back to flax's dot_product_attention under "auto" (they were a TypeError); an
+    explicit impl raises NotImplementedError naming the dtype."""
+    q, k, v = (jax.lax.complex(inputs(seed, (1, 6, 2, 8)), inputs(seed + 1, (1, 6, 2, 8))) for seed in (20, 22, 24))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    # flax (through jax.nn) casts the complex scores to float32 (deprecated, warning): as it does, so do we.
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Casting from complex", DeprecationWarning)
+        out = pnnx.attention_fn()(q, k, v, mask=mask)
+        np.testing.assert_array_equal(out, nnx.dot_product_attention(q, k, v, mask=mask))
+    with pytest.raises(NotImplementedError, match="impl='xla' does not support dtype complex64"):
+        pnnx.attention_fn("xla")(q, k, v)
+
+
+def test_query_and_key_head_dims_must_match():
+    """q.k needs one head dim: a key of another one raises, naming both (it was zero-padded); flax raises too.
+    The value's head dim may differ."""
+    q, k = jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 7))
+    with pytest.raises(ValueError, match="query head dim 8 and key head dim 7"):
+        pnnx.attention_fn("xla")(q, k, k)
+    assert pnnx.attention_fn("xla")(q, q, k).shape == (1, 4, 2, 7)
 
 
 def test_several_batch_axes():

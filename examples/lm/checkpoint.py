@@ -91,6 +91,13 @@ class Checkpoints:
         params = from_nested(restored["params"], params)
         return params, None if opt_state is None else from_nested(restored["opt_state"], opt_state)
 
+    def drop_from(self, step: int) -> None:
+        """Deletes the checkpoints of `step` and later, once the saves in flight have finished."""
+        self.manager.wait_until_finished()
+        for saved in self.manager.all_steps():
+            if saved >= step:
+                self.manager.delete(saved)
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

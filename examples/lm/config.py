@@ -1,14 +1,17 @@
 """The training configuration: one frozen dataclass, named presets, and overrides from a file and the CLI.
 
 Precedence, lowest first: the dataclass defaults, the preset, a JSON or YAML file (`--config`), then one
-command-line flag per field (`--seq-len 4096`, `--no-tie-embeddings`, `--num-kv-heads none`).
+command-line flag per field (`--seq-len 4096`, `--no-tie-embeddings`, `--num-kv-heads none`). A value that
+cannot work is a `ConfigError` naming its field, which the scripts report as a usage error naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -18,6 +21,19 @@ from typing import Any
 FRAMEWORKS = ("nnx", "linen", "equinox")
 ATTENTION_IMPLS = ("auto", "pallas", "flex", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16")
+_CHOICES = {"framework": FRAMEWORKS, "attention": ATTENTION_IMPLS, "dtype": DTYPES}
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; `field` is the one to change, reported as its flag (`--num-kv-heads`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +73,7 @@ class Config:
     checkpoint_every: int | None = 100  # steps between orbax checkpoints (and one at the end); None: none
     out: str = "runs/lm"  # folder for config.json, metrics.jsonl, loss.png, checkpoints/, samples.txt
     resume: bool = False  # continue from the latest checkpoint in out/checkpoints
+    overwrite: bool = False  # start afresh in an out folder that holds a run: delete that run's files first
     mesh: str | None = None  # "data=N[,model=M]": shard the batch over N devices and heads over M
     peak_tflops: float | None = None  # device peak for MFU; None: looked up for known GPUs, n/a otherwise
     # Sampling at the end of training (and the defaults of sample.py).
@@ -78,28 +95,42 @@ class Config:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def __post_init__(self):
-        for name, allowed in (("framework", FRAMEWORKS), ("attention", ATTENTION_IMPLS), ("dtype", DTYPES)):
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}.")
+                raise ConfigError(name, f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}.")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            # NaN passes every bound below (nan < x is False) and would end as NaN losses.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(field.name, f"{field.name}={value} must be a finite number.")
         for name in ("num_heads", "num_kv_heads"):  # checked before they divide below
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+                raise ConfigError(name, f"{name}={getattr(self, name)} must be at least 1.")
         if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}.")
+            raise ConfigError("d_model", f"d_model={self.d_model} must be a multiple of num_heads={self.num_heads}.")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+            raise ConfigError("d_model", f"head_dim={self.head_dim} must be even for RoPE.")
         if self.num_heads % self.kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}.")
+            message = f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}."
+            raise ConfigError("num_kv_heads", message)
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction} must be in (0, 1).")
+            raise ConfigError("val_fraction", f"val_fraction={self.val_fraction} must be in (0, 1).")
         if self.vocab_size < 256:
             # Tokens are bytes: an embedding lookup past the table would not fail, it would read garbage.
-            raise ValueError(f"vocab_size={self.vocab_size} must be at least 256 (the tokens are bytes).")
+            message = f"vocab_size={self.vocab_size} must be at least 256 (the tokens are bytes)."
+            raise ConfigError("vocab_size", message)
         for name, least in _LOWER_BOUNDS.items():
             value = getattr(self, name)
             if value is not None and value < least:
-                raise ValueError(f"{name}={value!r} must be at least {least}.")
-        parse_mesh(self.mesh)
+                raise ConfigError(name, f"{name}={value!r} must be at least {least}.")
+        if not self.sample_prompt:
+            raise ConfigError("sample_prompt", "sample_prompt='' must hold at least one character.")
+        if self.resume and self.overwrite:
+            raise ConfigError("overwrite", "resume and overwrite exclude each other: continue the run or start afresh.")
+        try:
+            parse_mesh(self.mesh)
+        except ValueError as error:
+            raise ConfigError("mesh", str(error)) from None
 
 
 # The smallest value of each numeric field (None, where a field allows it, is always fine). Without these,
@@ -187,35 +218,79 @@ def make_config(preset: str = "tiny", overrides: Mapping[str, Any] | None = None
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """The field -> value mapping of a JSON or YAML (.yaml / .yml) file."""
+    """The field -> value mapping of a JSON or YAML (.yaml / .yml) file, each value as its field's type.
+
+    Raises OSError when the file cannot be read and ValueError (one line, naming the file) for anything else.
+    """
     text = Path(path).read_text()
-    if Path(path).suffix in (".yaml", ".yml"):
-        import yaml
+    try:
+        if Path(path).suffix in (".yaml", ".yml"):
+            import yaml
 
-        values = yaml.safe_load(text)
-    else:
-        values = json.loads(text)
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(values).__name__}.")
-    return values
+            try:
+                values = yaml.safe_load(text)
+            except yaml.YAMLError as error:
+                raise ValueError(" ".join(str(error).split())) from None
+        else:
+            values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ValueError(f"expected a mapping of config fields, got {type(values).__name__}.")
+        for name in values:
+            if str(name).replace("-", "_") not in _field_types():
+                raise ValueError(f"unknown config field {name!r}.")
+        return {name.replace("-", "_"): _convert(name.replace("-", "_"), value) for name, value in values.items()}
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
-def parse_args(argv: Sequence[str] | None = None, description: str | None = None) -> Config:
-    """`--preset`, `--config FILE` and one flag per `Config` field."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`--preset`, `--config FILE` and one flag per `Config` field; a flag's value is converted (and its type
+    checked) as argparse parses it, and a flag not given is absent from the result."""
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [--preset NAME] [--config FILE] [--FIELD VALUE ...]  (-h lists the fields)",
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", default="tiny", choices=tuple(PRESETS))
     parser.add_argument("--config", help="a JSON or YAML file of config fields, applied over the preset")
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
         if _field_types()[field.name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif field.name in _CHOICES:
+            parser.add_argument(flag, choices=_CHOICES[field.name], default=argparse.SUPPRESS)
         else:
-            parser.add_argument(flag, default=None, metavar=field.name.upper())
+            parser.add_argument(
+                flag, type=functools.partial(_flag_value, field.name), default=argparse.SUPPRESS,
+                metavar=field.name.upper(),
+            )
+    return parser
+
+
+def _flag_value(name: str, text: str) -> Any:
+    try:
+        return _convert(name, text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Config:
+    """The config of a command line (`make_parser`'s flags); a value that cannot work exits as a usage error
+    (status 2, one line naming the flag), as argparse does for the flags it checks itself."""
+    parser = make_parser() if parser is None else parser
     args = vars(parser.parse_args(argv))
     preset, config_file = args.pop("preset"), args.pop("config")
-    overrides = load_file(config_file) if config_file else {}
-    overrides.update({name: value for name, value in args.items() if value is not None})
-    return make_config(preset, overrides)
+    values = {}
+    if config_file is not None:
+        try:
+            values = load_file(config_file)
+        except OSError as error:
+            parser.error(f"argument --config: can't read {config_file!r}: {error.strerror}")
+        except ValueError as error:
+            parser.error(f"argument --config: {error}")
+    try:
+        return make_config(preset, {**values, **args})
+    except ConfigError as error:
+        parser.error(f"argument {error.flag}: {error}")
 
 
 def to_json(config: Config) -> str:
@@ -225,3 +300,35 @@ def to_json(config: Config) -> str:
 def from_json(path: str | Path) -> Config:
     """The config a run saved as out/config.json."""
     return Config(**json.loads(Path(path).read_text()))
+
+
+# What a checkpoint's params and optimiser state are shaped by, and what makes them another network; the
+# attribute compared, so that num_kv_heads=None and num_kv_heads=num_heads count as the same.
+_ARCHITECTURE = {
+    "framework": "framework", "vocab_size": "vocab_size", "num_layers": "num_layers", "d_model": "d_model",
+    "num_heads": "num_heads", "num_kv_heads": "kv_heads", "d_ff": "hidden_dim", "tie_embeddings": "tie_embeddings",
+    "rope_theta": "rope_theta",
+}
+
+
+def resume_conflicts(saved: Config, config: Config) -> list[str]:
+    """The differences ("num_layers 2 -> 3") that keep `config` from resuming the run that saved `saved`.
+    Anything else (steps, the learning rate, the data, the mesh, the attention impl) may change."""
+    conflicts = [
+        f"{name} {getattr(saved, attribute)!r} -> {getattr(config, attribute)!r}"
+        for name, attribute in _ARCHITECTURE.items() if getattr(saved, attribute) != getattr(config, attribute)
+    ]
+    if (saved.grad_clip is None) != (config.grad_clip is None):  # clipping has a state of its own in the optimiser's
+        conflicts.append(f"grad_clip {saved.grad_clip!r} -> {config.grad_clip!r}")
+    return conflicts
+
+
+def finite_float(text: str) -> float:
+    """An argparse `type` for float flags that rejects NaN and infinities."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

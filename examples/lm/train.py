@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import importlib
 import json
+import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,11 @@ from tqdm import tqdm
 from lm import data
 from lm.checkpoint import Checkpoints
 from lm.common import LanguageModel, Params
-from lm.config import Config, parse_mesh, to_json
+from lm.config import Config, ConfigError, from_json, parse_mesh, resume_conflicts, to_json
 from lm.sampling import generate
 
+# What a run writes into its out folder; a folder holding any of them is a used one.
+RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints")
 # Dense bfloat16 peak FLOP/s (SXM parts) by device kind; --peak-tflops covers the rest.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
@@ -79,12 +83,14 @@ def make_mesh(config: Config) -> jax.sharding.Mesh | None:
     axes = parse_mesh(config.mesh)
     size = axes["data"] * axes["model"]
     if size > len(jax.devices()):
-        raise ValueError(f"mesh={config.mesh!r} needs {size} devices, this machine has {len(jax.devices())}.")
+        raise ConfigError("mesh", f"mesh={config.mesh!r} needs {size} devices, this machine has {len(jax.devices())}.")
     if config.batch_size % axes["data"]:
-        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}.")
+        message = f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}."
+        raise ConfigError("batch_size", message)
     for name in ("num_heads", "kv_heads", "hidden_dim"):
         if getattr(config, name) % axes["model"]:
-            raise ValueError(f"{name}={getattr(config, name)} must be a multiple of the model axis, {axes['model']}.")
+            message = f"{name}={getattr(config, name)} must be a multiple of the model axis, {axes['model']}."
+            raise ConfigError("mesh", message)
     return jax.make_mesh((axes["data"], axes["model"]), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
@@ -110,7 +116,7 @@ class Metrics:
     def append(self, row: dict) -> None:
         self.rows.append(row)
         with self.path.open("a") as file:
-            file.write(json.dumps(row) + "\n")
+            file.write(json.dumps(row, allow_nan=False) + "\n")  # NaN is not JSON; run() stops before one
 
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
@@ -169,21 +175,84 @@ def make_steps(model: LanguageModel, optimizer: optax.GradientTransformation, co
     return train_step, jax.jit(loss)
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss turned NaN or infinite: the run stopped, keeping the rows and checkpoints from before it."""
+
+
+def check_out(config: Config) -> Path:
+    """The run's out folder, once it is clear that this run may write there (it writes nothing).
+
+    A folder that holds any of `RUN_FILES` is a used one: only `resume` (with the architecture it was trained
+    with) or `overwrite` may write into it. An empty or new folder is fine.
+    """
+    out = Path(config.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", f"{out} is a file, not a folder.")
+    used = [name for name in RUN_FILES if (out / name).exists()]
+    if used and not (config.resume or config.overwrite):
+        raise ConfigError(
+            "out", f"{out} holds a run ({', '.join(used)}): pass --resume to continue it or --overwrite to start "
+            "it afresh.",
+        )
+    if config.resume and (out / "config.json").exists():
+        try:
+            saved = from_json(out / "config.json")
+        except (OSError, ValueError, TypeError) as error:
+            raise ConfigError("resume", f"cannot read {out / 'config.json'}: {error}") from None
+        conflicts = resume_conflicts(saved, config)
+        if conflicts:
+            raise ConfigError(
+                "resume", f"the run in {out} has another architecture ({', '.join(conflicts)}): resume it with its "
+                "own values, or start afresh with --overwrite.",
+            )
+    return out
+
+
+def load_data(config: Config) -> tuple[np.ndarray, np.ndarray]:
+    """`data.load_tokens`, its failures as the ConfigError of the field to change."""
+    try:
+        train_tokens, val_tokens = data.load_tokens(config)
+    except FileNotFoundError as error:
+        raise ConfigError("data", str(error)) from None
+    for split, tokens in (("train", train_tokens), ("validation", val_tokens)):
+        if len(tokens) <= config.seq_len + 1:
+            message = f"the {split} split has {len(tokens)} tokens, too few for seq_len={config.seq_len}."
+            raise ConfigError("seq_len", message)
+    return train_tokens, val_tokens
+
+
+def _first_non_finite(losses: list, last_step: int) -> tuple[int, float] | None:
+    """(step, loss) of the first non-finite one of `losses`, the losses of the steps up to `last_step`."""
+    values = np.asarray(jax.device_get(losses), np.float64)
+    bad = np.flatnonzero(~np.isfinite(values))
+    return None if bad.size == 0 else (last_step - len(values) + 1 + int(bad[0]), float(values[bad[0]]))
+
+
 def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
     """Trains as `config` says and returns the metrics rows (also in `config.out`/metrics.jsonl).
 
+    Everything that can be checked is checked before anything is written (the out folder, the data, the
+    mesh, the architecture of a run to resume): those failures raise `ConfigError` and leave the folder as
+    it was. A loss that turns NaN or infinite stops the run with `NonFiniteLoss`; its row is not written,
+    and the checkpoints of the weights that gave it are deleted.
     `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
     testing `resume`.
     """
-    out = Path(config.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(to_json(config))
-    train_tokens, val_tokens = data.load_tokens(config)
+    out = check_out(config)
+    train_tokens, val_tokens = load_data(config)
     val_batches = data.validation_batches(val_tokens, config)
+    mesh = make_mesh(config)
     model = build_model(config, jax.random.key(config.seed))
     optimizer = make_optimizer(config)
-    mesh = make_mesh(config)
     num_params = sum(x.size for x in jax.tree.leaves(model.params))
+    if config.overwrite:
+        for name in RUN_FILES:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     print(
         f"{config.framework} model, {num_params / 1e6:.2f}M params, attention={config.attention}, "
         f"{config.num_layers} layers x {config.num_heads} heads x head_dim {config.head_dim}, "
@@ -203,11 +272,24 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
             params, opt_state = checkpoints.restore(start, params, opt_state)
             pending_losses = checkpoints.pending_losses(start)
             print(f"resumed from step {start}")
+        # resume and overwrite are what this command did, not part of the run: a later --config of this file
+        # must not delete the folder.
+        (out / "config.json").write_text(to_json(dataclasses.replace(config, resume=False, overwrite=False)))
         metrics = Metrics(out / "metrics.jsonl", start)
         train_step, eval_step = make_steps(model, optimizer, config, shardings)
 
         def evaluate(params) -> float:
             return float(np.mean([eval_step(params, shardings.place(batch)) for batch in val_batches]))
+
+        def stop(step: int, kind: str, value: float, bad_weights: int) -> NonFiniteLoss:
+            """Deletes the checkpoints of step `bad_weights` and later (the weights that gave `value`)."""
+            checkpoints.drop_from(bad_weights)
+            kept = checkpoints.latest_step()
+            kept = "no checkpoint is left" if kept is None else f"the checkpoint of step {kept} is the latest"
+            return NonFiniteLoss(
+                f"step {step}: the {kind} loss is {value}; stopped. metrics.jsonl ends before it and {kept} "
+                f"(lower --learning-rate and --resume, or start afresh with --overwrite)."
+            )
 
         flops, peak = flops_per_token(config, num_params), peak_flops(config, 1 if mesh is None else mesh.size)
         last = config.steps if stop_after is None else min(stop_after, config.steps)
@@ -226,12 +308,21 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     timed_steps += 1
                 bar.update()
                 is_eval = step % config.eval_every == 0 or step == config.steps
+                every = config.checkpoint_every
+                is_checkpoint = every is not None and (step % every == 0 or step == config.steps)
+                if step % config.log_every == 0 or is_eval or is_checkpoint:
+                    # The loss of step s is that of the weights after step s - 1.
+                    bad = _first_non_finite(losses, step)  # waits for the steps to finish
+                    if bad is not None:
+                        raise stop(bad[0], "train", bad[1], bad_weights=bad[0] - 1)
                 if step % config.log_every == 0 or is_eval:
-                    train_loss = float(np.mean(jax.device_get(losses)))  # waits for the steps to finish
+                    train_loss = float(np.mean(jax.device_get(losses)))
                     tokens_per_s = timed_steps * config.batch_size * config.seq_len / (time.perf_counter() - timer)
                     tokens_per_s = tokens_per_s if timed_steps else None
                     mfu = None if peak is None or tokens_per_s is None else flops * tokens_per_s / peak
                     val_loss = evaluate(params) if is_eval else None
+                    if val_loss is not None and not math.isfinite(val_loss):
+                        raise stop(step, "validation", val_loss, bad_weights=step)
                     metrics.append(dict(
                         step=step, train_loss=train_loss, val_loss=val_loss, tokens_per_s=tokens_per_s, mfu=mfu,
                     ))
@@ -242,8 +333,7 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     if val_loss is not None:
                         bar.write(f"step {step}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}")
                     losses, timer, timed_steps = [], time.perf_counter(), 0
-                every = config.checkpoint_every
-                if every is not None and (step % every == 0 or step == config.steps):
+                if is_checkpoint:
                     checkpoints.save(step, params, opt_state, jax.device_get(losses))
         finally:
             bar.close()

@@ -77,7 +77,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--append", action="store_true", help="keep the rows already in --output")
     parser.add_argument("--tag", default=None, help="free text stored in every row")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = _output_problem(pathlib.Path(args.output), args.append)
+    if problem is not None:
+        parser.error(problem)
+    return args
+
+
+def _output_problem(path: pathlib.Path, append: bool) -> str | None:
+    """Why --output (with --append) cannot take the rows, as a usage error's message; None when it can.
+    Checked before the first row is measured, which may take minutes."""
+    if path.is_dir():
+        return f"argument --output: {path} is a folder; name a file in it, e.g. {path / 'results.json'}"
+    folder = next(parent for parent in path.parents if parent.exists())  # "." or "/" at the latest
+    if not folder.is_dir():
+        return f"argument --output: {folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"argument --output: cannot write in {folder}"
+    if append and path.exists():
+        try:
+            load_report(path)
+        except (OSError, ValueError) as error:
+            return f"argument --append: {error}; --append adds rows to a file that this benchmark wrote"
+    return None
+
+
+def load_report(path: pathlib.Path) -> dict:
+    """The benchmark JSON at `path`: an object with device, config and results. Raises OSError when it cannot
+    be read and ValueError, with a one-line reason, when it is not such a file."""
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not JSON ({error})") from None
+    kinds = {"device": dict, "config": dict, "results": list}
+    if not isinstance(report, dict) or not all(isinstance(report.get(key), kind) for key, kind in kinds.items()):
+        raise ValueError(f"{path} is not a benchmark report (an object with device, config and results)")
+    return report
 
 
 def config_of(args: argparse.Namespace) -> dict:
@@ -139,7 +174,7 @@ class Report:
         self.config = config_of(args)
         self.results: list[dict] = []
         if args.append and self.path.exists():
-            self._keep_old_rows(json.loads(self.path.read_text()))
+            self._keep_old_rows(load_report(self.path))
 
     def _keep_old_rows(self, old: dict) -> None:
         """Keeps old's rows; list-valued config keys become the union, so the config covers every row."""

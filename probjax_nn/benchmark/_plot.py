@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
-import json
 import math
 import pathlib
 from collections.abc import Sequence
 
-from probjax_nn.benchmark._cli import command_line
+from probjax_nn.benchmark._cli import command_line, load_report
 
 SHAPE_KEYS = ("dtype", "batch", "heads", "head_dim", "seq", "causal", "mode")
 
@@ -161,7 +160,7 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
 
 def plot(path: pathlib.Path, out_dir: pathlib.Path | None = None) -> list[pathlib.Path]:
     """Draws `path` (a benchmark JSON): the PNGs and `<stem>.md` in `out_dir` (default: beside the JSON)."""
-    report = json.loads(path.read_text())
+    report = load_report(path)
     out_dir = path.parent if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = plot_figures(report, path.stem, out_dir)
@@ -176,9 +175,19 @@ def plot_main(argv: Sequence[str]) -> int:
         description="PNGs of TFLOP/s against seq (a panel per mode x causal, a figure per dtype x head_dim) "
         "and a Markdown summary with probjax / best-peer ratios per shape.",
     )
-    parser.add_argument("file", type=pathlib.Path, help="a JSON file written by python -m probjax_nn.benchmark")
+    parser.add_argument(
+        "file", type=pathlib.Path, metavar="FILE", help="a JSON file written by python -m probjax_nn.benchmark"
+    )
     parser.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: the folder of FILE")
     args = parser.parse_args(argv)
+    try:
+        load_report(args.file)
+    except OSError as error:
+        parser.error(f"argument FILE: cannot read {args.file}: {error.strerror}")
+    except ValueError as error:
+        parser.error(f"argument FILE: {error}")
+    if args.out_dir is not None and args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"argument --out-dir: {args.out_dir} is not a folder")
     for written in plot(args.file, args.out_dir):
         print(f"wrote {written}")
     return 0
