@@ -39,13 +39,12 @@ def test_references_and_attention():
     block_mask = create_block_mask(causal_mask, None, None, 40, 56, BLOCK_SIZE=16)
     assert_close(flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True), out, jnp.float32)
     assert_close(probjax_nn.attention(q, k, v, is_causal=True, impl="xla"), out, jnp.float32)
-    assert_close(probjax_nn.attention(q, k, v, is_causal=True), out, jnp.float32)  # auto: xla on the CPU
     grads = jax.grad(lambda q, k, v: jnp.sum(flash_attention_reference(q, k, v, causal=True) ** 2), (1, 2))(q, k, v)
     assert grads[0].shape == k.shape and grads[1].shape == v.shape
 
 
 
-def kernel_and_reference_agree(kernel, reference, q, k, v, tolerance_factor=1.0):
+def kernel_and_reference_agree(kernel, reference, q, k, v, jvp=True):
     """Forward, gradients in q, k, v (k / v of batch 1 get the sum over the batch) and the jvp, against the
     plain-jnp reference."""
     assert_close(kernel(q, k, v), reference(q, k, v), jnp.float32, "out")
@@ -53,7 +52,9 @@ def kernel_and_reference_agree(kernel, reference, q, k, v, tolerance_factor=1.0)
     grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), (0, 1, 2))(q, k, v) for f in (kernel, reference)]
     for name, got, want in zip(("dq", "dk", "dv"), *grads):
         assert got.shape == want.shape
-        assert_close(got, want, jnp.float32, name, tolerance_factor)
+        assert_close(got, want, jnp.float32, name)
+    if not jvp:
+        return
     tangents = tuple(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((q, k, v)))
     assert_close(jax.jvp(kernel, (q, k, v), tangents)[1], jax.jvp(reference, (q, k, v), tangents)[1], jnp.float32,
                  "jvp")
@@ -71,7 +72,7 @@ def test_flex_kernel_with_hooks_gqa_and_value_dim():
     block_mask = create_block_mask(causal_mask, None, None, 32, 32, BLOCK_SIZE=16)
     kernel_and_reference_agree(lambda *a: flex_attention(*a, softcap(2.0), block_mask, enable_gqa=True),
                                lambda *a: flex_attention_reference(*a, softcap(2.0), block_mask, enable_gqa=True),
-                               q, k, v)
+                               q, k, v, jvp=False)  # the tangent kernel with Dv: test_flash_kernel
 
 
 def test_modules_no_longer_pad_the_smaller_head_dim(monkeypatch):
