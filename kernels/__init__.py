@@ -25,11 +25,13 @@ from probjax_kernels._mods import sliding_window as sliding_window
 from probjax_kernels._mods import softcap as softcap
 from probjax_kernels._reference import flash_attention_reference as flash_attention_reference
 from probjax_kernels._reference import flex_attention_reference as flex_attention_reference
+from probjax_kernels._ring import ring_attention as ring_attention
+from probjax_kernels._ring import zigzag_permutation as zigzag_permutation
 
 __all__ = [
     "AuxOutput", "AuxRequest", "BlockMask", "FlashConfig", "FlexKernelOptions", "alibi", "alibi_slopes",
     "and_masks", "causal_mask", "create_block_mask", "create_mask", "default_config", "document_mask",
     "dropout_keep_mask", "flash_attention", "flash_attention_reference", "flex_attention",
     "flex_attention_reference", "noop_mask", "or_masks", "padding_mask", "prefix_lm", "relative_bias",
-    "sliding_window", "softcap",
+    "ring_attention", "sliding_window", "softcap", "zigzag_permutation",
 ]

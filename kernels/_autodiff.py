@@ -136,6 +136,7 @@ def attention(
     mask_consts: tuple = (),
     kv_tables: tuple | None = None,
     q_tables: tuple | None = None,
+    cotangents: tuple | None = None,
 ) -> tuple[jax.Array, ...]:
     """Runs the kernels on checked inputs (see `_inputs.check_inputs`); returns (out, lse) unpadded, and the row
     max `[B, N, T]` with `features.return_max`. v may have its own head dim Dv, and k / v batch 1 against q's B.
@@ -143,6 +144,10 @@ def attention(
     `bias` / `mask` are 4-D with 1 on broadcast axes; `kv_tables` / `q_tables` are the block tables of a
     `BlockMask` (num_partial, partial_indices, num_full, full_indices), for the query-tile kernels and the
     key-tile kernel respectively; their tile is `features.block_sizes`.
+
+    With `cotangents` = (out, lse, d_out, d_lse) it runs only the backward kernels and returns (dq, dk, dv):
+    the gradients of these keys' part of an attention whose output and lse over all keys are `out`, `lse`
+    (`ring_attention`'s blocks: the probabilities exp(s - lse) are the whole sequence's). No bias or hooks.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -177,7 +182,8 @@ def attention(
         others["q_segment_ids"] = _pad_axis(q_segment_ids, 1, t_pad)
         others["kv_segment_ids"] = _pad_axis(kv_segment_ids, 1, s_pad)
     if features.dropout_rate > 0:
-        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(())
+        seed_shape = () if features.dropout_positions is None else (5,)  # _dropout.positional_seed's
+        others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(seed_shape)
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
@@ -201,6 +207,16 @@ def attention(
         q_lengths = jnp.full((batch,), q_len, jnp.int32)
     if kv_lengths is None:
         kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
+    if cotangents is not None:
+        out, lse, d_out, d_lse = cotangents
+        res = dict(q=pad_4d(q, t_pad), k=pad_4d(k, s_pad), v=pad_4d(v, s_pad, dv_pad),
+                   out=pad_4d(out, t_pad, dv_pad),
+                   lse=jnp.pad(lse, ((0, 0), (0, 0), (0, t_pad - q_len)), constant_values=-jnp.inf), bias=None,
+                   score_consts=(), q_len=q_lengths, kv_len=kv_lengths, others=others)
+        tangents = _Tangents(q=True, k=True, v=True, bias=False, score_consts=())
+        grads = _backward(problem, tangents, res, pad_4d(d_out, t_pad, dv_pad), _pad_axis(d_lse, 2, t_pad))
+        return (grads["q"][:, :q_len, :, :head_dim], grads["k"][:, :kv_len, :, :head_dim],
+                grads["v"][:, :kv_len, :, :value_dim])
     out, *rows = _attention(
         problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad, dv_pad), bias, tuple(score_consts),
         q_lengths, kv_lengths, others,

@@ -26,3 +26,27 @@ def keep_mask(seed, batch_index, head_index, q_idx, kv_idx, rate: float, num_hea
     bits = _mix(stream ^ _mix(u32(q_idx) * jnp.uint32(0x9E3779B9) + u32(kv_idx)))
     threshold = jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
     return bits >= threshold
+
+
+Positions = tuple[tuple[int, jax.Array, jax.Array], tuple[int, jax.Array, jax.Array]]
+
+
+def positional_seed(seed, positions: Positions) -> jax.Array:
+    """The kernels' dropout input when indices are not positions (a shard of a longer sequence): uint32
+    `[5]` = (seed, q first, q second, kv first, kv second). `positions` is ((q_split, q_first, q_second),
+    (kv_split, kv_first, kv_second)): local index x sits at position x + first below split, else
+    x - split + second (two chunks: the zigzag layout of `ring_attention`)."""
+    (_, q_first, q_second), (_, kv_first, kv_second) = positions
+    parts = (seed, q_first, q_second, kv_first, kv_second)
+    return jnp.stack([jnp.asarray(x).astype(jnp.uint32).reshape(()) for x in parts])
+
+
+def positions_of(seed_parts, splits: tuple[int, int], q_idx, kv_idx):
+    """(seed, q positions, kv positions) from `positional_seed`'s parts (an array or a tuple of scalars)
+    and the static (q_split, kv_split)."""
+    def place(x, split, first, second):
+        first, second = first.astype(jnp.int32), second.astype(jnp.int32)
+        return jnp.where(x < split, x + first, x - split + second)
+
+    return (seed_parts[0], place(q_idx, splits[0], seed_parts[1], seed_parts[2]),
+            place(kv_idx, splits[1], seed_parts[3], seed_parts[4]))

@@ -6,6 +6,7 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dropout import positional_seed
 from probjax_kernels._hooks import trace_score_mod, affine_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
 from probjax_kernels._problem import Features
@@ -29,6 +30,8 @@ def flash_attention(
     return_lse: bool = False,
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    _dropout_positions=None,
+    _cotangents=None,
 ):
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
 
@@ -76,11 +79,26 @@ def flash_attention(
         score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
         scale, bias = 1.0, None
     features = Features(
-        scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate)
+        scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
+        **_positional_dropout(_dropout_positions, dropout_rate),
     )
-    out, lse = _autodiff.attention(
+    if _dropout_positions is not None and dropout_rate:
+        dropout_seed = positional_seed(dropout_seed, _dropout_positions)
+    result = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
         kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed, score_consts=tuple(score_consts),
+        cotangents=_cotangents,
     )
+    if _cotangents is not None:  # private to probjax_kernels: (dq, dk, dv), see `_autodiff.attention`
+        return result
+    out, lse = result
     return (out, lse) if return_lse else out
+
+
+def _positional_dropout(positions, dropout_rate) -> dict:
+    """`Features` fields for a keep mask on global positions (`ring_attention`'s shards; see
+    `_dropout.positional_seed`); `positions` is private to probjax_kernels."""
+    if positions is None or not dropout_rate:
+        return {}
+    return {"dropout_positions": (positions[0][0], positions[1][0])}

@@ -34,6 +34,8 @@ class Features:
     - `score_mod`, `mask_mod`: traced user hooks (see `_hooks.Hook`).
     - `block_sizes`: the (q, kv) tile of the block tables, when tile visits come from a `BlockMask`.
     - `dropout_rate`: probability of dropping an attention weight (0 = off).
+    - `dropout_positions`: (q_split, kv_split) when the dropout seed input is `_dropout.positional_seed`'s
+      vector, so that the keep mask hashes global positions (a shard of a longer sequence); None: indices.
     - `return_max`: also output the row max of the scaled, modified, masked scores (AuxRequest.max_scores).
     """
 
@@ -44,6 +46,7 @@ class Features:
     mask_mod: Hook | None = None
     block_sizes: tuple[int, int] | None = None
     dropout_rate: float = 0.0
+    dropout_positions: tuple[int, int] | None = None
     return_max: bool = False  # the forward also writes the row max of the masked scores (natural units)
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._dropout import keep_mask
+from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
 from probjax_kernels._flex_options import AuxRequest, check_aux, check_heads, results
 from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
 
@@ -59,6 +59,7 @@ def attention_from_inputs(
     mask_mod=None,
     dropout_rate: float = 0.0,
     dropout_seed=None,
+    dropout_positions=None,
     return_max: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]`),
@@ -66,7 +67,8 @@ def attention_from_inputs(
     gradient).
 
     `score_mod` rewrites the scaled (and biased) scores, `mask_mod` masks further (True = attend); both are
-    called with broadcasting index grids. Dropout uses the kernels' keep mask, so it matches them exactly.
+    called with broadcasting index grids. Dropout uses the kernels' keep mask, so it matches them exactly;
+    `dropout_positions` (see `_dropout.positional_seed`) makes it hash global positions instead of indices.
     """
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
@@ -96,7 +98,12 @@ def attention_from_inputs(
     safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
     probs = weights / safe_sum
     if dropout_rate:
-        keep = keep_mask(dropout_seed, *grids, dropout_rate, num_heads)
+        b, h, q_idx, kv_idx = grids
+        if dropout_positions is not None:  # a shard of a longer sequence (`_dropout.positional_seed`)
+            splits = (dropout_positions[0][0], dropout_positions[1][0])
+            dropout_seed, q_idx, kv_idx = positions_of(positional_seed(dropout_seed, dropout_positions), splits,
+                                                       q_idx, kv_idx)
+        keep = keep_mask(dropout_seed, b, h, q_idx, kv_idx, dropout_rate, num_heads)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
     out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v, precision=lax.Precision.HIGHEST)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._dropout import keep_mask
+from probjax_kernels._dropout import keep_mask, positions_of
 from probjax_kernels._problem import _Problem
 
 LOG2E = math.log2(math.e)
@@ -125,6 +125,9 @@ def backward_delta(out, lse, d_out, d_lse=None):
 
 def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
     """keep / (1 - rate) for the tile: the factor on dropped-out probabilities."""
-    rate = problem.features.dropout_rate
-    keep = keep_mask(ctx.dropout_seed, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, rate, problem.num_heads)
+    rate, splits = problem.features.dropout_rate, problem.features.dropout_positions
+    seed, q_idx, kv_idx = ctx.dropout_seed, ctx.q_idx, ctx.kv_idx
+    if splits is not None:
+        seed, q_idx, kv_idx = positions_of(seed, splits, q_idx, kv_idx)
+    keep = keep_mask(seed, ctx.b, ctx.h, q_idx, kv_idx, rate, problem.num_heads)
     return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)

@@ -80,7 +80,7 @@ def _optional_inputs(arrays: dict, problem: _Problem, kind: str, block_q: int, b
             specs.append(_broadcast_spec(arrays[name].shape, kind, block_q, block_k, group))
     if problem.features.dropout_rate > 0:
         inputs.append(arrays["dropout_seed"])
-        specs.append(pl.BlockSpec((), lambda *_: ()))
+        specs.append(_whole(arrays["dropout_seed"]))
     for const in (*arrays["score_consts"], *arrays["mask_consts"]):
         inputs.append(const)
         specs.append(_whole(const))

@@ -129,7 +129,9 @@ def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, 
             refs.q_segment_ids[...] if q_is_tile else refs.q_segment_ids[pl.ds(q_start, block_q)])[:, None],
         kv_seg=None if refs.kv_segment_ids is None else (
             refs.kv_segment_ids[pl.ds(kv_start, block_k)] if q_is_tile else refs.kv_segment_ids[...])[None, :],
-        dropout_seed=None if refs.dropout_seed is None else refs.dropout_seed[...],
+        dropout_seed=None if refs.dropout_seed is None else (
+            refs.dropout_seed[...] if f.dropout_positions is None  # else scalars: no value indexing in Triton
+            else tuple(refs.dropout_seed[i] for i in range(refs.dropout_seed.shape[0]))),
         score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
         mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
         d_bias=None if refs.d_bias is None else _load_2d(refs.d_bias, q_off, block_q, kv_off, block_k,

@@ -1,3 +1,8 @@
+import os
+
+# Eight CPU devices for the context-parallel tests (tests/test_ring.py); must be set before jax starts.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import jax
 
 # Strict promotion catches silent rank broadcasting and dtype upcasts in kernels, wrappers and tests alike.

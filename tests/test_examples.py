@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -406,3 +407,32 @@ def test_mfu_counts_six_flops_per_parameter_and_half_of_attention():
     config = make_config("bench-hd64", {"peak_tflops": 100.0})
     assert train.flops_per_token(config, 1000) == 6 * 1000 + 12 * 8 * 8 * 64 * 4096 / 2
     assert train.peak_flops(config, num_devices=2) == 2e14
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_context_parallel_steps_match_the_unsharded_ones(framework):
+    """`--mesh data=2,seq=2` (conftest gives this process 8 CPU devices): the sequence split over two devices,
+    attention as a ring, trains to the unsharded losses; the compiled step moves the K/V blocks
+    `[B / data, T / seq, K, D]` by collective-permute and all-gathers nothing."""
+    batches = np.random.default_rng(0).integers(0, 256, (3, 4, 33), dtype=np.int32)
+    losses = {}
+    for mesh_flag in (None, "data=2,seq=2"):
+        config = make_config("tiny", {**MICRO, "framework": framework, "num_layers": 1, "mesh": mesh_flag})
+        mesh, model = train.make_mesh(config), train.build_model(config, jax.random.key(0))
+        optimizer = train.make_optimizer(config)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            shardings = train.Shardings.on(mesh, model, optimizer)
+            params = model.params if mesh is None else jax.device_put(model.params, shardings.params)
+            opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+            train_step, _ = train.make_steps(model, optimizer, config, shardings)
+            compiled = train_step.lower(params, opt_state, shardings.place(batches[0])).compile()
+            losses[mesh_flag] = []
+            for batch in batches:
+                params, opt_state, loss = compiled(params, opt_state, shardings.place(batch))
+                losses[mesh_flag].append(float(loss))
+    hlo = compiled.as_text()
+    np.testing.assert_allclose(losses["data=2,seq=2"], losses[None], rtol=1e-5)
+    assert " all-gather(" not in hlo
+    kv_block = ",16,%d,%d]" % (config.kv_heads, config.head_dim)
+    permutes = [line for line in hlo.splitlines() if " collective-permute(" in line and kv_block in line]
+    assert len(permutes) >= 4, permutes

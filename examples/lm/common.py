@@ -45,20 +45,31 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def context_parallel(impl: str) -> str | probjax_nn.AttentionConfig:
+    """`impl`, made context parallel over the "seq" mesh axis when the current mesh splits it (`--mesh
+    ...,seq=N`): the sequence is then split over N devices and attention runs as a ring (probjax_nn's
+    `AttentionConfig.context_axis`). Decoding runs outside the mesh and gets `impl` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("seq", 1) == 1:
+        return impl
+    return probjax_nn.AttentionConfig(impl=impl, context_axis="seq")
+
+
 def shard_heads(attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]):
     """`attend(query, key, value)`, run on each device's shard when a mesh is set (`jax.set_mesh`).
 
     GSPMD cannot split a Pallas kernel, so without this it would gather q, k and v onto every device.
     Attention is independent per sequence and per head, so `shard_map` hands each device its slice of the
-    batch ("data" axis) and of the heads ("model" axis). Unbatched `[T, N, D]` calls (Equinox, under
-    `vmap(spmd_axis_name="data")`) split the heads only. With GQA the kv heads split the same way, so each
-    device keeps whole groups (num_kv_heads must be a multiple of the "model" size).
+    batch ("data" axis) and of the heads ("model" axis); the sequence is split over "seq", where `attend`
+    runs context parallel (`context_parallel`). Unbatched `[T, N, D]` calls (Equinox, under
+    `vmap(spmd_axis_name="data")`) split the sequence and the heads only. With GQA the kv heads split the
+    same way, so each device keeps whole groups (num_kv_heads must be a multiple of the "model" size).
     """
 
     def run(query, key, value):
         if jax.sharding.get_abstract_mesh().empty:
             return attend(query, key, value)
-        spec = P(*(("data",) if query.ndim == 4 else ()), None, "model", None)
+        spec = P(*(("data",) if query.ndim == 4 else ()), "seq", "model", None)
         # check_vma=False: jax's check asks pallas_call outputs for a varying-axes type they do not carry.
         return jax.shard_map(attend, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(query, key, value)
 
@@ -67,7 +78,8 @@ def shard_heads(attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]):
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, impl: str) -> jax.Array:
     """Causal self-attention over a whole sequence: q `[..., T, N, D]`, k and v `[..., T, K, D]`."""
-    return shard_heads(functools.partial(probjax_nn.attention, is_causal=True, impl=impl))(query, key, value)
+    attend = functools.partial(probjax_nn.attention, is_causal=True, impl=context_parallel(impl))
+    return shard_heads(attend)(query, key, value)
 
 
 def cache_attention(query: jax.Array, key: jax.Array, value: jax.Array, length: jax.Array, impl: str) -> jax.Array:

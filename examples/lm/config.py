@@ -74,7 +74,7 @@ class Config:
     out: str = "runs/lm"  # folder for config.json, metrics.jsonl, loss.png, checkpoints/, samples.txt
     resume: bool = False  # continue from the latest checkpoint in out/checkpoints
     overwrite: bool = False  # start afresh in an out folder that holds a run: delete that run's files first
-    mesh: str | None = None  # "data=N[,model=M]": shard the batch over N devices and heads over M
+    mesh: str | None = None  # "data=N[,seq=S][,model=M]": batch over N devices, sequence (ring) over S, heads over M
     peak_tflops: float | None = None  # device peak for MFU; None: looked up for known GPUs, n/a otherwise
     # Sampling at the end of training (and the defaults of sample.py).
     num_samples: int = 2  # samples printed at the end; 0: none
@@ -145,14 +145,14 @@ _LOWER_BOUNDS: dict[str, float] = {
 
 
 def parse_mesh(mesh: str | None) -> dict[str, int]:
-    """`"data=2,model=2"` as `{"data": 2, "model": 2}`; both axes always present (size 1 when not given)."""
-    axes = {"data": 1, "model": 1}
+    """`"data=2,seq=2"` as `{"data": 2, "seq": 2, "model": 1}`; every axis present (size 1 when not given)."""
+    axes = {"data": 1, "seq": 1, "model": 1}
     if mesh is None:
         return axes
     for part in mesh.split(","):
         name, _, size = part.partition("=")
         if name.strip() not in axes or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"mesh={mesh!r}: expected 'data=N' or 'data=N,model=M' with N, M >= 1.")
+            raise ValueError(f"mesh={mesh!r}: expected 'data=N,seq=S,model=M' (any of them) with sizes >= 1.")
         axes[name.strip()] = int(size)
     return axes
 

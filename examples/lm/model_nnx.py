@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import probjax_nn.nnx
-from lm.common import LanguageModel, partition_specs, rope, shard_heads
+from lm.common import LanguageModel, context_parallel, partition_specs, rope, shard_heads
 from lm.config import Config
 
 
@@ -34,7 +34,7 @@ class RotaryAttention:
     the keys are the module's whole cache, which holds them unrotated, so one rule covers both.
     """
 
-    attention: Callable[..., jax.Array]  # probjax_nn.nnx.attention_fn(impl)
+    impl: str  # config.attention; probjax_nn.nnx.attention_fn of it computes attention
     theta: float
 
     def __call__(self, query, key, value, *, input_positions=None, **kwargs) -> jax.Array:
@@ -42,7 +42,8 @@ class RotaryAttention:
             input_positions = jnp.arange(query.shape[-3])
         query = rope(query, input_positions, self.theta)
         key = rope(key, jnp.arange(key.shape[-3]), self.theta)
-        return shard_heads(functools.partial(self.attention, **kwargs))(query, key, value)
+        attention = probjax_nn.nnx.attention_fn(context_parallel(self.impl))
+        return shard_heads(functools.partial(attention, **kwargs))(query, key, value)
 
 
 class Block(nnx.Module):
@@ -51,7 +52,7 @@ class Block(nnx.Module):
         self.attention_norm = nnx.RMSNorm(d_model, epsilon=1e-6, rngs=rngs)
         self.attention = probjax_nn.nnx.MultiHeadAttention(
             config.num_heads, d_model, num_kv_heads=config.kv_heads, use_bias=False, decode=False,
-            attention_fn=RotaryAttention(probjax_nn.nnx.attention_fn(config.attention), config.rope_theta),
+            attention_fn=RotaryAttention(config.attention, config.rope_theta),
             rngs=rngs,
         )
         self.mlp_norm = nnx.RMSNorm(d_model, epsilon=1e-6, rngs=rngs)

@@ -77,21 +77,25 @@ def peak_flops(config: Config, num_devices: int) -> float | None:
 
 
 def make_mesh(config: Config) -> jax.sharding.Mesh | None:
-    """The `("data", "model")` mesh of `config.mesh`, or None to run on the default device."""
+    """The `("data", "seq", "model")` mesh of `config.mesh`, or None to run on the default device."""
     if config.mesh is None:
         return None
     axes = parse_mesh(config.mesh)
-    size = axes["data"] * axes["model"]
+    size = axes["data"] * axes["seq"] * axes["model"]
     if size > len(jax.devices()):
         raise ConfigError("mesh", f"mesh={config.mesh!r} needs {size} devices, this machine has {len(jax.devices())}.")
     if config.batch_size % axes["data"]:
         message = f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}."
         raise ConfigError("batch_size", message)
+    if config.seq_len % axes["seq"]:
+        raise ConfigError("seq_len", f"seq_len={config.seq_len} must be a multiple of the seq axis, {axes['seq']}.")
     for name in ("num_heads", "kv_heads", "hidden_dim"):
         if getattr(config, name) % axes["model"]:
             message = f"{name}={getattr(config, name)} must be a multiple of the model axis, {axes['model']}."
             raise ConfigError("mesh", message)
-    return jax.make_mesh((axes["data"], axes["model"]), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        (axes["data"], axes["seq"], axes["model"]), ("data", "seq", "model"), axis_types=(AxisType.Auto,) * 3
+    )
 
 
 def loss_fn(model: LanguageModel, config: Config, params: Params, batch: jax.Array) -> jax.Array:
