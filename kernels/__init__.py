@@ -6,15 +6,20 @@ modules.
 
 from probjax_kernels._block_mask import BlockMask as BlockMask
 from probjax_kernels._block_mask import create_block_mask as create_block_mask
+from probjax_kernels._block_mask import create_mask as create_mask
 from probjax_kernels._config import FlashConfig as FlashConfig
 from probjax_kernels._dispatch import default_config as default_config
 from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
+from probjax_kernels._flex_options import AuxOutput as AuxOutput
+from probjax_kernels._flex_options import AuxRequest as AuxRequest
+from probjax_kernels._flex_options import FlexKernelOptions as FlexKernelOptions
 from probjax_kernels._flex_attention import flex_attention as flex_attention
 from probjax_kernels._mods import alibi as alibi
 from probjax_kernels._mods import alibi_slopes as alibi_slopes
 from probjax_kernels._mods import and_masks as and_masks
 from probjax_kernels._mods import causal_mask as causal_mask
+from probjax_kernels._mods import noop_mask as noop_mask
 from probjax_kernels._mods import document_mask as document_mask
 from probjax_kernels._mods import or_masks as or_masks
 from probjax_kernels._mods import padding_mask as padding_mask
@@ -28,8 +33,9 @@ from probjax_kernels._ring import ring_attention as ring_attention
 from probjax_kernels._ring import zigzag_permutation as zigzag_permutation
 
 __all__ = [
-    "BlockMask", "FlashConfig", "alibi", "alibi_slopes", "and_masks", "causal_mask", "create_block_mask",
-    "default_config", "document_mask", "dropout_keep_mask", "flash_attention", "flash_attention_reference",
-    "flex_attention", "flex_attention_reference", "or_masks", "padding_mask", "prefix_lm", "relative_bias",
+    "AuxOutput", "AuxRequest", "BlockMask", "FlashConfig", "FlexKernelOptions", "alibi", "alibi_slopes",
+    "and_masks", "causal_mask", "create_block_mask", "create_mask", "default_config", "document_mask",
+    "dropout_keep_mask", "flash_attention", "flash_attention_reference", "flex_attention",
+    "flex_attention_reference", "noop_mask", "or_masks", "padding_mask", "prefix_lm", "relative_bias",
     "ring_attention", "sliding_window", "softcap", "zigzag_permutation",
 ]

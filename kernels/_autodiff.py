@@ -39,8 +39,10 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
-    """Padded inputs in, (out, lse) padded out. `others` holds the inputs without derivatives."""
-    return _dispatch.forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias, score_consts=score_consts))
+    """Padded inputs in, (out, lse) padded out, and the row max with `features.return_max` (no derivative).
+    `others` holds the inputs without derivatives."""
+    return tuple(_dispatch.forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias,
+                                                                             score_consts=score_consts)))
 
 
 def _is_zero(t) -> bool:
@@ -52,7 +54,9 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
     q, k, v, bias, score_consts, q_len, kv_len, others = primals
     dq, dk, dv, d_bias, d_consts = tangents_in[:5]
     # The primal through `_attention` itself, so that an outer derivative of this rule (second order) finds it.
-    out, lse = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
+    primal_out = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
+    out, lse = primal_out[:2]
+    no_max = tuple(jnp.zeros_like(x) for x in primal_out[2:])  # max_scores is not differentiated
     linear = {name: t for name, t in (("q", dq), ("k", dk), ("v", dv), ("bias", d_bias)) if not _is_zero(t)}
     moving_consts = tuple(not _is_zero(t) for t in d_consts)
     if any(moving_consts):
@@ -60,7 +64,7 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
     tangents = _Tangents(q="q" in linear, k="k" in linear, v="v" in linear, bias="bias" in linear,
                          score_consts=moving_consts)
     if not linear:
-        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+        return primal_out, (jnp.zeros_like(out), jnp.zeros_like(lse), *no_max)
     residuals = dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias, score_consts=score_consts, q_len=q_len,
                      kv_len=kv_len, others=others)
     res_flat, res_tree = jax.tree.flatten(residuals)
@@ -95,7 +99,7 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
 
     out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs)
-    return (out, lse), (d_out, d_lse)
+    return primal_out, (d_out, d_lse, *no_max)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -133,8 +137,9 @@ def attention(
     kv_tables: tuple | None = None,
     q_tables: tuple | None = None,
     cotangents: tuple | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Runs the kernels on checked inputs (see `_inputs.check_inputs`); returns (out, lse) unpadded.
+) -> tuple[jax.Array, ...]:
+    """Runs the kernels on checked inputs (see `_inputs.check_inputs`); returns (out, lse) unpadded, and the row
+    max `[B, N, T]` with `features.return_max`. v may have its own head dim Dv, and k / v batch 1 against q's B.
 
     `bias` / `mask` are 4-D with 1 on broadcast axes; `kv_tables` / `q_tables` are the block tables of a
     `BlockMask` (num_partial, partial_indices, num_full, full_indices), for the query-tile kernels and the
@@ -145,12 +150,12 @@ def attention(
     (`ring_attention`'s blocks: the probabilities exp(s - lse) are the whole sequence's). No bias or hooks.
     """
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     if bias is not None and kv_tables is not None:
         # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
         raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
-    d_pad = max(16, 1 << (head_dim - 1).bit_length())
-    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=d_pad)
+    d_pad, dv_pad = (max(16, 1 << (dim - 1).bit_length()) for dim in (head_dim, value_dim))
+    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=max(d_pad, dv_pad))
     q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
     kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
     if features.block_sizes is not None:
@@ -158,8 +163,8 @@ def attention(
         q_multiple, kv_multiple = max(q_multiple, table_q), max(kv_multiple, table_k)
     t_pad, s_pad = _round_up(q_len, q_multiple), _round_up(kv_len, kv_multiple)
 
-    def pad_4d(x, seq_size):
-        return _pad_axis(_pad_axis(x, 1, seq_size), 3, d_pad)
+    def pad_4d(x, seq_size, dim_size=d_pad):
+        return _pad_axis(_pad_axis(x, 1, seq_size), 3, dim_size)
 
     def pad_broadcastable(x):
         # Only the sequence axes that are not broadcast get padded; padded bias is 0 and padded mask False.
@@ -195,6 +200,8 @@ def attention(
         num_mask_consts=len(mask_consts),
         config=config,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
+        kv_broadcast=k.shape[0] == 1 < batch,
+        same_value_dim=dv_pad == d_pad,
     )
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_len, jnp.int32)
@@ -202,15 +209,16 @@ def attention(
         kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
     if cotangents is not None:
         out, lse, d_out, d_lse = cotangents
-        res = dict(q=pad_4d(q, t_pad), k=pad_4d(k, s_pad), v=pad_4d(v, s_pad), out=pad_4d(out, t_pad),
+        res = dict(q=pad_4d(q, t_pad), k=pad_4d(k, s_pad), v=pad_4d(v, s_pad, dv_pad),
+                   out=pad_4d(out, t_pad, dv_pad),
                    lse=jnp.pad(lse, ((0, 0), (0, 0), (0, t_pad - q_len)), constant_values=-jnp.inf), bias=None,
                    score_consts=(), q_len=q_lengths, kv_len=kv_lengths, others=others)
         tangents = _Tangents(q=True, k=True, v=True, bias=False, score_consts=())
-        grads = _backward(problem, tangents, res, pad_4d(d_out, t_pad), _pad_axis(d_lse, 2, t_pad))
+        grads = _backward(problem, tangents, res, pad_4d(d_out, t_pad, dv_pad), _pad_axis(d_lse, 2, t_pad))
         return (grads["q"][:, :q_len, :, :head_dim], grads["k"][:, :kv_len, :, :head_dim],
-                grads["v"][:, :kv_len, :, :head_dim])
-    out, lse = _attention(
-        problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad), bias, tuple(score_consts),
+                grads["v"][:, :kv_len, :, :value_dim])
+    out, *rows = _attention(
+        problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad, dv_pad), bias, tuple(score_consts),
         q_lengths, kv_lengths, others,
     )
-    return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+    return (out[:, :q_len, :, :value_dim], *(row[:, :, :q_len] for row in rows))

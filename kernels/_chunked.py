@@ -79,11 +79,17 @@ def _chunk_context(problem: _Problem, shape: tuple[int, int, int, int], start, c
     )
 
 
+def _kv_operand(y, batch: int) -> tuple[str, jax.Array]:
+    """The einsum spelling of k / v [B|1, S, K, D]: one of batch 1 is shared by the batch, not repeated."""
+    return ("skd", y[0]) if y.shape[0] == 1 < batch else ("bskd", y)
+
+
 def _chunk_dot(x, y, start, chunk: int, group: int, precision):
-    """Rows [start, start + chunk) of x [B, T, N, D] against y [B, S, K, D], as [B, N, chunk, S] float32."""
+    """Rows [start, start + chunk) of x [B, T, N, D] against y [B|1, S, K, D], as [B, N, chunk, S] float32."""
     batch, _, num_heads, d_pad = x.shape
     x = lax.dynamic_slice_in_dim(x, start, chunk, axis=1).reshape(batch, chunk, num_heads // group, group, d_pad)
-    return jnp.einsum("bckgd,bskd->bkgcs", x, y, preferred_element_type=jnp.float32,
+    spelling, y_operand = _kv_operand(y, batch)
+    return jnp.einsum(f"bckgd,{spelling}->bkgcs", x, y_operand, preferred_element_type=jnp.float32,
                       precision=precision).reshape(batch, num_heads, chunk, y.shape[1])
 
 
@@ -133,11 +139,12 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
     """(out, lse) like the kernels, as XLA ops over query chunks: differentiable to any order, with a working
     set of one [B, N, chunk, S] chunk (rematerialised under reverse mode). Only second-order derivatives
     (a derivative of the forward-mode tangent) run it."""
-    batch, t_pad, num_heads, d_pad = q.shape
+    batch, t_pad, num_heads, _ = q.shape
+    dv_pad = v.shape[3]
     shape = (batch, num_heads, t_pad, k.shape[1])
     chunk = _xla_chunk(*shape)
     optional = dict(others, bias=bias)
-    v32 = v.astype(jnp.float32)
+    v_spelling, v32 = _kv_operand(v.astype(jnp.float32), batch)
 
     @jax.checkpoint
     def one_chunk(start):
@@ -153,11 +160,11 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
         if problem.features.dropout_rate > 0:
             weights = weights * _dropout_scale(context, problem)
         weights = weights.reshape(batch, num_heads // problem.group, problem.group, chunk, -1)
-        out = jnp.einsum("bkgcs,bskd->bckgd", weights, v32, precision=lax.Precision.HIGHEST)
+        out = jnp.einsum(f"bkgcs,{v_spelling}->bckgd", weights, v32, precision=lax.Precision.HIGHEST)
         lse = jnp.where(valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)[..., 0]
-        return out.reshape(batch, chunk, num_heads, d_pad), lse
+        return out.reshape(batch, chunk, num_heads, dv_pad), lse
 
     outs, lses = lax.map(one_chunk, jnp.arange(0, t_pad, chunk, dtype=jnp.int32))
-    out = jnp.moveaxis(outs, 0, 1).reshape(batch, t_pad, num_heads, d_pad).astype(q.dtype)
+    out = jnp.moveaxis(outs, 0, 1).reshape(batch, t_pad, num_heads, dv_pad).astype(q.dtype)
     lse = jnp.moveaxis(lses, 0, 2).reshape(batch, num_heads, t_pad)
     return out, lse

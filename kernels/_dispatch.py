@@ -112,6 +112,8 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
+        # Mosaic has no max_scores output, no shared (batch-1) k / v and one head dim for q, k and v.
+        and not f.return_max and not problem.kv_broadcast and problem.same_value_dim
         and problem.mask_shape is None and not problem.has_segments
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
@@ -209,7 +211,8 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """(out, lse) of the padded inputs, by the Mosaic GPU forward where it takes the call, else Triton."""
+    """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
+    Triton."""
     if _mosaic_takes(problem, q):
         return _mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
     return _triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)

@@ -41,9 +41,11 @@ def flash_attention(
 
     **Arguments:**
 
-    - `q`: `[B, T, N, D]` queries; `k`, `v`: `[B, S, K, D]` keys and values with N a multiple of K
-      (grouped-query / multi-query attention without repeating K and V). One dtype for all three: bfloat16,
-      float16 or float32; any T, S >= 1; D <= 256. Accumulation is float32.
+    - `q`: `[B, T, N, D]` queries; `k`: `[B, S, K, D]` keys and `v`: `[B, S, K, Dv]` values with N a multiple
+      of K (grouped-query / multi-query attention without repeating K and V). The value head dim Dv may differ
+      from D (e.g. 192 / 128 as in multi-head latent attention); k and v may have batch 1, shared by every
+      example of q without being repeated (their gradients are summed over the batch). One dtype for all
+      three: bfloat16, float16 or float32; any T, S >= 1; D, Dv <= 256. Accumulation is float32.
     - `bias`: float, broadcastable to `[B, N, T, S]`, added to the scaled scores; differentiable.
     - `mask`: bool, broadcastable to `[B, N, T, S]`; True = attend.
     - `causal`: a bool; query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
@@ -60,7 +62,7 @@ def flash_attention(
     - `window`: local attention, an int w or a pair (left, right): query i sees keys in [i - left, i + right]
       (a None side is unbounded). Combined with `causal`, right is 0.
 
-    **Returns:** out `[B, T, N, D]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
+    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
     to attend gives out 0, lse -inf and zero gradients.
     """
     inputs = check_inputs(

@@ -13,24 +13,37 @@ from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
 from probjax_kernels._dropout import positional_seed
 from probjax_kernels._flash_attention import _positional_dropout
-from probjax_kernels._hooks import example_indices, trace_hook, trace_score_mod, affine_score_mod
+from probjax_kernels._flex_options import (
+    AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
+)
+from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._mods import ScoreMod
 from probjax_kernels._problem import Features
 
-def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int) -> None:
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
+
+def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int, mask_hook) -> None:
     mask_b, mask_h, mask_q, mask_kv = block_mask.shape
     if (mask_q, mask_kv) != (q_len, kv_len):
+        shorter = q_len <= mask_q and kv_len <= mask_kv
         raise ValueError(
-            f"block_mask was built for q_len={mask_q}, kv_len={mask_kv}, but q and k have T={q_len}, S={kv_len}."
+            f"block_mask was built for q_len={mask_q}, kv_len={mask_kv}, but q and k have T={q_len}, S={kv_len}"
+            + (f"; crop it with block_mask.adjust({q_len}, {kv_len}) or build a new one." if shorter else
+               "; build a new one for these lengths.")
         )
     if mask_b not in (1, batch) or mask_h not in (1, num_heads):
         raise ValueError(
             f"block_mask was built for B={mask_b}, H={mask_h}; q has B={batch} and N={num_heads} heads "
             "(use B=None / H=None to broadcast)."
         )
+    # The tables of a broadcast axis were classified at b = 0 / h = 0, while the kernels evaluate mask_mod at
+    # the real b / h: a mask_mod that reads them would give neither mask.
+    for position, name, size, mask_size, what in ((0, "B", batch, mask_b, "b"), (1, "H", num_heads, mask_h, "h")):
+        if mask_size == 1 < size and reads_argument(mask_hook.jaxprs[next(iter(mask_hook.jaxprs))], position):
+            raise ValueError(
+                f"block_mask was built for {name}={mask_size} (or None) but its mask_mod reads {what}, and q has "
+                f"{name}={size}: pass {name}={size} to create_block_mask so that every {what} gets its own tables."
+            )
 
 
 def _fit_config(config: FlashConfig | None, block_sizes: tuple[int, int], q_len, kv_len, head_dim):
@@ -55,20 +68,25 @@ def flex_attention(
     v: jax.Array,
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
-    *,
     scale: float | None = None,
+    enable_gqa: bool = False,
     return_lse: bool = False,
+    kernel_options: FlexKernelOptions | None = None,
+    *,
+    return_aux: AuxRequest | None = None,
     config: FlashConfig | None = None,
     dropout_rate: float = 0.0,
     dropout_seed: jax.Array | int | None = None,
     _dropout_positions=None,
 ):
-    """Attention with user hooks inside the Pallas kernels, with PyTorch FlexAttention's semantics.
+    """Attention with user hooks inside the Pallas kernels, with PyTorch FlexAttention's semantics and
+    signature (`torch.nn.attention.flex_attention.flex_attention`); the layout is JAX's `[B, T, N, D]`
+    where PyTorch's is `[B, H, T, D]` (docs/from_pytorch.md).
 
     **Arguments:**
 
-    - `q`: `[B, T, N, D]`; `k`, `v`: `[B, S, K, D]` with N a multiple of K (GQA); bfloat16, float16 or
-      float32; D <= 256.
+    - `q`: `[B, T, N, D]`; `k`: `[B, S, K, D]`; `v`: `[B, S, K, Dv]`, Dv may differ from D (PyTorch's Ev);
+      k and v may have batch 1, shared by the batch; bfloat16, float16 or float32; D, Dv <= 256.
     - `score_mod`: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to each scaled score
       (`scale * q.k`) before masking. Called on a float32 tile with broadcasting int32 indices; it must keep
       the shape and dtype. Arrays it closes over (ALiBi slopes, bias tables, per-token tensors, the
@@ -76,18 +94,31 @@ def flex_attention(
     - `block_mask`: from `create_block_mask(mask_mod, ...)` for these (T, S); positions where its mask_mod
       is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere.
     - `scale`: default `D ** -0.5`; a traced 0-d array as in `flash_attention`.
-    - `return_lse`: also return lse `[B, N, T]` float32 (natural log).
+    - `enable_gqa`: allow K < N key/value heads (grouped-query attention, N a multiple of K); without it
+      N != K is an error, as in PyTorch.
+    - `return_lse`: also return lse `[B, N, T]` float32 (natural log); PyTorch's older spelling of
+      `return_aux=AuxRequest(lse=True)` (giving both is an error).
+    - `kernel_options`: PyTorch's tile / launch options (`FlexKernelOptions`: `BLOCK_M`, `BLOCK_N`,
+      `num_warps`, `num_stages`, ...), applied to `config`; other keys are ignored with a warning.
+    - `return_aux`: an `AuxRequest(lse=..., max_scores=...)`; the call then returns `(out, AuxOutput)`.
+
+    probjax's own options, keyword-only:
+
     - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
 
-    **Returns:** out `[B, T, N, D]` in q's dtype, or (out, lse). Fully masked rows give 0, lse -inf and
-    zero gradients. Differentiable in q, k, v and the arrays score_mod closes over, in reverse and forward
-    mode (jax.grad, jax.jvp; docs/forward_mode.md).
+    **Returns:** out `[B, T, N, Dv]` in q's dtype; `(out, lse)` with `return_lse`; `(out, AuxOutput(lse,
+    max_scores))` with `return_aux`. Fully masked rows give 0, lse -inf and zero gradients.
+    Differentiable in q, k, v and the arrays score_mod closes over, in reverse and forward mode (jax.grad,
+    jax.jvp; docs/forward_mode.md).
     """
+    aux = check_aux(return_lse, return_aux)
+    config = config_from_kernel_options(kernel_options, config)
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     check_config(config)
-    batch, q_len, kv_len, num_heads, _, head_dim = inputs.shape
+    batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
+    check_heads(num_heads, num_kv_heads, enable_gqa)
     indices = example_indices()
     scale, score_hook, score_consts = inputs.scale, None, []
     if score_mod is not None:
@@ -98,21 +129,24 @@ def flex_attention(
     mask_hook, mask_consts, tables = None, [], {}
     block_sizes = None
     if block_mask is not None:
-        _check_block_mask(block_mask, batch, num_heads, q_len, kv_len)
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
         mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
         if out.dtype != jnp.bool_:
             raise TypeError(f"mask_mod must return bool (True = attend), got {out.dtype}.")
+        _check_block_mask(block_mask, batch, num_heads, q_len, kv_len, mask_hook)
         block_sizes = block_mask.block_size
         config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
     features = Features(
         scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
-        dropout_rate=float(dropout_rate), **_positional_dropout(_dropout_positions, dropout_rate),
+        dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
+        **_positional_dropout(_dropout_positions, dropout_rate),
     )
     if _dropout_positions is not None and dropout_rate:
         dropout_seed = positional_seed(dropout_seed, _dropout_positions)
-    out, lse = _autodiff.attention(
+    out, lse, *max_scores = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,
     )
-    return (out, lse) if return_lse else out
+    return results(out, lse, max_scores[0] if max_scores else None, return_lse, aux)

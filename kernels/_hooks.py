@@ -135,6 +135,16 @@ def trace_hook(name: str, fn: Callable, example_args) -> tuple[Hook, list[jax.Ar
     return hook, consts, jax.ShapeDtypeStruct(out.shape, out.dtype)
 
 
+def reads_argument(jaxpr, position: int) -> bool:
+    """Whether the output of `jaxpr` depends on its input `position` (an argument the hook may ignore, such
+    as b or h). Conservative: an equation with any dependent input makes all its outputs dependent."""
+    dependent = {jaxpr.invars[position]}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return any(not isinstance(v, jex_core.Literal) and v in dependent for v in jaxpr.outvars)
+
+
 def example_indices() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(b, h, q_idx, kv_idx) as the kernels pass them: int32 scalars, a (16, 1) column and a (1, 16) row."""
     i32 = jnp.int32

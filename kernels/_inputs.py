@@ -41,9 +41,19 @@ class AttentionInputs:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """(B, T, S, N, K, D): batch, query length, key length, query heads, key/value heads, head dim."""
+        """(B, T, S, N, K, D): batch, query length, key length, query heads, key/value heads, q / k head dim."""
         batch, q_len, num_heads, head_dim = self.q.shape
         return batch, q_len, self.k.shape[1], num_heads, self.k.shape[2], head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Dv, the head dim of v and of the output (may differ from D)."""
+        return self.v.shape[3]
+
+    @property
+    def kv_broadcast(self) -> bool:
+        """Whether k and v have batch 1 against q's batch B > 1 (shared by every example, not repeated)."""
+        return self.k.shape[0] == 1 < self.q.shape[0]
 
 
 def _to_4d(name: str, x, dtype_kind: str, full: tuple[int, int, int, int]) -> jax.Array:
@@ -140,21 +150,26 @@ def check_inputs(
         names = ", ".join(jnp.dtype(d).name for d in allowed_dtypes)
         raise TypeError(f"q, k and v must have dtype {names}; got {q.dtype}.")
     batch, q_len, num_heads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B, S, K, D], got {k.shape} and {v.shape}.")
-    if k.shape[0] != batch or k.shape[3] != head_dim:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must be [B, S, K, D] with B={batch} and D={head_dim} as in q {q.shape}, got {k.shape}."
+            f"k and v must have the same shape [B, S, K] (their head dims D, Dv may differ), got {k.shape} and "
+            f"{v.shape}."
         )
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
-    if min(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim) < 1:
-        raise ValueError(f"every dimension must be >= 1, got q {q.shape} and k {k.shape}.")
+    if k.shape[0] not in (1, batch) or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k and v must be [B, S, K, D] with B={batch} (or 1, shared by the batch) and D={head_dim} as in q "
+            f"{q.shape}, got {k.shape}."
+        )
+    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    if min(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, value_dim) < 1:
+        raise ValueError(f"every dimension must be >= 1, got q {q.shape}, k {k.shape} and v {v.shape}.")
     if num_heads % num_kv_heads:
         raise ValueError(
             f"the query heads N={num_heads} must be a multiple of the key/value heads K={num_kv_heads}."
         )
-    if max_head_dim is not None and head_dim > max_head_dim:
-        raise ValueError(f"head dim D={head_dim} is not supported: it must be <= {max_head_dim}.")
+    for name, dim in (("D", head_dim), ("Dv", value_dim)):
+        if max_head_dim is not None and dim > max_head_dim:
+            raise ValueError(f"head dim {name}={dim} is not supported: it must be <= {max_head_dim}.")
     full = (batch, num_heads, q_len, kv_len)
     if bias is not None:
         bias = _to_4d("bias", bias, "float", full)

@@ -113,6 +113,12 @@ def or_masks(*mods: MaskMod) -> MaskMod:
     return Partial(_or_masks, *mods)
 
 
+def noop_mask(b, h, q_idx, kv_idx):
+    """The mask_mod that attends everywhere (PyTorch's `noop_mask`)."""
+    del b, h
+    return (q_idx >= 0) | (kv_idx >= 0)  # True, broadcast to the tile
+
+
 def _alibi(slopes, score, b, h, q_idx, kv_idx):
     del b
     return score - slopes[h] * jnp.abs(q_idx - kv_idx).astype(score.dtype)

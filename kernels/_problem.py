@@ -36,6 +36,7 @@ class Features:
     - `dropout_rate`: probability of dropping an attention weight (0 = off).
     - `dropout_positions`: (q_split, kv_split) when the dropout seed input is `_dropout.positional_seed`'s
       vector, so that the keep mask hashes global positions (a shard of a longer sequence); None: indices.
+    - `return_max`: also output the row max of the scaled, modified, masked scores (AuxRequest.max_scores).
     """
 
     scale: float
@@ -46,6 +47,7 @@ class Features:
     block_sizes: tuple[int, int] | None = None
     dropout_rate: float = 0.0
     dropout_positions: tuple[int, int] | None = None
+    return_max: bool = False  # the forward also writes the row max of the masked scores (natural units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,8 @@ class _Problem:
     num_mask_consts: int
     config: FlashConfig  # every field filled
     precision: lax.Precision
+    kv_broadcast: bool = False  # k / v have batch 1, shared by every query batch (not repeated)
+    same_value_dim: bool = True  # v's (padded) head dim is q / k's
 
     @property
     def per_element_mask_everywhere(self) -> bool:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
+from probjax_kernels._flex_options import AuxRequest, check_aux, check_heads, results
 from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -59,8 +60,11 @@ def attention_from_inputs(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     dropout_positions=None,
-) -> tuple[jax.Array, jax.Array]:
-    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, D]` in q's dtype, lse `[B, N, T]`).
+    return_max: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]`),
+    and with `return_max` the row max of the masked scores `[B, N, T]` float32 (-inf where fully masked, no
+    gradient).
 
     `score_mod` rewrites the scaled (and biased) scores, `mask_mod` masks further (True = attend); both are
     called with broadcasting index grids. Dropout uses the kernels' keep mask, so it matches them exactly;
@@ -71,7 +75,10 @@ def attention_from_inputs(
     q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
     k = inputs.k.astype(compute_dtype)
     v = inputs.v.astype(compute_dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=lax.Precision.HIGHEST)
+    # k / v of batch 1 are shared by every example: contract against them without repeating them.
+    kv = "skd" if inputs.kv_broadcast else "bskd"
+    k, v = (k[0], v[0]) if inputs.kv_broadcast else (k, v)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k, precision=lax.Precision.HIGHEST)
     scores = scores.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
     if inputs.bias is not None:
         scores = scores + inputs.bias.astype(compute_dtype)
@@ -84,8 +91,8 @@ def attention_from_inputs(
     scores = jnp.where(allowed, scores, -jnp.inf)
     # The row max only stabilises exp; softmax does not depend on it, so it carries no gradient. A fully
     # masked row has max -inf: use 0 there so that exp gives exact zeros instead of NaN.
-    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    max_scores = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(max_scores), max_scores, 0.0)
     weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
     safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
@@ -99,10 +106,12 @@ def attention_from_inputs(
         keep = keep_mask(dropout_seed, b, h, q_idx, kv_idx, dropout_rate, num_heads)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=lax.Precision.HIGHEST)
-    out = out.reshape(batch, q_len, num_heads, head_dim).astype(inputs.q.dtype)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v, precision=lax.Precision.HIGHEST)
+    out = out.reshape(batch, q_len, num_heads, inputs.value_dim).astype(inputs.q.dtype)
     lse = jnp.where(row_sum > 0, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
     lse = jnp.broadcast_to(lse, (batch, num_heads, q_len)).astype(jnp.float32)
+    if return_max:
+        return out, lse, jnp.broadcast_to(max_scores[..., 0], (batch, num_heads, q_len)).astype(jnp.float32)
     return out, lse
 
 
@@ -154,23 +163,29 @@ def flex_attention_reference(
     v,
     score_mod=None,
     block_mask=None,
-    *,
     scale: float | None = None,
+    enable_gqa: bool = False,
     return_lse: bool = False,
+    kernel_options=None,
+    *,
+    return_aux: AuxRequest | None = None,
     config=None,
     dropout_rate: float = 0.0,
     dropout_seed=None,
 ):
-    """Plain-jnp attention with the semantics of `probjax_kernels.flex_attention`: the hooks are evaluated
-    on the whole `[B, N, T, S]` score array; the block mask contributes its `mask_mod` (not its tables)."""
-    del config
+    """Plain-jnp attention with the semantics and signature of `probjax_kernels.flex_attention`: the hooks
+    are evaluated on the whole `[B, N, T, S]` score array; the block mask contributes its `mask_mod` (not its
+    tables). `config` and `kernel_options` are accepted for signature compatibility and ignored."""
+    del config, kernel_options
+    aux = check_aux(return_lse, return_aux)
     inputs = check_inputs(
         q, k, v, scale=scale, dropout_rate=dropout_rate, allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
+    check_heads(inputs.shape[3], inputs.shape[4], enable_gqa)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    out, lse = attention_from_inputs(
+    out, lse, max_scores = attention_from_inputs(
         inputs, False, _compute_dtype(inputs), score_mod=score_mod, mask_mod=mask_mod,
-        dropout_rate=dropout_rate, dropout_seed=dropout_seed,
+        dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_max=True,
     )
-    return (out, lse) if return_lse else out
+    return results(out, lse, max_scores, return_lse, aux)

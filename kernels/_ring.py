@@ -218,7 +218,7 @@ def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_loca
         mask_mod, batch if per_batch else None, num_heads if problem.mask_mod is not None else None,
         q_len, kv_len, block_size=_table_tile(problem.config, q_len, kv_len),
     )
-    return flex_attention(q, k, v, score_mod, block_mask, scale=problem.scale, return_lse=True,
+    return flex_attention(q, k, v, score_mod, block_mask, scale=problem.scale, enable_gqa=True, return_lse=True,
                           config=problem.config, **dropout)
 
 

@@ -64,7 +64,7 @@ def _tangent_kernel(
             acc = acc + _dot(p_kept.astype(dv.dtype), dv, (1, 0), problem.precision)
         return acc, c
 
-    carry = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.zeros((block_q,), jnp.float32))
     if opt.tables is not None:
         acc, c = _run_table(opt.tables, None, problem.features.block_sizes[1] // block_k, body, carry, problem)
     else:
@@ -82,9 +82,9 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
-    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(problem, q, k, block_q, problem.config.block_k, optional)
+    grid = _q_grid(problem, q, k, v, block_q, problem.config.block_k, optional)
     lin, lin_specs = [], []
-    for name, spec in (("q", q_spec), ("k", kv_spec), ("v", kv_spec)):
+    for name, spec in (("q", grid.q), ("k", grid.k), ("v", grid.v)):
         if getattr(tangents, name):
             lin.append(linear[name])
             lin_specs.append(spec)
@@ -94,13 +94,13 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     return pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, batch, num_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, *lin_specs,
-                  *extra_specs],
-        out_specs=[q_spec, row_spec],
+        in_specs=[grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row, *lin_specs,
+                  *grid.extra_specs],
+        out_specs=[grid.out, grid.row],
         out_shape=[
-            _output(q.shape, q.dtype, *varying),
+            _output(out.shape, out.dtype, *varying),
             _output((batch, num_heads, t_pad), jnp.float32, *varying),
         ],
         name="probjax_flash_tangent",
         **_compiler_params(problem),
-    )(q, k, v, q_len, kv_len, out, lse2, *lin, *extra)
+    )(q, k, v, q_len, kv_len, out, lse2, *lin, *grid.extra)

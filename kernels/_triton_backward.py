@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _scores, backward_delta, base2_lse
 from probjax_kernels._triton_specs import (
-    _compiler_params, _length_spec, _optional_inputs, _output, _q_grid, _refs_fn,
+    _compiler_params, _kv_batch, _length_spec, _optional_inputs, _output, _q_grid, _refs_fn,
 )
 from probjax_kernels._triton_tiles import (
     _dot, _kv_tile_range, _q_tile_range, _Refs, _run_ranges, _run_table, _tile_context,
@@ -122,8 +122,8 @@ def _dkv_kernel(
         tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem, q_ref.shape[0] // block_q)
         return _run_ranges(tile_range, body, carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, problem.group, head_body, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, problem.group, head_body,
+                           (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
     dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -135,9 +135,8 @@ def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, opt
     batch, t_pad, num_heads, _ = q.shape
     s_pad = k.shape[1]
     block_q = problem.config.block_q_dq
-    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(
-        problem, q, k, block_q, problem.config.block_k_dq, optional)
-    out_specs = [q_spec]
+    grid = _q_grid(problem, q, k, v, block_q, problem.config.block_k_dq, optional)
+    out_specs = [grid.q]
     out_shape = [_output(q.shape, q.dtype, q, k, v, do)]
     if emit_ds:
         out_specs.append(pl.BlockSpec((None, None, block_q, s_pad), lambda i, b, h: (b, h, i, 0)))
@@ -147,36 +146,51 @@ def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, opt
         kernel,
         grid=(t_pad // block_q, batch, num_heads),
         in_specs=[
-            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+            grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row, grid.row, *grid.extra_specs
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         name="probjax_flash_backward_dq",
         **_compiler_params(problem),
-    )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+    )(q, k, v, q_len, kv_len, do, lse2, delta, *grid.extra)
 
 
 def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict):
     batch, t_pad, num_heads, d_pad = q.shape
-    s_pad, num_kv_heads = k.shape[1], k.shape[2]
+    s_pad, num_kv_heads, dv_pad = k.shape[1], k.shape[2], v.shape[3]
     block_k = problem.config.block_k_dkv
     group = problem.group
     extra, extra_specs = _optional_inputs(optional, problem, "kv", problem.config.block_q_dkv, block_k)
-    q_spec = pl.BlockSpec((None, t_pad, group, d_pad), lambda j, b, h: (b, 0, h, 0))
-    kv_spec = pl.BlockSpec((None, block_k, None, d_pad), lambda j, b, h: (b, j, h, 0))
+
+    def q_side(dim):
+        return pl.BlockSpec((None, t_pad, group, dim), lambda j, b, h: (b, 0, h, 0))
+
+    def kv_side(dim, shared: bool):
+        return pl.BlockSpec((None, block_k, None, dim),
+                            lambda j, b, h: (_kv_batch(problem, b) if shared else b, j, h, 0))
+
     row_spec = pl.BlockSpec((None, group, t_pad), lambda j, b, h: (b, h, 0))
+    # Shared (batch-1) k / v get their gradient per query batch in float32, summed over the batch below.
+    if problem.kv_broadcast:
+        out_shape = [_output((batch, *x.shape[1:]), jnp.float32, q, k, v, do) for x in (k, v)]
+    else:
+        out_shape = [_output(x.shape, x.dtype, q, k, v, do) for x in (k, v)]
     kernel = functools.partial(_dkv_kernel, problem=problem, refs_fn=_refs_fn(problem))
-    return pl.pallas_call(
+    dk, dv = pl.pallas_call(
         kernel,
         grid=(s_pad // block_k, batch, num_kv_heads),
         in_specs=[
-            q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), q_spec, row_spec, row_spec, *extra_specs
+            q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), _length_spec(), _length_spec(),
+            q_side(dv_pad), row_spec, row_spec, *extra_specs
         ],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[_output(k.shape, k.dtype, q, k, v, do), _output(v.shape, v.dtype, q, k, v, do)],
+        out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False)],
+        out_shape=out_shape,
         name="probjax_flash_backward_dkv",
         **_compiler_params(problem),
     )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
+    if problem.kv_broadcast:
+        dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
+    return dk, dv
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:

@@ -17,7 +17,10 @@ _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: _Problem, refs_fn):
-    *input_refs, out_ref, lse_ref = refs
+    if problem.features.return_max:
+        *input_refs, out_ref, lse_ref, max_ref = refs
+    else:
+        *input_refs, out_ref, lse_ref = refs
     opt: _Refs = refs_fn(input_refs)
     cfg = problem.config
     block_q, block_k = cfg.block_q, cfg.block_k
@@ -43,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
         return acc, m_new, l
 
     carry = (
-        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
         jnp.full((block_q,), _M_INIT, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -57,27 +60,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, problem: 
     safe_l = jnp.where(row_valid, l, 1.0)
     out_ref[...] = jnp.where(row_valid[:, None], acc / safe_l[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+    if problem.features.return_max:  # m is the row max of the base-2 scores s2 = log2(e) * score
+        max_ref[...] = jnp.where(row_valid, m * LN2, -jnp.inf)
 
 
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """(out, lse) of padded q `[B, T, N, D]`, k, v `[B, S, K, D]`; `optional` holds the optional inputs by
-    name (see `_triton_specs._optional_inputs`)."""
+    """(out `[B, T, N, Dv]`, lse[, row max]) of padded q `[B, T, N, D]`, k `[B|1, S, K, D]`, v `[B|1, S, K, Dv]`;
+    `optional` holds the optional inputs by name (see `_triton_specs._optional_inputs`)."""
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
-    q_spec, kv_spec, row_spec, extra, extra_specs = _q_grid(problem, q, k, block_q, problem.config.block_k, optional)
+    grid = _q_grid(problem, q, k, v, block_q, problem.config.block_k, optional)
     kernel = functools.partial(_forward_kernel, problem=problem, refs_fn=_refs_fn(problem))
+    rows = (_output((batch, num_heads, t_pad), jnp.float32, q, k, v),) * (2 if problem.features.return_max else 1)
     return pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, batch, num_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, _length_spec(), _length_spec(), *extra_specs],
-        out_specs=[q_spec, row_spec],
-        out_shape=[
-            _output(q.shape, q.dtype, q, k, v),
-            _output((batch, num_heads, t_pad), jnp.float32, q, k, v),
-        ],
+        in_specs=[grid.q, grid.k, grid.v, _length_spec(), _length_spec(), *grid.extra_specs],
+        out_specs=[grid.out, *(grid.row for _ in rows)],
+        out_shape=[_output((batch, t_pad, num_heads, v.shape[3]), q.dtype, q, k, v), *rows],
         name="probjax_flash_forward",
         **_compiler_params(problem),
-    )(q, k, v, q_len, kv_len, *extra)
+    )(q, k, v, q_len, kv_len, *grid.extra)

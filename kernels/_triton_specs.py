@@ -5,6 +5,8 @@ the compiler parameters (Triton, or Pallas interpret mode).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 from jax.experimental import pallas as pl
 # Pallas' interpret-mode lowering imports the fuser on first use, and the fuser registers a config value that
@@ -148,12 +150,37 @@ def _output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
-def _q_grid(problem: _Problem, q, k, block_q: int, block_k: int, optional: dict):
-    """The specs of a (q_tile, b, h) grid: a query tile, the whole K / V of the head's group, a row vector of
-    the tile, and the optional inputs."""
-    d_pad, s_pad, group = q.shape[3], k.shape[1], problem.group
+class _QGrid(NamedTuple):
+    """The specs of a (q_tile, b, h) grid: a query tile (q, and out / dO with v's head dim), the whole K and
+    V of the head's group, a row vector of the tile, and the optional inputs."""
+
+    q: pl.BlockSpec
+    out: pl.BlockSpec
+    k: pl.BlockSpec
+    v: pl.BlockSpec
+    row: pl.BlockSpec
+    extra: list
+    extra_specs: list
+
+
+def _kv_batch(problem: _Problem, b):
+    """The batch index of k / v for query batch b: 0 when k / v are shared by the batch."""
+    return 0 if problem.kv_broadcast else b
+
+
+def _q_grid(problem: _Problem, q, k, v, block_q: int, block_k: int, optional: dict) -> _QGrid:
+    d_pad, dv_pad, s_pad, group = q.shape[3], v.shape[3], k.shape[1], problem.group
     extra, extra_specs = _optional_inputs(optional, problem, "q", block_q, block_k)
-    q_spec = pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
-    row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-    return q_spec, kv_spec, row_spec, extra, extra_specs
+
+    def kv_spec(dim):
+        return pl.BlockSpec((None, s_pad, None, dim), lambda i, b, h: (_kv_batch(problem, b), 0, h // group, 0))
+
+    return _QGrid(
+        q=pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
+        out=pl.BlockSpec((None, block_q, None, dv_pad), lambda i, b, h: (b, i, h, 0)),
+        k=kv_spec(d_pad),
+        v=kv_spec(dv_pad),
+        row=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+        extra=extra,
+        extra_specs=extra_specs,
+    )

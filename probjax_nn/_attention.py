@@ -95,8 +95,8 @@ def _flex(call: _Call):
     if i.bias is not None:
         score_mod = affine_score_mod(bias=i.bias, score_mod=score_mod)
     return _with_residual(call, flex_attention(
-        i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, return_lse=call.return_residual, config=call.flash,
-        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, enable_gqa=True, return_lse=call.return_residual,
+        config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     ))
 
 
@@ -145,14 +145,18 @@ class _Implementation:
     hooks: bool = False  # takes score_mod / mask_mod
     right_window: bool = True  # a local window reaching right of the query without is_causal
     max_head_dim: int | None = None  # None: any
+    value_dim: bool = False  # a value head dim Dv other than the query / key head dim D
+    kv_broadcast: bool = False  # key / value of batch 1 shared by a query batch B > 1
     dropout: bool = True  # attention dropout from the kernels' stateless keep mask
 
 
 _FLOATS = ("bfloat16", "float16", "float32")
 _IMPLEMENTATIONS: dict[str, _Implementation] = {
-    "pallas": _Implementation(_pallas, dtypes=_FLOATS, max_head_dim=MAX_HEAD_DIM),
-    "flex": _Implementation(_flex, dtypes=_FLOATS, hooks=True, max_head_dim=MAX_HEAD_DIM),
-    "xla": _Implementation(_xla, dtypes=(*_FLOATS, "float64"), hooks=True),
+    "pallas": _Implementation(_pallas, dtypes=_FLOATS, max_head_dim=MAX_HEAD_DIM, value_dim=True, kv_broadcast=True),
+    "flex": _Implementation(
+        _flex, dtypes=_FLOATS, hooks=True, max_head_dim=MAX_HEAD_DIM, value_dim=True, kv_broadcast=True
+    ),
+    "xla": _Implementation(_xla, dtypes=(*_FLOATS, "float64"), hooks=True, value_dim=True, kv_broadcast=True),
     # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
     "cudnn": _Implementation(
         _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM,
@@ -211,7 +215,9 @@ class _Request:
     """The parts of one call that decide which implementation can run it."""
 
     dtype: str
-    head_dim: int
+    head_dim: int  # the larger of D and Dv
+    value_dim: bool  # Dv != D
+    kv_broadcast: bool
     score_mod: bool
     mask_mod: bool
     dropout: bool
@@ -243,6 +249,12 @@ def _check(name: str, request: _Request) -> None:
         raise NotImplementedError(
             f"impl={name!r} does not support dtype {request.dtype}; it takes {', '.join(spec.dtypes)}."
         )
+    for feature, wanted, supported in (
+        ("a value head dim other than the query / key head dim", request.value_dim, spec.value_dim),
+        ("key / value of batch 1 shared by a larger query batch", request.kv_broadcast, spec.kv_broadcast),
+    ):
+        if wanted and not supported:
+            raise NotImplementedError(f"impl={name!r} does not support {feature}; use impl='xla' or 'auto'.")
     if spec.max_head_dim is not None and request.head_dim > spec.max_head_dim:
         raise NotImplementedError(
             f"impl={name!r} does not support head dim {request.head_dim}; it takes up to {spec.max_head_dim}."
@@ -355,8 +367,10 @@ def attention(
 
     **Arguments:**
 
-    - `query`: `[B, T, N, D]` (or `[T, N, D]`); `key`, `value`: `[B, S, K, D]` (or `[S, K, D]`) with N a
-      multiple of K (grouped-query / multi-query attention). One dtype for all three.
+    - `query`: `[B, T, N, D]` (or `[T, N, D]`); `key` `[B, S, K, D]` and `value` `[B, S, K, Dv]` (or without
+      B) with N a multiple of K (grouped-query / multi-query attention); the value head dim Dv may differ from D
+      (as in multi-head latent attention), and key / value may have batch 1, shared by every query example
+      without being repeated (every impl but "cudnn"). One dtype for all three.
     - `bias`: float, broadcastable to `[B, N, T, S]` (`[N, T, S]` for rank-3 inputs); added to the scaled
       scores.
     - `mask`: bool, broadcastable like `bias`; True = attend, False = masked out.
@@ -375,13 +389,12 @@ def attention(
       "xla") drops the same weights.
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
 
-    **Returns:** the output, shaped and typed like `query`; with `return_residual`, `(output, lse)`, lse
-    `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype). Complex inputs
-    run `jax.nn.dot_product_attention` itself under impl "auto" (no implementation here computes in
-    complex numbers; jax 0.11.2 casts their scores to float32 with a DeprecationWarning); any other impl
-    raises `NotImplementedError`. A query row with
-    nothing to attend gives output 0 and lse -inf, where jax's "xla" path averages `value`; impl "cudnn" is
-    jax's cuDNN path and keeps its behaviour there.
+    **Returns:** the output, shaped like `query` with head dim Dv, typed like `query`; with `return_residual`,
+    `(output, lse)`, lse `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype).
+    Complex inputs run `jax.nn.dot_product_attention` itself under impl "auto" (no implementation here computes
+    in complex numbers; jax 0.11.2 casts their scores to float32 with a DeprecationWarning); any other impl
+    raises `NotImplementedError`. A query row with nothing to attend gives output 0 and lse -inf, where jax's
+    "xla" path averages `value`; impl "cudnn" is jax's cuDNN path and keeps its behaviour there.
     """
     config = _resolve_config(impl, implementation)
     is_causal = check_flag("is_causal", is_causal)
@@ -403,7 +416,9 @@ def attention(
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     request = _Request(
         dtype=inputs.q.dtype.name,
-        head_dim=inputs.q.shape[-1],
+        head_dim=max(inputs.q.shape[-1], inputs.value_dim),
+        value_dim=inputs.value_dim != inputs.q.shape[-1],
+        kv_broadcast=inputs.kv_broadcast,
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None,
         dropout=dropout_rate > 0,
@@ -419,10 +434,11 @@ def attention(
         result = _context_parallel(config, name, call)
     else:
         result = _IMPLEMENTATIONS[name].run(call)
+    out_shape = (*query.shape[:-1], inputs.value_dim)
     if not return_residual:
-        return result.reshape(query.shape)
+        return result.reshape(out_shape)
     out, lse = result
-    return out.reshape(query.shape), lse.reshape(query.shape[:-1])
+    return out.reshape(out_shape), lse.reshape(query.shape[:-1])
 
 
 # ------------------------------------------------------------------------------------- context parallelism
@@ -434,7 +450,9 @@ def _context_parallel(config: AttentionConfig, name: str, call: _Call):
     i, axis = call.inputs, config.context_axis
     for feature, present in (("bias", i.bias is not None), ("mask", i.mask is not None),
                              ("query_seq_lengths", i.q_lengths is not None),
-                             ("key_value_seq_lengths", i.kv_lengths is not None)):
+                             ("key_value_seq_lengths", i.kv_lengths is not None),
+                             ("a value head dim other than the query's", i.value_dim != i.q.shape[3]),
+                             ("key / value of batch 1 shared by the batch", i.kv_broadcast)):
         if present:
             raise NotImplementedError(
                 f"context parallelism (context_axis={axis!r}) does not support {feature}; express masks as a "

@@ -125,9 +125,9 @@ class AttentionFunction:
             )
         if scale is None:
             scale = qk_dim**-0.5
-        if qk_dim != value_dim:
-            # The kernels take one head dim for q, k and v. Zero columns change neither q.k nor the first
-            # Dv columns of the output, so the smaller head dim is padded to the larger (Equinox's vo_size).
+        if qk_dim != value_dim and self.config.impl == "cudnn":
+            # jax's cuDNN path takes one head dim for q, k and v (the other impls take Dv != D). Zero columns
+            # change neither q.k nor the first Dv columns of the output, so the smaller is padded to the larger.
             head_dim = max(qk_dim, value_dim)
             query, key, value = (_pad_head_dim(x, head_dim) for x in (query, key, value))
         size = math.prod(batch_shape)

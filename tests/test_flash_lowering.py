@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from probjax_kernels import (
-    FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention, flex_attention,
-    relative_bias, softcap,
+    AuxRequest, FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
+    flex_attention, relative_bias, softcap,
 )
 
 
@@ -74,7 +74,8 @@ def _flex_loss(with_dropout: bool):
 
         block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, T, T, block_size=(64, 128))
         dropout = dict(dropout_rate=0.1, dropout_seed=7) if with_dropout else {}
-        out = flex_attention(q, k, v, score_mod, block_mask, config=FlashConfig(backend="triton"), **dropout)
+        out = flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True, config=FlashConfig(backend="triton"),
+                             **dropout)
         return jnp.sum(out.astype(jnp.float32))
 
     return loss
@@ -138,3 +139,25 @@ def test_flex_tangent_kernel_lowers():
         spec((N,), jnp.float32), spec((N, 2 * T - 1), jnp.float32), spec((B, T), jnp.int32),
     )
     assert "probjax_flash_tangent" in text
+
+
+@pytest.mark.parametrize("head_dim, value_dim, kv_batch", [(192, 128, B), (64, 80, 1)])
+def test_value_head_dim_shared_kv_and_max_scores_lower(head_dim, value_dim, kv_batch):
+    """Dv != D (multi-head latent attention's 192 / 128; 80 pads to 128 inside the wrapper), k / v of batch 1
+    shared by the batch, and the max_scores output: forward, dQ, dK/dV and the tangent kernel."""
+    config = FlashConfig(backend="triton")
+    aux = AuxRequest(lse=True, max_scores=True)
+
+    def loss(q, k, v):
+        out, stats = flex_attention(q, k, v, softcap(20.0), None, enable_gqa=True, config=config, return_aux=aux)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(stats.lse), stats.lse, 0.0))
+
+    def jvp(q, k, v):
+        return jax.jvp(lambda *a: flash_attention(*a, causal=True, config=config), (q, k, v), (q, k, v))
+
+    specs = (spec((B, T, N, head_dim), jnp.bfloat16), spec((kv_batch, S, K, head_dim), jnp.bfloat16),
+             spec((kv_batch, S, K, value_dim), jnp.bfloat16))
+    text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), *specs)
+    for name in ("probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv"):
+        assert name in text
+    assert "probjax_flash_tangent" in lower_for_cuda(jvp, *specs)

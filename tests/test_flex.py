@@ -25,6 +25,7 @@ def flex_gradients(fn, q, k, v, score_mod, block_mask, **kwargs):
 
 
 def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
+    kwargs = dict(kwargs, enable_gqa=True)
     out, lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
     expected, expected_lse = flex_attention_reference(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
     assert_close(out, expected, q.dtype, "out")
@@ -63,7 +64,7 @@ def test_block_mask_matches_numpy_mask():
     block_mask = MASKS["documents_causal"]()
     allowed = numpy_allowed(2, T, T, causal=True, q_segment_ids=DOCS, kv_segment_ids=DOCS)
     expected, _ = numpy_attention(q, k, v, allowed=allowed)
-    assert_close(flex_attention(q, k, v, block_mask=block_mask), expected, jnp.float32)
+    assert_close(flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), expected, jnp.float32)
 
 
 def test_sliding_window_keeps_distances_up_to_and_including_w():
@@ -113,7 +114,7 @@ def test_decoding_one_query_against_a_cache():
                                    block_size=(16, 64))
     out = check_flex(q, k, v, alibi(alibi_slopes(4)), block_mask, grads=False)
     expected = flash_attention(q, k, v, kv_lengths=offset + 1, bias=None)
-    assert_close(flex_attention(q, k, v, None, block_mask), expected, jnp.float32)
+    assert_close(flex_attention(q, k, v, None, block_mask, enable_gqa=True), expected, jnp.float32)
     assert out.shape == q.shape
 
 
@@ -128,7 +129,7 @@ def test_captured_array_gradients_are_exact_and_deterministic():
         def score_mod(s, b, h, q_idx, kv_idx):
             return relative_bias(table)(alibi(slopes)(s, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
 
-        return jnp.sum(fn(q, k, v, score_mod, block_mask) * cotangent)
+        return jnp.sum(fn(q, k, v, score_mod, block_mask, enable_gqa=True) * cotangent)
 
     grad = jax.jit(jax.grad(lambda s, t: loss(flex_attention, s, t), (0, 1)))
     actual = grad(slopes, table)
@@ -176,9 +177,9 @@ def test_block_mask_classification_and_sparsity():
     block_mask = create_block_mask(causal_mask, None, None, 512, 512, block_size=128)
     dense = np.asarray(block_mask.to_dense()[0, 0])
     np.testing.assert_array_equal(dense, np.tril(np.full((4, 4), 2), -1) + np.eye(4, dtype=int))
-    assert float(block_mask.sparsity()[0, 0]) == pytest.approx(6 / 16)
+    assert float(block_mask.tile_sparsity()[0, 0]) == pytest.approx(6 / 16)
     window = create_block_mask(and_masks(causal_mask, sliding_window(128)), None, None, 2048, 2048, block_size=128)
-    computed = 1.0 - float(window.sparsity()[0, 0])
+    computed = 1.0 - float(window.tile_sparsity()[0, 0])
     assert computed == pytest.approx((16 + 15) / 256)  # the diagonal and the one block before it
 
 
@@ -223,10 +224,10 @@ def test_per_batch_documents_under_jit_do_not_retrace():
 def test_dropout_matches_reference_and_is_reproducible():
     q, k, v = random_qkv(52, 2, 64, 64, 2, 1, 32)
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
-    kwargs = dict(dropout_rate=0.3, dropout_seed=jnp.uint32(11))
+    kwargs = dict(dropout_rate=0.3, dropout_seed=jnp.uint32(11), enable_gqa=True)
     out = check_flex(q, k, v, softcap(4.0), block_mask, **kwargs)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(flex_attention(q, k, v, softcap(4.0), block_mask, **kwargs)))
-    other = flex_attention(q, k, v, softcap(4.0), block_mask, dropout_rate=0.3, dropout_seed=12)
+    other = flex_attention(q, k, v, softcap(4.0), block_mask, dropout_rate=0.3, dropout_seed=12, enable_gqa=True)
     assert float(jnp.abs(other - out).max()) > 1e-2
     flash = flash_attention(q, k, v, causal=True, dropout_rate=0.3, dropout_seed=11)
     assert_close(flash, flex_attention_reference(q, k, v, None, block_mask, **kwargs), jnp.float32)

@@ -181,7 +181,7 @@ def test_flex_jvp_in_captured_arrays_with_block_mask():
             def score_mod(s, b, h, q_idx, kv_idx):
                 return relative_bias(table)(alibi(slopes)(s, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
 
-            return attention(q, k, v, score_mod, block_mask, return_lse=True)
+            return attention(q, k, v, score_mod, block_mask, enable_gqa=True, return_lse=True)
 
         return call
 

@@ -11,8 +11,9 @@ from helpers import assert_close, random_qkv
 from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
-    FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
-    flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
+    AuxRequest, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask,
+    flash_attention, flash_attention_reference, flex_attention, flex_attention_reference, relative_bias,
+    sliding_window, softcap,
 )
 from probjax_kernels._dispatch import MOSAIC_ENV, default_backend
 
@@ -200,15 +201,17 @@ def test_hooks_on_non_square_tiles_run_the_triton_backward():
     q, k, v = random_qkv(13, 1, 256, 256, 2, 1, 64, jnp.bfloat16)
     config = FlashConfig(backend="mosaic_interpret", block_k=64)
     score_mod = softcap(1.5)
-    fn = lambda q: flex_attention(q, k, v, score_mod, config=config)  # noqa: E731
-    assert not runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, score_mod, config=config), q, k, v)
+    fn = lambda q: flex_attention(q, k, v, score_mod, enable_gqa=True, config=config)  # noqa: E731
+    assert not runs_triton_forward(
+        lambda q, k, v: flex_attention(q, k, v, score_mod, enable_gqa=True, config=config), q, k, v)
     assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flex_attention(*a, score_mod, config=dataclasses.replace(config, block_k=64))
+        lambda config: lambda *a: jnp.sum(flex_attention(*a, score_mod, enable_gqa=True,
+                                                         config=dataclasses.replace(config, block_k=64))
                                           .astype(jnp.float32)), q, k, v
     ) == "triton"
     cotangent = jax.random.normal(jax.random.key(14), q.shape)
     grads = [jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent))(q)
-             for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod))]
+             for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod, enable_gqa=True))]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
 
 
@@ -228,3 +231,19 @@ def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, pla
     else:
         monkeypatch.setenv(MOSAIC_ENV, env)
     assert default_backend() == expected
+
+
+def test_what_the_mosaic_kernels_lack_runs_the_triton_kernels():
+    """A value head dim other than q / k's, k / v of batch 1 shared by the batch, and max_scores: the Mosaic
+    kernels have none of them (and get no new code before a GPU has run them), so such calls run Triton."""
+    q, k, v = random_qkv(15, 2, 256, 256, 2, 2, 64, jnp.bfloat16)
+    wide_v = jnp.concatenate([v, v], axis=-1)  # Dv = 128
+    flash = lambda q, k, v: flash_attention(q, k, v, causal=True, config=MOSAIC)  # noqa: E731
+    assert not runs_triton_forward(flash, q, k, v)  # the same call otherwise takes Mosaic
+    assert runs_triton_forward(flash, q, k, wide_v)
+    assert runs_triton_forward(flash, q, k[:1], v[:1])
+    aux = AuxRequest(max_scores=True)
+    assert runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, return_aux=aux, config=MOSAIC)[0], q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, causal=True, config=config).astype(jnp.float32)),
+        q, k, wide_v) == "triton"

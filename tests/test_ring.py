@@ -75,7 +75,7 @@ def _reference_grads(q, k, v, allowed, d_out, d_lse):
             return scores_mask[b % scores_mask.shape[0], 0, q_idx, kv_idx]
 
         block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[1], k.shape[1], block_size=16)
-        out, lse = flex_attention_reference(q, k, v, None, block_mask, return_lse=True)
+        out, lse = flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True, return_lse=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
 
     return jax.grad(loss, (0, 1, 2))(q, k, v)
@@ -146,7 +146,7 @@ def test_kernels_allgather_hooks_see_global_positions():
 
         block_mask = create_block_mask(both, None, None, length, length, block_size=16)
         out, lse = flex_attention_reference(q, k, v, functools.partial(score_mod, table), block_mask,
-                                            dropout_rate=0.25, dropout_seed=11, return_lse=True)
+                                            enable_gqa=True, dropout_rate=0.25, dropout_seed=11, return_lse=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(ring_loss, (0, 1, 2, 3), has_aux=True))(table, q, k, v)

@@ -158,7 +158,7 @@ def _probjax_flex(case: Case, config=None) -> Attention:
     builds it once per sequence length."""
     seq = case.q.shape[1]
     block_mask = create_block_mask(causal_mask, None, None, seq, seq) if case.causal else None
-    return lambda q, k, v: flex_attention(q, k, v, None, block_mask, config=config)
+    return lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=config)
 
 
 def _probjax_flex_mosaic(case: Case) -> Attention:

@@ -95,6 +95,19 @@ def test_head_dims(head_dim, dtype):
     check_against_reference(dtype, 2, 600, 600, 4, 2, head_dim, causal=True)
 
 
+@pytest.mark.parametrize("head_dim, value_dim, kv_batch", [(192, 128, 2), (64, 32, 1), (128, 256, 1)])
+def test_value_head_dims_and_shared_kv(head_dim, value_dim, kv_batch):
+    """Dv != D (multi-head latent attention's 192 / 128) and k / v of batch 1 shared by the batch."""
+    q = _normal(0, (2, 600, 8, head_dim), BF16)
+    k = _normal(1, (kv_batch, 600, 2, head_dim), BF16)
+    v = _normal(2, (kv_batch, 600, 2, value_dim), BF16)
+    cotangent = _normal(4, (2, 600, 8, value_dim))
+    actual = _outputs_and_grads(flash_attention, q, k, v, None, cotangent, causal=True)
+    expected = _outputs_and_grads(flash_attention_reference, q, k, v, None, cotangent, causal=True)
+    for name, got, want, factor in zip(("out", "lse", "dq", "dk", "dv"), actual, expected, (1, 1, 2, 2, 2)):
+        _assert_close(name, got, want, TOLERANCE["bfloat16"] * factor)
+
+
 @pytest.mark.parametrize(
     "dtype, bias_shape",
     [(BF16, (2, 4, 600, 600)), (BF16, (1, 4, 1, 600)), (BF16, (2, 1, 600, 600)), (F32, (2, 4, 600, 600))],

@@ -117,7 +117,8 @@ def test_flex_score_mod_inside_the_mosaic_forward(hook):
 
     def value_and_grads(attention, **extra):
         def loss(q, k, v):
-            return jnp.sum(attention(q, k, v, score_mod, block_mask, **extra).astype(jnp.float32) * cotangent)
+            return jnp.sum(attention(q, k, v, score_mod, block_mask, enable_gqa=True, **extra).astype(jnp.float32)
+                           * cotangent)
 
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
 

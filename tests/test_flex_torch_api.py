@@ -1,0 +1,223 @@
+"""PyTorch FlexAttention's API around flex_attention: signature, aux outputs, kernel_options, create_block_mask's
+spellings, create_mask / noop_mask and BlockMask's methods, each against an independent NumPy answer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, numpy_attention, random_qkv
+
+import probjax_kernels
+from probjax_kernels import (
+    AuxOutput, AuxRequest, BlockMask, FlashConfig, and_masks, causal_mask, create_block_mask, create_mask,
+    document_mask, flex_attention, flex_attention_reference, noop_mask, softcap,
+)
+from probjax_kernels._flex_options import config_from_kernel_options
+
+T = 64
+CAUSAL = np.tril(np.ones((T, T), bool))
+
+
+@pytest.mark.parametrize("fn", [flex_attention, flex_attention_reference], ids=["kernel", "reference"])
+def test_scale_is_positional_and_gqa_needs_enable_gqa(fn):
+    q, k, v = random_qkv(0, 1, T, T, 4, 2, 16)
+    out = fn(q, k, v, None, None, 0.3, True)  # torch order: score_mod, block_mask, scale, enable_gqa
+    expected, _ = numpy_attention(q, k, v, scale=0.3)
+    assert_close(out, expected, jnp.float32)
+    with pytest.raises(ValueError, match="N=4 heads and k / v have K=2; pass enable_gqa=True"):
+        fn(q, k, v)
+    with pytest.raises(TypeError):
+        fn(q, k, v, None, None, 0.3, True, False, None, None)  # return_aux and the rest are keyword-only
+
+
+def test_return_aux_lse_and_max_scores():
+    q, k, v = random_qkv(1, 2, T, T, 2, 2, 16)
+    q = 2.0 * q
+    rows = np.arange(T)[:, None] >= 8  # rows < 8 attend nothing: lse and max -inf
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= 8) & (q_idx >= kv_idx), None, None, T, T,
+                                   BLOCK_SIZE=32)
+    cap = softcap(3.0)
+    both = AuxRequest(lse=True, max_scores=True)
+    out, aux = flex_attention(q, k, v, cap, block_mask, return_aux=both)
+    assert isinstance(aux, AuxOutput)
+    ref_out, ref_aux = flex_attention_reference(q, k, v, cap, block_mask, return_aux=both)
+    assert_close(out, ref_out, jnp.float32)
+    # max_scores: float64 NumPy, independent of the library
+    qn, kn = (np.asarray(x, np.float64) for x in (q, k))
+    scores = 3.0 * np.tanh(np.einsum("btnd,bsnd->bnts", qn, kn) * 16**-0.5 / 3.0)
+    scores = np.where(CAUSAL & rows, scores, -np.inf)
+    for max_scores in (aux.max_scores, ref_aux.max_scores):
+        np.testing.assert_allclose(np.asarray(max_scores), scores.max(-1), rtol=1e-5)  # -inf rows included
+    lse = np.asarray(aux.lse)
+    assert np.all(np.isneginf(lse[:, :, :8]))
+    np.testing.assert_allclose(lse[:, :, 8:], np.asarray(ref_aux.lse)[:, :, 8:], atol=1e-5)
+    assert flex_attention_reference(q, k, v, cap, block_mask, return_aux=AuxRequest(lse=True))[1].max_scores is None
+    with pytest.raises(ValueError, match="not both"):
+        flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True))
+    with pytest.raises(TypeError, match="return_aux must be an AuxRequest"):
+        flex_attention(q, k, v, return_aux=True)
+
+
+def test_kernel_options_map_onto_flash_config(monkeypatch):
+    options = {"BLOCK_M": 32, "BLOCK_N": 16, "bwd_BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "bwd_BLOCK_N2": 16,
+               "num_warps": 8, "num_stages": 3}
+    assert config_from_kernel_options(options, FlashConfig(backend="interpret")) == FlashConfig(
+        block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16, num_warps=8,
+        num_stages=3, backend="interpret")
+    seen = []
+    attention = probjax_kernels._autodiff.attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[4])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(probjax_kernels._autodiff, "attention", spy)
+    q, k, v = random_qkv(2, 1, T, T, 2, 2, 16)
+    out = flex_attention(q, k, v, kernel_options={"BLOCK_M": 16, "BLOCK_N": 32})
+    assert (seen[-1].block_q, seen[-1].block_k) == (16, 32)
+    assert_close(out, numpy_attention(q, k, v)[0], jnp.float32)
+    with pytest.warns(UserWarning, match="kernel_options\\['PRESCALE_QK'\\] has no effect"):
+        ignored = config_from_kernel_options({"PRESCALE_QK": True, "BLOCK_M": 16, "BLOCK_N": 32}, None)
+    assert ignored == FlashConfig(block_q=16, block_k=32)  # the ignored key changed nothing
+    with pytest.raises(ValueError, match="disagrees with config.block_q=64"):
+        flex_attention(q, k, v, kernel_options={"BLOCK_M": 16}, config=FlashConfig(block_q=64))
+    with pytest.raises(ValueError, match="kernel_options: FlashConfig.block_k=24"):
+        flex_attention(q, k, v, kernel_options={"BLOCK_N": 24})
+
+
+def test_create_block_mask_takes_torch_spellings():
+    mod = and_masks(causal_mask, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 40)
+    ours = create_block_mask(mod, 1, None, q_len=100, kv_len=90, block_size=(32, 16))
+    for torch_style in (create_block_mask(mod, 1, None, 100, 90, "cuda", (32, 16), True),
+                        create_block_mask(mod, B=1, H=None, Q_LEN=100, KV_LEN=90, device=None, BLOCK_SIZE=(32, 16))):
+        for name in BlockMask._TABLES:
+            np.testing.assert_array_equal(getattr(torch_style, name), getattr(ours, name), err_msg=name)
+        assert torch_style.BLOCK_SIZE == (32, 16) and torch_style.shape == (1, 1, 100, 90)
+    with pytest.raises(ValueError, match="Q_LEN=100 and q_len=64 disagree"):
+        create_block_mask(mod, 1, None, 100, 90, q_len=64)
+    with pytest.raises(ValueError, match="BLOCK_SIZE must be a power of two"):
+        create_block_mask(mod, 1, None, 100, 90, BLOCK_SIZE=24)
+
+
+def test_create_mask_and_noop_mask():
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= h)  # noqa: E731
+    mask = np.asarray(create_mask(window, None, 3, 6, 7))
+    rows, cols = np.arange(6)[:, None], np.arange(7)[None, :]
+    expected = np.stack([(rows >= cols) & (rows - cols <= h) for h in range(3)])[None]
+    np.testing.assert_array_equal(mask, expected)
+    as_score_mod = lambda s, b, h, q_idx, kv_idx: jnp.where(window(b, h, q_idx, kv_idx), s, -jnp.inf)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(create_mask(as_score_mod, 2, 3, 6, 7, "cpu")),
+                                  np.broadcast_to(expected, (2, 3, 6, 7)))
+    np.testing.assert_array_equal(np.asarray(create_mask(noop_mask, 1, 1, 3, 4)), np.ones((1, 1, 3, 4), bool))
+    block_mask = create_block_mask(noop_mask, None, None, 48, 48, BLOCK_SIZE=16)
+    assert np.all(np.asarray(block_mask.to_dense()) == 2)  # every tile full: nothing to evaluate
+
+
+def block_classes(allowed: np.ndarray, block: int) -> np.ndarray:
+    """0 empty / 1 partial / 2 full per tile of a [T, S] bool mask (ragged keys count as masked)."""
+    rows, cols = -(-allowed.shape[0] // block), -(-allowed.shape[1] // block)
+    padded = np.zeros((rows * block, cols * block), bool)
+    padded[: allowed.shape[0], : allowed.shape[1]] = allowed
+    valid = np.zeros_like(padded)
+    valid[: allowed.shape[0]] = True  # query rows past the length do not matter
+    tiles = padded.reshape(rows, block, cols, block).transpose(0, 2, 1, 3)
+    free = (~valid).reshape(rows, block, cols, block).transpose(0, 2, 1, 3)
+    anything = tiles.any((2, 3))
+    return np.where(anything & (tiles | free).all((2, 3)), 2, anything.astype(int))
+
+
+def test_block_mask_printing_and_sparsity():
+    block_mask = create_block_mask(causal_mask, 2, 3, 128, 128, BLOCK_SIZE=16)  # 8 x 8 tiles, 36 visited
+    assert block_mask.sparsity() == pytest.approx(100 * 28 / 64)
+    np.testing.assert_allclose(np.asarray(block_mask.tile_sparsity()), np.full((2, 3), 28 / 64))
+    text = str(block_mask)
+    assert text.startswith("BlockMask(shape=(2, 3, 128, 128), sparsity=43.75%")
+    assert text.count("(0, 0)\n") == 1 and "(1, 0)" in text and "(1, 1)" not in text  # limit=4 pairs
+    assert "To print out more, set BlockMask.to_string(limit=N)" in text
+    picture = block_mask[1, 2].to_string(grid_size=-1).strip().split("\n")[1:]
+    expected = ["".join("██" if c <= r else "  " for c in range(8)) for r in range(8)]
+    assert [line.rstrip() for line in picture] == [line.rstrip() for line in expected]
+    coarse = block_mask[0, 0].to_string(grid_size=4).strip().split("\n")[1:]
+    assert [line.rstrip() for line in coarse] == ["░░", "██░░", "████░░", "██████░░"]
+
+
+def test_block_mask_indexing_keeps_the_attention_of_those_rows():
+    ids = jnp.array([[0] * 20 + [1] * 44, [0] * 50 + [1] * 14, [0] * 64], jnp.int32)
+    q, k, v = random_qkv(3, 3, T, T, 2, 2, 16)
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 3, None, T, T, BLOCK_SIZE=32)
+    assert block_mask[1].shape == (1, 1, T, T) and block_mask[:, 0].shape == (3, 1, T, T)
+    assert block_mask[::2].shape == (2, 1, T, T) and block_mask[-1].shape == (1, 1, T, T)
+    np.testing.assert_array_equal(block_mask[::2].kv_indices, block_mask.kv_indices[::2])
+    sliced = block_mask[1:]
+    out = flex_attention(q[1:], k[1:], v[1:], None, sliced)  # its mask_mod still reads the documents of 1, 2
+    for row, b in enumerate((1, 2)):
+        allowed = CAUSAL & (np.asarray(ids[b])[:, None] == np.asarray(ids[b])[None, :])
+        expected, _ = numpy_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], allowed=allowed)
+        assert_close(out[row:row + 1], expected, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(sliced.to_dense()[row, 0]), block_classes(allowed, 32))
+    with pytest.raises(IndexError, match="batch index 3 is out of range"):
+        block_mask[3]
+    with pytest.raises(IndexError, match="indexed by \\[batch\\] or \\[batch, head\\]"):
+        block_mask[0, 0, 0]
+
+
+def test_from_kv_blocks_derives_the_q_tables_and_runs():
+    built = create_block_mask(causal_mask, None, 2, 96, 96, BLOCK_SIZE=32)
+    derived = BlockMask.from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
+                                       built.full_kv_indices, 32, causal_mask, (96, 96))
+    for name in BlockMask._TABLES:
+        np.testing.assert_array_equal(getattr(derived, name), getattr(built, name), err_msg=name)
+    # Block-causal attention from hand-written 2-D tables and no mask_mod: whole diagonal tiles attend.
+    kv_num_blocks = jnp.array([1, 2, 3], jnp.int32)
+    kv_indices = jnp.array([[0, 1, 2], [0, 1, 2], [0, 1, 2]], jnp.int32)
+    block_causal = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=32)
+    assert block_causal.shape == (1, 1, 96, 96) and block_causal.mask_mod is noop_mask
+    np.testing.assert_array_equal(block_causal.q_num_blocks[0, 0], [3, 2, 1])
+    q, k, v = random_qkv(4, 1, 96, 96, 2, 2, 16)
+    allowed = np.kron(np.tril(np.ones((3, 3), bool)), np.ones((32, 32), bool))
+    assert_close(flex_attention(q, k, v, None, block_causal), numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
+    with pytest.raises(ValueError, match="kv_num_blocks must lie in \\[0, 3\\]"):
+        BlockMask.from_kv_blocks(kv_num_blocks + 1, kv_indices, BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match="must have ceil\\(q_len / block_q\\)"):
+        BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=32, seq_lengths=(40, 96))
+
+
+def test_as_tuple_and_adjust():
+    block_mask = create_block_mask(causal_mask, None, None, 100, 100, BLOCK_SIZE=32)
+    flat = block_mask.as_tuple()
+    assert flat[:2] == (100, 100) and flat[-3:] == (32, 32, causal_mask) and len(flat) == 13
+    assert flat[2] is block_mask.kv_num_blocks and flat[9] is block_mask.full_q_indices
+    nested = block_mask.as_tuple(flatten=False)
+    assert nested[0] == (100, 100) and nested[-2] == (32, 32) and len(nested) == 11
+    for q_len, kv_len in ((70, 50), (64, 64), (100, 100)):
+        adjusted = block_mask.adjust(q_len, kv_len)
+        allowed = np.tril(np.ones((q_len, kv_len), bool))
+        np.testing.assert_array_equal(np.asarray(adjusted.to_dense()[0, 0]), block_classes(allowed, 32))
+        assert adjusted.shape == (1, 1, q_len, kv_len)
+    assert block_mask._adjust(70, 50).seq_lengths == (70, 50)
+    q, k, v = random_qkv(5, 1, 70, 50, 2, 2, 16)
+    assert_close(flex_attention(q, k, v, None, block_mask.adjust(70, 50)),
+                 numpy_attention(q, k, v, allowed=np.tril(np.ones((70, 50), bool)))[0], jnp.float32)
+    with pytest.raises(ValueError, match="crop it with block_mask.adjust\\(70, 50\\)"):
+        flex_attention(q, k, v, None, block_mask)
+    with pytest.raises(ValueError, match="kv_len must be an int in \\[1, 100\\]"):
+        block_mask.adjust(100, 128)
+
+
+def test_broadcast_block_mask_whose_mask_mod_reads_b_or_h_is_refused():
+    """Issue 14 item 2: tables classified at h = 0 with the kernels' partial tiles at the real h gave neither
+    mask (a per-head window [40, 5]: head 1 off by 2.1). Pass H and it is exact."""
+    q, k, v = random_qkv(6, 2, T, T, 2, 2, 16)
+    windows = jnp.array([40, 5])
+    per_head = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])  # noqa: E731
+    with pytest.raises(ValueError, match="built for H=1 \\(or None\\) but its mask_mod reads h.*pass H=2"):
+        flex_attention(q, k, v, None, create_block_mask(per_head, None, None, T, T, BLOCK_SIZE=16))
+    lengths = jnp.array([10, 64])
+    per_batch = lambda b, h, q_idx, kv_idx: kv_idx < lengths[b]  # noqa: E731
+    with pytest.raises(ValueError, match="built for B=1 \\(or None\\) but its mask_mod reads b.*pass B=2"):
+        flex_attention(q, k, v, None, create_block_mask(per_batch, None, 2, T, T, BLOCK_SIZE=16))
+    out = flex_attention(q, k, v, None, create_block_mask(per_head, None, 2, T, T, BLOCK_SIZE=16))
+    rows, cols = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = np.stack([(rows >= cols) & (rows - cols <= w) for w in (40, 5)])[None]
+    assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
+
