@@ -177,7 +177,8 @@ def test_block_tables_and_hooks_match_the_reference_in_interpreter():
     lengths = jnp.full((batch,), seq, jnp.int32)
 
     def reference(q, k, v):
-        return flex_attention_reference(q, k, v, _hooked_score, block_mask, scale=0.125, return_lse=True)
+        return flex_attention_reference(q, k, v, _hooked_score, block_mask, scale=0.125, enable_gqa=True,
+                                         return_lse=True)
 
     (out, lse), vjp = jax.vjp(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
     expected = vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))

@@ -3,6 +3,7 @@ Triton kernels elsewhere; run here in both interpreters ("mosaic_interpret"), an
 CPU."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -142,25 +143,27 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
     ]
     cotangent = jax.random.normal(jax.random.key(10), q.shape)
     for score_mod, mask, mosaic in cases:
-        fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, config=MOSAIC)  # noqa: E731
+        fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, enable_gqa=True, config=MOSAIC)  # noqa: E731
         assert runs_triton_forward(fn, q, k, v) != mosaic
-        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask), jnp.bfloat16)
+        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask, enable_gqa=True), jnp.bfloat16)
     for score_mod, mask, _ in cases[:4]:
         def loss_of_config(config, sm=score_mod, bm=mask):
-            return lambda q, k, v: jnp.sum(flex_attention(q, k, v, sm, bm, config=config).astype(jnp.float32))
+            return lambda q, k, v: jnp.sum(flex_attention(q, k, v, sm, bm, enable_gqa=True, config=config).astype(jnp.float32))
 
         assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
         grads = [
             jax.grad(lambda *a, f=f: jnp.sum(f(*a, score_mod, mask).astype(jnp.float32) * cotangent), (0, 1, 2))(
                 q, k, v)
-            for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)
+            for f in (lambda *a: flex_attention(*a, enable_gqa=True, config=MOSAIC),
+                      functools.partial(flex_attention_reference, enable_gqa=True))
         ]
         for name, got, expected in zip(("dq", "dk", "dv"), *grads):
             assert_close(got, expected, jnp.bfloat16, name)
     slope_grads = [
         jax.grad(lambda slopes, f=f: jnp.sum(f(q, k, v, alibi(slopes), block_mask).astype(jnp.float32) * cotangent))(
             alibi_slopes(2))
-        for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)
+        for f in (lambda *a: flex_attention(*a, enable_gqa=True, config=MOSAIC),
+                  functools.partial(flex_attention_reference, enable_gqa=True))
     ]
     assert_close(slope_grads[0], slope_grads[1], jnp.bfloat16, "d_slopes")
 
@@ -169,7 +172,7 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
 def test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda(score_mod):
     def loss(q, k, v):
         out = flex_attention(q, k, v, score_mod, create_block_mask(_head_window, None, 8, 1024, 1024),
-                             config=FlashConfig(backend="mosaic"))
+                             enable_gqa=True, config=FlashConfig(backend="mosaic"))
         return jnp.sum(out.astype(jnp.float32))
 
     q, kv = spec((2, 1024, 8, 128), jnp.bfloat16), spec((2, 1024, 2, 128), jnp.bfloat16)
