@@ -5,17 +5,23 @@ orbax stores without knowing NNX states, Equinox modules or optax's named tuples
 saved arrays back onto a freshly built tree of the same structure, with that tree's shardings. A step also
 keeps the train losses of the steps since the last metrics row, so that a resumed run averages the same
 losses into its next row as an unbroken one.
+
+In a multi-process run every process calls every method here: each writes and reads only the shards of its
+own devices, and orbax's barriers keep them in step. A step becomes visible (`steps`, `latest_step`) only
+once every process has written its part and process 0 has committed it (orbax writes into a temporary
+folder and renames it), so a run killed mid-save leaves no checkpoint that looks complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 def _names(path) -> list[str]:
@@ -67,6 +73,10 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, params: Any, opt_state: Any, pending_losses: Sequence[float] = ()) -> None:
         """Saves `step`; `pending_losses` are the train losses of the steps since the last metrics row."""
         self.manager.save(step, args=ocp.args.Composite(
@@ -91,6 +101,25 @@ class Checkpoints:
         params = from_nested(restored["params"], params)
         return params, None if opt_state is None else from_nested(restored["opt_state"], opt_state)
 
+    def restore_newest(
+        self, params: Any, opt_state: Any | None = None, *, skipped: list[str] | None = None
+    ) -> tuple[int, Any, Any] | None:
+        """`(step, params, opt_state)` of the newest checkpoint that restores (see `restore`), or None if none
+        does. A checkpoint that fails to restore (a file truncated or lost after it was committed) is passed
+        over, and a line saying why is appended to `skipped`. In a multi-process run a step counts only if it
+        restored on every process, so all of them continue from the same one."""
+        for step in reversed(self.steps()):
+            try:
+                params_, opt_state_ = self.restore(step, params, opt_state)
+                error = None
+            except Exception as failure:  # orbax and tensorstore raise many kinds for a damaged file
+                error = " ".join(f"{type(failure).__name__}: {failure}".split())[:300]
+            if _everywhere(error is None):
+                return step, params_, opt_state_
+            if skipped is not None:
+                skipped.append(f"step {step}: {error or 'failed to restore on another process'}")
+        return None
+
     def drop_from(self, step: int) -> None:
         """Deletes the checkpoints of `step` and later, once the saves in flight have finished."""
         self.manager.wait_until_finished()
@@ -101,3 +130,19 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _everywhere(flag: bool) -> bool:
+    """`flag` and-ed over the processes of a multi-process run (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+    """The steps a `Checkpoints` folder holds committed, read without opening it (nothing is created): orbax
+    names a committed step's folder by its number and an unfinished one `<step>.orbax-checkpoint-tmp-*`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(entry.name) for entry in directory.iterdir() if entry.is_dir() and entry.name.isdigit())

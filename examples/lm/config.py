@@ -125,6 +125,14 @@ class Config:
                 raise ConfigError(name, f"{name}={value!r} must be at least {least}.")
         if not self.sample_prompt:
             raise ConfigError("sample_prompt", "sample_prompt='' must hold at least one character.")
+        check_prompt("sample_prompt", self.sample_prompt)
+        if not 0 <= self.seed < 2**32:  # numpy's and jax's generators take unsigned 32-bit seeds
+            raise ConfigError("seed", f"seed={self.seed} must be in [0, 2**32).")
+        for name in ("beta1", "beta2"):  # 1.0 never forgets: Adam's bias correction divides by 1 - beta**t = 0
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(name, f"{name}={getattr(self, name)} must be in [0, 1).")
+        if self.grad_clip is not None and self.grad_clip <= 0.0:  # 0 zeroes every update; off is None
+            raise ConfigError("grad_clip", f"grad_clip={self.grad_clip} must be positive (none turns clipping off).")
         if self.resume and self.overwrite:
             raise ConfigError("overwrite", "resume and overwrite exclude each other: continue the run or start afresh.")
         try:
@@ -140,8 +148,19 @@ _LOWER_BOUNDS: dict[str, float] = {
     "num_layers": 1, "d_model": 1, "num_heads": 1, "num_kv_heads": 1, "d_ff": 1, "seq_len": 1, "batch_size": 1,
     "steps": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "checkpoint_every": 1, "warmup_steps": 0,
     "num_samples": 0, "sample_tokens": 0, "temperature": 0.0, "learning_rate": 0.0, "min_lr_ratio": 0.0,
-    "weight_decay": 0.0, "grad_clip": 0.0, "rope_theta": 0.0,
+    "weight_decay": 0.0, "rope_theta": 0.0,
 }
+
+
+def check_prompt(field: str, prompt: str) -> bytes:
+    """`prompt` as the UTF-8 bytes the model reads; a ConfigError naming `field` for text that has none (a
+    lone surrogate, as Python decodes bytes that are not UTF-8 on the command line)."""
+    try:
+        return prompt.encode()
+    except UnicodeEncodeError as error:
+        bad = prompt[error.start : error.end]
+        message = f"{field}={prompt!r} cannot be encoded as UTF-8 ({bad!r} at {error.start}): use UTF-8 text."
+        raise ConfigError(field, message) from None
 
 
 def parse_mesh(mesh: str | None) -> dict[str, int]:
@@ -149,11 +168,16 @@ def parse_mesh(mesh: str | None) -> dict[str, int]:
     axes = {"data": 1, "seq": 1, "model": 1}
     if mesh is None:
         return axes
+    named = set()
     for part in mesh.split(","):
         name, _, size = part.partition("=")
-        if name.strip() not in axes or not size.strip().isdigit() or int(size) < 1:
+        name = name.strip()
+        if name not in axes or not size.strip().isdigit() or int(size) < 1:
             raise ValueError(f"mesh={mesh!r}: expected 'data=N,seq=S,model=M' (any of them) with sizes >= 1.")
-        axes[name.strip()] = int(size)
+        if name in named:
+            raise ValueError(f"mesh={mesh!r} names the {name} axis twice.")
+        named.add(name)
+        axes[name] = int(size)
     return axes
 
 
@@ -263,7 +287,48 @@ def make_parser(description: str | None = None) -> argparse.ArgumentParser:
                 flag, type=functools.partial(_flag_value, field.name), default=argparse.SUPPRESS,
                 metavar=field.name.upper(),
             )
+    group = parser.add_argument_group(
+        "multi-process runs (jax.distributed; docs/examples.md)",
+        "--distributed alone lets jax.distributed.initialize() detect the cluster (SLURM, Open MPI, Kubernetes); "
+        "elsewhere give all three of the others (scripts/launch_local.sh does, on one machine).",
+    )
+    group.add_argument("--distributed", action="store_true", help="this is one process of several")
+    group.add_argument("--coordinator-address", metavar="HOST:PORT", help="where process 0 listens")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
     return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process joins a multi-process run. Not part of the run's config: it differs from process to
+    process and may change on resume (another cluster, another number of hosts)."""
+
+    distributed: bool = False  # one process of several (jax.distributed); the three below imply it
+    coordinator_address: str | None = None  # "host:port" of process 0; None: detected from the cluster
+    num_processes: int | None = None  # None: detected
+    process_id: int | None = None  # None: detected
+
+    def check(self) -> None:
+        """Raises ConfigError unless the three values are all given (and agree) or all left to detection."""
+        given = {
+            "coordinator_address": self.coordinator_address, "num_processes": self.num_processes,
+            "process_id": self.process_id,
+        }
+        missing = [name for name, value in given.items() if value is None]
+        if 0 < len(missing) < len(given):
+            message = (f"give all of --coordinator-address, --num-processes and --process-id, or none (the cluster's "
+                       f"own variables), not only some; {', '.join(missing)} missing.")
+            raise ConfigError(missing[0], message)
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError("num_processes", f"num_processes={self.num_processes} must be at least 1.")
+        if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+            message = f"process_id={self.process_id} must be in [0, num_processes={self.num_processes})."
+            raise ConfigError("process_id", message)
+        address = self.coordinator_address
+        if address is not None and not address.rpartition(":")[2].isdigit():
+            message = f"coordinator_address={address!r} must be HOST:PORT (for example 10.0.0.1:1234)."
+            raise ConfigError("coordinator_address", message)
 
 
 def _flag_value(name: str, text: str) -> Any:
@@ -276,8 +341,21 @@ def _flag_value(name: str, text: str) -> Any:
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Config:
     """The config of a command line (`make_parser`'s flags); a value that cannot work exits as a usage error
     (status 2, one line naming the flag), as argparse does for the flags it checks itself."""
+    return parse_command(argv, parser)[0]
+
+
+def parse_command(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[Config, Launch]:
+    """`parse_args`, and how this process joins a multi-process run."""
     parser = make_parser() if parser is None else parser
     args = vars(parser.parse_args(argv))
+    launch = Launch(**{field.name: args.pop(field.name) for field in dataclasses.fields(Launch)})
+    launch = dataclasses.replace(launch, distributed=launch.distributed or launch.num_processes is not None)
+    try:
+        launch.check()
+    except ConfigError as error:
+        parser.error(f"argument {error.flag}: {error}")
     preset, config_file = args.pop("preset"), args.pop("config")
     values = {}
     if config_file is not None:
@@ -288,7 +366,7 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
         except ValueError as error:
             parser.error(f"argument --config: {error}")
     try:
-        return make_config(preset, {**values, **args})
+        return make_config(preset, {**values, **args}), launch
     except ConfigError as error:
         parser.error(f"argument {error.flag}: {error}")
 

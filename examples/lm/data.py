@@ -78,21 +78,31 @@ def _build_cache(cache: Path, root: Path, listing: list, val_fraction: float) ->
     temporary.replace(cache / "meta.json")
 
 
-def _windows(tokens: np.ndarray, seq_len: int, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` random windows of `seq_len + 1` tokens (inputs and their next-token targets), int32."""
+def _starts(tokens: np.ndarray, seq_len: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Where `count` random windows of `seq_len + 1` tokens (inputs and their next-token targets) start."""
     if len(tokens) <= seq_len + 1:
         raise ValueError(f"the split has {len(tokens)} tokens, too few for seq_len={seq_len}.")
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=count)
-    return np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+    return rng.integers(0, len(tokens) - seq_len - 1, size=count)
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The windows of `seq_len + 1` tokens at `starts`, `[len(starts), seq_len + 1]` int32. A process of a
+    multi-process run reads only the rows of its own devices (`starts[rows]`)."""
+    return np.stack([tokens[s : s + seq_len + 1] for s in starts]).reshape(len(starts), seq_len + 1).astype(np.int32)
+
+
+def train_starts(tokens: np.ndarray, config: Config, step: int) -> np.ndarray:
+    """The window starts of the batch of `step`, `[batch_size]`: a function of (seed, step) alone, so a resumed
+    run sees the batches that an unbroken one would have seen, and every process the same global batch."""
+    return _starts(tokens, config.seq_len, config.batch_size, np.random.default_rng([config.seed, step]))
 
 
 def train_batch(tokens: np.ndarray, config: Config, step: int) -> np.ndarray:
-    """The batch of `step`, `[batch_size, seq_len + 1]`: a function of (seed, step) alone, so a resumed
-    run sees the batches that an unbroken one would have seen."""
-    return _windows(tokens, config.seq_len, config.batch_size, np.random.default_rng([config.seed, step]))
+    """The whole batch of `step`, `[batch_size, seq_len + 1]` int32."""
+    return windows(tokens, train_starts(tokens, config, step), config.seq_len)
 
 
-def validation_batches(tokens: np.ndarray, config: Config) -> list[np.ndarray]:
-    """`eval_batches` fixed batches, `[batch_size, seq_len + 1]` each."""
+def validation_starts(tokens: np.ndarray, config: Config) -> list[np.ndarray]:
+    """The window starts of the `eval_batches` fixed validation batches, `[batch_size]` each."""
     rng = np.random.default_rng([config.seed, 2**31])
-    return [_windows(tokens, config.seq_len, config.batch_size, rng) for _ in range(config.eval_batches)]
+    return [_starts(tokens, config.seq_len, config.batch_size, rng) for _ in range(config.eval_batches)]

@@ -3,6 +3,10 @@
 Whatever the framework, the loop sees a `LanguageModel`: a params pytree and pure functions over it. The
 optimiser is optax AdamW with linear warmup, cosine decay and global-norm clipping. With `dtype="bfloat16"`
 the float32 params are cast to bfloat16 inside the step (the gradient flows back to float32).
+
+The same loop runs as one process of several (`jax.distributed`, `start_distributed`): the mesh then spans
+every process's devices, each process feeds only the rows of the batch that its own devices hold, and only
+process 0 prints and writes the run's files (checkpoints are written by all, each its own shards).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib
 import json
 import math
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,20 +27,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from lm import data
-from lm.checkpoint import Checkpoints
+from lm.checkpoint import Checkpoints, committed_steps
 from lm.common import LanguageModel, Params
-from lm.config import Config, ConfigError, from_json, parse_mesh, resume_conflicts, to_json
+from lm.config import Config, ConfigError, Launch, from_json, parse_mesh, resume_conflicts, to_json
 from lm.sampling import generate
 
 # What a run writes into its out folder; a folder holding any of them is a used one.
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints")
 # Dense bfloat16 peak FLOP/s (SXM parts) by device kind; --peak-tflops covers the rest.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def start_distributed(launch: Launch) -> None:
+    """Joins the multi-process run that `launch` describes; call it before anything touches a device.
+
+    Without explicit values `jax.distributed.initialize()` reads the cluster's own variables (SLURM, Open MPI,
+    Kubernetes, ...). On CPUs the processes talk through gloo (GPUs use NCCL whatever this says).
+    """
+    if not launch.distributed:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(launch.coordinator_address, launch.num_processes, launch.process_id)
+
+
+def is_primary() -> bool:
+    """Whether this process prints and writes the run's files: process 0 of a multi-process run."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """Waits until every process of a multi-process run gets here."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def build_model(config: Config, key: jax.Array) -> LanguageModel:
@@ -83,7 +112,8 @@ def make_mesh(config: Config) -> jax.sharding.Mesh | None:
     axes = parse_mesh(config.mesh)
     size = axes["data"] * axes["seq"] * axes["model"]
     if size > len(jax.devices()):
-        raise ConfigError("mesh", f"mesh={config.mesh!r} needs {size} devices, this machine has {len(jax.devices())}.")
+        where = "this machine has" if jax.process_count() == 1 else f"the {jax.process_count()} processes have"
+        raise ConfigError("mesh", f"mesh={config.mesh!r} needs {size} devices, {where} {len(jax.devices())}.")
     if config.batch_size % axes["data"]:
         message = f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}."
         raise ConfigError("batch_size", message)
@@ -105,22 +135,48 @@ def loss_fn(model: LanguageModel, config: Config, params: Params, batch: jax.Arr
 
 
 class Metrics:
-    """`out/metrics.jsonl`, one JSON row per log step; a resumed run first drops the rows past its step."""
+    """`out/metrics.jsonl`, one JSON row per log step; a resumed run keeps the rows up to its step. Only
+    process 0 of a multi-process run writes the file (the others keep the rows in memory)."""
 
-    def __init__(self, path: Path, start_step: int):
-        self.path = path
-        rows = self.read(path) if start_step > 0 and path.exists() else []
+    def __init__(self, path: Path, rows: list[dict], start_step: int, write: bool = True):
+        self.path, self.write = path, write
         self.rows = [row for row in rows if row["step"] <= start_step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        if write:
+            path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
 
     @staticmethod
     def read(path: Path) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    @staticmethod
+    def read_for_resume(path: Path) -> tuple[list[dict], str | None]:
+        """The rows of a run to resume, and a note when a last row cut short by a kill was dropped (rows past
+        the checkpoint are dropped anyway; a row is written before its step's checkpoint). Raises ConfigError
+        for a file that is damaged elsewhere."""
+        if not path.exists():
+            return [], None
+        text = path.read_text(errors="replace")
+        lines = text.splitlines()
+        rows, note = [], None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+                continue
+            except json.JSONDecodeError:
+                if number == len(lines) and not text.endswith("\n"):
+                    note = f"dropped the last line of {path}, cut short: {line[:60]!r}"
+                    continue
+            message = f"{path} line {number} is not a metrics row ({line[:60]!r}): repair it or start afresh with --overwrite."
+            raise ConfigError("resume", message)
+        return rows, note
+
     def append(self, row: dict) -> None:
         self.rows.append(row)
-        with self.path.open("a") as file:
-            file.write(json.dumps(row, allow_nan=False) + "\n")  # NaN is not JSON; run() stops before one
+        if self.write:
+            with self.path.open("a") as file:
+                file.write(json.dumps(row, allow_nan=False) + "\n")  # NaN is not JSON; run() stops before one
 
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
@@ -162,7 +218,17 @@ class Shardings:
         return cls(params, opt_state, NamedSharding(mesh, P("data", None)))
 
     def place(self, batch: np.ndarray) -> jax.Array:
+        """A whole batch held by this process, on the mesh (single-process runs and tests)."""
         return jnp.asarray(batch) if self.batch is None else jax.device_put(batch, self.batch)
+
+    def feed(self, tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> jax.Array:
+        """The batch of windows at `starts` (`data.windows`), each device's rows read by the process that owns
+        the device: no process reads the rows of another's devices or holds the global batch."""
+        if self.batch is None:
+            return jnp.asarray(data.windows(tokens, starts, seq_len))
+        return jax.make_array_from_callback(
+            (len(starts), seq_len + 1), self.batch, lambda index: data.windows(tokens, starts[index[0]], seq_len)
+        )
 
 
 def make_steps(model: LanguageModel, optimizer: optax.GradientTransformation, config: Config, shardings: Shardings):
@@ -192,6 +258,7 @@ def check_out(config: Config) -> Path:
     out = Path(config.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError("out", f"{out} is a file, not a folder.")
+    _check_writable(out)
     used = [name for name in RUN_FILES if (out / name).exists()]
     if used and not (config.resume or config.overwrite):
         raise ConfigError(
@@ -209,7 +276,30 @@ def check_out(config: Config) -> Path:
                 "resume", f"the run in {out} has another architecture ({', '.join(conflicts)}): resume it with its "
                 "own values, or start afresh with --overwrite.",
             )
+    if config.resume and not committed_steps(out / "checkpoints"):
+        unfinished = sorted((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+        there = [*used, *(f"an unfinished checkpoint {path.name}" for path in unfinished)]
+        holds = "does not exist" if not out.exists() else f"holds {', '.join(there)}" if there else "is empty"
+        raise ConfigError(
+            "resume", f"{out} holds no checkpoint to resume ({out} {holds}): run without --resume to start "
+            f"afresh{' with --overwrite' if used else ''}.",
+        )
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """Raises ConfigError unless `out` can be created and written (its nearest existing folder takes a file;
+    the probe is an unnamed temporary file, so nothing is left behind)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError("out", f"cannot create {out}: {existing} is a file.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError("out", f"cannot write to {out}: {error.strerror or error} ({existing}).") from None
 
 
 def load_data(config: Config) -> tuple[np.ndarray, np.ndarray]:
@@ -236,32 +326,39 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
     """Trains as `config` says and returns the metrics rows (also in `config.out`/metrics.jsonl).
 
     Everything that can be checked is checked before anything is written (the out folder, the data, the
-    mesh, the architecture of a run to resume): those failures raise `ConfigError` and leave the folder as
-    it was. A loss that turns NaN or infinite stops the run with `NonFiniteLoss`; its row is not written,
-    and the checkpoints of the weights that gave it are deleted.
+    mesh, the architecture of a run to resume, its metrics and which checkpoint restores): those failures
+    raise `ConfigError` and leave the folder as it was. A loss that turns NaN or infinite stops the run with
+    `NonFiniteLoss`; its row is not written, and the checkpoints of the weights that gave it are deleted.
     `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
-    testing `resume`.
+    testing `resume`. In a multi-process run every process calls this with the same config.
     """
     out = check_out(config)
+    rows, note = Metrics.read_for_resume(out / "metrics.jsonl") if config.resume else ([], None)
     train_tokens, val_tokens = load_data(config)
-    val_batches = data.validation_batches(val_tokens, config)
+    val_starts = data.validation_starts(val_tokens, config)
     mesh = make_mesh(config)
     model = build_model(config, jax.random.key(config.seed))
     optimizer = make_optimizer(config)
     num_params = sum(x.size for x in jax.tree.leaves(model.params))
-    if config.overwrite:
-        for name in RUN_FILES:
-            path = out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    print(
+    primary = is_primary()
+    say = print if primary else lambda *args, **kwargs: None
+    sync("checked")  # every process has read the folder before process 0 changes it
+    if primary:
+        if config.overwrite:
+            for name in RUN_FILES:
+                path = out / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    sync("cleared")
+    processes = "" if jax.process_count() == 1 else f" in {jax.process_count()} processes"
+    say(
         f"{config.framework} model, {num_params / 1e6:.2f}M params, attention={config.attention}, "
         f"{config.num_layers} layers x {config.num_heads} heads x head_dim {config.head_dim}, "
         f"batch {config.batch_size} x seq {config.seq_len}, {config.dtype}, devices: {jax.devices()[0].device_kind}"
-        f" x {1 if mesh is None else mesh.size}; {len(train_tokens) / 1e6:.1f}M train / "
+        f" x {1 if mesh is None else mesh.size}{processes}; {len(train_tokens) / 1e6:.1f}M train / "
         f"{len(val_tokens) / 1e6:.1f}M validation bytes"
     )
 
@@ -271,19 +368,36 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
         opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
         checkpoints = Checkpoints(out / "checkpoints")
         start, pending_losses = 0, []
-        if config.resume and checkpoints.latest_step() is not None:
-            start = checkpoints.latest_step()
-            params, opt_state = checkpoints.restore(start, params, opt_state)
+        if config.resume:
+            skipped: list[str] = []
+            restored = checkpoints.restore_newest(params, opt_state, skipped=skipped)
+            for line in skipped:
+                say(f"the checkpoint of {line}: it does not restore")
+            if restored is None:
+                checkpoints.close()
+                raise ConfigError(
+                    "resume", f"no checkpoint in {out / 'checkpoints'} restores ({'; '.join(skipped)}): start afresh "
+                    "with --overwrite.",
+                )
+            start, params, opt_state = restored
             pending_losses = checkpoints.pending_losses(start)
-            print(f"resumed from step {start}")
+            if skipped:  # orbax saves no step at or below its latest: the broken ones must go
+                checkpoints.drop_from(start + 1)
+                say(f"resumed from step {start}, the newest checkpoint that restores; deleted the newer ones")
+            else:
+                say(f"resumed from step {start}")
+            if note is not None:
+                say(note)
         # resume and overwrite are what this command did, not part of the run: a later --config of this file
         # must not delete the folder.
-        (out / "config.json").write_text(to_json(dataclasses.replace(config, resume=False, overwrite=False)))
-        metrics = Metrics(out / "metrics.jsonl", start)
+        if primary:
+            (out / "config.json").write_text(to_json(dataclasses.replace(config, resume=False, overwrite=False)))
+        metrics = Metrics(out / "metrics.jsonl", rows, start, write=primary)
         train_step, eval_step = make_steps(model, optimizer, config, shardings)
 
         def evaluate(params) -> float:
-            return float(np.mean([eval_step(params, shardings.place(batch)) for batch in val_batches]))
+            losses = [eval_step(params, shardings.feed(val_tokens, starts, config.seq_len)) for starts in val_starts]
+            return float(np.mean(losses))
 
         def stop(step: int, kind: str, value: float, bad_weights: int) -> NonFiniteLoss:
             """Deletes the checkpoints of step `bad_weights` and later (the weights that gave `value`)."""
@@ -297,12 +411,14 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
 
         flops, peak = flops_per_token(config, num_params), peak_flops(config, 1 if mesh is None else mesh.size)
         last = config.steps if stop_after is None else min(stop_after, config.steps)
-        bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(
+            total=config.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not primary
+        )
         # Since the last metrics row; a resumed run starts with the losses its checkpoint kept of them.
         losses, timer, timed_steps = list(pending_losses), None, 0
         try:
             for step in range(start + 1, last + 1):
-                batch = shardings.place(data.train_batch(train_tokens, config, step))
+                batch = shardings.feed(train_tokens, data.train_starts(train_tokens, config, step), config.seq_len)
                 params, opt_state, loss = train_step(params, opt_state, batch)
                 losses.append(loss)
                 if timer is None:  # the first step compiles: time from its end
@@ -334,7 +450,7 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                         loss=f"{train_loss:.3f}", tok_s="n/a" if tokens_per_s is None else f"{tokens_per_s:,.0f}",
                         mfu="n/a" if mfu is None else f"{mfu:.1%}",
                     )
-                    if val_loss is not None:
+                    if val_loss is not None and primary:
                         bar.write(f"step {step}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}")
                     losses, timer, timed_steps = [], time.perf_counter(), 0
                 if is_checkpoint:
@@ -343,13 +459,18 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
             bar.close()
             checkpoints.close()
 
-    if last < config.steps:
+        if last == config.steps and config.num_samples:
+            # Every process takes part in gathering the weights; process 0 samples from them.
+            replicated = None if mesh is None else NamedSharding(mesh, P())
+            params = jax.device_get(params if mesh is None else jax.jit(lambda p: p, out_shardings=replicated)(params))
+
+    if last < config.steps or not primary:
         return metrics.rows
     plot_losses(metrics.rows, out / "loss.png", f"{config.framework}, attention={config.attention}")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'} and {out / 'checkpoints'}")
     if config.num_samples:
         samples = generate(
-            model, compute_params(jax.device_get(params), config), config.sample_prompt.encode(),
+            model, compute_params(params, config), config.sample_prompt.encode(),
             config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
             key=jax.random.key(config.seed),
         )
