@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 
 from lm.checkpoint import Checkpoints  # noqa: E402
-from lm.config import ATTENTION_IMPLS, finite_float, from_json  # noqa: E402
+from lm.config import ATTENTION_IMPLS, ConfigError, check_prompt, finite_float, from_json  # noqa: E402
 from lm.sampling import generate  # noqa: E402
 from lm.train import build_model, compute_params  # noqa: E402
 
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{name} must be at least {least}, got {value}")
     if not prompt:
         parser.error("--prompt must hold at least one character")
+    try:
+        prompt_bytes = check_prompt("prompt", prompt)
+    except ConfigError as error:
+        parser.error(f"argument --prompt: {error}")
     if not (out / "checkpoints").is_dir():  # Checkpoints() would create the folder
         sys.exit(f"no checkpoint in {out / 'checkpoints'}")
     checkpoints = Checkpoints(out / "checkpoints")
@@ -68,10 +72,19 @@ def main(argv: list[str] | None = None) -> None:
     if step not in steps:
         sys.exit(f"--step {step}: no checkpoint of that step in {out / 'checkpoints'}; it has steps {sorted(steps)}")
     model = build_model(config, jax.random.key(config.seed))
-    params, _ = checkpoints.restore(step, model.params)
+    if args.step is not None:
+        params, _ = checkpoints.restore(step, model.params)
+    else:  # the newest checkpoint that restores: a damaged newer one is passed over, and said so
+        skipped: list[str] = []
+        restored = checkpoints.restore_newest(model.params, skipped=skipped)
+        for line in skipped:
+            print(f"cannot restore the checkpoint of {line}", file=sys.stderr)
+        if restored is None:
+            sys.exit(f"no checkpoint in {out / 'checkpoints'} restores")
+        step, params, _ = restored
     checkpoints.close()
     samples = generate(
-        model, compute_params(params, config), prompt.encode(), tokens, num_samples=num_samples,
+        model, compute_params(params, config), prompt_bytes, tokens, num_samples=num_samples,
         temperature=temperature, key=jax.random.key(args.seed),
     )
     print(f"{config.framework} model, step {step}, attention={config.attention}")

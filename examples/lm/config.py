@@ -164,21 +164,20 @@ def check_prompt(field: str, prompt: str) -> bytes:
 
 
 def parse_mesh(mesh: str | None) -> dict[str, int]:
-    """`"data=2,seq=2"` as `{"data": 2, "seq": 2, "model": 1}`; every axis present (size 1 when not given)."""
-    axes = {"data": 1, "seq": 1, "model": 1}
-    if mesh is None:
-        return axes
-    named = set()
-    for part in mesh.split(","):
+    """`"data=2,seq=2"` as `{"data": 2, "seq": 2, "model": 1}`: every axis present (size 1 when not given), in
+    the mesh's order, outermost first: the axes named, as named, then the others in the order data, seq,
+    model. Devices are numbered process by process, so the outermost axis is the one that spans processes
+    (hosts) first: `seq=2,data=2` on two hosts runs the ring between them, `data=2,seq=2` within each."""
+    named: dict[str, int] = {}
+    for part in [] if mesh is None else mesh.split(","):
         name, _, size = part.partition("=")
         name = name.strip()
-        if name not in axes or not size.strip().isdigit() or int(size) < 1:
+        if name not in ("data", "seq", "model") or not size.strip().isdigit() or int(size) < 1:
             raise ValueError(f"mesh={mesh!r}: expected 'data=N,seq=S,model=M' (any of them) with sizes >= 1.")
         if name in named:
             raise ValueError(f"mesh={mesh!r} names the {name} axis twice.")
-        named.add(name)
-        axes[name] = int(size)
-    return axes
+        named[name] = int(size)
+    return {**named, **{name: 1 for name in ("data", "seq", "model") if name not in named}}
 
 
 _BENCH = dict(

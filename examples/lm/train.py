@@ -106,7 +106,8 @@ def peak_flops(config: Config, num_devices: int) -> float | None:
 
 
 def make_mesh(config: Config) -> jax.sharding.Mesh | None:
-    """The `("data", "seq", "model")` mesh of `config.mesh`, or None to run on the default device."""
+    """The mesh of `config.mesh` (axes "data", "seq", "model", outermost first as `parse_mesh` orders them), or
+    None to run on the default device."""
     if config.mesh is None:
         return None
     axes = parse_mesh(config.mesh)
@@ -123,9 +124,13 @@ def make_mesh(config: Config) -> jax.sharding.Mesh | None:
         if getattr(config, name) % axes["model"]:
             message = f"{name}={getattr(config, name)} must be a multiple of the model axis, {axes['model']}."
             raise ConfigError("mesh", message)
-    return jax.make_mesh(
-        (axes["data"], axes["seq"], axes["model"]), ("data", "seq", "model"), axis_types=(AxisType.Auto,) * 3
-    )
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * 3)
+
+
+def spanning_axes(mesh: jax.sharding.Mesh) -> list[str]:
+    """The mesh axes along which devices of different processes (hosts) meet: their collectives leave the host."""
+    processes = np.vectorize(lambda device: device.process_index)(mesh.devices)
+    return [name for axis, name in enumerate(mesh.axis_names) if np.any(np.diff(processes, axis=axis))]
 
 
 def loss_fn(model: LanguageModel, config: Config, params: Params, batch: jax.Array) -> jax.Array:
@@ -353,7 +358,10 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     path.unlink()
         out.mkdir(parents=True, exist_ok=True)
     sync("cleared")
-    processes = "" if jax.process_count() == 1 else f" in {jax.process_count()} processes"
+    processes = ""
+    if jax.process_count() > 1:
+        spanning = ",".join(spanning_axes(mesh)) if mesh is not None else "none"
+        processes = f" in {jax.process_count()} processes (mesh axes across processes: {spanning})"
     say(
         f"{config.framework} model, {num_params / 1e6:.2f}M params, attention={config.attention}, "
         f"{config.num_layers} layers x {config.num_heads} heads x head_dim {config.head_dim}, "
@@ -372,7 +380,7 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
             skipped: list[str] = []
             restored = checkpoints.restore_newest(params, opt_state, skipped=skipped)
             for line in skipped:
-                say(f"the checkpoint of {line}: it does not restore")
+                say(f"cannot restore the checkpoint of {line}")
             if restored is None:
                 checkpoints.close()
                 raise ConfigError(
