@@ -3,8 +3,9 @@ each, against the one-process run over the same four-device mesh (in this proces
 
 What the three launches cover (each starts two processes that import jax and compile, so they are few):
 - `seq=2,data=2` (Linen: the ring attention's K/V blocks pass between the processes) and `data=2,model=2`
-  (Equinox: the batch split between the processes, the heads within each), one launch that runs both: every train and validation loss equals the one-process run's (rtol 1e-5); only process 0
-  prints and writes the run's files.
+  (Equinox: the batch split between the processes, the heads within each), one launch that runs both:
+  every train and validation loss equals the one-process run's (rtol 1e-5); each process read only the
+  batch rows of its own devices; only process 0 prints and writes the run's files.
 - `data=4` (NNX), one launch whose process 1 SIGKILLs itself right after it starts the checkpoint of step 4:
   the launcher stops process 0 (no hang on the dead peer) and exits with the signal's status, naming the
   process; the step being saved is not taken as complete. A second launch `--resume`s: it continues from
@@ -49,14 +50,27 @@ LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
 # Bounds for a machine much busier than this one; a slow machine is not a failure.
 WAIT_S = 900
 
-# examples/train_lm.py with two test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs
-# one training per list in the same jax.distributed session (flags added to the command line's); MP_KILL,
+# examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs one
+# training per list in the same jax.distributed session (flags added to the command line's), and writes to
+# MP_ROWS.<process id> the batch rows (start, stop) this process read for each run's devices; MP_KILL,
 # "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint.
 _WORKER = """
     import json, os, signal, sys
     sys.path.insert(0, {examples!r})
+    import jax
     from lm import checkpoint, train
     from lm.config import parse_args, parse_command
+
+    rows = set()
+    make_array = jax.make_array_from_callback
+
+    def recording(shape, sharding, callback, *args, **kwargs):
+        def read(index):
+            rows.add(index[0].indices(shape[0])[:2])
+            return callback(index)
+        return make_array(shape, sharding, read, *args, **kwargs)
+
+    jax.make_array_from_callback = recording
 
     argv = sys.argv[1:]
     _, launch = parse_command(argv)
@@ -71,8 +85,14 @@ _WORKER = """
                 os.kill(os.getpid(), signal.SIGKILL)
 
         checkpoint.Checkpoints.save = save_then_die
+    read = []
     for flags in json.loads(os.environ.get("MP_RUNS", "[[]]")):
+        rows.clear()
         train.run(parse_args(argv + flags))
+        read.append(sorted(rows))
+    if os.environ.get("MP_ROWS"):
+        with open(os.environ["MP_ROWS"] + f".{{launch.process_id}}", "w") as file:
+            json.dump(read, file)
 """
 
 
@@ -96,7 +116,7 @@ def launch(tmp_path: Path, name: str, argv: list[str], **environment: str) -> su
     """scripts/launch_local.sh 2 -- argv, running the worker; process 1's log goes to tmp_path/name."""
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent(_WORKER).format(examples=str(ROOT / "examples")))
-    env = {key: value for key, value in os.environ.items() if key not in ("MP_RUNS", "MP_KILL")}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MP_")}
     env.update(
         XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHON=sys.executable, LAUNCH_SCRIPT=str(worker),
         LAUNCH_LOG_DIR=str(tmp_path / name), **environment,
@@ -128,8 +148,12 @@ def test_two_processes_match_one_with_sequence_and_tensor_parallelism(data_cache
     base = {**TINY, "data_cache": data_cache, "steps": 3, "eval_every": 3}
     runs = [["--mesh", mesh, "--framework", framework, "--out", str(tmp_path / framework)]
             for mesh, framework in LAYOUTS.items()]
-    result = launch(tmp_path, "logs", flags(base), MP_RUNS=json.dumps(runs))
+    result = launch(tmp_path, "logs", flags(base), MP_RUNS=json.dumps(runs), MP_ROWS=str(tmp_path / "rows"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    # Each process read the rows of its own devices only: with data between the processes, half the batch.
+    read = [json.loads((tmp_path / f"rows.{process}").read_text()) for process in (0, 1)]
+    assert read[0][0] == read[1][0] == [[0, 2], [2, 4]]  # seq=2,data=2: data within each process
+    assert (read[0][1], read[1][1]) == ([[0, 2]], [[2, 4]])  # data=2,model=2: data between the processes
     log = (tmp_path / "logs" / "process_1.log").read_text()
     assert "model," not in log and "step 3" not in log  # process 1 printed nothing of the run's
     for mesh, framework in LAYOUTS.items():
@@ -156,7 +180,8 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     resumed = launch(tmp_path, "resumed", [*flags({**values, "num_samples": 1, "sample_tokens": 4}), "--resume"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert f"resumed from step {committed[-1]}" in resumed.stdout
-    want = one_process_run(data_cache, tmp_path / "one", **{k: v for k, v in values.items() if k in ("steps", "eval_every", "checkpoint_every", "mesh", "framework")})
+    same = ("steps", "eval_every", "checkpoint_every", "mesh", "framework")
+    want = one_process_run(data_cache, tmp_path / "one", **{name: values[name] for name in same})
     assert_same_losses(read_rows(tmp_path / "run"), want)
     print("data=4 nnx, killed after step 4 and resumed:", [row["train_loss"] for row in read_rows(tmp_path / "run")],
           "one process:", [row["train_loss"] for row in want])

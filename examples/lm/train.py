@@ -173,7 +173,7 @@ class Metrics:
                 if number == len(lines) and not text.endswith("\n"):
                     note = f"dropped the last line of {path}, cut short: {line[:60]!r}"
                     continue
-            message = f"{path} line {number} is not a metrics row ({line[:60]!r}): repair it or start afresh with --overwrite."
+            message = f"{path} line {number} is not a metrics row ({line[:60]!r}): repair it, or --overwrite."
             raise ConfigError("resume", message)
         return rows, note
 
