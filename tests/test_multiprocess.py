@@ -184,7 +184,7 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     want = one_process_run(data_cache, tmp_path / "one", **{name: values[name] for name in same})
     assert_same_losses(read_rows(tmp_path / "run"), want)
     print(f"data=4 nnx, killed after step 4, resumed from step {committed[-1]}:",
-          [row["train_loss"] for row in read_rows(tmp_path / "run")], "one process:", [row["train_loss"] for row in want])
+          [row["train_loss"] for row in read_rows(tmp_path / "run")], "one:", [row["train_loss"] for row in want])
     # Every process wrote shards of its own; process 0 alone sampled.
     shards = {p.name for p in (checkpoints / "6" / "params").glob("ocdbt.process_*") if any(p.rglob("d/*"))}
     assert shards == {"ocdbt.process_0", "ocdbt.process_1"}, shards
