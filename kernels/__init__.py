@@ -4,6 +4,7 @@ Layer libraries (probjax_nn) build on these names and on `probjax_kernels.layer_
 modules.
 """
 
+from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE as _DEFAULT_SPARSE_BLOCK_SIZE  # noqa: F401 (PyTorch's)
 from probjax_kernels._block_mask import BlockMask as BlockMask
 from probjax_kernels._block_mask import create_block_mask as create_block_mask
 from probjax_kernels._block_mask import create_mask as create_mask
@@ -18,6 +19,8 @@ from probjax_kernels._flex_attention import flex_attention as flex_attention
 from probjax_kernels._mods import alibi as alibi
 from probjax_kernels._mods import alibi_slopes as alibi_slopes
 from probjax_kernels._mods import and_masks as and_masks
+from probjax_kernels._mods import MaskMod as _mask_mod_signature  # noqa: F401 (PyTorch's private names,
+from probjax_kernels._mods import ScoreMod as _score_mod_signature  # noqa: F401  imported by attention-gym)
 from probjax_kernels._mods import causal_mask as causal_mask
 from probjax_kernels._mods import noop_mask as noop_mask
 from probjax_kernels._mods import document_mask as document_mask

@@ -289,13 +289,74 @@ def test_odd_block_sizes_run_exactly():
                                           jnp.asarray(np.argsort(~pattern, -1, kind="stable"), jnp.int32),
                                           BLOCK_SIZE=8, compute_q_blocks=False)
     allowed = np.kron(pattern, np.ones((8, 8), bool))
-    out = flex_attention(q, k, v, None, block_mask)
+    cotangent = jnp.cos(jnp.arange(40 * 2 * 16.0)).reshape(1, 40, 2, 16)
+    out, vjp = jax.vjp(lambda q, k, v: flex_attention(q, k, v, None, block_mask), q, k, v)
     assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
-    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * jnp.cos(jnp.arange(16.0)).reshape(1, 1, 1, 16))  # noqa: E731
-    grads = jax.grad(loss(lambda q, k, v: flex_attention(q, k, v, None, block_mask)), argnums=(0, 1, 2))(q, k, v)
     with jax.enable_x64(True):
-        qd, kd, vd = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
-        dense = loss(lambda q, k, v: probjax_kernels.flash_attention_reference(q, k, v, mask=jnp.asarray(allowed)))
-        expected = jax.grad(dense, argnums=(0, 1, 2))(qd, kd, vd)
-    for name, got, want in zip("qkv", grads, expected):
+        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, cotangent)]
+        _, dense_vjp = jax.vjp(lambda q, k, v: probjax_kernels.flash_attention_reference(
+            q, k, v, mask=jnp.asarray(allowed)), *wide[:3])
+        expected = dense_vjp(wide[3])
+    for name, got, want in zip("qkv", vjp(cotangent), expected):
         assert_close(got, want, jnp.float32, name)
+
+
+def test_block_mask_indexing_by_query_block_and_integer_arrays():
+    """Issue 22 item 11: `bm[:, :, i]` and integer-array indices, as PyTorch; ours keeps a working mask_mod, so
+    the selected query blocks (in any order) and batches run as those rows of the original."""
+    ids = jnp.array([[0] * 20 + [1] * 76, [0] * 50 + [1] * 46, [0] * 96], jnp.int32)
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 3, None, 96, 96, BLOCK_SIZE=32)
+    row = block_mask[:, :, 1]
+    assert row.kv_num_blocks.shape == (3, 1, 1) and row.shape == (3, 1, 32, 96)
+    np.testing.assert_array_equal(row.kv_indices, block_mask.kv_indices[:, :, 1:2])
+    picked = block_mask[jnp.array([2, 0]), :, np.array([2, 0])]
+    assert picked.shape == (2, 1, 64, 96)
+    np.testing.assert_array_equal(picked.full_kv_num_blocks, np.asarray(block_mask.full_kv_num_blocks)[[2, 0]][:, :, [2, 0]])
+    q, k, v = random_qkv(9, 3, 96, 96, 2, 2, 16)
+    rows, batches = np.r_[64:96, 0:32], np.array([2, 0])
+    out = flex_attention(q[batches][:, rows], k[batches], v[batches], None, picked)
+    for i, b in enumerate((2, 0)):
+        allowed = (rows[:, None] >= np.arange(96)) & (np.asarray(ids[b])[rows][:, None] == np.asarray(ids[b]))
+        assert_close(out[i:i + 1], numpy_attention(q[b:b + 1, rows], k[b:b + 1], v[b:b + 1], allowed=allowed)[0],
+                     jnp.float32)
+    ragged = create_block_mask(causal_mask, None, None, 100, 100, BLOCK_SIZE=32)
+    assert ragged[:, :, -1].shape == (1, 1, 4, 100) and ragged[:, :, [0, 3]].shape == (1, 1, 36, 100)
+    with pytest.raises(IndexError, match="ragged .* select it last"):
+        ragged[:, :, [3, 0]]
+    with pytest.raises(IndexError, match="query block index 4 is out of range"):
+        ragged[:, :, 4]
+    decode = ragged[:, :, 2]  # PyTorch's decoding pattern assigns the lengths and mask_mod
+    decode.seq_lengths = (1, 100)
+    assert decode.shape == (1, 1, 1, 100)
+
+
+def test_torch_keywords_separate_full_blocks_and_compute_q_blocks():
+    """Issue 22 item 12."""
+    merged = create_block_mask(causal_mask, None, None, 64, 64, BLOCK_SIZE=16, separate_full_blocks=False)
+    np.testing.assert_array_equal(merged.kv_num_blocks[0, 0], [1, 2, 3, 4])
+    assert int(jnp.sum(merged.full_kv_num_blocks)) == 0
+    separate = create_block_mask(causal_mask, None, None, 64, 64, 16)
+    lazy = BlockMask.from_kv_blocks(*separate.kv_tables, BLOCK_SIZE=16, mask_mod=causal_mask, compute_q_blocks=False)
+    assert lazy.q_indices is None and lazy.q_num_blocks is None
+    for got, want in zip(lazy.q_tables, separate.q_tables):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_torch_private_names_and_porting_errors():
+    """Issue 22 items 14 and 15: attention-gym's imports; PyTorch tensor methods in hooks name the jnp
+    spelling; a score_mod given to create_block_mask; torch's shape for tables without B / H."""
+    from probjax_kernels import _DEFAULT_SPARSE_BLOCK_SIZE, _mask_mod_signature, _score_mod_signature
+
+    assert _DEFAULT_SPARSE_BLOCK_SIZE == 128 and _mask_mod_signature is not None and _score_mod_signature is not None
+    q, k, v = random_qkv(10, 1, 16, 16, 1, 1, 16)
+    with pytest.raises(AttributeError, match="\\.clamp\\(\\).*jnp\\.clip\\(x, min, max\\)"):
+        flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + (q_idx - kv_idx).clamp(0, 4))
+    with pytest.raises(AttributeError, match="\\.float\\(\\).*x\\.astype\\(jnp\\.float32\\)"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: q_idx.float() >= kv_idx, None, None, 16, 16, BLOCK_SIZE=16)
+    with pytest.raises(AttributeError, match="\\.to\\(\\).*x\\.astype\\(dtype\\)"):
+        create_mask(lambda b, h, q_idx, kv_idx: q_idx.to(jnp.int32) >= kv_idx, None, None, 4, 4)
+    with pytest.raises(TypeError, match="create_block_mask needs a mask_mod.*a score_mod"):
+        create_block_mask(lambda score, b, h, q_idx, kv_idx: score, None, None, 16, 16)
+    tables = create_block_mask(causal_mask, None, 2, 64, 64, BLOCK_SIZE=32)
+    assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0, 0], tables.kv_indices[0, 0], BLOCK_SIZE=32).shape == (64, 64)
+    assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0], tables.kv_indices[0], BLOCK_SIZE=32).shape == (2, 64, 64)
