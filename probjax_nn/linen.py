@@ -36,6 +36,21 @@ __all__ = [
 ]
 
 
+def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
+    """`flax.linen.dot_product_attention`'s shape checks, with its exception type (AssertionError) and messages,
+    which code written against flax matches on; it also takes N a multiple of K (GQA), which flax refuses."""
+    if not key.ndim == query.ndim == value.ndim:
+        raise AssertionError("q, k, v must have same rank.")
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise AssertionError("q, k, v batch dims must match.")
+    if query.shape[-2] % key.shape[-2] or key.shape[-2] != value.shape[-2]:
+        raise AssertionError("q, k, v num_heads must match.")
+    if key.shape[-3] != value.shape[-3]:
+        raise AssertionError("k, v lengths must match.")
+    if query.shape[-1] != key.shape[-1]:
+        raise AssertionError("q, k depths must match.")
+
+
 @dataclasses.dataclass(frozen=True)
 class DotProductAttention:
     """`flax.linen.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`.
@@ -87,6 +102,7 @@ class DotProductAttention:
                 force_fp32_for_softmax,
             )
         query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
+        _check_shapes_like_flax(query, key, value)
         return flax_style_attention(
             self.attend, query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=dropout_rate, deterministic=deterministic,
@@ -107,7 +123,9 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
     ignored. With `module` (sow_weights) impl "auto" sows flax's `dot_product_attention_weights` and returns
     the same output as without it; with custom einsums or complex inputs it runs flax's own function; any
-    other impl raises `NotImplementedError` for these.
+    other impl raises `NotImplementedError` for these. float64 runs only under impl "xla" and "auto" (which
+    picks XLA for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it. Invalid shapes raise
+    flax's `AssertionError`s with flax's messages.
     """
     return DotProductAttention(attention_function(attention_impl))
 

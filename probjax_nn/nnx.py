@@ -72,10 +72,42 @@ class DotProductAttention:
                 is_causal,
             )
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        _check_shapes_like_flax(query, key, value, fast_path=dropout_rate == 0.0)
         return flax_style_attention(
             self.attend, query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=dropout_rate, deterministic=deterministic, is_causal=is_causal,
         )
+
+
+def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array, fast_path: bool) -> None:
+    """`flax.nnx.dot_product_attention`'s shape checks, in its order and with its messages (code written against
+    flax matches on them): without dropout flax hands the call to `jax.nn.dot_product_attention`, whose
+    messages then apply. A value head dim other than the key's (which flax's fast path refuses) is taken."""
+    arrays = (query, key, value)
+    if any(a.ndim != query.ndim for a in arrays):
+        raise ValueError(f"q, k, v must have same rank, but got {', '.join(str(a.ndim) for a in arrays)}.")
+    if any(a.shape[:-3] != query.shape[:-3] for a in arrays):
+        raise ValueError(f"q, k, v batch dims must match, but got shapes {', '.join(str(a.shape) for a in arrays)}.")
+    if key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}.")
+    if fast_path:
+        query, key, value = (a.reshape(-1, *a.shape[-3:]) for a in arrays)  # as flax reshapes them for jax.nn
+        batch, length, heads, depth = key.shape
+        if value.shape[2] != heads:
+            raise ValueError(f"value shape should be {[batch, length, heads, value.shape[3]]}: but got {value.shape}")
+        if query.shape[3] != depth:
+            raise ValueError(f"query shape should be {[batch, -1, -1, depth]}: but got {query.shape}")
+        if query.shape[2] % heads:
+            raise ValueError("The number of query heads must be a multiple of key/value heads, but got "
+                             f"{query.shape[2]} vs {heads}")
+        return
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"q, k depths must match, but got {query.shape[-1]} and {key.shape[-1]}.")
+    if query.shape[-2] % key.shape[-2]:
+        raise ValueError(f"Query heads ({query.shape[-2]}) must be multiple of Key heads ({key.shape[-2]}) for "
+                         "Grouped Query Attention.")
+    if query.shape[-2] % value.shape[-2]:
+        raise ValueError(f"Query heads ({query.shape[-2]}) must be multiple of Value heads ({value.shape[-2]})")
 
 
 def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductAttention:
@@ -93,6 +125,8 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     `precision` is ignored (the kernels accumulate in float32). With `module` (sow_weights) impl "auto" sows
     flax's `dot_product_attention_weights` and returns the same output as without it; complex inputs run
     flax's `dot_product_attention` under "auto". Any other impl raises `NotImplementedError` for both.
+    float64 runs only under impl "xla" and "auto" (which picks XLA for it); "pallas", "flex" and "cudnn"
+    raise `NotImplementedError` for it. Invalid shapes raise flax's `ValueError`s with flax's messages.
     """
     return DotProductAttention(attention_function(attention_impl))
 
