@@ -33,7 +33,7 @@ def tiles_of(num_blocks: jax.Array, indices: jax.Array) -> jax.Array:
     """`[B, H, rows, cols]` bool: the tiles that 4-D (num_blocks, indices) tables list (a scatter, linear in
     the size of the tables)."""
     cols = indices.shape[-1]
-    used = jnp.arange(cols).reshape(1, 1, 1, cols) < num_blocks[..., None]
+    used = jnp.arange(cols, dtype=num_blocks.dtype).reshape(1, 1, 1, cols) < num_blocks[..., None]
     target = jnp.where(used, indices, cols)  # unused entries land in a spare column, dropped below
     dense = jnp.zeros((*indices.shape[:-1], cols + 1), jnp.bool_)
     lead = jnp.indices(indices.shape, sparse=True)[:-1]
