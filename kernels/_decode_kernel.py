@@ -3,8 +3,9 @@
 One program per (sequence b, key/value head g and row block, split s): its tile's rows pack the T new tokens
 times the N / K query heads of group g (row r = t * group + j, padded to a power of two >= 16), so the group
 shares one pass over its keys. The program walks the pages [s * pages_per_split, ...) of sequence b that
-hold keys (a dense cache is viewed as pages of `block_k` keys, without a copy), reading each page through
-a scalar from `block_tables`, with the online softmax of FlashAttention-2 (m_i, l_i: running max and sum,
+hold keys (a dense cache is viewed as pages of `block_k` keys, without a copy), `pages_per_step` pages at a
+time (small pages: several independent loads in flight, one rescale per step), reading each page through a
+scalar from `block_tables`, with the online softmax of FlashAttention-2 (m_i, l_i: running max and sum,
 base-2 scores). It writes a partial (out, lse) per split; `merge_splits` combines them by lse in float32.
 """
 
@@ -43,8 +44,9 @@ class DecodePlan:
     group: int  # N / K
     rows: int  # rows of a program's tile (power of two >= 16)
     row_blocks: int  # tiles per key/value head
-    page: int  # keys per step: the page size, or the dense cache's view
+    page: int  # keys per page: the page size, or the dense cache's view
     max_pages: int  # pages per sequence
+    pages_per_step: int  # pages one loop step reads (keys per step / page)
     splits: int
     scale: float
     score_mod: Hook | None
@@ -56,7 +58,8 @@ class DecodePlan:
 
     @property
     def pages_per_split(self) -> int:
-        return -(-self.max_pages // self.splits)
+        """A whole number of steps, so that no step crosses into the next split's pages."""
+        return _round_up(-(-self.max_pages // self.splits), self.pages_per_step)
 
 
 def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: int, page: int, backend: str) -> int:
@@ -80,18 +83,21 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook 
     group = num_heads // num_kv_heads
     packed = _pow2(new_tokens * group)
     rows = min(packed, MAX_ROWS)
+    block_k = config.block_k or (64 if backend == "triton" else 32)  # interpret mode: fewer unrolled pages
     if inputs.paged:
         page, max_pages = inputs.page_size, inputs.block_tables.shape[1]
     else:
         capacity = _round_up(inputs.capacity, _MIN_BLOCK)
-        page = config.block_k or (64 if backend == "triton" else 128)
+        page = block_k
         while capacity % page:  # the largest power of two <= block_k that divides the (padded) length
             page //= 2
         max_pages = capacity // page
+    pages_per_step = min(max(1, block_k // page), _pow2(max_pages))
     splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, max_pages, page, backend)
-    splits = min(splits, max_pages)
+    splits = min(splits, -(-max_pages // pages_per_step))  # no program without a step of its own
     return DecodePlan(
         new_tokens=new_tokens, group=group, rows=rows, row_blocks=packed // rows, page=page, max_pages=max_pages,
+        pages_per_step=pages_per_step,
         splits=splits, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
         num_score_consts=num_score_consts, backend=backend, num_warps=config.num_warps or 4,
         num_stages=config.num_stages or 2,
@@ -119,32 +125,43 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
     q_idx = kv_len - plan.new_tokens + row // plan.group  # the new token's global position
     h = kv_head * plan.group + row % plan.group
     offsets = jnp.arange(page, dtype=jnp.int32)
+    steps = plan.pages_per_step
 
-    def body(p, carry):
-        acc, m, l = carry
-        index = jnp.clip(table_ref[p], 0, num_pages_cache - 1)
-        k = k_ref[index]
-        kv_idx = p * page + offsets[None, :]
+    def read_page(p):
+        """(k, v, kv_idx) of page p of the sequence; a page past the table re-reads its last one (masked)."""
+        index = jnp.clip(table_ref[jnp.minimum(p, plan.max_pages - 1)], 0, num_pages_cache - 1)
         # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, but 0 * NaN is NaN.
         v = jnp.where((p * page + offsets)[:, None] < kv_len, v_ref[index], 0)
+        return k_ref[index], v, p * page + offsets[None, :]
+
+    def scores(k, kv_idx):
+        """Base-2 scores s2 = log2(e) * score_mod(scale * q k^T), -inf where not attended."""
         dot = _dot(q, k, (1, 1), _precision(q))
         if plan.score_mod is None:
             s2 = dot * (plan.scale * LOG2E)
         else:
             s2 = plan.score_mod.in_kernel(score_refs, dot * plan.scale, b, h, q_idx, kv_idx) * LOG2E
-        allowed = (kv_idx <= q_idx) & row_real
+        allowed = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
         if plan.mask_mod is not None:
             allowed &= plan.mask_mod.in_kernel(mask_refs, b, h, q_idx, kv_idx)
-        s2 = jnp.where(allowed, s2, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+        return jnp.where(allowed, s2, -jnp.inf)
+
+    def body(step, carry):
+        acc, m, l = carry
+        pages = [read_page(step * steps + i) for i in range(steps)]
+        s2 = [scores(k, kv_idx) for k, _, kv_idx in pages]
+        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in s2], m)
         alpha = jnp.exp2(m - m_new)
-        weights = jnp.exp2(s2 - m_new[:, None])
-        l = l * alpha + jnp.sum(weights, axis=1)
-        acc = acc * alpha[:, None] + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
+        acc, l = acc * alpha[:, None], l * alpha
+        for s, (_, v, _) in zip(s2, pages):
+            weights = jnp.exp2(s - m_new[:, None])
+            l = l + jnp.sum(weights, axis=1)
+            acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
         return acc, m_new, l
 
-    first = split * plan.pages_per_split
-    last = jnp.minimum(first + plan.pages_per_split, (kv_len + page - 1) // page)
+    first = split * (plan.pages_per_split // steps)  # in steps
+    used = (kv_len + page - 1) // page  # pages that hold keys
+    last = jnp.minimum(first + plan.pages_per_split // steps, (used + steps - 1) // steps)
     carry = (
         jnp.zeros((rows, v_ref.shape[-1]), jnp.float32),
         jnp.full((rows,), _M_INIT, jnp.float32),

@@ -93,7 +93,8 @@ def random_q(seed, batch, new_tokens, num_heads, head_dim, dtype):
 
 
 def test_paged_ragged_shared_prefix_gqa4_value_dim_alibi_and_window():
-    """f32, page 16, T=3, GQA 8:2, D=32 / Dv=16; lengths 0, T, a page boundary +- 1 and full; 3 splits."""
+    """f32, page 16, T=3, GQA 8:2, D=32 / Dv=16; lengths 0, T, a page boundary +- 1 and full; 2 pages per
+    step, 3 splits asked for (2 made: 4 pages hold only 2 steps)."""
     dtype, page, new_tokens = jnp.float32, 16, 3
     lengths = np.array([31, 0, 3, 15, 16, 17, 64])  # sequence 1 shares sequence 0's first page
     k, v = make_cache(0, len(lengths), 64, 2, 32, 16, dtype)
@@ -105,7 +106,7 @@ def test_paged_ragged_shared_prefix_gqa4_value_dim_alibi_and_window():
     @jax.jit
     def run(q, k_pages, v_pages, lengths, tables):
         return decode_attention(q, k_pages, v_pages, kv_lengths=lengths, block_tables=tables, score_mod=score_mod,
-                                mask_mod=mask_mod, num_splits=3, return_lse=True)
+                                mask_mod=mask_mod, num_splits=3, return_lse=True, config=DecodeConfig(block_k=32))
 
     out, lse = run(q, jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype), jnp.asarray(lengths),
                    jnp.asarray(tables, jnp.int32))
@@ -119,7 +120,8 @@ def test_paged_ragged_shared_prefix_gqa4_value_dim_alibi_and_window():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
-    """T=16, N=K=4 (GQA 1), page 32, a score_mod and a mask_mod that close over per-position arrays."""
+    """T=16, N=K=4 (GQA 1), page 32, a score_mod and a mask_mod that close over per-position arrays; 2 pages
+    per step over 3 pages (the last step reads past the table, masked), default splits."""
     page, new_tokens, capacity = 32, 16, 96
     lengths = np.array([16, 33, 96])
     k, v = make_cache(3, 3, capacity, 4, 64, 64, dtype)
