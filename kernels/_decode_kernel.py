@@ -2,9 +2,9 @@
 
 One program per (sequence b, key/value head g and row block, split s): its tile's rows pack the T new tokens
 times the N / K query heads of group g (row r = t * group + j, padded to a power of two >= 16), so the group
-shares one pass over its keys. The program walks the pages [s * pages_per_split, ...) of sequence b that
-hold keys (a dense cache is viewed as pages of `block_k` keys, without a copy), `pages_per_step` pages at a
-time (small pages: several independent loads in flight, one rescale per step), reading each page through a
+shares one pass over its keys. The program walks its split's share of the keys of sequence b (a dense cache
+is viewed as pages of `block_k` keys, without a copy) in tiles of min(page, block_k) keys, `block_k` keys a
+step (small pages: several independent loads in flight, one rescale per step), reading each page through a
 scalar from `block_tables`, with the online softmax of FlashAttention-2 (m_i, l_i: running max and sum,
 base-2 scores). It writes a partial (out, lse) per split; `merge_splits` combines them by lse in float32.
 """
@@ -29,7 +29,10 @@ from probjax_kernels._triton_specs import _output
 from probjax_kernels._triton_tiles import _dot
 
 _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
-MAX_ROWS = 128  # rows of one program's tile; larger groups x new tokens take several row blocks
+# Rows of one program's tile at head dim 128 and below (128 for 2-byte dtypes, 64 for float32; half that at
+# head dim 256): beyond, ptxas spilled or shared memory ran out (sm_80, sm_86, sm_90a). Larger groups x new
+# tokens take several row blocks.
+MAX_ROWS = 128
 
 
 def _pow2(n: int) -> int:
@@ -46,7 +49,8 @@ class DecodePlan:
     row_blocks: int  # tiles per key/value head
     page: int  # keys per page: the page size, or the dense cache's view
     max_pages: int  # pages per sequence
-    pages_per_step: int  # pages one loop step reads (keys per step / page)
+    tile: int  # keys per tile: a page, or a slice of a page larger than block_k
+    tiles_per_step: int  # tiles one loop step reads (several small pages: independent loads in flight)
     splits: int
     scale: float
     score_mod: Hook | None
@@ -57,9 +61,12 @@ class DecodePlan:
     num_stages: int
 
     @property
-    def pages_per_split(self) -> int:
-        """A whole number of steps, so that no step crosses into the next split's pages."""
-        return _round_up(-(-self.max_pages // self.splits), self.pages_per_step)
+    def tiles_per_page(self) -> int:
+        return self.page // self.tile
+
+    @property
+    def steps_per_split(self) -> int:
+        return -(-self.max_pages * self.tiles_per_page // (self.splits * self.tiles_per_step))
 
 
 def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: int, page: int, backend: str) -> int:
@@ -79,11 +86,19 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook 
              num_score_consts: int) -> DecodePlan:
     config = config or DecodeConfig()
     backend = config.backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
-    batch, new_tokens, num_heads, num_kv_heads, _, _ = inputs.shape
+    batch, new_tokens, num_heads, num_kv_heads, head_dim, value_dim = inputs.shape
     group = num_heads // num_kv_heads
+    itemsize = inputs.q.dtype.itemsize
+    widest = max(128, _pow2(head_dim), _pow2(value_dim))
     packed = _pow2(new_tokens * group)
-    rows = min(packed, MAX_ROWS)
-    block_k = config.block_k or (64 if backend == "triton" else 32)  # interpret mode: fewer unrolled pages
+    rows = min(packed, max(_MIN_BLOCK, (MAX_ROWS if itemsize <= 2 else MAX_ROWS // 2) * 128 // widest))
+    # Keys per step: 64 up to head dim 128 (32 for float32, whose tiles take twice the registers and shared
+    # memory), 16 at head dim 256: the largest that ptxas compiled without a spill on sm_80, sm_86 and
+    # sm_90a. Interpret mode takes 32, fewer unrolled pages to compile.
+    if backend == "interpret":
+        block_k = config.block_k or 32
+    else:
+        block_k = config.block_k or ((64 if itemsize <= 2 else 32) if widest <= 128 else _MIN_BLOCK)
     if inputs.paged:
         page, max_pages = inputs.page_size, inputs.block_tables.shape[1]
     else:
@@ -92,16 +107,32 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook 
         while capacity % page:  # the largest power of two <= block_k that divides the (padded) length
             page //= 2
         max_pages = capacity // page
-    pages_per_step = min(max(1, block_k // page), _pow2(max_pages))
+    tile = min(page, block_k)
+    tiles_per_step = min(block_k // tile, _pow2(max_pages))
+    steps = -(-max_pages * (page // tile) // tiles_per_step)
     splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, max_pages, page, backend)
-    splits = min(splits, -(-max_pages // pages_per_step))  # no program without a step of its own
+    splits = min(splits, steps)  # every program has a step of its own
     return DecodePlan(
         new_tokens=new_tokens, group=group, rows=rows, row_blocks=packed // rows, page=page, max_pages=max_pages,
-        pages_per_step=pages_per_step,
+        tile=tile, tiles_per_step=tiles_per_step,
         splits=splits, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
-        num_score_consts=num_score_consts, backend=backend, num_warps=config.num_warps or 4,
-        num_stages=config.num_stages or 2,
+        num_score_consts=num_score_consts, backend=backend,
+        num_warps=config.num_warps or _default_warps(rows, _pow2(value_dim), itemsize),
+        num_stages=config.num_stages or _default_stages(tile * tiles_per_step, (head_dim, value_dim), itemsize),
     )
+
+
+def _default_warps(rows: int, value_dim: int, itemsize: int) -> int:
+    """8 warps once the float32 accumulator (rows x Dv) or float32 inputs would need over ~128 registers per
+    thread at 4 (ptxas spilled there: rows 128 x Dv 128 in bfloat16, float32 at hd 128, sm_80 / sm_90a)."""
+    return 8 if rows * value_dim >= 64 * 128 or itemsize == 4 else 4
+
+
+def _default_stages(keys: int, head_dims: tuple[int, int], itemsize: int) -> int:
+    """Two pipeline stages of K / V tiles when they fit in the smallest shared memory of the targets
+    (sm_86's 101,376 B per block, with room for the rest), else one."""
+    stage_bytes = keys * sum(_pow2(d) for d in head_dims) * itemsize
+    return 2 if 2 * stage_bytes <= 96 * 1024 else 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -116,7 +147,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
     score_refs, mask_refs = const_refs[:plan.num_score_consts], const_refs[plan.num_score_consts:]
     b, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, row_block = head_block // plan.row_blocks, head_block % plan.row_blocks
-    page, rows = plan.page, plan.rows
+    rows = plan.rows
     num_pages_cache = k_ref.shape[0]
     kv_len = len_ref[...]
     q = q_ref[...]
@@ -124,15 +155,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
     row_real = row < plan.new_tokens * plan.group
     q_idx = kv_len - plan.new_tokens + row // plan.group  # the new token's global position
     h = kv_head * plan.group + row % plan.group
-    offsets = jnp.arange(page, dtype=jnp.int32)
-    steps = plan.pages_per_step
+    tile, per_page = plan.tile, plan.tiles_per_page
+    offsets = jnp.arange(tile, dtype=jnp.int32)
 
-    def read_page(p):
-        """(k, v, kv_idx) of page p of the sequence; a page past the table re-reads its last one (masked)."""
-        index = jnp.clip(table_ref[jnp.minimum(p, plan.max_pages - 1)], 0, num_pages_cache - 1)
+    def read_tile(i):
+        """(k, v, kv_idx) of tile i of the sequence (keys i * tile ...); a tile past the table re-reads the
+        last page (masked)."""
+        page_slot = jnp.minimum(i // per_page, plan.max_pages - 1)
+        index = jnp.clip(table_ref[page_slot], 0, num_pages_cache - 1)
+        within = pl.ds((i % per_page) * tile, tile) if per_page > 1 else slice(None)
+        positions = i * tile + offsets
         # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, but 0 * NaN is NaN.
-        v = jnp.where((p * page + offsets)[:, None] < kv_len, v_ref[index], 0)
-        return k_ref[index], v, p * page + offsets[None, :]
+        v = jnp.where(positions[:, None] < kv_len, v_ref[index, within], 0)
+        return k_ref[index, within], v, positions[None, :]
 
     def scores(k, kv_idx):
         """Base-2 scores s2 = log2(e) * score_mod(scale * q k^T), -inf where not attended."""
@@ -148,20 +183,20 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
 
     def body(step, carry):
         acc, m, l = carry
-        pages = [read_page(step * steps + i) for i in range(steps)]
-        s2 = [scores(k, kv_idx) for k, _, kv_idx in pages]
+        tiles = [read_tile(step * plan.tiles_per_step + i) for i in range(plan.tiles_per_step)]
+        s2 = [scores(k, kv_idx) for k, _, kv_idx in tiles]
         m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in s2], m)
         alpha = jnp.exp2(m - m_new)
         acc, l = acc * alpha[:, None], l * alpha
-        for s, (_, v, _) in zip(s2, pages):
+        for s, (_, v, _) in zip(s2, tiles):
             weights = jnp.exp2(s - m_new[:, None])
             l = l + jnp.sum(weights, axis=1)
             acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
         return acc, m_new, l
 
-    first = split * (plan.pages_per_split // steps)  # in steps
-    used = (kv_len + page - 1) // page  # pages that hold keys
-    last = jnp.minimum(first + plan.pages_per_split // steps, (used + steps - 1) // steps)
+    first = split * plan.steps_per_split
+    keys_per_step = tile * plan.tiles_per_step
+    last = jnp.minimum(first + plan.steps_per_split, (kv_len + keys_per_step - 1) // keys_per_step)
     carry = (
         jnp.zeros((rows, v_ref.shape[-1]), jnp.float32),
         jnp.full((rows,), _M_INIT, jnp.float32),
@@ -285,9 +320,9 @@ def decode(plan: DecodePlan, q, k, v, kv_lengths, block_tables, consts):
     k_pages, v_pages, tables = paged_view(checked, plan)
     packed = pack_queries(q, plan, _pow2(head_dim))
     if plan.score_mod is not None:
-        plan.score_mod.prepare(*hook_args(True, plan.rows, plan.page))
+        plan.score_mod.prepare(*hook_args(True, plan.rows, plan.tile))
     if plan.mask_mod is not None:
-        plan.mask_mod.prepare(*hook_args(False, plan.rows, plan.page))
+        plan.mask_mod.prepare(*hook_args(False, plan.rows, plan.tile))
     out, lse = decode_partials(plan, packed, k_pages, v_pages, tables, kv_lengths, consts)
     out, lse = merge_splits(out, lse)
     out = unpack_rows(out[..., :value_dim], plan, batch, num_heads).astype(q.dtype)

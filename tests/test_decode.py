@@ -120,8 +120,8 @@ def test_paged_ragged_shared_prefix_gqa4_value_dim_alibi_and_window():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
-    """T=16, N=K=4 (GQA 1), page 32, a score_mod and a mask_mod that close over per-position arrays; 2 pages
-    per step over 3 pages (the last step reads past the table, masked), default splits."""
+    """T=16, N=K=4 (GQA 1), page 32, a score_mod and a mask_mod that close over per-position arrays, default
+    splits; float16 reads each page as two 16-key tiles."""
     page, new_tokens, capacity = 32, 16, 96
     lengths = np.array([16, 33, 96])
     k, v = make_cache(3, 3, capacity, 4, 64, 64, dtype)
@@ -137,9 +137,10 @@ def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
     def mask_mod(b, h, q_idx, kv_idx):
         return keep[b, kv_idx]
 
+    config = DecodeConfig(block_k=16) if dtype == jnp.float16 else None  # pages read as two tiles
     out, lse = jax.jit(lambda q, kp, vp: decode_attention(
         q, kp, vp, kv_lengths=jnp.asarray(lengths), block_tables=jnp.asarray(tables, jnp.int32),
-        score_mod=score_mod, mask_mod=mask_mod, return_lse=True))(
+        score_mod=score_mod, mask_mod=mask_mod, return_lse=True, config=config))(
         q, jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype))
     want_out, want_lse = expected(q, k, v, lengths, bias=bias, keep=np.asarray(keep))
     check("paged hooks", out, lse, want_out, want_lse, dtype)
@@ -148,7 +149,8 @@ def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
 @pytest.mark.parametrize(
     "dtype, new_tokens, num_heads, num_kv_heads, capacity, lengths, splits, hooks",
     [
-        # GQA 8, T=1, a length that is no multiple of 16 (the dense view pads), the default splits.
+        # GQA 8, T=1, a length that is no multiple of 16 (the dense view pads to 13 pages of 16), default
+        # splits; 2 pages a step, so the last step reads past the table (masked).
         (jnp.float32, 1, 8, 1, 200, [1, 200, 77], None, "mask"),
         # GQA 2, T=5, 4 splits over a 128-key cache in 16-key tiles, a score_mod only.
         (jnp.float16, 5, 6, 3, 128, [0, 5, 100, 128], 4, "score"),

@@ -170,6 +170,7 @@ def test_value_head_dim_shared_kv_and_max_scores_lower(head_dim, value_dim, kv_b
         (True, False, jnp.bfloat16, 128, 4, 32),  # paged, GQA 32:8
         (True, True, jnp.float16, 128, 16, 16),  # hooks with captured arrays; 256 rows: two row blocks
         (False, True, jnp.float32, 64, 2, 2),  # dense, hooks, float32, Dv != D
+        (True, False, jnp.float32, 256, 2, 8),  # hd 256: 16-key tiles, each page read as four slices
     ],
 )
 def test_decode_kernel_lowers(paged, hooks, dtype, head_dim, new_tokens, num_heads):
