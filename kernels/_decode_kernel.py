@@ -64,9 +64,6 @@ class DecodePlan:
     def tiles_per_page(self) -> int:
         return self.page // self.tile
 
-    @property
-    def steps_per_split(self) -> int:
-        return -(-self.max_pages * self.tiles_per_page // (self.splits * self.tiles_per_step))
 
 
 def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: int, page: int, backend: str) -> int:
@@ -194,9 +191,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
             acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
         return acc, m_new, l
 
-    first = split * plan.steps_per_split
+    # The splits share the steps that hold keys of this sequence (its length, not the cache's capacity), so
+    # a short sequence in a long cache still spreads over every split.
     keys_per_step = tile * plan.tiles_per_step
-    last = jnp.minimum(first + plan.steps_per_split, (kv_len + keys_per_step - 1) // keys_per_step)
+    steps = (kv_len + keys_per_step - 1) // keys_per_step
+    per_split = (steps + plan.splits - 1) // plan.splits
+    first = split * per_split
+    last = jnp.minimum(first + per_split, steps)
     carry = (
         jnp.zeros((rows, v_ref.shape[-1]), jnp.float32),
         jnp.full((rows,), _M_INIT, jnp.float32),
