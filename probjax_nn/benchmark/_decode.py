@@ -4,6 +4,9 @@ The grid: batch x cache length x (N, K) heads x page size (0 = a dense cache) x 
 Each row follows the seed's schema (impl, dtype, head_dim, seq = the cache length, causal, mode "decode",
 batch, heads, tag, errors, memory, timing, tflops) plus decode's own keys: kv_heads, new_tokens, page_size and
 gbps (the K / V bytes read per second). Errors are against a float32 reference on the first sequence.
+Impls: probjax_decode (dense and paged), jax_xla (`jax.nn.dot_product_attention`, dense, T = 1), torch_sdpa
+(dense, T = 1), torch_flex (FlexAttention compiled, dense) and flash_attn_kvcache (`flash_attn_with_kvcache`,
+dense and paged); a peer that cannot take a row's cache records why in the row.
 On a CPU the kernel runs in Pallas interpret mode: rows record the schema and the errors, without timing.
 """
 
@@ -129,26 +132,19 @@ def _jax_xla(case: DecodeCase):
                       (case.q, case.k, case.v, case.lengths))
 
 
-class _TorchSdpa:
-    """torch's scaled_dot_product_attention on the dense cache (enable_gqa), T = 1 (no mask needed)."""
+class _TorchDecode:
+    """A torch peer's step on the case's tensors (moved to TORCH_DEVICE once); compile_s is the first call's
+    time, memory the peak of the second."""
 
-    def __init__(self, case: DecodeCase):
+    def __init__(self, step: Callable, layout: str):
         import torch
-        import torch.nn.functional as F
 
-        if case.page_size:
-            raise NotImplementedError("torch SDPA takes a dense cache only")
-        if case.q.shape[1] != 1:
-            raise NotImplementedError("torch SDPA is measured at T = 1 only (no decode mask)")
-        self._torch = torch
-        q, k, v = (torch.from_dlpack(x).to(TORCH_DEVICE).permute(0, 2, 1, 3).contiguous()
-                   for x in (case.q, case.k, case.v))
-        self._step = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        self._torch, self._step, self._layout = torch, step, layout
         start = time.perf_counter()
-        self.wait(self._step())
+        self.wait(step())
         self.compile_s = time.perf_counter() - start
         torch.cuda.reset_peak_memory_stats()
-        self.wait(self._step())
+        self.wait(step())
         self.memory = {"peak_mb": torch.cuda.max_memory_allocated() * _MB}
 
     def run(self):
@@ -158,7 +154,64 @@ class _TorchSdpa:
         self._torch.cuda.synchronize()
 
     def first(self, result) -> np.ndarray:
-        return result[:1].permute(0, 2, 1, 3).float().cpu().numpy()
+        first = result[:1].float()
+        return (first.permute(0, 2, 1, 3) if self._layout == "bntd" else first).cpu().numpy()
+
+
+def _torch(x: jax.Array, heads_first: bool = False):
+    import torch
+
+    tensor = torch.from_dlpack(x).to(TORCH_DEVICE)
+    return tensor.permute(0, 2, 1, 3).contiguous() if heads_first else tensor
+
+
+def _dense_only(case: DecodeCase, name: str, needs_t1: bool) -> None:
+    if case.page_size:
+        raise NotImplementedError(f"{name} takes a dense cache only")
+    if needs_t1 and case.q.shape[1] != 1:
+        raise NotImplementedError(f"{name} is measured at T = 1 only (no decode mask)")
+
+
+def _torch_sdpa(case: DecodeCase) -> _TorchDecode:
+    """torch's scaled_dot_product_attention on the dense cache (enable_gqa), T = 1 (no mask needed)."""
+    import torch.nn.functional as F
+
+    _dense_only(case, "torch SDPA", needs_t1=True)
+    q, k, v = (_torch(x, heads_first=True) for x in (case.q, case.k, case.v))
+    return _TorchDecode(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "bntd")
+
+
+def _torch_flex(case: DecodeCase) -> _TorchDecode:
+    """torch FlexAttention (compiled; its decoding path for short queries) on the dense cache, the new tokens
+    causal among themselves at the end of the cache."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _dense_only(case, "torch FlexAttention", needs_t1=False)
+    torch.compiler.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    q, k, v = (_torch(x, heads_first=True) for x in (case.q, case.k, case.v))
+    new_tokens, cache_len = q.shape[2], k.shape[2]
+    block_mask = None
+    if new_tokens > 1:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + cache_len - new_tokens >= kv_idx,
+                                       None, None, new_tokens, cache_len, device=TORCH_DEVICE)
+    return _TorchDecode(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True), "bntd")
+
+
+def _flash_attn_kvcache(case: DecodeCase) -> _TorchDecode:
+    """flash-attn's `flash_attn_with_kvcache` (our `[B, T, N, D]` layout, and our page layout with its
+    `block_table`), causal: the new tokens end each cache."""
+    from flash_attn import flash_attn_with_kvcache
+
+    q = _torch(case.q)
+    lengths = _torch(case.lengths)
+    if case.page_size:
+        k, v, tables = _torch(case.k_pages), _torch(case.v_pages), _torch(case.tables)
+        return _TorchDecode(lambda: flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=lengths, block_table=tables, causal=True), "btnd")
+    k, v = _torch(case.k), _torch(case.v)
+    return _TorchDecode(lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True), "btnd")
 
 
 def _anywhere() -> None:
@@ -168,7 +221,9 @@ def _anywhere() -> None:
 DECODE_IMPLS: dict[str, tuple[Callable[[], str | None], Callable]] = {
     "probjax_decode": (_anywhere, _probjax),
     "jax_xla": (_anywhere, _jax_xla),
-    "torch_sdpa": (_torch_available(), _TorchSdpa),
+    "torch_sdpa": (_torch_available(), _torch_sdpa),
+    "torch_flex": (_torch_available("triton"), _torch_flex),
+    "flash_attn_kvcache": (_torch_available("flash_attn"), _flash_attn_kvcache),
 }
 
 
