@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_flag
+from probjax_kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_dtypes, check_flag
 
 MAX_NEW_TOKENS = 16  # q rows per sequence: T new tokens times the GQA group share one tile
 _MIN_PAGE = 16  # Triton's dot needs every dimension >= 16
@@ -99,11 +99,7 @@ def check_decode_inputs(
     for name, x in (("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 ({cache}), got shape {x.shape}.")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}.")
-    if q.dtype not in allowed_dtypes:
-        names = ", ".join(jnp.dtype(d).name for d in allowed_dtypes)
-        raise TypeError(f"q, k and v must have dtype {names}; got {q.dtype}.")
+    check_dtypes(q, k, v, allowed_dtypes)
     batch, new_tokens, num_heads, head_dim = q.shape
     if not 1 <= new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(

@@ -25,10 +25,10 @@ from probjax_kernels._config import _MIN_BLOCK
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
+from probjax_kernels._triton_forward import _M_INIT
 from probjax_kernels._triton_specs import _output
 from probjax_kernels._triton_tiles import _dot
 
-_M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 # Rows of one program's tile at head dim 128 and below (128 for 2-byte dtypes, 64 for float32; half that at
 # head dim 256): beyond, ptxas spilled or shared memory ran out (sm_80, sm_86, sm_90a). Larger groups x new
 # tokens take several row blocks.
@@ -63,7 +63,6 @@ class DecodePlan:
     @property
     def tiles_per_page(self) -> int:
         return self.page // self.tile
-
 
 
 def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: int, page: int, backend: str) -> int:

@@ -304,10 +304,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from probjax_nn.benchmark._plot import plot_main
 
         return plot_main(argv[1:])
-    if argv[:1] == ["decode"]:
-        from probjax_nn.benchmark._decode import decode_main
-
-        return decode_main(argv[1:])
     path = run(parse_args(argv))
     print(f"wrote {path}; draw it with: python -m probjax_nn.benchmark plot {path}")
     return 0
