@@ -27,7 +27,7 @@ class DecodeConfig:
     - `block_k`: keys per step over a dense cache (a power of two >= 16; a paged cache steps one page).
     - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
     - `backend`: `"triton"` (Pallas Triton, NVIDIA GPUs) or `"interpret"` (Pallas interpret mode, any
-      device); None: Triton on a GPU, interpret mode elsewhere.
+      device); None: Triton where `default_backend()` picks a GPU kernel, interpret mode elsewhere.
     """
 
     block_k: int | None = None

@@ -23,6 +23,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see _triton_
 from probjax_kernels import _triton
 from probjax_kernels._config import _MIN_BLOCK
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
+from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
 from probjax_kernels._triton_forward import _M_INIT
@@ -81,7 +82,7 @@ def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: in
 def plan_for(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
              num_score_consts: int) -> DecodePlan:
     config = config or DecodeConfig()
-    backend = config.backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
+    backend = config.backend or ("interpret" if default_backend() == "interpret" else "triton")
     batch, new_tokens, num_heads, num_kv_heads, head_dim, value_dim = inputs.shape
     group = num_heads // num_kv_heads
     itemsize = inputs.q.dtype.itemsize
