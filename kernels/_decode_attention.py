@@ -12,20 +12,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs, check_decode_inputs
-from probjax_kernels._decode_reference import decode_from_inputs, decode_index_grids
+from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs
+from probjax_kernels._decode_kernel import decode, hook_args, plan_for
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
-
-
-def _hook_args(score: bool, rows: int, cols: int):
-    """(score, b, h, q_idx, kv_idx) as the decode kernel passes them: a float32 (rows, cols) tile, b a scalar,
-    h and q_idx (rows, 1) columns (a tile's rows pack several query heads), kv_idx a (1, cols) row."""
-    i32 = jnp.int32
-    args = (
-        jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((rows, 1), i32),
-        jax.ShapeDtypeStruct((rows, 1), i32), jax.ShapeDtypeStruct((1, cols), i32),
-    )
-    return ((jax.ShapeDtypeStruct((rows, cols), jnp.float32),) + args) if score else args
 
 
 def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list[jax.Array]]:
@@ -33,7 +22,7 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
     if fn is None:
         return None, []
     is_score = name == "score_mod"
-    example = [jnp.zeros(a.shape, a.dtype) for a in _hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
+    example = [jnp.zeros(a.shape, a.dtype) for a in hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
     hook, consts, out = trace_hook(name, fn, example)
     want = (jnp.float32 if is_score else jnp.bool_), (EXAMPLE_TILE, EXAMPLE_TILE)
     if (out.dtype, out.shape) != want:
@@ -43,19 +32,6 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
             f"{out.dtype}{list(out.shape)}."
         )
     return hook, consts
-
-
-def _grid_hook(hook: Hook | None, consts, inputs: DecodeInputs, is_score: bool):
-    """The hook as a function of values on the reference's `[B, N, T, S]` index grids."""
-    if hook is None:
-        return None
-    grids = decode_index_grids(inputs)
-    batch, new_tokens, num_heads, *_ = inputs.shape
-    specs = [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grids]
-    if is_score:
-        specs.insert(0, jax.ShapeDtypeStruct((batch, num_heads, new_tokens, inputs.capacity), jnp.float32))
-    hook.prepare(*specs)
-    return functools.partial(hook.on_values, consts)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -127,17 +103,9 @@ def decode_attention(
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
-    num_score = len(score_consts)
-
-    # Until the Pallas kernel lands, the call runs the plain-jnp reference behind the same checks.
-    def run(q, k, v, kv_lengths, block_tables, *consts):
-        checked = DecodeInputs(q, k, v, kv_lengths, block_tables, inputs.scale, inputs.num_splits, True)
-        return decode_from_inputs(
-            checked, _grid_hook(score_hook, consts[:num_score], checked, True),
-            _grid_hook(mask_hook, consts[num_score:], checked, False),
-        )
-
+    plan = plan_for(inputs, config, score_hook, mask_hook, len(score_consts))
+    run = functools.partial(decode, plan)
     out, lse = _forward_only(
-        run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, *score_consts, *mask_consts
+        run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
     )
     return (out, lse) if inputs.return_lse else out
