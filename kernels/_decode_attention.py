@@ -25,7 +25,9 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
     example = [jnp.zeros(a.shape, a.dtype) for a in hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
     hook, consts, out = trace_hook(name, fn, example)
     want = (jnp.float32 if is_score else jnp.bool_), (EXAMPLE_TILE, EXAMPLE_TILE)
-    if (out.dtype, out.shape) != want:
+    # A mask_mod may return anything that broadcasts to the tile (a row when it reads only kv_idx).
+    shape = want[1] if is_score or len(out.shape) != 2 else jnp.broadcast_shapes(out.shape, want[1])
+    if (out.dtype, shape) != want or (is_score and out.shape != want[1]):
         raise TypeError(
             f"{name} must return {jnp.dtype(want[0]).name}{list(want[1])} on a {list(want[1])} tile "
             f"(score float32 tile, b scalar, h and q_idx columns, kv_idx a row); it returned "

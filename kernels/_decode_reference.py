@@ -33,7 +33,7 @@ def decode_index_grids(inputs: DecodeInputs) -> tuple[jax.Array, jax.Array, jax.
     token's global position `kv_lengths[b] - T + t`."""
     batch, new_tokens, num_heads, *_ = inputs.shape
     capacity = inputs.capacity
-    positions = inputs.kv_lengths[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)
+    positions = inputs.kv_lengths[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None, :]
     return (
         jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
         jnp.arange(num_heads, dtype=jnp.int32).reshape(1, num_heads, 1, 1),
@@ -60,6 +60,8 @@ def decode_from_inputs(inputs: DecodeInputs, score_mod=None, mask_mod=None) -> t
     if mask_mod is not None:
         allowed = allowed & mask_mod(*grids)
     scores = jnp.where(allowed, scores, -jnp.inf)
+    # Slots past a length may hold anything (NaN in a recycled page); 0 * NaN would poison the sum.
+    v = jnp.where(kv_idx.reshape(1, -1, 1, 1) < inputs.kv_lengths.reshape(batch, 1, 1, 1), v, 0)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)

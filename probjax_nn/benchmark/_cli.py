@@ -30,7 +30,8 @@ USAGE = """\
 python -m probjax_nn.benchmark [--output FILE] [--batch B] [--heads N] [--head-dims D ...] [--seq-lens T ...]
                                [--ragged-seq-lens T ...] [--dtypes DTYPE ...] [--modes MODE ...]
                                [--causal {0,1} ...] [--impls IMPL ...] [--append] [--tag TEXT]
-python -m probjax_nn.benchmark plot FILE [--out-dir DIR]"""
+python -m probjax_nn.benchmark plot FILE [--out-dir DIR]
+python -m probjax_nn.benchmark decode [--batch B ...] [--cache-lens S ...] [--heads N:K ...] [--page-sizes P ...]"""
 
 DESCRIPTION = """\
 Attention speed, memory and error of probjax against every peer a user could pick instead, one JSON row per
@@ -303,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from probjax_nn.benchmark._plot import plot_main
 
         return plot_main(argv[1:])
+    if argv[:1] == ["decode"]:
+        from probjax_nn.benchmark._decode import decode_main
+
+        return decode_main(argv[1:])
     path = run(parse_args(argv))
     print(f"wrote {path}; draw it with: python -m probjax_nn.benchmark plot {path}")
     return 0
