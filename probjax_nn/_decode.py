@@ -172,13 +172,14 @@ def one_query_step(
     """One query row per sequence through `probjax_kernels.decode_attention`, exactly the attention of that row.
 
     `query` `[B, 1, N, D]`, `key` / `value` `[B, S, K, D|Dv]`, `kv_lengths` `[B]` or None, `mask` bool
-    `[B|1, N|1, 1, S|1]` or None (True = attend). The row sits at position `kv_lengths - 1` (the keys' length
+    `[B|1, N|1, 1, S|1]` (or without its leading size-1 axes) or None (True = attend). The row sits at position `kv_lengths - 1` (the keys' length
     cut to the last attended key): hooks see that position, so this is a module's decode step, where the
     row is the cache's last written entry. A row that attends nothing gives 0.
     """
     size, length = query.shape[0], key.shape[1]
     lengths = jnp.full((size,), length, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # unbatched calls give [T, S] or [N, T, S]
         lengths = jnp.minimum(lengths, _last_attended(mask, size))
         lookup = Partial(_mask_lookup, mask)
         mask_mod = lookup if mask_mod is None else and_masks(mask_mod, lookup)
