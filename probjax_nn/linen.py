@@ -27,7 +27,7 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex, shift_queries,
+    resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -263,7 +263,6 @@ class FlexAttention(MultiHeadDotProductAttention):
         if self.decode and self.has_variable("cache", "cached_key"):
             key, value, position = self._append_to_cache(key, value)
             key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
-            score_mod, mask_mod = shift_queries(score_mod, mask_mod, position)
             is_causal = False
         elif self.decode:
             # Initialisation: the cache takes the shape of the input, which is the full sequence.
@@ -277,7 +276,8 @@ class FlexAttention(MultiHeadDotProductAttention):
         x = attention_function(self.attention_impl)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
-            mask_mod=mask_mod, dropout_rate=self.dropout_rate, dropout_key=dropout_key,
+            mask_mod=mask_mod, query_at_end=key_value_seq_lengths is not None, dropout_rate=self.dropout_rate,
+            dropout_key=dropout_key,
         )
         return nn.DenseGeneral(
             features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,

@@ -22,7 +22,7 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex, shift_queries,
+    resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -251,13 +251,13 @@ class FlexAttention(MultiHeadAttention):
         if decode:
             key, value, position = self._append_to_cache(key, value)
             key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
-            score_mod, mask_mod = shift_queries(score_mod, mask_mod, position)
             is_causal = False
         query, key, value = dtypes.promote_dtype((query, key, value), dtype=self.dtype)
         x = attention_function(self.attention_impl)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
-            mask_mod=mask_mod, dropout_rate=self.dropout_rate, dropout_key=self._dropout_key(deterministic, rngs),
+            mask_mod=mask_mod, query_at_end=decode, dropout_rate=self.dropout_rate,
+            dropout_key=self._dropout_key(deterministic, rngs),
         )
         return self.out(x, out_sharding=out_sharding)
 
