@@ -1,9 +1,12 @@
 """Sample text from a train_lm.py checkpoint with the KV-cache decode path.
 
     .venv/bin/python examples/sample.py --out runs/tiny --prompt "import " --tokens 300
+    .venv/bin/python examples/sample.py --out runs/tiny --prompt "import " --prompt "def main(" --tokens 300
 
 Rebuilds the model from --out/config.json, restores the params of the latest checkpoint (or --step) and
-decodes one byte per step against each attention layer's KV cache.
+decodes one byte per step against each attention layer's KV cache. Several --prompt flags generate for all
+of them at once (--num-samples continuations of each): the prompts, of any lengths, run through one prefill,
+then every step decodes one byte per sequence with probjax_nn.decode_attention on a paged KV cache.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax  # noqa: E402
 
 from lm.checkpoint import Checkpoints  # noqa: E402
 from lm.config import ATTENTION_IMPLS, ConfigError, check_prompt, finite_float, from_json  # noqa: E402
-from lm.sampling import generate  # noqa: E402
+from lm.sampling import generate, generate_batch  # noqa: E402
 from lm.train import build_model, compute_params  # noqa: E402
 
 
@@ -30,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", required=True, help="the --out folder of a train_lm.py run")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the latest")
-    parser.add_argument("--prompt", help="default: the run's sample_prompt")
+    parser.add_argument(
+        "--prompt", action="append", help="default: the run's sample_prompt; repeat it for a batch of prompts"
+    )
     parser.add_argument("--tokens", type=int, help="bytes to generate; default: the run's sample_tokens")
     parser.add_argument("--num-samples", type=int, help="default: the run's num_samples (1 if that is 0)")
     parser.add_argument("--temperature", type=finite_float, help="0 picks the most likely byte; default: the run's")
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.attention is not None:
         config = dataclasses.replace(config, attention=args.attention)
     # An explicit 0 or "" is a value, not "use the run's" (`or` took the run's value for them).
-    prompt = config.sample_prompt if args.prompt is None else args.prompt
+    prompts = [config.sample_prompt] if args.prompt is None else args.prompt
     tokens = config.sample_tokens if args.tokens is None else args.tokens
     num_samples = max(config.num_samples, 1) if args.num_samples is None else args.num_samples
     temperature = config.temperature if args.temperature is None else args.temperature
@@ -56,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, value, least in bounds:
         if value < least:
             parser.error(f"{name} must be at least {least}, got {value}")
-    if not prompt:
+    if not all(prompts):
         parser.error("--prompt must hold at least one character")
     try:
-        prompt_bytes = check_prompt("prompt", prompt)
+        encoded = [check_prompt("prompt", prompt) for prompt in prompts]
     except ConfigError as error:
         parser.error(f"argument --prompt: {error}")
     if not (out / "checkpoints").is_dir():  # Checkpoints() would create the folder
@@ -83,10 +88,15 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"no checkpoint in {out / 'checkpoints'} restores")
         step, params, _ = restored
     checkpoints.close()
-    samples = generate(
-        model, compute_params(params, config), prompt_bytes, tokens, num_samples=num_samples,
-        temperature=temperature, key=jax.random.key(args.seed),
-    )
+    params = compute_params(params, config)
+    if len(prompts) == 1:
+        samples = generate(
+            model, params, encoded[0], tokens, num_samples=num_samples, temperature=temperature,
+            key=jax.random.key(args.seed),
+        )
+    else:
+        batch = [prompt for prompt in encoded for _ in range(num_samples)]
+        samples = generate_batch(model, params, batch, tokens, temperature=temperature, key=jax.random.key(args.seed))
     print(f"{config.framework} model, step {step}, attention={config.attention}")
     for i, sample in enumerate(samples):
         print(f"--- sample {i} ---\n{sample.decode('utf-8', errors='replace')}")

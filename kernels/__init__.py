@@ -4,10 +4,14 @@ Layer libraries (probjax_nn) build on these names and on `probjax_kernels.layer_
 modules.
 """
 
+from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE as _DEFAULT_SPARSE_BLOCK_SIZE  # noqa: F401 (PyTorch's)
 from probjax_kernels._block_mask import BlockMask as BlockMask
 from probjax_kernels._block_mask import create_block_mask as create_block_mask
 from probjax_kernels._block_mask import create_mask as create_mask
 from probjax_kernels._config import FlashConfig as FlashConfig
+from probjax_kernels._decode_attention import decode_attention as decode_attention
+from probjax_kernels._decode_inputs import DecodeConfig as DecodeConfig
+from probjax_kernels._decode_reference import decode_attention_reference as decode_attention_reference
 from probjax_kernels._dispatch import default_config as default_config
 from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
@@ -18,6 +22,8 @@ from probjax_kernels._flex_attention import flex_attention as flex_attention
 from probjax_kernels._mods import alibi as alibi
 from probjax_kernels._mods import alibi_slopes as alibi_slopes
 from probjax_kernels._mods import and_masks as and_masks
+from probjax_kernels._mods import MaskMod as _mask_mod_signature  # noqa: F401 (PyTorch's private names,
+from probjax_kernels._mods import ScoreMod as _score_mod_signature  # noqa: F401  imported by attention-gym)
 from probjax_kernels._mods import causal_mask as causal_mask
 from probjax_kernels._mods import noop_mask as noop_mask
 from probjax_kernels._mods import document_mask as document_mask
@@ -33,9 +39,10 @@ from probjax_kernels._ring import ring_attention as ring_attention
 from probjax_kernels._ring import zigzag_permutation as zigzag_permutation
 
 __all__ = [
-    "AuxOutput", "AuxRequest", "BlockMask", "FlashConfig", "FlexKernelOptions", "alibi", "alibi_slopes",
-    "and_masks", "causal_mask", "create_block_mask", "create_mask", "default_config", "document_mask",
-    "dropout_keep_mask", "flash_attention", "flash_attention_reference", "flex_attention",
-    "flex_attention_reference", "noop_mask", "or_masks", "padding_mask", "prefix_lm", "relative_bias",
-    "ring_attention", "sliding_window", "softcap", "zigzag_permutation",
+    "AuxOutput", "AuxRequest", "BlockMask", "DecodeConfig", "FlashConfig", "FlexKernelOptions", "alibi",
+    "alibi_slopes", "and_masks", "causal_mask", "create_block_mask", "create_mask", "decode_attention",
+    "decode_attention_reference", "default_config", "document_mask", "dropout_keep_mask", "flash_attention",
+    "flash_attention_reference", "flex_attention", "flex_attention_reference", "noop_mask", "or_masks",
+    "padding_mask", "prefix_lm", "relative_bias", "ring_attention", "sliding_window", "softcap",
+    "zigzag_permutation",
 ]

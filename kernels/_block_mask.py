@@ -20,6 +20,10 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
+from probjax_kernels._block_tables import (
+    check_block_size, ordered_indices, retile, tile_class_mask_mod, tiles_of,
+)
+from probjax_kernels._hooks import tensor_method_hint
 from probjax_kernels._mods import MaskMod, ScoreMod, noop_mask
 
 DEFAULT_BLOCK_SIZE = 128
@@ -30,7 +34,7 @@ def _is_array(x) -> bool:
 
 
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class BlockMask:
     """Tile tables of a mask_mod for sequences of (q_len, kv_len), broadcast over batch / heads of size 1.
 
@@ -40,24 +44,30 @@ class BlockMask:
       partial / full key blocks of each query block.
     - `kv_indices`, `full_kv_indices`: `[B|1, H|1, num_q_blocks, num_kv_blocks]` int32, those key blocks
       first, in ascending order.
-    - `q_num_blocks`, `q_indices`, `full_q_num_blocks`, `full_q_indices`: the same per key block.
+    - `q_num_blocks`, `q_indices`, `full_q_num_blocks`, `full_q_indices`: the same per key block (None after
+      `from_kv_blocks(..., compute_q_blocks=False)`: then derived when a kernel needs them).
     - `block_size`: (block_q, block_kv); `seq_lengths`: (q_len, kv_len); `mask_mod`: the mask it encodes.
+    - `leading_axes`: how many of (B, H) the tables were given with (2 unless `from_kv_blocks` got tables
+      without them); `shape` reports those, as PyTorch's does.
 
-    It is a pytree: arrays inside `mask_mod` (a `jax.tree_util.Partial` such as `document_mask(ids)`) are
-    leaves, so it can be passed through `jit` and rebuilt from new data without a retrace.
+    As in PyTorch, `mask_mod` and `seq_lengths` may be assigned (the decoding pattern of
+    `block_mask[:, :, i]` followed by new lengths). It is a pytree: arrays inside `mask_mod` (a
+    `jax.tree_util.Partial` such as `document_mask(ids)`) are leaves, so it can be passed through `jit` and
+    rebuilt from new data without a retrace.
     """
 
     kv_num_blocks: jax.Array
     kv_indices: jax.Array
     full_kv_num_blocks: jax.Array
     full_kv_indices: jax.Array
-    q_num_blocks: jax.Array
-    q_indices: jax.Array
-    full_q_num_blocks: jax.Array
-    full_q_indices: jax.Array
+    q_num_blocks: jax.Array | None
+    q_indices: jax.Array | None
+    full_q_num_blocks: jax.Array | None
+    full_q_indices: jax.Array | None
     block_size: tuple[int, int]
     seq_lengths: tuple[int, int]
     mask_mod: Any
+    leading_axes: int = 2
 
     _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -67,19 +77,20 @@ class BlockMask:
         dynamic = [leaf for leaf in leaves if _is_array(leaf)]
         static = tuple(None if _is_array(leaf) else leaf for leaf in leaves)
         children = (*(getattr(self, name) for name in self._TABLES), *dynamic)
-        return children, (self.block_size, self.seq_lengths, treedef, static)
+        return children, (self.block_size, self.seq_lengths, treedef, static, self.leading_axes)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        block_size, seq_lengths, treedef, static = aux
+        block_size, seq_lengths, treedef, static, leading_axes = aux
         tables, dynamic = children[: len(cls._TABLES)], iter(children[len(cls._TABLES):])
         leaves = [next(dynamic) if leaf is None else leaf for leaf in static]
-        return cls(*tables, block_size, seq_lengths, jax.tree.unflatten(treedef, leaves))
+        return cls(*tables, block_size, seq_lengths, jax.tree.unflatten(treedef, leaves), leading_axes)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """(B|1, H|1, q_len, kv_len)."""
-        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+    def shape(self) -> tuple[int, ...]:
+        """(B|1, H|1, q_len, kv_len), without the batch / head axes the tables were not given with (PyTorch's
+        `(*batch_dims, q_len, kv_len)`)."""
+        return (*self.kv_num_blocks.shape[2 - self.leading_axes:2], *self.seq_lengths)
 
     @property
     def kv_tables(self) -> tuple[jax.Array, ...]:
@@ -87,12 +98,15 @@ class BlockMask:
 
     @property
     def q_tables(self) -> tuple[jax.Array, ...]:
+        if self.q_indices is None:
+            partial, full = (jnp.swapaxes(tiles_of(*pair), -1, -2) for pair in (self.kv_tables[:2], self.kv_tables[2:]))
+            return (*ordered_indices(partial), *ordered_indices(full))
         return self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices
 
     def to_dense(self) -> jax.Array:
         """`[B|1, H|1, num_q_blocks, num_kv_blocks]` int8: 0 empty, 1 partial, 2 full."""
-        partial = _tiles(self.kv_num_blocks, self.kv_indices)
-        full = _tiles(self.full_kv_num_blocks, self.full_kv_indices)
+        partial = tiles_of(self.kv_num_blocks, self.kv_indices)
+        full = tiles_of(self.full_kv_num_blocks, self.full_kv_indices)
         return partial.astype(jnp.int8) + 2 * full.astype(jnp.int8)
 
     @property
@@ -110,12 +124,12 @@ class BlockMask:
         return jnp.mean((dense == 0).astype(jnp.float32), axis=(-2, -1))
 
     def sparsity(self) -> float:
-        """The percentage of tiles skipped (empty), over every (batch, head) of the tables, as PyTorch's
-        `BlockMask.sparsity()` (equal to it when the lengths are multiples of the block size; PyTorch counts
-        elements, so a ragged last block makes its value differ). Needs concrete tables (not under `jit`);
-        `tile_sparsity()` gives the per-(batch, head) fractions as an array."""
+        """PyTorch's `BlockMask.sparsity()`, the same number: `100 * (1 - visited blocks * block_q * block_kv
+        / numel())`. It counts whole blocks, so with a ragged last block it is below the fraction of tiles
+        skipped (and can be negative); `tile_sparsity()` gives that fraction per (batch, head). Needs
+        concrete tables (not under `jit`)."""
         visited = jnp.sum(self.kv_num_blocks) + jnp.sum(self.full_kv_num_blocks)
-        return 100.0 * (1.0 - float(visited) / self.kv_indices.size)
+        return 100.0 * (1.0 - int(visited) * math.prod(self.block_size) / self.numel())
 
     def as_tuple(self, flatten: bool = True) -> tuple:
         """PyTorch's `BlockMask.as_tuple` (torch 2.9 layout): `(q_len, kv_len, kv_num_blocks, kv_indices,
@@ -126,41 +140,42 @@ class BlockMask:
         return (*lengths, *(getattr(self, name) for name in self._TABLES), *block_size, self.mask_mod)
 
     def __getitem__(self, index) -> BlockMask:
-        """The mask of some batches / heads, as PyTorch's `block_mask[b]`, `block_mask[:, h]`, `block_mask[0, 1]`.
+        """The mask of some batches / heads / query blocks, as PyTorch's `block_mask[b]`, `block_mask[:, h]`,
+        `block_mask[b, h]`, `block_mask[:, :, i]` (i a query block), with ints, slices or 1-D integer arrays.
 
-        Integers keep their axis (size 1, as in PyTorch), slices select; only the batch and head axes are
-        indexed. Unlike PyTorch, the result keeps a working `mask_mod`: it is called with the original batch
-        and head indices, so the sliced mask gives the same attention as those rows of the original.
+        Integers keep their axis (size 1, as in PyTorch); the axes are those of `shape` (a mask from tables
+        without batch / head axes is indexed by query block first). Unlike PyTorch, the result keeps a
+        working `mask_mod`: it is called with the original batch, head and query indices, and selecting query
+        blocks gives a mask for the selected queries only (`seq_lengths` (their count, kv_len)), so the sliced
+        mask gives the same attention as those rows of the original. A ragged last query block may only be
+        selected last.
         """
         index = index if isinstance(index, tuple) else (index,)
-        if len(index) > 2 or any(not isinstance(i, (int, slice)) or isinstance(i, bool) for i in index):
-            raise IndexError(f"a BlockMask is indexed by [batch] or [batch, head] with ints or slices, got {index!r}.")
-        index = (*index, slice(None), slice(None))[:2]
-        maps, selectors = [], []
-        for axis, (i, size) in enumerate(zip(index, self.kv_num_blocks.shape[:2])):
-            name = ("batch", "head")[axis]
-            if isinstance(i, int):
-                if not -size <= i < size:
-                    raise IndexError(f"{name} index {i} is out of range for the mask's {name} axis of size {size}.")
-                i %= size
-                maps.append((i, 0))
-                selectors.append(slice(i, i + 1))
-            else:
-                start, stop, step = i.indices(size)
-                if not range(start, stop, step):
-                    raise IndexError(f"{name} slice {i} selects nothing from the mask's {name} axis of size {size}.")
-                maps.append((start, step))
-                selectors.append(slice(start, stop, step))
-        tables = [getattr(self, name)[tuple(selectors)] for name in self._TABLES]
-        mask_mod = Partial(_reindexed, maps[0], maps[1], self.mask_mod)
-        return BlockMask(*tables, self.block_size, self.seq_lengths, mask_mod)
+        visible = self.leading_axes + 1
+        if len(index) > visible:
+            raise IndexError(f"a BlockMask of shape {self.shape} takes at most {visible} indices (batch, head, query "
+                             f"block), got {len(index)}: {index!r}.")
+        index = (*(slice(None),) * (2 - self.leading_axes), *index, *(slice(None),) * (visible - len(index)))
+        selections = [_selection(name, i, size) for name, i, size in
+                      zip(("batch", "head", "query block"), index, self.kv_num_blocks.shape[:3])]
+        tables = {name: _take(getattr(self, name), selections) for name in self._TABLES}
+        block_q, q_len = self.block_size[0], self.seq_lengths[0]
+        rows = selections[2]
+        last_rows = q_len - (self.kv_num_blocks.shape[2] - 1) * block_q
+        if last_rows < block_q and np.any(rows[:-1] == self.kv_num_blocks.shape[2] - 1):
+            raise IndexError(f"the last query block is ragged ({last_rows} of {block_q} queries): select it last.")
+        new_q_len = (len(rows) - 1) * block_q + (last_rows if rows[-1] == self.kv_num_blocks.shape[2] - 1 else block_q)
+        maps = [_index_map(s) for s in selections]
+        mask_mod = Partial(_reindexed, maps[0], maps[1], maps[2], block_q, self.mask_mod)
+        return BlockMask(*tables.values(), self.block_size, (new_q_len, self.seq_lengths[1]), mask_mod,
+                         self.leading_axes)
 
     def adjust(self, q_len: int, kv_len: int) -> BlockMask:
         """The mask cropped to shorter sequences (its top-left corner), as PyTorch's `block_mask._adjust`:
         for a mask_mod that does not depend on the lengths (causal, windows, documents), the mask of the
-        first q_len queries and kv_len keys, without evaluating mask_mod again. Tiles that became ragged at
-        the new key length are marked partial, so the keys past kv_len stay masked. Growing is refused:
-        build a new mask with `create_block_mask` then."""
+        first q_len queries and kv_len keys, without evaluating mask_mod again. Full tiles that became ragged
+        at a new length are marked partial, as `create_block_mask` classifies a ragged last block (and so the
+        keys past kv_len stay masked). Growing is refused: build a new mask with `create_block_mask` then."""
         for name, value, old in (("q_len", q_len, self.seq_lengths[0]), ("kv_len", kv_len, self.seq_lengths[1])):
             if not _is_size(value) or value > old:
                 raise ValueError(
@@ -171,10 +186,9 @@ class BlockMask:
         rows, cols = -(-q_len // block_q), -(-kv_len // block_kv)
         dense = self.to_dense()[..., :rows, :cols]
         partial, full = dense == 1, dense == 2
-        if kv_len % block_kv:
-            ragged = (jnp.arange(cols) == cols - 1).reshape(1, 1, 1, cols)
-            partial, full = partial | (full & ragged), full & ~ragged
-        return _from_tiles(partial, full, self.block_size, (q_len, kv_len), self.mask_mod)
+        ragged = _ragged_tiles(rows, cols, self.block_size, (q_len, kv_len))
+        partial, full = partial | (full & ragged), full & ~ragged
+        return _from_tiles(partial, full, self.block_size, (q_len, kv_len), self.mask_mod, self.leading_axes)
 
     _adjust = adjust  # PyTorch's (private) name
 
@@ -188,6 +202,7 @@ class BlockMask:
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,  # noqa: N803 (PyTorch's name)
         mask_mod: MaskMod | None = None,
         seq_lengths: tuple[int, int] | None = None,
+        compute_q_blocks: bool = True,
     ) -> BlockMask:
         """A BlockMask from its key-block tables, as PyTorch's `BlockMask.from_kv_blocks`; the tables per key
         block (for the dK/dV kernel) are derived from them.
@@ -196,14 +211,17 @@ class BlockMask:
 
         - `kv_num_blocks`: `[..., num_q_blocks]` int, the number of partial key blocks of each query block;
           `kv_indices`: `[..., num_q_blocks, num_kv_blocks]` int, those blocks first. Leading axes are
-          `[B, H]`, `[H]` or none (missing ones broadcast).
+          `[B, H]`, `[H]` or none (missing ones broadcast; `shape` leaves them out, as PyTorch's does).
         - `full_kv_num_blocks`, `full_kv_indices`: the same for the full blocks (attended everywhere, so
           mask_mod is not evaluated on them); None = no full blocks.
-        - `BLOCK_SIZE`: the tile, an int or (block_q, block_kv), powers of two >= 16.
+        - `BLOCK_SIZE`: the tile, an int or (block_q, block_kv), any size >= 1 (`flex_attention` maps tiles
+          that are not powers of two >= 16 onto ones that are, exactly; docs/flex_attention.md).
         - `mask_mod`: evaluated on the partial blocks; None = `noop_mask` (they attend everywhere too).
         - `seq_lengths`: (q_len, kv_len); default the tables' extent, num_blocks * block.
+        - `compute_q_blocks`: False leaves the per-key-block tables None, as in PyTorch; they are then derived
+          when a kernel needs them.
         """
-        block_q, block_kv = _check_block_size(BLOCK_SIZE, "BLOCK_SIZE")
+        block_q, block_kv = check_block_size(BLOCK_SIZE, "BLOCK_SIZE")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError("full_kv_num_blocks and full_kv_indices must be given together (or neither).")
         kv_indices = jnp.asarray(kv_indices)
@@ -225,8 +243,27 @@ class BlockMask:
         partial = _ordered_to_tiles("kv", kv_num_blocks, kv_indices)
         full = jnp.zeros_like(partial) if full_kv_num_blocks is None else _ordered_to_tiles(
             "full_kv", full_kv_num_blocks, full_kv_indices, kv_indices.shape)
-        return _from_tiles(partial, full & ~partial, (block_q, block_kv), (q_len, kv_len),
-                           noop_mask if mask_mod is None else mask_mod)
+        mask = _from_tiles(partial, full & ~partial, (block_q, block_kv), (int(q_len), int(kv_len)),
+                           noop_mask if mask_mod is None else mask_mod, kv_indices.ndim - 2)
+        if not compute_q_blocks:
+            mask.q_num_blocks = mask.q_indices = mask.full_q_num_blocks = mask.full_q_indices = None
+        return mask
+
+    def for_kernel(self) -> BlockMask:
+        """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`_block_tables`;
+        merged tiles get a mask_mod that follows these tables), and no full tile past the key length (the
+        kernels skip the mask, and so the length check, on full tiles). The same attention, exactly."""
+        partial, full = (self.to_dense() == c for c in (1, 2))
+        partial, full, block_size, merged = retile(partial, full, self.block_size, self.seq_lengths)
+        mask_mod = self.mask_mod
+        if merged:
+            mask_mod = Partial(tile_class_mask_mod, self.to_dense(), self.block_size, self.mask_mod)
+        elif block_size == self.block_size and self.seq_lengths[1] % block_size[1] == 0:
+            return self if self.q_indices is not None else dataclasses.replace(
+                self, **dict(zip(self._TABLES[4:], self.q_tables)))
+        ragged = _ragged_tiles(*partial.shape[-2:], block_size, (math.inf, self.seq_lengths[1]))
+        partial, full = partial | (full & ragged), full & ~ragged
+        return _from_tiles(partial, full, block_size, self.seq_lengths, mask_mod)
 
     def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
         """A text picture of the visited tiles per (batch, head), as PyTorch draws it: two characters per
@@ -264,14 +301,60 @@ def _is_size(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
 
 
-def _reindexed(batch_map, head_map, mask_mod, b, h, q_idx, kv_idx):
-    """mask_mod at the original batch / head of a sliced mask: index start + step * i (start alone for an
-    integer index, so that the result does not read b / h)."""
-    def original(index, mapping):
+def _selection(name: str, index, size: int) -> np.ndarray:
+    """The positions `index` (int, slice or 1-D integer array) selects on an axis of `size`, checked."""
+    if isinstance(index, jax.core.Tracer):
+        raise TypeError(f"a BlockMask's {name} index must be concrete (not traced under jit), got {index!r}.")
+    if isinstance(index, slice):
+        selected = np.arange(size)[index]
+    elif isinstance(index, bool) or index is None or index is Ellipsis:
+        raise IndexError(f"a BlockMask is indexed by ints, slices or integer arrays, got {index!r} for the {name} axis.")
+    else:
+        selected = np.asarray(index)
+        if not np.issubdtype(selected.dtype, np.integer) or selected.ndim > 1:
+            raise IndexError(f"a BlockMask is indexed by ints, slices or 1-D integer arrays, got {index!r} for the "
+                             f"{name} axis.")
+        if selected.size and (selected.min() < -size or selected.max() >= size):
+            raise IndexError(f"{name} index {index!r} is out of range for the mask's {name} axis of size {size}.")
+        selected = selected.reshape(-1) % size
+    if not selected.size:
+        raise IndexError(f"{name} index {index!r} selects nothing from the mask's {name} axis of size {size}.")
+    return selected
+
+
+def _take(table, selections):
+    """`table` (4-D or 3-D, or None) at the selected positions of its batch, head and query-block axes."""
+    if table is None:
+        return None
+    for axis, selected in enumerate(selections):
+        if not np.array_equal(selected, np.arange(table.shape[axis])):
+            table = jnp.take(table, jnp.asarray(selected, jnp.int32), axis=axis)
+    return table
+
+
+def _index_map(selected: np.ndarray):
+    """new position -> original one: (start, step) when it is affine (step 0: a single position, so the result
+    does not read the index), else the int32 array of positions."""
+    if len(selected) == 1:
+        return int(selected[0]), 0
+    steps = np.diff(selected)
+    if np.all(steps == steps[0]):
+        return int(selected[0]), int(steps[0])
+    return jnp.asarray(selected, jnp.int32)
+
+
+def _original(index, mapping):
+    if isinstance(mapping, tuple):
         start, step = mapping
         return jnp.full_like(index, start) if step == 0 else start + step * index
+    return mapping[jnp.clip(index, 0, mapping.shape[0] - 1)]
 
-    return mask_mod(original(b, batch_map), original(h, head_map), q_idx, kv_idx)
+
+def _reindexed(batch_map, head_map, block_map, block_q, mask_mod, b, h, q_idx, kv_idx):
+    """mask_mod at the original batch, head and query of a sliced mask (see `BlockMask.__getitem__`)."""
+    if not (isinstance(block_map, tuple) and block_map == (0, 1)):
+        q_idx = _original(q_idx // block_q, block_map) * block_q + q_idx % block_q
+    return mask_mod(_original(b, batch_map), _original(h, head_map), q_idx, kv_idx)
 
 
 def _ordered_to_tiles(name: str, num_blocks, indices, shape=None) -> jax.Array:
@@ -296,41 +379,26 @@ def _ordered_to_tiles(name: str, num_blocks, indices, shape=None) -> jax.Array:
             raise ValueError(f"{name}_indices must lie in [0, {cols}) where used, got values in "
                              f"[{values[used].min()}, {values[used].max()}].")
     lead = (1,) * (4 - indices.ndim)
-    return _tiles(num_blocks.reshape(lead + num_blocks.shape), indices.reshape(lead + indices.shape))
+    return tiles_of(num_blocks.reshape(lead + num_blocks.shape), indices.reshape(lead + indices.shape))
 
 
-def _tiles(num_blocks: jax.Array, indices: jax.Array) -> jax.Array:
-    """`[B, H, rows, cols]` bool: the tiles that 4-D (num_blocks, indices) tables list."""
-    cols = indices.shape[-1]
-    used = jnp.arange(cols).reshape(1, 1, 1, cols) < num_blocks[..., None]
-    hits = jax.nn.one_hot(jnp.where(used, indices, cols), cols, dtype=jnp.int32)
-    return jnp.sum(hits, axis=-2) > 0
-
-
-def _from_tiles(partial, full, block_size, seq_lengths, mask_mod) -> BlockMask:
+def _from_tiles(partial, full, block_size, seq_lengths, mask_mod, leading_axes: int = 2) -> BlockMask:
     """The BlockMask of `[B|1, H|1, rows, cols]` bool partial / full tiles: ordered tables both ways."""
-    kv_num, kv_indices = _ordered_indices(partial)
-    full_kv_num, full_kv_indices = _ordered_indices(full)
-    q_num, q_indices = _ordered_indices(jnp.swapaxes(partial, -1, -2))
-    full_q_num, full_q_indices = _ordered_indices(jnp.swapaxes(full, -1, -2))
+    kv_num, kv_indices = ordered_indices(partial)
+    full_kv_num, full_kv_indices = ordered_indices(full)
+    q_num, q_indices = ordered_indices(jnp.swapaxes(partial, -1, -2))
+    full_q_num, full_q_indices = ordered_indices(jnp.swapaxes(full, -1, -2))
     return BlockMask(
         kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices,
-        tuple(block_size), tuple(seq_lengths), mask_mod,
+        tuple(block_size), tuple(seq_lengths), mask_mod, leading_axes,
     )
 
 
-def _check_block_size(block_size, name: str = "block_size") -> tuple[int, int]:
-    pair = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    if len(pair) != 2 or any(not isinstance(b, int) or b < 16 or b & (b - 1) for b in pair):
-        raise ValueError(f"{name} must be a power of two >= 16 or a pair of them, got {block_size!r}.")
-    return pair
-
-
-def _ordered_indices(selected: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(count, indices) of the True entries along the last axis, those first and ascending."""
-    count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
-    order = jnp.argsort(~selected, axis=-1, stable=True).astype(jnp.int32)
-    return count, order
+def _ragged_tiles(rows: int, cols: int, block_size, seq_lengths) -> jax.Array:
+    """`[1, 1, rows, cols]` bool: the tiles that reach past q_len or kv_len (never full, as in PyTorch)."""
+    row = (np.arange(rows) + 1) * block_size[0] > seq_lengths[0]
+    col = (np.arange(cols) + 1) * block_size[1] > seq_lengths[1]
+    return jnp.asarray(row[:, None] | col[None, :]).reshape(1, 1, rows, cols)
 
 
 def _one_of(torch_name: str, torch_value, name: str, value):
@@ -364,6 +432,7 @@ def create_block_mask(
     device: Any = None,
     BLOCK_SIZE: int | tuple[int, int] | None = None,  # noqa: N803
     _compile: bool = False,
+    separate_full_blocks: bool = True,
     *,
     q_len: int | None = None,
     kv_len: int | None = None,
@@ -372,9 +441,9 @@ def create_block_mask(
     """Evaluates `mask_mod` tile by tile and classifies every tile as empty, partial or full.
 
     PyTorch's signature (`create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
-    _compile=False)`), positional or by keyword; probjax's own spellings `q_len`, `kv_len`, `block_size`
-    work too. `device` and `_compile` are accepted and ignored (the tables live on JAX's default device;
-    the function is jit-able as it is).
+    _compile=False, separate_full_blocks=True)`), positional or by keyword; probjax's own spellings `q_len`,
+    `kv_len`, `block_size` work too. `device` and `_compile` are accepted and ignored (the tables live on
+    JAX's default device; the function is jit-able as it is).
 
     **Arguments:**
 
@@ -383,22 +452,34 @@ def create_block_mask(
     - `B`, `H`: batch size and number of query heads, or None when the mask is the same for all of them
       (a mask_mod that reads b / h then needs B / H: `flex_attention` refuses the broadcast).
     - `Q_LEN` / `q_len`, `KV_LEN` / `kv_len`: sequence lengths of the queries and keys it will be used with.
-    - `BLOCK_SIZE` / `block_size`: the tile, an int or (block_q, block_kv), powers of two >= 16; default 128.
+    - `BLOCK_SIZE` / `block_size`: the tile, an int or (block_q, block_kv), any size >= 1 (PyTorch's 8, 48,
+      96, (64, 48) included: `flex_attention` runs other tiles than powers of two >= 16 on ones that are,
+      exactly; docs/flex_attention.md); default 128.
+    - `separate_full_blocks`: False lists every visited tile as partial (mask_mod evaluated everywhere), as
+      in PyTorch; the full tables are then empty.
 
     Jit-able; the working set is one row of query blocks at a time (`block_q x kv_len` per batch and head),
-    so long sequences are cheap. Positions past q_len / kv_len count as masked.
+    so long sequences are cheap. Positions past q_len / kv_len count as masked, as in PyTorch: a ragged last
+    block is never full (causal, 100 x 100, BLOCK_SIZE 32: `kv_num_blocks` [1, 1, 1, 4], `full_kv_num_blocks`
+    [0, 1, 2, 0]).
     """
     del device, _compile
+    if _num_required_arguments(mask_mod) == 5:
+        raise TypeError(
+            "create_block_mask needs a mask_mod(b, h, q_idx, kv_idx) -> bool, got a function of five arguments "
+            "(a score_mod): pass it to flex_attention's score_mod, or write its mask as a mask_mod."
+        )
     q_len = _one_of("Q_LEN", Q_LEN, "q_len", q_len)
     kv_len = _one_of("KV_LEN", KV_LEN, "kv_len", kv_len)
     size_name = "block_size" if BLOCK_SIZE is None else "BLOCK_SIZE"
     block_size = _one_of("BLOCK_SIZE", BLOCK_SIZE, "block_size", block_size)
-    block_q, block_kv = _check_block_size(DEFAULT_BLOCK_SIZE if block_size is None else block_size, size_name)
+    block_q, block_kv = check_block_size(DEFAULT_BLOCK_SIZE if block_size is None else block_size, size_name)
     batch, heads = _check_sizes(B, H, q_len, kv_len)
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
     kv_idx = jnp.arange(num_kv_blocks * block_kv, dtype=jnp.int32).reshape(1, 1, 1, -1)
     b, h, _, _ = _index_grids(batch, heads, kv_idx, kv_idx)
-    example = mask_mod(b, h, jnp.zeros((1, 1, block_q, 1), jnp.int32), kv_idx)
+    with tensor_method_hint("mask_mod"):
+        example = mask_mod(b, h, jnp.zeros((1, 1, block_q, 1), jnp.int32), kv_idx)
     if jnp.result_type(example) != jnp.bool_:
         raise TypeError(f"mask_mod must return bool (True = attend), got {jnp.result_type(example)}.")
 
@@ -408,9 +489,10 @@ def create_block_mask(
         allowed = jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), shape) & (kv_idx < kv_len) & (q_idx < q_len)
         tiles = allowed.reshape(batch, heads, block_q, num_kv_blocks, block_kv)
         any_pair = jnp.any(tiles, axis=(2, 4))
-        # Query rows past q_len do not matter; keys past kv_len are masked, so a tile over them is not full.
-        row_free = (q_idx >= q_len).reshape(1, 1, block_q, 1, 1)
-        every_pair = jnp.all(tiles | row_free, axis=(2, 4)) & any_pair
+        # As in PyTorch, positions past q_len / kv_len count as masked: a tile over them is not full.
+        every_pair = jnp.all(tiles, axis=(2, 4))
+        if not separate_full_blocks:
+            return any_pair, jnp.zeros_like(any_pair)
         return any_pair & ~every_pair, every_pair
 
     partial, full = lax.map(classify, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [num_q_blocks, B, H, num_kv_blocks]
@@ -435,8 +517,11 @@ def create_mask(
                          jnp.arange(KV_LEN, dtype=jnp.int32).reshape(1, 1, 1, KV_LEN))
     shape = (batch, heads, Q_LEN, KV_LEN)
     if _num_required_arguments(mod_fn) == 5:
-        return ~jnp.isneginf(jnp.broadcast_to(mod_fn(jnp.zeros(shape, jnp.float32), *grids), shape))
-    mask = mod_fn(*grids)
+        with tensor_method_hint("score_mod"):
+            score = mod_fn(jnp.zeros(shape, jnp.float32), *grids)
+        return ~jnp.isneginf(jnp.broadcast_to(score, shape))
+    with tensor_method_hint("mask_mod"):
+        mask = mod_fn(*grids)
     if jnp.result_type(mask) != jnp.bool_:
         raise TypeError(f"mask_mod must return bool (True = attend), got {jnp.result_type(mask)}.")
     return jnp.broadcast_to(mask, shape)

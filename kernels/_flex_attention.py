@@ -23,7 +23,8 @@ from probjax_kernels._problem import Features
 
 
 def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int, mask_hook) -> None:
-    mask_b, mask_h, mask_q, mask_kv = block_mask.shape
+    mask_b, mask_h = block_mask.kv_num_blocks.shape[:2]
+    mask_q, mask_kv = block_mask.seq_lengths
     if (mask_q, mask_kv) != (q_len, kv_len):
         shorter = q_len <= mask_q and kv_len <= mask_kv
         raise ValueError(
@@ -92,7 +93,8 @@ def flex_attention(
       the shape and dtype. Arrays it closes over (ALiBi slopes, bias tables, per-token tensors, the
       parameters of an Equinox / NNX module) are kernel inputs and receive gradients.
     - `block_mask`: from `create_block_mask(mask_mod, ...)` for these (T, S); positions where its mask_mod
-      is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere.
+      is False are masked (-inf after score_mod), empty tiles are skipped. None = attend everywhere. Any
+      tile size works: other tiles than powers of two >= 16 are mapped onto ones that are (`for_kernel`).
     - `scale`: default `D ** -0.5`; a traced 0-d array as in `flash_attention`.
     - `enable_gqa`: allow K < N key/value heads (grouped-query attention, N a multiple of K); without it
       N != K is an error, as in PyTorch.
@@ -135,6 +137,10 @@ def flex_attention(
         if out.dtype != jnp.bool_:
             raise TypeError(f"mask_mod must return bool (True = attend), got {out.dtype}.")
         _check_block_mask(block_mask, batch, num_heads, q_len, kv_len, mask_hook)
+        fitted = block_mask.for_kernel()
+        if fitted.mask_mod is not block_mask.mask_mod:
+            mask_hook, mask_consts, _ = trace_hook("mask_mod", fitted.mask_mod, indices)
+        block_mask = fitted
         block_sizes = block_mask.block_size
         config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)

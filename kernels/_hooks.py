@@ -12,6 +12,7 @@ evaluated on values with `jax.core.eval_jaxpr`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -109,6 +110,41 @@ class Hook:
         return value, tangent
 
 
+# PyTorch tensor methods that jax arrays lack, with the jnp spelling (hooks ported from PyTorch hit these).
+TENSOR_METHODS = {
+    "clamp": "jnp.clip(x, min, max)", "clamp_min": "jnp.maximum(x, min)", "clamp_max": "jnp.minimum(x, max)",
+    "float": "x.astype(jnp.float32)", "half": "x.astype(jnp.float16)", "bfloat16": "x.astype(jnp.bfloat16)",
+    "double": "x.astype(jnp.float64)", "int": "x.astype(jnp.int32)", "long": "x.astype(jnp.int32)",
+    "bool": "x.astype(bool)", "to": "x.astype(dtype)", "type_as": "x.astype(y.dtype)", "abs": "jnp.abs(x)",
+    "neg": "-x", "exp": "jnp.exp(x)", "log": "jnp.log(x)", "sqrt": "jnp.sqrt(x)", "tanh": "jnp.tanh(x)",
+    "sigmoid": "jax.nn.sigmoid(x)", "floor": "jnp.floor(x)", "ceil": "jnp.ceil(x)", "where": "jnp.where(c, x, y)",
+    "masked_fill": "jnp.where(mask, value, x)", "unsqueeze": "jnp.expand_dims(x, axis)",
+    "expand": "jnp.broadcast_to(x, shape)", "remainder": "x % y", "fmod": "jnp.fmod(x, y)",
+    "floor_divide": "x // y", "logical_and": "x & y", "logical_or": "x | y", "logical_not": "~x",
+    "eq": "x == y", "ne": "x != y", "lt": "x < y", "le": "x <= y", "gt": "x > y", "ge": "x >= y",
+    "new_ones": "jnp.ones(shape, dtype)", "new_zeros": "jnp.zeros(shape, dtype)", "new_tensor": "jnp.asarray(v)",
+    "numel": "x.size", "dim": "x.ndim", "contiguous": "x", "detach": "jax.lax.stop_gradient(x)",
+    "permute": "jnp.transpose(x, axes)", "flip": "jnp.flip(x, axis)",
+}
+
+
+@contextlib.contextmanager
+def tensor_method_hint(name: str):
+    """Turns the AttributeError of a PyTorch tensor method called on a jax array inside hook `name` into one
+    that names the method and its jnp spelling (`x.clamp(0, 8)` -> `jnp.clip(x, 0, 8)`)."""
+    try:
+        yield
+    except AttributeError as error:
+        method, owner = getattr(error, "name", None), getattr(error, "obj", None)
+        if method not in TENSOR_METHODS or not isinstance(owner, (jax.Array, jax.core.Tracer)):
+            raise
+        raise AttributeError(
+            f"{name} calls the PyTorch tensor method .{method}(), which jax arrays do not have; write "
+            f"{TENSOR_METHODS[method]} instead (hooks are written with jnp on jax arrays; docs/from_pytorch.md "
+            "lists the translations)."
+        ) from error
+
+
 def _key(args) -> tuple:
     return tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in args)
 
@@ -119,7 +155,8 @@ def trace_hook(name: str, fn: Callable, example_args) -> tuple[Hook, list[jax.Ar
     if not callable(fn):
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}.")
     try:
-        closed = jax.make_jaxpr(fn)(*example_args)
+        with tensor_method_hint(name):
+            closed = jax.make_jaxpr(fn)(*example_args)
     except (TypeError, jax.errors.JAXTypeError, jax.errors.JAXIndexError) as error:
         shapes = ", ".join(f"{jnp.dtype(a.dtype)}{list(jnp.shape(a))}" for a in example_args)
         raise TypeError(

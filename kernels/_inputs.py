@@ -144,11 +144,7 @@ def check_inputs(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 ([B, T, N, D] / [B, S, K, D]), got shape {x.shape}.")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}.")
-    if q.dtype not in allowed_dtypes:
-        names = ", ".join(jnp.dtype(d).name for d in allowed_dtypes)
-        raise TypeError(f"q, k and v must have dtype {names}; got {q.dtype}.")
+    check_dtypes(q, k, v, allowed_dtypes)
     batch, q_len, num_heads, head_dim = q.shape
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
@@ -204,6 +200,15 @@ def check_inputs(
         scale=scale if isinstance(scale, jax.core.Tracer) else float(scale),
         window=_check_window(window),
     )
+
+
+def check_dtypes(q, k, v, allowed_dtypes: tuple) -> None:
+    """q, k and v share one dtype, one of `allowed_dtypes`; else a TypeError."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}.")
+    if q.dtype not in allowed_dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in allowed_dtypes)
+        raise TypeError(f"q, k and v must have dtype {names}; got {q.dtype}.")
 
 
 def check_flag(name: str, value) -> bool:

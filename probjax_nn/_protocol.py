@@ -20,6 +20,7 @@ from jax.tree_util import Partial
 from probjax_kernels import and_masks
 from probjax_kernels.layer_api import check_dropout_rate
 from probjax_nn._attention import IMPLS, AttentionConfig, Impl, attention
+from probjax_nn._decode import decode_runs_kernel, one_query_step
 
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -92,6 +93,7 @@ class AttentionFunction:
         mask_mod: MaskMod | None = None,
         dropout_rate: float = 0.0,
         dropout_key: jax.Array | None = None,
+        query_at_end: bool = False,
     ) -> jax.Array:
         """**Arguments:**
 
@@ -106,6 +108,13 @@ class AttentionFunction:
         - `scale`: None means `D ** -0.5`.
         - `score_mod`, `mask_mod`: FlexAttention hooks (`probjax_kernels.flex_attention`).
         - `dropout_rate`, `dropout_key`: attention dropout, applied when `dropout_key` (a PRNG key) is given.
+        - `query_at_end`: a decode step: one query per sequence (T = 1), the cache's last written entry, at
+          position `key_value_seq_lengths - 1`; the hooks see that position as `q_idx`.
+
+        One query row per sequence (a decode step, or any call with T = 1) without bias, causal flag or
+        dropout runs `probjax_kernels.decode_attention` where `decode_runs_kernel` says the impl picks a
+        kernel, with the same result: the mask becomes a mask_mod and the keys past the last attended one
+        are not read.
 
         **Returns:** `[*batch, T, N, Dv]` in the dtype of `query`. A query row with every key masked gives 0.
         """
@@ -136,6 +145,22 @@ class AttentionFunction:
             key_value_seq_lengths = jnp.broadcast_to(_merge_batch(key_value_seq_lengths, batch_shape, 0), (size,))
         if mask is not None:
             mask = jnp.asarray(mask).astype(jnp.bool_)
+        hooks = score_mod is not None or mask_mod is not None
+        if query_at_end and (query.shape[1] != 1 or key_value_seq_lengths is None):
+            raise ValueError(
+                f"query_at_end needs one query per sequence and key_value_seq_lengths, got query {query.shape}."
+            )
+        one_row = query.shape[1] == 1 and bias is None and not is_causal and (query_at_end or not hooks)
+        if one_row and (dropout_key is None or dropout_rate == 0.0) and isinstance(scale, float) and (
+            decode_runs_kernel(self.config, query.dtype, max(qk_dim, value_dim), hooks=hooks)
+        ):
+            out = one_query_step(
+                query, key, value, kv_lengths=key_value_seq_lengths, mask=_merge_batch(mask, batch_shape, 3),
+                scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+            )
+            return out.reshape((*batch_shape, *out.shape[1:]))
+        if query_at_end:
+            score_mod, mask_mod = shift_queries(score_mod, mask_mod, key_value_seq_lengths - 1)
         arguments = dict(
             bias=_merge_batch(bias, batch_shape, 3),
             mask=_merge_batch(mask, batch_shape, 3),
@@ -171,18 +196,18 @@ def combine_hooks(
 
 
 def _shifted_score_mod(score_mod: ScoreMod, offset, score, b, h, q_idx, kv_idx):
-    return score_mod(score, b, h, q_idx + offset, kv_idx)
+    return score_mod(score, b, h, q_idx + offset[b], kv_idx)
 
 
 def _shifted_mask_mod(mask_mod: MaskMod, offset, b, h, q_idx, kv_idx):
-    return mask_mod(b, h, q_idx + offset, kv_idx)
+    return mask_mod(b, h, q_idx + offset[b], kv_idx)
 
 
 def shift_queries(
     score_mod: ScoreMod | None, mask_mod: MaskMod | None, offset: jax.Array
 ) -> tuple[ScoreMod | None, MaskMod | None]:
-    """The hooks as seen by queries that start at position `offset` (int32 scalar), e.g. a decode step whose
-    one query sits at the cache index: hooks receive `q_idx + offset`, keys keep their cache positions."""
+    """The hooks as seen by queries that start at position `offset[b]` (`[B]` int32), e.g. a decode step whose
+    one query sits at the cache index: hooks receive `q_idx + offset[b]`, keys keep their cache positions."""
     return (
         None if score_mod is None else Partial(_shifted_score_mod, score_mod, offset),
         None if mask_mod is None else Partial(_shifted_mask_mod, mask_mod, offset),

@@ -39,6 +39,9 @@ class MultiheadAttention(eqx.Module):
 
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`
       (keyword only); a bad value raises a `ValueError` that lists the valid ones.
+
+    Where results differ from equinox's: float64 runs only under impl "xla" and "auto" (which picks XLA
+    for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it.
     """
 
     query_proj: eqx.nn.Linear

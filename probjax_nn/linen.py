@@ -27,13 +27,28 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex, shift_queries,
+    resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
     "ALiBi", "DotProductAttention", "FlexAttention", "MultiHeadAttention", "MultiHeadDotProductAttention",
     "RelativePositionBias", "SelfAttention", "attention_fn", "dot_product_attention",
 ]
+
+
+def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
+    """`flax.linen.dot_product_attention`'s shape checks, with its exception type (AssertionError) and messages,
+    which code written against flax matches on; it also takes N a multiple of K (GQA), which flax refuses."""
+    if not key.ndim == query.ndim == value.ndim:
+        raise AssertionError("q, k, v must have same rank.")
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise AssertionError("q, k, v batch dims must match.")
+    if query.shape[-2] % key.shape[-2] or key.shape[-2] != value.shape[-2]:
+        raise AssertionError("q, k, v num_heads must match.")
+    if key.shape[-3] != value.shape[-3]:
+        raise AssertionError("k, v lengths must match.")
+    if query.shape[-1] != key.shape[-1]:
+        raise AssertionError("q, k depths must match.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +102,7 @@ class DotProductAttention:
                 force_fp32_for_softmax,
             )
         query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
+        _check_shapes_like_flax(query, key, value)
         return flax_style_attention(
             self.attend, query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=dropout_rate, deterministic=deterministic,
@@ -107,7 +123,9 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     batch entry and head (`broadcast_dropout` is ignored); softmax is always float32 and `precision` is
     ignored. With `module` (sow_weights) impl "auto" sows flax's `dot_product_attention_weights` and returns
     the same output as without it; with custom einsums or complex inputs it runs flax's own function; any
-    other impl raises `NotImplementedError` for these.
+    other impl raises `NotImplementedError` for these. float64 runs only under impl "xla" and "auto" (which
+    picks XLA for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it. Invalid shapes raise
+    flax's `AssertionError`s with flax's messages.
     """
     return DotProductAttention(attention_function(attention_impl))
 
@@ -245,7 +263,6 @@ class FlexAttention(MultiHeadDotProductAttention):
         if self.decode and self.has_variable("cache", "cached_key"):
             key, value, position = self._append_to_cache(key, value)
             key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
-            score_mod, mask_mod = shift_queries(score_mod, mask_mod, position)
             is_causal = False
         elif self.decode:
             # Initialisation: the cache takes the shape of the input, which is the full sequence.
@@ -259,7 +276,8 @@ class FlexAttention(MultiHeadDotProductAttention):
         x = attention_function(self.attention_impl)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
-            mask_mod=mask_mod, dropout_rate=self.dropout_rate, dropout_key=dropout_key,
+            mask_mod=mask_mod, query_at_end=key_value_seq_lengths is not None, dropout_rate=self.dropout_rate,
+            dropout_key=dropout_key,
         )
         return nn.DenseGeneral(
             features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,

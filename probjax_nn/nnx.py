@@ -22,7 +22,7 @@ from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
     AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex, shift_queries,
+    resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -72,10 +72,42 @@ class DotProductAttention:
                 is_causal,
             )
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        _check_shapes_like_flax(query, key, value, fast_path=dropout_rate == 0.0)
         return flax_style_attention(
             self.attend, query, key, value, bias=bias, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=dropout_rate, deterministic=deterministic, is_causal=is_causal,
         )
+
+
+def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array, fast_path: bool) -> None:
+    """`flax.nnx.dot_product_attention`'s shape checks, in its order and with its messages (code written against
+    flax matches on them): without dropout flax hands the call to `jax.nn.dot_product_attention`, whose
+    messages then apply. A value head dim other than the key's (which flax's fast path refuses) is taken."""
+    arrays = (query, key, value)
+    if any(a.ndim != query.ndim for a in arrays):
+        raise ValueError(f"q, k, v must have same rank, but got {', '.join(str(a.ndim) for a in arrays)}.")
+    if any(a.shape[:-3] != query.shape[:-3] for a in arrays):
+        raise ValueError(f"q, k, v batch dims must match, but got shapes {', '.join(str(a.shape) for a in arrays)}.")
+    if key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}.")
+    if fast_path:
+        query, key, value = (a.reshape(-1, *a.shape[-3:]) for a in arrays)  # as flax reshapes them for jax.nn
+        batch, length, heads, depth = key.shape
+        if value.shape[2] != heads:
+            raise ValueError(f"value shape should be {[batch, length, heads, value.shape[3]]}: but got {value.shape}")
+        if query.shape[3] != depth:
+            raise ValueError(f"query shape should be {[batch, -1, -1, depth]}: but got {query.shape}")
+        if query.shape[2] % heads:
+            raise ValueError("The number of query heads must be a multiple of key/value heads, but got "
+                             f"{query.shape[2]} vs {heads}")
+        return
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"q, k depths must match, but got {query.shape[-1]} and {key.shape[-1]}.")
+    if query.shape[-2] % key.shape[-2]:
+        raise ValueError(f"Query heads ({query.shape[-2]}) must be multiple of Key heads ({key.shape[-2]}) for "
+                         "Grouped Query Attention.")
+    if query.shape[-2] % value.shape[-2]:
+        raise ValueError(f"Query heads ({query.shape[-2]}) must be multiple of Value heads ({value.shape[-2]})")
 
 
 def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductAttention:
@@ -93,6 +125,8 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     `precision` is ignored (the kernels accumulate in float32). With `module` (sow_weights) impl "auto" sows
     flax's `dot_product_attention_weights` and returns the same output as without it; complex inputs run
     flax's `dot_product_attention` under "auto". Any other impl raises `NotImplementedError` for both.
+    float64 runs only under impl "xla" and "auto" (which picks XLA for it); "pallas", "flex" and "cudnn"
+    raise `NotImplementedError` for it. Invalid shapes raise flax's `ValueError`s with flax's messages.
     """
     return DotProductAttention(attention_function(attention_impl))
 
@@ -217,13 +251,13 @@ class FlexAttention(MultiHeadAttention):
         if decode:
             key, value, position = self._append_to_cache(key, value)
             key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
-            score_mod, mask_mod = shift_queries(score_mod, mask_mod, position)
             is_causal = False
         query, key, value = dtypes.promote_dtype((query, key, value), dtype=self.dtype)
         x = attention_function(self.attention_impl)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
-            mask_mod=mask_mod, dropout_rate=self.dropout_rate, dropout_key=self._dropout_key(deterministic, rngs),
+            mask_mod=mask_mod, query_at_end=decode, dropout_rate=self.dropout_rate,
+            dropout_key=self._dropout_key(deterministic, rngs),
         )
         return self.out(x, out_sharding=out_sharding)
 

@@ -228,3 +228,22 @@ def test_import_probjax_nn_imports_no_benchmark_matplotlib_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_decode_mode_rows(tmp_path):
+    """`decode` on the CPU: the seed's schema plus decode's keys, errors against the float32 reference, no
+    timing (interpret mode); impls that cannot take a paged cache record why."""
+    path = tmp_path / "decode.json"
+    assert main(["decode", "--output", str(path), "--batch", "2", "--cache-lens", "64", "--heads", "4:2",
+                 "--head-dim", "16", "--page-sizes", "16", "--dtypes", "float32",
+                 "--impls", "probjax_decode", "jax_xla"]) == 0
+    report = json.loads(path.read_text())
+    assert list(report) == TOP_KEYS and list(report["device"]) == DEVICE_KEYS
+    assert list(report["config"])[: len(CONFIG_KEYS)] == CONFIG_KEYS
+    rows = {(row["impl"], row["page_size"]): row for row in report["results"]}
+    assert set(rows) == {("probjax_decode", 16), ("jax_xla", 16)}
+    row = rows["probjax_decode", 16]
+    assert list(row)[: len(KEY_COLUMNS)] == KEY_COLUMNS
+    assert (row["mode"], row["seq"], row["heads"], row["kv_heads"], row["new_tokens"]) == ("decode", 64, 4, 2, 1)
+    assert row["rel_err"] < 1e-5 and row["median_ms"] is None
+    assert "dense cache only" in rows["jax_xla", 16]["error"]

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from probjax_kernels import (
-    AuxRequest, FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
-    flex_attention, relative_bias, softcap,
+    AuxRequest, DecodeConfig, FlashConfig, alibi, and_masks, causal_mask, create_block_mask, decode_attention,
+    document_mask, flash_attention, flex_attention, relative_bias, softcap,
 )
 
 
@@ -161,3 +161,42 @@ def test_value_head_dim_shared_kv_and_max_scores_lower(head_dim, value_dim, kv_b
     for name in ("probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv"):
         assert name in text
     assert "probjax_flash_tangent" in lower_for_cuda(jvp, *specs)
+
+
+@pytest.mark.parametrize(
+    "paged, hooks, dtype, head_dim, new_tokens, num_heads",
+    [
+        (False, False, jnp.bfloat16, 128, 1, 8),  # dense, GQA 8:1 at T=1
+        (True, False, jnp.bfloat16, 128, 4, 32),  # paged, GQA 32:8
+        (True, True, jnp.float16, 128, 16, 16),  # hooks with captured arrays; 256 rows: two row blocks
+        (False, True, jnp.float32, 64, 2, 2),  # dense, hooks, float32, Dv != D
+        (True, False, jnp.float32, 256, 2, 8),  # hd 256: 16-key tiles, each page read as four slices
+    ],
+)
+def test_decode_kernel_lowers(paged, hooks, dtype, head_dim, new_tokens, num_heads):
+    num_kv_heads = 8 if num_heads == 32 else 1
+    value_dim = head_dim // 2 if dtype == jnp.float32 else head_dim
+    bias = jnp.zeros((4, 1000), jnp.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap(30.0)(score, b, h, q_idx, kv_idx) + bias[b, kv_idx]
+
+    def keep(b, h, q_idx, kv_idx):
+        return bias[b, kv_idx] > -1.0
+
+    hook_args = dict(score_mod=score_mod, mask_mod=and_masks(causal_mask, keep)) if hooks else {}
+    config = DecodeConfig(backend="triton")
+    q = spec((4, new_tokens, num_heads, head_dim), dtype)
+    if paged:
+        k, v = spec((61, 64, num_kv_heads, head_dim), dtype), spec((61, 64, num_kv_heads, value_dim), dtype)
+        tables = (spec((4, 16), jnp.int32),)
+    else:
+        k, v = spec((4, 1000, num_kv_heads, head_dim), dtype), spec((4, 1000, num_kv_heads, value_dim), dtype)
+        tables = ()
+
+    def run(q, k, v, lengths, *tables):
+        return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables[0] if tables else None,
+                                num_splits=8, config=config, **hook_args)
+
+    text = lower_for_cuda(run, q, k, v, spec((4,), jnp.int32), *tables)
+    assert "probjax_decode_attention" in text

@@ -272,7 +272,7 @@ def test_errors():
     with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
         flex_attention(q, k, v, None, causal_mask)
     with pytest.raises(ValueError, match="block_size"):
-        create_block_mask(causal_mask, None, None, 32, 32, block_size=24)
+        create_block_mask(causal_mask, None, None, 32, 32, block_size=0)
     with pytest.raises(ValueError, match="needs a dropout_seed"):
         flex_attention(q, k, v, dropout_rate=0.1)
 

@@ -95,8 +95,8 @@ def test_create_block_mask_takes_torch_spellings():
         assert torch_style.BLOCK_SIZE == (32, 16) and torch_style.shape == (1, 1, 100, 90)
     with pytest.raises(ValueError, match="Q_LEN=100 and q_len=64 disagree"):
         create_block_mask(mod, 1, None, 100, 90, q_len=64)
-    with pytest.raises(ValueError, match="BLOCK_SIZE must be a power of two"):
-        create_block_mask(mod, 1, None, 100, 90, BLOCK_SIZE=24)
+    with pytest.raises(ValueError, match="BLOCK_SIZE must be an int >= 1 or a pair of them"):
+        create_block_mask(mod, 1, None, 100, 90, BLOCK_SIZE=(32, 0))
 
 
 def test_create_mask_and_noop_mask():
@@ -113,17 +113,17 @@ def test_create_mask_and_noop_mask():
     assert np.all(np.asarray(block_mask.to_dense()) == 2)  # every tile full: nothing to evaluate
 
 
-def block_classes(allowed: np.ndarray, block: int) -> np.ndarray:
-    """0 empty / 1 partial / 2 full per tile of a [T, S] bool mask (ragged keys count as masked)."""
-    rows, cols = -(-allowed.shape[0] // block), -(-allowed.shape[1] // block)
-    padded = np.zeros((rows * block, cols * block), bool)
-    padded[: allowed.shape[0], : allowed.shape[1]] = allowed
-    valid = np.zeros_like(padded)
-    valid[: allowed.shape[0]] = True  # query rows past the length do not matter
-    tiles = padded.reshape(rows, block, cols, block).transpose(0, 2, 1, 3)
-    free = (~valid).reshape(rows, block, cols, block).transpose(0, 2, 1, 3)
-    anything = tiles.any((2, 3))
-    return np.where(anything & (tiles | free).all((2, 3)), 2, anything.astype(int))
+def block_classes(allowed: np.ndarray, block) -> np.ndarray:
+    """0 empty / 1 partial / 2 full per tile of a [..., T, S] bool mask; positions past T / S count as
+    masked, as PyTorch pads them (so a ragged tile is never full)."""
+    block_q, block_kv = (block, block) if isinstance(block, int) else block
+    *lead, q_len, kv_len = allowed.shape
+    rows, cols = -(-q_len // block_q), -(-kv_len // block_kv)
+    padded = np.zeros((*lead, rows * block_q, cols * block_kv), bool)
+    padded[..., :q_len, :kv_len] = allowed
+    tiles = padded.reshape(*lead, rows, block_q, cols, block_kv)
+    anything, everything = tiles.any((-3, -1)), tiles.all((-3, -1))
+    return np.where(everything, 2, anything.astype(int))
 
 
 def test_block_mask_printing_and_sparsity():
@@ -157,8 +157,8 @@ def test_block_mask_indexing_keeps_the_attention_of_those_rows():
         np.testing.assert_array_equal(np.asarray(sliced.to_dense()[row, 0]), block_classes(allowed, 32))
     with pytest.raises(IndexError, match="batch index 3 is out of range"):
         block_mask[3]
-    with pytest.raises(IndexError, match="indexed by \\[batch\\] or \\[batch, head\\]"):
-        block_mask[0, 0, 0]
+    with pytest.raises(IndexError, match="takes at most 3 indices"):
+        block_mask[0, 0, 0, 0]
 
 
 def test_from_kv_blocks_derives_the_q_tables_and_runs():
@@ -171,7 +171,7 @@ def test_from_kv_blocks_derives_the_q_tables_and_runs():
     kv_num_blocks = jnp.array([1, 2, 3], jnp.int32)
     kv_indices = jnp.array([[0, 1, 2], [0, 1, 2], [0, 1, 2]], jnp.int32)
     block_causal = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=32)
-    assert block_causal.shape == (1, 1, 96, 96) and block_causal.mask_mod is noop_mask
+    assert block_causal.shape == (96, 96) and block_causal.mask_mod is noop_mask  # PyTorch's: no B / H axes
     np.testing.assert_array_equal(block_causal.q_num_blocks[0, 0], [3, 2, 1])
     q, k, v = random_qkv(4, 1, 96, 96, 2, 2, 16)
     allowed = np.kron(np.tril(np.ones((3, 3), bool)), np.ones((32, 32), bool))
@@ -221,3 +221,142 @@ def test_broadcast_block_mask_whose_mask_mod_reads_b_or_h_is_refused():
     allowed = np.stack([(rows >= cols) & (rows - cols <= w) for w in (40, 5)])[None]
     assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
 
+
+
+def test_ragged_last_block_tables_match_torch():
+    """Issue 22 item 13: PyTorch pads a ragged last block with masked positions, so it is never full; its
+    tables for causal 100 x 100, BLOCK_SIZE 32 (from the issue) are kv_num_blocks [1 1 1 4] and
+    full_kv_num_blocks [0 1 2 0] (ours were [1 1 1 1] and [0 1 2 3]); sparsity() is its block count."""
+    block_mask = create_block_mask(causal_mask, None, None, 100, 100, BLOCK_SIZE=32)
+    np.testing.assert_array_equal(block_mask.kv_num_blocks[0, 0], [1, 1, 1, 4])
+    np.testing.assert_array_equal(block_mask.full_kv_num_blocks[0, 0], [0, 1, 2, 0])
+    assert block_mask.sparsity() == pytest.approx(100 * (1 - 10 * 32 * 32 / (100 * 100)))  # PyTorch's formula
+    windows = jnp.array([3, 50])
+    per_head = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])  # noqa: E731
+    rows, cols = np.arange(70)[:, None], np.arange(45)[None, :]
+    allowed = np.stack([(rows >= cols) & (rows - cols <= w) for w in (3, 50)])
+    for block in (16, (32, 16)):
+        built = create_block_mask(per_head, None, 2, 70, 45, BLOCK_SIZE=block)
+        np.testing.assert_array_equal(np.asarray(built.to_dense()[0]), block_classes(allowed, block))
+    shorter = create_block_mask(causal_mask, None, None, 128, 128, BLOCK_SIZE=32).adjust(100, 100)
+    np.testing.assert_array_equal(shorter.to_dense(), block_mask.to_dense())  # adjust classifies the same way
+
+
+def effective_mask(block_mask, allowed: np.ndarray) -> np.ndarray:
+    """What the tables and mask_mod attend, by brute force: full tiles attend, partial ones where `allowed`
+    (the mask_mod's dense mask), empty ones nowhere."""
+    classes = np.asarray(block_mask.to_dense())
+    block_q, block_kv = block_mask.block_size
+    q_len, kv_len = block_mask.seq_lengths
+    per_element = classes[..., np.arange(q_len) // block_q, :][..., np.arange(kv_len) // block_kv]
+    return (per_element == 2) | ((per_element == 1) & allowed)
+
+
+@pytest.mark.parametrize("block", [(48, 8), (64, 24)])  # split and merged tiles on each axis
+def test_any_block_size_maps_onto_kernel_tiles(block):
+    """Issue 22 item 10: PyTorch takes BLOCK_SIZE 8, 48, 96, (64, 48); ours refused all but powers of two
+    >= 16. The tables the kernels run (`for_kernel`) must stand for the same mask, element by element."""
+    rows, cols = np.arange(100)[:, None], np.arange(90)[None, :]
+    allowed = (rows >= cols) & (rows - cols <= 20)
+    block_mask = create_block_mask(and_masks(causal_mask, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 20), None,
+                                   None, 100, 90, BLOCK_SIZE=block)
+    assert block_mask.block_size == ((block, block) if isinstance(block, int) else block)
+    np.testing.assert_array_equal(np.asarray(block_mask.to_dense()[0, 0]), block_classes(allowed, block))
+    fitted = block_mask.for_kernel()
+    assert all(b >= 16 and b & (b - 1) == 0 for b in fitted.block_size)
+    mask_of_fitted = np.asarray(create_mask(fitted.mask_mod, None, None, 100, 90))
+    np.testing.assert_array_equal(effective_mask(fitted, mask_of_fitted), allowed[None, None])
+    # Hand-written tables with no mask_mod attend their whole partial tiles; merged tiles must keep that.
+    pattern = np.random.RandomState(1).rand(*block_mask.kv_indices.shape[-2:]) < 0.4
+    full = pattern & (np.random.RandomState(2).rand(*pattern.shape) < 0.5)
+    by_hand = BlockMask.from_kv_blocks(
+        jnp.asarray((pattern & ~full).sum(-1), jnp.int32), jnp.asarray(np.argsort(~(pattern & ~full), -1, kind="stable")),
+        jnp.asarray(full.sum(-1), jnp.int32), jnp.asarray(np.argsort(~full, -1, kind="stable")), block,
+        seq_lengths=(100, 90))
+    expected = effective_mask(by_hand, np.ones((100, 90), bool))
+    fitted = by_hand.for_kernel()
+    np.testing.assert_array_equal(effective_mask(fitted, np.asarray(create_mask(fitted.mask_mod, 1, 1, 100, 90))),
+                                  expected)
+
+
+def test_odd_block_sizes_run_exactly():
+    """Issue 22 item 10 through the kernels: merged tiles (BLOCK_SIZE 8, hand tables, no mask_mod, q tables
+    left to derive) forward and backward, against float64."""
+    q, k, v = random_qkv(7, 1, 40, 40, 2, 2, 16)
+    pattern = np.random.RandomState(0).rand(5, 5) < 0.5
+    np.fill_diagonal(pattern, True)
+    block_mask = BlockMask.from_kv_blocks(jnp.asarray(pattern.sum(-1), jnp.int32),
+                                          jnp.asarray(np.argsort(~pattern, -1, kind="stable"), jnp.int32),
+                                          BLOCK_SIZE=8, compute_q_blocks=False)
+    allowed = np.kron(pattern, np.ones((8, 8), bool))
+    cotangent = jnp.cos(jnp.arange(40 * 2 * 16.0)).reshape(1, 40, 2, 16)
+    out, vjp = jax.vjp(lambda q, k, v: flex_attention(q, k, v, None, block_mask), q, k, v)
+    assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, cotangent)]
+        _, dense_vjp = jax.vjp(lambda q, k, v: probjax_kernels.flash_attention_reference(
+            q, k, v, mask=jnp.asarray(allowed)), *wide[:3])
+        expected = dense_vjp(wide[3])
+    for name, got, want in zip("qkv", vjp(cotangent), expected):
+        assert_close(got, want, jnp.float32, name)
+
+
+def test_block_mask_indexing_by_query_block_and_integer_arrays():
+    """Issue 22 item 11: `bm[:, :, i]` and integer-array indices, as PyTorch; ours keeps a working mask_mod, so
+    the selected query blocks (in any order) and batches run as those rows of the original."""
+    ids = jnp.array([[0] * 20 + [1] * 76, [0] * 50 + [1] * 46, [0] * 96], jnp.int32)
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 3, None, 96, 96, BLOCK_SIZE=32)
+    row = block_mask[:, :, 1]
+    assert row.kv_num_blocks.shape == (3, 1, 1) and row.shape == (3, 1, 32, 96)
+    np.testing.assert_array_equal(row.kv_indices, block_mask.kv_indices[:, :, 1:2])
+    picked = block_mask[jnp.array([2, 0]), :, np.array([2, 0])]
+    assert picked.shape == (2, 1, 64, 96)
+    np.testing.assert_array_equal(picked.full_kv_num_blocks, np.asarray(block_mask.full_kv_num_blocks)[[2, 0]][:, :, [2, 0]])
+    q, k, v = random_qkv(9, 3, 96, 96, 2, 2, 16)
+    rows, batches = np.r_[64:96, 0:32], np.array([2, 0])
+    out = flex_attention(q[batches][:, rows], k[batches], v[batches], None, picked)
+    for i, b in enumerate((2, 0)):
+        allowed = (rows[:, None] >= np.arange(96)) & (np.asarray(ids[b])[rows][:, None] == np.asarray(ids[b]))
+        assert_close(out[i:i + 1], numpy_attention(q[b:b + 1, rows], k[b:b + 1], v[b:b + 1], allowed=allowed)[0],
+                     jnp.float32)
+    ragged = create_block_mask(causal_mask, None, None, 100, 100, BLOCK_SIZE=32)
+    assert ragged[:, :, -1].shape == (1, 1, 4, 100) and ragged[:, :, [0, 3]].shape == (1, 1, 36, 100)
+    with pytest.raises(IndexError, match="ragged .* select it last"):
+        ragged[:, :, [3, 0]]
+    with pytest.raises(IndexError, match="query block index 4 is out of range"):
+        ragged[:, :, 4]
+    decode = ragged[:, :, 2]  # PyTorch's decoding pattern assigns the lengths and mask_mod
+    decode.seq_lengths = (1, 100)
+    assert decode.shape == (1, 1, 1, 100)
+
+
+def test_torch_keywords_separate_full_blocks_and_compute_q_blocks():
+    """Issue 22 item 12."""
+    merged = create_block_mask(causal_mask, None, None, 64, 64, BLOCK_SIZE=16, separate_full_blocks=False)
+    np.testing.assert_array_equal(merged.kv_num_blocks[0, 0], [1, 2, 3, 4])
+    assert int(jnp.sum(merged.full_kv_num_blocks)) == 0
+    separate = create_block_mask(causal_mask, None, None, 64, 64, 16)
+    lazy = BlockMask.from_kv_blocks(*separate.kv_tables, BLOCK_SIZE=16, mask_mod=causal_mask, compute_q_blocks=False)
+    assert lazy.q_indices is None and lazy.q_num_blocks is None
+    for got, want in zip(lazy.q_tables, separate.q_tables):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_torch_private_names_and_porting_errors():
+    """Issue 22 items 14 and 15: attention-gym's imports; PyTorch tensor methods in hooks name the jnp
+    spelling; a score_mod given to create_block_mask; torch's shape for tables without B / H."""
+    from probjax_kernels import _DEFAULT_SPARSE_BLOCK_SIZE, _mask_mod_signature, _score_mod_signature
+
+    assert _DEFAULT_SPARSE_BLOCK_SIZE == 128 and _mask_mod_signature is not None and _score_mod_signature is not None
+    q, k, v = random_qkv(10, 1, 16, 16, 1, 1, 16)
+    with pytest.raises(AttributeError, match="\\.clamp\\(\\).*jnp\\.clip\\(x, min, max\\)"):
+        flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + (q_idx - kv_idx).clamp(0, 4))
+    with pytest.raises(AttributeError, match="\\.float\\(\\).*x\\.astype\\(jnp\\.float32\\)"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: q_idx.float() >= kv_idx, None, None, 16, 16, BLOCK_SIZE=16)
+    with pytest.raises(AttributeError, match="\\.to\\(\\).*x\\.astype\\(dtype\\)"):
+        create_mask(lambda b, h, q_idx, kv_idx: q_idx.to(jnp.int32) >= kv_idx, None, None, 4, 4)
+    with pytest.raises(TypeError, match="create_block_mask needs a mask_mod.*a score_mod"):
+        create_block_mask(lambda score, b, h, q_idx, kv_idx: score, None, None, 16, 16)
+    tables = create_block_mask(causal_mask, None, 2, 64, 64, BLOCK_SIZE=32)
+    assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0, 0], tables.kv_indices[0, 0], BLOCK_SIZE=32).shape == (64, 64)
+    assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0], tables.kv_indices[0], BLOCK_SIZE=32).shape == (2, 64, 64)

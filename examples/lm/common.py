@@ -18,6 +18,11 @@ Params = Any  # a pytree of float32 arrays
 Cache = Any  # a pytree of decode-cache arrays
 # (params, cache, tokens [B] int32, position int32 scalar) -> (logits [B, V] float32, cache)
 DecodeStep = Callable[[Params, Cache, jax.Array, jax.Array], tuple[jax.Array, Cache]]
+# (params, tokens [B, T] int32) -> (logits [B, T, V] float32, each layer's rotated keys and values [B, T, K, D])
+Prefill = Callable[[Params, jax.Array], tuple[jax.Array, Any]]
+# (params, pages, block_tables [B, max_pages], tokens [B], positions [B]) -> (logits [B, V], pages): `pages` is
+# the prefill's key / value pytree with each leaf as pages [P, page_size, K, D] (probjax_nn.pages_from_dense)
+PagedStep = Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +33,8 @@ class LanguageModel:
     apply: Callable[[Params, jax.Array], jax.Array]  # (params, tokens [B, T] int32) -> logits [B, T, V] float32
     decoder: Callable[[Params, int, int], tuple[DecodeStep, Cache]]  # (params, batch, max_len) -> (step, empty cache)
     partition: Callable[[Params], Any]  # a PartitionSpec per parameter, for --mesh
+    prefill: Prefill  # batched generation: whole prompts at once ...
+    paged_step: PagedStep  # ... then one token per sequence against a paged cache
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

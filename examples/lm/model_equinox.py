@@ -24,6 +24,7 @@ from jax import lax
 
 from lm.common import LanguageModel, cache_attention, causal_attention, partition_specs, rope
 from lm.config import Config
+from lm.paged import KVPages, paged_attention
 
 KVCache = tuple[jax.Array, jax.Array]  # key and value, `[max_len, num_kv_heads, head_dim]` each
 
@@ -56,9 +57,22 @@ class Attention(eqx.Module):
         return query, key, project(self.value_proj, config.kv_heads)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.prefill(x, positions)[0]
+
+    def prefill(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Causal attention over x `[T, d_model]`; also returns the rotated keys and values `[T, K, D]`."""
         query, key, value = self._heads(x, positions)
         out = causal_attention(query, key, value, self.config.attention)
-        return jax.vmap(self.output_proj)(out.reshape(x.shape[0], -1))
+        return jax.vmap(self.output_proj)(out.reshape(x.shape[0], -1)), (key, value)
+
+    def paged_step(
+        self, x: jax.Array, positions: jax.Array, pages: KVPages, block_tables: jax.Array
+    ) -> tuple[jax.Array, KVPages]:
+        """Batched (the pages are shared by the batch): x `[B, 1, d_model]`, one token per sequence at
+        `positions` `[B]`, against the paged cache; returns `[B, 1, d_model]` and the pages."""
+        query, key, value = jax.vmap(self._heads)(x, positions[:, None])
+        out, pages = paged_attention(query, key, value, pages, block_tables, positions, self.config.attention)
+        return jax.vmap(jax.vmap(self.output_proj))(out.reshape(*x.shape[:2], -1)), pages
 
     def decode(self, x: jax.Array, position: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One token, x `[1, d_model]` at `position`, against the cache; returns `[1, d_model]` and the cache."""
@@ -88,8 +102,21 @@ class Block(eqx.Module):
         return jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.mlp_norm)(x))))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attention(jax.vmap(self.attention_norm)(x), positions)
-        return x + self.mlp(x)
+        return self.prefill(x, positions)[0]
+
+    def prefill(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, KVCache]:
+        attended, kv = self.attention.prefill(jax.vmap(self.attention_norm)(x), positions)
+        x = x + attended
+        return x + self.mlp(x), kv
+
+    def paged_step(
+        self, x: jax.Array, positions: jax.Array, pages: KVPages, block_tables: jax.Array
+    ) -> tuple[jax.Array, KVPages]:
+        """Batched: x `[B, 1, d_model]` at `positions` `[B]`."""
+        normed = jax.vmap(jax.vmap(self.attention_norm))(x)
+        attended, pages = self.attention.paged_step(normed, positions, pages, block_tables)
+        x = x + attended
+        return x + jax.vmap(self.mlp)(x), pages
 
     def decode(self, x: jax.Array, position: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         attended, cache = self.attention.decode(jax.vmap(self.attention_norm)(x), position, cache)
@@ -120,10 +147,25 @@ class Transformer(eqx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """tokens `[T]` int32 at `positions` `[T]` -> logits `[T, V]` float32."""
-        x = jax.vmap(self.embed)(tokens)
+        return self.prefill(tokens, positions)[0]
+
+    def prefill(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, list[KVCache]]:
+        """tokens `[T]` -> logits `[T, V]` and each layer's rotated keys and values `[T, K, D]`."""
+        x, kv = jax.vmap(self.embed)(tokens), []
         for block in self.blocks:
-            x = block(x, positions)
-        return self._logits(x)
+            x, layer_kv = block.prefill(x, positions)
+            kv.append(layer_kv)
+        return self._logits(x), kv
+
+    def paged_step(
+        self, tokens: jax.Array, positions: jax.Array, pages: list[KVPages], block_tables: jax.Array
+    ) -> tuple[jax.Array, list[KVPages]]:
+        """Batched: tokens `[B]` at `positions` `[B]` -> logits `[B, V]` and the updated pages of each layer."""
+        x, new_pages = jax.vmap(self.embed)(tokens)[:, None], []
+        for block, layer_pages in zip(self.blocks, pages):
+            x, layer_pages = block.paged_step(x, positions, layer_pages, block_tables)
+            new_pages.append(layer_pages)
+        return jax.vmap(self._logits)(x)[:, 0], new_pages
 
     def decode(self, token: jax.Array, position: jax.Array, cache: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
         """One token (int32 scalar) at `position` -> logits `[V]` and the updated per-layer caches."""
@@ -155,4 +197,13 @@ def build(config: Config, key: jax.Array) -> LanguageModel:
 
         return step, cache
 
-    return LanguageModel(params, apply, decoder, functools.partial(partition_specs, column_axis=0, row_axis=1))
+    def prefill(params, tokens):
+        model = eqx.combine(params, static)
+        return jax.vmap(model.prefill, in_axes=(0, None))(tokens, jnp.arange(tokens.shape[1]))
+
+    def paged_step(params, pages, block_tables, tokens, positions):
+        return eqx.combine(params, static).paged_step(tokens, positions, pages, block_tables)
+
+    return LanguageModel(
+        params, apply, decoder, functools.partial(partition_specs, column_axis=0, row_axis=1), prefill, paged_step
+    )

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import probjax_nn.nnx
-from lm.common import LanguageModel, context_parallel, partition_specs, rope, shard_heads
+from lm.common import LanguageModel, causal_attention, context_parallel, partition_specs, rope, shard_heads
 from lm.config import Config
+from lm.paged import KVPages, paged_attention, rope_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,33 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, decode: bool) -> jax.Array:
         x = x + self.attention(self.attention_norm(x), is_causal=True, decode=decode, input_positions=positions)
+        return self._mlp(x)
+
+    def _mlp(self, x: jax.Array) -> jax.Array:
         return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+    def _heads(self, x: jax.Array, positions: jax.Array, theta: float):
+        """The attention module's q, k, v of `attention_norm(x)` `[B, T, d_model]`, q and k rotated to
+        `positions` `[B, T]`: what `RotaryAttention` gives the attention function, outside the module's call."""
+        attention, x = self.attention, self.attention_norm(x)
+        query, key, value = attention.query(x), attention.key(x), attention.value(x)
+        return rope_rows(query, positions, theta), rope_rows(key, positions, theta), value
+
+    def prefill(self, x: jax.Array, config: Config) -> tuple[jax.Array, KVPages]:
+        """The block over whole prompts `[B, T, d_model]` (flash attention, causal); also returns the rotated
+        keys and values `[B, T, K, D]`."""
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        query, key, value = self._heads(x, positions, config.rope_theta)
+        x = x + self.attention.out(causal_attention(query, key, value, config.attention))
+        return self._mlp(x), (key, value)
+
+    def paged_step(
+        self, x: jax.Array, positions: jax.Array, pages: KVPages, block_tables: jax.Array, config: Config
+    ) -> tuple[jax.Array, KVPages]:
+        """One new token per sequence, x `[B, 1, d_model]` at `positions` `[B]`, against the paged cache."""
+        query, key, value = self._heads(x, positions[:, None], config.rope_theta)
+        out, pages = paged_attention(query, key, value, pages, block_tables, positions, config.attention)
+        return self._mlp(x + self.attention.out(out)), pages
 
 
 class Transformer(nnx.Module):
@@ -80,9 +107,30 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, decode)
+        return self._logits(x)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.unembed is None else self.unembed(x)
         return logits.astype(jnp.float32)
+
+    def prefill(self, tokens: jax.Array, config: Config) -> tuple[jax.Array, list[KVPages]]:
+        """tokens `[B, T]` -> logits `[B, T, V]` and each layer's rotated keys and values `[B, T, K, D]`."""
+        x, kv = self.embed(tokens), []
+        for block in self.blocks:
+            x, layer_kv = block.prefill(x, config)
+            kv.append(layer_kv)
+        return self._logits(x), kv
+
+    def paged_step(
+        self, tokens: jax.Array, positions: jax.Array, pages: list[KVPages], block_tables: jax.Array, config: Config
+    ) -> tuple[jax.Array, list[KVPages]]:
+        """tokens `[B]` at `positions` `[B]` -> logits `[B, V]` and the updated pages of each layer."""
+        x, new_pages = self.embed(tokens[:, None]), []
+        for block, layer_pages in zip(self.blocks, pages):
+            x, layer_pages = block.paged_step(x, positions, layer_pages, block_tables, config)
+            new_pages.append(layer_pages)
+        return self._logits(x)[:, 0], new_pages
 
 
 def build(config: Config, key: jax.Array) -> LanguageModel:
@@ -105,4 +153,12 @@ def build(config: Config, key: jax.Array) -> LanguageModel:
 
         return step, cache
 
-    return LanguageModel(params, apply, decoder, functools.partial(partition_specs, column_axis=1, row_axis=0))
+    def prefill(params, tokens):
+        return nnx.merge(graphdef, params).prefill(tokens, config)
+
+    def paged_step(params, pages, block_tables, tokens, positions):
+        return nnx.merge(graphdef, params).paged_step(tokens, positions, pages, block_tables, config)
+
+    return LanguageModel(
+        params, apply, decoder, functools.partial(partition_specs, column_axis=1, row_axis=0), prefill, paged_step
+    )

@@ -1,10 +1,13 @@
-"""Sampling bytes with the KV-cache decode path: one token per step, the prompt fed through the same steps."""
+"""Sampling bytes. `generate`: the dense KV-cache decode path, one token per step, the prompt fed through the
+same steps. `generate_batch`: prompts of different lengths at once, a prefill then decode steps on a paged cache."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from probjax_nn import pages_from_dense
 
 from lm.common import LanguageModel, Params
 
@@ -45,3 +48,49 @@ def generate(
 
     tokens = np.asarray(run(params, cache, key)).astype(np.uint8)
     return [row.tobytes() for row in tokens]
+
+
+def generate_batch(
+    model: LanguageModel, params: Params, prompts: list[bytes], num_tokens: int, *, temperature: float,
+    key: jax.Array, page_size: int = 16,
+) -> list[bytes]:
+    """One continuation of each prompt, `num_tokens` bytes (prompt included in the result), all prompts at once.
+
+    The prompts, of any lengths, are padded to the longest and run through `model.prefill` in one call (flash
+    attention, causal: a prompt's tokens never see the padding after it); its keys and values become pages
+    (`probjax_nn.pages_from_dense`) with room for `num_tokens` more per prompt, and every step then feeds
+    each sequence's newest token at its own position through `model.paged_step` (`probjax_nn.decode_attention`
+    on the paged cache). Tokens are drawn as in `generate`; at temperature 0 they are `generate`'s.
+    """
+    if not prompts or not all(prompts):
+        raise ValueError("every prompt must hold at least one byte.")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), lengths.max()), np.int32)
+    for row, prompt in zip(tokens, prompts):
+        row[: len(prompt)] = np.frombuffer(prompt, np.uint8)
+    max_length = int(lengths.max()) + num_tokens
+
+    @jax.jit
+    def run(params, tokens, lengths, key):
+        logits, kv = model.prefill(params, tokens)
+        block_tables = pages_from_dense(jax.tree.leaves(kv)[0], page_size, max_length=max_length)[1]
+        pages = jax.tree.map(lambda x: pages_from_dense(x, page_size, max_length=max_length)[0], kv)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+        def draw(logits, key):
+            if temperature > 0:
+                return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        def body(carry, step):
+            pages, logits, key = carry
+            key, subkey = jax.random.split(key)
+            drawn = draw(logits, subkey)
+            logits, pages = model.paged_step(params, pages, block_tables, drawn, lengths + step)
+            return (pages, logits, key), drawn
+
+        _, drawn = jax.lax.scan(body, (pages, last, key), jnp.arange(num_tokens, dtype=jnp.int32))
+        return drawn.T
+
+    drawn = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(lengths), key)).astype(np.uint8)
+    return [prompt + row.tobytes() for prompt, row in zip(prompts, drawn)]

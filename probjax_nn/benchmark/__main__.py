@@ -7,6 +7,6 @@ import sys
 # first JAX computation initialises the backend.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from probjax_nn.benchmark._cli import main  # noqa: E402
+from probjax_nn.benchmark._main import main  # noqa: E402
 
 sys.exit(main())

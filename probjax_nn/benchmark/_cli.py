@@ -30,7 +30,8 @@ USAGE = """\
 python -m probjax_nn.benchmark [--output FILE] [--batch B] [--heads N] [--head-dims D ...] [--seq-lens T ...]
                                [--ragged-seq-lens T ...] [--dtypes DTYPE ...] [--modes MODE ...]
                                [--causal {0,1} ...] [--impls IMPL ...] [--append] [--tag TEXT]
-python -m probjax_nn.benchmark plot FILE [--out-dir DIR]"""
+python -m probjax_nn.benchmark plot FILE [--out-dir DIR]
+python -m probjax_nn.benchmark decode [--batch B ...] [--cache-lens S ...] [--heads N:K ...] [--page-sizes P ...]"""
 
 DESCRIPTION = """\
 Attention speed, memory and error of probjax against every peer a user could pick instead, one JSON row per

@@ -6,7 +6,8 @@
 # missing where torch or CUDA is not there), after seq 8192 the jvp rows and the Mosaic tile sweep
 # (tests/gpu/mosaic_sweep.py -> mosaic_sweep.jsonl), and the plots. The Mosaic GPU tests run before the
 # benchmark, whose Mosaic rows and sweep run only if they pass. Later steps are cut when the budget
-# runs out, so the order is the priority. Usage, from anywhere, on a machine with jax[cuda] installed:
+# runs out, so the order is the priority. Last, the decode kernel's GPU test and its benchmark grid
+# (gpu_decode_bf16*.json). Usage, from anywhere, on a machine with jax[cuda] installed:
 #
 #     OUT=/some/folder bash tests/gpu/run_gpu_checks.sh
 #
@@ -113,6 +114,16 @@ done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \
     --impls torch_flex
 step 60 plot plot.log "$python" -m probjax_nn.benchmark plot "$results"
+# decode (issue 24): the kernel against the reference, then the decode grid (hd 128, GQA 8:1 and 32:8, dense
+# and pages of 16 and 64), smallest caches first so that a cut keeps whole rows; each step only if time is left.
+step 150 pytest-decode pytest_decode.log \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" tests/gpu/test_gpu_decode.py
+decode_bench=("$python" -m probjax_nn.benchmark decode --batch 1 8 64 --heads 8:1 32:8 --head-dim 128
+    --page-sizes 0 16 64 --dtypes bfloat16)
+step 240 benchmark-decode benchmark_decode.log "${decode_bench[@]}" --output "$out/gpu_decode_bf16.json" \
+    --cache-lens 1024 8192 32768
+step 180 benchmark-decode-128k benchmark_decode_128k.log "${decode_bench[@]}" \
+    --output "$out/gpu_decode_bf16_128k.json" --cache-lens 131072
 
 rm -rf "$links"
 echo "done after ${SECONDS}s" | tee -a "$log"

@@ -1,0 +1,102 @@
+"""Block tables as arrays: ordered (count, indices) tables <-> dense tile classes, and the re-tiling of a
+mask's tiles onto tiles the kernels can run.
+
+A `BlockMask` may use any tile PyTorch accepts (8, 48, 96, (64, 48), ...), while the kernels' tiles are
+powers of two >= 16 that must divide the tables' tile. `retile` maps the tables onto such a tile at call time:
+
+- a tile that is a multiple of 16 is split into its largest power-of-two divisor (48 -> 16, 96 -> 32): every
+  kernel tile lies inside one mask tile and keeps its class, so nothing else changes;
+- any other tile (8, 24, 100) is merged into power-of-two tiles (8 -> 16, 100 -> 64) that may cover several
+  mask tiles: one is empty only if every mask tile it covers is empty, full only if every one is full, and
+  partial otherwise, where `tile_class_mask_mod` evaluates the mask per element as the mask's tables say
+  (full: attend, empty: masked, partial: its mask_mod).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KERNEL_MIN_TILE = 16
+
+
+def check_block_size(block_size, name: str = "block_size") -> tuple[int, int]:
+    """(block_q, block_kv) from an int or a pair of ints >= 1, as PyTorch takes it."""
+    pair = (block_size, block_size) if isinstance(block_size, (int, np.integer)) else tuple(block_size)
+    if len(pair) != 2 or any(not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1 for b in pair):
+        raise ValueError(f"{name} must be an int >= 1 or a pair of them (block_q, block_kv), got {block_size!r}.")
+    return int(pair[0]), int(pair[1])
+
+
+def tiles_of(num_blocks: jax.Array, indices: jax.Array) -> jax.Array:
+    """`[B, H, rows, cols]` bool: the tiles that 4-D (num_blocks, indices) tables list (a scatter, linear in
+    the size of the tables)."""
+    cols = indices.shape[-1]
+    used = jnp.arange(cols, dtype=num_blocks.dtype).reshape(1, 1, 1, cols) < num_blocks[..., None]
+    target = jnp.where(used, indices, cols)  # unused entries land in a spare column, dropped below
+    dense = jnp.zeros((*indices.shape[:-1], cols + 1), jnp.bool_)
+    lead = jnp.indices(indices.shape, sparse=True)[:-1]
+    return dense.at[(*lead, target)].set(True)[..., :cols]
+
+
+def ordered_indices(selected: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(count, indices) of the True entries along the last axis, those first and ascending."""
+    count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
+    order = jnp.argsort(~selected, axis=-1, stable=True).astype(jnp.int32)
+    return count, order
+
+
+def kernel_tile(size: int) -> int:
+    """The table tile the kernels run for a mask tile of `size` along one axis (see the module docstring)."""
+    if size >= KERNEL_MIN_TILE and size & (size - 1) == 0:
+        return size
+    if size % KERNEL_MIN_TILE == 0:
+        return size & -size  # the largest power of two dividing it
+    return max(KERNEL_MIN_TILE, 1 << (size.bit_length() - 1))
+
+
+def _cover(length: int, old: int, new: int) -> tuple[np.ndarray, np.ndarray]:
+    """For one axis of `length` positions: which old tiles each new tile overlaps `[new_tiles, old_tiles]`, and
+    whether a new tile reaches past the old tiles' extent (positions that no table describes)."""
+    new_tiles, old_tiles = -(-length // new), -(-length // old)
+    start = np.arange(new_tiles)[:, None] * new
+    old_start = np.arange(old_tiles)[None, :] * old
+    overlaps = (old_start < start + new) & (start < old_start + old)
+    beyond = (np.arange(new_tiles) + 1) * new > old_tiles * old
+    return overlaps, beyond
+
+
+def retile(partial: jax.Array, full: jax.Array, block_size: tuple[int, int], seq_lengths: tuple[int, int]):
+    """Partial / full `[B, H, rows, cols]` bool tiles of `block_size` mapped onto `kernel_tile`'s tiles.
+
+    Returns (partial, full, new block size, merged): `merged` is True when a new tile can cover several mask
+    tiles (its mask_mod must then follow the old tables, `tile_class_mask_mod`). A new tile reaching past the
+    old tables' extent is never full.
+    """
+    new_size = tuple(kernel_tile(b) for b in block_size)
+    if new_size == tuple(block_size):
+        return partial, full, new_size, False
+    (rows, row_beyond), (cols, col_beyond) = (_cover(n, b, t) for n, b, t in zip(seq_lengths, block_size, new_size))
+    rows, cols = jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32)
+
+    def count(tiles):  # how many of the old tiles under each new tile are set
+        return jnp.einsum("ri,bhij,cj->bhrc", rows, tiles.astype(jnp.int32), cols)
+
+    covered = (jnp.sum(rows, axis=1)[:, None] * jnp.sum(cols, axis=1)[None, :])[None, None]
+    inside = jnp.asarray(~row_beyond[:, None] & ~col_beyond[None, :])[None, None]
+    new_full = (count(full) == covered) & inside
+    new_partial = (count(partial | full) > 0) & ~new_full
+    merged = any(b % t for b, t in zip(block_size, new_size))
+    return new_partial, new_full, new_size, merged
+
+
+def tile_class_mask_mod(classes, block_size, mask_mod, b, h, q_idx, kv_idx):
+    """The element-wise mask that tables of `classes` (`[B|1, H|1, rows, cols]` int8: 0 empty, 1 partial,
+    2 full) and `mask_mod` stand for: True on full tiles, mask_mod on partial ones, False on empty ones.
+    Broadcast table axes are read at 0, so the result reads b / h only where the tables have them."""
+    batch, heads, rows, cols = classes.shape
+    row = jnp.minimum(q_idx // block_size[0], rows - 1)
+    col = jnp.minimum(kv_idx // block_size[1], cols - 1)
+    tile = classes[b if batch > 1 else 0, h if heads > 1 else 0, row, col]
+    return (tile == 2) | ((tile == 1) & mask_mod(b, h, q_idx, kv_idx))

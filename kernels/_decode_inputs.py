@@ -1,0 +1,200 @@
+"""Input checks of `decode_attention` and its reference, and the decode kernel's config.
+
+The cache is dense `[B, S, K, D]` or paged `[P, page_size, K, D]` with `block_tables` `[B, max_pages]`; the
+T new tokens of sequence b sit at positions `kv_lengths[b] - T + t`. Every check names the caller's
+argument, what it got and what it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax_kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_dtypes, check_flag
+
+MAX_NEW_TOKENS = 16  # q rows per sequence: T new tokens times the GQA group share one tile
+_MIN_PAGE = 16  # Triton's dot needs every dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch choices of the decode kernel; `None` fields get per-device defaults.
+
+    - `block_k`: keys per step over a dense cache (a power of two >= 16; a paged cache steps one page).
+    - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
+    - `backend`: `"triton"` (Pallas Triton, NVIDIA GPUs) or `"interpret"` (Pallas interpret mode, any
+      device); None: Triton where `default_backend()` picks a GPU kernel, interpret mode elsewhere.
+    """
+
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    backend: Literal["triton", "interpret"] | None = None
+
+    def __post_init__(self):
+        if self.block_k is not None and (not _is_int(self.block_k) or self.block_k < _MIN_PAGE
+                                         or self.block_k & (self.block_k - 1)):
+            raise ValueError(f"DecodeConfig.block_k={self.block_k!r} must be a power of two >= {_MIN_PAGE}.")
+        for name in ("num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int.")
+        if self.backend not in (None, "triton", "interpret"):
+            raise ValueError(f"DecodeConfig.backend={self.backend!r} must be 'triton', 'interpret' or None.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """Checked decode inputs. `paged` tells the cache layout; `capacity` is the keys one sequence can hold
+    (S, or max_pages * page_size)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    kv_lengths: jax.Array  # [B] int32
+    block_tables: jax.Array | None  # [B, max_pages] int32
+    scale: float
+    num_splits: int | None
+    return_lse: bool
+
+    @property
+    def paged(self) -> bool:
+        return self.block_tables is not None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(B, T, N, K, D, Dv)."""
+        batch, new_tokens, num_heads, head_dim = self.q.shape
+        return batch, new_tokens, num_heads, self.k.shape[2], head_dim, self.v.shape[3]
+
+    @property
+    def page_size(self) -> int | None:
+        return self.k.shape[1] if self.paged else None
+
+    @property
+    def capacity(self) -> int:
+        return self.block_tables.shape[1] * self.k.shape[1] if self.paged else self.k.shape[1]
+
+
+def _concrete(x) -> np.ndarray | None:
+    """The values of x when they are known at trace time (not a tracer)."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def check_decode_inputs(
+    q, k, v, *, kv_lengths, block_tables, score_mod, mask_mod, num_splits, scale, return_lse,
+    allowed_dtypes: tuple = KERNEL_DTYPES, max_head_dim: int | None = MAX_HEAD_DIM,
+) -> DecodeInputs:
+    """Checks a `decode_attention` call (see its docstring); values of `kv_lengths` and `block_tables` are
+    range-checked when they are concrete."""
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    paged = block_tables is not None
+    cache = "[P, page_size, K, D]" if paged else "[B, S, K, D]"
+    if q.ndim != 4:
+        raise ValueError(f"q must have rank 4 ([B, T, N, D]), got shape {q.shape}.")
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 ({cache}), got shape {x.shape}.")
+    check_dtypes(q, k, v, allowed_dtypes)
+    batch, new_tokens, num_heads, head_dim = q.shape
+    if not 1 <= new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(
+            f"q must hold 1 to {MAX_NEW_TOKENS} new tokens per sequence (q [B, T, N, D] with T <= "
+            f"{MAX_NEW_TOKENS}), got T={new_tokens}; use flash_attention for a prefill."
+        )
+    if min(q.shape) < 1:
+        raise ValueError(f"every dimension of q must be >= 1, got {q.shape}.")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must share their first three dims ({cache}; Dv may differ), got {k.shape} and {v.shape}.")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k must have q's head dim D={head_dim}, got k {k.shape}.")
+    if min(k.shape) < 1 or v.shape[3] < 1:
+        raise ValueError(f"every dimension of k and v must be >= 1, got k {k.shape} and v {v.shape}.")
+    num_kv_heads = k.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"the query heads N={num_heads} must be a multiple of the key/value heads K={num_kv_heads}.")
+    for name, dim in (("D", head_dim), ("Dv", v.shape[3])):
+        if max_head_dim is not None and dim > max_head_dim:
+            raise ValueError(f"head dim {name}={dim} is not supported: it must be <= {max_head_dim}.")
+    if paged:
+        block_tables = jnp.asarray(block_tables)
+        page_size = k.shape[1]
+        if page_size < _MIN_PAGE or page_size & (page_size - 1):
+            raise ValueError(
+                f"page_size (k.shape[1] of a paged cache [P, page_size, K, D]) must be a power of two >= "
+                f"{_MIN_PAGE}, got {page_size}."
+            )
+        if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+            raise TypeError(f"block_tables must be an int array, got dtype {block_tables.dtype}.")
+        if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+            raise ValueError(f"block_tables must be [B, max_pages] with B={batch}, got shape {block_tables.shape}.")
+        block_tables = block_tables.astype(jnp.int32)
+        capacity = block_tables.shape[1] * page_size
+    else:
+        if k.shape[0] != batch:
+            raise ValueError(
+                f"a dense cache k must be [B, S, K, D] with q's B={batch}, got {k.shape} (pass block_tables "
+                "for a paged cache)."
+            )
+        capacity = k.shape[1]
+    kv_lengths = _check_lengths(kv_lengths, batch, new_tokens, capacity)
+    if paged:
+        _check_tables(block_tables, kv_lengths, k.shape[0], k.shape[1])
+    for name, hook in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}.")
+    if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}.")
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0 or not _is_real(scale):
+        raise TypeError(
+            f"scale must be a Python float (decode_attention compiles it), got {scale!r}; a learned scale can "
+            "enter through score_mod."
+        )
+    elif not np.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}.")
+    return DecodeInputs(
+        q=q, k=k, v=v, kv_lengths=kv_lengths, block_tables=block_tables if paged else None,
+        scale=float(scale), num_splits=None if num_splits is None else int(num_splits),
+        return_lse=check_flag("return_lse", return_lse),
+    )
+
+
+def _check_lengths(kv_lengths, batch: int, new_tokens: int, capacity: int) -> jax.Array:
+    if kv_lengths is None:
+        raise ValueError("kv_lengths is required: the cache length of each sequence, new tokens included.")
+    kv_lengths = jnp.asarray(kv_lengths)
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise TypeError(f"kv_lengths must be an int array, got dtype {kv_lengths.dtype}.")
+    if kv_lengths.shape != (batch,):
+        raise ValueError(f"kv_lengths must have shape [B] = [{batch}], got {kv_lengths.shape}.")
+    values = _concrete(kv_lengths)
+    if values is not None:
+        bad = (values != 0) & ((values < new_tokens) | (values > capacity))
+        if bad.any():
+            raise ValueError(
+                f"kv_lengths must be 0 (an empty slot) or lie in [T, capacity] = [{new_tokens}, {capacity}] "
+                f"(the cache holds the T new tokens), got {values.tolist()}."
+            )
+    return kv_lengths.astype(jnp.int32)
+
+
+def _check_tables(block_tables: jax.Array, kv_lengths: jax.Array, num_pages: int, page_size: int) -> None:
+    """The pages each sequence uses (the first cdiv(kv_lengths[b], page_size) entries) must exist; entries
+    past them are never read and may hold anything."""
+    tables, lengths = _concrete(block_tables), _concrete(kv_lengths)
+    if tables is None or lengths is None:
+        return
+    used = np.arange(tables.shape[1])[None, :] < -(-lengths[:, None] // page_size)
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    if bad.any():
+        b, p = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_tables[{b}, {p}] = {int(tables[b, p])} is not a page of the cache (it has P={num_pages} "
+            f"pages: 0..{num_pages - 1}), and sequence {b} reads it (kv_lengths[{b}] = {int(lengths[b])})."
+        )

@@ -1,0 +1,154 @@
+"""Decoding in the layer: `probjax_nn.decode_attention` and `pages_from_dense`, the NNX and Linen modules'
+decode steps on `probjax_kernels.decode_attention` against the stock flax modules decoding token by token,
+and the LM example's batched generation on a paged cache against its dense-cache path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, numpy_attention, random_qkv
+from module_helpers import BATCH, FEATURES, HEADS, SEQ, assert_trees_close, inputs, padding_mask
+
+import probjax_kernels
+import probjax_nn
+from probjax_kernels import alibi, alibi_slopes
+
+nn = pytest.importorskip("flax.linen")
+nnx = pytest.importorskip("flax.nnx")
+import probjax_nn.linen as plinen  # noqa: E402
+import probjax_nn.nnx as pnnx  # noqa: E402
+
+
+@pytest.fixture
+def decode_calls(monkeypatch) -> list[tuple]:
+    """Records the query shape of every `probjax_kernels.decode_attention` call (the layer looks it up there)."""
+    calls, kernel = [], probjax_kernels.decode_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape)
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(probjax_kernels, "decode_attention", spy)
+    return calls
+
+
+def test_pages_from_dense_lays_out_each_sequence_in_its_pages():
+    cache = np.arange(2 * 20 * 1 * 3, dtype=np.float32).reshape(2, 20, 1, 3)
+    pages, tables = probjax_nn.pages_from_dense(cache, 8, max_length=30)
+    assert pages.shape == (8, 8, 1, 3) and tables.shape == (2, 4) and tables.dtype == jnp.int32
+    pages, tables = np.asarray(pages), np.asarray(tables)
+    for b in range(2):
+        for j in range(32):
+            expected = cache[b, j] if j < 20 else 0.0
+            np.testing.assert_array_equal(pages[tables[b, j // 8], j % 8], expected)
+    with pytest.raises(ValueError, match=r"max_length must be an int >= the cache length S=20, got 19"):
+        probjax_nn.pages_from_dense(cache, 8, max_length=19)
+    with pytest.raises(ValueError, match=r"page_size must be a positive int, got 0"):
+        probjax_nn.pages_from_dense(cache, 0)
+
+
+def test_decode_attention_paged_kernel_and_xla_match_float64(decode_calls):
+    """One new token per sequence over a paged cache (pages_from_dense) and GQA 2:1, against float64 NumPy;
+    impl "pallas" runs the kernel, "xla" the reference, "cudnn" and hooks under "pallas" raise."""
+    q, k, v = random_qkv(0, 2, 1, 40, 4, 2, 16)
+    lengths = np.array([40, 17], np.int32)
+    allowed = np.arange(40)[None, None, None, :] < lengths[:, None, None, None]
+    expected, _ = numpy_attention(q, k, v, allowed=allowed)
+    (key_pages, tables), (value_pages, _) = (probjax_nn.pages_from_dense(x, 16, max_length=48) for x in (k, v))
+    paged = dict(kv_lengths=jnp.asarray(lengths), block_tables=tables)
+    assert_close(probjax_nn.decode_attention(q, key_pages, value_pages, **paged, impl="pallas"), expected, jnp.float32)
+    assert decode_calls == [q.shape]
+    assert_close(probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, impl="xla"), expected, jnp.float32)
+    assert len(decode_calls) == 1
+    with pytest.raises(NotImplementedError, match="impl='cudnn' has no decode path"):
+        probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, impl="cudnn")
+    with pytest.raises(NotImplementedError, match="impl='pallas' does not support score_mod"):
+        probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, score_mod=alibi(alibi_slopes(4)), impl="pallas")
+
+
+def _stock_decode_nnx(module, x, mask):
+    module.init_cache(x.shape)
+    step = nnx.jit(lambda module, token: module(token, decode=True, mask=mask))
+    return jnp.concatenate([step(module, x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
+
+
+@pytest.mark.parametrize("impl, kernel", [("pallas", True), ("auto", False)])
+def test_nnx_decode_matches_the_stock_module(impl, kernel, decode_calls):
+    """Token by token with a padding mask and GQA: ours (decode_attention under "pallas"; XLA under "auto" on
+    the CPU) gives the stock module's outputs and cache."""
+    stock = nnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+    ours = pnnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, attention_impl=impl,
+                                   rngs=nnx.Rngs(0))
+    x, mask = inputs(21), padding_mask()
+    assert_trees_close(_stock_decode_nnx(ours, x, mask), _stock_decode_nnx(stock, x, mask), name="decode")
+    assert_trees_close(nnx.state(ours, nnx.Cache), nnx.state(stock, nnx.Cache), name="cache")
+    assert bool(decode_calls) == kernel
+    assert all(shape == (BATCH, 1, HEADS, FEATURES // HEADS) for shape in decode_calls)
+
+
+def test_linen_decode_matches_the_stock_module(decode_calls):
+    stock = nn.MultiHeadDotProductAttention(HEADS, decode=True)
+    ours = plinen.MultiHeadDotProductAttention(HEADS, decode=True, attention_impl="flex")
+    x, mask = inputs(22), padding_mask()
+    variables = stock.init(jax.random.key(0), x)
+
+    def run(module):
+        step = jax.jit(lambda cache, token: module.apply(
+            {"params": variables["params"], "cache": cache}, token, mask=mask, mutable=["cache"]
+        ))
+        cache, outputs = variables["cache"], []
+        for t in range(SEQ):
+            out, updated = step(cache, x[:, t : t + 1])
+            outputs.append(out)
+            cache = updated["cache"]
+        return jnp.concatenate(outputs, axis=1), cache
+
+    assert_trees_close(run(ours), run(stock), name="decode")
+    assert decode_calls
+
+
+def test_equinox_one_query_calls_match_the_stock_module(decode_calls):
+    """Equinox's module has no cache: a decode loop passes the keys so far. One query row per call, under
+    vmap with a per-example mask, runs decode_attention and gives the stock module's outputs."""
+    eqx = pytest.importorskip("equinox")
+    import probjax_nn.equinox as peqx
+
+    stock = eqx.nn.MultiheadAttention(HEADS, FEATURES, key=jax.random.key(0))
+    ours = peqx.MultiheadAttention(HEADS, FEATURES, attention_impl="pallas", key=jax.random.key(0))
+    query, keys = inputs(23, (BATCH, 1, FEATURES)), inputs(24)
+    mask = jnp.arange(SEQ)[None, None, :] < jnp.array([SEQ, 5])[:, None, None]  # [B, 1, S]
+    run = lambda module: jax.vmap(lambda q, kv, m: module(q, kv, kv, m))(query, keys, mask)  # noqa: E731
+    assert_trees_close(run(ours), run(stock), name="one query")
+    assert decode_calls
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_example_batched_generation_equals_the_dense_cache_path():
+    """Prompts of different lengths (one crossing a 16-token page) through one prefill and paged decode steps
+    give, at temperature 0, the tokens of the dense-cache path fed one prompt at a time. Under "xla" (the
+    kernel's interpret mode would cost a compile per step shape; the tests above check the kernel path)."""
+    pytest.importorskip("optax")
+    sys.path.insert(0, str(EXAMPLES))
+    from lm.config import make_config
+    from lm.sampling import generate, generate_batch
+    from lm.train import build_model
+
+    config = make_config("tiny", dict(
+        framework="nnx", num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, seq_len=32, attention="xla",
+    ))
+    prompts = [b"d", b"x = 1\nfor i in range(3):"]
+    with jax.numpy_dtype_promotion("standard"):
+        model = build_model(config, jax.random.key(0))
+        batch = generate_batch(model, model.params, prompts, 3, temperature=0.0, key=jax.random.key(1))
+        with jax.default_matmul_precision("highest"):
+            dense = [generate(model, model.params, prompt, 3, num_samples=1, temperature=0.0,
+                              key=jax.random.key(1))[0] for prompt in prompts]
+    assert [len(row) for row in batch] == [len(p) + 3 for p in prompts]
+    assert batch == dense
