@@ -175,8 +175,9 @@ def ring_attention(
       must be even for zigzag.
     - `strategy`: `"ring"` (K/V blocks travel by ppermute; O(L/n) memory) or `"allgather"` (K/V gathered
       once; their gradients reduce-scattered home).
-    - `causal`, `scale` (a traced 0-d array multiplies the float32 scores), `window`, `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]` (this device's
-      shards): as in `flash_attention`, on global positions.
+    - `causal`, `scale` (a traced 0-d array multiplies the float32 scores), `window`, `q_segment_ids`
+      `[B, T]`, `kv_segment_ids` `[B, S]` (this device's shards): as in `flash_attention`, on global
+      positions.
     - `score_mod(score, b, h, q_idx, kv_idx)`, `mask_mod(b, h, q_idx, kv_idx)`: as in `flex_attention`,
       called with global positions (the original ones under zigzag) and the local batch index.
     - `dropout_rate`, `dropout_seed`: attention dropout with the keep mask of the unsharded call (the kernels

@@ -88,7 +88,7 @@ def _layout(mesh, inputs) -> _Layout | None:
     for axis in auto:
         if batch % (size(batch_axes) * mesh.shape[axis]) == 0:
             batch_axes += (axis,)
-        elif num_heads % (size(head_axes) * mesh.shape[axis]) == 0 == num_kv_heads % (size(head_axes) * mesh.shape[axis]):
+        elif all(heads % (size(head_axes) * mesh.shape[axis]) == 0 for heads in (num_heads, num_kv_heads)):
             head_axes += (axis,)
     if not types:
         return None

@@ -30,8 +30,9 @@ def _lengths_mask(lengths):
 
 def test_flex_hooks_and_dropout_per_shard():
     """Batch and heads split over a 2 x 2 mesh of Auto axes (the layout the layer asks for: XLA's own is not
-    visible when it traces; Explicit axes run the same shard_map, see the tests below): ALiBi reads h, the mask_mod reads b, dropout hashes both; the
-    outputs are the unsharded ones (impl "xla", the same seed), and the kernel ran inside a shard_map."""
+    visible when it traces; Explicit axes run the same shard_map, see the tests below): ALiBi reads h, the
+    mask_mod reads b, dropout hashes both; the outputs are the unsharded ones (impl "xla", the same seed),
+    and the kernel ran inside a shard_map."""
     q, k, v = random_qkv(0, 4, 32, 32, 4, 2, 16)
     lengths = jnp.asarray([32, 9, 20, 1], jnp.int32)
     kwargs = dict(is_causal=True, score_mod=alibi(SLOPES), mask_mod=_lengths_mask(lengths), dropout_rate=0.25,
