@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._ring_schedule import _backward, _differentiable, _forward, _with_moving
+from probjax_kernels._ring_schedule import _backward, _differentiable, _forward
 from probjax_kernels._ring_schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
 Layout = Literal["contiguous", "zigzag"]
@@ -77,17 +78,27 @@ def _ring(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dro
     return _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed)
 
 
-@_ring.defjvp
+def _is_zero(t) -> bool:
+    return t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+@functools.partial(_ring.defjvp, symbolic_zeros=True)
 def _ring_jvp(problem: _Ring, primals, tangents):
     q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed = primals
     dq, dk, dv, d_consts = tangents[:4]
     # The primal through `_ring` itself, so that an outer derivative of this rule finds it.
     out, lse = _ring(problem, *primals)
-    moving = tuple(_differentiable(c) for c in score_consts)
+    # The inputs with a tangent: q, k, v, then the differentiable arrays score_mod captures (in order).
+    inputs = (q, k, v, *score_consts)
+    d_inputs = (dq, dk, dv, *d_consts)
+    moving = tuple(i < 3 or _differentiable(c) for i, c in enumerate(inputs))
+    moving = tuple(m and not _is_zero(t) for m, t in zip(moving, d_inputs))
+    if not any(moving):
+        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
     residuals = dict(q=q, k=k, v=v, score_consts=score_consts, q_seg=q_seg, kv_seg=kv_seg, mask_consts=mask_consts,
                      dropout_seed=dropout_seed, out=out, lse=lse)
     res_flat, res_tree = jax.tree.flatten(residuals)
-    lin_flat = [dq, dk, dv, *(d for d, m in zip(d_consts, moving) if m)]
+    lin_flat = [t for t, m in zip(d_inputs, moving) if m]
     unflatten = functools.partial(jax.tree.unflatten, res_tree)
 
     def tangent_map(backend: str):
@@ -95,15 +106,19 @@ def _ring_jvp(problem: _Ring, primals, tangents):
         def apply(res_flat, lin_flat):
             res = unflatten(res_flat)
             blocks = problem if backend == problem.backend else _with_backend(problem, backend)
+            primal = (res["q"], res["k"], res["v"], *res["score_consts"])
+            lin = iter(lin_flat)
+            tangent = [next(lin) if m else jnp.zeros_like(x) for x, m in zip(primal, moving)]
+            position = [i for i, x in enumerate(primal) if i < 3 or _differentiable(x)]
 
-            def schedule(q, k, v, moved):
-                consts = _with_moving(res["score_consts"], moved)
-                return _forward(blocks, q, k, v, consts, res["q_seg"], res["kv_seg"], res["mask_consts"],
-                                res["dropout_seed"])
+            def schedule(*moved):
+                full = list(primal)
+                for i, x in zip(position, moved):
+                    full[i] = x
+                return _forward(blocks, *full[:3], tuple(full[3:]), res["q_seg"], res["kv_seg"],
+                                res["mask_consts"], res["dropout_seed"])
 
-            moved = tuple(c for c in res["score_consts"] if _differentiable(c))
-            _, (d_out, d_lse) = jax.jvp(schedule, (res["q"], res["k"], res["v"], moved),
-                                        (lin_flat[0], lin_flat[1], lin_flat[2], tuple(lin_flat[3:])))
+            _, (d_out, d_lse) = jax.jvp(schedule, [primal[i] for i in position], [tangent[i] for i in position])
             return [d_out, d_lse]
 
         return apply
@@ -112,13 +127,19 @@ def _ring_jvp(problem: _Ring, primals, tangents):
         res = unflatten(res_flat)
         order = ("q", "k", "v", "score_consts", "q_seg", "kv_seg", "mask_consts", "dropout_seed", "out", "lse")
         dq, dk, dv, d_consts, *_ = _backward(problem, tuple(res[name] for name in order), tuple(cotangents))
-        return [dq, dk, dv, *(d for d, m in zip(d_consts, moving) if m)]
+        return [g for g, m in zip((dq, dk, dv, *d_consts), moving) if m]
 
     specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     # Derivatives in the residuals (second order) take the plain-jnp blocks, differentiable to any order.
     d_out, d_lse = custom_linear(tangent_map(problem.backend), transpose, tangent_map("reference"), res_flat,
                                  lin_flat, specs)
     return (out, lse), (d_out, d_lse)
+
+
+def _interpreted(config: FlashConfig | None) -> bool:
+    """Whether the kernels of this call run in a CPU interpreter."""
+    backend = config.backend if config is not None and config.backend is not None else default_backend()
+    return backend in ("interpret", "mosaic_interpret")
 
 
 def _with_backend(problem: _Ring, backend: str) -> _Ring:
@@ -209,6 +230,11 @@ def ring_attention(
             f"layout='zigzag' needs even shards (2 chunks per device), got T={shard_q}, S={shard_kv}: the "
             f"sequence length must be a multiple of 2 * the size of axis {axis_name!r}."
         )
+    if _backend == "kernel" and _interpreted(config) and axis_name in jax.typeof(q).manual_axis_type.varying:
+        # jax 0.11.2's Pallas interpreter cannot run under shard_map's varying-axes checks (it replays the
+        # kernel body on varying types, whose loops start from unvarying constants): on the CPU the blocks
+        # then take the plain-jnp path, the same numbers. check_vma=False runs the interpreter.
+        _backend = "reference"
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)
     problem = _Ring(

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
 
 from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE, create_block_mask
 from probjax_kernels._config import FlashConfig
@@ -145,8 +146,48 @@ def _allowed(problem: _Ring, q_pos: _Positions, kv_pos: _Positions, segments, ma
 
 def _call_hook(hook: Hook, consts, *args):
     """The user's hook at these argument shapes, its captured arrays replaced by `consts`."""
-    hook.prepare(*(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))
-    return hook.on_values(consts, *args)
+    varying = _vma_union(*args)
+    if not varying:
+        hook.prepare(*(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))
+        return hook.on_values(consts, *args)
+    # Global positions vary over the mesh axes (shard_map's varying-axes checks): the hook is traced at those
+    # types, so that jnp's casts of its unvarying captured arrays are in the jaxpr it replays.
+    key = ("varying", varying, tuple((jnp.shape(a), jnp.result_type(a)) for a in args))
+    if key not in hook.jaxprs:
+        closed = jax.make_jaxpr(hook.fn)(*args)  # at the arguments' types, varying axes included
+        if tuple((tuple(jnp.shape(c)), jnp.result_type(c)) for c in closed.consts) != hook.const_avals:
+            raise ValueError(f"{hook.name} closes over different arrays under shard_map; create its arrays "
+                             "outside the function and close over them.")
+        hook.jaxprs[key] = closed.jaxpr
+    (result,) = _replay(hook.jaxprs[key], list(consts), list(args))
+    return result
+
+
+def _replay(jaxpr, consts: list, args: list) -> list:
+    """Evaluates a hook's jaxpr; its casts (`pvary`) of captured arrays that already vary are skipped, and
+    operands of one equation are cast to the axes any of them varies over. The
+    backward pass hands the hook varying copies of its arrays (`_backward`), so that their gradients need no
+    psum inside the schedule's device-dependent `lax.switch` (a collective there would deadlock)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "pvary" and all(set(eqn.params["axes"]) <= jax.typeof(x).manual_axis_type.varying for x in invals):
+            outvals = invals
+        elif name in ("pjit", "jit", "closed_call"):
+            inner = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+            outvals = _replay(inner.jaxpr, list(inner.consts), invals)
+        else:
+            # An array that varies where the trace saw it unvarying: cast the others as jnp would have.
+            axes = _vma_union(*invals)
+            invals = [_pvary(x, axes) if isinstance(x, jax.Array) else x for x in invals]
+            with eqn.ctx.manager:
+                outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outvals = outvals if eqn.primitive.multiple_results else [outvals]
+        env.update(zip(eqn.outvars, outvals))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_local: bool):
@@ -220,11 +261,21 @@ def _visible(problem: _Ring, q_pos: _Positions, kv_pos: _Positions, q_len: int, 
 
 
 def _merge(out, lse, out_b, lse_b):
-    """Online merge of two partial results (out `[B, T, N, D]` float32, lse `[B, N, T]`); -inf rows stay."""
-    new = jnp.logaddexp(lse, lse_b)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    weight = lambda x: jnp.swapaxes(jnp.where(jnp.isfinite(x), jnp.exp(x - safe), 0.0), 1, 2)[..., None]  # noqa: E731
-    return out * weight(lse) + out_b.astype(jnp.float32) * weight(lse_b), new
+    """Online merge of two partial results (out `[B, T, N, D]` float32, lse `[B, N, T]`); -inf rows stay.
+    Written so that no derivative meets exp(-inf - -inf) (forward mode differentiates it)."""
+    top = jnp.maximum(lse, lse_b)
+    finite = jnp.isfinite(top)
+    safe_top = jnp.where(finite, top, 0.0)
+
+    def relative(x):  # exp(x - top), 0 where x = -inf
+        seen = jnp.isfinite(x)
+        return jnp.where(seen, jnp.exp(jnp.where(seen, x, safe_top) - safe_top), 0.0)
+
+    w, w_b = relative(lse), relative(lse_b)
+    total = jnp.where(finite, w + w_b, 1.0)
+    weight = lambda w: jnp.swapaxes(w / total, 1, 2)[..., None]  # noqa: E731
+    new = jnp.where(finite, safe_top + jnp.log(total), -jnp.inf)
+    return out * weight(w) + out_b.astype(jnp.float32) * weight(w_b), new
 
 
 def _vma_union(*xs):
@@ -342,8 +393,8 @@ def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
 
     def zeros():
         z = lambda x: _pvary(jnp.zeros(x.shape, jnp.float32), varying)  # noqa: E731
-        return z(q), z(kv["k"]), z(kv["v"]), tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts
-                                                    if _differentiable(c))
+        return z(q), z(kv["k"]), z(kv["v"]), tuple(_pvary(jnp.zeros(c.shape, c.dtype), varying)
+                                                    for c in score_consts if _differentiable(c))
 
     def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
         rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
@@ -392,10 +443,13 @@ def _backward(problem: _Ring, res, cotangents):
     delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
     cot = (out, d_out, d_lse, lse, delta)
-    consts = (score_consts, mask_consts, dropout_seed)
     varying = _vma_union(q, k, d_out)
+    # Varying copies of score_mod's arrays: their gradients then stay per device inside the schedule, and the
+    # psum over the axis comes once, at the end.
+    consts = (tuple(_pvary(c, varying) if _differentiable(c) else c for c in score_consts), mask_consts,
+              dropout_seed)
     dq = _pvary(jnp.zeros(q.shape, jnp.float32), varying)
-    d_consts = tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts if _differentiable(c))
+    d_consts = tuple(_pvary(jnp.zeros(c.shape, c.dtype), varying) for c in score_consts if _differentiable(c))
     kv = {"k": k, "v": v, **({"seg": kv_seg} if problem.has_segments else {})}
     add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
     if problem.strategy == "ring":

@@ -37,7 +37,7 @@ def test_flex_hooks_and_dropout_per_shard():
     lengths = jnp.asarray([32, 9, 20, 1], jnp.int32)
     kwargs = dict(is_causal=True, score_mod=alibi(SLOPES), mask_mod=_lengths_mask(lengths), dropout_rate=0.25,
                   dropout_seed=7)
-    expected = probjax_nn.attention(q, k, v, impl="xla", **kwargs)
+    expected = jax.jit(functools.partial(probjax_nn.attention, impl="xla", **kwargs))(q, k, v)
     mesh = _mesh(AxisType.Auto)
     with jax.set_mesh(mesh):
         placed = [jax.device_put(x, jax.NamedSharding(mesh, P("data", None, "model"))) for x in (q, k, v)]
@@ -56,7 +56,7 @@ def test_pallas_gradients_sequence_sharded():
     def loss(impl, q, k, v):
         return jnp.sum(probjax_nn.attention(q, k, v, is_causal=True, impl=impl) * weights)
 
-    expected = jax.value_and_grad(functools.partial(loss, "xla"), (0, 1, 2))(q, k, v)
+    expected = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), (0, 1, 2)))(q, k, v)
     mesh = _mesh(AxisType.Explicit)
     with jax.set_mesh(mesh):
         placed = [jax.device_put(x, jax.NamedSharding(mesh, P("data", "model"))) for x in (q, k, v)]
