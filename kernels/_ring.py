@@ -9,9 +9,10 @@ their lse in float32: O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
 
 Autodiff: `_ring` is a `jax.custom_jvp` whose tangent is `custom_linear` (as the kernels' own, `_autodiff.py`):
 applied (`jax.jvp`), it is the forward-mode derivative of the schedule, each block through the kernels'
-tangent kernel and the merge in jnp; transposed (`jax.grad`), it is the backward schedule below. Backward:
-the blocks travel the ring again, each with its float32 dK / dV accumulator,
-which arrives home after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
+tangent kernel and the merge in jnp; transposed (`jax.grad`), it is the backward schedule below.
+
+Backward: the blocks travel the ring again, each with its float32 dK / dV accumulator, which arrives home
+after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
 flash path runs the backward kernels alone on the whole sequence's (O, lse, dO, d lse): probabilities
 exp(s - lse) and delta = rowsum(dO O) are then the global ones, as FlashAttention-2's backward on the whole
 sequence. Blocks with hooks or windows (the flex path) take their own (out_j, lse_j)'s vjp under the

@@ -184,7 +184,9 @@ class AttentionConfig:
     - `flash`: block sizes and launch parameters for the Pallas kernel; `None` picks device defaults.
     - `context_axis`: a mesh axis name to run context parallel over (`probjax_kernels.ring_attention`): under
       `jax.set_mesh(mesh)` (or inside a `shard_map` where that axis is manual), the sequence axis of query,
-      key and value is split over it; other mesh axes keep their sharding. None = off.
+      key and value is split over it; other mesh axes keep their sharding (hooks and dropout see the whole
+      batch's and heads' indices). None = off. Without it, "pallas" and "flex" run per shard of the batch
+      and heads of inputs sharded over the context mesh (docs/context_parallel.md).
     - `context_layout`: `"contiguous"` or `"zigzag"`: how the sequence axis as given maps to positions (for
       zigzag, tokens laid out with `probjax_kernels.zigzag_permutation`; hooks see the original positions).
     - `context_strategy`: `"ring"` (K/V travel by ppermute) or `"allgather"` (K/V gathered once).
