@@ -41,8 +41,8 @@ from probjax_kernels import ring_attention
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """The mesh axes that split the batch and the heads of one call, and whether its inputs must be resharded
-    to that layout first (Explicit axes that split the sequence or the head dim)."""
+    """The mesh axes that split the batch and the heads of one call, and whether its inputs are resharded to
+    that layout first (Explicit axes: gathering an axis that splits the sequence or the head dim)."""
 
     batch: tuple[str, ...]
     heads: tuple[str, ...]
@@ -94,10 +94,9 @@ def _layout(mesh, inputs) -> _Layout | None:
         return None
     if not used and not auto:  # under jax.vmap too, whose batch axis the types here do not show
         return _Layout((), (), reshard=False, whole=True)
-    wanted = [_entry(batch_axes), None, _entry(head_axes), None]
-    kv_batch = None if inputs.kv_broadcast else wanted[0]
-    reshard = any(spec != want for spec, want in zip(specs, (wanted, [kv_batch, *wanted[1:]], [kv_batch, *wanted[1:]])))
-    return _Layout(batch_axes, head_axes, reshard and bool(used), whole=False)
+    # On Explicit axes every input (bias, mask and lengths too) is resharded to the layout (a no-op where it
+    # has it); on Auto ones the shard_map's specs say it, and XLA moves the data.
+    return _Layout(batch_axes, head_axes, reshard=bool(explicit) and not auto, whole=False)
 
 
 def _shard_index(axes: tuple[str, ...]):
