@@ -17,6 +17,7 @@ from jax import lax
 from probjax_kernels import _dispatch
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dropout import SEED_PARTS
 from probjax_kernels._linear import custom_linear
 from probjax_kernels._problem import Features, _Problem, _Tangents
 from probjax_kernels._scores import backward_delta, base2_lse
@@ -182,7 +183,7 @@ def attention(
         others["q_segment_ids"] = _pad_axis(q_segment_ids, 1, t_pad)
         others["kv_segment_ids"] = _pad_axis(kv_segment_ids, 1, s_pad)
     if features.dropout_rate > 0:
-        seed_shape = () if features.dropout_positions is None else (5,)  # _dropout.positional_seed's
+        seed_shape = () if features.dropout_positions is None else (SEED_PARTS,)  # positional_seed's
         others["dropout_seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(seed_shape)
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)

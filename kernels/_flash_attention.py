@@ -31,6 +31,7 @@ def flash_attention(
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     _dropout_positions=None,
+    _dropout_shard=None,
     _cotangents=None,
 ):
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
@@ -80,10 +81,9 @@ def flash_attention(
         scale, bias = 1.0, None
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
-        **_positional_dropout(_dropout_positions, dropout_rate),
+        **_positional_dropout(_dropout_positions, _dropout_shard, dropout_rate),
     )
-    if _dropout_positions is not None and dropout_rate:
-        dropout_seed = positional_seed(dropout_seed, _dropout_positions)
+    dropout_seed = _shard_seed(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate, inputs.q, inputs.k)
     result = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
@@ -96,9 +96,23 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-def _positional_dropout(positions, dropout_rate) -> dict:
-    """`Features` fields for a keep mask on global positions (`ring_attention`'s shards; see
-    `_dropout.positional_seed`); `positions` is private to probjax_kernels."""
-    if positions is None or not dropout_rate:
+def _positional_dropout(positions, shard, dropout_rate) -> dict:
+    """`Features` fields for a keep mask on the whole attention's indices when this call holds a shard of it
+    (`_dropout.positional_seed`): `positions` as there (`ring_attention`'s sequence shards), `shard` =
+    (batch offset, head offset, the whole attention's head count) for a shard of the batch / heads. Both
+    are private to probjax_kernels."""
+    if (positions is None and shard is None) or not dropout_rate:
         return {}
-    return {"dropout_positions": (positions[0][0], positions[1][0])}
+    if positions is None:  # the whole sequence: local indices are positions
+        return {"dropout_positions": (2**30, 2**30), "dropout_heads": shard[2]}
+    return {"dropout_positions": (positions[0][0], positions[1][0]),
+            "dropout_heads": None if shard is None else shard[2]}
+
+
+def _shard_seed(seed, positions, shard, dropout_rate, q, k):
+    """The dropout seed input of a call that holds a shard (see `_positional_dropout`)."""
+    if (positions is None and shard is None) or not dropout_rate:
+        return seed
+    if positions is None:
+        positions = ((q.shape[1], 0, 0), (k.shape[1], 0, 0))
+    return positional_seed(seed, positions, (0, 0) if shard is None else shard[:2])

@@ -11,8 +11,7 @@ from probjax_kernels import _autodiff
 from probjax_kernels._block_mask import BlockMask
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
-from probjax_kernels._dropout import positional_seed
-from probjax_kernels._flash_attention import _positional_dropout
+from probjax_kernels._flash_attention import _positional_dropout, _shard_seed
 from probjax_kernels._flex_options import (
     AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
 )
@@ -79,6 +78,7 @@ def flex_attention(
     dropout_rate: float = 0.0,
     dropout_seed: jax.Array | int | None = None,
     _dropout_positions=None,
+    _dropout_shard=None,
 ):
     """Attention with user hooks inside the Pallas kernels, with PyTorch FlexAttention's semantics and
     signature (`torch.nn.attention.flex_attention.flex_attention`); the layout is JAX's `[B, T, N, D]`
@@ -147,10 +147,9 @@ def flex_attention(
     features = Features(
         scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
-        **_positional_dropout(_dropout_positions, dropout_rate),
+        **_positional_dropout(_dropout_positions, _dropout_shard, dropout_rate),
     )
-    if _dropout_positions is not None and dropout_rate:
-        dropout_seed = positional_seed(dropout_seed, _dropout_positions)
+    dropout_seed = _shard_seed(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate, inputs.q, inputs.k)
     out, lse, *max_scores = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,

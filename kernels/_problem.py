@@ -36,6 +36,8 @@ class Features:
     - `dropout_rate`: probability of dropping an attention weight (0 = off).
     - `dropout_positions`: (q_split, kv_split) when the dropout seed input is `_dropout.positional_seed`'s
       vector, so that the keep mask hashes global positions (a shard of a longer sequence); None: indices.
+    - `dropout_heads`: the number of heads the keep mask hashes with (the whole attention's, when this call
+      holds a shard of the heads); None: this call's.
     - `return_max`: also output the row max of the scaled, modified, masked scores (AuxRequest.max_scores).
     """
 
@@ -47,6 +49,7 @@ class Features:
     block_sizes: tuple[int, int] | None = None
     dropout_rate: float = 0.0
     dropout_positions: tuple[int, int] | None = None
+    dropout_heads: int | None = None
     return_max: bool = False  # the forward also writes the row max of the masked scores (natural units)
 
 

@@ -60,6 +60,7 @@ def attention_from_inputs(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     dropout_positions=None,
+    dropout_shard=None,
     return_max: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Dense softmax attention in `compute_dtype`; returns (out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]`),
@@ -68,7 +69,8 @@ def attention_from_inputs(
 
     `score_mod` rewrites the scaled (and biased) scores, `mask_mod` masks further (True = attend); both are
     called with broadcasting index grids. Dropout uses the kernels' keep mask, so it matches them exactly;
-    `dropout_positions` (see `_dropout.positional_seed`) makes it hash global positions instead of indices.
+    `dropout_positions` (see `_dropout.positional_seed`) makes it hash global positions instead of indices,
+    `dropout_shard` = (batch offset, head offset, whole head count) global batch and head indices.
     """
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
@@ -99,11 +101,15 @@ def attention_from_inputs(
     probs = weights / safe_sum
     if dropout_rate:
         b, h, q_idx, kv_idx = grids
-        if dropout_positions is not None:  # a shard of a longer sequence (`_dropout.positional_seed`)
-            splits = (dropout_positions[0][0], dropout_positions[1][0])
-            dropout_seed, q_idx, kv_idx = positions_of(positional_seed(dropout_seed, dropout_positions), splits,
-                                                       q_idx, kv_idx)
-        keep = keep_mask(dropout_seed, b, h, q_idx, kv_idx, dropout_rate, num_heads)
+        hash_heads = num_heads
+        if dropout_positions is not None or dropout_shard is not None:  # a shard (`_dropout.positional_seed`)
+            positions = dropout_positions or ((q_len, 0, 0), (kv_len, 0, 0))
+            offsets = (0, 0) if dropout_shard is None else dropout_shard[:2]
+            hash_heads = num_heads if dropout_shard is None else dropout_shard[2]
+            dropout_seed, b, h, q_idx, kv_idx = positions_of(
+                positional_seed(dropout_seed, positions, offsets), (positions[0][0], positions[1][0]), b, h,
+                q_idx, kv_idx)
+        keep = keep_mask(dropout_seed, b, h, q_idx, kv_idx, dropout_rate, hash_heads)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
     out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v, precision=lax.Precision.HIGHEST)

@@ -7,8 +7,12 @@ gathered once. A (query block, key block) pair under causal masking is fully vis
 empty pairs skip the kernel (`lax.switch` on the traced device index). The partial results merge through
 their lse in float32: O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
 
-Backward (`jax.custom_vjp`): the blocks travel the ring again, each with its float32 dK / dV accumulator,
-which arrives home after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
+Autodiff: `_ring` is a `jax.custom_jvp` whose tangent is `custom_linear` (as the kernels' own, `_autodiff.py`):
+applied (`jax.jvp`), it is the forward-mode derivative of the schedule, each block through the kernels'
+tangent kernel and the merge in jnp; transposed (`jax.grad`), it is the backward schedule below.
+
+Backward: the blocks travel the ring again, each with its float32 dK / dV accumulator, which arrives home
+after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
 flash path runs the backward kernels alone on the whole sequence's (O, lse, dO, d lse): probabilities
 exp(s - lse) and delta = rowsum(dO O) are then the global ones, as FlashAttention-2's backward on the whole
 sequence. Blocks with hooks or windows (the flex path) take their own (out_j, lse_j)'s vjp under the
@@ -20,7 +24,8 @@ Layouts: `"contiguous"` gives device i positions [i C, (i+1) C); `"zigzag"` cuts
 of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, windows and causal masks see
 global positions: every block maps its local indices to global ones through 0-d int32 offsets that the
 wrapped hooks capture (kernel inputs, as any captured array); dropout's keep mask gets the same offsets
-beside its seed (`_dropout.positional_seed`), so the same weights drop as in the unsharded call.
+beside its seed (`_dropout.positional_seed`), so the same weights drop as in the unsharded call. The
+schedule itself lives in `_ring_schedule.py`.
 """
 
 from __future__ import annotations
@@ -32,15 +37,14 @@ from typing import Callable, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE, create_block_mask
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._flash_attention import flash_attention
-from probjax_kernels._flex_attention import flex_attention
-from probjax_kernels._hooks import Hook, example_indices, trace_hook
+from probjax_kernels._dispatch import default_backend
+from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
-from probjax_kernels._reference import attention_from_inputs
+from probjax_kernels._linear import custom_linear
+from probjax_kernels._ring_schedule import _backward, _differentiable, _forward
+from probjax_kernels._ring_schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
 Layout = Literal["contiguous", "zigzag"]
 Strategy = Literal["ring", "allgather"]
@@ -67,439 +71,80 @@ def zigzag_permutation(length: int, axis_size: int) -> np.ndarray:
     return np.concatenate(order).astype(np.int32)
 
 
-# ------------------------------------------------------------------------------------------------ positions
+# ------------------------------------------------------------------------------------------------- autodiff
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slice:
-    """Local rows [lo, hi) of a device's shard."""
-
-    lo: int
-    hi: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Positions:
-    """Global position of local index x (0 at the slice's start): x + first below `split`, x - split + second
-    from there on. `first` and `second` are traced int32 scalars (they depend on the device index)."""
-
-    split: int
-    first: jax.Array
-    second: jax.Array
-
-    def __call__(self, x):
-        return jnp.where(x < self.split, x + self.first, x - self.split + self.second)
-
-    def bounds(self, length: int):
-        """(min, max) global position of the slice's `length` rows."""
-        ends = [self.first, self.first + min(self.split, length) - 1]
-        if length > self.split:
-            ends += [self.second, self.second + length - self.split - 1]
-        return functools.reduce(jnp.minimum, ends), functools.reduce(jnp.maximum, ends)
-
-
-def _positions(layout: str, device, shard: int, num_devices: int, part: _Slice) -> _Positions:
-    """Where the rows `part` of `device`'s shard (of `shard` rows) sit in the whole sequence."""
-    device = jnp.asarray(device, jnp.int32)
-    if layout == "contiguous":
-        start = device * shard + part.lo
-        return _Positions(part.hi - part.lo, start, start + part.hi - part.lo)
-    chunk = shard // 2
-    chunk_starts = (device * chunk, (2 * num_devices - 1 - device) * chunk)
-    if part.lo >= chunk:
-        start = chunk_starts[1] + part.lo - chunk
-        return _Positions(part.hi - part.lo, start, start + part.hi - part.lo)
-    if part.hi <= chunk:
-        start = chunk_starts[0] + part.lo
-        return _Positions(part.hi - part.lo, start, start + part.hi - part.lo)
-    return _Positions(chunk - part.lo, chunk_starts[0] + part.lo, chunk_starts[1])
-
-
-# ----------------------------------------------------------------------------------------------- the problem
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ring:
-    """The static description of one ring_attention call (the nondiff argument of the custom_vjp)."""
-
-    axis_name: str
-    layout: str
-    strategy: str
-    causal: bool
-    scale: float
-    window: tuple[int | None, int | None]
-    has_segments: bool
-    score_mod: Hook | None
-    mask_mod: Hook | None
-    config: FlashConfig | None
-    backend: str  # "kernel": the flash / flex kernels; "reference": plain jnp (probjax_nn's impl="xla")
-    dropout_rate: float = 0.0
-
-    @property
-    def positional(self) -> bool:
-        """Whether a block needs global positions beyond the causal diagonal (hooks or a window)."""
-        return self.score_mod is not None or self.mask_mod is not None or self.window != (None, None)
-
-    def blocks(self, shard_q: int, shard_kv: int) -> tuple[tuple[_Slice, _Slice, bool], ...]:
-        """The kinds of (query rows, key rows, causal on local indices) pairs; index 0 of the schedule's
-        `lax.switch` is the empty pair, kind k its branch k + 1 (see `kind`)."""
-        whole_q, whole_kv = _Slice(0, shard_q), _Slice(0, shard_kv)
-        if not self.causal:
-            return ((whole_q, whole_kv, False),)
-        if self.layout == "contiguous":
-            return ((whole_q, whole_kv, True), (whole_q, whole_kv, False))
-        half = shard_q // 2
-        # Chunks of j < i: the first is before both of device i's chunks, the second after them; for
-        # j > i only device i's second chunk sees device j's (both of them).
-        return ((whole_q, whole_kv, True), (whole_q, _Slice(0, half), False),
-                (_Slice(half, shard_q), whole_kv, False))
-
-    def kind(self, i, j):
-        """The branch of `lax.switch` for device i's queries against device j's keys (0: nothing visible)."""
-        if not self.causal:
-            return jnp.int32(1)
-        if self.layout == "contiguous":
-            return jnp.where(i == j, 1, jnp.where(j < i, 2, 0)).astype(jnp.int32)
-        return jnp.where(i == j, 1, jnp.where(j < i, 2, 3)).astype(jnp.int32)
-
-
-def _allowed(problem: _Ring, q_pos: _Positions, kv_pos: _Positions, segments, mask_consts):
-    """The mask_mod of one block on local indices: causal, window and the user's mask_mod on global
-    positions, segment ids on local ones."""
-    left, right = problem.window
-    if problem.causal:
-        right = 0 if right is None else min(right, 0)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        gq, gk = q_pos(q_idx), kv_pos(kv_idx)
-        allowed = (gq >= 0) & (gk >= 0)
-        if right is not None:
-            allowed &= gk <= gq + right
-        if left is not None:
-            allowed &= gk >= gq - left
-        if segments is not None:
-            q_seg, kv_seg = segments
-            allowed &= q_seg[b, q_idx] == kv_seg[b, kv_idx]
-        if problem.mask_mod is not None:
-            allowed &= _call_hook(problem.mask_mod, mask_consts, b, h, gq, gk)
-        return allowed
-
-    return mask_mod
-
-
-def _call_hook(hook: Hook, consts, *args):
-    """The user's hook at these argument shapes, its captured arrays replaced by `consts`."""
-    hook.prepare(*(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))
-    return hook.on_values(consts, *args)
-
-
-def _block(problem: _Ring, q, k, v, segments, consts, q_pos, kv_pos, causal_local: bool):
-    """(out in q's dtype, lse float32 `[B, N, Tq]`) of one (query block, key block) pair; `consts` are
-    (score_mod's arrays, mask_mod's arrays, the dropout seed)."""
-    score_consts, mask_consts, dropout_seed = consts
-    dropout = _dropout_args(problem, dropout_seed, q_pos, kv_pos)
-    mask_mod = _allowed(problem, q_pos, kv_pos, segments, mask_consts)
-    score_mod = None
-    if problem.score_mod is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return _call_hook(problem.score_mod, score_consts, score, b, h, q_pos(q_idx), kv_pos(kv_idx))
-
-    if problem.backend == "reference":
-        inputs = check_inputs(q, k, v, scale=problem.scale)
-        return attention_from_inputs(inputs, False, jnp.float32, score_mod=score_mod, mask_mod=mask_mod, **dropout)
-    if not problem.positional:
-        seg = dict(q_segment_ids=segments[0], kv_segment_ids=segments[1]) if segments is not None else {}
-        return flash_attention(q, k, v, causal=causal_local, scale=problem.scale, return_lse=True,
-                               config=problem.config, **seg, **dropout)
-    batch, q_len, num_heads, _ = q.shape
-    kv_len = k.shape[1]
-    per_batch = segments is not None or problem.mask_mod is not None
-    block_mask = create_block_mask(
-        mask_mod, batch if per_batch else None, num_heads if problem.mask_mod is not None else None,
-        q_len, kv_len, block_size=_table_tile(problem.config, q_len, kv_len),
-    )
-    return flex_attention(q, k, v, score_mod, block_mask, scale=problem.scale, enable_gqa=True, return_lse=True,
-                          config=problem.config, **dropout)
-
-
-def _dropout_args(problem: _Ring, seed, q_pos: _Positions, kv_pos: _Positions) -> dict:
-    """The dropout arguments of one block's call: the keep mask on global positions."""
-    if not problem.dropout_rate:
-        return {}
-    positions = tuple((p.split, p.first, p.second) for p in (q_pos, kv_pos))
-    name = "dropout_positions" if problem.backend == "reference" else "_dropout_positions"
-    return {"dropout_rate": problem.dropout_rate, "dropout_seed": seed, name: positions}
-
-
-def _table_tile(config: FlashConfig | None, q_len: int, kv_len: int) -> tuple[int, int]:
-    """The block mask's tile: the config's, else the default capped at the block (no padding beyond it)."""
-    if config is not None and config.block_q is not None and config.block_k is not None:
-        return config.block_q, config.block_k
-    fit = lambda n: min(DEFAULT_BLOCK_SIZE, max(16, 1 << (n - 1).bit_length()))  # noqa: E731
-    return fit(q_len), fit(kv_len)
-
-
-def _visible(problem: _Ring, q_pos: _Positions, kv_pos: _Positions, q_len: int, kv_len: int, segments):
-    """False when no pair of the block can attend (a window or disjoint segment-id ranges); a cheap test
-    that may say True for an empty block, never False for a visible one."""
-    visible = jnp.bool_(True)
-    left, right = problem.window
-    q_min, q_max = q_pos.bounds(q_len)
-    kv_min, kv_max = kv_pos.bounds(kv_len)
-    if left is not None:
-        visible &= kv_max >= q_min - left
-    if right is not None:
-        visible &= kv_min <= q_max + right
-    if segments is not None:
-        q_seg, kv_seg = segments
-        visible &= (jnp.min(q_seg) <= jnp.max(kv_seg)) & (jnp.min(kv_seg) <= jnp.max(q_seg))
-    return visible
-
-
-# ------------------------------------------------------------------------------------------- the schedule
-
-
-def _merge(out, lse, out_b, lse_b):
-    """Online merge of two partial results (out `[B, T, N, D]` float32, lse `[B, N, T]`); -inf rows stay."""
-    new = jnp.logaddexp(lse, lse_b)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    weight = lambda x: jnp.swapaxes(jnp.where(jnp.isfinite(x), jnp.exp(x - safe), 0.0), 1, 2)[..., None]  # noqa: E731
-    return out * weight(lse) + out_b.astype(jnp.float32) * weight(lse_b), new
-
-
-def _vma_union(*xs):
-    """The mesh axes any of xs varies over (inside shard_map with its varying-axes checks; else none)."""
-    return tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))))
-
-
-def _pvary(x, axes):
-    """x marked as varying over `axes`: lax.switch / cond / fori_loop need one type in every branch."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _source(step, i, n):
-    """The device whose keys device i holds at `step` (blocks move one device forward per step)."""
-    return (i - step) % n
-
-
-def _send(tree, axis_name: str, n: int):
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, [(d, (d + 1) % n) for d in range(n)]), tree)
-
-
-def _gathered(problem: _Ring, kv: dict):
-    """K/V (and kv segment ids) of every device, `[B, n * S, ...]`, gathered once."""
-    return jax.tree.map(lambda x: lax.all_gather(x, problem.axis_name, axis=1, tiled=True), kv)
-
-
-def _take(gathered: dict, j, shard_kv: int):
-    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * shard_kv, shard_kv, axis=1), gathered)
-
-
-def _schedule_pair(problem: _Ring, q, kv, q_seg, i, j, n, compute, empty):
-    """`compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments)` for the kind of pair that device
-    i's queries make with device j's keys, or `empty()` where nothing is visible (no kernel runs)."""
-    shard_q, shard_kv = q.shape[1], kv["k"].shape[1]
-
-    def branch(q_part, kv_part, causal_local):
-        def run():
-            q_pos = _positions(problem.layout, i, shard_q, n, q_part)
-            kv_pos = _positions(problem.layout, j, shard_kv, n, kv_part)
-            segments = None
-            if problem.has_segments:
-                segments = (q_seg[:, q_part.lo:q_part.hi], kv["seg"][:, kv_part.lo:kv_part.hi])
-            visible = _visible(problem, q_pos, kv_pos, q_part.hi - q_part.lo, kv_part.hi - kv_part.lo, segments)
-            pair = functools.partial(compute, q_part, kv_part, causal_local, q_pos, kv_pos, segments)
-            return lax.cond(visible, pair, empty)
-
-        return run
-
-    branches = [empty] + [branch(*kind) for kind in problem.blocks(shard_q, shard_kv)]
-    return lax.switch(problem.kind(i, j), branches)
-
-
-def _block_forward(problem: _Ring, q, kv, q_seg, consts, i, j, n):
-    """(out float32 `[B, T, N, D]`, lse `[B, N, T]`) of device i's queries against device j's keys, padded
-    to the whole shard; zeros and -inf where nothing is visible."""
-    varying = _vma_union(q, kv["k"])
-    batch, shard_q, num_heads, head_dim = q.shape
-
-    def empty():
-        return (_pvary(jnp.zeros((batch, shard_q, num_heads, head_dim), jnp.float32), varying),
-                _pvary(jnp.full((batch, num_heads, shard_q), -jnp.inf, jnp.float32), varying))
-
-    def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
-        rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
-        out, lse = _block(problem, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], segments, consts, q_pos,
-                          kv_pos, causal_local)
-        padding = (q_part.lo, shard_q - q_part.hi)
-        out = jnp.pad(out.astype(jnp.float32), ((0, 0), padding, (0, 0), (0, 0)))
-        lse = jnp.pad(lse, ((0, 0), (0, 0), padding), constant_values=-jnp.inf)
-        return _pvary(out, varying), _pvary(lse, varying)
-
-    return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, empty)
-
-
-def _forward(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
-    """(out in q's dtype, lse float32 `[B, N, T]`) of the whole schedule, on one device's shard."""
-    n, i = lax.axis_size(problem.axis_name), lax.axis_index(problem.axis_name)
-    kv = {"k": k, "v": v, **({"seg": kv_seg} if problem.has_segments else {})}
-    consts = (score_consts, mask_consts, dropout_seed)
-    batch, shard_q, num_heads, head_dim = q.shape
-    varying = _vma_union(q, k)
-    out = _pvary(jnp.zeros((batch, shard_q, num_heads, head_dim), jnp.float32), varying)
-    lse = _pvary(jnp.full((batch, num_heads, shard_q), -jnp.inf, jnp.float32), varying)
-    if problem.strategy == "ring":
-        def step(s, carry):
-            kv, out, lse = carry
-            incoming = _send(kv, problem.axis_name, n)  # in flight while the kernel runs on `kv`
-            out_b, lse_b = _block_forward(problem, q, kv, q_seg, consts, i, _source(s, i, n), n)
-            return (incoming, *_merge(out, lse, out_b, lse_b))
-
-        _, out, lse = lax.fori_loop(0, n, step, (kv, out, lse))
-    else:
-        gathered = _gathered(problem, kv)
-
-        def step(j, carry):
-            out_b, lse_b = _block_forward(problem, q, _take(gathered, j, k.shape[1]), q_seg, consts, i, j, n)
-            return _merge(*carry, out_b, lse_b)
-
-        out, lse = lax.fori_loop(0, n, step, (out, lse))
-    return out.astype(q.dtype), lse
-
-
-# ------------------------------------------------------------------------------------------------ backward
-
-
-def _block_backward(problem: _Ring, q, kv, q_seg, consts, i, j, n, cot):
-    """(dq float32 `[B, T, N, D]`, dk, dv float32 `[B, S, K, D]`, d score consts) of one pair, through
-    the block's own vjp with the cotangents of the merge (module docstring); zeros where nothing is visible."""
-    out, d_out, d_lse, lse, delta = cot
-    shard_q, shard_kv = q.shape[1], kv["k"].shape[1]
-    score_consts, mask_consts, dropout_seed = consts
-    varying = _vma_union(q, kv["k"], d_out)
-
-    def zeros():
-        z = lambda x: _pvary(jnp.zeros(x.shape, jnp.float32), varying)  # noqa: E731
-        return z(q), z(kv["k"]), z(kv["v"]), tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts
-                                                    if _differentiable(c))
-
-    def compute(q_part, kv_part, causal_local, q_pos, kv_pos, segments):
-        rows, keys = slice(q_part.lo, q_part.hi), slice(kv_part.lo, kv_part.hi)
-
-        def block(q, k, v, moving):
-            return _block(problem, q, k, v, segments, (_with_moving(score_consts, moving), mask_consts,
-                                                        dropout_seed), q_pos, kv_pos, causal_local)
-
-        moving = tuple(c for c in score_consts if _differentiable(c))
-        if problem.backend == "kernel" and not problem.positional:
-            # The backward kernels alone, on the whole sequence's out and lse: no block forward to recompute.
-            grads = flash_attention(
-                q[:, rows], kv["k"][:, keys], kv["v"][:, keys], causal=causal_local, scale=problem.scale,
-                config=problem.config, **_dropout_args(problem, dropout_seed, q_pos, kv_pos),
-                **({} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])),
-                _cotangents=(out[:, rows], lse[:, :, rows], d_out[:, rows], d_lse[:, :, rows]),
-            )
-            return _padded_grads(grads, q_part, kv_part, shard_q, shard_kv, varying) + ((),)
-        (out_b, lse_b), vjp = jax.vjp(block, q[:, rows], kv["k"][:, keys], kv["v"][:, keys], moving)
-        row_lse = lse[:, :, rows]
-        row_d_out = d_out[:, rows].astype(jnp.float32)
-        finite = jnp.isfinite(lse_b) & jnp.isfinite(row_lse)
-        weight = jnp.where(finite, jnp.exp(lse_b - jnp.where(finite, row_lse, 0.0)), 0.0)  # w_j `[B, N, Tq]`
-        d_out_b = row_d_out * jnp.swapaxes(weight, 1, 2)[..., None]
-        own = jnp.einsum("btnd,btnd->bnt", row_d_out, out_b.astype(jnp.float32))
-        d_lse_b = weight * (own - delta[:, :, rows] + d_lse[:, :, rows])
-        dq, dk, dv, d_consts = vjp((d_out_b.astype(out_b.dtype), d_lse_b))
-        return _padded_grads((dq, dk, dv), q_part, kv_part, shard_q, shard_kv, varying) + (tuple(d_consts),)
-
-    return _schedule_pair(problem, q, kv, q_seg, i, j, n, compute, zeros)
-
-
-def _padded_grads(grads, q_part: _Slice, kv_part: _Slice, shard_q: int, shard_kv: int, varying) -> tuple:
-    """A block's (dq, dk, dv) in float32, zero-padded from its rows to the whole shards."""
-    dq, dk, dv = grads
-    dq = jnp.pad(dq.astype(jnp.float32), ((0, 0), (q_part.lo, shard_q - q_part.hi), (0, 0), (0, 0)))
-    pad_kv = ((0, 0), (kv_part.lo, shard_kv - kv_part.hi), (0, 0), (0, 0))
-    dk, dv = (jnp.pad(x.astype(jnp.float32), pad_kv) for x in (dk, dv))
-    return _pvary(dq, varying), _pvary(dk, varying), _pvary(dv, varying)
-
-
-def _backward(problem: _Ring, res, cotangents):
-    q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed, out, lse = res
-    d_out, d_lse = cotangents
-    n, i = lax.axis_size(problem.axis_name), lax.axis_index(problem.axis_name)
-    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    cot = (out, d_out, d_lse, lse, delta)
-    consts = (score_consts, mask_consts, dropout_seed)
-    varying = _vma_union(q, k, d_out)
-    dq = _pvary(jnp.zeros(q.shape, jnp.float32), varying)
-    d_consts = tuple(jnp.zeros(c.shape, c.dtype) for c in score_consts if _differentiable(c))
-    kv = {"k": k, "v": v, **({"seg": kv_seg} if problem.has_segments else {})}
-    add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-    if problem.strategy == "ring":
-        def step(s, carry):
-            kv, dkv, dq, d_consts = carry
-            incoming = _send(kv, problem.axis_name, n)
-            dq_b, dk_b, dv_b, dc_b = _block_backward(problem, q, kv, q_seg, consts, i, _source(s, i, n),
-                                                     n, cot)
-            dkv = _send(add(dkv, (dk_b, dv_b)), problem.axis_name, n)  # home after n sends
-            return incoming, dkv, dq + dq_b, add(d_consts, dc_b)
-
-        dkv = tuple(_pvary(jnp.zeros(x.shape, jnp.float32), varying) for x in (k, v))
-        _, (dk, dv), dq, d_consts = lax.fori_loop(0, n, step, (kv, dkv, dq, d_consts))
-    else:
-        gathered = _gathered(problem, kv)
-        shard_kv = k.shape[1]
-
-        def step(j, carry):
-            dkv, dq, d_consts = carry
-            dq_b, dk_b, dv_b, dc_b = _block_backward(problem, q, _take(gathered, j, shard_kv), q_seg, consts,
-                                                     i, j, n, cot)
-            dkv = tuple(lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, j * shard_kv, shard_kv, 1)
-                                                        + d, j * shard_kv, axis=1)
-                        for acc, d in zip(dkv, (dk_b, dv_b)))
-            return dkv, dq + dq_b, add(d_consts, dc_b)
-
-        dkv = tuple(jnp.zeros(x.shape, jnp.float32) for x in (gathered["k"], gathered["v"]))
-        dkv = tuple(_pvary(x, varying) for x in dkv)
-        dkv, dq, d_consts = lax.fori_loop(0, n, step, (dkv, dq, d_consts))
-        dk, dv = (lax.psum_scatter(x, problem.axis_name, scatter_dimension=1, tiled=True) for x in dkv)
-    # A captured array that does not vary over the axis gets every device's part (shard_map would otherwise
-    # see a varying cotangent for an invariant input). Without vma tracking (check_vma=False) nothing varies
-    # and shard_map sums the cotangents of its replicated inputs itself.
-    tracking = problem.axis_name in jax.typeof(q).manual_axis_type.varying
-    moving = [c for c in score_consts if _differentiable(c)]
-    d_moving = iter(
-        lax.psum(d, problem.axis_name)
-        if tracking and problem.axis_name not in jax.typeof(c).manual_axis_type.varying else d
-        for c, d in zip(moving, d_consts)
-    )
-    d_consts = tuple(next(d_moving) if _differentiable(c) else None for c in score_consts)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_consts, None, None, None, None)
-
-
-def _differentiable(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _with_moving(consts, moving):
-    """`consts` with its differentiable entries replaced, in order, by `moving`."""
-    it = iter(moving)
-    return tuple(next(it) if _differentiable(c) else c for c in consts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
     return _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed)
 
 
-def _ring_fwd(problem: _Ring, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed):
-    out, lse = _forward(problem, q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed)
-    return (out, lse), (q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed, out, lse)
+def _is_zero(t) -> bool:
+    return t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
-_ring.defvjp(_ring_fwd, _backward)
+@functools.partial(_ring.defjvp, symbolic_zeros=True)
+def _ring_jvp(problem: _Ring, primals, tangents):
+    q, k, v, score_consts, q_seg, kv_seg, mask_consts, dropout_seed = primals
+    dq, dk, dv, d_consts = tangents[:4]
+    # The primal through `_ring` itself, so that an outer derivative of this rule finds it.
+    out, lse = _ring(problem, *primals)
+    # The inputs with a tangent: q, k, v, then the differentiable arrays score_mod captures (in order).
+    inputs = (q, k, v, *score_consts)
+    d_inputs = (dq, dk, dv, *d_consts)
+    moving = tuple(i < 3 or _differentiable(c) for i, c in enumerate(inputs))
+    moving = tuple(m and not _is_zero(t) for m, t in zip(moving, d_inputs))
+    if not any(moving):
+        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+    residuals = dict(q=q, k=k, v=v, score_consts=score_consts, q_seg=q_seg, kv_seg=kv_seg, mask_consts=mask_consts,
+                     dropout_seed=dropout_seed, out=out, lse=lse)
+    res_flat, res_tree = jax.tree.flatten(residuals)
+    lin_flat = [t for t, m in zip(d_inputs, moving) if m]
+    unflatten = functools.partial(jax.tree.unflatten, res_tree)
+
+    def tangent_map(backend: str):
+        """The tangent of (out, lse) by jax.jvp of the schedule; `backend` runs its blocks."""
+        def apply(res_flat, lin_flat):
+            res = unflatten(res_flat)
+            blocks = problem if backend == problem.backend else _with_backend(problem, backend)
+            primal = (res["q"], res["k"], res["v"], *res["score_consts"])
+            lin = iter(lin_flat)
+            tangent = [next(lin) if m else jnp.zeros_like(x) for x, m in zip(primal, moving)]
+            position = [i for i, x in enumerate(primal) if i < 3 or _differentiable(x)]
+
+            def schedule(*moved):
+                full = list(primal)
+                for i, x in zip(position, moved):
+                    full[i] = x
+                return _forward(blocks, *full[:3], tuple(full[3:]), res["q_seg"], res["kv_seg"],
+                                res["mask_consts"], res["dropout_seed"])
+
+            _, (d_out, d_lse) = jax.jvp(schedule, [primal[i] for i in position], [tangent[i] for i in position])
+            return [d_out, d_lse]
+
+        return apply
+
+    def transpose(res_flat, cotangents):
+        res = unflatten(res_flat)
+        order = ("q", "k", "v", "score_consts", "q_seg", "kv_seg", "mask_consts", "dropout_seed", "out", "lse")
+        dq, dk, dv, d_consts, *_ = _backward(problem, tuple(res[name] for name in order), tuple(cotangents))
+        return [g for g, m in zip((dq, dk, dv, *d_consts), moving) if m]
+
+    specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
+    # Derivatives in the residuals (second order) take the plain-jnp blocks, differentiable to any order.
+    d_out, d_lse = custom_linear(tangent_map(problem.backend), transpose, tangent_map("reference"), res_flat,
+                                 lin_flat, specs)
+    return (out, lse), (d_out, d_lse)
+
+
+def _interpreted(config: FlashConfig | None) -> bool:
+    """Whether the kernels of this call run in a CPU interpreter."""
+    backend = config.backend if config is not None and config.backend is not None else default_backend()
+    return backend in ("interpret", "mosaic_interpret")
+
+
+def _with_backend(problem: _Ring, backend: str) -> _Ring:
+    return dataclasses.replace(problem, backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -535,6 +180,7 @@ def ring_attention(
     return_lse: bool = False,
     config: FlashConfig | None = None,
     _backend: str = "kernel",
+    _dropout_shard: tuple | None = None,
 ):
     """Attention over a sequence sharded on mesh axis `axis_name`; call it inside `jax.shard_map`.
 
@@ -543,16 +189,17 @@ def ring_attention(
 
     **Arguments:**
 
-    - `q` `[B, T, N, D]`, `k`, `v` `[B, S, K, D]`: this device's shard of the sequence axis (N a multiple of
-      K). With `causal`, T == S.
+    - `q` `[B, T, N, D]`, `k` `[B, S, K, D]`, `v` `[B, S, K, Dv]`: this device's shard of the sequence axis
+      (N a multiple of K; Dv may differ from D, as in `flash_attention`). With `causal`, T == S.
     - `axis_name`: the mesh axis the sequence is split over (n devices).
     - `layout`: `"contiguous"` (device i holds positions [i T, (i+1) T)) or `"zigzag"` (the sequence in 2n
       chunks, device i holding chunks i and 2n-1-i; lay tokens out with `zigzag_permutation`). T and S
       must be even for zigzag.
     - `strategy`: `"ring"` (K/V blocks travel by ppermute; O(L/n) memory) or `"allgather"` (K/V gathered
       once; their gradients reduce-scattered home).
-    - `causal`, `scale`, `window`, `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]` (this device's
-      shards): as in `flash_attention`, on global positions.
+    - `causal`, `scale` (a traced 0-d array multiplies the float32 scores), `window`, `q_segment_ids`
+      `[B, T]`, `kv_segment_ids` `[B, S]` (this device's shards): as in `flash_attention`, on global
+      positions.
     - `score_mod(score, b, h, q_idx, kv_idx)`, `mask_mod(b, h, q_idx, kv_idx)`: as in `flex_attention`,
       called with global positions (the original ones under zigzag) and the local batch index.
     - `dropout_rate`, `dropout_seed`: attention dropout with the keep mask of the unsharded call (the kernels
@@ -560,7 +207,8 @@ def ring_attention(
     - `return_lse`: also return lse `[B, N, T]` float32.
     - `config`: the kernels' `FlashConfig`.
 
-    **Returns:** out `[B, T, N, D]` in q's dtype (this device's queries), or `(out, lse)`.
+    **Returns:** out `[B, T, N, Dv]` in q's dtype (this device's queries), or `(out, lse)`. Differentiable in
+    reverse and forward mode (`jax.grad`, `jax.jvp`) in q, k, v, a traced scale and score_mod's arrays.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}.")
@@ -571,8 +219,10 @@ def ring_attention(
                           window=window, dropout_rate=dropout_rate)
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     q, scale = inputs.q, inputs.scale
-    if inputs.traced_scale:  # the schedule's static description takes a float: fold the scale into q
-        q, scale = (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(q.dtype), 1.0
+    if inputs.traced_scale:
+        # The schedule's static description takes a float: a traced scale multiplies the float32 scores
+        # through a score_mod, as in flash_attention (folded into q it would be rounded to q's dtype).
+        score_mod, scale = affine_score_mod(scale, score_mod=score_mod), 1.0
     shard_q, shard_kv = q.shape[1], inputs.k.shape[1]
     if causal and shard_q != shard_kv:
         raise ValueError(f"causal ring_attention needs equal query and key shards, got T={shard_q}, S={shard_kv}.")
@@ -581,13 +231,22 @@ def ring_attention(
             f"layout='zigzag' needs even shards (2 chunks per device), got T={shard_q}, S={shard_kv}: the "
             f"sequence length must be a multiple of 2 * the size of axis {axis_name!r}."
         )
+    if _backend == "kernel" and _interpreted(config) and axis_name in jax.typeof(q).manual_axis_type.varying:
+        # jax 0.11.2's Pallas interpreter cannot run under shard_map's varying-axes checks (it replays the
+        # kernel body on varying types, whose loops start from unvarying constants): on the CPU the blocks
+        # then take the plain-jnp path, the same numbers. check_vma=False runs the interpreter.
+        _backend = "reference"
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)
     problem = _Ring(
         axis_name=axis_name, layout=layout, strategy=strategy, causal=bool(causal), scale=scale,
         window=inputs.window, has_segments=inputs.q_segment_ids is not None, score_mod=score_hook,
         mask_mod=mask_hook, config=config, backend=_backend, dropout_rate=float(dropout_rate),
+        dropout_heads=None if _dropout_shard is None or not dropout_rate else _dropout_shard[2],
     )
+    if problem.dropout_heads is not None:  # (seed, batch offset, head offset): see `_Ring.dropout_heads`
+        parts = (dropout_seed, *_dropout_shard[:2])
+        dropout_seed = jnp.stack([jnp.asarray(x).astype(jnp.uint32).reshape(()) for x in parts])
     out, lse = _ring(problem, q, inputs.k, inputs.v, score_consts, inputs.q_segment_ids,
                      inputs.kv_segment_ids, mask_consts, dropout_seed)
     return (out, lse) if return_lse else out

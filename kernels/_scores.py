@@ -125,9 +125,10 @@ def backward_delta(out, lse, d_out, d_lse=None):
 
 def _dropout_scale(ctx: _ScoreContext, problem: _Problem):
     """keep / (1 - rate) for the tile: the factor on dropped-out probabilities."""
-    rate, splits = problem.features.dropout_rate, problem.features.dropout_positions
-    seed, q_idx, kv_idx = ctx.dropout_seed, ctx.q_idx, ctx.kv_idx
-    if splits is not None:
-        seed, q_idx, kv_idx = positions_of(seed, splits, q_idx, kv_idx)
-    keep = keep_mask(seed, ctx.b, ctx.h, q_idx, kv_idx, rate, problem.num_heads)
+    f = problem.features
+    seed, b, h, q_idx, kv_idx = ctx.dropout_seed, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx
+    if f.dropout_positions is not None:
+        seed, b, h, q_idx, kv_idx = positions_of(seed, f.dropout_positions, b, h, q_idx, kv_idx)
+    keep = keep_mask(seed, b, h, q_idx, kv_idx, f.dropout_rate, f.dropout_heads or problem.num_heads)
+    rate = f.dropout_rate
     return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)

@@ -8,25 +8,22 @@ naming the impl and the feature; `impl="auto"` tries the implementations of `_AU
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from jax.tree_util import Partial
 
-from probjax_kernels import (
-    FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask, ring_attention,
-)
+from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
     check_dropout, check_dropout_rate, check_flag, check_inputs,
 )
+from probjax_nn._sharding import context_parallel, per_shard
 
 Impl = Literal["auto", "pallas", "flex", "xla", "cudnn"]
 
@@ -44,6 +41,9 @@ class _Call:
     mask_mod: Callable | None
     dropout_rate: float
     dropout_seed: jax.Array | int | None
+    # (batch offset, head offset, the whole head count) when this call holds a shard of the batch / heads:
+    # dropout then hashes the whole attention's indices (`_sharding`).
+    dropout_shard: tuple | None = None
 
 
 def _with_residual(call: _Call, result):
@@ -60,7 +60,7 @@ def _pallas(call: _Call):
     return _with_residual(call, flash_attention(
         i.q, i.k, i.v, bias=i.bias, mask=i.mask, causal=call.causal, scale=i.scale, q_lengths=i.q_lengths,
         kv_lengths=i.kv_lengths, window=i.window, return_lse=call.return_residual, config=call.flash,
-        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed, _dropout_shard=call.dropout_shard,
     ))
 
 
@@ -97,6 +97,7 @@ def _flex(call: _Call):
     return _with_residual(call, flex_attention(
         i.q, i.k, i.v, score_mod, block_mask, scale=i.scale, enable_gqa=True, return_lse=call.return_residual,
         config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        _dropout_shard=call.dropout_shard,
     ))
 
 
@@ -183,7 +184,9 @@ class AttentionConfig:
     - `flash`: block sizes and launch parameters for the Pallas kernel; `None` picks device defaults.
     - `context_axis`: a mesh axis name to run context parallel over (`probjax_kernels.ring_attention`): under
       `jax.set_mesh(mesh)` (or inside a `shard_map` where that axis is manual), the sequence axis of query,
-      key and value is split over it; other mesh axes keep their sharding. None = off.
+      key and value is split over it; other mesh axes keep their sharding (hooks and dropout see the whole
+      batch's and heads' indices). None = off. Without it, "pallas" and "flex" run per shard of the batch
+      and heads of inputs sharded over the context mesh (docs/context_parallel.md).
     - `context_layout`: `"contiguous"` or `"zigzag"`: how the sequence axis as given maps to positions (for
       zigzag, tokens laid out with `probjax_kernels.zigzag_permutation`; hooks see the original positions).
     - `context_strategy`: `"ring"` (K/V travel by ppermute) or `"allgather"` (K/V gathered once).
@@ -431,7 +434,9 @@ def attention(
         float(dropout_rate), dropout_seed,
     )
     if config.context_axis is not None:
-        result = _context_parallel(config, name, call)
+        result = context_parallel(config, name, call)
+    elif name in ("pallas", "flex"):  # one custom call each: the SPMD partitioner cannot split them
+        result = per_shard(call, _IMPLEMENTATIONS[name].run)
     else:
         result = _IMPLEMENTATIONS[name].run(call)
     out_shape = (*query.shape[:-1], inputs.value_dim)
@@ -439,73 +444,3 @@ def attention(
         return result.reshape(out_shape)
     out, lse = result
     return out.reshape(out_shape), lse.reshape(query.shape[:-1])
-
-
-# ------------------------------------------------------------------------------------- context parallelism
-
-
-def _context_parallel(config: AttentionConfig, name: str, call: _Call):
-    """`call` through `ring_attention` over `config.context_axis`, in a `shard_map` of that axis (and of the
-    Explicit axes the inputs are sharded over) unless the caller's shard_map already made it manual."""
-    i, axis = call.inputs, config.context_axis
-    for feature, present in (("bias", i.bias is not None), ("mask", i.mask is not None),
-                             ("query_seq_lengths", i.q_lengths is not None),
-                             ("key_value_seq_lengths", i.kv_lengths is not None),
-                             ("a value head dim other than the query's", i.value_dim != i.q.shape[3]),
-                             ("key / value of batch 1 shared by the batch", i.kv_broadcast)):
-        if present:
-            raise NotImplementedError(
-                f"context parallelism (context_axis={axis!r}) does not support {feature}; express masks as a "
-                "mask_mod and biases as a score_mod on global positions."
-            )
-    if name == "cudnn":
-        raise NotImplementedError(f"impl='cudnn' cannot run context parallel (context_axis={axis!r}).")
-    attend = functools.partial(
-        ring_attention, axis_name=axis, layout=config.context_layout, strategy=config.context_strategy,
-        causal=call.causal, scale=i.scale, window=i.window, score_mod=call.score_mod, mask_mod=call.mask_mod,
-        return_lse=True, config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
-        _backend="reference" if name == "xla" else "kernel",
-    )
-    mesh = jax.sharding.get_abstract_mesh()
-    if axis in mesh.manual_axes:
-        return _with_residual(call, attend(i.q, i.k, i.v) if call.return_residual else attend(i.q, i.k, i.v)[0])
-    if mesh.empty or axis not in mesh.axis_names:
-        raise ValueError(
-            f"context_axis={axis!r} needs a mesh with that axis: call under jax.set_mesh(mesh); the current "
-            f"mesh has axes {tuple(mesh.axis_names)}."
-        )
-    size = mesh.shape[axis] * (2 if config.context_layout == "zigzag" else 1)
-    for arg, length in (("query", i.q.shape[1]), ("key", i.k.shape[1])):
-        if length % size:
-            raise ValueError(
-                f"{arg} has sequence length {length}, which context_axis={axis!r} with layout "
-                f"{config.context_layout!r} needs to be a multiple of {size}."
-            )
-    specs = [_sequence_spec(x, axis, mesh) for x in (i.q, i.k, i.v)]
-    manual = {axis} | {a for spec in specs for entry in spec for a in _names(entry)}
-    q_spec = specs[0]
-    lse_spec = P(q_spec[0], q_spec[2], axis)
-    q, k, v = (jax.reshard(x, spec) if _explicit(mesh, axis) else x for x, spec in zip((i.q, i.k, i.v), specs))
-    # check_vma=False: Pallas' interpret mode loses the varying-axes types inside the schedule's control flow.
-    out, lse = jax.shard_map(
-        attend, in_specs=tuple(specs), out_specs=(q_spec, lse_spec), axis_names=manual, check_vma=False,
-    )(q, k, v)
-    return _with_residual(call, (out, lse) if call.return_residual else out)
-
-
-def _names(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _explicit(mesh, axis: str) -> bool:
-    return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
-
-
-def _sequence_spec(x: jax.Array, axis: str, mesh) -> P:
-    """x's PartitionSpec (its Explicit axes; Auto ones are the compiler's to choose) with the sequence axis
-    (axis 1 of `[B, T, N, D]`) split over the context axis."""
-    spec = list(jax.typeof(x).sharding.spec) + [None] * x.ndim
-    spec = [None if entry is not None and not all(_explicit(mesh, a) for a in _names(entry)) else entry
-            for entry in spec[: x.ndim]]
-    spec[1] = axis
-    return P(*spec)

@@ -1,8 +1,9 @@
 """ring_attention (context parallelism over host devices) against unsharded attention on the gathered arrays.
 
 conftest.py gives the CPU 8 host devices. The kernels run in Pallas interpret mode, whose lowering does not
-carry shard_map's varying-axes types through control flow, so the kernel tests use `check_vma=False`; the
-plain-jnp block path runs with the default checks.
+carry shard_map's varying-axes types through control flow, so the kernel tests use `check_vma=False` (under
+the default checks ring_attention runs its blocks in plain jnp on the CPU); the plain-jnp block path runs
+with the default checks.
 """
 
 import functools
@@ -299,3 +300,69 @@ def test_ring_never_holds_the_whole_key_value():
     whole = "[1,64,2,8]"
     assert whole not in compiled("ring")
     assert any(whole in line and "all-gather" in line for line in compiled("allgather").splitlines())
+
+
+def test_context_parallel_global_batch_and_head_indices():
+    """The context-parallel layer with the batch and the heads on other (Explicit) mesh axes: ALiBi reads h,
+    a mask_mod reads b and dropout hashes both, as in the unsharded call (each shard saw its local b and h
+    before); through jax.jvp (a custom_vjp before), with a value head dim Dv != D (refused before)."""
+    import probjax_nn
+    from probjax_kernels import alibi
+
+    q, k, _ = random_qkv(9, 2, 32, 32, 4, 2, 16)
+    v = jax.random.normal(jax.random.key(15), (2, 32, 2, 24), jnp.float32)
+    lengths = jnp.asarray([32, 11], jnp.int32)
+    kwargs = dict(is_causal=True, score_mod=alibi(jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)),
+                  mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], dropout_rate=0.25, dropout_seed=4)
+    tangents = tuple(jax.random.normal(jax.random.key(16 + i), x.shape, jnp.float32) for i, x in enumerate((q, k, v)))
+    reference = functools.partial(probjax_nn.attention, impl="xla", **kwargs)
+    expected = jax.jit(lambda p, t: jax.jvp(reference, p, t))((q, k, v), tangents)
+    config = probjax_nn.AttentionConfig(impl="xla", context_axis="sp")
+    mesh = jax.make_mesh((2, 2, 2), ("data", "sp", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    with jax.set_mesh(mesh):
+        placed = tuple(jax.device_put(x, P("data", None, "model")) for x in (q, k, v))
+        attend = functools.partial(probjax_nn.attention, impl=config, **kwargs)
+        out, d_out = jax.jit(lambda p, t: jax.jvp(attend, p, t))(placed, tangents)
+    assert_close(out, expected[0], jnp.float32, "out")
+    assert_close(d_out, expected[1], jnp.float32, "d_out")
+
+
+def test_default_checks_traced_scale_value_dim():
+    """ring_attention as the docs call it, in a shard_map with its default varying-axes checks (a crash in
+    the Pallas interpreter before; on the CPU the blocks now take the plain-jnp path there), 2 devices: a
+    traced scale multiplies the float32 scores (bf16 lse against float64; folding it into q cost 3e-3), and
+    with a value head dim Dv != D (a cond type error before) and ALiBi's captured slopes (whose gradients
+    once met a psum inside the schedule's device-dependent switch), outputs and gradients equal the unsharded
+    reference's."""
+    from probjax_kernels import alibi, causal_mask
+
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = random_qkv(10, 2, 32, 32, 4, 2, 16, jnp.bfloat16)
+
+    def ring_lse(scale, q, k, v):
+        fn = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", scale=scale, return_lse=True)  # noqa: E731
+        return jax.shard_map(fn, mesh=mesh, in_specs=SEQ, out_specs=(SEQ, P(None, None, "sp")))(q, k, v)[1]
+
+    q64, k64 = (np.asarray(x, np.float64) for x in (q, k))
+    scores = np.einsum("btnd,bsnd->bnts", q64, np.repeat(k64, 2, axis=2)) * 0.3
+    top = scores.max(-1)
+    expected_lse = np.log(np.exp(scores - top[..., None]).sum(-1)) + top
+    lse = jax.jit(ring_lse)(jnp.float32(0.3), q, k, v)
+    assert np.abs(np.asarray(lse, np.float64) - expected_lse).max() < 1e-4
+
+    q, k, _ = random_qkv(11, 1, 32, 32, 4, 2, 16)
+    v = jax.random.normal(jax.random.key(12), (1, 32, 2, 8), jnp.float32)
+    score_mod = alibi(jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32))
+    ring = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, score_mod=score_mod),
+                         mesh=mesh, in_specs=SEQ, out_specs=SEQ)
+    block_mask = create_block_mask(causal_mask, None, None, 32, 32, block_size=16)
+    reference = functools.partial(flex_attention_reference, score_mod=score_mod, block_mask=block_mask,
+                                  enable_gqa=True)
+    weights = jax.random.normal(jax.random.key(13), (1, 32, 4, 8), jnp.float32)
+    loss = lambda attend: lambda q, k, v: jnp.sum(attend(q, k, v) * weights)  # noqa: E731
+    (value, grads), (expected, expected_grads) = (
+        jax.jit(jax.value_and_grad(loss(ring), (0, 1, 2)))(q, k, v),
+        jax.jit(jax.value_and_grad(loss(reference), (0, 1, 2)))(q, k, v))
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(actual, wanted, jnp.float32, name)
