@@ -38,16 +38,28 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keep
 MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
 
 
+def target_device():
+    """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
+    compilation for a GPU sets it to a topology device: scripts/compile_report.py), else the first device of
+    the default backend."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
 def default_backend() -> Backend:
     """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else; on Hopper (compute
-    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1.
+    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1. The device is
+    `target_device()`.
 
     Mosaic GPU is opt-in until it has run on a GPU (docs/perf-notes.md); then this becomes the default on
     Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
     """
-    if jax.default_backend() != "gpu":
+    device = target_device()
+    if device.platform != "gpu":
         return "interpret"
-    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(jax.devices()[0]):
+    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(device):
         return "mosaic"
     return "triton"
 

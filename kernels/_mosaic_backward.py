@@ -274,6 +274,7 @@ def mosaic_backward_dq(
         grid_names=("q", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dq",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
@@ -560,6 +561,7 @@ def mosaic_backward_dkv(
         grid_names=("kv", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dkv",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
