@@ -39,6 +39,40 @@ NO_WGMMA_OK = {
     ("probjax_flash_backward_dkv", 256): "hd256 backward: 32-wide tiles, Triton emits mma.sync",
 }
 
+# Spills the report knows of and CI tolerates, each capped (a larger spill, or one in any other kernel or
+# variant, fails): only in the Mosaic GPU backward, which is opt-in (FlashConfig(backend="mosaic") or
+# PROBJAX_MOSAIC=1; no default picks it), at head dim 128. docs/compile/index.md and docs/perf-notes.md give
+# the figures; removing them needs kernel work (dS^T / dP^T tiles of 64 queries, or hooks on 64-row tiles).
+KNOWN_SPILLS = {
+    # (kernel, variant regex): (max spill store bytes, max spill load bytes, why)
+    ("probjax_mosaic_backward_dkv", r"^mosaic_grad_d128_.*(causal|window)"):
+        (128, 160, "masked steps at head dim 128 (40-44 B; 120 B with GQA 8 -> 2): the causal / window index "
+                   "tiles on top of dK, dV, P^T and dP^T"),
+    ("probjax_mosaic_backward_dkv", r"^mosaic_flex_grad_d128_"):
+        (2400, 2600, "hooks at head dim 128 run on 128 x 128 tiles: S^T and dP^T of 128 queries per step"),
+    ("probjax_mosaic_backward_dq", r"^mosaic_flex_grad_d128_"):
+        (512, 640, "hooks at head dim 128 run on 128 x 128 tiles: S and dP of 128 keys per step"),
+}
+
+
+# Variants the report compiles and shows failing, which CI reports as OPEN instead of failing, each with why.
+# float32: Pallas Triton lowers a float32 dot at Precision.HIGHEST (the kernels' choice, for exactness) to
+# FMA loops (no tensor cores), and at the bf16 / f16 tiles ptxas spills tens of KB per thread; the
+# sm_86 head-dim-128 build also exceeds shared memory. Fixing it needs float32 tiles (default_config does not
+# see the dtype today) or a tf32 option: docs/perf-notes.md.
+OPEN = {r"_f32_": "float32 at the bf16 / f16 tiles: Precision.HIGHEST dots are FMA loops that spill"}
+
+
+def is_open(variant: str) -> str | None:
+    return next((why for pattern, why in OPEN.items() if re.search(pattern, variant)), None)
+
+
+def known_spill(kernel: str, variant: str) -> tuple | None:
+    for (name, pattern), cap in KNOWN_SPILLS.items():
+        if name == kernel and re.search(pattern, variant):
+            return cap
+    return None
+
 
 # ---------------------------------------------------------------------------------------------- target
 
@@ -146,7 +180,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     for variant in compile_variants.variants():
         if variant.group != group or (only and not re.search(only, variant.name)):
             continue
-        if variant.group == "mosaic" and not limits["arch"].startswith("sm_90"):
+        if variant.group in ("mosaic", "control") and not limits["arch"].startswith("sm_90"):
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
@@ -156,10 +190,11 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
             with jax.default_device(device):
                 from probjax_kernels import FlashConfig
 
-                config = default_config(FlashConfig(backend=variant.backend), q_len=variant.q_len,
+                config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})), q_len=variant.q_len,
                                         kv_len=variant.kv_len, head_dim=max(variant.head_dim,
                                                                             variant.value_dim or 0))
-                row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
+                if variant.group != "decode":  # the decode kernel has its own config (DecodeConfig)
+                    row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
@@ -243,38 +278,44 @@ def _kernel_row(limits, entry, lowering, threads, smem, sass) -> dict:
 # ------------------------------------------------------------------------------------------------- check
 
 
-def problems(report: dict) -> list[str]:
-    """Every reason the report fails CI, one line each."""
-    out = []
-    limits = {t: target_limits(t) for t in report["targets"]}
-    for row in report["rows"]:
-        where = f"{row['target']} {row['variant']}"
-        if row["status"] != "ok":
-            out.append(f"{where}: compile error: {row.get('error')}")
+def row_problems(row: dict, limits: dict) -> list[str]:
+    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`)."""
+    where = f"{row['target']} {row['variant']}"
+    if row["status"] != "ok":
+        return [f"{where}: compile error: {row.get('error')}"]
+    out = [] if row["kernels"] else [f"{where}: no Pallas kernel found in the compile (it would prove nothing)"]
+    for kernel in row["kernels"]:
+        name = f"{where} {kernel['kernel']}"
+        cap = known_spill(kernel["kernel"], row["variant"])
+        if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
+                cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
+            out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
+        if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
+            out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
+        if not row["arch"].startswith("sm_90"):
             continue
-        if not row["kernels"]:
-            out.append(f"{where}: no Pallas kernel found in the compile (the report would prove nothing)")
-        for kernel in row["kernels"]:
-            name = f"{where} {kernel['kernel']}"
-            if kernel["spill_stores"] or kernel["spill_loads"]:
-                out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
-            if kernel["smem"] is not None and kernel["smem"] > limits[row["target"]]["smem_per_block"]:
-                out.append(f"{name}: {kernel['smem']} B shared memory over the target's "
-                           f"{limits[row['target']]['smem_per_block']}")
-            if not row["arch"].startswith("sm_90"):
-                continue
-            if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
-                out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
-                           f"(HGMMA {kernel['HGMMA']})")
-            exempt = (kernel["kernel"], row["head_dim"]) in NO_WGMMA_OK or row["dtype"] == "f32"
-            if kernel["lowering"] == "triton" and not kernel["HGMMA"] and not exempt:
-                out.append(f"{name}: a Hopper Triton kernel without wgmma (HGMMA 0)")
+        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
+            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
+                       f"(HGMMA {kernel['HGMMA']})")
+        exempt = (kernel["kernel"], row["head_dim"]) in NO_WGMMA_OK or row["dtype"] == "f32"
+        if kernel["lowering"] == "triton" and not kernel["HGMMA"] and not exempt:
+            out.append(f"{name}: a Hopper Triton kernel without wgmma (HGMMA 0)")
     return out
+
+
+def problems(report: dict, open_ones: bool = False) -> list[str]:
+    """Every reason the report fails CI, one line each; with `open_ones`, the problems of the `OPEN` variants
+    instead (reported, not failing)."""
+    limits = {t: target_limits(t) for t in report["targets"]}
+    return [line for row in report["rows"] if bool(is_open(row["variant"])) == open_ones
+            for line in row_problems(row, limits[row["target"]])]
 
 
 def check(path: Path) -> int:
     report = json.loads(path.read_text())
     found = problems(report)
+    for line in problems(report, open_ones=True):
+        print(f"compile_report: OPEN {line}")
     for line in found:
         print(f"compile_report: FAIL {line}")
     kernels = sum(len(r["kernels"]) for r in report["rows"])
@@ -288,8 +329,8 @@ def check(path: Path) -> int:
 def run(args) -> int:
     targets = args.targets.split(",")
     sys.path.insert(0, str(REPO / "scripts"))
-    groups = ["triton", "mosaic", "decode"]
-    shards = [(t, g) for g in groups for t in targets if not (g == "mosaic" and not
+    groups = ["mosaic", "triton", "control", "decode"]  # the longest shard first
+    shards = [(t, g) for g in groups for t in targets if not (g in ("mosaic", "control") and not
                                                               target_limits(t)["arch"].startswith("sm_90"))]
     start = time.perf_counter()
     rows = []
@@ -297,19 +338,25 @@ def run(args) -> int:
         futures = [pool.submit(_shard, t, g, args.toolchain, args.only) for t, g in shards]
         for future in futures:
             rows += future.result()
+    for row in rows:  # the verdict travels with the row (tests/test_compile_report.py reads it)
+        row["problems"] = row_problems(row, target_limits(row["target"]))
+        row["open"] = is_open(row["variant"])
     order = {name: i for i, name in enumerate(targets)}
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = dict(
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
         wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, rows=rows,
         no_wgmma_ok=[dict(kernel=k, head_dim=d, why=w) for (k, d), w in NO_WGMMA_OK.items()],
+        open=[dict(variants=k, why=v) for k, v in OPEN.items()],
+        known_spills=[dict(kernel=k, variants=v, max_stores=c[0], max_loads=c[1], why=c[2])
+                      for (k, v), c in KNOWN_SPILLS.items()],
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     import compile_page
 
-    Path(args.page).write_text(compile_page.markdown(report, problems(report)))
+    Path(args.page).write_text(compile_page.markdown(report, problems(report), problems(report, True)))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
     return check(out)
 
@@ -370,7 +417,7 @@ def main() -> int:
     import compile_page
 
     report = json.loads(Path(args.report).read_text())
-    PAGE.write_text(compile_page.markdown(report, problems(report)))
+    PAGE.write_text(compile_page.markdown(report, problems(report), problems(report, True)))
     return 0
 
 

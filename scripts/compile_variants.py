@@ -38,6 +38,7 @@ class Variant:
     q_len: int = 1024
     kv_len: int = 1024
     value_dim: int | None = None
+    tiles: dict | None = None  # FlashConfig fields set explicitly (exploration); None: default_config's
 
 
 def _spec(shape, dtype):
@@ -64,9 +65,10 @@ def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
 
 
 def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", causal=False, q_len=1024,
-          kv_len=None, kv_heads=N, backend="triton", group=None, **options) -> Variant:
+          kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, **options) -> Variant:
     """A `flash_attention` call; `options` go to it (dropout_rate, window, ...). Segment ids and lengths are
-    arguments when options has segments=True / lengths=True."""
+    arguments when options has segments=True / lengths=True. `tiles`: FlashConfig fields to set rather than
+    leave to `default_config` (for exploring candidates: `--explore`)."""
     from probjax_kernels import FlashConfig, flash_attention
 
     kv_len = kv_len or q_len
@@ -75,7 +77,7 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
     dt = _DTYPES[dtype]
 
     def build():
-        config = FlashConfig(backend=backend)
+        config = FlashConfig(backend=backend, **(tiles or {}))
         specs = [_spec((B, q_len, N, head_dim), dt), _spec((B, kv_len, kv_heads, head_dim), dt),
                  _spec((B, kv_len, kv_heads, value_dim), dt)]
         if segments:
@@ -95,7 +97,7 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
         return _wrap(mode, attend, len(specs), (0, 1, 2)), specs
 
     return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, kv_len,
-                   value_dim if value_dim != head_dim else None)
+                   value_dim if value_dim != head_dim else None, tiles)
 
 
 def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_len=1024, backend="triton",
@@ -114,7 +116,7 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
         specs = [_spec((B, q_len, N, head_dim), dt)] * 3
         grad_args = (0, 1, 2)
         if hook == "relative_bias":
-            specs = specs + [_spec((2 * q_len - 1,), jnp.float32)]
+            specs = specs + [_spec((N, 2 * q_len - 1), jnp.float32)]
             grad_args = (0, 1, 2, 3)
 
         def attend(q, k, v, *rest):
@@ -142,29 +144,25 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 
 
 def _triton_variants() -> list[Variant]:
+    """The forward kernel is the same in a forward-only call and in fwd+bwd (it always writes the lse), so
+    the seed grid's fwd cells compile inside the fwd+bwd ones; forward-only builds remain for the ragged
+    lengths that only run forward in the seed's benchmark."""
     out = []
     for d in (64, 128):
-        for dtype in ("bf16", "f16"):
-            for causal in (False, True):
-                tag = f"d{d}_{dtype}_{'causal' if causal else 'full'}"
-                out.append(flash(f"flash_fwd_{tag}", head_dim=d, dtype=dtype, causal=causal))
-                out.append(flash(f"flash_grad_{tag}", head_dim=d, dtype=dtype, causal=causal, mode="fwd+bwd"))
-        for causal in (False, True):
-            out.append(flash(f"flash_jvp_d{d}_bf16_{'causal' if causal else 'full'}", head_dim=d, causal=causal,
-                             mode="jvp"))
-        out.append(flash(f"flash_fwd_d{d}_f32_full", head_dim=d, dtype="f32"))
+        for dtype, causal in (("bf16", False), ("bf16", True), ("f16", d == 64)):
+            tag = f"d{d}_{dtype}_{'causal' if causal else 'full'}"
+            out.append(flash(f"flash_grad_{tag}", head_dim=d, dtype=dtype, causal=causal, mode="fwd+bwd"))
         out.append(flash(f"flash_grad_d{d}_f32_full", head_dim=d, dtype="f32", mode="fwd+bwd"))
+        out.append(flash(f"flash_jvp_d{d}_bf16_causal", head_dim=d, causal=True, mode="jvp"))
     for causal in (False, True):
-        tag = "causal" if causal else "full"
-        out.append(flash(f"flash_fwd_d256_bf16_{tag}", head_dim=256, causal=causal))
-        out.append(flash(f"flash_grad_d256_bf16_{tag}", head_dim=256, causal=causal, mode="fwd+bwd"))
+        out.append(flash(f"flash_grad_d256_bf16_{'causal' if causal else 'full'}", head_dim=256, causal=causal,
+                         mode="fwd+bwd"))
     out.append(flash("flash_jvp_d256_bf16_full", head_dim=256, mode="jvp"))
-    # Ragged tails (and the short 77, whose tiles shrink), and one long control.
-    for t in (600, 1500):
-        out.append(flash(f"flash_fwd_d128_bf16_causal_T{t}", causal=True, q_len=t))
+    # Ragged tails (and the short 77, whose tiles shrink to the sequence).
+    out.append(flash("flash_fwd_d128_bf16_causal_T600", causal=True, q_len=600))
+    out.append(flash("flash_fwd_d64_bf16_full_T1500", head_dim=64, q_len=1500))
     out.append(flash("flash_grad_d128_bf16_causal_T3000", causal=True, q_len=3000, mode="fwd+bwd"))
     out.append(flash("flash_grad_d64_bf16_causal_T77", head_dim=64, causal=True, q_len=77, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_bf16_causal_T8192", causal=True, q_len=8192, mode="fwd+bwd"))
     # Features.
     out.append(flash("flash_grad_d128_dv64_bf16", value_dim=64, mode="fwd+bwd"))
     out.append(flash("flash_grad_d128_gqa8to2_bf16_causal", kv_heads=2, causal=True, mode="fwd+bwd"))
@@ -174,6 +172,13 @@ def _triton_variants() -> list[Variant]:
     for hook in ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias"):
         out.append(flex(f"flex_grad_d128_bf16_{hook}", hook))
     return out
+
+
+def _control_variants() -> list[Variant]:
+    """seq 8192 (the seed benchmark's longest): the same kernels as seq 1024, compiled once on one target to
+    show it."""
+    return [flash("flash_grad_d128_bf16_causal_T8192", causal=True, q_len=8192, mode="fwd+bwd",
+                  group="control")]
 
 
 def _mosaic_variants() -> list[Variant]:
@@ -192,28 +197,30 @@ def _mosaic_variants() -> list[Variant]:
 
 
 def _decode_variants() -> list[Variant]:
-    """The decode kernel, where this checkout has it (`probjax_kernels.decode_attention`)."""
+    """The decode kernel (`probjax_kernels.decode_attention`: one new token per sequence against a dense
+    cache, GQA 8 -> 2), where this checkout has it; its tiles are its own defaults (`DecodeConfig`)."""
     try:
-        from probjax_kernels import decode_attention
+        from probjax_kernels import DecodeConfig, decode_attention
     except ImportError:
         return []
     out = []
-    for d, cache in ((64, 8192), (128, 8192)):
-        def build(d=d, cache=cache):
-            specs = [_spec((B, 1, N, d), jnp.bfloat16), _spec((B, cache, 2, d), jnp.bfloat16),
-                     _spec((B, cache, 2, d), jnp.bfloat16), _spec((B,), jnp.int32)]
+    for d in (64, 128):
+        def build(d=d):
+            specs = [_spec((B, 1, N, d), jnp.bfloat16), _spec((B, 8192, 2, d), jnp.bfloat16),
+                     _spec((B, 8192, 2, d), jnp.bfloat16), _spec((B,), jnp.int32)]
 
             def attend(q, k, v, lengths):
-                return decode_attention(q, k, v, lengths)
+                return decode_attention(q, k, v, kv_lengths=lengths, config=DecodeConfig(backend="triton"))
 
             return attend, specs
-        out.append(Variant(f"decode_d{d}_bf16_cache{cache}", "decode", build, d, "bf16", "fwd", "triton", 1, cache))
+        out.append(Variant(f"decode_d{d}_bf16_cache8192_gqa8to2", "decode", build, d, "bf16", "fwd", "triton", 1,
+                           8192))
     return out
 
 
 def variants() -> list[Variant]:
     """Every variant, Triton first; names are unique."""
-    out = _triton_variants() + _mosaic_variants() + _decode_variants()
+    out = _triton_variants() + _control_variants() + _mosaic_variants() + _decode_variants()
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
