@@ -58,7 +58,8 @@ def default_backend() -> Backend:
     Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
     """
     device = target_device()
-    if device.platform != "gpu":
+    platform = jax.default_backend() if jax.config.jax_default_device is None else device.platform
+    if platform != "gpu":
         return "interpret"
     if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(device):
         return "mosaic"

