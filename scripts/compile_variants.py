@@ -218,9 +218,32 @@ def _decode_variants() -> list[Variant]:
     return out
 
 
+def _peer_variants() -> list[Variant]:
+    """Peers compiled the same way: JAX's own Pallas Triton attention (`jax.experimental.pallas.ops.gpu.
+    attention.mha`) at its default block sizes, forward + backward, bf16, B=4, N=8, seq 1024."""
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            def build(d=d, causal=causal):
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    from jax.experimental.pallas.ops.gpu import attention
+
+                def attend(q, k, v):
+                    return attention.mha(q, k, v, None, sm_scale=d ** -0.5, causal=causal)
+
+                return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, 1024, N, d), jnp.bfloat16)] * 3
+            out.append(Variant(f"jax_pallas_mha_grad_d{d}_bf16_{'causal' if causal else 'full'}", "peer", build, d,
+                               "bf16", "fwd+bwd", "triton"))
+    return out
+
+
 def variants() -> list[Variant]:
     """Every variant, Triton first; names are unique."""
-    out = _triton_variants() + _control_variants() + _mosaic_variants() + _decode_variants()
+    out = (_triton_variants() + _control_variants() + _mosaic_variants() + _decode_variants()
+           + _peer_variants())
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
