@@ -31,6 +31,7 @@ REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "index.md"
 TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
+KERNEL_PREFIXES = ("probjax_", "mha_")  # the Pallas kernels' names: ours, then the peers' (JAX's mha)
 # Triton kernels that use no wgmma on Hopper by design, with the reason (docs/compile/index.md repeats it):
 # Triton picks mma.sync (HMMA) for a dot whose operands it cannot stage in shared memory in wgmma's layout
 # within its shared-memory budget; at head dim 256 the backward's tiles are 32 wide.
@@ -246,8 +247,8 @@ def _kernels(limits: dict, ptxas_files, xla_files, mosaic_files, cuda_root: Path
                 launches[name] = (int(threads), int(smem))
     for log in (p for p in ptxas_files if p.suffix == ".log"):
         for entry in parse_ptxas(log.read_text()):
-            if "fusion" in entry["name"]:
-                continue  # XLA's own fusions; the rest are Pallas kernels (ours: probjax_*; peers' names)
+            if not entry["name"].startswith(KERNEL_PREFIXES):
+                continue  # XLA's own kernels (fusions, slices, sorts)
             threads, smem = launches.get(entry["name"], (None, None))
             ptx = log.with_suffix(".ptx")
             threads = threads or (ptx_threads(ptx.read_text()) if ptx.exists() else None)
