@@ -12,6 +12,7 @@ Mosaic GPU ones, and that routes `_autodiff`'s forward, backward and tangent to 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -38,16 +39,29 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keep
 MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
 
 
+def target_device():
+    """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
+    compilation for a GPU sets it to a topology device: scripts/compile_report.py), else the first device of
+    the default backend."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
 def default_backend() -> Backend:
     """The Pallas Triton lowering on NVIDIA GPUs, interpret mode everywhere else; on Hopper (compute
-    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1.
+    capability 9.x) Mosaic GPU instead when the environment sets PROBJAX_MOSAIC=1. The device is
+    `target_device()`.
 
     Mosaic GPU is opt-in until it has run on a GPU (docs/perf-notes.md); then this becomes the default on
     Hopper. Calls the Mosaic kernels cannot take run the Triton ones either way.
     """
-    if jax.default_backend() != "gpu":
+    device = target_device()
+    platform = jax.default_backend() if jax.config.jax_default_device is None else device.platform
+    if platform != "gpu":
         return "interpret"
-    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(jax.devices()[0]):
+    if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(device):
         return "mosaic"
     return "triton"
 
@@ -61,25 +75,58 @@ def _fit_block(block: int, seq_len: int) -> int:
     return max(_MIN_BLOCK, min(block, 1 << max(seq_len - 1, 0).bit_length()))
 
 
+# Shared memory one CTA may opt in to, by compute capability (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"); unknown capabilities count as the smallest of these.
+_SMEM_PER_BLOCK = {(7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912,
+                   (8, 9): 101_376, (9, 0): 232_448, (10, 0): 232_448, (12, 0): 101_376}
+_LARGE_SMEM = 160 * 1024  # A100 / H100 class (163 / 227 KB per CTA) versus the RTX 30 / 40 class (99 KB)
+
+
+def smem_per_block(device=None) -> int:
+    """Shared memory per CTA (opt-in) of the target device's compute capability, in bytes."""
+    device = device if device is not None else target_device()
+    try:
+        major, minor = (int(x) for x in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        return min(_SMEM_PER_BLOCK.values())
+    return _SMEM_PER_BLOCK.get((major, minor), min(_SMEM_PER_BLOCK.values()))
+
+
+def _triton_tiles(head_dim: int, large_smem: bool) -> tuple[int, ...]:
+    """(fwd q, fwd k, dK/dV q, dK/dV k, dQ q, dQ k, warps, stages) of the Triton kernels on a GPU, chosen from
+    the compile report (docs/compile/index.md; the figures behind each choice are in docs/perf-notes.md):
+    no spill and within shared memory on sm_90a, sm_80 and sm_86."""
+    if head_dim <= 64:
+        return 128, 64, 64, 64, 64, 64, 4, 2
+    if head_dim <= 128:
+        if large_smem:
+            # dK/dV at 64 x 64 spills 96 B on sm_90a with GQA 8 -> 2 (255 registers); 32 x 64 does not.
+            return 128, 64, 32, 64, 64, 64, 8, 2
+        # 99 KB (sm_86): 64 x 64 backward tiles need 107,008 B; 32-query steps in both backward kernels fit
+        # (86,272 B dK/dV, 53,248 B dQ), and unlike 64 x 32 dK/dV tiles do not spill with GQA.
+        return 128, 64, 32, 64, 32, 64, 8, 2
+    # Head dim 256: dQ at 32 x 32 spills on sm_86 (16 x 32 does not).
+    return (64, 32, 32, 32, 32, 32, 8, 1) if large_smem else (64, 32, 32, 32, 16, 32, 8, 1)
+
+
 def default_config(
     config: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int
 ) -> FlashConfig:
     """Fill the `None` fields of `config` with defaults for the backend, sequence lengths and padded head dim.
 
-    GPU defaults follow the Triton flash-attention heuristics (JAX's Pallas example, tokamax): 128 x 64
-    forward tiles with 4 warps up to head dim 64 and 8 above, 64 x 64 backward tiles; they shrink for head
-    dim 256 to stay inside shared memory. Interpret mode favours large tiles: it pays per grid step.
+    On a GPU the tiles depend on the target device (`target_device()`: `jax.default_device` when set, so
+    compiling ahead of time for a GPU picks that GPU's tiles): 128 x 64 forward tiles with 4 warps up to head
+    dim 64 and 8 above, 64 x 64 backward tiles, narrower backward tiles where a CTA gets 99 KB of shared
+    memory (sm_86 / sm_89), small tiles at head dim 256 (`_triton_tiles`; the compile report,
+    docs/compile/index.md, checks every one). Interpret mode favours large tiles: it pays per grid step.
     """
     config = config or FlashConfig()
     backend = config.backend or default_backend()
     if backend == "interpret":
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 128, 128, 128, 4, 2
-    elif head_dim <= 64:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 4, 2
-    elif head_dim <= 128:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 128, 64, 64, 64, 8, 2
+        fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
     else:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, stages = 64, 32, 32, 32, 8, 1
+        large = backend in ("mosaic", "mosaic_interpret") or smem_per_block() >= _LARGE_SMEM
+        fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles(head_dim, large)
 
     def pick(value: int | None, default: int, seq_len: int) -> int:
         return value if value is not None else _fit_block(default, seq_len)
@@ -91,14 +138,29 @@ def default_config(
     return FlashConfig(
         block_q=pick(config.block_q, fwd_q, q_len),
         block_k=pick(config.block_k, fwd_k, kv_len),
-        block_q_dkv=pick(config.block_q_dkv, bwd_q, q_len),
-        block_k_dkv=pick(config.block_k_dkv, bwd_k, kv_len),
-        block_q_dq=pick(config.block_q_dq, bwd_q, q_len),
-        block_k_dq=pick(config.block_k_dq, bwd_k, kv_len),
+        block_q_dkv=pick(config.block_q_dkv, dkv_q, q_len),
+        block_k_dkv=pick(config.block_k_dkv, dkv_k, kv_len),
+        block_q_dq=pick(config.block_q_dq, dq_q, q_len),
+        block_k_dq=pick(config.block_k_dq, dq_k, kv_len),
         num_warps=config.num_warps if config.num_warps is not None else warps,
         num_stages=config.num_stages if config.num_stages is not None else stages,
         backend=backend,
     )
+
+
+def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False) -> FlashConfig:
+    """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
+    at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
+    query tile of at most 32. It holds q, its tangent and two accumulators, so the
+    forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
+    131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
+    the padded length and of every block table's block. Interpret mode keeps `config`."""
+    if config.backend not in ("triton", "mosaic"):
+        return config
+    cap = 32 if head_dim <= 128 else 16
+    block_q = config.block_q if head_dim <= 128 or tables else min(config.block_q, 32)
+    return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
+                               num_warps=max(config.num_warps, 8))
 
 
 # --------------------------------------------------------------------------------------------- per call
@@ -229,5 +291,17 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
             optional: dict):
-    """(d out, d lse) of a forward-mode pass: the Triton tangent kernel on every backend."""
+    """(d out, d lse) of a forward-mode pass: the Triton tangent kernel on every backend, on
+    `tangent_config`'s tiles."""
+    head_dim = max(q.shape[3], v.shape[3])
+    f = problem.features
+    config = tangent_config(problem.config, head_dim, f.block_sizes is not None)
+    if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
+        rows, cols = (config.block_q, 1), (1, config.block_k)
+        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
+        if f.score_mod is not None:
+            f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
+        if f.mask_mod is not None:
+            f.mask_mod.prepare(*indices)
+        problem = dataclasses.replace(problem, config=config)
     return _tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)

@@ -274,6 +274,7 @@ def mosaic_backward_dq(
         grid_names=("q", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dq",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
@@ -379,10 +380,6 @@ def _dkv_kernel(
             plgpu.barrier_wait(lse2_ready.at[slot])
             s_t = transposed_scores(k_own, q_slot)  # S^T = K Q^T, keys x queries
             lse2 = plgpu.load(lse2_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            plgpu.barrier_wait(do_ready.at[slot])
-            plgpu.barrier_wait(delta_ready.at[slot])
-            dp_t = transposed_scores(v_own, do_slot)  # dP^T = V dO^T
-            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             s_t, s_scale, derivative = rule.scores(
                 s_t, lambda: tile_indices(s_t.shape, t * block_q, key0, transposed=True), batch, head, kv_len,
                 masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
@@ -390,12 +387,19 @@ def _dkv_kernel(
             )
             # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
             p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+            # dV before dP^T (FlashAttention-2's order): S^T is dead before the dP^T accumulator is live, and
+            # P^T's bf16 copy before dP^T; S^T and dP^T live together spilled at head dim 128
+            # (docs/compile/index.md).
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+            staging = None if p_smem is None else p_smem.at[wg]
+            dv = _accumulate_pv(dv, p_t.astype(do_slot.dtype), do_slot, staging, not interpret, lambda: None)
+            dp_t = transposed_scores(v_own, do_slot)  # dP^T = V dO^T
+            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            plgpu.barrier_arrive(do_free.at[slot])
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
             if derivative is not None:  # the chain rule through score_mod
                 ds_t = ds_t * derivative
-            staging = None if p_smem is None else p_smem.at[wg]
-            dv = _accumulate_pv(dv, p_t.astype(do_slot.dtype), do_slot, staging, not interpret, lambda: None)
-            plgpu.barrier_arrive(do_free.at[slot])
             dk = _accumulate_pv(dk, ds_t.astype(q_slot.dtype), q_slot, staging, not interpret, lambda: None)
             plgpu.barrier_arrive(q_free.at[slot])
             return dk, dv
@@ -560,6 +564,7 @@ def mosaic_backward_dkv(
         grid_names=("kv", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dkv",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)

@@ -380,6 +380,7 @@ def mosaic_forward(
         grid_names=("q", "heads", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="probjax_mosaic_forward",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)

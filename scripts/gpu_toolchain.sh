@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Install (or reuse) the pinned toolchain that compiles the kernels for NVIDIA GPUs on a machine without one
+# (scripts/compile_report.py). It lives outside the repo, cached between runs on the same machine:
+#   $PROBJAX_GPU_TOOLCHAIN (default: ${XDG_CACHE_HOME:-$HOME/.cache}/probjax-gpu-toolchain/<pins hash>)
+#     venv/        jax[cuda12] at the project's jax version and the nvcc wheel's ptxas (the compiler)
+#     tools/       cuobjdump and nvdisasm (SASS), installed with pip --target OUTSIDE the venv: their
+#                  nvidia/cu13 folder inside the venv breaks jax's CUDA path detection
+#     cuda_root/   what XLA and Mosaic GPU look for under CUDA_ROOT: bin/ptxas (a wrapper that adds -v and
+#                  keeps the cubins), bin/nvdisasm, bin/cuobjdump, nvvm/
+# Prints the toolchain folder on its last line of stdout; everything else goes to stderr.
+# Usage: bash scripts/gpu_toolchain.sh
+set -euo pipefail
+
+JAX_VERSION="0.11.2"            # the project's (pyproject.toml's dev extra)
+NVCC_VERSION="12.9.86"          # ptxas: register and spill figures depend on its version
+CUOBJDUMP_VERSION="13.5.37"     # no -cu12 build exists; these only read cubins
+NVDISASM_VERSION="13.5.37"
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+log() { echo "gpu_toolchain.sh: $*" >&2; }
+
+pins="jax[cuda12]==$JAX_VERSION nvidia-cuda-nvcc-cu12==$NVCC_VERSION"
+pins="$pins nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
+pins_hash="$(echo "$pins" | sha256sum | cut -c1-12)"
+root="${PROBJAX_GPU_TOOLCHAIN:-${XDG_CACHE_HOME:-$HOME/.cache}/probjax-gpu-toolchain/$pins_hash}"
+stamp="$root/.installed"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$pins" ]]; then
+    log "reusing $root"
+else
+    # The repo's .venv (scripts/setup.sh) holds a Python 3.12; its base interpreter makes the toolchain venv.
+    if [[ ! -x .venv/bin/python ]]; then
+        log "no .venv: run 'bash scripts/setup.sh' first (it finds the Python 3.12 this uses)"
+        exit 1
+    fi
+    python="$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"
+    log "installing $pins into $root (a few GB; minutes on a fresh machine)"
+    rm -rf "$root"
+    mkdir -p "$root"
+    "$python" -m venv "$root/venv"
+    "$root/venv/bin/python" -m pip install --quiet --upgrade pip
+    "$root/venv/bin/python" -m pip install --quiet "jax[cuda12]==$JAX_VERSION" \
+        "nvidia-cuda-nvcc-cu12==$NVCC_VERSION" numpy
+    "$root/venv/bin/python" -m pip install --quiet --target "$root/tools" --no-deps \
+        "nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION" "nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
+
+    # CUDA_ROOT: the nvcc wheel's bin/ and nvvm/, with ptxas behind a wrapper.
+    nvcc="$("$root/venv/bin/python" -c 'import nvidia.cuda_nvcc as m, os; print(os.path.dirname(m.__file__))' 2>/dev/null \
+        || echo "$root/venv/lib/python3.12/site-packages/nvidia/cuda_nvcc")"
+    cuda="$root/cuda_root"
+    mkdir -p "$cuda/bin"
+    ln -sfn "$nvcc/nvvm" "$cuda/nvvm"
+    ln -sfn "$nvcc/bin/ptxas" "$cuda/bin/ptxas.real"
+    for tool in cuobjdump nvdisasm; do
+        found="$(find "$root/tools" -type f -name "$tool" -perm -u+x | head -1)"
+        [[ -n "$found" ]] || { log "no $tool in $root/tools"; exit 1; }
+        ln -sfn "$found" "$cuda/bin/$tool"
+    done
+    cat >"$cuda/bin/ptxas" <<'WRAP'
+#!/usr/bin/env bash
+# ptxas with -v: its register / spill report goes to $PROBJAX_PTXAS_LOG (one file per call, with the cubin).
+here="$(dirname "${BASH_SOURCE[0]}")"
+if [[ -z "${PROBJAX_PTXAS_LOG:-}" ]]; then exec "$here/ptxas.real" "$@"; fi
+mkdir -p "$PROBJAX_PTXAS_LOG"
+id="$(date +%s%N)-$$"
+out=""; args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    if [[ "${args[$i]}" == "-o" ]]; then out="${args[$((i + 1))]}"; fi
+done
+"$here/ptxas.real" -v "$@" 2>"$PROBJAX_PTXAS_LOG/$id.log"
+rc=$?
+cat "$PROBJAX_PTXAS_LOG/$id.log" >&2
+for ((i = 0; i < ${#args[@]}; i++)); do  # the input: the one argument that is neither a flag nor -o's
+    a="${args[$i]}"
+    if [[ "$a" == "-o" ]]; then i=$((i + 1)); elif [[ "$a" != -* && -f "$a" ]]; then cp "$a" "$PROBJAX_PTXAS_LOG/$id.ptx"; fi
+done
+[[ -n "$out" && -f "$out" ]] && cp "$out" "$PROBJAX_PTXAS_LOG/$id.cubin"
+exit $rc
+WRAP
+    chmod +x "$cuda/bin/ptxas"
+    echo "$pins" >"$stamp"
+    log "installed"
+fi
+
+log "jax $("$root/venv/bin/python" -c 'import importlib.metadata as m; print(m.version("jax"), "jaxlib", m.version("jaxlib"), "jax-cuda12-plugin", m.version("jax-cuda12-plugin"))')"
+log "ptxas: $("$root/cuda_root/bin/ptxas.real" --version | tail -1)"
+log "nvdisasm: $("$root/cuda_root/bin/nvdisasm" --version | tail -1)"
+echo "$root"
