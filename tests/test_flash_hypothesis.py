@@ -78,7 +78,7 @@ def test_tile_ranges_cover_every_pair_and_unmasked_tiles_need_no_mask(
                     assert not masked_everywhere
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=st.integers(1, 2), q_len=st.integers(1, 130), kv_len=st.integers(1, 130),
     num_kv_heads=st.integers(1, 2), group=st.integers(1, 3), head_dim=st.sampled_from([16, 32, 48, 80]),

@@ -38,7 +38,7 @@ def runs_triton_forward(fn, *args) -> bool:
 
 
 def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
-    q, k, v = random_qkv(0, 2, 256, 256, 4, 2, 64, jnp.bfloat16)
+    q, k, v = random_qkv(0, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
     out, lse = flash_attention(q, k, v, return_lse=True, config=MOSAIC, **kwargs)
     expected, expected_lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
@@ -124,7 +124,7 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
     q_tables); the slope gradient comes from XLA. score_mods that gather a captured array per element (a
     relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as relu) run the
     Triton kernels."""
-    q, k, v = random_qkv(9, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    q, k, v = random_qkv(9, 1, 256, 256, 2, 1, 64, jnp.bfloat16)
     block_mask = create_block_mask(_head_window, None, 2, 256, 256)
 
     def head_alibi(score, b, h, q_idx, kv_idx):
@@ -183,7 +183,7 @@ def test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda(score_mod):
 
 @pytest.mark.parametrize("window, causal", [((40, 70), False), (100, True)])
 def test_windows_run_the_mosaic_forward_and_backward(window, causal):
-    q, k, v = random_qkv(11, 2, 384, 384, 4, 2, 64, jnp.bfloat16)
+    q, k, v = random_qkv(11, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
     kwargs = {"window": window, "causal": causal, "kv_lengths": jnp.array([384, 290])}
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
