@@ -51,7 +51,9 @@ def markdown(report: dict, problems: list[str], open_problems: list[str] = ()) -
     rows = report["rows"]
     kernels = sum(len(r["kernels"]) for r in rows)
     toolchain = ", ".join(f"{k} {v}" for k, v in report["toolchain"].items())
-    no_wgmma = "; ".join(f"`{x['kernel']}` at head dim {x['head_dim']} ({x['why']})" for x in report["no_wgmma_ok"])
+    no_wgmma = "; ".join([f"`{x['kernel']}` at head dim {x['head_dim']} ({x['why']})" for x in report["no_wgmma_ok"]]
+                         + [f"variants matching `{x['variants']}` ({x['why']})"
+                            for x in report.get("no_wgmma_variants", [])])
     out = [_INTRO.format(toolchain=toolchain, rows=len(rows), kernels=kernels, wall=report["wall_s"],
                          jobs=report["jobs"], no_wgmma=no_wgmma or "none")]
     out.append("## Targets\n")

@@ -197,25 +197,57 @@ def _mosaic_variants() -> list[Variant]:
 
 
 def _decode_variants() -> list[Variant]:
-    """The decode kernel (`probjax_kernels.decode_attention`: one new token per sequence against a dense
-    cache, GQA 8 -> 2), where this checkout has it; its tiles are its own defaults (`DecodeConfig`)."""
+    """The decode kernel (`probjax_kernels.decode_attention`), where this checkout has it, at its own default
+    tiles (`DecodeConfig`): a dense cache (GQA 8 -> 2, hd 64 / 128 / 256), and paged caches with the serving
+    shapes of the decode benchmark (pages of 16 and 64, GQA 32:8, T = 1 / 4 / 16, ALiBi with a sliding
+    window, float32 with Dv != D)."""
     try:
-        from probjax_kernels import DecodeConfig, decode_attention
+        from probjax_kernels import DecodeConfig, alibi, alibi_slopes, decode_attention, sliding_window
     except ImportError:
         return []
-    out = []
-    for d in (64, 128):
-        def build(d=d):
-            specs = [_spec((B, 1, N, d), jnp.bfloat16), _spec((B, 8192, 2, d), jnp.bfloat16),
-                     _spec((B, 8192, 2, d), jnp.bfloat16), _spec((B,), jnp.int32)]
+    config = DecodeConfig(backend="triton")
+    cache_len = 8192
+
+    def dense(name, d, dtype="bf16", heads=(N, 2), new_tokens=1):
+        def build():
+            q_heads, kv_heads = heads
+            specs = [_spec((B, new_tokens, q_heads, d), _DTYPES[dtype]),
+                     _spec((B, cache_len, kv_heads, d), _DTYPES[dtype]),
+                     _spec((B, cache_len, kv_heads, d), _DTYPES[dtype]), _spec((B,), jnp.int32)]
 
             def attend(q, k, v, lengths):
-                return decode_attention(q, k, v, kv_lengths=lengths, config=DecodeConfig(backend="triton"))
+                return decode_attention(q, k, v, kv_lengths=lengths, config=config)
 
             return attend, specs
-        out.append(Variant(f"decode_d{d}_bf16_cache8192_gqa8to2", "decode", build, d, "bf16", "fwd", "triton", 1,
-                           8192))
-    return out
+        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len)
+
+    def paged(name, page_size, new_tokens, dtype="bf16", d=128, value_dim=None, heads=(32, 8), hooks=False):
+        def build():
+            q_heads, kv_heads = heads
+            max_pages = cache_len // page_size
+            pages = B * max_pages
+            specs = [_spec((B, new_tokens, q_heads, d), _DTYPES[dtype]),
+                     _spec((pages, page_size, kv_heads, d), _DTYPES[dtype]),
+                     _spec((pages, page_size, kv_heads, value_dim or d), _DTYPES[dtype]),
+                     _spec((B,), jnp.int32), _spec((B, max_pages), jnp.int32), _spec((q_heads,), jnp.float32)]
+
+            def attend(q, k, v, lengths, tables, slopes):
+                mods = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
+                return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables, config=config, **mods)
+
+            return attend, specs
+        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len, value_dim)
+
+    return [
+        dense("decode_d64_bf16_cache8192_gqa8to2", 64),
+        dense("decode_d128_bf16_cache8192_gqa8to2", 128),
+        dense("decode_d256_bf16_cache8192_gqa8to2", 256),
+        paged("decode_paged16_d128_bf16_gqa32to8_t1", 16, 1),
+        paged("decode_paged64_d128_bf16_gqa32to8_t4", 64, 4),
+        paged("decode_paged16_d128_bf16_gqa32to8_t16_alibi_window", 16, 16, hooks=True),
+        paged("decode_paged64_d128_f16_gqa32to8_t16_alibi_window", 64, 16, dtype="f16", hooks=True),
+        paged("decode_paged16_d128_dv64_gqa32to8_t4_float32", 16, 4, dtype="f32", value_dim=64),
+    ]
 
 
 def _peer_variants() -> list[Variant]:
