@@ -156,7 +156,8 @@ def attention(
         # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
         raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
     d_pad, dv_pad = (max(16, 1 << (dim - 1).bit_length()) for dim in (head_dim, value_dim))
-    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=max(d_pad, dv_pad))
+    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=max(d_pad, dv_pad),
+                                      dtype=q.dtype)
     q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
     kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
     if features.block_sizes is not None:

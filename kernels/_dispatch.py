@@ -109,8 +109,21 @@ def _triton_tiles(head_dim: int, large_smem: bool) -> tuple[int, ...]:
     return (64, 32, 32, 32, 32, 32, 8, 1) if large_smem else (64, 32, 32, 32, 16, 32, 8, 1)
 
 
+def _triton_tiles_float32(head_dim: int) -> tuple[int, ...]:
+    """The Triton tiles for float32 inputs. Their dots run at Precision.HIGHEST, which Pallas Triton lowers to
+    FMA loops holding both operand tiles in registers (no tensor cores): at the 16-bit tiles every kernel
+    spills 1.6-42 KB per thread (docs/compile/index.md). With these the forward, dQ and tangent kernels do
+    not spill on sm_90a / sm_80 / sm_86; dK/dV (K, V, dK and dV resident) still spills about 0.3 KB at head
+    dim 128 and 2 KB at 256 with every tile tried (docs/perf-notes.md). 3xTF32 dots were worse."""
+    if head_dim <= 64:
+        return 32, 32, 32, 16, 32, 32, 8, 1
+    if head_dim <= 128:
+        return 32, 16, 16, 16, 32, 16, 8, 2
+    return 16, 16, 16, 16, 16, 16, 8, 1
+
+
 def default_config(
-    config: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int
+    config: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int, dtype=None
 ) -> FlashConfig:
     """Fill the `None` fields of `config` with defaults for the backend, sequence lengths and padded head dim.
 
@@ -124,6 +137,8 @@ def default_config(
     backend = config.backend or default_backend()
     if backend == "interpret":
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
+    elif dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles_float32(head_dim)
     else:
         large = backend in ("mosaic", "mosaic_interpret") or smem_per_block() >= _LARGE_SMEM
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles(head_dim, large)
@@ -148,17 +163,22 @@ def default_config(
     )
 
 
-def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False) -> FlashConfig:
+def tangent_config(
+    config: FlashConfig, head_dim: int, tables: bool = False, float32: bool = False
+) -> FlashConfig:
     """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
     query tile of at most 32. It holds q, its tangent and two accumulators, so the
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. Interpret mode keeps `config`."""
+    the padded length and of every block table's block. float32 (FMA dots) takes a query tile of at most 16
+    too: 32 spills 488 B at head dim 128 on sm_86. Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
     cap = 32 if head_dim <= 128 else 16
-    block_q = config.block_q if head_dim <= 128 or tables else min(config.block_q, 32)
+    block_q = config.block_q
+    if not tables:
+        block_q = min(block_q, 16) if float32 else block_q if head_dim <= 128 else min(block_q, 32)
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8))
 
@@ -295,7 +315,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     `tangent_config`'s tiles."""
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
-    config = tangent_config(problem.config, head_dim, f.block_sizes is not None)
+    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
     if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
         rows, cols = (config.block_q, 1), (1, config.block_k)
         indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]

@@ -46,9 +46,9 @@ def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: 
             )
 
 
-def _fit_config(config: FlashConfig | None, block_sizes: tuple[int, int], q_len, kv_len, head_dim):
+def _fit_config(config: FlashConfig | None, block_sizes: tuple[int, int], q_len, kv_len, head_dim, dtype):
     """Kernel tiles must divide the block mask's tiles: defaults shrink to them, explicit ones must fit."""
-    filled = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    filled = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype)
     table_q, table_k = block_sizes
     fields = {}
     for name, limit in (("block_q", table_q), ("block_q_dq", table_q), ("block_q_dkv", table_q),
@@ -142,7 +142,8 @@ def flex_attention(
             mask_hook, mask_consts, _ = trace_hook("mask_mod", fitted.mask_mod, indices)
         block_mask = fitted
         block_sizes = block_mask.block_size
-        config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()))
+        config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()),
+                             q.dtype)
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
     features = Features(
         scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,

@@ -152,8 +152,12 @@ def _triton_variants() -> list[Variant]:
         for dtype, causal in (("bf16", False), ("bf16", True), ("f16", d == 64)):
             tag = f"d{d}_{dtype}_{'causal' if causal else 'full'}"
             out.append(flash(f"flash_grad_{tag}", head_dim=d, dtype=dtype, causal=causal, mode="fwd+bwd"))
-        out.append(flash(f"flash_grad_d{d}_f32_full", head_dim=d, dtype="f32", mode="fwd+bwd"))
         out.append(flash(f"flash_jvp_d{d}_bf16_causal", head_dim=d, causal=True, mode="jvp"))
+    # float32 has tiles of its own (FMA dots at Precision.HIGHEST).
+    for d in (64, 128, 256):
+        out.append(flash(f"flash_grad_d{d}_f32_full", head_dim=d, dtype="f32", mode="fwd+bwd"))
+    out.append(flash("flash_grad_d128_f32_causal", dtype="f32", causal=True, mode="fwd+bwd"))
+    out.append(flash("flash_jvp_d128_f32_causal", dtype="f32", causal=True, mode="jvp"))
     for causal in (False, True):
         out.append(flash(f"flash_grad_d256_bf16_{'causal' if causal else 'full'}", head_dim=256, causal=causal,
                          mode="fwd+bwd"))

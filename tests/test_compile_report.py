@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from probjax_kernels import FlashConfig, _dispatch, default_config
 
 REPORT = json.loads((Path(__file__).resolve().parent.parent / "docs" / "compile" / "report.json").read_text())
 TARGETS = REPORT["targets"]
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +46,14 @@ def test_every_reported_variant_is_the_default_and_passes(target, monkeypatch):
     monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
     rows = [r for r in REPORT["rows"] if r["target"] == target and r["group"] in ("triton", "mosaic", "control")]
     assert rows
-    # The report's OPEN variants (float32; flex with a relative-bias table at head dim 128) fail and are
-    # listed as open on its page; everything else must pass.
-    assert {r["variant"] for r in rows if r["open"]} <= {r["variant"] for r in rows if "_f32_" in r["variant"]
-                                                         or r["variant"] == "flex_grad_d128_bf16_relative_bias"}
+    # The report's one OPEN variant (flex with a relative-bias table at head dim 128) fails and is listed as
+    # open on its page; everything else must pass.
+    assert {r["variant"] for r in rows if r["open"]} <= {"flex_grad_d128_bf16_relative_bias"}
     rows = [r for r in rows if not r["open"]]
     for row in rows:
         head_dim = max(row["head_dim"], row["value_dim"] or 0)
         picked = default_config(FlashConfig(backend=row["backend"]), q_len=row["q_len"], kv_len=row["kv_len"],
-                                head_dim=head_dim)
+                                head_dim=head_dim, dtype=DTYPES[row["dtype"]])
         assert _tiles(picked) == row["config"], row["variant"]
         assert not _failures(row), (row["variant"], _failures(row))
 
