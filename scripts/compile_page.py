@@ -10,7 +10,8 @@ for each target below through XLA, Pallas (Triton and Mosaic GPU) and ptxas, wit
 ahead-of-time compilation: `jax.experimental.topologies` with an XLA target config), writes this page and
 `docs/compile/report.json`, and fails on a compile error, a spill, shared memory over the target's limit, a
 Hopper Triton kernel without wgmma where the report expects one, or a Mosaic kernel without TMA or wgmma.
-CI (`.ci/run`) runs it after the test suite. Last run: {rows} compiles, {kernels} kernels, {wall} s wall
+Every kernel here, Triton and Mosaic GPU alike, went through that pinned ptxas (Mosaic GPU runs the first
+ptxas on PATH, so the driver puts the toolchain's first). CI (`.ci/run`) runs it after the test suite. Last run: {rows} compiles, {kernels} kernels, {wall} s wall
 with {jobs} worker processes.
 
 **What it proves:** each kernel compiles for the target at the tiles `default_config` picks there (the tiles

@@ -52,8 +52,8 @@ NO_WGMMA_VARIANTS = {r"^decode_.*(_t1|_t4|_gqa8to2)": "decode tiles of under 64 
 KNOWN_SPILLS = {
     # (kernel, variant regex): (max spill store bytes, max spill load bytes, why)
     ("probjax_mosaic_backward_dkv", r"^mosaic_grad_d128_.*(causal|window)"):
-        (128, 224, "masked steps at head dim 128 (40-44 B; 120 B with GQA 8 -> 2): the causal / window index "
-                   "tiles on top of dK, dV, P^T and dP^T"),
+        (128, 240, "masked steps at head dim 128 (40-48 B; 120 B stores / 228 B loads with GQA 8 -> 2, ptxas "
+                   "12.9.86): the causal / window index tiles on top of dK, dV, P^T and dP^T"),
     ("probjax_mosaic_backward_dkv", r"^mosaic_flex_grad_d128_"):
         (2600, 3200, "hooks at head dim 128 run on 128 x 128 tiles: S^T and dP^T of 128 queries per step"),
     ("probjax_flash_backward_dkv", r"^flash_grad_d(128|256)_f32_"):
@@ -162,6 +162,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     cuda_root = toolchain / "cuda_root"
     os.environ.update(
         JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
+        # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
+        PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         PROBJAX_PTXAS_LOG=str(ptxas_dir), MOSAIC_GPU_DUMP_TO=str(mosaic_dir), MOSAIC_GPU_DUMP_PTX="1",
         MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1",
         XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
@@ -188,7 +190,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     for variant in compile_variants.variants():
         if variant.group != group or (only and not re.search(only, variant.name)):
             continue
-        if variant.group in ("mosaic", "control") and not limits["arch"].startswith("sm_90"):
+        hopper_only = variant.group in ("mosaic", "control") or variant.backend == "mosaic"
+        if hopper_only and not limits["arch"].startswith("sm_90"):
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
@@ -250,8 +253,8 @@ def _kernels(limits: dict, ptxas_files, xla_files, mosaic_files, cuda_root: Path
                 launches[name] = (int(threads), int(smem))
     for log in (p for p in ptxas_files if p.suffix == ".log"):
         for entry in parse_ptxas(log.read_text()):
-            if not entry["name"].startswith(KERNEL_PREFIXES):
-                continue  # XLA's own kernels (fusions, slices, sorts)
+            if not entry["name"].startswith(KERNEL_PREFIXES) or entry["name"].endswith("_mosaic_gpu_kernel"):
+                continue  # XLA's own kernels (fusions, slices, sorts); Mosaic GPU's come from its own dumps
             threads, smem = launches.get(entry["name"], (None, None))
             ptx = log.with_suffix(".ptx")
             threads = threads or (ptx_threads(ptx.read_text()) if ptx.exists() else None)

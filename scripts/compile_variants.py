@@ -276,10 +276,35 @@ def _peer_variants() -> list[Variant]:
     return out
 
 
+def _mosaic_peer_variants() -> list[Variant]:
+    """JAX's own Pallas Mosaic GPU attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, Hopper
+    only), forward + backward, f16 (its backward stages float16 scratch: bf16 inputs fail to compile), B=4,
+    N=8, seq 1024: block_q 64 and block_kv 128 (one point of the sweep its own benchmark runs), 64 x 64
+    backward tiles, 2 stages. Its causal variant refuses CUDA 12.8.0-12.9.1 (a ptxas miscompilation), which
+    the pinned ptxas 12.9.86 is: the report shows that refusal."""
+    out = []
+    for d in (64, 128):
+        for causal in (False, True):
+            def build(d=d, causal=causal):
+                from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+                config = attention_mgpu.TuningConfig(
+                    block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal, block_q_dkv=64,
+                    block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+                def attend(q, k, v):
+                    return attention_mgpu.attention(q, k, v, config)
+
+                return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, 1024, N, d), jnp.float16)] * 3
+            out.append(Variant(f"jax_mosaic_attention_grad_d{d}_f16_{'causal' if causal else 'full'}", "peer",
+                               build, d, "f16", "fwd+bwd", "mosaic"))
+    return out
+
+
 def variants() -> list[Variant]:
     """Every variant, Triton first; names are unique."""
     out = (_triton_variants() + _control_variants() + _mosaic_variants() + _decode_variants()
-           + _peer_variants())
+           + _peer_variants() + _mosaic_peer_variants())
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out

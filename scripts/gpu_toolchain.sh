@@ -15,12 +15,14 @@ JAX_VERSION="0.11.2"            # the project's (pyproject.toml's dev extra)
 NVCC_VERSION="12.9.86"          # ptxas: register and spill figures depend on its version
 CUOBJDUMP_VERSION="13.5.37"     # no -cu12 build exists; these only read cubins
 NVDISASM_VERSION="13.5.37"
+ABSL_VERSION="2.5.1"            # imported by JAX's Mosaic GPU attention (a peer in the report)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log() { echo "gpu_toolchain.sh: $*" >&2; }
 
 pins="jax[cuda12]==$JAX_VERSION nvidia-cuda-nvcc-cu12==$NVCC_VERSION"
 pins="$pins nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
+pins="$pins absl-py==$ABSL_VERSION"
 pins_hash="$(echo "$pins" | sha256sum | cut -c1-12)"
 root="${PROBJAX_GPU_TOOLCHAIN:-${XDG_CACHE_HOME:-$HOME/.cache}/probjax-gpu-toolchain/$pins_hash}"
 stamp="$root/.installed"
@@ -40,7 +42,7 @@ else
     "$python" -m venv "$root/venv"
     "$root/venv/bin/python" -m pip install --quiet --upgrade pip
     "$root/venv/bin/python" -m pip install --quiet "jax[cuda12]==$JAX_VERSION" \
-        "nvidia-cuda-nvcc-cu12==$NVCC_VERSION" numpy
+        "nvidia-cuda-nvcc-cu12==$NVCC_VERSION" "absl-py==$ABSL_VERSION" numpy
     "$root/venv/bin/python" -m pip install --quiet --target "$root/tools" --no-deps \
         "nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION" "nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
 
