@@ -177,8 +177,8 @@ def tangent_config(
         return config
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
-    if not tables:
-        block_q = min(block_q, 16) if float32 else block_q if head_dim <= 128 else min(block_q, 32)
+    if not tables and (float32 or head_dim > 128):
+        block_q = min(block_q, 16 if float32 else 32)
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8))
 
