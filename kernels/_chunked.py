@@ -38,6 +38,9 @@ def _prepare_hooks(features: Features, config: FlashConfig, batch: int, num_head
                    (batch, num_heads, chunk, s_pad)))
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes.append(mosaic_hook_shapes(config))
+    if config.backend in ("tpu", "tpu_interpret"):  # the TPU dK/dV kernel's transposed (keys, queries) tiles
+        bq, bk = config.block_q_dkv, config.block_k_dkv
+        shapes.append(((), (), (1, bq), (bk, 1), (bk, bq)))
     for b, h, q_idx, kv_idx, score in shapes:
         indices = (spec(b, i32), spec(h, i32), spec(q_idx, i32), spec(kv_idx, i32))
         if features.score_mod is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels import _mosaic_glue, _tangent, _triton_backward, _triton_forward
+from probjax_kernels import _mosaic_glue, _tangent, _triton_backward, _triton_forward, tpu
+from probjax_kernels._chunked import _dense_attention, _with_moving
 from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
 from probjax_kernels._hooks import Hook
 from probjax_kernels._mosaic_backward import dkv_smem_bytes, dq_smem_bytes
@@ -59,6 +61,8 @@ def default_backend() -> Backend:
     """
     device = target_device()
     platform = jax.default_backend() if jax.config.jax_default_device is None else device.platform
+    if platform == "tpu":
+        return "tpu"
     if platform != "gpu":
         return "interpret"
     if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(device):
@@ -135,6 +139,8 @@ def default_config(
     """
     config = config or FlashConfig()
     backend = config.backend or default_backend()
+    if backend in tpu.TPU_BACKENDS:
+        return _tpu_config(config, backend, q_len, kv_len)
     if backend == "interpret":
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
     elif dtype is not None and jnp.dtype(dtype) == jnp.float32:
@@ -161,6 +167,41 @@ def default_config(
         num_stages=config.num_stages if config.num_stages is not None else stages,
         backend=backend,
     )
+
+
+# The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
+# `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
+# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of
+# scripts/tpu_compile_probe.py fits the default scoped VMEM. Interpret mode takes the v5e tiles.
+_TPU_TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
+              "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
+
+
+def tpu_generation(device=None) -> str:
+    """"v4", "v5e", "v5p" or "v6e" from a TPU device's kind ("TPU v5 lite", "TPU v6 lite", ...); "v5e" for
+    anything else (the interpreter, unknown kinds)."""
+    device = device if device is not None else target_device()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "v6" in kind:
+        return "v6e"
+    if "v5" in kind:
+        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+    return "v4" if "v4" in kind else "v5e"
+
+
+def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> FlashConfig:
+    """The TPU backends' tiles: the generation's (`_TPU_TILES`), shrunk to the sequence but never below 128
+    (lse rows are lane vectors); explicit fields are kept (`tpu.unsupported` sends tiles that are not
+    multiples of 128 to the XLA path)."""
+    generation = "v5e" if backend == "tpu_interpret" else tpu_generation()
+    tiles = dict(zip(("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv"),
+                     _TPU_TILES[generation]))
+    fields = {}
+    for name, default in tiles.items():
+        seq_len = q_len if name.startswith("block_q") else kv_len
+        value = getattr(config, name)
+        fields[name] = value if value is not None else max(128, _fit_block(default, seq_len))
+    return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2, backend=backend)
 
 
 def tangent_config(
@@ -294,7 +335,11 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
-    Triton."""
+    Triton; on the TPU backends by the Mosaic TPU forward, or the XLA path where it cannot take the call."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
+        return _xla_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
         return _mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
     return _triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
@@ -302,7 +347,12 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """Gradients of q, k, v and the bias flagged in `tangents`, by the Mosaic GPU dQ and dK/dV kernels where
-    they take the call (`_mosaic_backward_tiles`), else Triton's."""
+    they take the call (`_mosaic_backward_tiles`), else Triton's; on the TPU backends the Mosaic TPU kernels,
+    or the XLA path."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.backward(problem, tangents, res, d_out, d_lse)
+        return _xla_backward(problem, tangents, res, d_out, d_lse)
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
         return _mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
@@ -312,7 +362,12 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
             optional: dict):
     """(d out, d lse) of a forward-mode pass: the Triton tangent kernel on every backend, on
-    `tangent_config`'s tiles."""
+    `tangent_config`'s tiles; on the TPU backends the Mosaic TPU tangent kernel on the forward's tiles, or
+    the XLA path."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+        return _xla_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
@@ -325,3 +380,65 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
             f.mask_mod.prepare(*indices)
         problem = dataclasses.replace(problem, config=config)
     return _tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+
+
+# ------------------------------------------------------------------------------------------ TPU and XLA
+
+
+def _tpu_takes(problem: _Problem) -> bool:
+    """Whether the Mosaic TPU kernels run this call; if not, warns once per trace naming what they lack."""
+    reason = tpu.unsupported(problem)
+    if reason is not None:
+        warnings.warn(f"FlashConfig(backend={problem.config.backend!r}): the Mosaic TPU kernels cannot run "
+                      f"{reason}; this call runs the XLA path (query chunks, not a Pallas kernel).", stacklevel=4)
+    return reason is None
+
+
+def _xla_others(optional: dict) -> dict:
+    return {name: x for name, x in optional.items() if name not in ("bias", "score_consts", "d_bias",
+                                                                   "d_score_consts", "kv_tables", "q_tables")}
+
+
+def _xla_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    """(out, lse) by `_chunked._dense_attention` (the XLA passes over query chunks), for calls the TPU
+    kernels cannot take; a BlockMask's mask_mod is evaluated per element there, so its tables are not needed."""
+    if problem.features.return_max:
+        raise NotImplementedError("the XLA path of the TPU backend has no max_scores output")
+    return _dense_attention(problem, q, k, v, optional.get("bias"), optional["score_consts"], q_len, kv_len,
+                            _xla_others(optional))
+
+
+def _xla_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The gradients `backward` returns, by reverse mode through `_dense_attention`."""
+    names = [name for name in ("q", "k", "v", "bias") if getattr(tangents, name)]
+    others = _xla_others(res["others"])
+
+    def dense(moving):
+        args = dict(res, **moving)
+        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], res["score_consts"],
+                                res["q_len"], res["kv_len"], others)
+
+    _, vjp = jax.vjp(dense, {name: res[name] for name in names})
+    (grads,) = vjp((d_out.astype(res["out"].dtype), d_lse))
+    return grads
+
+
+def _xla_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, linear: dict, optional: dict):
+    """(d out, d lse) by forward mode through `_dense_attention`."""
+    primals = dict(q=q, k=k, v=v, bias=optional.get("bias"), score_consts=tuple(optional["score_consts"]))
+    moving = [name for name in ("q", "k", "v") if getattr(tangents, name)]
+    if tangents.bias:
+        moving.append("bias")
+    tangent_of = dict(linear, bias=optional.get("d_bias"))
+    consts_moving = tangents.score_consts
+
+    def dense(moved, moved_consts):
+        args = dict(primals, **moved)
+        consts = _with_moving(primals["score_consts"], consts_moving, moved_consts)
+        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], consts, q_len, kv_len,
+                                _xla_others(optional))
+
+    moved_consts = [c for c, m in zip(primals["score_consts"], consts_moving) if m]
+    _, (d_out, d_lse) = jax.jvp(dense, ({name: primals[name] for name in moving}, moved_consts),
+                                ({name: tangent_of[name] for name in moving}, list(optional["d_score_consts"])))
+    return d_out, d_lse
