@@ -16,7 +16,8 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from probjax_kernels._mosaic_forward import SMEM_BYTES, mosaic_forward, smem_bytes
+
+from probjax_kernels.mosaic.forward import SMEM_BYTES, mosaic_forward, smem_bytes
 
 
 @pytest.fixture(autouse=True)

@@ -49,7 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from probjax_kernels._mosaic_common import (
+
+from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     _M_INIT,
     _SWIZZLE,
@@ -67,8 +69,7 @@ from probjax_kernels._mosaic_common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels._mosaic_common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
-from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 
 _HEAD_DIMS = (64, 128, 256)
 

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE, create_block_mask
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._flash_attention import flash_attention
-from probjax_kernels._flex_attention import flex_attention
 from probjax_kernels._hooks import Hook
 from probjax_kernels._inputs import check_inputs
 from probjax_kernels._reference import attention_from_inputs
+from probjax_kernels.flex.attention import flex_attention
+from probjax_kernels.flex.block_mask import DEFAULT_BLOCK_SIZE, create_block_mask
 
 # ------------------------------------------------------------------------------------------------ positions
 

@@ -43,8 +43,8 @@ from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._ring_schedule import _backward, _differentiable, _forward
-from probjax_kernels._ring_schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
+from probjax_kernels.parallel.schedule import _backward, _differentiable, _forward
+from probjax_kernels.parallel.schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
 Layout = Literal["contiguous", "zigzag"]
 Strategy = Literal["ring", "allgather"]

@@ -34,7 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from probjax_kernels._mosaic_common import (
+
+from probjax_kernels._scores import backward_delta, base2_lse
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     _SWIZZLE,
     SMEM_BYTES,
@@ -51,9 +54,7 @@ from probjax_kernels._mosaic_common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels._mosaic_forward import _check
-from probjax_kernels._scores import backward_delta, base2_lse
-from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.mosaic.forward import _check
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,

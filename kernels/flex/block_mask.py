@@ -20,11 +20,15 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
-from probjax_kernels._block_tables import (
-    check_block_size, ordered_indices, retile, tile_class_mask_mod, tiles_of,
-)
 from probjax_kernels._hooks import tensor_method_hint
-from probjax_kernels._mods import MaskMod, ScoreMod, noop_mask
+from probjax_kernels.flex.block_tables import (
+    check_block_size,
+    ordered_indices,
+    retile,
+    tile_class_mask_mod,
+    tiles_of,
+)
+from probjax_kernels.flex.mods import MaskMod, ScoreMod, noop_mask
 
 DEFAULT_BLOCK_SIZE = 128
 
