@@ -46,7 +46,7 @@ MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
 
 def target_device():
     """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
-    compilation for a GPU sets it to a topology device: scripts/compile_report.py), else the first device of
+    compilation for a GPU sets it to a topology device: scripts/compile/report.py), else the first device of
     the default backend."""
     device = jax.config.jax_default_device
     if device is None:
