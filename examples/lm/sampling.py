@@ -68,7 +68,16 @@ def generate_batch(
     tokens = np.zeros((len(prompts), lengths.max()), np.int32)
     for row, prompt in zip(tokens, prompts):
         row[: len(prompt)] = np.frombuffer(prompt, np.uint8)
-    max_length = int(lengths.max()) + num_tokens
+    run = batch_generator(model, int(lengths.max()) + num_tokens, num_tokens, temperature=temperature,
+                          page_size=page_size)
+    drawn = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(lengths), key)).astype(np.uint8)
+    return [prompt + row.tobytes() for prompt, row in zip(prompts, drawn)]
+
+
+def batch_generator(model: LanguageModel, max_length: int, num_tokens: int, *, temperature: float, page_size: int = 16):
+    """`generate_batch`'s jitted computation, `run(params, tokens [B, T] int32, lengths [B] int32, key) -> drawn
+    [B, num_tokens] int32`, built without running it (examples/compile_for_tpu.py compiles it for a TPU).
+    `max_length` >= T + num_tokens sizes the paged cache."""
 
     @jax.jit
     def run(params, tokens, lengths, key):
@@ -92,5 +101,4 @@ def generate_batch(
         _, drawn = jax.lax.scan(body, (pages, last, key), jnp.arange(num_tokens, dtype=jnp.int32))
         return drawn.T
 
-    drawn = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(lengths), key)).astype(np.uint8)
-    return [prompt + row.tobytes() for prompt, row in zip(prompts, drawn)]
+    return run

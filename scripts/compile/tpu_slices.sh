@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The pod-slice compile check: train_lm.py's training step and batched generation compiled for TPU slices
+# (v5e:2x2 data=2,seq=2; v5p:2x2x1 data=2,model=2; v6e:2x2 data=4) without a TPU, at the benchmark shapes;
+# writes docs/compile/tpu_slices.json and the "Pod slices" table of docs/tpu.md, and fails on a compile error,
+# HBM over a chip's capacity, temporaries growing faster than linearly with the sequence, or a ring that
+# all-gathers (scripts/compile/tpu_slices.py).
+# The Python: $PROBJAX_TPU_PYTHON, or the TPU toolchain's venv (scripts/compile/tpu_toolchain.sh), to which
+# this adds the examples' packages (pinned below) once.
+# Usage: bash scripts/compile/tpu_slices.sh [scripts/compile/tpu_slices.py run options: --all --out F --doc F]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+log() { echo "tpu_slices.sh: $*" >&2; }
+
+# The versions the project's .venv runs the examples with.
+EXAMPLES="flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 equinox==0.13.8 jaxtyping==0.3.11 tqdm==4.70.1 PyYAML==6.0.4"
+
+python="${PROBJAX_TPU_PYTHON:-}"
+if [[ -z "$python" ]]; then
+    if [[ ! -f scripts/compile/tpu_toolchain.sh ]]; then
+        log "FAIL: no scripts/compile/tpu_toolchain.sh and no PROBJAX_TPU_PYTHON (a python with jax[tpu])"
+        exit 1
+    fi
+    if ! toolchain="$(bash scripts/compile/tpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
+        log "FAIL: the TPU toolchain did not install (scripts/compile/tpu_toolchain.sh; it needs PyPI)"
+        exit 1
+    fi
+    python="$toolchain/venv/bin/python"
+    stamp="$toolchain/.examples"
+    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$EXAMPLES" ]]; then
+        log "adding the examples' packages to $toolchain/venv: $EXAMPLES"
+        # The toolchain's jax stays as it is: a constraint, not an upgrade.
+        jax_pin="jax==$("$python" -c 'import jax; print(jax.__version__)')"
+        # shellcheck disable=SC2086
+        "$python" -m pip install --quiet $EXAMPLES "$jax_pin"
+        echo "$EXAMPLES" > "$stamp"
+    fi
+fi
+if ! "$python" -c "import jax, flax, optax, orbax.checkpoint, equinox, tqdm, yaml; from jax.experimental import topologies" 2>/dev/null; then
+    log "FAIL: $python lacks jax[tpu] or the examples' packages ($EXAMPLES)"
+    exit 1
+fi
+exec "$python" scripts/compile/tpu_slices.py run "$@"
