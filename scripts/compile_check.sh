@@ -3,7 +3,8 @@
 # (scripts/compile/gpu_toolchain.sh), compile
 # every kernel variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton,
 # Mosaic GPU and ptxas, write docs/compile/report.json and docs/compile/index.md, and fail on a compile
-# error, a spill, shared memory over a target's limit, or a Hopper kernel without wgmma / TMA where expected.
+# error, a spill, shared memory over a target's limit, or a Hopper kernel without wgmma / TMA where expected;
+# then the TPU pod-slice check (below).
 # Usage: bash scripts/compile_check.sh [scripts/compile/report.py run options, e.g. --only REGEX --targets sm86_rtx3090]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -11,4 +12,13 @@ if ! toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" || [[ ! -x "
     echo "compile_check.sh: FAIL: the GPU toolchain did not install (scripts/compile/gpu_toolchain.sh; it needs PyPI)" >&2
     exit 1
 fi
-exec "$toolchain/venv/bin/python" scripts/compile/report.py run --toolchain "$toolchain" "$@"
+status=0
+"$toolchain/venv/bin/python" scripts/compile/report.py run --toolchain "$toolchain" "$@" || status=1
+# TPU pod slices: the LM example's training step and generation compiled for v5e / v5p / v6e slices
+# (scripts/compile/tpu_slices.sh; docs/tpu.md "Pod slices"). PROBJAX_TPU_SLICES_ARGS: its options
+# (.ci/run writes its report to a temporary folder); PROBJAX_SKIP_TPU_SLICES=1 leaves it out.
+if [[ "${PROBJAX_SKIP_TPU_SLICES:-0}" != 1 ]]; then
+    # shellcheck disable=SC2086
+    bash scripts/compile/tpu_slices.sh ${PROBJAX_TPU_SLICES_ARGS:-} || status=1
+fi
+exit "$status"
