@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
             for seq_len in args.seq_lens:
                 rows.append(compile_case(topology, mesh, head_dim, seq_len, generate=not args.no_generate))
                 print(_describe(rows[-1]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")
+                if args.json:  # after every row: a long run that is stopped keeps what it compiled
+                    Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")
     failed = [row for row in rows if any("error" in row.get(name, {}) for name in ("train", "generate"))]
     raise SystemExit(1 if failed else 0)
 

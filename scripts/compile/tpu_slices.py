@@ -6,6 +6,7 @@ finds the TPU toolchain and adds the examples' packages to it.
     python scripts/compile/tpu_slices.py run [--out docs/compile/tpu_slices.json] [--doc docs/tpu.md] [--all]
     python scripts/compile/tpu_slices.py check [docs/compile/tpu_slices.json]
     python scripts/compile/tpu_slices.py markdown [docs/compile/tpu_slices.json]
+    python scripts/compile/tpu_slices.py doc [docs/compile/tpu_slices.json]     # docs/tpu.md's table, then check
 
 `run` compiles the gated set (head dim 128 at seq 2048 and 8192 on each slice; `--all` adds head dim 64),
 writes the JSON and the docs section, then checks. `check` exits 1 when a gated (slice, mesh, head dim,
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", type=Path, default=REPORT)
     run.add_argument("--doc", type=Path, default=DOC, help="the page with the pod-slices markers; 'none': no page")
     run.add_argument("--all", action="store_true", help="head dim 64 too (12 compiles of each program, not 6)")
-    for name in ("check", "markdown"):
+    for name in ("check", "markdown", "doc"):
         commands.add_parser(name).add_argument("report", nargs="?", type=Path, default=REPORT)
     args = parser.parse_args(argv)
     if args.command != "run":
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "markdown":
             print(markdown(report), end="")
             return 0
+        if args.command == "doc":
+            write_doc(report, DOC)
         return _report_problems(report)
     head_dims = ALL_HEAD_DIMS if args.all else GATED_HEAD_DIMS
     command = [sys.executable, str(SCRIPT), "--json", str(args.out), "--head-dims", *map(str, head_dims),
