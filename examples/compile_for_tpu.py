@@ -131,13 +131,12 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int, gen
     row["params"] = sum(x.size for x in jax.tree.leaves(model.params))
     optimizer = make_optimizer(config)
     try:
-        if True:
-            # optax builds the optimiser state's shardings with eager ops (jnp.zeros): these must run on the
-            # host's device, outside the slice's mesh and device.
-            shardings = Shardings.on(mesh, model, optimizer)
-            params = _specs(model.params, shardings.params)
-            opt_state = _specs(jax.eval_shape(optimizer.init, model.params), shardings.opt_state)
-            batch = jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32, sharding=shardings.batch)
+        # optax builds the optimiser state's shardings with eager ops (jnp.zeros): these run on the host's
+        # device, outside the slice's mesh and device (which cannot execute anything).
+        shardings = Shardings.on(mesh, model, optimizer)
+        params = _specs(model.params, shardings.params)
+        opt_state = _specs(jax.eval_shape(optimizer.init, model.params), shardings.opt_state)
+        batch = jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32, sharding=shardings.batch)
         # The slice's device as the default: the kernels' dispatch then picks the Mosaic TPU backend.
         with jax.default_device(mesh.devices.flat[0]), jax.set_mesh(mesh):
             train_step, _ = make_steps(model, optimizer, config, shardings)
@@ -152,6 +151,7 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int, gen
 
 
 def _compile_generation(config, device, model, capacity: int) -> dict:
+    """sampling.batch_generator's program on one chip, its params in the compute dtype as train.run samples."""
     try:
         sharding = SingleDeviceSharding(device)
         dtype = jnp.dtype(config.dtype)

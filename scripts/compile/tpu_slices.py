@@ -157,7 +157,8 @@ def write_doc(report: dict, doc: Path) -> None:
         raise SystemExit(f"{doc} has no pod-slices markers ({BEGIN} ... {END}): add them to its Pod slices section")
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
-    meta = f"jax {report.get('jax')}, {report.get('wall_s')} s wall for {len(report['rows'])} slice shapes"
+    meta = report.get("note") or f"jax {report.get('jax')}, {report.get('wall_s')} s wall for {len(report['rows'])} " \
+                                  "slice shapes"
     doc.write_text(f"{head}{BEGIN}\n{markdown(report)}\n({meta}.)\n{END}{tail}")
 
 
