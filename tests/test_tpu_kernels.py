@@ -3,6 +3,8 @@ TPU interpret mode on the CPU, through `flash_attention` / `flex_attention`, aga
 float64 NumPy references; and the XLA path, with a warning naming the op, for a hook Mosaic TPU cannot lower.
 Shapes are tiny and configs few: each one costs an interpret-mode compile."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,15 @@ def test_tpu_generation_and_tiles(kind, generation):
     assert _dispatch.tpu_generation(device) == generation
     config = _dispatch.default_config(TPU, q_len=77, kv_len=5000, head_dim=64)
     assert (config.block_q, config.block_k, config.backend) == (128, 512, "tpu_interpret")
+
+
+def test_a_tpu_device_picks_the_tpu_kernels(monkeypatch):
+    """On a TPU, `FlashConfig()` means backend "tpu", and probjax_nn's impl="auto" picks the Pallas kernels."""
+    from probjax_nn import _attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert _dispatch.default_backend() == "tpu"
+    request = _attention._Request("bfloat16", 128, value_dim=False, kv_broadcast=False, score_mod=False,
+                                  mask_mod=False, dropout=False, right_window=False, gpu=False)
+    assert _attention._choose("auto", request) == "pallas"
+    assert _attention._choose("auto", dataclasses.replace(request, score_mod=True)) == "flex"
