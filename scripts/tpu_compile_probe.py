@@ -44,6 +44,15 @@ def _variants():
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
         return call
 
+    def with_dense_inputs(q, k, v):  # bias [1, N, T, S] (its gradient too), mask [B, 1, T, S], segments
+        batch, t, n, _ = q.shape
+        bias = jnp.ones((1, n, t, k.shape[1]), q.dtype)
+        mask = jnp.arange(k.shape[1])[None, None, None, :] < jnp.arange(t)[None, None, :, None] + 100
+        segments = jnp.broadcast_to(jnp.arange(t) // 300, (batch, t))
+        return flash_attention(q, k, v, bias=bias * jnp.mean(q), mask=jnp.broadcast_to(mask, (batch, 1, t, t)),
+                               q_segment_ids=segments, kv_segment_ids=segments,
+                               q_lengths=jnp.full((batch,), t - 7), kv_lengths=jnp.full((batch,), t - 3))
+
     big = (1, 4096, 4096, 8, 2, 128, 128)
     slopes = jnp.linspace(0.1, 1.0, 8)  # a captured array (read per head from SMEM), made outside the hook
 
@@ -60,6 +69,10 @@ def _variants():
          flex(alibi_softcap, sliding_window(512)), ("fwd", "bwd", "jvp")),
         ("bf16 causal BlockMask", jnp.bfloat16, big, flex(mask=causal_mask), ("fwd", "bwd")),
         ("bf16 dropout 0.1 causal", jnp.bfloat16, big, flash(causal=True, dropout_rate=0.1, dropout_seed=3),
+         ("fwd", "bwd")),
+        ("bf16 hd32 bias + mask + segments + lengths", jnp.bfloat16, (2, 1000, 1000, 4, 4, 32, 32),
+         with_dense_inputs, ("fwd", "bwd")),
+        ("f16 hd16 causal (computed in f32)", jnp.float16, (1, 1000, 1000, 2, 1, 16, 16), flash(causal=True),
          ("fwd", "bwd")),
     ]
 
