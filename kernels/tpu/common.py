@@ -81,13 +81,14 @@ class Walk:
     tile: Callable
     visited: Callable
     masked: Callable
+    always_masked: bool = False  # segments / dense masks: no unmasked variant is compiled
 
 
 def window(problem: _Problem):
     return problem.features.window_left, problem.features.window_right
 
 
-def range_walk(tile_range, num_tiles: int) -> Walk:
+def range_walk(tile_range, num_tiles: int, always_masked: bool) -> Walk:
     """Steps over (lo, full_lo, full_hi, hi) of `_tiles`: step j visits tile lo + j while lo + j < hi."""
     lo, full_lo, full_hi, hi = tile_range
     last = jnp.clip(hi - 1, 0, num_tiles - 1)
@@ -95,6 +96,7 @@ def range_walk(tile_range, num_tiles: int) -> Walk:
         tile=lambda j: jnp.minimum(lo + j, last),
         visited=lambda j: lo + j < hi,
         masked=lambda j: (lo + j < full_lo) | (lo + j >= full_hi),
+        always_masked=always_masked,
     )
 
 
@@ -103,7 +105,6 @@ def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
     entries then the full ones; a step past both repeats the last visited tile."""
     num_partial, partial, num_full, full = tables
     n_p, n_f = num_partial[row], num_full[row]
-    width_p = partial.shape[-1]
 
     def entry(j):
         jp = jnp.clip(j, 0, jnp.maximum(n_p - 1, 0))
@@ -112,11 +113,11 @@ def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
         # Past the end: the last full entry, or the last partial one when there is no full entry.
         return jnp.where(from_full | ((n_p == 0) & (n_f > 0)), full[(*row, jf)], partial[(*row, jp)])
 
-    del width_p
     return Walk(
         tile=entry,
         visited=lambda j: j < n_p + n_f,
         masked=lambda j: (j < n_p) | mask_everywhere,
+        always_masked=mask_everywhere,
     )
 
 
@@ -130,7 +131,7 @@ def q_walk(problem: _Problem, scalars, b, h, i, num_kv_tiles: int) -> Walk:
         return table_walk(scalars.tables, row, problem.per_element_mask_everywhere)
     tile_range = kv_tile_range(i * bq, bq, scalars.q_len[b], scalars.kv_len[b], bk, window(problem), num_kv_tiles,
                                problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_kv_tiles)
+    return range_walk(tile_range, num_kv_tiles, problem.per_element_mask_everywhere)
 
 
 def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -> Walk:
@@ -142,7 +143,7 @@ def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -
         return table_walk(scalars.q_tables, row, problem.per_element_mask_everywhere)
     tile_range = q_tile_range(j * bk, bk, scalars.q_len[b], scalars.kv_len[b], bq, window(problem), num_q_tiles,
                               problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_q_tiles)
+    return range_walk(tile_range, num_q_tiles, problem.per_element_mask_everywhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Refs:
     d_score_consts: tuple = ()
 
 
-def _smem_whole(x) -> pl.BlockSpec:
+def _smem_whole() -> pl.BlockSpec:
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
@@ -235,13 +236,13 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
             fields.append(name)
     if problem.features.dropout_rate > 0:
         inputs.append(smem_array(arrays["dropout_seed"]))
-        specs.append(_smem_whole(None))
+        specs.append(_smem_whole())
         fields.append("dropout_seed")
     scalar_consts = []  # whether each hook array is 0-d (then read through `_Scalar`)
     for name in ("score_consts", "mask_consts"):
         for const in arrays[name]:
             inputs.append(smem_array(const))
-            specs.append(_smem_whole(None))
+            specs.append(_smem_whole())
             scalar_consts.append(jnp.ndim(const) == 0)
     if tangents is not None:
         if tangents.bias:
@@ -249,7 +250,7 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
             specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps))
         for const in arrays.get("d_score_consts", ()):
             inputs.append(smem_array(const))
-            specs.append(_smem_whole(None))
+            specs.append(_smem_whole())
             scalar_consts.append(jnp.ndim(const) == 0)
     num_score, num_mask = problem.num_score_consts, problem.num_mask_consts
     num_d = 0 if tangents is None else sum(tangents.score_consts)
@@ -342,6 +343,9 @@ def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len,
 def run_step(walk: Walk, step, body: Callable) -> None:
     """Runs body(masked) for a visited step: the masked or the unmasked variant of the tile's math."""
     visited, masked = walk.visited(step), walk.masked(step)
+    if walk.always_masked:
+        pl.when(visited)(lambda: body(True))
+        return
 
     @pl.when(visited & masked)
     def _():
