@@ -142,11 +142,15 @@ def pages_from_dense(
     return pages, block_tables
 
 
-def _last_attended(mask: jax.Array, size: int) -> jax.Array:
-    """`[size]` int32: one past the last key position that some head attends, for a bool mask
-    `[size|1, N|1, 1, S|1]` of one query row (0 when it attends nothing)."""
+def _last_attended(mask: jax.Array, size: int, length: int) -> jax.Array:
+    """`[size]` int32: one past the last of the `length` key positions that some head attends, for a bool
+    mask `[size|1, N|1, 1, S|1]` of one query row (0 when it attends nothing). A key axis of size 1 (S > 1)
+    broadcasts over every key: attending it attends the last."""
     attended = jnp.any(mask, axis=(1, 2))
-    positions = jnp.arange(1, attended.shape[-1] + 1, dtype=jnp.int32)
+    if attended.shape[-1] == length:
+        positions = jnp.arange(1, length + 1, dtype=jnp.int32)
+    else:
+        positions = jnp.full((1,), length, jnp.int32)
     last = jnp.max(jnp.where(attended, positions, 0), axis=-1)
     return jnp.broadcast_to(last, (size,))
 
@@ -180,7 +184,7 @@ def one_query_step(
     lengths = jnp.full((size,), length, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # unbatched calls give [T, S] or [N, T, S]
-        lengths = jnp.minimum(lengths, _last_attended(mask, size))
+        lengths = jnp.minimum(lengths, _last_attended(mask, size, length))
         lookup = Partial(_mask_lookup, mask)
         mask_mod = lookup if mask_mod is None else and_masks(mask_mod, lookup)
     return probjax_kernels.decode_attention(

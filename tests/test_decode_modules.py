@@ -112,6 +112,25 @@ def test_linen_decode_matches_the_stock_module(decode_calls):
     assert decode_calls
 
 
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_one_query_with_a_broadcast_key_axis_mask_matches_the_stock_module(framework, decode_calls):
+    """One query row (decode=False; GQA 4:2 in NNX) with a mask whose key axis has size 1 (it broadcasts over
+    every key): the kernel reads all the keys, as the stock module does (it read one before)."""
+    x, mask = inputs(25), jnp.ones((BATCH, 1, 1, 1), bool)
+    if framework == "nnx":
+        stock = nnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+        ours = pnnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, attention_impl="pallas",
+                                       rngs=nnx.Rngs(0))
+        actual, expected = (module(x[:, :1], x, mask=mask) for module in (ours, stock))
+    else:
+        stock = nn.MultiHeadDotProductAttention(HEADS)  # Linen's module has no GQA
+        ours = plinen.MultiHeadDotProductAttention(HEADS, attention_impl="pallas")
+        variables = stock.init(jax.random.key(0), x[:, :1], x)
+        actual, expected = (module.apply(variables, x[:, :1], x, mask=mask) for module in (ours, stock))
+    assert_trees_close(actual, expected, name=framework)
+    assert decode_calls
+
+
 def test_equinox_one_query_calls_match_the_stock_module(decode_calls):
     """Equinox's module has no cache: a decode loop passes the keys so far. One query row per call, under
     vmap with a per-example mask, runs decode_attention and gives the stock module's outputs."""
