@@ -152,7 +152,9 @@ def per_shard(call, run):
 
     if layout.whole:
         replicated = (P(), P()) if call.return_residual else P()
-        return jax.sharding.auto_axes(lambda *arrays: run(local(*arrays)), out_sharding=replicated)(*arrays)
+        # Only the free axes turn Auto: inside a caller's partly-manual shard_map the manual ones cannot.
+        return jax.sharding.auto_axes(lambda *arrays: run(local(*arrays)), axes=tuple(_axis_types(mesh)),
+                                      out_sharding=replicated)(*arrays)
     batch, heads = _entry(layout.batch), _entry(layout.heads)
     kv_batch = None if i.kv_broadcast else batch
     specs = (P(batch, None, heads), P(kv_batch, None, heads), P(kv_batch, None, heads),
