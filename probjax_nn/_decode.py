@@ -55,8 +55,10 @@ def decode_attention(
     scale: float | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
     impl: Impl | AttentionConfig = "auto",
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache that already holds them.
 
     The semantics of `probjax_kernels.decode_attention`: token t of sequence b sits at position
@@ -73,12 +75,16 @@ def decode_attention(
     - `scale`: a Python float; None means `D ** -0.5`.
     - `score_mod(score, b, h, q_idx, kv_idx)`, `mask_mod(b, h, q_idx, kv_idx)` (True = attend): FlexAttention
       hooks, written with broadcasting jnp operations.
+    - `num_splits`: programs per (sequence, key/value head) over the cache in the kernel; None picks one from
+      B, K, the cache length and the device. XLA checks it and computes in one pass.
+    - `return_lse`: also return the log-sum-exp of the scaled, masked scores.
     - `impl`: `"auto"` (the Pallas decode kernel on a GPU, XLA elsewhere), `"pallas"` (the kernel; no hooks),
       `"flex"` (the kernel with hooks), `"xla"` (`probjax_kernels.decode_attention_reference`: the pages
       gathered, the scores materialised); `"cudnn"` has no decode path and raises `NotImplementedError`, as
       does a context-parallel `AttentionConfig`. The kernels run in interpret mode off the GPU.
 
-    **Returns:** `[B, T, N, Dv]` in the dtype of `query`. Forward only under the kernel.
+    **Returns:** `[B, T, N, Dv]` in the dtype of `query`; with `return_lse`, `(out, lse)`, lse `[B, N, T]`
+    float32 (the kernel's layout; -inf for a row that attends nothing). Forward only under the kernel.
     """
     config = _config(impl)
     if config.context_axis is not None:
@@ -101,7 +107,7 @@ def decode_attention(
     )
     return run(
         query, key, value, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod,
-        mask_mod=mask_mod, scale=scale,
+        mask_mod=mask_mod, scale=scale, num_splits=num_splits, return_lse=return_lse,
     )
 
 
