@@ -20,29 +20,22 @@ from jax.tree_util import Partial
 import probjax_kernels
 from probjax_kernels import and_masks
 from probjax_kernels.layer_api import MAX_HEAD_DIM, broadcast_lookup
-from probjax_nn._attention import AttentionConfig, Impl
+from probjax_nn._attention import AttentionConfig, Impl, as_config, check_impl
 
 _KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _config(impl: Impl | AttentionConfig) -> AttentionConfig:
-    return impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
-
-
 def decode_runs_kernel(impl: Impl | AttentionConfig, dtype, head_dim: int, *, hooks: bool = False) -> bool:
     """Whether a decode step under `impl` runs the Pallas `probjax_kernels.decode_attention`: impl "flex",
-    "pallas" (without hooks: "pallas" takes none, as in `attention`), and "auto" on a GPU for the dtypes and
-    head dims the kernel takes. Off the GPU "auto" keeps XLA, as `attention` does. `head_dim`: the larger of
-    D and Dv."""
-    config = _config(impl)
+    "pallas" (without hooks: "pallas" takes none, as in `attention`), and "auto" on a GPU, each for the dtypes
+    and head dims the kernel takes (otherwise `attention` raises the impl's `NotImplementedError`, or "auto"
+    picks XLA). Off the GPU "auto" keeps XLA, as `attention` does. `head_dim`: the larger of D and Dv."""
+    config = as_config(impl)
     if config.context_axis is not None:
         return False
-    if config.impl == "flex" or (config.impl == "pallas" and not hooks):
-        return True
-    return (
-        config.impl == "auto" and jax.default_backend() == "gpu" and jnp.dtype(dtype).name in _KERNEL_DTYPES
-        and head_dim <= MAX_HEAD_DIM
-    )
+    wanted = config.impl == "flex" or (config.impl == "pallas" and not hooks) or (
+        config.impl == "auto" and jax.default_backend() == "gpu")
+    return wanted and jnp.dtype(dtype).name in _KERNEL_DTYPES and head_dim <= MAX_HEAD_DIM
 
 
 def decode_attention(
@@ -86,7 +79,7 @@ def decode_attention(
     **Returns:** `[B, T, N, Dv]` in the dtype of `query`; with `return_lse`, `(out, lse)`, lse `[B, N, T]`
     float32 (the kernel's layout; -inf for a row that attends nothing). Forward only under the kernel.
     """
-    config = _config(impl)
+    config = as_config(impl)
     if config.context_axis is not None:
         raise NotImplementedError(
             f"decode_attention does not run context parallel (context_axis={config.context_axis!r}); decode "
@@ -95,11 +88,12 @@ def decode_attention(
     if config.impl == "cudnn":
         raise NotImplementedError("impl='cudnn' has no decode path; use impl='auto', 'pallas', 'flex' or 'xla'.")
     hooks = score_mod is not None or mask_mod is not None
-    if config.impl == "pallas" and hooks:
-        feature = "score_mod" if score_mod is not None else "mask_mod"
-        raise NotImplementedError(f"impl='pallas' does not support {feature}; use impl='flex', 'xla' or 'auto'.")
     query = jnp.asarray(query)
     head_dim = max(query.shape[-1], jnp.shape(value)[-1])
+    if config.impl in ("pallas", "flex"):
+        # An explicit kernel impl refuses what it refuses in `attention` (hooks for "pallas", float64).
+        check_impl(config.impl, query.dtype, head_dim, score_mod=score_mod is not None,
+                   mask_mod=mask_mod is not None)
     run = (
         probjax_kernels.decode_attention
         if decode_runs_kernel(config, query.dtype, head_dim, hooks=hooks)

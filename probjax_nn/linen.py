@@ -51,6 +51,19 @@ def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array) 
         raise AssertionError("q, k depths must match.")
 
 
+def _check_einsums_like_flax(precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum):
+    """`flax.linen.dot_product_attention`'s ValueErrors for a bad combination of custom einsums and
+    precision, before any impl's NotImplementedError for custom einsums (code written against flax expects
+    its errors first)."""
+    if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
+        raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be specified together.")
+    if (precision or einsum_dot_general) and (qk_attn_weights_einsum or attn_weights_value_einsum):
+        raise ValueError(
+            "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum are mutually "
+            "exclusive. Please specify only one of them."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DotProductAttention:
     """`flax.linen.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`.
@@ -79,6 +92,7 @@ class DotProductAttention:
         qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
         attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
     ) -> jax.Array:
+        _check_einsums_like_flax(precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
         # The kernels form neither the weights (to sow) nor the einsums (to replace, e.g. AQT's).
         custom_einsums = any(
             f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
