@@ -1,13 +1,16 @@
-"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels and the
-Mosaic GPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
+"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels, the
+Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
 
 - `default_backend`: what `FlashConfig.backend=None` means on this device; `default_config` fills the other
   `None` fields with that backend's tiles.
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
-- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic kernels cannot take runs on
-  Triton (Pallas interpret mode on the CPU); the tangent always does.
+- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
+  on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
+  TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
+  on `_TPU_TILES` per generation; what `tpu.unsupported` names runs the XLA path of `_chunked` with a
+  warning, never a GPU kernel.
 """
 
 from __future__ import annotations
