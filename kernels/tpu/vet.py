@@ -19,7 +19,7 @@ from jax.extend import core as jex_core
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _Problem
 
-_SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint32))
+_SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
 
 
 def hook_shapes(block_q: int, block_k: int, transposed: bool) -> tuple:
