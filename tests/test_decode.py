@@ -228,3 +228,33 @@ def test_config_checks():
         DecodeConfig(block_k=24)
     with pytest.raises(ValueError, match="backend"):
         DecodeConfig(backend="mosaic")
+
+
+def test_out_of_contract_rows_are_nan_under_jit():
+    """Issue 30 item 4: under jit a length past the cache re-read the last page, a table entry outside the
+    pool was clamped, and under x64 an entry page + 2**32 wrapped to a valid page. Such a sequence's rows are
+    NaN now, in the kernel and the reference alike; the other rows are right. Concrete values raise."""
+    k, v = make_cache(11, 2, 32, 2, 16, 16, jnp.float32)
+    q = random_q(12, 2, 2, 4, 16, jnp.float32)
+    spare = jnp.zeros((1, 16, 2, 16))
+    k_pages, v_pages = (jnp.concatenate([x.reshape(4, 16, 2, 16), spare]) for x in (k, v))  # P = 5
+    tables = np.array([[0, 1], [2, 3]])
+
+    def both(lengths, tables):
+        args = dict(kv_lengths=lengths, block_tables=tables, return_lse=True)
+        return (decode_attention(q, k_pages, v_pages, **args),
+                decode_attention_reference(q, k_pages, v_pages, **args))
+
+    want_out, want_lse = expected(q, k, v, np.array([20, 20]))
+    run = jax.jit(both)
+    for lengths, row_tables in (([20, 33], [2, 3]), ([20, 1], [2, 3]), ([20, 20], [2, 5]), ([20, 20], [-1, 3])):
+        for out, lse in run(jnp.asarray(lengths, jnp.int32), jnp.asarray([tables[0], row_tables], jnp.int32)):
+            assert np.isnan(np.asarray(out[1])).all() and np.isnan(np.asarray(lse[1])).all(), (lengths, row_tables)
+            check("valid row", out[:1], lse[:1], want_out[:1], want_lse[:1], jnp.float32)
+    with jax.enable_x64(True):
+        wrapped = np.array([[0, 1], [2, 3 + 2**32]], np.int64)
+        for out, lse in jax.jit(both)(jnp.asarray([20, 20], jnp.int64), jnp.asarray(wrapped)):
+            assert np.isnan(np.asarray(out[1])).all() and np.isnan(np.asarray(lse[1])).all()
+            check("valid row x64", out[:1], lse[:1], want_out[:1], want_lse[:1], jnp.float32)
+        with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 4294967299"):
+            decode_attention(q, k_pages, v_pages, kv_lengths=jnp.asarray([20, 20]), block_tables=jnp.asarray(wrapped))

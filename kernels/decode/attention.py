@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs
+from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, poison_rows
 from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
 
@@ -81,7 +81,9 @@ def decode_attention(
       -inf) or T..capacity (S, or max_pages * page_size).
     - `block_tables`: `[B, max_pages]` int32, the pages of each sequence in order: key position j of sequence
       b is `k[block_tables[b, j // page_size], j % page_size]`. Pages may be shared (a common prefix) and
-      in any order; entries past `cdiv(kv_lengths[b], page_size)` are never used.
+      in any order; entries past `cdiv(kv_lengths[b], page_size)` are never used. Lengths and the used
+      entries are checked when concrete (ValueError); under `jit` a sequence that breaks the contract gets
+      NaN rows (out and lse), here and in the reference alike (docs/decoding.md).
     - `score_mod(score, b, h, q_idx, kv_idx) -> score` and `mask_mod(b, h, q_idx, kv_idx) -> bool` (True =
       attend), FlexAttention's hooks: q_idx is the global position above. Called on a float32 tile whose
       rows pack several heads, so h and q_idx are int32 columns, kv_idx a row, b a scalar: write them with
@@ -110,4 +112,5 @@ def decode_attention(
     out, lse = _forward_only(
         run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
     )
+    out, lse = poison_rows(out, lse, inputs.out_of_contract)
     return (out, lse) if inputs.return_lse else out
