@@ -63,6 +63,7 @@ class DecodeInputs:
     # [B] bool, rows whose kv_lengths / block_tables break the contract, known only under jit (concrete
     # values raise instead); their lengths are 0 above, and `poison_rows` makes their outputs NaN.
     out_of_contract: jax.Array | None = None
+    causal: bool = True  # the new tokens see each other causally; False: every key below the length
 
     @property
     def paged(self) -> bool:
@@ -89,7 +90,7 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def check_decode_inputs(
-    q, k, v, *, kv_lengths, block_tables, score_mod, mask_mod, num_splits, scale, return_lse,
+    q, k, v, *, kv_lengths, block_tables, score_mod, mask_mod, num_splits, scale, return_lse, causal=True,
     allowed_dtypes: tuple = KERNEL_DTYPES, max_head_dim: int | None = MAX_HEAD_DIM,
 ) -> DecodeInputs:
     """Checks a `decode_attention` call (see its docstring); values of `kv_lengths` and `block_tables` are
@@ -172,6 +173,7 @@ def check_decode_inputs(
         q=q, k=k, v=v, kv_lengths=kv_lengths, block_tables=block_tables if paged else None,
         scale=float(scale), num_splits=None if num_splits is None else int(num_splits),
         return_lse=check_flag("return_lse", return_lse), out_of_contract=out_of_contract,
+        causal=check_flag("causal", causal),
     )
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import TOLERANCE, assert_close, numpy_attention
 from probjax_kernels import (
-    DecodeConfig, alibi, and_masks, decode_attention, decode_attention_reference, sliding_window,
+    DecodeConfig, alibi, and_masks, decode_attention, decode_attention_reference, prefix_lm, sliding_window,
 )
 
 # Errors of the kernel against float64 (normalised as in helpers.assert_close), kept for the report.
@@ -258,3 +258,19 @@ def test_out_of_contract_rows_are_nan_under_jit():
             check("valid row x64", out[:1], lse[:1], want_out[:1], want_lse[:1], jnp.float32)
         with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 4294967299"):
             decode_attention(q, k_pages, v_pages, kv_lengths=jnp.asarray([20, 20]), block_tables=jnp.asarray(wrapped))
+
+
+def test_not_causal_among_new_tokens_follows_the_mask_mod():
+    """Issue 30 item 22: decode was always causal among the new tokens, so `prefix_lm` with new tokens inside
+    the prefix differed from flex_attention (1.34); `causal=False` leaves it to the mask_mod, kernel and
+    reference alike. Tokens at 16..19 of 20 keys, prefix 18 (the first two see token 17 ahead of them)."""
+    k, v = make_cache(13, 1, 32, 1, 16, 16, jnp.float32)
+    q = random_q(14, 1, 4, 2, 16, jnp.float32)
+    q_pos = np.arange(16, 20)[:, None]
+    allowed = (np.arange(20)[None, :] < 18) | (np.arange(20)[None, :] <= q_pos)
+    want_out, want_lse = numpy_attention(q, k[:, :20], v[:, :20], allowed=allowed)
+    for fn in (decode_attention, decode_attention_reference):
+        out, lse = fn(q, k, v, kv_lengths=jnp.array([20]), mask_mod=prefix_lm(18), causal=False, return_lse=True)
+        check(f"not causal {fn.__name__}", out, lse, want_out, want_lse, jnp.float32)
+    with pytest.raises(TypeError, match="causal"):
+        decode_attention(q, k, v, kv_lengths=jnp.array([20]), causal=None)

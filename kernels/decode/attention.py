@@ -63,13 +63,15 @@ def decode_attention(
     scale: float | None = None,
     return_lse: bool = False,
     config: DecodeConfig | None = None,
+    causal: bool = True,
 ):
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache (flash-decoding).
 
     The cache already holds the new tokens: sequence b has `kv_lengths[b]` keys, and its new token t sits at
     position `kv_lengths[b] - T + t`; it attends the keys at or before that position (causal among the new
-    tokens). The cache is split over `num_splits` programs per (sequence, key/value head), whose partial
-    results are merged by their log-sum-exp; the N / K query heads of a group share one pass over the cache.
+    tokens; with `causal=False` every key below the length, the mask_mod deciding the rest). The cache is
+    split over `num_splits` programs per (sequence, key/value head), whose partial results are merged by
+    their log-sum-exp; the N / K query heads of a group share one pass over the cache.
 
     **Arguments:**
 
@@ -94,6 +96,10 @@ def decode_attention(
     - `scale`: a Python float, default `D ** -0.5`.
     - `return_lse`: also return lse `[B, N, T]` float32 (natural log; -inf for a row that attends nothing).
     - `config`: a `DecodeConfig` (tile, warps, stages, backend); None picks defaults for the device.
+    - `causal`: True (default) masks the later new tokens from the earlier ones, as a causal training mask
+      does. False lets every new token see all `kv_lengths[b]` keys, so a mask_mod that is not causal among
+      them (`prefix_lm` with new tokens inside the prefix, bidirectional blocks) gives flex_attention's
+      rows; the mask_mod then decides alone.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`.
 
@@ -101,7 +107,7 @@ def decode_attention(
     """
     inputs = check_decode_inputs(
         q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-        num_splits=num_splits, scale=scale, return_lse=return_lse,
+        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
     )
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")

@@ -53,6 +53,7 @@ class DecodePlan:
     tiles_per_step: int  # tiles one loop step reads (several small pages: independent loads in flight)
     splits: int
     scale: float
+    causal: bool
     score_mod: Hook | None
     mask_mod: Hook | None
     num_score_consts: int
@@ -112,7 +113,7 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     return DecodePlan(
         new_tokens=new_tokens, group=group, rows=rows, row_blocks=packed // rows, page=page, max_pages=max_pages,
         tile=tile, tiles_per_step=tiles_per_step,
-        splits=splits, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
+        splits=splits, scale=inputs.scale, causal=inputs.causal, score_mod=score_mod, mask_mod=mask_mod,
         num_score_consts=num_score_consts, backend=backend,
         num_warps=config.num_warps or _default_warps(rows, _pow2(value_dim), itemsize),
         num_stages=config.num_stages or _default_stages(tile * tiles_per_step, (head_dim, value_dim), itemsize),
@@ -173,7 +174,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
             s2 = dot * (plan.scale * LOG2E)
         else:
             s2 = plan.score_mod.in_kernel(score_refs, dot * plan.scale, b, h, q_idx, kv_idx) * LOG2E
-        allowed = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
+        # Causal among the new tokens implies kv_idx < kv_len; without it the length masks.
+        allowed = ((kv_idx <= q_idx) if plan.causal else (kv_idx < kv_len)) & row_real
         if plan.mask_mod is not None:
             allowed &= plan.mask_mod.in_kernel(mask_refs, b, h, q_idx, kv_idx)
         return jnp.where(allowed, s2, -jnp.inf)
