@@ -110,14 +110,15 @@ def check_decode_inputs(
             f"q must hold 1 to {MAX_NEW_TOKENS} new tokens per sequence (q [B, T, N, D] with T <= "
             f"{MAX_NEW_TOKENS}), got T={new_tokens}; use flash_attention for a prefill."
         )
-    if min(q.shape) < 1:
-        raise ValueError(f"every dimension of q must be >= 1, got {q.shape}.")
+    if min(q.shape[1:]) < 1:  # B = 0 is an empty batch (empty outputs, as jax.nn.dot_product_attention)
+        raise ValueError(f"every dimension of q but B must be >= 1, got {q.shape}.")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must share their first three dims ({cache}; Dv may differ), got {k.shape} and {v.shape}.")
     if k.shape[3] != head_dim:
         raise ValueError(f"k must have q's head dim D={head_dim}, got k {k.shape}.")
-    if min(k.shape) < 1 or v.shape[3] < 1:
-        raise ValueError(f"every dimension of k and v must be >= 1, got k {k.shape} and v {v.shape}.")
+    if min(k.shape[1:]) < 1 or v.shape[3] < 1 or (paged and k.shape[0] < 1):
+        raise ValueError(f"every dimension of k and v must be >= 1 (but B of a dense cache), got k {k.shape} and v "
+                         f"{v.shape}.")
     num_kv_heads = k.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"the query heads N={num_heads} must be a multiple of the key/value heads K={num_kv_heads}.")
@@ -146,6 +147,11 @@ def check_decode_inputs(
         capacity = k.shape[1]
     # Both are checked in their own dtype, before the int32 cast (under x64 a length or page 2**32 + j would
     # wrap to j).
+    if new_tokens > capacity:
+        raise ValueError(
+            f"the cache holds capacity={capacity} keys per sequence ({'max_pages * page_size' if paged else 'S'}), "
+            f"fewer than the T={new_tokens} new tokens it must hold (q [B, T, N, D] has T={new_tokens})."
+        )
     kv_lengths, out_of_contract = _check_lengths(kv_lengths, batch, new_tokens, capacity)
     if paged:
         bad_tables = _check_tables(block_tables, kv_lengths, k.shape[0], k.shape[1], capacity)
@@ -175,6 +181,14 @@ def check_decode_inputs(
         return_lse=check_flag("return_lse", return_lse), out_of_contract=out_of_contract,
         causal=check_flag("causal", causal),
     )
+
+
+def empty_outputs(inputs: DecodeInputs):
+    """The outputs of an empty batch (B = 0): out `[0, T, N, Dv]` in q's dtype (and lse `[0, N, T]` float32
+    with `return_lse`), as `jax.nn.dot_product_attention` gives for one."""
+    _, new_tokens, num_heads, _, _, value_dim = inputs.shape
+    out = jnp.zeros((0, new_tokens, num_heads, value_dim), inputs.q.dtype)
+    return (out, jnp.zeros((0, num_heads, new_tokens), jnp.float32)) if inputs.return_lse else out
 
 
 def poison_rows(out: jax.Array, lse: jax.Array, out_of_contract: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -274,3 +274,19 @@ def test_not_causal_among_new_tokens_follows_the_mask_mod():
         check(f"not causal {fn.__name__}", out, lse, want_out, want_lse, jnp.float32)
     with pytest.raises(TypeError, match="causal"):
         decode_attention(q, k, v, kv_lengths=jnp.array([20]), causal=None)
+
+
+def test_empty_batch_and_a_cache_shorter_than_the_new_tokens():
+    """Issue 30 item 23: B = 0 gives empty outputs (as jax.nn.dot_product_attention) instead of an error, dense
+    and paged, kernel and reference; T > capacity says so (it read "lie in [T, capacity] = [8, 4]")."""
+    q = jnp.ones((0, 2, 4, 16))
+    for fn in (decode_attention, decode_attention_reference):
+        out, lse = fn(q, jnp.ones((0, 32, 2, 16)), jnp.ones((0, 32, 2, 8)), kv_lengths=jnp.zeros((0,), jnp.int32),
+                      return_lse=True)
+        assert out.shape == (0, 2, 4, 8) and out.dtype == jnp.float32 and lse.shape == (0, 4, 2)
+        out = fn(q, jnp.ones((3, 16, 2, 16)), jnp.ones((3, 16, 2, 16)), kv_lengths=jnp.zeros((0,), jnp.int32),
+                 block_tables=jnp.zeros((0, 2), jnp.int32))
+        assert out.shape == (0, 2, 4, 16)
+    with pytest.raises(ValueError, match=r"capacity=4 keys per sequence \(S\), fewer than the T=8 new tokens"):
+        decode_attention(jnp.ones((1, 8, 2, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)),
+                         kv_lengths=jnp.array([4]))

@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, poison_rows
+from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
 
@@ -111,6 +111,8 @@ def decode_attention(
     )
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
+    if inputs.q.shape[0] == 0:
+        return empty_outputs(inputs)
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
     plan = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))

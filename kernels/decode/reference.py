@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._decode_inputs import DecodeInputs, check_decode_inputs, poison_rows
+from probjax_kernels._decode_inputs import DecodeInputs, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._reference import REFERENCE_DTYPES
 
 
@@ -90,5 +90,7 @@ def decode_attention_reference(
         num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, allowed_dtypes=REFERENCE_DTYPES,
         max_head_dim=None,
     )
+    if inputs.q.shape[0] == 0:
+        return empty_outputs(inputs)
     out, lse = poison_rows(*decode_from_inputs(inputs, score_mod, mask_mod), inputs.out_of_contract)
     return (out, lse) if inputs.return_lse else out
