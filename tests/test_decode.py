@@ -9,6 +9,7 @@ Dv != D, return_lse and every dtype.
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -149,8 +150,8 @@ def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
 @pytest.mark.parametrize(
     "dtype, new_tokens, num_heads, num_kv_heads, capacity, lengths, splits, hooks",
     [
-        # GQA 8, T=1, a length that is no multiple of 16 (the dense view pads to 13 pages of 16), default
-        # splits; 2 pages a step, so the last step reads past the table (masked).
+        # GQA 8, T=1, a length that is no multiple of 16 (read in place: the last 32-key tile reaches past
+        # S = 200, masked), default splits.
         (jnp.float32, 1, 8, 1, 200, [1, 200, 77], None, "mask"),
         # GQA 2, T=5, 4 splits over a 128-key cache in 16-key tiles, a score_mod only.
         (jnp.float16, 5, 6, 3, 128, [0, 5, 100, 128], 4, "score"),
@@ -290,3 +291,39 @@ def test_empty_batch_and_a_cache_shorter_than_the_new_tokens():
     with pytest.raises(ValueError, match=r"capacity=4 keys per sequence \(S\), fewer than the T=8 new tokens"):
         decode_attention(jnp.ones((1, 8, 2, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)),
                          kv_lengths=jnp.array([4]))
+
+
+def _ops_on(jaxpr, shapes) -> list[str]:
+    """The primitives (at any depth, through jit / custom_jvp) that take an array of one of `shapes`."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if any(getattr(x.aval, "shape", None) in shapes for x in eqn.invars):
+            names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _ops_on(sub, shapes)
+    return names
+
+
+def test_caches_of_any_length_and_head_dim_are_read_in_place():
+    """Issue 30 item 20: a dense cache whose length is no multiple of 16 or a head dim that is no power of two
+    was padded (a copy of the whole cache) on every call. The kernel reads such caches in place now: only
+    the kernel (and the custom_jvp around it) takes them, and the answers match float64. Dense S = 20 with
+    D = 24 / Dv = 40; paged D = 24 / Dv = 40."""
+    lengths = np.array([20, 7])
+    k, v = make_cache(15, 2, 20, 1, 24, 40, jnp.float32)
+    q = random_q(16, 2, 2, 2, 24, jnp.float32)
+    want_out, want_lse = expected(q, k, v, lengths)
+    k_pages, v_pages, tables, k32, v32 = paginate(jnp.pad(k, ((0, 0), (0, 12), (0, 0), (0, 0))),
+                                                  jnp.pad(v, ((0, 0), (0, 12), (0, 0), (0, 0))), lengths, 16, seed=17)
+    # paginate makes sequence 1's first page sequence 0's (a shared prefix): its answer follows those keys.
+    want_paged = expected(q, k32, v32, lengths)
+    for caches, tabled, want in (((k, v), None, (want_out, want_lse)),
+                                 ((jnp.asarray(k_pages), jnp.asarray(v_pages)), jnp.asarray(tables, jnp.int32),
+                                  want_paged)):
+        def run(q, k, v):
+            return decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), block_tables=tabled, return_lse=True)
+
+        assert set(_ops_on(jax.make_jaxpr(run)(q, *caches).jaxpr, {c.shape for c in caches})) == {
+            "custom_jvp_call", "pallas_call"}
+        out, lse = jax.jit(run)(q, *caches)
+        check("in place", out, lse, *want, jnp.float32)
