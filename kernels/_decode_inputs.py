@@ -64,6 +64,9 @@ class DecodeInputs:
     # values raise instead); their lengths are 0 above, and `poison_rows` makes their outputs NaN.
     out_of_contract: jax.Array | None = None
     causal: bool = True  # the new tokens see each other causally; False: every key below the length
+    # The most keys before a new token its mask_mod can attend (`flex.mods.mask_lookback`), or None: the
+    # kernel starts each sequence's splits at the first step that holds a key of the earliest token's window.
+    lookback: int | None = None
 
     @property
     def paged(self) -> bool:

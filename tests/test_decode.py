@@ -16,7 +16,8 @@ import pytest
 
 from helpers import TOLERANCE, assert_close, numpy_attention
 from probjax_kernels import (
-    DecodeConfig, alibi, and_masks, decode_attention, decode_attention_reference, prefix_lm, sliding_window,
+    DecodeConfig, alibi, and_masks, causal_mask, decode_attention, decode_attention_reference, prefix_lm,
+    sliding_window,
 )
 
 # Errors of the kernel against float64 (normalised as in helpers.assert_close), kept for the report.
@@ -327,3 +328,30 @@ def test_caches_of_any_length_and_head_dim_are_read_in_place():
             "custom_jvp_call", "pallas_call"}
         out, lse = jax.jit(run)(q, *caches)
         check("in place", out, lse, *want, jnp.float32)
+
+
+def test_a_sliding_window_skips_the_keys_before_it():
+    """Issue 30 item 21: a window read the whole cache. The splits now start at the step holding the earliest
+    new token's first key: the keys before it are NaN here (read, they would poison the sums), and the
+    answer equals float64 on the clean cache. T = 2, window 20, 16-key steps, lengths 128 and 50."""
+    lengths = np.array([128, 50])
+    k, v = make_cache(18, 2, 128, 1, 16, 16, jnp.float32)
+    q = random_q(19, 2, 2, 2, 16, jnp.float32)
+    want_out, want_lse = expected(q, k, v, lengths, window=20)
+    first = (lengths - 2 - 20) // 16 * 16  # the first key of the step the window starts in: 96 and 16
+    before = np.arange(128)[None, :, None, None] < first[:, None, None, None]
+    poisoned = [jnp.where(before, jnp.nan, x) for x in (k, v)]
+    out, lse = jax.jit(lambda q, k, v: decode_attention(
+        q, k, v, kv_lengths=jnp.asarray(lengths), mask_mod=and_masks(causal_mask, sliding_window(20)), num_splits=2,
+        return_lse=True, config=DecodeConfig(block_k=16)))(q, *poisoned)
+    check("window", out, lse, want_out, want_lse, jnp.float32)
+
+
+def test_mask_lookback_reads_windows_through_and_or():
+    from probjax_kernels.flex.mods import mask_lookback, or_masks
+
+    assert mask_lookback(sliding_window(7)) == 7
+    assert mask_lookback(and_masks(causal_mask, sliding_window(9), sliding_window(4))) == 4
+    assert mask_lookback(or_masks(sliding_window(3), sliding_window(5))) == 5
+    assert mask_lookback(or_masks(sliding_window(3), causal_mask)) is None
+    assert mask_lookback(causal_mask) is None and mask_lookback(prefix_lm(4)) is None

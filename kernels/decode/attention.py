@@ -6,6 +6,7 @@ Entry point: checks, hook tracing, and the forward-only wrapper around the Palla
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
+from probjax_kernels.flex.mods import mask_lookback
 
 
 def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list[jax.Array]]:
@@ -90,7 +92,9 @@ def decode_attention(
       attend), FlexAttention's hooks: q_idx is the global position above. Called on a float32 tile whose
       rows pack several heads, so h and q_idx are int32 columns, kv_idx a row, b a scalar: write them with
       broadcasting jnp operations (`alibi`, `softcap`, `relative_bias`, the mask_mods of this package do).
-      They may close over arrays (kernel inputs).
+      They may close over arrays (kernel inputs). A mask_mod whose reach back is known (`sliding_window(w)`,
+      alone or inside `and_masks`) makes the splits cover only the steps from the earliest new token's
+      window on: a window of 4096 over a 128k cache reads about 4096 keys.
     - `num_splits`: programs per (sequence, key/value head) over the cache; None picks one from B, K, the
       cache length and the device.
     - `scale`: a Python float, default `D ** -0.5`.
@@ -113,6 +117,7 @@ def decode_attention(
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
     if inputs.q.shape[0] == 0:
         return empty_outputs(inputs)
+    inputs = dataclasses.replace(inputs, lookback=mask_lookback(mask_mod))
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
     plan = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))

@@ -58,6 +58,7 @@ class DecodePlan:
     splits: int
     scale: float
     causal: bool
+    lookback: int | None  # keys before a new token its mask can attend (a window), None: unknown
     score_mod: Hook | None
     mask_mod: Hook | None
     num_score_consts: int
@@ -109,14 +110,18 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
         page, max_pages = inputs.capacity, 1
         tile, tiles_per_step = min(block_k, _pow2(page)), 1
     steps = -(-max_pages * -(-page // tile) // tiles_per_step)
-    splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, inputs.capacity, steps,
-                                                 backend)
+    keys_per_step = tile * tiles_per_step
+    # With a window, a sequence's splits share only the steps from its earliest new token's window on.
+    reach = inputs.capacity if inputs.lookback is None else min(
+        inputs.capacity, inputs.lookback + new_tokens + keys_per_step)
+    splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, reach,
+                                                 min(steps, -(-reach // keys_per_step)), backend)
     splits = min(splits, steps)  # every program has a step of its own
     return DecodePlan(
         new_tokens=new_tokens, group=group, rows=rows, row_blocks=packed // rows, page=page, max_pages=max_pages,
-        tile=tile, tiles_per_step=tiles_per_step,
-        splits=splits, scale=inputs.scale, causal=inputs.causal, score_mod=score_mod, mask_mod=mask_mod,
-        num_score_consts=num_score_consts, backend=backend,
+        tile=tile, tiles_per_step=tiles_per_step, splits=splits, scale=inputs.scale, causal=inputs.causal,
+        lookback=inputs.lookback, score_mod=score_mod, mask_mod=mask_mod, num_score_consts=num_score_consts,
+        backend=backend,
         num_warps=config.num_warps or _default_warps(rows, _pow2(value_dim), itemsize),
         num_stages=config.num_stages or _default_stages(tile * tiles_per_step, (head_dim, value_dim), itemsize),
     )
@@ -207,11 +212,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
         return acc, m_new, l
 
     # The splits share the steps that hold keys of this sequence (its length, not the cache's capacity), so
-    # a short sequence in a long cache still spreads over every split.
+    # a short sequence in a long cache still spreads over every split; with a known window, only the steps
+    # from the one holding the earliest new token's first key (kv_len - T - lookback) on.
     keys_per_step = tile * plan.tiles_per_step
     steps = (kv_len + keys_per_step - 1) // keys_per_step
-    per_split = (steps + plan.splits - 1) // plan.splits
-    first = split * per_split
+    start = 0
+    if plan.lookback is not None:
+        start = jnp.minimum(jnp.maximum(kv_len - plan.new_tokens - plan.lookback, 0) // keys_per_step, steps)
+    per_split = (steps - start + plan.splits - 1) // plan.splits
+    first = start + split * per_split
     last = jnp.minimum(first + per_split, steps)
     carry = (
         jnp.zeros((rows, out_ref.shape[-1]), jnp.float32),
