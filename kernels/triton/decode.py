@@ -178,12 +178,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
         index = jnp.clip(table_ref[page_slot], 0, num_pages_cache - 1)
         within = pl.ds((i % per_page) * tile, tile) if per_page > 1 or plan.page != tile else slice(None)
         positions = i * tile + offsets
-        in_length = positions < kv_len
-        # Keys past the length: a dense cache's tail past S is not memory; in a page they are masked below.
-        k = load(k_ref, q.shape[-1], index, within, in_length if plan.page % tile else None)
-        # Values past the length may hold anything (NaN in a recycled page): p = 0 there, but 0 * NaN is NaN.
-        v = load(v_ref, out_ref.shape[-1], index, within, in_length)
-        return k, v, positions[None, :]
+        # A dense cache's last tile reaches past S (max_pages = 1: positions are rows of the page): no memory
+        # there. Other rows load unmasked, which keeps the loads pipelined (a mask on the length did not).
+        in_page = positions < plan.page if plan.page % tile else None
+        # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, but 0 * NaN is NaN.
+        v = jnp.where(positions[:, None] < kv_len, load(v_ref, out_ref.shape[-1], index, within, in_page), 0)
+        return load(k_ref, q.shape[-1], index, within, in_page), v, positions[None, :]
 
     def scores(k, kv_idx):
         """Base-2 scores s2 = log2(e) * score_mod(scale * q k^T), -inf where not attended."""
