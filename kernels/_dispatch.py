@@ -213,17 +213,19 @@ def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> F
 
 
 def tangent_config(
-    config: FlashConfig, head_dim: int, tables: bool = False, float32: bool = False
+    config: FlashConfig, head_dim: int, tables: bool = False, dtype=None
 ) -> FlashConfig:
     """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
     query tile of at most 32. It holds q, its tangent and two accumulators, so the
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. float32 (FMA dots) takes a query tile of at most 16
-    too: 32 spills 488 B at head dim 128 on sm_86. Interpret mode keeps `config`."""
+    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
+    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86.
+    Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
     if not tables and (float32 or head_dim > 128):
@@ -393,7 +395,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
-    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
+    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
     if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
         rows, cols = (config.block_q, 1), (1, config.block_k)
         indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
