@@ -121,7 +121,7 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     interpreted): pages of a paged cache are gathered up to it; num_warps / num_stages are ignored."""
     batch, new_tokens, num_heads, num_kv_heads, _, _ = inputs.shape
     group = num_heads // num_kv_heads
-    align = 16 if common.compute_dtype(inputs.q.dtype).itemsize == 2 else 8
+    align = 16 if jnp.dtype(common.compute_dtype(inputs.q.dtype)).itemsize == 2 else 8
     rows = -(-new_tokens * group // align) * align
     block_k = config.block_k or (32 if generation == "interpret" else 128)
     if inputs.paged:
@@ -326,6 +326,10 @@ def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
 
 def decode(plan: TpuDecodePlan, q, k, v, kv_lengths, block_tables, consts):
     """(out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]` float32) of checked inputs through the kernel."""
+    # Mosaic TPU cannot load float16 vectors (v5e: "Invalid vector type for load"): a float16 cache is
+    # converted to float32 by XLA first, a copy of the cache per call (bfloat16 caches are read in place).
+    compute = common.compute_dtype(k.dtype)
+    k, v = k.astype(compute), v.astype(compute)
     out, lse = decode_partials(plan, pack_queries(q, plan), k, v, kv_lengths, block_tables, consts)
     out, lse = merge_splits(out, lse[..., 0])
     out = unpack_rows(out, plan).astype(q.dtype)
