@@ -5,7 +5,7 @@ XLA on its last two dims (K, D), so one key/value head of a page is not a slice 
 reads whole pages, all K heads, once, and one program runs every key/value head g on them. Its query block
 `[K, rows, D]` packs, per head g, the T new tokens times the N / K query heads of group g (row r = t * group
 + j, padded to the sublane tile), so a group shares one pass; the head's keys are a strided load `k[:, g, :]`
-from VMEM. A paged step holds `tiles_per_step` pages, each its own BlockSpec whose index map reads
+from VMEM, and a step's pages are stacked into one (keys, D) tile. A paged step holds `tiles_per_step` pages, each its own BlockSpec whose index map reads
 `block_tables` (scalar-prefetched) for the page, so the Pallas pipeline DMAs the pages of the next step from
 HBM while this one computes; a dense step is one `[tile, K, D]` block of the sequence's own cache. The steps
 of sequence b (its length, not the capacity) are shared among the splits; steps past a split's share repeat
@@ -13,7 +13,7 @@ its last page in every index map (no DMA) and skip the compute. Online softmax (
 accumulator in VMEM scratch) per head; each split writes (out, lse), which `_decode_merge.merge_splits`
 combines by lse in XLA.
 
-Hooks see a float32 (rows, tile) score tile, b a scalar, q_idx an int32 (rows, 1) column (the global
+Hooks see a float32 (rows, keys of a step) score tile, b a scalar, q_idx an int32 (rows, 1) column (the global
 position `kv_lengths[b] - T + t`), kv_idx a (1, tile) row and h an int32 (rows, 1) column, or, when the hook
 reads a captured array at h (`slopes[h]`, a vector gather Mosaic TPU cannot lower), a scalar: the hook then
 runs once per query head of the group and each row keeps its own head's result (group times the hook's
@@ -136,8 +136,8 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
         new_tokens=new_tokens, group=group, num_kv_heads=num_kv_heads, rows=rows, tile=tile,
         tiles_per_step=tiles_per_step, num_tiles=num_tiles, steps=-(-total_steps // splits), splits=splits,
         paged=inputs.paged, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
-        score_per_head=_vet_hook("score_mod", score_mod, rows, tile),
-        mask_per_head=_vet_hook("mask_mod", mask_mod, rows, tile),
+        score_per_head=_vet_hook("score_mod", score_mod, rows, tile * tiles_per_step),
+        mask_per_head=_vet_hook("mask_mod", mask_mod, rows, tile * tiles_per_step),
         num_score_consts=num_score_consts, backend=config.backend,
     )
 
@@ -184,6 +184,10 @@ def _call_hook(hook: Hook, consts, per_head: bool, kv_head: int, group: int, sco
     return result
 
 
+def _stack(tiles: list):
+    return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=0)
+
+
 def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
     n = plan.tiles_per_step
     tables_ref, refs = (refs[0], refs[1:]) if plan.paged else (None, refs)
@@ -194,7 +198,7 @@ def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = lengths_ref[b]
     first, end = _split_range(plan, kv_len, split)
-    rows, tile, group = plan.rows, plan.tile, plan.group
+    rows, group, keys = plan.rows, plan.group, plan.tile * n
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     row_head = row % group
     q_idx = kv_len - plan.new_tokens + row // group  # the new token's global position
@@ -208,36 +212,32 @@ def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
 
     @pl.when(first + j < end)
     def _():
-        step = first + j
+        start = (first + j) * keys
+        kv_idx = start + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+        # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, and 0 * NaN is NaN.
+        in_length = start + lax.broadcasted_iota(jnp.int32, (keys, 1), 0) < kv_len
+        allowed_base = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
         for g in range(plan.num_kv_heads):
             q = q_ref[g]
             h = g * group + row_head
-            pieces = []
-            for i in range(n):
-                start = (step * n + i) * tile
-                kv_idx = start + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
-                k = k_refs[i][:, g, :].astype(q.dtype)
-                # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, 0 * NaN is NaN.
-                in_length = start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < kv_len
-                v = jnp.where(in_length, v_refs[i][:, g, :].astype(q.dtype), 0)
-                s = common.dot(q, k, (1, 1)) * plan.scale
-                if plan.score_mod is not None:
-                    s = _call_hook(plan.score_mod, score_consts, plan.score_per_head, g, group, s, b, h, q_idx,
-                                   kv_idx)
-                allowed = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
-                if plan.mask_mod is not None:
-                    allowed &= _call_hook(plan.mask_mod, mask_consts, plan.mask_per_head, g, group, None, b, h,
-                                          q_idx, kv_idx)
-                pieces.append((jnp.where(allowed, s * LOG2E, -jnp.inf), v))
+            # The step's pages stacked on the sublanes (whole tiles): one (rows, keys) score tile per head.
+            k = _stack([ref[:, g, :] for ref in k_refs]).astype(q.dtype)
+            v = jnp.where(in_length, _stack([ref[:, g, :] for ref in v_refs]).astype(q.dtype), 0)
+            s = common.dot(q, k, (1, 1)) * plan.scale
+            if plan.score_mod is not None:
+                s = _call_hook(plan.score_mod, score_consts, plan.score_per_head, g, group, s, b, h, q_idx, kv_idx)
+            allowed = allowed_base
+            if plan.mask_mod is not None:
+                allowed &= _call_hook(plan.mask_mod, mask_consts, plan.mask_per_head, g, group, None, b, h, q_idx,
+                                      kv_idx)
+            s = jnp.where(allowed, s * LOG2E, -jnp.inf)
             m = m_ref[g]
-            m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1, keepdims=True) for s, _ in pieces], m)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp2(m - m_new)
-            l, acc = l_ref[g] * alpha, acc_ref[g] * alpha
-            for s, v in pieces:
-                weights = jnp.exp2(s - m_new)
-                l = l + jnp.sum(weights, axis=1, keepdims=True)
-                acc = acc + common.dot(weights.astype(v.dtype), v, (1, 0))
-            m_ref[g], l_ref[g], acc_ref[g] = m_new, l, acc
+            weights = jnp.exp2(s - m_new)
+            l_ref[g] = l_ref[g] * alpha + jnp.sum(weights, axis=1, keepdims=True)
+            acc_ref[g] = acc_ref[g] * alpha + common.dot(weights.astype(v.dtype), v, (1, 0))
+            m_ref[g] = m_new
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():

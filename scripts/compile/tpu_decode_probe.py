@@ -40,15 +40,15 @@ PAGES_PER_SEQ = CONTEXT // PAGE
 
 
 def _ours(new_tokens: int, paged: bool = True, dtype=jnp.bfloat16, head_dim: int = D, value_dim: int = D,
-          hooks: bool = False, splits: int | None = None):
+          hooks: bool = False, splits: int | None = None, num_kv_heads: int = K):
     """(fn, specs) of decode_attention with backend "tpu"."""
     i32 = jnp.int32
     q = jax.ShapeDtypeStruct((B, new_tokens, N, head_dim), dtype)
     if paged:
-        cache = (B * PAGES_PER_SEQ, PAGE, K)
+        cache = (B * PAGES_PER_SEQ, PAGE, num_kv_heads)
         tables = [jax.ShapeDtypeStruct((B, PAGES_PER_SEQ), i32)]
     else:
-        cache, tables = (B, CONTEXT, K), []
+        cache, tables = (B, CONTEXT, num_kv_heads), []
     k, v = jax.ShapeDtypeStruct((*cache, head_dim), dtype), jax.ShapeDtypeStruct((*cache, value_dim), dtype)
     slopes = jnp.linspace(0.05, 0.5, N)  # a captured array, read per head (SMEM scalars)
     options = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
@@ -105,6 +105,8 @@ def variants() -> list[tuple[str, object, tuple]]:
         ("probjax decode paged T=1 f32", *_ours(1, dtype=jnp.float32)),
         ("probjax decode paged T=1 f16", *_ours(1, dtype=jnp.float16)),
         ("probjax decode paged T=2 D=192 Dv=128", *_ours(2, head_dim=192, value_dim=128)),
+        ("probjax decode paged T=1 MQA 32:1", *_ours(1, num_kv_heads=1)),
+        ("probjax decode paged T=8 GQA 32:2", *_ours(8, num_kv_heads=2)),
     ]
 
 
