@@ -5,19 +5,19 @@ XLA on its last two dims (K, D), so one key/value head of a page is not a slice 
 reads whole pages, all K heads, once, and one program runs every key/value head g on them. Its query block
 `[K, rows, D]` packs, per head g, the T new tokens times the N / K query heads of group g (row r = t * group
 + j, padded to the sublane tile), so a group shares one pass; the head's keys are a strided load `k[:, g, :]`
-from VMEM, and a step's pages are stacked into one (keys, D) tile. A paged step holds `tiles_per_step` pages, each its own BlockSpec whose index map reads
-`block_tables` (scalar-prefetched) for the page, so the Pallas pipeline DMAs the pages of the next step from
-HBM while this one computes; a dense step is one `[tile, K, D]` block of the sequence's own cache. The steps
-of sequence b (its length, not the capacity) are shared among the splits; steps past a split's share repeat
-its last page in every index map (no DMA) and skip the compute. Online softmax (m, l, the float32
-accumulator in VMEM scratch) per head; each split writes (out, lse), which `_decode_merge.merge_splits`
-combines by lse in XLA.
+from VMEM, the step's pages stacked into one (keys, D) tile. A paged step holds `tiles_per_step` pages, each
+its own BlockSpec whose index map reads `block_tables` (scalar-prefetched) for the page, so the Pallas
+pipeline DMAs the pages of the next step from HBM while this one computes; a dense step is one
+`[tile, K, D]` block of the sequence's own cache. The steps of sequence b (its length, not the capacity)
+are shared among the splits; steps past a split's share repeat its last pages in every index map (no DMA)
+and skip the compute. Online softmax (m, l, the float32 accumulator in VMEM scratch) per head; each split
+writes (out, lse), which `_decode_merge.merge_splits` combines by lse in XLA.
 
-Hooks see a float32 (rows, keys of a step) score tile, b a scalar, q_idx an int32 (rows, 1) column (the global
-position `kv_lengths[b] - T + t`), kv_idx a (1, tile) row and h an int32 (rows, 1) column, or, when the hook
-reads a captured array at h (`slopes[h]`, a vector gather Mosaic TPU cannot lower), a scalar: the hook then
-runs once per query head of the group and each row keeps its own head's result (group times the hook's
-elementwise work).
+Hooks see a float32 (rows, keys of a step) score tile, b a scalar, q_idx an int32 (rows, 1) column (the
+global position `kv_lengths[b] - T + t`), kv_idx a (1, keys) row and h an int32 (rows, 1) column, or, when
+the hook reads a captured array at h (`slopes[h]`, a vector gather Mosaic TPU cannot lower), a scalar: the
+hook then runs once per query head of the group and each row keeps its own head's result (group times the
+hook's elementwise work).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ compiled program, the scoped VMEM of each, and the compile time.
 
 Run it with a `jax[tpu]` environment (libtpu) on any machine, from the repository root:
 
-    python -m venv /tmp/tpuvenv && /tmp/tpuvenv/bin/pip install "jax[tpu]==0.11.2" numpy
-    JAX_PLATFORMS=cpu PYTHONPATH=.shim:. /tmp/tpuvenv/bin/python scripts/compile/tpu_decode_probe.py [--json F]
+    python -m venv tpuvenv && tpuvenv/bin/pip install "jax[tpu]==0.11.2" numpy
+    JAX_PLATFORMS=cpu PYTHONPATH=.shim:. tpuvenv/bin/python scripts/compile/tpu_decode_probe.py [--json F]
 
 (`.shim/probjax_kernels` links to kernels/, as in docs/contributing.md; another libtpu process on the machine
 needs ALLOW_MULTIPLE_LIBTPU_LOAD=1.) `variants()` is the list the compile report imports: (name, function,
