@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax_kernels import DecodeConfig, alibi, decode_attention, relative_bias, sliding_window, softcap
+from probjax_kernels import DecodeConfig, _dispatch, alibi, decode_attention, relative_bias, sliding_window, softcap
+from probjax_kernels._decode_inputs import check_decode_inputs
 from helpers import numpy_attention
 from test_decode import check, expected, make_cache, paginate, random_q
 
@@ -105,6 +106,14 @@ def test_a_hook_mosaic_tpu_cannot_lower_is_refused_by_name():
                          config=DecodeConfig(backend=TPU))
 
 
-def test_config_accepts_the_tpu_backends():
-    assert DecodeConfig(backend="tpu").backend == "tpu"
-    assert DecodeConfig(backend="tpu_interpret", block_k=64).block_k == 64
+def test_the_default_on_a_tpu_is_the_tpu_kernel(monkeypatch):
+    """`DecodeConfig()` plans the Mosaic TPU kernel where `default_backend()` says TPU (here faked: no TPU),
+    with 128 keys (8 pages of 16) a step and one split; explicit backends are accepted."""
+    monkeypatch.setattr(_dispatch, "default_backend", lambda: "tpu")
+    inputs = check_decode_inputs(
+        jnp.ones((2, 1, 8, 64)), jnp.ones((40, 16, 2, 64)), jnp.ones((40, 16, 2, 64)), kv_lengths=jnp.array([5, 300]),
+        block_tables=jnp.zeros((2, 20), jnp.int32), score_mod=None, mask_mod=None, num_splits=None, scale=None,
+        return_lse=False)
+    plan = _dispatch.decode_plan(inputs, None, None, None, 0)
+    assert (plan.backend, plan.tiles_per_step, plan.splits, plan.steps, plan.rows) == ("tpu", 8, 1, 3, 8)
+    assert DecodeConfig(backend="tpu_interpret", block_k=64).backend == "tpu_interpret"

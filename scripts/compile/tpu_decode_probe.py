@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from probjax_kernels import DecodeConfig, alibi, decode_attention, sliding_window
+from probjax_kernels import alibi, decode_attention, sliding_window
 
 GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 _CALL = re.compile(r"%(\S+) = .*custom_call_target=\"tpu_custom_call\"")
@@ -41,7 +41,8 @@ PAGES_PER_SEQ = CONTEXT // PAGE
 
 def _ours(new_tokens: int, paged: bool = True, dtype=jnp.bfloat16, head_dim: int = D, value_dim: int = D,
           hooks: bool = False, splits: int | None = None, num_kv_heads: int = K):
-    """(fn, specs) of decode_attention with backend "tpu"."""
+    """(fn, specs) of decode_attention with the default config: backend "tpu" on the topology's device (a
+    call routed to interpret mode instead would show no tpu_custom_call)."""
     i32 = jnp.int32
     q = jax.ShapeDtypeStruct((B, new_tokens, N, head_dim), dtype)
     if paged:
@@ -55,7 +56,7 @@ def _ours(new_tokens: int, paged: bool = True, dtype=jnp.bfloat16, head_dim: int
 
     def fn(q, k, v, lengths, *tables):
         return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables[0] if tables else None,
-                                num_splits=splits, return_lse=True, config=DecodeConfig(backend="tpu"), **options)
+                                num_splits=splits, return_lse=True, **options)
 
     return fn, (q, k, v, jax.ShapeDtypeStruct((B,), i32), *tables)
 
