@@ -111,6 +111,31 @@ def variants() -> list[tuple[str, object, tuple]]:
     ]
 
 
+def edge_variants() -> list[tuple[str, object, tuple]]:
+    """Shapes off the serving path (--edge): a dense cache shorter than a block and one whose last block is
+    partial, a page larger than a step, K = 3 with head dim 64 and a group of 2 (bfloat16 and float32)."""
+    i32 = jnp.int32
+
+    def dense(length, dtype=jnp.bfloat16):
+        def fn(q, k, v, lengths):
+            return decode_attention(q, k, v, kv_lengths=lengths)
+        cache = jax.ShapeDtypeStruct((2, length, 2, 128), dtype)
+        return fn, (jax.ShapeDtypeStruct((2, 1, 8, 128), dtype), cache, cache, jax.ShapeDtypeStruct((2,), i32))
+
+    def paged(page, dtype=jnp.bfloat16):
+        def fn(q, k, v, lengths, tables):
+            return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables)
+        pages = jax.ShapeDtypeStruct((9, page, 3, 64), dtype)
+        return fn, (jax.ShapeDtypeStruct((2, 3, 6, 64), dtype), pages, pages, jax.ShapeDtypeStruct((2,), i32),
+                    jax.ShapeDtypeStruct((2, 4), i32))
+
+    return [
+        ("probjax decode dense S=37", *dense(37)), ("probjax decode dense S=37 f32", *dense(37, jnp.float32)),
+        ("probjax decode dense S=1000", *dense(1000)), ("probjax decode paged page=256 K=3 D=64", *paged(256)),
+        ("probjax decode paged K=3 D=64", *paged(16)), ("probjax decode paged K=3 D=64 f32", *paged(16, jnp.float32)),
+    ]
+
+
 def compile_one(fn, specs, device) -> dict:
     """Compiles fn at specs for `device`: compile seconds, and each tpu_custom_call with its scoped VMEM."""
     sharding = SingleDeviceSharding(device)
@@ -128,12 +153,12 @@ def compile_one(fn, specs, device) -> dict:
     return dict(compile_s=round(seconds, 2), kernels=kernels)
 
 
-def probe(generation: str, verbose: bool = True) -> list[dict]:
+def probe(generation: str, verbose: bool = True, edge: bool = False) -> list[dict]:
     topology = topologies.get_topology_desc(topology_name=GENERATIONS[generation], platform="tpu",
                                             chips_per_host_bounds=[1, 1, 1])
     device = topology.devices[0]
     rows = []
-    for name, fn, specs in variants():
+    for name, fn, specs in variants() + (edge_variants() if edge else []):
         try:
             row = dict(generation=generation, variant=name, **compile_one(fn, specs, device))
         except Exception as error:  # noqa: BLE001 - every failure is a row of the report
@@ -152,10 +177,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS))
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--edge", action="store_true", help="also compile `edge_variants()`")
     args = parser.parse_args()
     rows = []
     for generation in args.generations:
-        rows += probe(generation)
+        rows += probe(generation, edge=args.edge)
     failures = [row for row in rows if "error" in row]
     print(f"{len(rows) - len(failures)} compiled, {len(failures)} failed")
     if args.json:
