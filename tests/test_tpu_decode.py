@@ -77,8 +77,9 @@ def test_dense_t1_gqa4_softcap_partial_block():
 
 
 def test_paged_t16_float16_mha_head_column_mask():
-    """float16 (the cache converted to float32 for the kernel), T=16, N=K=2, page 16 (one page a step), a
-    mask_mod on the h / q_idx / kv_idx columns, default splits."""
+    """float16 (the cache converted to float32 for the kernel), T=16, N=K=2, page 16 and block_k 16 (one page
+    a step), one split: up to 3 steps accumulate in one program, and a 1-page sequence skips 2; a mask_mod on
+    the h / q_idx / kv_idx columns."""
     dtype, page, new_tokens = jnp.float16, 16, 16
     lengths = np.array([16, 48, 33])
     k, v = make_cache(5, len(lengths), 48, 2, 16, 16, dtype)
@@ -90,7 +91,7 @@ def test_paged_t16_float16_mha_head_column_mask():
 
     out, lse = jax.jit(lambda q, kp, vp: decode_attention(
         q, kp, vp, kv_lengths=jnp.asarray(lengths), block_tables=jnp.asarray(tables, jnp.int32),
-        mask_mod=mask_mod, return_lse=True, config=DecodeConfig(backend=TPU)))(
+        mask_mod=mask_mod, num_splits=1, return_lse=True, config=DecodeConfig(block_k=16, backend=TPU)))(
         q, jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype))
     kv_pos, heads = np.arange(48)[None, None, None, :], np.arange(2)[None, :, None, None]
     q_pos = lengths[:, None, None, None] - new_tokens + np.arange(new_tokens)[None, None, :, None]
