@@ -423,9 +423,9 @@ def decode(plan, q, k, v, kv_lengths, block_tables, consts):
 
 
 def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """The decode kernels' hook arguments for a (rows, cols) tile, the same on every backend
-    (`triton/decode.hook_args`, `tpu/decode.hook_args`): a float32 score tile, b a scalar, h and q_idx
-    columns, kv_idx a row."""
+    """The decode kernels' hook arguments for a (rows, cols) tile (`triton/decode.hook_args`): a float32 score
+    tile, b a scalar, h and q_idx columns, kv_idx a row. The TPU kernel passes the same (h a scalar instead
+    for a hook that reads a captured array at h: `tpu/decode.py`)."""
     return triton_decode.hook_args(score, rows, cols)
 
 

@@ -72,13 +72,6 @@ def _hook_specs(rows: int, tile: int, with_score: bool, scalar_head: bool) -> li
     return [jax.ShapeDtypeStruct((rows, tile), jnp.float32), *specs] if with_score else specs
 
 
-def hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """(score, b, h, q_idx, kv_idx) as the kernel passes them to a hook that reads h as a column: a float32
-    (rows, cols) tile, b a scalar, h and q_idx (rows, 1) columns, kv_idx a (1, cols) row; without `score`
-    for a mask_mod. (The same shapes as the Triton decode kernel's.)"""
-    return _hook_specs(rows, cols, score, scalar_head=False)
-
-
 def _vet_hook(name: str, hook: Hook | None, rows: int, tile: int) -> bool:
     """Prepares `hook` at the kernel's shapes; whether it runs per query head (h a scalar). Raises when it
     cannot run in Mosaic TPU either way."""
