@@ -56,6 +56,7 @@ class TpuDecodePlan:
     steps: int  # grid steps per split (the largest share)
     splits: int
     paged: bool
+    causal: bool  # the new tokens see each other causally; False: every key below the length
     scale: float
     score_mod: Hook | None
     mask_mod: Hook | None
@@ -128,7 +129,9 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     return TpuDecodePlan(
         new_tokens=new_tokens, group=group, num_kv_heads=num_kv_heads, rows=rows, tile=tile,
         tiles_per_step=tiles_per_step, num_tiles=num_tiles, steps=-(-total_steps // splits), splits=splits,
-        paged=inputs.paged, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
+        # `causal` is a field of DecodeInputs on branches that have decode_attention(causal=...); True before.
+        paged=inputs.paged, causal=getattr(inputs, "causal", True), scale=inputs.scale, score_mod=score_mod,
+        mask_mod=mask_mod,
         score_per_head=_vet_hook("score_mod", score_mod, rows, tile * tiles_per_step),
         mask_per_head=_vet_hook("mask_mod", mask_mod, rows, tile * tiles_per_step),
         num_score_consts=num_score_consts, backend=config.backend,
@@ -209,7 +212,8 @@ def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
         kv_idx = start + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
         # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, and 0 * NaN is NaN.
         in_length = start + lax.broadcasted_iota(jnp.int32, (keys, 1), 0) < kv_len
-        allowed_base = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
+        # Causal among the new tokens (which implies kv_idx < kv_len), or every key below the length.
+        allowed_base = ((kv_idx <= q_idx) if plan.causal else (kv_idx < kv_len)) & row_real
         for g in range(plan.num_kv_heads):
             q = q_ref[g]
             h = g * group + row_head
