@@ -73,7 +73,8 @@ def _variants():
         ("bf16 hd32 bias + mask + segments + lengths", jnp.bfloat16, (2, 1000, 1000, 4, 4, 32, 32),
          with_dense_inputs, ("fwd", "bwd")),
         ("f16 hd16 causal (computed in f32)", jnp.float16, (1, 1000, 1000, 2, 1, 16, 16), flash(causal=True),
-         ("fwd", "bwd")),
+         ("fwd", "bwd", "jvp")),
+        ("bf16 hd16 causal", jnp.bfloat16, (1, 1000, 1000, 2, 1, 16, 16), flash(causal=True), ("fwd", "bwd")),
     ]
 
 
