@@ -25,15 +25,16 @@ class DecodeConfig:
     """Launch choices of the decode kernel; `None` fields get per-device defaults.
 
     - `block_k`: keys per step over a dense cache (a power of two >= 16; a paged cache steps one page).
-    - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
-    - `backend`: `"triton"` (Pallas Triton, NVIDIA GPUs) or `"interpret"` (Pallas interpret mode, any
-      device); None: Triton where `default_backend()` picks a GPU kernel, interpret mode elsewhere.
+    - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode and on a TPU).
+    - `backend`: `"triton"` (Pallas Triton, NVIDIA GPUs), `"interpret"` (Pallas interpret mode, any device),
+      `"tpu"` (Pallas Mosaic TPU) or `"tpu_interpret"` (the TPU kernel in TPU interpret mode, any device);
+      None: Triton on a GPU, `"tpu"` on a TPU, interpret mode elsewhere.
     """
 
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    backend: Literal["triton", "interpret"] | None = None
+    backend: Literal["triton", "interpret", "tpu", "tpu_interpret"] | None = None
 
     def __post_init__(self):
         if self.block_k is not None and (not _is_int(self.block_k) or self.block_k < _MIN_PAGE
@@ -43,8 +44,9 @@ class DecodeConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int.")
-        if self.backend not in (None, "triton", "interpret"):
-            raise ValueError(f"DecodeConfig.backend={self.backend!r} must be 'triton', 'interpret' or None.")
+        if self.backend not in (None, "triton", "interpret", "tpu", "tpu_interpret"):
+            raise ValueError(f"DecodeConfig.backend={self.backend!r} must be 'triton', 'interpret', 'tpu', "
+                             "'tpu_interpret' or None.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.tpu import decode as tpu_decode
 from probjax_kernels.triton import backward as triton_backward
 from probjax_kernels.triton import decode as triton_decode
 from probjax_kernels.triton import forward as triton_forward
@@ -356,8 +357,6 @@ def hook_shapes(config: FlashConfig) -> list[tuple]:
         shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
 
-
-
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
     Triton; on the TPU backends by the Mosaic TPU forward, or the XLA path where it cannot take the call."""
@@ -408,24 +407,30 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
-                num_score_consts: int) -> triton_decode.DecodePlan:
-    """The decode kernel's static plan. `config.backend=None` is interpret mode off a GPU and the Triton
-    decode kernel on every GPU (Mosaic included: the decode kernel is Triton's alone)."""
+                num_score_consts: int) -> triton_decode.DecodePlan | tpu_decode.TpuDecodePlan:
+    """The decode kernel's static plan. `config.backend=None` is the Triton decode kernel on every GPU
+    (Mosaic included: the GPU decode kernel is Triton's alone), the Mosaic TPU one on a TPU and interpret
+    mode elsewhere."""
     config = config or DecodeConfig()
     if config.backend is None:
-        # Never the Triton kernel off an NVIDIA GPU: on a TPU the decode kernel runs in interpret mode.
-        backend = "triton" if default_backend() in ("triton", "mosaic") else "interpret"
+        backend = {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "interpret")
         config = dataclasses.replace(config, backend=backend)
+    if config.backend in tpu.TPU_BACKENDS:
+        generation = "interpret" if config.backend == "tpu_interpret" else tpu_generation()
+        return tpu_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts, generation)
     return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
 
 
-def decode(plan: triton_decode.DecodePlan, q, k, v, kv_lengths, block_tables, consts):
+def decode(plan, q, k, v, kv_lengths, block_tables, consts):
     """(out [B, T, N, Dv], lse [B, N, T]) of a decode call, by the kernel its plan was made for."""
-    return triton_decode.decode(plan, q, k, v, kv_lengths, block_tables, consts)
+    kernel = tpu_decode if isinstance(plan, tpu_decode.TpuDecodePlan) else triton_decode
+    return kernel.decode(plan, q, k, v, kv_lengths, block_tables, consts)
 
 
 def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """The decode kernel's hook arguments for a (rows, cols) tile (`triton/decode.hook_args`)."""
+    """The decode kernels' hook arguments for a (rows, cols) tile (`triton/decode.hook_args`): a float32 score
+    tile, b a scalar, h and q_idx columns, kv_idx a row. The TPU kernel passes the same (h a scalar instead
+    for a hook that reads a captured array at h: `tpu/decode.py`)."""
     return triton_decode.hook_args(score, rows, cols)
 
 

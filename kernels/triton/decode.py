@@ -26,6 +26,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see _triton_
 
 from probjax_kernels._config import _MIN_BLOCK
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
+from probjax_kernels._decode_merge import merge_splits
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
 from probjax_kernels.triton import lowering
@@ -314,19 +315,6 @@ def decode_partials(plan: DecodePlan, q, k_pages, v_pages, tables, kv_lengths, c
         name="probjax_decode_attention",
         **params,
     )(q, k_pages, v_pages, tables, kv_lengths, *consts)
-
-
-def merge_splits(out, lse):
-    """Combines per-split (out `[..., splits, rows, Dv]`, lse `[..., splits, rows]`) by their lse, in float32:
-    out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s); rows no split attended give 0, -inf."""
-    top = jnp.max(lse, axis=-2, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp(lse - top)  # exactly 0 for an empty split
-    total = jnp.sum(weights, axis=-2)
-    safe = jnp.where(total > 0, total, 1.0)
-    merged = jnp.sum(weights[..., None] * out, axis=-3) / safe[..., None]
-    merged_lse = jnp.where(total > 0, jnp.log(safe) + top[..., 0, :], -jnp.inf)
-    return jnp.where((total > 0)[..., None], merged, 0.0), merged_lse
 
 
 def decode(plan: DecodePlan, q, k, v, kv_lengths, block_tables, consts):
