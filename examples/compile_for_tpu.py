@@ -116,8 +116,9 @@ def _figures(compiled, seconds: float, capacity: int) -> dict:
                 tpu_kernels=len(_KERNEL.findall(text)))
 
 
-def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int, generate: bool = True) -> dict:
-    """One row of the report: the training step (and the batched generation) of one slice and shape."""
+def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int,
+                 programs=("train", "generate")) -> dict:
+    """One row of the report: the training step and the batched generation (`programs`) of one slice and shape."""
     axes = parse_mesh(mesh_flag)
     config = make_config(f"bench-hd{head_dim}", dict(
         seq_len=seq_len, batch_size=BATCH_PER_DATA_SHARD * axes["data"], attention="pallas", mesh=mesh_flag,
@@ -130,6 +131,16 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int, gen
     model = abstract_model(config)
     row["params"] = sum(x.size for x in jax.tree.leaves(model.params))
     optimizer = make_optimizer(config)
+    if "train" in programs:
+        row["train"] = _compile_train(config, mesh, model, optimizer, capacity)
+    if "generate" in programs:
+        row["generate"] = _compile_generation(config, mesh.devices.flat[0], model, capacity)
+    return row
+
+
+def _compile_train(config, mesh: Mesh, model, optimizer, capacity: int) -> dict:
+    """train.make_steps' step on the slice's mesh, params and optimiser state sharded as train.run shards them."""
+    seq_len = config.seq_len
     try:
         # optax builds the optimiser state's shardings with eager ops (jnp.zeros): these run on the host's
         # device, outside the slice's mesh and device (which cannot execute anything).
@@ -142,12 +153,9 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int, gen
             train_step, _ = make_steps(model, optimizer, config, shardings)
             start = time.perf_counter()
             compiled = train_step.trace(params, opt_state, batch).lower(lowering_platforms=("tpu",)).compile()
-            row["train"] = _figures(compiled, time.perf_counter() - start, capacity)
+        return _figures(compiled, time.perf_counter() - start, capacity)
     except Exception as error:  # noqa: BLE001 - a failed compile is a row of the report
-        row["train"] = dict(error=f"{type(error).__name__}: {str(error)[:800]}")
-    if generate:
-        row["generate"] = _compile_generation(config, mesh.devices.flat[0], model, capacity)
-    return row
+        return dict(error=f"{type(error).__name__}: {str(error)[:800]}")
 
 
 def _compile_generation(config, device, model, capacity: int) -> dict:
@@ -203,14 +211,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slices", nargs="*", type=_slice, default=list(SLICES), metavar="TOPOLOGY=MESH")
     parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--seq-lens", nargs="*", type=int, default=list(SEQ_LENS))
-    parser.add_argument("--no-generate", action="store_true", help="compile the training step only")
+    parser.add_argument("--programs", nargs="*", choices=("train", "generate"), default=["train", "generate"])
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     rows = []
     for topology, mesh in args.slices:
         for head_dim in args.head_dims:
             for seq_len in args.seq_lens:
-                rows.append(compile_case(topology, mesh, head_dim, seq_len, generate=not args.no_generate))
+                rows.append(compile_case(topology, mesh, head_dim, seq_len, programs=args.programs))
                 print(_describe(rows[-1]), flush=True)
                 if args.json:  # after every row: a long run that is stopped keeps what it compiled
                     Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")
