@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -55,13 +56,27 @@ WAIT_S = 900
 # examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs one
 # training per list in the same jax.distributed session (flags added to the command line's), and writes to
 # MP_ROWS.<process id> the batch rows (start, stop) this process read for each run's devices; MP_KILL,
-# "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint.
+# "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint;
+# MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step;
+# MP_PIDS: each process writes its pid to MP_PIDS.<process id>; MP_FETCHED: each process writes to
+# MP_FETCHED.<process id> the most bytes one `jax.device_get` fetched.
 _WORKER = """
     import json, os, signal, sys
     sys.path.insert(0, {examples!r})
     import jax
-    from lm import checkpoint, train
+    import numpy as np
+    from lm import checkpoint, data, train
     from lm.config import parse_args, parse_command
+
+    fetched = [0]
+    device_get = jax.device_get
+
+    def counting(tree):
+        result = device_get(tree)
+        fetched[0] = max(fetched[0], sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(result)))
+        return result
+
+    jax.device_get = counting
 
     rows = set()
     make_array = jax.make_array_from_callback
@@ -77,6 +92,19 @@ _WORKER = """
     argv = sys.argv[1:]
     _, launch = parse_command(argv)
     train.start_distributed(launch)
+    if os.environ.get("MP_PIDS"):
+        with open(os.environ["MP_PIDS"] + f".{{launch.process_id}}", "w") as file:
+            file.write(str(os.getpid()))
+    if os.environ.get("MP_SIGNAL"):
+        process, step, name = os.environ["MP_SIGNAL"].split(":")
+        train_starts = data.train_starts
+
+        def signalling(tokens, config, at):
+            if at == int(step) and launch.process_id == int(process):
+                os.kill(os.getppid(), getattr(signal, name))
+            return train_starts(tokens, config, at)
+
+        data.train_starts = signalling
     if os.environ.get("MP_KILL"):
         process, step = map(int, os.environ["MP_KILL"].split(":"))
         save = checkpoint.Checkpoints.save
@@ -95,6 +123,9 @@ _WORKER = """
     if os.environ.get("MP_ROWS"):
         with open(os.environ["MP_ROWS"] + f".{{launch.process_id}}", "w") as file:
             json.dump(read, file)
+    if os.environ.get("MP_FETCHED"):
+        with open(os.environ["MP_FETCHED"] + f".{{launch.process_id}}", "w") as file:
+            file.write(str(fetched[0]))
 """
 
 
@@ -391,3 +422,61 @@ def test_start_up_says_what_it_waits_for_and_refuses_what_cannot_join(data_cache
     status, _, stderr = results[3]
     assert status == 2 and "error: argument --distributed: " in stderr and "Traceback" not in stderr, stderr
     assert not any(path.name.startswith(("alone", "in_use", "nowhere")) for path in tmp_path.iterdir())
+
+
+def _stopped_step(stdout: str) -> int:
+    found = re.search(r"stopped by a TERM signal after step (\d+), saved in (\S+): run the same command with "
+                      r"--resume to continue", stdout)
+    assert found, stdout[-3000:]
+    return int(found[1])
+
+
+def test_a_term_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(data_cache, tmp_path):
+    """A TERM (SLURM preemption, scancel, a time limit) was ignored by the trainers until a KILL, losing up to
+    --checkpoint-every steps. Now every process stops after one common step, saves it and exits 0."""
+    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
+              "out": str(tmp_path / "run")}
+    result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="1:3:SIGTERM")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "launch_local: got TERM" in result.stderr
+    stopped = _stopped_step(result.stdout)
+    assert 3 <= stopped < 40
+    committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert committed == [stopped]  # checkpoint_every none: the TERM's save alone
+    assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
+    assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
+
+
+def test_processes_whose_launcher_dies_stop_with_a_checkpoint(data_cache, tmp_path):
+    """A launcher killed (or its terminal hung up) left the trainers training on with parent 1."""
+    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
+              "out": str(tmp_path / "run")}
+    pids = []
+    try:
+        # Returns when process 0, which holds the launcher's stdout, has exited.
+        result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="0:3:SIGKILL", MP_PIDS=str(tmp_path / "pid"))
+        pids = [int((tmp_path / f"pid.{process}").read_text()) for process in (0, 1)]
+        assert result.returncode == -signal.SIGKILL
+        stopped = _stopped_step(result.stdout)
+        assert 3 <= stopped < 40
+        for _ in range(WAIT_S):
+            if not any(_alive(pid) for pid in pids):
+                break
+            time.sleep(1)
+        assert not any(_alive(pid) for pid in pids)
+        assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
+        assert (tmp_path / "run" / "checkpoints" / str(stopped)).is_dir()
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -317,6 +317,21 @@ def load_data(config: Config) -> tuple[np.ndarray, np.ndarray]:
     return train_tokens, val_tokens
 
 
+def _restore_rows(rows: list[dict], saved: list[dict] | None, start: int) -> tuple[list[dict], str | None]:
+    """The metrics rows up to step `start` of a resumed run: those of metrics.jsonl (`rows`), with the rows that
+    the checkpoint of `start` saved (`saved`; None for a checkpoint without them) where metrics.jsonl lost
+    them, and a line naming the steps restored."""
+    if saved is None:
+        return rows, None
+    have = {row["step"] for row in rows if row["step"] <= start}
+    missing = [row for row in saved if row["step"] not in have]
+    if not missing:
+        return rows, None
+    merged = sorted([row for row in rows if row["step"] <= start] + missing, key=lambda row: row["step"])
+    steps = ", ".join(str(row["step"]) for row in missing)
+    return merged, f"metrics.jsonl lacked the rows of steps {steps}: restored them from the checkpoint of step {start}"
+
+
 def _first_non_finite(losses: list, last_step: int) -> tuple[int, float] | None:
     """(step, loss) of the first non-finite one of `losses`, the losses of the steps up to `last_step`."""
     values = np.asarray(jax.device_get(losses), np.float64)
@@ -394,14 +409,16 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     "with --overwrite.",
                 )
             start, params, opt_state = restored
-            pending_losses = checkpoints.pending_losses(start)
+            pending_losses, saved_rows = checkpoints.progress(start)
+            rows, restored_note = _restore_rows(rows, saved_rows, start)
             if skipped:  # orbax saves no step at or below its latest: the broken ones must go
                 checkpoints.drop_from(start + 1)
                 say(f"resumed from step {start}, the newest checkpoint that restores; deleted the newer ones")
             else:
                 say(f"resumed from step {start}")
-            if note is not None:
-                say(note)
+            for line in (note, restored_note):
+                if line is not None:
+                    say(line)
         # resume and overwrite are what this command did, not part of the run: a later --config of this file
         # must not delete the folder.
         if primary:
@@ -470,13 +487,13 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                         bar.write(f"step {step}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}")
                     losses, timer, timed_steps = [], time.perf_counter(), 0
                 if is_checkpoint:
-                    checkpoints.save(step, params, opt_state, jax.device_get(losses))
+                    checkpoints.save(step, params, opt_state, jax.device_get(losses), list(metrics.rows))
                 if preemption.reached(step):  # every process gets True at the same step
                     if not is_checkpoint:
                         bad = _first_non_finite(losses, step)
                         if bad is not None:
                             raise stop(bad[0], "train", bad[1], bad_weights=bad[0] - 1)
-                        checkpoints.save(step, params, opt_state, jax.device_get(losses))
+                        checkpoints.save(step, params, opt_state, jax.device_get(losses), list(metrics.rows))
                     stopped = step
                     break
         finally:
