@@ -25,14 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lm.config import ConfigError, make_parser, parse_command  # noqa: E402
-from lm.distributed import start_distributed, watch_launcher  # noqa: E402
+from lm.distributed import start_distributed  # noqa: E402
 from lm.train import NonFiniteLoss, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser(__doc__)
     config, launch = parse_command(argv, parser)
-    watch_launcher()
     try:
         start_distributed(launch)
         run(config)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 from lm import data, train  # noqa: E402
 from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
+from lm.sampling import generate  # noqa: E402
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
 # Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
@@ -406,7 +407,9 @@ def test_sharded_run_matches_the_unsharded_one(framework, data_cache, tmp_path):
     """`--mesh data=2,model=2` over 4 of conftest's 8 CPU devices (this ran in a subprocess, to get 4)."""
     base = {**MICRO, "data_cache": data_cache, "num_layers": 1, "steps": 2, "log_every": 1, "eval_every": 2,
             "eval_batches": 1, "checkpoint_every": 2, "num_samples": 0}
-    config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=str(tmp_path)))
+    # The run samples at the end, on the params as they are sharded (the decode is not split by shard_heads).
+    config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=str(tmp_path),
+                                      num_samples=1, sample_tokens=6, temperature=0))
     sharded = [row["train_loss"] for row in train.run(config)]
     # The same steps on one device, without the run's evaluation, checkpoints and plot.
     config = dataclasses.replace(config, mesh=None)
@@ -418,6 +421,8 @@ def test_sharded_run_matches_the_unsharded_one(framework, data_cache, tmp_path):
         params, opt_state, loss = train_step(params, opt_state, jnp.asarray(data.train_batch(tokens, config, step)))
         unsharded.append(float(loss))
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5)
+    samples = generate(model, params, b"def ", 6, num_samples=1, temperature=0.0, key=jax.random.key(config.seed))
+    assert (tmp_path / "samples.txt").read_text() == f"--- sample 0 ---\n{samples[0].decode(errors='replace')}\n"
 
     # The sharded gradient step, with the Pallas kernel: attention runs per shard, nothing is gathered.
     config = make_config("tiny", dict(base, framework=framework, attention="pallas", mesh="data=2,model=2"))

@@ -83,7 +83,8 @@ _WORKER = """
 
     def recording(shape, sharding, callback, *args, **kwargs):
         def read(index):
-            rows.add(index[0].indices(shape[0])[:2])
+            if len(shape) == 2:  # a batch of token windows (the sampler's replicated arrays are not)
+                rows.add(index[0].indices(shape[0])[:2])
             return callback(index)
         return make_array(shape, sharding, read, *args, **kwargs)
 
@@ -212,7 +213,8 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     assert committed in ([2], [2, 4]), committed  # step 4 only if process 1 finished its part before dying
     assert [row["step"] for row in read_rows(tmp_path / "run")] == [1, 2, 3, 4]
 
-    resumed = launch(tmp_path, "resumed", [*flags({**values, "num_samples": 1, "sample_tokens": 4}), "--resume"])
+    resumed = launch(tmp_path, "resumed", [*flags({**values, "num_samples": 1, "sample_tokens": 4}), "--resume"],
+                     MP_FETCHED=str(tmp_path / "fetched"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert f"resumed from step {committed[-1]}" in resumed.stdout
     same = ("steps", "eval_every", "checkpoint_every", "mesh", "framework")
@@ -225,6 +227,11 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     assert shards == {"ocdbt.process_0", "ocdbt.process_1"}, shards
     assert (tmp_path / "run" / "samples.txt").read_text().startswith("--- sample 0 ---\ndef ")
     assert "--- sample" not in (tmp_path / "resumed" / "process_1.log").read_text()
+    # Sampling ran on the sharded params: no process fetched the model to its host (each did, before).
+    model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(train.build_model(
+        make_config("tiny", {**TINY, "framework": "nnx"}), jax.random.key(0)).params))
+    fetched = [int((tmp_path / f"fetched.{process}").read_text()) for process in (0, 1)]
+    assert max(fetched) < model_bytes / 10, (fetched, model_bytes)
 
 
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
@@ -480,3 +487,87 @@ def _alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize(
+    ("environment", "want"),
+    [
+        # One task per node with 8 GPUs (the docs' recipe): jax gave it GPU SLURM_LOCALID = 0 alone.
+        (dict(SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_NODEID="1", SLURM_LOCALID="0", SLURM_GPUS_ON_NODE="8"), []),
+        # --gpus-per-task=4: SLURM sets CUDA_VISIBLE_DEVICES to the task's 4, which the process sees as 0..3.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="4,5,6,7"), [0, 1, 2, 3]),
+        # Two tasks on a node of 8 GPUs, nothing restricted: each takes its half, by local rank.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_NODEID="1", SLURM_LOCALID="1", SLURM_GPUS_ON_NODE="8"),
+         [4, 5, 6, 7]),
+        # One GPU per task (8 tasks on 8 GPUs): GPU LOCALID, as jax chose.
+        (dict(SLURM_STEP_TASKS_PER_NODE="8", SLURM_LOCALID="3", SLURM_GPUS_ON_NODE="8"), [3]),
+        # Nothing to go by: jax's default.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1"), None),
+    ],
+)
+def test_slurm_layouts_give_each_task_its_gpus(environment, want):
+    """jax.distributed.initialize() gives each SLURM task the one GPU of its local rank (jax#16788), so the docs'
+    one task per node of 8 GPUs trained on one of them."""
+    from lm.distributed import detected_cluster, local_device_ids
+
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1", **environment)
+    assert detected_cluster(slurm) == ("SLURM", 2, 1)
+    assert local_device_ids(slurm) == want
+    assert local_device_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == [0, 1] and local_device_ids({}) is None
+
+
+# A stand-in for train_lm.py (no jax: cheap): records its GPUs and its pid, and on TERM writes a file and exits 0.
+_STAND_IN = """
+    import os, signal, sys, time
+    for stream in (1, 2):  # not the launcher's pipes: the test's wait for them ends when the launcher does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream)
+    me = sys.argv[sys.argv.index("--process-id") + 1]
+    folder = os.environ["STAND_IN_DIR"]
+    with open(os.path.join(folder, "gpus." + me), "w") as file:
+        file.write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+
+    def stop(signum, frame):
+        open(os.path.join(folder, "stopped." + me), "w").close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    with open(os.path.join(folder, "started." + me), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(3600)
+"""
+
+
+def test_the_launcher_passes_a_hang_up_on_and_splits_the_gpus(tmp_path):
+    """A HUP (the terminal closed) killed the launcher and left its processes training; on a machine with GPUs
+    every process saw all of them."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(textwrap.dedent(_STAND_IN))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = "#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H200 (UUID: GPU-$i)\"; done\n"
+    (bin_dir / "nvidia-smi").write_text(fake)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHON=sys.executable, LAUNCH_SCRIPT=str(script), LAUNCH_LOG_DIR=str(tmp_path / "logs"),
+               STAND_IN_DIR=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    launcher = subprocess.Popen(["bash", str(LAUNCHER), "2", "--", "--steps", "3"], env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(WAIT_S * 10):
+            if all((tmp_path / f"started.{process}").exists() for process in (0, 1)):
+                break
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGHUP)
+        _, stderr = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=WAIT_S)
+        for started in tmp_path.glob("started.*"):  # stand-ins the launcher left behind
+            pid = int(started.read_text() or 0)
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 0, stderr
+    assert "launch_local: got HUP" in stderr
+    assert all((tmp_path / f"stopped.{process}").exists() for process in (0, 1))
+    assert [(tmp_path / f"gpus.{process}").read_text() for process in (0, 1)] == ["0,1", "2,3"]

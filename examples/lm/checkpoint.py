@@ -90,7 +90,9 @@ class Checkpoints:
         metrics rows up to `step`."""
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(to_nested(params)), opt_state=ocp.args.StandardSave(to_nested(opt_state)),
-            progress=ocp.args.JsonSave({"pending_losses": [float(loss) for loss in pending_losses], "rows": list(rows)}),
+            progress=ocp.args.JsonSave(
+                {"pending_losses": [float(loss) for loss in pending_losses], "rows": list(rows)}
+            ),
         ))
 
     def progress(self, step: int) -> tuple[list[np.float32], list[dict] | None]:

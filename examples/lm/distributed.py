@@ -99,8 +99,10 @@ def start_distributed(launch: Launch, environ: Mapping[str, str] = os.environ) -
 
     Without explicit values `jax.distributed.initialize()` reads the cluster's own variables; a cluster of
     more than one task is joined without `--distributed`. On CPUs the processes talk through gloo (GPUs use
-    NCCL whatever this says).
+    NCCL whatever this says). A process started by scripts/launch_local.sh stops when the launcher dies
+    (`watch_launcher`), whether it joins a run or runs alone.
     """
+    watch_launcher()
     cluster = detected_cluster(environ)
     explicit = launch.num_processes is not None
     if not launch.distributed and not (cluster is not None and cluster[1] > 1):

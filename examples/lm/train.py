@@ -505,21 +505,23 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                 "the same command with --resume to continue")
             return metrics.rows
 
-        if last == config.steps and config.num_samples:
-            # Every process takes part in gathering the weights; process 0 samples from them.
-            replicated = None if mesh is None else NamedSharding(mesh, P())
-            params = jax.device_get(params if mesh is None else jax.jit(lambda p: p, out_shardings=replicated)(params))
+
+    samples = None
+    if last == config.steps and config.num_samples:
+        # Every process takes part, on the params as they are sharded (none gathers the model); every one
+        # gets the sampled bytes, and process 0 writes them. Outside the mesh context: the decode step's
+        # attention is not split by shard_heads (the samples need not divide the data axis).
+        samples = generate(
+            model, compute_params(params, config), config.sample_prompt.encode(),
+            config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
+            key=jax.random.key(config.seed), sharding=None if mesh is None else NamedSharding(mesh, P()),
+        )
 
     if last < config.steps or not primary:
         return metrics.rows
     plot_losses(metrics.rows, out / "loss.png", f"{config.framework}, attention={config.attention}")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'} and {out / 'checkpoints'}")
-    if config.num_samples:
-        samples = generate(
-            model, compute_params(params, config), config.sample_prompt.encode(),
-            config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
-            key=jax.random.key(config.seed),
-        )
+    if samples is not None:
         text = "".join(f"--- sample {i} ---\n{s.decode('utf-8', errors='replace')}\n" for i, s in enumerate(samples))
         (out / "samples.txt").write_text(text)
         print(text, end="")
