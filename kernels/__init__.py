@@ -4,39 +4,39 @@ Layer libraries (probjax_nn) build on these names and on `probjax_kernels.layer_
 modules.
 """
 
-from probjax_kernels._block_mask import DEFAULT_BLOCK_SIZE as _DEFAULT_SPARSE_BLOCK_SIZE  # noqa: F401 (PyTorch's)
-from probjax_kernels._block_mask import BlockMask as BlockMask
-from probjax_kernels._block_mask import create_block_mask as create_block_mask
-from probjax_kernels._block_mask import create_mask as create_mask
 from probjax_kernels._config import FlashConfig as FlashConfig
-from probjax_kernels._decode_attention import decode_attention as decode_attention
 from probjax_kernels._decode_inputs import DecodeConfig as DecodeConfig
-from probjax_kernels._decode_reference import decode_attention_reference as decode_attention_reference
 from probjax_kernels._dispatch import default_config as default_config
 from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
-from probjax_kernels._flex_options import AuxOutput as AuxOutput
-from probjax_kernels._flex_options import AuxRequest as AuxRequest
-from probjax_kernels._flex_options import FlexKernelOptions as FlexKernelOptions
-from probjax_kernels._flex_attention import flex_attention as flex_attention
-from probjax_kernels._mods import alibi as alibi
-from probjax_kernels._mods import alibi_slopes as alibi_slopes
-from probjax_kernels._mods import and_masks as and_masks
-from probjax_kernels._mods import MaskMod as _mask_mod_signature  # noqa: F401 (PyTorch's private names,
-from probjax_kernels._mods import ScoreMod as _score_mod_signature  # noqa: F401  imported by attention-gym)
-from probjax_kernels._mods import causal_mask as causal_mask
-from probjax_kernels._mods import noop_mask as noop_mask
-from probjax_kernels._mods import document_mask as document_mask
-from probjax_kernels._mods import or_masks as or_masks
-from probjax_kernels._mods import padding_mask as padding_mask
-from probjax_kernels._mods import prefix_lm as prefix_lm
-from probjax_kernels._mods import relative_bias as relative_bias
-from probjax_kernels._mods import sliding_window as sliding_window
-from probjax_kernels._mods import softcap as softcap
 from probjax_kernels._reference import flash_attention_reference as flash_attention_reference
-from probjax_kernels._reference import flex_attention_reference as flex_attention_reference
-from probjax_kernels._ring import ring_attention as ring_attention
-from probjax_kernels._ring import zigzag_permutation as zigzag_permutation
+from probjax_kernels.decode.attention import decode_attention as decode_attention
+from probjax_kernels.decode.reference import decode_attention_reference as decode_attention_reference
+from probjax_kernels.flex.attention import flex_attention as flex_attention
+from probjax_kernels.flex.block_mask import DEFAULT_BLOCK_SIZE as _DEFAULT_SPARSE_BLOCK_SIZE  # noqa: F401 (PyTorch's)
+from probjax_kernels.flex.block_mask import BlockMask as BlockMask
+from probjax_kernels.flex.block_mask import create_block_mask as create_block_mask
+from probjax_kernels.flex.block_mask import create_mask as create_mask
+from probjax_kernels.flex.mods import MaskMod as _mask_mod_signature  # noqa: F401 (PyTorch's private names,
+from probjax_kernels.flex.mods import ScoreMod as _score_mod_signature  # noqa: F401  imported by attention-gym)
+from probjax_kernels.flex.mods import alibi as alibi
+from probjax_kernels.flex.mods import alibi_slopes as alibi_slopes
+from probjax_kernels.flex.mods import and_masks as and_masks
+from probjax_kernels.flex.mods import causal_mask as causal_mask
+from probjax_kernels.flex.mods import document_mask as document_mask
+from probjax_kernels.flex.mods import noop_mask as noop_mask
+from probjax_kernels.flex.mods import or_masks as or_masks
+from probjax_kernels.flex.mods import padding_mask as padding_mask
+from probjax_kernels.flex.mods import prefix_lm as prefix_lm
+from probjax_kernels.flex.mods import relative_bias as relative_bias
+from probjax_kernels.flex.mods import sliding_window as sliding_window
+from probjax_kernels.flex.mods import softcap as softcap
+from probjax_kernels.flex.options import AuxOutput as AuxOutput
+from probjax_kernels.flex.options import AuxRequest as AuxRequest
+from probjax_kernels.flex.options import FlexKernelOptions as FlexKernelOptions
+from probjax_kernels.flex.reference import flex_attention_reference as flex_attention_reference
+from probjax_kernels.parallel.ring import ring_attention as ring_attention
+from probjax_kernels.parallel.ring import zigzag_permutation as zigzag_permutation
 
 __all__ = [
     "AuxOutput", "AuxRequest", "BlockMask", "DecodeConfig", "FlashConfig", "FlexKernelOptions", "alibi",

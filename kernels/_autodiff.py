@@ -189,7 +189,7 @@ def attention(
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
-    _prepare_hooks(features, config, batch, num_heads, t_pad, s_pad)
+    _prepare_hooks(features, _dispatch.hook_shapes(config), batch, num_heads, t_pad, s_pad)
     problem = _Problem(
         features=features,
         group=num_heads // num_kv_heads,

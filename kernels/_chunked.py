@@ -10,10 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._config import FlashConfig
-from probjax_kernels._mosaic_common import mosaic_hook_shapes
 from probjax_kernels._problem import Features, _Problem
-from probjax_kernels._scores import LN2, LOG2E, _dropout_scale, _scores, _ScoreContext
+from probjax_kernels._scores import LN2, LOG2E, _dropout_scale, _ScoreContext, _scores
 
 _XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk
 
@@ -26,19 +24,16 @@ def _xla_chunk(batch: int, num_heads: int, t_pad: int, s_pad: int) -> int:
     return chunk
 
 
-def _prepare_hooks(features: Features, config: FlashConfig, batch: int, num_heads: int, t_pad: int, s_pad: int):
-    """Traces the hooks for every shape they will see: the three kernels' tiles and the XLA gradient pass."""
+def _prepare_hooks(features: Features, kernel_shapes: list[tuple], batch: int, num_heads: int, t_pad: int,
+                   s_pad: int):
+    """Traces the hooks for every shape they will see: the chosen backend's kernel tiles (`kernel_shapes`, as
+    (b, h, q_idx, kv_idx, score) shapes: `_dispatch.hook_shapes`) and the XLA gradient pass."""
     spec = jax.ShapeDtypeStruct
     i32, f32 = jnp.int32, jnp.float32
-    shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
-        (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
-        (config.block_q_dkv, config.block_k_dkv))]
     chunk = _xla_chunk(batch, num_heads, t_pad, s_pad)
-    shapes.append(((batch, 1, 1, 1), (1, num_heads, 1, 1), (1, 1, chunk, 1), (1, 1, 1, s_pad),
-                   (batch, num_heads, chunk, s_pad)))
-    if config.backend in ("mosaic", "mosaic_interpret"):
-        shapes.append(mosaic_hook_shapes(config))
-    for b, h, q_idx, kv_idx, score in shapes:
+    xla_shapes = ((batch, 1, 1, 1), (1, num_heads, 1, 1), (1, 1, chunk, 1), (1, 1, 1, s_pad),
+                  (batch, num_heads, chunk, s_pad))
+    for b, h, q_idx, kv_idx, score in [*kernel_shapes, xla_shapes]:
         indices = (spec(b, i32), spec(h, i32), spec(q_idx, i32), spec(kv_idx, i32))
         if features.score_mod is not None:
             features.score_mod.prepare(spec(score, f32), *indices)

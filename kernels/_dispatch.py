@@ -21,14 +21,19 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels import _mosaic_glue, _tangent, _triton_backward, _triton_forward
 from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
+from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
-from probjax_kernels._mosaic_backward import dkv_smem_bytes, dq_smem_bytes
-from probjax_kernels._mosaic_common import SMEM_BYTES as MOSAIC_SMEM_BYTES
-from probjax_kernels._mosaic_common import mosaic_hook_shapes
-from probjax_kernels._mosaic_forward import smem_bytes as mosaic_smem_bytes
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+from probjax_kernels.mosaic import glue as mosaic_glue
+from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
+from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
+from probjax_kernels.mosaic.common import mosaic_hook_shapes
+from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.triton import backward as triton_backward
+from probjax_kernels.triton import decode as triton_decode
+from probjax_kernels.triton import forward as triton_forward
+from probjax_kernels.triton import tangent as triton_tangent
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
 
@@ -41,7 +46,7 @@ MOSAIC_ENV = "PROBJAX_MOSAIC"  # "1": `backend=None` picks Mosaic GPU on Hopper
 
 def target_device():
     """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
-    compilation for a GPU sets it to a topology device: scripts/compile_report.py), else the first device of
+    compilation for a GPU sets it to a topology device: scripts/compile/report.py), else the first device of
     the default backend."""
     device = jax.config.jax_default_device
     if device is None:
@@ -130,7 +135,7 @@ def default_config(
     On a GPU the tiles depend on the target device (`target_device()`: `jax.default_device` when set, so
     compiling ahead of time for a GPU picks that GPU's tiles): 128 x 64 forward tiles with 4 warps up to head
     dim 64 and 8 above, 64 x 64 backward tiles, narrower backward tiles where a CTA gets 99 KB of shared
-    memory (sm_86 / sm_89), small tiles at head dim 256 (`_triton_tiles`; the compile report,
+    memory (sm_86 / sm_89), small tiles at head dim 256 (`triton.tiles`; the compile report,
     docs/compile/index.md, checks every one). Interpret mode favours large tiles: it pays per grid step.
     """
     config = config or FlashConfig()
@@ -292,12 +297,24 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 # ------------------------------------------------------------------------------------------------ routing
 
 
+def hook_shapes(config: FlashConfig) -> list[tuple]:
+    """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
+    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend."""
+    shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
+        (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
+        (config.block_q_dkv, config.block_k_dkv))]
+    if config.backend in ("mosaic", "mosaic_interpret"):
+        shapes.append(mosaic_hook_shapes(config))
+    return shapes
+
+
+
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
     Triton."""
     if _mosaic_takes(problem, q):
-        return _mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
-    return _triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
+        return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
+    return triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
@@ -305,8 +322,8 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     they take the call (`_mosaic_backward_tiles`), else Triton's."""
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
-        return _mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
-    return _triton_backward.backward(problem, tangents, res, d_out, d_lse)
+        return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
+    return triton_backward.backward(problem, tangents, res, d_out, d_lse)
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
@@ -324,4 +341,25 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         if f.mask_mod is not None:
             f.mask_mod.prepare(*indices)
         problem = dataclasses.replace(problem, config=config)
-    return _tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+    return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+
+
+def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
+                num_score_consts: int) -> triton_decode.DecodePlan:
+    """The decode kernel's static plan. `config.backend=None` is interpret mode off a GPU and the Triton
+    decode kernel on every GPU (Mosaic included: the decode kernel is Triton's alone)."""
+    config = config or DecodeConfig()
+    if config.backend is None:
+        backend = "interpret" if default_backend() == "interpret" else "triton"
+        config = dataclasses.replace(config, backend=backend)
+    return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
+
+
+def decode(plan: triton_decode.DecodePlan, q, k, v, kv_lengths, block_tables, consts):
+    """(out [B, T, N, Dv], lse [B, N, T]) of a decode call, by the kernel its plan was made for."""
+    return triton_decode.decode(plan, q, k, v, kv_lengths, block_tables, consts)
+
+
+def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
+    """The decode kernel's hook arguments for a (rows, cols) tile (`triton/decode.hook_args`)."""
+    return triton_decode.hook_args(score, rows, cols)

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
-from probjax_kernels._flex_options import AuxRequest, check_aux, check_heads, results
 from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -153,45 +152,11 @@ def flash_attention_reference(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     out, lse = attention_from_inputs(
-        inputs, check_flag("causal", causal), _compute_dtype(inputs), dropout_rate=dropout_rate,
+        inputs, check_flag("causal", causal), compute_dtype(inputs), dropout_rate=dropout_rate,
         dropout_seed=dropout_seed,
     )
     return (out, lse) if return_lse else out
 
 
-def _compute_dtype(inputs: AttentionInputs):
+def compute_dtype(inputs: AttentionInputs):
     return jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
-
-
-def flex_attention_reference(
-    q,
-    k,
-    v,
-    score_mod=None,
-    block_mask=None,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    kernel_options=None,
-    *,
-    return_aux: AuxRequest | None = None,
-    config=None,
-    dropout_rate: float = 0.0,
-    dropout_seed=None,
-):
-    """Plain-jnp attention with the semantics and signature of `probjax_kernels.flex_attention`: the hooks
-    are evaluated on the whole `[B, N, T, S]` score array; the block mask contributes its `mask_mod` (not its
-    tables). `config` and `kernel_options` are accepted for signature compatibility and ignored."""
-    del config, kernel_options
-    aux = check_aux(return_lse, return_aux)
-    inputs = check_inputs(
-        q, k, v, scale=scale, dropout_rate=dropout_rate, allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
-    )
-    check_heads(inputs.shape[3], inputs.shape[4], enable_gqa)
-    dropout_seed = check_dropout(dropout_rate, dropout_seed)
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    out, lse, max_scores = attention_from_inputs(
-        inputs, False, _compute_dtype(inputs), score_mod=score_mod, mask_mod=mask_mod,
-        dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_max=True,
-    )
-    return results(out, lse, max_scores, return_lse, aux)

@@ -32,8 +32,8 @@ from probjax_kernels._inputs import check_dropout_rate as check_dropout_rate
 from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
-from probjax_kernels._ring import LAYOUTS as LAYOUTS
-from probjax_kernels._ring import STRATEGIES as STRATEGIES
+from probjax_kernels.parallel.ring import LAYOUTS as LAYOUTS
+from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",

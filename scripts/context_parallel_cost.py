@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from probjax_kernels import ring_attention  # noqa: E402
-from probjax_kernels._ring import _Ring  # noqa: E402
+from probjax_kernels.parallel.ring import _Ring  # noqa: E402
 
 # One layer of a long-context model: a 32k-token sequence, 32 query heads, 8 KV heads, head dim 128. float32:
 # XLA's CPU backend widens bf16 collectives to f32, which would double the bytes a GPU moves in bf16.

@@ -1,13 +1,4 @@
 #!/usr/bin/env bash
-# The GPU check that needs no GPU: install (or reuse) the pinned toolchain (scripts/gpu_toolchain.sh), compile
-# every kernel variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton,
-# Mosaic GPU and ptxas, write docs/compile/report.json and docs/compile/index.md, and fail on a compile
-# error, a spill, shared memory over a target's limit, or a Hopper kernel without wgmma / TMA where expected.
-# Usage: bash scripts/gpu_check.sh [compile_report.py run options, e.g. --only REGEX --targets sm86_rtx3090]
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if ! toolchain="$(bash scripts/gpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
-    echo "gpu_check.sh: FAIL: the GPU toolchain did not install (scripts/gpu_toolchain.sh; it needs PyPI)" >&2
-    exit 1
-fi
-exec "$toolchain/venv/bin/python" scripts/compile_report.py run --toolchain "$toolchain" "$@"
+# The former name of scripts/compile_check.sh (the compile check for every target), kept so that commands
+# written before the rename still run. Same arguments.
+exec bash "$(dirname "${BASH_SOURCE[0]}")/compile_check.sh" "$@"

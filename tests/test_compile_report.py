@@ -1,5 +1,5 @@
 """`default_config` never picks a configuration the committed compile report (docs/compile/report.json,
-written by `bash scripts/gpu_check.sh`) marks failing, on any of its targets: the GPU is faked by its compute
+written by `bash scripts/compile_check.sh`) marks failing, on any of its targets: the GPU is faked by its compute
 capability, the way `default_config` reads it from `jax.default_device`."""
 
 import dataclasses
@@ -36,7 +36,7 @@ def _tiles(config: FlashConfig) -> dict:
 
 
 def _failures(row: dict) -> list[str]:
-    """What the report's own check (scripts/compile_report.py) found wrong with this compile."""
+    """What the report's own check (scripts/compile/report.py) found wrong with this compile."""
     return row["problems"]
 
 

@@ -10,7 +10,7 @@ from jax import lax
 
 from probjax_kernels import FlashConfig, default_config, flash_attention, flash_attention_reference
 from probjax_kernels._problem import Features, _Problem
-from probjax_kernels._triton_tiles import _kv_tile_range, _q_tile_range
+from probjax_kernels.triton.tiles import _kv_tile_range, _q_tile_range
 
 blocks = st.sampled_from([16, 32, 64])
 window_sides = st.one_of(st.none(), st.integers(0, 80))

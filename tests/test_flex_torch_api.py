@@ -9,10 +9,21 @@ from helpers import assert_close, numpy_attention, random_qkv
 
 import probjax_kernels
 from probjax_kernels import (
-    AuxOutput, AuxRequest, BlockMask, FlashConfig, and_masks, causal_mask, create_block_mask, create_mask,
-    document_mask, flex_attention, flex_attention_reference, noop_mask, softcap,
+    AuxOutput,
+    AuxRequest,
+    BlockMask,
+    FlashConfig,
+    and_masks,
+    causal_mask,
+    create_block_mask,
+    create_mask,
+    document_mask,
+    flex_attention,
+    flex_attention_reference,
+    noop_mask,
+    softcap,
 )
-from probjax_kernels._flex_options import config_from_kernel_options
+from probjax_kernels.flex.options import config_from_kernel_options
 
 T = 64
 CAUSAL = np.tril(np.ones((T, T), bool))

@@ -4,9 +4,12 @@ no path of a particular machine in the tracked files (see docs/contributing.md).
 
 import ast
 import graphlib
+import os
 import pathlib
 import re
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -67,25 +70,84 @@ def test_no_module_over_the_size_limit(package):
     assert not {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
 
 
-def test_only_the_dispatch_module_picks_kernels_for_the_autodiff_core():
-    """`_autodiff` reaches the forward, backward and tangent kernels through `_dispatch` alone."""
-    kernels = {f"probjax_kernels.{name}" for name in (
-        "_triton_forward", "_triton_backward", "_tangent", "_mosaic_forward", "_mosaic_backward", "_mosaic_glue")}
-    assert not _graph("probjax_kernels")["probjax_kernels._autodiff"] & kernels
+# kernels/ in folders (docs/contributing.md): a folder per backend, a folder per operation front-end, and the
+# core that every backend shares at the top.
+BACKENDS = ("triton", "mosaic", "tpu")
+FRONT_ENDS = ("flex", "decode", "parallel")
+DISPATCHER = "probjax_kernels._dispatch"
+
+
+def _folder(module: str) -> str | None:
+    """The kernels/ folder a module lives in (`probjax_kernels.triton.forward` -> "triton"); None at the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in (*BACKENDS, *FRONT_ENDS)) else None
+
+
+def test_kernels_has_a_folder_per_backend_and_per_front_end():
+    folders = {path.name for path in PACKAGES["probjax_kernels"].iterdir() if (path / "__init__.py").exists()}
+    assert {"triton", "mosaic", "flex", "decode", "parallel"} <= folders
+    assert folders <= {*BACKENDS, *FRONT_ENDS}, "a kernels/ folder the layout rules do not know"
+    top = {path.stem for path in PACKAGES["probjax_kernels"].glob("*.py")}
+    assert not {name for name in top if name.startswith(("_triton", "_mosaic", "_tpu", "_flex", "_ring"))}
+
+
+def test_backends_do_not_import_each_other():
+    crossing = {
+        module: sorted(target for target in imports if _folder(target) in BACKENDS and _folder(target) != _folder(module))
+        for module, imports in _graph("probjax_kernels").items() if _folder(module) in BACKENDS
+    }
+    assert not {module: targets for module, targets in crossing.items() if targets}
+
+
+def test_only_the_dispatcher_imports_a_backend():
+    """Outside its own folder a backend is reached through `_dispatch` alone: the core, the front-ends (flex,
+    decode, parallel) and the public face never import a backend module."""
+    reaching = {
+        module: sorted(target for target in imports if _folder(target) in BACKENDS)
+        for module, imports in _graph("probjax_kernels").items()
+        if module != DISPATCHER and _folder(module) not in BACKENDS
+    }
+    assert not {module: targets for module, targets in reaching.items() if targets}
+
+
+def test_the_core_imports_no_front_end():
+    """The core at the top of kernels/ never reaches up into a front-end folder; front-ends build on it."""
+    graph = _graph("probjax_kernels")
+    core = [m for m in graph if _folder(m) is None and m not in ("probjax_kernels", "probjax_kernels.layer_api")]
+    assert core
+    upward = {m: sorted(t for t in graph[m] if _folder(t) in FRONT_ENDS) for m in core}
+    assert not {m: targets for m, targets in upward.items() if targets}
+
+
+def test_the_layout_checks_see_a_backend_import(tmp_path):
+    """The folder rules above read imports through `_imports`: a crossing written either way is seen."""
+    known = {"probjax_kernels.triton.forward", "probjax_kernels.mosaic.common", "probjax_kernels.mosaic"}
+    source = tmp_path / "forward.py"
+    source.write_text("from probjax_kernels.mosaic.common import x\nfrom probjax_kernels import mosaic\n")
+    found = _imports(source, "probjax_kernels.triton.forward", known)
+    assert found == {"probjax_kernels.mosaic.common", "probjax_kernels.mosaic"}
+    assert {_folder(m) for m in found} == {"mosaic"}
+
+
+PUBLIC_KERNEL_MODULES = {"probjax_kernels", "probjax_kernels.layer_api"}
 
 
 def _private_kernel_imports(path: pathlib.Path) -> list[str]:
-    """The private probjax_kernels modules that a file imports (`probjax_kernels._inputs`, ...)."""
+    """The probjax_kernels modules other than the public two that a file imports (`probjax_kernels._inputs`,
+    `probjax_kernels.flex.mods`, `from probjax_kernels import _dispatch`, ...)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            package_level = node.module == "probjax_kernels"  # `from probjax_kernels import _inputs`
-            modules = [f"{node.module}.{alias.name}" for alias in node.names] if package_level else [node.module]
+            # `from probjax_kernels import _inputs` / `import flex`: a module; `import flash_attention`: a name.
+            package_level = node.module == "probjax_kernels"
+            modules = ([f"{node.module}.{alias.name}" for alias in node.names
+                        if alias.name.startswith("_") or alias.name in (*BACKENDS, *FRONT_ENDS)]
+                       if package_level else [node.module])
         else:
             continue
-        found += [m for m in modules if m.startswith("probjax_kernels.") and m.split(".")[1].startswith("_")]
+        found += [m for m in modules if m.startswith("probjax_kernels.") and m not in PUBLIC_KERNEL_MODULES]
     return found
 
 
@@ -103,8 +165,12 @@ def test_the_private_import_check_sees_every_spelling(tmp_path):
     source.write_text(
         "import probjax_kernels._a\nfrom probjax_kernels._b import x\nfrom probjax_kernels import _c\n"
         "from probjax_kernels import flash_attention\nfrom probjax_kernels.layer_api import check_inputs\n"
+        "from probjax_kernels.flex.mods import alibi\nfrom probjax_kernels import flex\n"
     )
-    assert _private_kernel_imports(source) == ["probjax_kernels._a", "probjax_kernels._b", "probjax_kernels._c"]
+    assert _private_kernel_imports(source) == [
+        "probjax_kernels._a", "probjax_kernels._b", "probjax_kernels._c", "probjax_kernels.flex.mods",
+        "probjax_kernels.flex",
+    ]
 
 
 # A directory of one machine: home and root folders, the scratch folder, this project's work folder. Spelled in
@@ -130,3 +196,33 @@ def test_no_tracked_file_names_a_path_of_one_machine():
             if MACHINE_PATH.search(line):
                 hits.append(f"{name}:{number}: {line.strip()}")
     assert not hits
+
+
+_WHEEL_IMPORTS = """
+import pathlib, sys
+import probjax_kernels, probjax_kernels.layer_api, probjax_nn, probjax_nn.benchmark
+site = pathlib.Path(sys.argv[1]).resolve()
+for module in (probjax_kernels, probjax_nn):
+    assert site in pathlib.Path(module.__file__).resolve().parents, (module.__name__, module.__file__)
+missing = [name for name in probjax_kernels.__all__ if not hasattr(probjax_kernels, name)]
+missing += [name for name in probjax_nn.__all__ if not hasattr(probjax_nn, name)]
+assert not missing, missing
+"""
+
+
+def test_an_installed_wheel_imports_every_public_name(tmp_path):
+    """The wheel (not the editable install) holds every subpackage: pyproject lists them by hand."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("kernels", "probjax_nn"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("probjax_nn-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    subprocess.run([sys.executable, "-c", _WHEEL_IMPORTS, str(site)], check=True, cwd=tmp_path, env=env)

@@ -13,8 +13,9 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
 from probjax_kernels import create_block_mask, flash_attention_reference, flex_attention_reference
-from probjax_kernels._mosaic_backward import (
+from probjax_kernels.mosaic.backward import (
     dkv_smem_bytes,
     mosaic_backward_dkv,
     mosaic_backward_dq,

@@ -13,9 +13,10 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
 from probjax_kernels import and_masks, causal_mask, create_block_mask
-from probjax_kernels._mods import sliding_window
-from probjax_kernels._mosaic_forward import mosaic_forward
+from probjax_kernels.flex.mods import sliding_window
+from probjax_kernels.mosaic.forward import mosaic_forward
 
 BLOCK = 128
 WINDOW = 300  # with 128-tiles: partial, full and empty tiles in the same query block

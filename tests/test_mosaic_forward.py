@@ -1,7 +1,7 @@
 """The Mosaic GPU (Hopper) forward kernel: numerics in the Mosaic GPU CPU interpreter, and CUDA lowering on CPU.
 
 The interpreter runs the warp-specialised pipeline (TMA, barriers, both consumer warpgroups, wgmma from SMEM)
-but stages P through shared memory and accumulates P V out of place (see `_mosaic_forward`); the register-fed,
+but stages P through shared memory and accumulates P V out of place (see `mosaic.forward`); the register-fed,
 in-place P V of the compiled kernel is only lowered here, not run.
 """
 
@@ -16,7 +16,8 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from probjax_kernels._mosaic_forward import SMEM_BYTES, mosaic_forward, smem_bytes
+
+from probjax_kernels.mosaic.forward import SMEM_BYTES, mosaic_forward, smem_bytes
 
 
 @pytest.fixture(autouse=True)

@@ -18,8 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
-from probjax_kernels._mosaic_forward import mosaic_forward
+from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.forward import mosaic_forward
 from probjax_nn.benchmark._timing import time_steps
 
 # The target first: hd 128 at seq 8192 (issue 7: >= 600 TFLOP/s forward).

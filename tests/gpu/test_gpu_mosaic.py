@@ -12,8 +12,8 @@ from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
-from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
-from probjax_kernels._mosaic_forward import mosaic_forward
+from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.forward import mosaic_forward
 
 
 def _is_hopper() -> bool:
@@ -89,8 +89,14 @@ def test_flash_attention_with_the_mosaic_backend(causal):
 
 def test_flex_block_mask_through_the_mosaic_forward():
     """Block tables walked by the compiled Mosaic forward (partial and full tiles, ring wrap-around)."""
-    from probjax_kernels import and_masks, causal_mask, create_block_mask, flex_attention, flex_attention_reference
-    from probjax_kernels import sliding_window
+    from probjax_kernels import (
+        and_masks,
+        causal_mask,
+        create_block_mask,
+        flex_attention,
+        flex_attention_reference,
+        sliding_window,
+    )
 
     q, k, v = random_qkv(7, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(700)), None, None, 2048, 2048)
@@ -103,8 +109,14 @@ def test_flex_block_mask_through_the_mosaic_forward():
 def test_flex_score_mod_inside_the_mosaic_forward(hook):
     """score_mod in the compiled Mosaic kernels (tanh; a scalar GMEM read of the slope table) with a per-head
     mask_mod over block tables: the forward, and dQ / dK/dV with the score_mod's derivative."""
-    from probjax_kernels import alibi, alibi_slopes, create_block_mask, flex_attention, flex_attention_reference
-    from probjax_kernels import softcap
+    from probjax_kernels import (
+        alibi,
+        alibi_slopes,
+        create_block_mask,
+        flex_attention,
+        flex_attention_reference,
+        softcap,
+    )
 
     q, k, v = random_qkv(8, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     score_mod = softcap(20.0) if hook == "softcap" else alibi(alibi_slopes(8))

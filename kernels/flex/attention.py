@@ -8,17 +8,22 @@ import jax
 import jax.numpy as jnp
 
 from probjax_kernels import _autodiff
-from probjax_kernels._block_mask import BlockMask
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
 from probjax_kernels._flash_attention import _positional_dropout, _shard_seed
-from probjax_kernels._flex_options import (
-    AuxRequest, FlexKernelOptions, check_aux, check_heads, config_from_kernel_options, results,
-)
 from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
-from probjax_kernels._mods import ScoreMod
 from probjax_kernels._problem import Features
+from probjax_kernels.flex.block_mask import BlockMask
+from probjax_kernels.flex.mods import ScoreMod
+from probjax_kernels.flex.options import (
+    AuxRequest,
+    FlexKernelOptions,
+    check_aux,
+    check_heads,
+    config_from_kernel_options,
+    results,
+)
 
 
 def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: int, kv_len: int, mask_hook) -> None:

@@ -1,7 +1,7 @@
 """Flash-attention backward for Hopper (sm_90) in Pallas Mosaic GPU: the dQ kernel and the dK / dV kernel
 (FlashAttention-2, Alg. 2, split by query tile and by KV tile respectively, so no atomics).
 
-Same CTA layout as `_mosaic_forward`: one CTA per (query tile of `block_q` rows, batch, query head), two
+Same CTA layout as `mosaic.forward`: one CTA per (query tile of `block_q` rows, batch, query head), two
 consumer warpgroups owning `block_q // 2` rows each and a producer warpgroup feeding a ring of K / V slots
 by TMA. Per KV tile a consumer recomputes S = Q K^T and dP = dO V^T (both wgmma from SMEM), then
 p = exp2(s * scale * log2(e) - lse2), dS = p * (dP - delta) and dQ += dS K (wgmma, dS from registers; staged
@@ -9,7 +9,7 @@ in SMEM in interpret mode). `lse2` is the forward's lse in base 2, +inf for rows
 and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
 Window (causal) tile skipping, lengths masking and the caller's padding contract are those of
-`_mosaic_forward`.
+`mosaic.forward`.
 
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
@@ -34,7 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from probjax_kernels._mosaic_common import (
+
+from probjax_kernels._scores import backward_delta, base2_lse
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     _SWIZZLE,
     SMEM_BYTES,
@@ -51,9 +54,7 @@ from probjax_kernels._mosaic_common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels._mosaic_forward import _check
-from probjax_kernels._scores import backward_delta, base2_lse
-from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.mosaic.forward import _check
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,

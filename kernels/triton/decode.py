@@ -20,15 +20,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see _triton_specs: avoids a retrace)
 
-from probjax_kernels import _triton
 from probjax_kernels._config import _MIN_BLOCK
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
-from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
-from probjax_kernels._triton_forward import _M_INIT
-from probjax_kernels._triton_specs import _output
-from probjax_kernels._triton_tiles import _dot
+from probjax_kernels.triton import lowering
+from probjax_kernels.triton.forward import _M_INIT
+from probjax_kernels.triton.specs import _output
+from probjax_kernels.triton.tiles import _dot
 
 # Rows of one program's tile at head dim 128 and below (128 for 2-byte dtypes, 64 for float32; half that at
 # head dim 256): beyond, ptxas spilled or shared memory ran out (sm_80, sm_86, sm_90a). Larger groups x new
@@ -79,10 +78,11 @@ def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: in
     return max(1, min(wanted, most, max_pages))
 
 
-def plan_for(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
+def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None, mask_mod: Hook | None,
              num_score_consts: int) -> DecodePlan:
-    config = config or DecodeConfig()
-    backend = config.backend or ("interpret" if default_backend() == "interpret" else "triton")
+    """The kernel's plan for `inputs` on `config.backend` ("triton" or "interpret"; `_dispatch.decode_plan`
+    fills it) and `config`'s other fields (None: the defaults below)."""
+    backend = config.backend
     batch, new_tokens, num_heads, num_kv_heads, head_dim, value_dim = inputs.shape
     group = num_heads // num_kv_heads
     itemsize = inputs.q.dtype.itemsize
@@ -277,7 +277,7 @@ def decode_partials(plan: DecodePlan, q, k_pages, v_pages, tables, kv_lengths, c
         return pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n)
 
     params = dict(interpret=True) if plan.backend == "interpret" else dict(
-        compiler_params=_triton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages))
+        compiler_params=lowering.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages))
     return pl.pallas_call(
         functools.partial(_decode_kernel, plan=plan),
         grid=grid,

@@ -1,10 +1,10 @@
 """Compile every kernel variant for NVIDIA GPUs without a GPU (deviceless ahead-of-time compilation through
 XLA, Triton, Mosaic GPU and ptxas) and report registers, spills, shared memory, occupancy and the tensor-core
-/ copy instructions of each kernel. Run it through scripts/gpu_check.sh, which installs the toolchain.
+/ copy instructions of each kernel. Run it through scripts/compile_check.sh, which installs the toolchain.
 
-    python scripts/compile_report.py run --toolchain DIR [--targets sm90a_h100,...] [--only REGEX]
-    python scripts/compile_report.py check [docs/compile/report.json]
-    python scripts/compile_report.py markdown [docs/compile/report.json]
+    python scripts/compile/report.py run --toolchain DIR [--targets sm90a_h100,...] [--only REGEX]
+    python scripts/compile/report.py check [docs/compile/report.json]
+    python scripts/compile/report.py markdown [docs/compile/report.json]
 
 `run` starts one worker process per (target, group) shard, two at a time (`--jobs`), writes
 docs/compile/report.json and docs/compile/index.md, then checks. `check` exits 1 on a compile error, a spill,
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-TARGETS_DIR = REPO / "scripts" / "gpu_targets"
+REPO = Path(__file__).resolve().parents[2]
+TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "index.md"
 TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
@@ -86,7 +86,7 @@ def known_spill(kernel: str, variant: str) -> tuple | None:
 
 
 def target_limits(name: str) -> dict:
-    """The figures of a target config (scripts/gpu_targets/NAME.txtpb) that bound a kernel."""
+    """The figures of a target config (scripts/compile/gpu_targets/NAME.txtpb) that bound a kernel."""
     text = (TARGETS_DIR / f"{name}.txtpb").read_text()
 
     def field(key, cast=int):
@@ -177,7 +177,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    import compile_variants
+    import variants as compile_variants
     from probjax_kernels import default_config
 
     limits = target_limits(target)
@@ -362,7 +362,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    import compile_page
+    import page as compile_page
 
     Path(args.page).write_text(compile_page.markdown(report, problems(report), problems(report, True)))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
@@ -422,7 +422,7 @@ def main() -> int:
     if args.command == "check":
         return check(Path(args.report))
     sys.path.insert(0, str(REPO / "scripts"))
-    import compile_page
+    import page as compile_page
 
     path = Path(args.report)
     report = _with_verdicts(json.loads(path.read_text()))

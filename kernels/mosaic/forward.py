@@ -36,7 +36,7 @@ shared memory (`p_in_smem`, also selectable on the GPU), and it cannot run a wgm
 initialised from a value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator that is then
 added.
 
-The pieces this kernel shares with the backward kernels (`_mosaic_backward.py`) are in `_mosaic_common.py`.
+The pieces this kernel shares with the backward kernels (`mosaic/backward.py`) are in `mosaic/common.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from probjax_kernels._mosaic_common import (
+
+from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     _M_INIT,
     _SWIZZLE,
@@ -67,8 +69,7 @@ from probjax_kernels._mosaic_common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels._mosaic_common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
-from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 
 _HEAD_DIMS = (64, 128, 256)
 

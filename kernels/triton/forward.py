@@ -10,8 +10,8 @@ from jax.experimental import pallas as pl
 
 from probjax_kernels._problem import _Problem
 from probjax_kernels._scores import LN2, _dropout_scale, _scores
-from probjax_kernels._triton_specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
-from probjax_kernels._triton_tiles import _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _tile_context
+from probjax_kernels.triton.specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
+from probjax_kernels.triton.tiles import _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _tile_context
 
 _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 

@@ -1,7 +1,7 @@
 """`decode_attention`: a few new tokens per sequence against a long dense or paged KV cache (flash-decoding).
 
 Entry point: checks, hook tracing, and the forward-only wrapper around the Pallas kernel
-(`_decode_kernel.py`). The plain-jnp reference with the same signature is in `_decode_reference.py`.
+(`triton/decode.py`). The plain-jnp reference with the same signature is in `decode/reference.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs
-from probjax_kernels._decode_kernel import decode, hook_args, plan_for
+from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
 
 
@@ -22,7 +22,7 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
     if fn is None:
         return None, []
     is_score = name == "score_mod"
-    example = [jnp.zeros(a.shape, a.dtype) for a in hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
+    example = [jnp.zeros(a.shape, a.dtype) for a in decode_hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
     hook, consts, out = trace_hook(name, fn, example)
     want = (jnp.float32 if is_score else jnp.bool_), (EXAMPLE_TILE, EXAMPLE_TILE)
     # A mask_mod may return anything that broadcasts to the tile (a row when it reads only kv_idx).
@@ -105,7 +105,7 @@ def decode_attention(
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
-    plan = plan_for(inputs, config, score_hook, mask_hook, len(score_consts))
+    plan = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))
     run = functools.partial(decode, plan)
     out, lse = _forward_only(
         run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]

@@ -12,13 +12,24 @@ from jax.experimental import pallas as pl
 
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _scores, backward_delta, base2_lse
-from probjax_kernels._triton_specs import (
-    _compiler_params, _kv_batch, _length_spec, _optional_inputs, _output, _q_grid, _refs_fn,
+from probjax_kernels.triton.specs import (
+    _compiler_params,
+    _kv_batch,
+    _length_spec,
+    _optional_inputs,
+    _output,
+    _q_grid,
+    _refs_fn,
 )
-from probjax_kernels._triton_tiles import (
-    _dot, _kv_tile_range, _q_tile_range, _Refs, _run_ranges, _run_table, _tile_context,
+from probjax_kernels.triton.tiles import (
+    _dot,
+    _kv_tile_range,
+    _q_tile_range,
+    _Refs,
+    _run_ranges,
+    _run_table,
+    _tile_context,
 )
-
 
 # --------------------------------------------------------------------------------------------- backward: dQ
 

@@ -1,10 +1,10 @@
-"""docs/compile/index.md from the compile report's JSON (scripts/compile_report.py writes both)."""
+"""docs/compile/index.md from the compile report's JSON (scripts/compile/report.py writes both)."""
 
 from __future__ import annotations
 
 _INTRO = """# Compile report: every kernel, compiled for each GPU without one
 
-`bash scripts/gpu_check.sh` installs a pinned toolchain ({toolchain}) outside the repo (cached under
+`bash scripts/compile_check.sh` installs a pinned toolchain ({toolchain}) outside the repo (cached under
 `~/.cache/probjax-gpu-toolchain`), compiles every kernel variant that `auto` or a default `FlashConfig` picks
 for each target below through XLA, Pallas (Triton and Mosaic GPU) and ptxas, with no GPU (deviceless
 ahead-of-time compilation: `jax.experimental.topologies` with an XLA target config), writes this page and
@@ -22,7 +22,7 @@ the kernels' numbers in Pallas interpret mode on the CPU), or anything about GPU
 versions other than those named here. Register and shared-memory figures do not depend on the batch, the
 heads or the sequence length beyond its padded tail, so the grid is deduplicated: B=4, N=8, seq 1024 per
 static configuration, plus the ragged lengths that change the kernel and one seq 8192 control
-(`scripts/compile_variants.py`, where adding a kernel is a few lines).
+(`scripts/compile/variants.py`, where adding a kernel is a few lines).
 
 Columns: **regs** registers per thread; **spill** bytes stored / loaded to local memory; **smem** dynamic
 shared memory per CTA (XLA's launch for Triton, Mosaic GPU's scratch); **CTA/SM r / s** resident CTAs per SM

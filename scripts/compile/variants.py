@@ -1,4 +1,4 @@
-"""The kernel variants the compile report compiles (scripts/compile_report.py): one `Variant` per distinct
+"""The kernel variants the compile report compiles (scripts/compile/report.py): one `Variant` per distinct
 kernel build. To add a kernel to the report, append a `Variant` (or a few) to `variants()`.
 
 Register, spill and shared-memory figures depend on the static configuration of a kernel (tiles, warps,

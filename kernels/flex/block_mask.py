@@ -20,11 +20,15 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
-from probjax_kernels._block_tables import (
-    check_block_size, ordered_indices, retile, tile_class_mask_mod, tiles_of,
-)
 from probjax_kernels._hooks import tensor_method_hint
-from probjax_kernels._mods import MaskMod, ScoreMod, noop_mask
+from probjax_kernels.flex.block_tables import (
+    check_block_size,
+    ordered_indices,
+    retile,
+    tile_class_mask_mod,
+    tiles_of,
+)
+from probjax_kernels.flex.mods import MaskMod, ScoreMod, noop_mask
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -250,7 +254,7 @@ class BlockMask:
         return mask
 
     def for_kernel(self) -> BlockMask:
-        """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`_block_tables`;
+        """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`flex.block_tables`;
         merged tiles get a mask_mod that follows these tables), and no full tile past the key length (the
         kernels skip the mask, and so the length check, on full tiles). The same attention, exactly."""
         partial, full = (self.to_dense() == c for c in (1, 2))

@@ -11,9 +11,9 @@ from typing import Callable
 import jax.numpy as jnp
 
 from probjax_kernels._hooks import Hook
-from probjax_kernels._mosaic_backward import mosaic_backward_dkv, mosaic_backward_dq
-from probjax_kernels._mosaic_forward import mosaic_forward
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.forward import mosaic_forward
 
 
 def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:

@@ -25,7 +25,7 @@ of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, 
 global positions: every block maps its local indices to global ones through 0-d int32 offsets that the
 wrapped hooks capture (kernel inputs, as any captured array); dropout's keep mask gets the same offsets
 beside its seed (`_dropout.positional_seed`), so the same weights drop as in the unsharded call. The
-schedule itself lives in `_ring_schedule.py`.
+schedule itself lives in `parallel/schedule.py`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._ring_schedule import _backward, _differentiable, _forward
-from probjax_kernels._ring_schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
+from probjax_kernels.parallel.schedule import _backward, _differentiable, _forward
+from probjax_kernels.parallel.schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
 Layout = Literal["contiguous", "zigzag"]
 Strategy = Literal["ring", "allgather"]

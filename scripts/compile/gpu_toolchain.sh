@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install (or reuse) the pinned toolchain that compiles the kernels for NVIDIA GPUs on a machine without one
-# (scripts/compile_report.py). It lives outside the repo, cached between runs on the same machine:
+# (scripts/compile/report.py). It lives outside the repo, cached between runs on the same machine:
 #   $PROBJAX_GPU_TOOLCHAIN (default: ${XDG_CACHE_HOME:-$HOME/.cache}/probjax-gpu-toolchain/<pins hash>)
 #     venv/        jax[cuda12] at the project's jax version and the nvcc wheel's ptxas (the compiler)
 #     tools/       cuobjdump and nvdisasm (SASS), installed with pip --target OUTSIDE the venv: their
@@ -8,7 +8,7 @@
 #     cuda_root/   what XLA and Mosaic GPU look for under CUDA_ROOT: bin/ptxas (a wrapper that adds -v and
 #                  keeps the cubins), bin/nvdisasm, bin/cuobjdump, nvvm/
 # Prints the toolchain folder on its last line of stdout; everything else goes to stderr.
-# Usage: bash scripts/gpu_toolchain.sh
+# Usage: bash scripts/compile/gpu_toolchain.sh
 set -euo pipefail
 
 JAX_VERSION="0.11.2"            # the project's (pyproject.toml's dev extra)
@@ -17,7 +17,7 @@ CUOBJDUMP_VERSION="13.5.37"     # no -cu12 build exists; these only read cubins
 NVDISASM_VERSION="13.5.37"
 ABSL_VERSION="2.5.1"            # imported by JAX's Mosaic GPU attention (a peer in the report)
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "gpu_toolchain.sh: $*" >&2; }
 
 pins="jax[cuda12]==$JAX_VERSION nvidia-cuda-nvcc-cu12==$NVCC_VERSION"

@@ -9,14 +9,15 @@ from typing import NamedTuple
 
 import jax
 from jax.experimental import pallas as pl
+
 # Pallas' interpret-mode lowering imports the fuser on first use, and the fuser registers a config value that
 # is part of the tracing context: imported mid-way, it makes every `jit` that traced before it retrace once.
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 
-from probjax_kernels import _triton
 from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
-from probjax_kernels._triton_tiles import _Refs
+from probjax_kernels.triton import lowering
+from probjax_kernels.triton.tiles import _Refs
 
 
 def _refs_fn(problem: _Problem, tangents: _Tangents | None = None):
@@ -136,7 +137,7 @@ def _compiler_params(problem: _Problem):
     cfg = problem.config
     if _interpreted(problem):
         return dict(interpret=True)
-    return dict(compiler_params=_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return dict(compiler_params=lowering.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def _length_spec():
