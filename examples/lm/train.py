@@ -347,7 +347,10 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
     raise `ConfigError` and leave the folder as it was. A loss that turns NaN or infinite stops the run with
     `NonFiniteLoss`; its row is not written, and the checkpoints of the weights that gave it are deleted.
     `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
-    testing `resume`. In a multi-process run every process calls this with the same config.
+    testing `resume`. In a multi-process run every process calls this with the same config (checked: a
+    ConfigError names the flag that differs); a check that fails on any process raises on every process,
+    and the out folder must be one that all of them share. A TERM signal stops the run after a step that
+    every process agrees on, with a checkpoint of that step (`Preemption`); it then returns the rows so far.
     """
     # Every process checks, then all agree: one that fails alone would leave the others waiting for it.
     same_config(config)
