@@ -71,6 +71,27 @@ def test_decode_attention_paged_kernel_and_xla_match_float64(decode_calls):
         probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, score_mod=alibi(alibi_slopes(4)), impl="pallas")
 
 
+def test_decode_attention_passes_return_lse_and_num_splits(decode_calls):
+    """`return_lse` and `num_splits` reach the kernel ("pallas", the cache split over 3 programs) and the
+    reference ("xla"): out and lse `[B, N, T]` against float64 NumPy, a fully masked slot's lse -inf."""
+    q, k, v = random_qkv(1, 3, 2, 40, 4, 2, 16)
+    lengths = np.array([40, 17, 0], np.int32)
+    rows = np.arange(2)[:, None] + lengths[:, None, None] - 2  # [B, T, 1]: token t at length - T + t
+    allowed = (np.arange(40)[None, None, :] <= rows)[:, None]
+    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed)
+    for impl in ("pallas", "xla"):
+        out, lse = probjax_nn.decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), num_splits=3,
+                                               return_lse=True, impl=impl)
+        assert lse.shape == (3, 4, 2) and lse.dtype == jnp.float32, impl
+        assert_close(out, expected_out, jnp.float32, impl)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse), err_msg=impl)
+        finite = np.isfinite(expected_lse)
+        np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], rtol=1e-5, err_msg=impl)
+    assert decode_calls == [q.shape]
+    with pytest.raises(ValueError, match="num_splits"):
+        probjax_nn.decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), num_splits=0, impl="xla")
+
+
 def _stock_decode_nnx(module, x, mask):
     module.init_cache(x.shape)
     step = nnx.jit(lambda module, token: module(token, decode=True, mask=mask))
@@ -109,6 +130,25 @@ def test_linen_decode_matches_the_stock_module(decode_calls):
         return jnp.concatenate(outputs, axis=1), cache
 
     assert_trees_close(run(ours), run(stock), name="decode")
+    assert decode_calls
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_one_query_with_a_broadcast_key_axis_mask_matches_the_stock_module(framework, decode_calls):
+    """One query row (decode=False; GQA 4:2 in NNX) with a mask whose key axis has size 1 (it broadcasts over
+    every key): the kernel reads all the keys, as the stock module does (it read one before)."""
+    x, mask = inputs(25), jnp.ones((BATCH, 1, 1, 1), bool)
+    if framework == "nnx":
+        stock = nnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+        ours = pnnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, attention_impl="pallas",
+                                       rngs=nnx.Rngs(0))
+        actual, expected = (module(x[:, :1], x, mask=mask) for module in (ours, stock))
+    else:
+        stock = nn.MultiHeadDotProductAttention(HEADS)  # Linen's module has no GQA
+        ours = plinen.MultiHeadDotProductAttention(HEADS, attention_impl="pallas")
+        variables = stock.init(jax.random.key(0), x[:, :1], x)
+        actual, expected = (module.apply(variables, x[:, :1], x, mask=mask) for module in (ours, stock))
+    assert_trees_close(actual, expected, name=framework)
     assert decode_calls
 
 

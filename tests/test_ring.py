@@ -366,3 +366,26 @@ def test_default_checks_traced_scale_value_dim():
     np.testing.assert_allclose(value, expected, rtol=1e-5)
     for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(actual, wanted, jnp.float32, name)
+
+
+@pytest.mark.parametrize("impl, mesh_axes, q_spec, kv_spec", [
+    # Heads of the query split, GQA key / value replicated (each shard paired its query heads with the
+    # first key heads: off by 2.1).
+    ("pallas", (("sp", 1), ("model", 4)), P(None, None, "model"), P()),
+    # Query replicated, key / value batch-split (each device took its local key batch as the whole batch's).
+    ("xla", (("data", 2), ("sp", 4)), P(), P("data")),
+])
+def test_context_parallel_query_and_key_sharded_differently(impl, mesh_axes, q_spec, kv_spec):
+    """The context-parallel layer puts query, key and value on one batch / head layout whatever their own
+    shardings: the outputs equal the unsharded call's."""
+    import probjax_nn
+
+    q, k, v = random_qkv(17, 2, 16, 16, 8, 2, 16)
+    expected = probjax_nn.attention(q, k, v, is_causal=True, impl="xla")
+    names, sizes = zip(*mesh_axes)
+    mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    config = probjax_nn.AttentionConfig(impl=impl, context_axis="sp")
+    with jax.set_mesh(mesh):
+        placed = (jax.device_put(q, q_spec), *(jax.device_put(x, kv_spec) for x in (k, v)))
+        out = jax.jit(functools.partial(probjax_nn.attention, is_causal=True, impl=config))(*placed)
+    assert_close(out, expected, jnp.float32)
