@@ -119,7 +119,7 @@ def pages_from_dense(
     **Arguments:**
 
     - `cache`: `[B, S, K, D]`, any dtype.
-    - `page_size`: keys per page (the decode kernel takes a power of two >= 16).
+    - `page_size`: keys per page, a power of two >= 16 (the decode kernel's pages).
     - `max_length`: the most positions a sequence will hold, >= S; None means S.
 
     **Returns:** `(pages, block_tables)`: pages `[B * max_pages, page_size, K, D]` in the cache's dtype,
@@ -128,8 +128,8 @@ def pages_from_dense(
     cache = jnp.asarray(cache)
     if cache.ndim != 4:
         raise ValueError(f"cache must have rank 4 ([B, S, K, D]), got shape {cache.shape}.")
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}.")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 16 or page_size & page_size - 1:
+        raise ValueError(f"page_size must be a power of two >= 16 (the decode kernel's pages), got {page_size!r}.")
     batch, length, *rest = cache.shape
     if max_length is None:
         max_length = length

@@ -39,17 +39,20 @@ def decode_calls(monkeypatch) -> list[tuple]:
 
 def test_pages_from_dense_lays_out_each_sequence_in_its_pages():
     cache = np.arange(2 * 20 * 1 * 3, dtype=np.float32).reshape(2, 20, 1, 3)
-    pages, tables = probjax_nn.pages_from_dense(cache, 8, max_length=30)
-    assert pages.shape == (8, 8, 1, 3) and tables.shape == (2, 4) and tables.dtype == jnp.int32
+    pages, tables = probjax_nn.pages_from_dense(cache, 16, max_length=40)
+    assert pages.shape == (6, 16, 1, 3) and tables.shape == (2, 3) and tables.dtype == jnp.int32
     pages, tables = np.asarray(pages), np.asarray(tables)
     for b in range(2):
-        for j in range(32):
+        for j in range(48):
             expected = cache[b, j] if j < 20 else 0.0
-            np.testing.assert_array_equal(pages[tables[b, j // 8], j % 8], expected)
+            np.testing.assert_array_equal(pages[tables[b, j // 16], j % 16], expected)
     with pytest.raises(ValueError, match=r"max_length must be an int >= the cache length S=20, got 19"):
-        probjax_nn.pages_from_dense(cache, 8, max_length=19)
-    with pytest.raises(ValueError, match=r"page_size must be a positive int, got 0"):
-        probjax_nn.pages_from_dense(cache, 0)
+        probjax_nn.pages_from_dense(cache, 16, max_length=19)
+    for page_size in (0, 8, 24):  # the decode kernel's pages are powers of two >= 16 (issue 30 item 23)
+        with pytest.raises(ValueError, match=rf"page_size must be a power of two >= 16 .*, got {page_size}"):
+            probjax_nn.pages_from_dense(cache, page_size)
+    empty_pages, empty_tables = probjax_nn.pages_from_dense(cache[:0], 16)
+    assert empty_pages.shape == (0, 16, 1, 3) and empty_tables.shape == (0, 2)
 
 
 def test_decode_attention_paged_kernel_and_xla_match_float64(decode_calls):
