@@ -8,7 +8,7 @@ _INTRO = """# Compile report: every kernel, compiled for each GPU without one
 `~/.cache/probjax-gpu-toolchain`), compiles every kernel variant that `auto` or a default `FlashConfig` picks
 for each target below through XLA, Pallas (Triton and Mosaic GPU) and ptxas, with no GPU (deviceless
 ahead-of-time compilation: `jax.experimental.topologies` with an XLA target config), writes this page and
-`docs/compile/report.json`, and fails on a compile error, a spill, shared memory over the target's limit, a
+`docs/compile/report.json` (the Mosaic TPU kernels have a page of their own: [tpu.md](tpu.md)), and fails on a compile error, a spill, shared memory over the target's limit, a
 Hopper Triton kernel without wgmma where the report expects one, or a Mosaic kernel without TMA or wgmma.
 Every kernel here, Triton and Mosaic GPU alike, went through that pinned ptxas (Mosaic GPU runs the first
 ptxas on PATH, so the driver puts the toolchain's first). CI (`.ci/run`) runs it after the test suite. Last run: {rows} compiles, {kernels} kernels, {wall} s wall

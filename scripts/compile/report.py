@@ -360,6 +360,8 @@ def run(args) -> int:
         wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, rows=rows,
     ))
     out = Path(args.out)
+    if out.exists() and "tpu" in json.loads(out.read_text()):  # the TPU part's section (tpu_report.py) stays
+        report["tpu"] = json.loads(out.read_text())["tpu"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     import page as compile_page

@@ -119,8 +119,12 @@ def tpu_variants() -> list[TpuVariant]:
     out.append(flash("tpu_grad_d128_bf16_dropout", dropout_rate=0.1, dropout_seed=7, mode="fwd+bwd"))
     out.append(flash("tpu_grad_d128_f16_causal", dtype="f16", causal=True, mode="fwd+bwd"))
     for hook in ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias"):
-        base = gpu_variants.flex(f"tpu_flex_grad_d128_bf16_{hook}", hook, backend="tpu")
-        out.append(_from_gpu(base, "flex", "fallback" if hook in FLEX_FALLBACK else "kernel",
+        # The XLA fallback's compile of seq 1024 takes 0.5-2 min per generation (the relative-bias gather):
+        # the fallbacks compile at seq 256, which shows the same path (no tpu_custom_call) in seconds.
+        fallback = hook in FLEX_FALLBACK
+        base = gpu_variants.flex(f"tpu_flex_grad_d128_bf16_{hook}" + ("_T256" if fallback else ""), hook,
+                                 backend="tpu", q_len=256 if fallback else 1024)
+        out.append(_from_gpu(base, "flex", "fallback" if fallback else "kernel",
                              FLEX_FALLBACK.get(hook, "")))
     for t in HBM_LENGTHS:
         out.append(flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t,
@@ -158,9 +162,12 @@ def _splash(mask_kind: str, gqa: bool):
 
         one = masks.CausalMask((t, t)) if mask_kind == "causal" else masks.LocalMask((t, t), (256, 0), 0)
         heads = N // KV_HEADS if gqa else N
-        kernel = (splash.make_splash_mqa if gqa else splash.make_splash_mha)(
-            masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
-            block_sizes=splash.BlockSizes.get_default())
+        # The mask's block tables are made here, at trace time, as arrays: on the CPU (the topology's TPU
+        # device of the compile cannot hold data); they enter the compile as constants.
+        with jax.default_device(jax.devices("cpu")[0]):
+            kernel = (splash.make_splash_mqa if gqa else splash.make_splash_mha)(
+                masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
+                block_sizes=splash.BlockSizes.get_default())
 
         def attend(q, k, v):
             q, k, v = _bnsd(q) * d ** -0.5, _bnsd(k), _bnsd(v)
@@ -203,18 +210,22 @@ def _tokamax(causal: bool):
 
 
 def peer_variants() -> list[TpuVariant]:
-    splash_features = "block-sparse masks (tables at trace time), soft cap, segment ids, MQA / GQA, fused dK/dV"
+    """The peers at seq 1024, and the causal ones at the HBM pair's T as well (at seq 1024 XLA keeps most
+    intermediates of every kernel in VMEM, so HBM temp only compares at longer sequences)."""
+    splash = "block-sparse masks (tables at trace time), soft cap, segment ids, MQA / GQA, fused dK/dV"
+    jax_flash = "causal, dense bias `ab`, segment ids; no GQA, no window, no soft cap, Dv = D"
+    tokamax = "tokamax.dot_product_attention (its Mosaic TPU kernel: splash); masks, bias, GQA, soft cap, window"
+    t = HBM_LENGTHS[0]
     return [
-        _peer("jax_splash_grad_d128_bf16_causal", _splash("causal", False), splash_features),
-        _peer("jax_splash_grad_d128_bf16_local256", _splash("local", False), splash_features),
-        _peer("jax_splash_grad_d128_gqa8to2_bf16_causal", _splash("causal", True), splash_features,
-              kv_heads=KV_HEADS),
-        _peer("jax_flash_grad_d128_bf16_causal", _jax_flash(True),
-              "causal, dense bias `ab`, segment ids; no GQA, no window, no soft cap, Dv = D"),
-        _peer("jax_flash_grad_d128_bf16_full", _jax_flash(False),
-              "causal, dense bias `ab`, segment ids; no GQA, no window, no soft cap, Dv = D"),
-        _peer("tokamax_grad_d128_bf16_causal", _tokamax(True),
-              "tokamax.dot_product_attention (its Mosaic TPU kernel); masks, bias, GQA"),
+        _peer("jax_splash_grad_d128_bf16_causal", _splash("causal", False), splash),
+        _peer("jax_splash_grad_d128_bf16_local256", _splash("local", False), splash),
+        _peer("jax_splash_grad_d128_gqa8to2_bf16_causal", _splash("causal", True), splash, kv_heads=KV_HEADS),
+        _peer("jax_flash_grad_d128_bf16_causal", _jax_flash(True), jax_flash),
+        _peer("jax_flash_grad_d128_bf16_full", _jax_flash(False), jax_flash),
+        _peer("tokamax_grad_d128_bf16_causal", _tokamax(True), tokamax),
+        _peer(f"jax_splash_grad_d128_bf16_causal_T{t}", _splash("causal", False), splash, q_len=t),
+        _peer(f"jax_flash_grad_d128_bf16_causal_T{t}", _jax_flash(True), jax_flash, q_len=t),
+        _peer(f"tokamax_grad_d128_bf16_causal_T{t}", _tokamax(True), tokamax, q_len=t),
     ]
 
 
