@@ -165,7 +165,8 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {
     ),
 }
 # "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
-_AUTO_ORDER = {"gpu": ("pallas", "flex", "xla"), "other": ("xla",)}
+# On a TPU the Pallas kernels are the Mosaic TPU ones (probjax_kernels' default backend there).
+_AUTO_ORDER = {"gpu": ("pallas", "flex", "xla"), "tpu": ("pallas", "flex", "xla"), "other": ("xla",)}
 IMPLS: tuple[str, ...] = ("auto", *_IMPLEMENTATIONS)
 _ALL_DTYPES = tuple(dict.fromkeys(d for spec in _IMPLEMENTATIONS.values() for d in spec.dtypes))
 
@@ -275,7 +276,7 @@ def _choose(impl: str, request: _Request) -> str:
         _check(impl, request)
         return impl
     reasons = []
-    for name in _AUTO_ORDER["gpu" if request.gpu else "other"]:
+    for name in _AUTO_ORDER["gpu" if request.gpu else "tpu" if jax.default_backend() == "tpu" else "other"]:
         try:
             _check(name, request)
         except NotImplementedError as error:

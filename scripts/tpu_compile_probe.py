@@ -4,8 +4,8 @@ tiles, grid, scoped VMEM (from the compiled HLO) and the compile time.
 
 Run it with a `jax[tpu]` environment (libtpu) on any machine, from the repository root:
 
-    python -m venv /tmp/tpuvenv && /tmp/tpuvenv/bin/pip install "jax[tpu]==0.11.2" numpy
-    JAX_PLATFORMS=cpu PYTHONPATH=.shim:. /tmp/tpuvenv/bin/python scripts/tpu_compile_probe.py [--json FILE]
+    python -m venv ../tpuvenv && ../tpuvenv/bin/pip install "jax[tpu]==0.11.2" numpy
+    JAX_PLATFORMS=cpu PYTHONPATH=.shim:. ../tpuvenv/bin/python scripts/tpu_compile_probe.py [--json FILE]
 
 (`.shim/probjax_kernels` links to kernels/, as in docs/contributing.md.) What it proves: every kernel lowers
 through Mosaic TPU and compiles for the chip within its VMEM. What it does not: that it runs correctly on a
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from probjax_kernels import FlashConfig, alibi, causal_mask, create_block_mask, flash_attention, flex_attention
-from probjax_kernels import sliding_window, softcap
+from probjax_kernels import alibi, causal_mask, create_block_mask, flash_attention, flex_attention
+from probjax_kernels import _dispatch, sliding_window, softcap
 
 GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 _CALL = re.compile(r"%(\S+) = .*custom_call_target=\"tpu_custom_call\"")
@@ -35,14 +35,13 @@ _SCOPED = re.compile(r'"used_scoped_memory_configs":\[\{[^]]*"size":"(\d+)"')
 
 def _variants():
     """(name, dtype, (B, T, S, N, K, D, Dv), function of (q, k, v), modes)."""
-    def flash(**options):
-        return lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="tpu"), **options)
+    def flash(**options):  # no config: the default backend and tiles of the target device
+        return lambda q, k, v: flash_attention(q, k, v, **options)
 
     def flex(score_mod=None, mask=None):
         def call(q, k, v):
             block_mask = None if mask is None else create_block_mask(mask, None, None, q.shape[1], k.shape[1])
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
-                                  config=FlashConfig(backend="tpu"))
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
         return call
 
     big = (1, 4096, 4096, 8, 2, 128, 128)
@@ -65,6 +64,11 @@ def _variants():
     ]
 
 
+def _tiles(config) -> tuple[int, ...]:
+    return (config.block_q, config.block_k, config.block_q_dq, config.block_k_dq, config.block_q_dkv,
+            config.block_k_dkv)
+
+
 def _modes(fn, mode: str):
     if mode == "fwd":
         return fn
@@ -78,6 +82,12 @@ def probe(generation: str, verbose: bool = True) -> list[dict]:
                                             chips_per_host_bounds=[1, 1, 1])
     device = topology.devices[0]
     sharding = SingleDeviceSharding(device)
+    with jax.default_device(device):  # what `FlashConfig()` resolves to on this chip
+        config = _dispatch.default_config(None, q_len=4096, kv_len=4096, head_dim=128)
+    assert config.backend == "tpu", config
+    if verbose:
+        print(f"# {generation} ({device.device_kind}): backend {config.backend!r}, tiles at T = S = 4096 "
+              f"(fwd q, fwd k, dQ q, dQ k, dK/dV q, dK/dV k) = {_tiles(config)}")
     rows = []
     for name, dtype, (b, t, s, n, k, d, dv), fn, modes in _variants():
         specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -117,12 +127,8 @@ def main():
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS))
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args()
-    from probjax_kernels import _dispatch  # noqa: PLC0415 - the tiles per generation, for the header
-
     rows = []
     for generation in args.generations:
-        print(f"# {generation}: tiles (fwd q, fwd k, dQ q, dQ k, dK/dV q, dK/dV k) = "
-              f"{_dispatch._TPU_TILES[generation]} (shrunk to the sequence)")
         rows += probe(generation)
     failures = [row for row in rows if "error" in row]
     print(f"{len(rows) - len(failures)} compiled, {len(failures)} failed")

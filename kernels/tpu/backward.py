@@ -111,7 +111,8 @@ def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs,
         return pl.BlockSpec((None, None, bq, dim), lambda b, h, i, s, *r: (b, h, i, 0))
 
     def kv_side(dim):
-        return pl.BlockSpec((None, None, bk, dim), lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
+        return pl.BlockSpec((None, None, bk, dim),
+                            lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
 
     row = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, s, *r: (b, h, i, 0))
     out_specs, out_shape = [q_side(d_pad)], [common.output(qh.shape, qh.dtype, *varying)]
@@ -192,12 +193,14 @@ def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):
-        return pl.BlockSpec((None, None, bq, dim), lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), q_tile(b, kh, j, s, *r), 0))
+        return pl.BlockSpec((None, None, bq, dim),
+                            lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), q_tile(b, kh, j, s, *r), 0))
 
     def kv_side(dim, shared: bool):
         return pl.BlockSpec((None, None, bk, dim), lambda b, kh, j, s, *r: (kv_b(b) if shared else b, kh, j, 0))
 
-    row = pl.BlockSpec((None, None, 1, bq), lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), 0, q_tile(b, kh, j, s, *r)))
+    row = pl.BlockSpec((None, None, 1, bq),
+                       lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), 0, q_tile(b, kh, j, s, *r)))
     if problem.kv_broadcast:  # shared k / v: a float32 gradient per query batch, summed below
         out_shape = [common.output((batch, *x.shape[1:]), jnp.float32, *varying) for x in (kh, vh)]
     else:

@@ -103,7 +103,6 @@ def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
     entries then the full ones; a step past both repeats the last visited tile."""
     num_partial, partial, num_full, full = tables
     n_p, n_f = num_partial[row], num_full[row]
-    width_p = partial.shape[-1]
 
     def entry(j):
         jp = jnp.clip(j, 0, jnp.maximum(n_p - 1, 0))
@@ -112,7 +111,6 @@ def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
         # Past the end: the last full entry, or the last partial one when there is no full entry.
         return jnp.where(from_full | ((n_p == 0) & (n_f > 0)), full[(*row, jf)], partial[(*row, jp)])
 
-    del width_p
     return Walk(
         tile=entry,
         visited=lambda j: j < n_p + n_f,
@@ -194,7 +192,7 @@ class Refs:
     d_score_consts: tuple = ()
 
 
-def _smem_whole(x) -> pl.BlockSpec:
+def _smem_whole() -> pl.BlockSpec:
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
@@ -235,13 +233,13 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
             fields.append(name)
     if problem.features.dropout_rate > 0:
         inputs.append(smem_array(arrays["dropout_seed"]))
-        specs.append(_smem_whole(None))
+        specs.append(_smem_whole())
         fields.append("dropout_seed")
     scalar_consts = []  # whether each hook array is 0-d (then read through `_Scalar`)
     for name in ("score_consts", "mask_consts"):
         for const in arrays[name]:
             inputs.append(smem_array(const))
-            specs.append(_smem_whole(None))
+            specs.append(_smem_whole())
             scalar_consts.append(jnp.ndim(const) == 0)
     if tangents is not None:
         if tangents.bias:
@@ -249,7 +247,7 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
             specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps))
         for const in arrays.get("d_score_consts", ()):
             inputs.append(smem_array(const))
-            specs.append(_smem_whole(None))
+            specs.append(_smem_whole())
             scalar_consts.append(jnp.ndim(const) == 0)
     num_score, num_mask = problem.num_score_consts, problem.num_mask_consts
     num_d = 0 if tangents is None else sum(tangents.score_consts)

@@ -93,7 +93,8 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         return pl.BlockSpec((None, None, bq, dim), lambda b, h, i, s, *r: (b, h, i, 0))
 
     def kv_side(dim):
-        return pl.BlockSpec((None, None, bk, dim), lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
+        return pl.BlockSpec((None, None, bk, dim),
+                            lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
 
     row = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, s, *r: (b, h, i, 0))
     lin, lin_specs = [], []
