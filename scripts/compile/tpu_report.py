@@ -30,7 +30,7 @@ REPO = HERE.parents[1]
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "tpu.md"
 GROUPS = ("tpu", "flex", "hbm", "peer")
-_CALL = re.compile(r"%(\S+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"")
+_CALL = re.compile(r"%(\S+?)(?:\.\d+)? = [^\n]*custom_call_target=\"tpu_custom_call\"")
 _USED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
 _SIZE = re.compile(r'"size":"(\d+)"')
 
@@ -40,15 +40,16 @@ _SIZE = re.compile(r'"size":"(\d+)"')
 
 def custom_calls(hlo: str) -> list[dict]:
     """Each `tpu_custom_call` of a compiled module's text (one per Mosaic TPU kernel), with the scoped VMEM the
-    compiler allotted it (its pipelined blocks, double-buffered, and its scratch), in bytes."""
+    compiler allotted it (its pipelined blocks, double-buffered, and its scratch), in bytes. An instruction
+    can span lines (splash attention's kernel metadata holds newlines): its figure is the first
+    `used_scoped_memory_configs` after its name, before the next kernel's."""
+    calls = [(m.start(), m.group(1)) for m in _CALL.finditer(hlo)]
     out = []
-    for line in hlo.splitlines():
-        call = _CALL.search(line)
-        if not call:
-            continue
-        used = _USED.search(line)
+    for i, (start, name) in enumerate(calls):
+        end = calls[i + 1][0] if i + 1 < len(calls) else len(hlo)
+        used = _USED.search(hlo, start, end)
         sizes = [int(s) for s in _SIZE.findall(used.group(1))] if used else []
-        out.append(dict(kernel=call.group(1), scoped_vmem=sum(sizes) if used else None))
+        out.append(dict(kernel=name, scoped_vmem=sum(sizes) if used else None))
     return out
 
 
