@@ -188,9 +188,13 @@ def run(args) -> int:
     import tpu_page
 
     targets = args.targets.split(",")
+    tpu_check._registry()  # makes probjax_kernels importable, which building the registry needs
+    import tpu_variants
+
+    wanted = {v.group for v in tpu_variants.variants() if not args.only or re.search(args.only, v.name)}
     # The peers compile for the gated generations only (shown beside ours, not checked).
     shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm") for t in targets
-              if g != "peer" or t in tpu_check.GATED_TARGETS]
+              if g in wanted and (g != "peer" or t in tpu_check.GATED_TARGETS)]
     start = time.perf_counter()
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
@@ -202,6 +206,13 @@ def run(args) -> int:
                    jobs=args.jobs, only=args.only, rows=rows)
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
+    if args.keep_others and report.get("tpu"):  # a partial rerun: the other rows of the last run stay
+        done = {(r["target"], r["variant"]) for r in rows}
+        kept = [r for r in report["tpu"]["rows"] if (r["target"], r["variant"]) not in done]
+        order = {name: i for i, name in enumerate(report["tpu"]["targets"])}
+        rows = sorted(kept + rows, key=lambda r: (order.get(r["target"], 99), GROUPS.index(r["group"]), r["variant"]))
+        section.update(rows=rows, targets=report["tpu"]["targets"], wall_s=report["tpu"]["wall_s"],
+                       reran=dict(only=args.only, targets=targets, wall_s=section["wall_s"]))
     report["tpu"] = tpu_check.with_verdicts(section)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -246,6 +257,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=str(REPORT))
     p.add_argument("--page", default=str(PAGE))
+    p.add_argument("--keep-others", action="store_true",
+                   help="replace only the rows this run compiles in the report's tpu section, keep the others")
     w = sub.add_parser("worker")
     w.add_argument("target")
     w.add_argument("group")
