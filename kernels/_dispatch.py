@@ -22,8 +22,7 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels import tpu
-from probjax_kernels._chunked import _dense_attention, _with_moving
+from probjax_kernels import _chunked, tpu
 from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
@@ -341,16 +340,18 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 
 def hook_shapes(config: FlashConfig) -> list[tuple]:
     """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
-    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend."""
+    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend; the Mosaic TPU
+    dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
     shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes.append(mosaic_hook_shapes(config))
-    if config.backend in tpu.TPU_BACKENDS:  # the TPU dK/dV kernel's transposed (keys, queries) tiles
-        bq, bk = config.block_q_dkv, config.block_k_dkv
-        shapes.append(((), (), (1, bq), (bk, 1), (bk, bq)))
+    if config.backend in tpu.TPU_BACKENDS:
+        shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
+
+
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
@@ -358,7 +359,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
             return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
-        return _xla_forward(problem, q, k, v, q_len, kv_len, optional)
+        return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
     return triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
@@ -371,7 +372,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
             return tpu.backward(problem, tangents, res, d_out, d_lse)
-        return _xla_backward(problem, tangents, res, d_out, d_lse)
+        return _chunked.dense_backward(problem, tangents, res, d_out, d_lse)
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
         return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
@@ -386,7 +387,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
             return tpu.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
-        return _xla_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
+        return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
@@ -403,10 +404,11 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
                 num_score_consts: int) -> triton_decode.DecodePlan:
-    """The decode kernel's static plan. `config.backend=None` is the Triton decode kernel on every GPU
-    (Mosaic included: the decode kernel is Triton's alone) and interpret mode elsewhere."""
+    """The decode kernel's static plan. `config.backend=None` is interpret mode off a GPU and the Triton
+    decode kernel on every GPU (Mosaic included: the decode kernel is Triton's alone)."""
     config = config or DecodeConfig()
     if config.backend is None:
+        # Never the Triton kernel off an NVIDIA GPU: on a TPU the decode kernel runs in interpret mode.
         backend = "triton" if default_backend() in ("triton", "mosaic") else "interpret"
         config = dataclasses.replace(config, backend=backend)
     return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
@@ -432,53 +434,3 @@ def _tpu_takes(problem: _Problem) -> bool:
         warnings.warn(f"FlashConfig(backend={problem.config.backend!r}): the Mosaic TPU kernels cannot run "
                       f"{reason}; this call runs the XLA path (query chunks, not a Pallas kernel).", stacklevel=4)
     return reason is None
-
-
-def _xla_others(optional: dict) -> dict:
-    return {name: x for name, x in optional.items() if name not in ("bias", "score_consts", "d_bias",
-                                                                   "d_score_consts", "kv_tables", "q_tables")}
-
-
-def _xla_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """(out, lse) by `_chunked._dense_attention` (the XLA passes over query chunks), for calls the TPU
-    kernels cannot take; a BlockMask's mask_mod is evaluated per element there, so its tables are not needed."""
-    if problem.features.return_max:
-        raise NotImplementedError("the XLA path of the TPU backend has no max_scores output")
-    return _dense_attention(problem, q, k, v, optional.get("bias"), optional["score_consts"], q_len, kv_len,
-                            _xla_others(optional))
-
-
-def _xla_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """The gradients `backward` returns, by reverse mode through `_dense_attention`."""
-    names = [name for name in ("q", "k", "v", "bias") if getattr(tangents, name)]
-    others = _xla_others(res["others"])
-
-    def dense(moving):
-        args = dict(res, **moving)
-        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], res["score_consts"],
-                                res["q_len"], res["kv_len"], others)
-
-    _, vjp = jax.vjp(dense, {name: res[name] for name in names})
-    (grads,) = vjp((d_out.astype(res["out"].dtype), d_lse))
-    return grads
-
-
-def _xla_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, linear: dict, optional: dict):
-    """(d out, d lse) by forward mode through `_dense_attention`."""
-    primals = dict(q=q, k=k, v=v, bias=optional.get("bias"), score_consts=tuple(optional["score_consts"]))
-    moving = [name for name in ("q", "k", "v") if getattr(tangents, name)]
-    if tangents.bias:
-        moving.append("bias")
-    tangent_of = dict(linear, bias=optional.get("d_bias"))
-    consts_moving = tangents.score_consts
-
-    def dense(moved, moved_consts):
-        args = dict(primals, **moved)
-        consts = _with_moving(primals["score_consts"], consts_moving, moved_consts)
-        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], consts, q_len, kv_len,
-                                _xla_others(optional))
-
-    moved_consts = [c for c, m in zip(primals["score_consts"], consts_moving) if m]
-    _, (d_out, d_lse) = jax.jvp(dense, ({name: primals[name] for name in moving}, moved_consts),
-                                ({name: tangent_of[name] for name in moving}, list(optional["d_score_consts"])))
-    return d_out, d_lse

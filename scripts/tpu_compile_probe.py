@@ -44,6 +44,15 @@ def _variants():
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
         return call
 
+    def with_dense_inputs(q, k, v):  # bias [1, N, T, S] (its gradient too), mask [B, 1, T, S], segments
+        batch, t, n, _ = q.shape
+        bias = jnp.ones((1, n, t, k.shape[1]), q.dtype)
+        mask = jnp.arange(k.shape[1])[None, None, None, :] < jnp.arange(t)[None, None, :, None] + 100
+        segments = jnp.broadcast_to(jnp.arange(t) // 300, (batch, t))
+        return flash_attention(q, k, v, bias=bias * jnp.mean(q), mask=jnp.broadcast_to(mask, (batch, 1, t, t)),
+                               q_segment_ids=segments, kv_segment_ids=segments,
+                               q_lengths=jnp.full((batch,), t - 7), kv_lengths=jnp.full((batch,), t - 3))
+
     big = (1, 4096, 4096, 8, 2, 128, 128)
     slopes = jnp.linspace(0.1, 1.0, 8)  # a captured array (read per head from SMEM), made outside the hook
 
@@ -61,12 +70,30 @@ def _variants():
         ("bf16 causal BlockMask", jnp.bfloat16, big, flex(mask=causal_mask), ("fwd", "bwd")),
         ("bf16 dropout 0.1 causal", jnp.bfloat16, big, flash(causal=True, dropout_rate=0.1, dropout_seed=3),
          ("fwd", "bwd")),
+        ("bf16 hd32 bias + mask + segments + lengths", jnp.bfloat16, (2, 1000, 1000, 4, 4, 32, 32),
+         with_dense_inputs, ("fwd", "bwd")),
+        ("f16 hd16 causal (computed in f32)", jnp.float16, (1, 1000, 1000, 2, 1, 16, 16), flash(causal=True),
+         ("fwd", "bwd", "jvp")),
+        ("bf16 hd16 causal", jnp.bfloat16, (1, 1000, 1000, 2, 1, 16, 16), flash(causal=True), ("fwd", "bwd")),
     ]
 
 
 def _tiles(config) -> tuple[int, ...]:
     return (config.block_q, config.block_k, config.block_q_dq, config.block_k_dq, config.block_q_dkv,
             config.block_k_dkv)
+
+
+def _grids(config, b: int, t: int, s: int, n: int, k: int) -> dict:
+    """The kernels' grids for a call without block tables (with them the step axis is the tables' width):
+    (B, N, query tiles, key steps) for the forward, dQ and tangent; (B, K, key tiles, group x query steps)
+    for dK/dV. T / S are padded to every kernel's tiles (`_autodiff.attention`)."""
+    q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
+    kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
+    t_pad, s_pad = -(-t // q_multiple) * q_multiple, -(-s // kv_multiple) * kv_multiple
+    return {"probjax_tpu_forward": (b, n, t_pad // config.block_q, s_pad // config.block_k),
+            "probjax_tpu_tangent": (b, n, t_pad // config.block_q, s_pad // config.block_k),
+            "probjax_tpu_backward_dq": (b, n, t_pad // config.block_q_dq, s_pad // config.block_k_dq),
+            "probjax_tpu_backward_dkv": (b, k, s_pad // config.block_k_dkv, n // k * (t_pad // config.block_q_dkv))}
 
 
 def _modes(fn, mode: str):
@@ -77,7 +104,7 @@ def _modes(fn, mode: str):
     return lambda q, k, v: jax.jvp(fn, (q, k, v), (q, k, v))[1]
 
 
-def probe(generation: str, verbose: bool = True) -> list[dict]:
+def probe(generation: str, verbose: bool = True, match: str = "") -> list[dict]:
     topology = topologies.get_topology_desc(topology_name=GENERATIONS[generation], platform="tpu",
                                             chips_per_host_bounds=[1, 1, 1])
     device = topology.devices[0]
@@ -89,7 +116,9 @@ def probe(generation: str, verbose: bool = True) -> list[dict]:
         print(f"# {generation} ({device.device_kind}): backend {config.backend!r}, tiles at T = S = 4096 "
               f"(fwd q, fwd k, dQ q, dQ k, dK/dV q, dK/dV k) = {_tiles(config)}")
     rows = []
-    for name, dtype, (b, t, s, n, k, d, dv), fn, modes in _variants():
+    for variant_name, dtype, (b, t, s, n, k, d, dv), fn, modes in _variants():
+        if match not in variant_name:
+            continue
         specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                  for shape in ((b, t, n, d), (b, s, k, d), (b, s, k, dv))]
         for mode in modes:
@@ -99,37 +128,42 @@ def probe(generation: str, verbose: bool = True) -> list[dict]:
                 try:
                     compiled = jax.jit(_modes(fn, mode)).trace(*specs).lower(lowering_platforms=("tpu",)).compile()
                 except Exception as error:  # noqa: BLE001 - every failure is a row of the report
-                    rows.append(dict(generation=generation, variant=name, mode=mode, error=str(error)[:500]))
+                    rows.append(dict(generation=generation, variant=variant_name, mode=mode, error=str(error)[:500]))
                     if verbose:
-                        print(f"{generation} | {name} | {mode} | FAILED: {str(error)[:300]}")
+                        print(f"{generation} | {variant_name} | {mode} | FAILED: {str(error)[:300]}")
                     continue
                 seconds = time.perf_counter() - start
             text = compiled.as_text()
+            with jax.default_device(device):
+                grids = _grids(_dispatch.default_config(None, q_len=t, kv_len=s, head_dim=max(d, dv)), b, t, s, n, k)
             kernels = []
             for line in text.splitlines():
                 call, scoped = _CALL.search(line), _SCOPED.search(line)
                 if call:
-                    kernels.append(dict(kernel=call.group(1), scoped_vmem=int(scoped.group(1)) if scoped else None))
+                    name = call.group(1).rsplit(".", 1)[0]
+                    kernels.append(dict(kernel=name, scoped_vmem=int(scoped.group(1)) if scoped else None,
+                                        grid=None if "BlockMask" in variant_name else grids.get(name)))
             memory = compiled.memory_analysis()
-            row = dict(generation=generation, device_kind=device.device_kind, variant=name, mode=mode,
+            row = dict(generation=generation, device_kind=device.device_kind, variant=variant_name, mode=mode,
                        shape=dict(B=b, T=t, S=s, N=n, K=k, D=d, Dv=dv), dtype=jnp.dtype(dtype).name,
                        compile_s=round(seconds, 2), kernels=kernels,
                        hbm_temp=getattr(memory, "temp_size_in_bytes", None))
             rows.append(row)
             if verbose:
-                vmem = ", ".join(f"{x['kernel']} {x['scoped_vmem'] / 2**20:.2f} MiB" for x in kernels)
-                print(f"{generation} | {name} | {mode} | {seconds:.1f} s | {vmem}")
+                vmem = ", ".join(f"{x['kernel']} grid {x['grid']} {x['scoped_vmem'] / 2**20:.2f} MiB" for x in kernels)
+                print(f"{generation} | {variant_name} | {mode} | {seconds:.1f} s | {vmem}")
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+    parser.add_argument("--match", default="", help="only the variants whose name contains this")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args()
     rows = []
     for generation in args.generations:
-        rows += probe(generation)
+        rows += probe(generation, match=args.match)
     failures = [row for row in rows if "error" in row]
     print(f"{len(rows) - len(failures)} compiled, {len(failures)} failed")
     if args.json:

@@ -87,7 +87,8 @@ def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> com
         return walk
     lo = walk.tile(0)
     visits = lambda j: walk.visited(j - lo) & (j >= lo) & (walk.tile(j - lo) == j)  # noqa: E731
-    return common.Walk(tile=lambda j: j, visited=visits, masked=lambda j: walk.masked(j - lo))
+    return common.Walk(tile=lambda j: j, visited=visits, masked=lambda j: walk.masked(j - lo),
+                       always_masked=walk.always_masked)
 
 
 def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, emit_ds: bool,

@@ -81,13 +81,14 @@ class Walk:
     tile: Callable
     visited: Callable
     masked: Callable
+    always_masked: bool = False  # segments / dense masks: no unmasked variant is compiled
 
 
 def window(problem: _Problem):
     return problem.features.window_left, problem.features.window_right
 
 
-def range_walk(tile_range, num_tiles: int) -> Walk:
+def range_walk(tile_range, num_tiles: int, always_masked: bool) -> Walk:
     """Steps over (lo, full_lo, full_hi, hi) of `_tiles`: step j visits tile lo + j while lo + j < hi."""
     lo, full_lo, full_hi, hi = tile_range
     last = jnp.clip(hi - 1, 0, num_tiles - 1)
@@ -95,6 +96,7 @@ def range_walk(tile_range, num_tiles: int) -> Walk:
         tile=lambda j: jnp.minimum(lo + j, last),
         visited=lambda j: lo + j < hi,
         masked=lambda j: (lo + j < full_lo) | (lo + j >= full_hi),
+        always_masked=always_masked,
     )
 
 
@@ -115,6 +117,7 @@ def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
         tile=entry,
         visited=lambda j: j < n_p + n_f,
         masked=lambda j: (j < n_p) | mask_everywhere,
+        always_masked=mask_everywhere,
     )
 
 
@@ -128,7 +131,7 @@ def q_walk(problem: _Problem, scalars, b, h, i, num_kv_tiles: int) -> Walk:
         return table_walk(scalars.tables, row, problem.per_element_mask_everywhere)
     tile_range = kv_tile_range(i * bq, bq, scalars.q_len[b], scalars.kv_len[b], bk, window(problem), num_kv_tiles,
                                problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_kv_tiles)
+    return range_walk(tile_range, num_kv_tiles, problem.per_element_mask_everywhere)
 
 
 def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -> Walk:
@@ -140,7 +143,7 @@ def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -
         return table_walk(scalars.q_tables, row, problem.per_element_mask_everywhere)
     tile_range = q_tile_range(j * bk, bk, scalars.q_len[b], scalars.kv_len[b], bq, window(problem), num_q_tiles,
                               problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_q_tiles)
+    return range_walk(tile_range, num_q_tiles, problem.per_element_mask_everywhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +343,9 @@ def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len,
 def run_step(walk: Walk, step, body: Callable) -> None:
     """Runs body(masked) for a visited step: the masked or the unmasked variant of the tile's math."""
     visited, masked = walk.visited(step), walk.masked(step)
+    if walk.always_masked:
+        pl.when(visited)(lambda: body(True))
+        return
 
     @pl.when(visited & masked)
     def _():

@@ -71,10 +71,8 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     s_pad, dv_pad = k.shape[1], v.shape[3]
     cfg = problem.config
     bq, bk = cfg.block_q, cfg.block_k
-    # float16 runs and is written as float32 (Mosaic TPU cannot pack float32 into float16 on v5e: "failed to
-    # legalize tpu.pack_subelements"); the cast back to float16 happens outside the kernel.
+    out_dtype = q.dtype
     dtype = common.compute_dtype(q.dtype)
-    out_dtype = dtype
     qh, kh, vh = (common.to_heads(x.astype(dtype)) for x in (q, k, v))
     num_q_tiles, num_kv_tiles = t_pad // bq, s_pad // bk
     group = problem.group
@@ -112,13 +110,14 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     results = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), out_dtype, q, k, v),
+        # float16 leaves the kernel in float32 (Mosaic TPU cannot pack float16), cast below
+        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), dtype, q, k, v),
                    *(row_shape for _ in range(num_out - 1))],
         name="probjax_tpu_forward",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
     )(*scalar_inputs, qh, kh, vh, *extra)
     out, *rows = results
-    return (jnp.swapaxes(out, 1, 2).astype(q.dtype), *(r[..., 0] for r in rows))
+    return (jnp.swapaxes(out, 1, 2).astype(out_dtype), *(r[..., 0] for r in rows))
 
 
 def _table_steps(optional: dict) -> int:

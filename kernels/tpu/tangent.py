@@ -118,7 +118,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
             out_specs=[q_side(dv_pad), row],
             scratch_shapes=[pltpu.VMEM((bq, dv_pad), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)],
         ),
-        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), dtype, *varying),  # float16: as float32
+        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), dtype, *varying),  # float16: cast below
                    common.output((batch, num_heads, t_pad, 1), jnp.float32, *varying)],
         name="probjax_tpu_tangent",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
