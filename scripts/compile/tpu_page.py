@@ -58,6 +58,10 @@ def markdown(section: dict) -> str:
     out = [_INTRO.format(toolchain=", ".join(f"{k} {v}" for k, v in section["toolchain"].items()), rows=len(rows),
                          kernels=sum(len(r.get("kernels") or []) for r in rows), wall=section["wall_s"],
                          jobs=section["jobs"], t1=t1, t2=t2)]
+    if section.get("reran"):
+        r = section["reran"]
+        out.append(f"The variants matching `{r['only']}` were compiled again after a kernel change "
+                   f"(`tpu_report.py run --keep-others`, {r['wall_s']} s); the other rows are from the last run.\n")
     out.append("## Targets\n")
     out.append("| target | topology (chip 0) | device kind | scoped VMEM limit | VMEM | gated |")
     out.append("|---|---|---|---|---|---|")
