@@ -18,9 +18,11 @@ import tpu_variants  # noqa: E402
 # Generations every expected variant must compile for; the others in the report (v4) are shown with their
 # problems reported as open, not failing.
 GATED_TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e")
-# fwd+bwd HBM temp at 2T may be at most this many times that at T (plus the slack below): linear growth
-# doubles it; a [B, N, T, S] buffer would quadruple its part.
-HBM_GROWTH_MAX = 2.2
+# fwd+bwd HBM temp at 2T may be at most this many times that at T (plus the slack below). Linear growth
+# doubles it, but XLA:TPU keeps some buffers of the T compile in VMEM (64-128 MiB) and not at 2T, which
+# measured 2.0 (v5e) to 2.85 (v6e) from T = 4096 to 8192; a [B, N, T, S] buffer (2 GiB in float32 at
+# T = 4096, B = 4, N = 8) would quadruple its part and dwarf the rest.
+HBM_GROWTH_MAX = 3.0
 HBM_SLACK = 4 << 20  # bytes: XLA's placement of small buffers (VMEM or HBM) moves a few MiB either way
 
 

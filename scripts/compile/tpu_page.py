@@ -14,9 +14,10 @@ _INTRO = """# Compile report: the Mosaic TPU kernels, compiled for each TPU gene
 `JAX_PLATFORMS=cpu`), writes this page and the `tpu` section of `docs/compile/report.json`, and fails on a
 compile error, a kernel over its generation's scoped VMEM limit, a variant that should run on the Mosaic TPU
 kernels without its `tpu_custom_call`s, a variant that should fall back to the XLA path compiling a kernel (or
-the reverse), fwd+bwd HBM temp memory growing faster than linearly from T to 2T, or an expected (generation,
+the reverse), fwd+bwd HBM temp memory growing more than {growth}x from T to 2T (a T x S buffer would), or an expected (generation,
 variant) pair missing from the report (`scripts/compile/tpu_check.py`). CI (`.ci/run`) runs it after the GPU
-part. Last run: {rows} compiles, {kernels} tpu_custom_calls, {wall} s wall with {jobs} worker processes.
+part. Last run: {rows} compiles, {kernels} tpu_custom_calls, {wall} s wall with {jobs} worker processes (on a
+2-core machine shared with other jobs; the compile times below are wall times under that load).
 
 **What it proves:** each kernel lowers through Mosaic TPU and compiles for the generation at the tiles the
 TPU dispatch picks there; the scoped VMEM the compiler allotted it (its double-buffered blocks and scratch),
@@ -57,7 +58,7 @@ def markdown(section: dict) -> str:
     t1, t2 = section.get("hbm_rule", {}).get("lengths", ("T", "2T"))
     out = [_INTRO.format(toolchain=", ".join(f"{k} {v}" for k, v in section["toolchain"].items()), rows=len(rows),
                          kernels=sum(len(r.get("kernels") or []) for r in rows), wall=section["wall_s"],
-                         jobs=section["jobs"], t1=t1, t2=t2)]
+                         jobs=section["jobs"], t1=t1, t2=t2, growth=section.get("hbm_rule", {}).get("max_growth"))]
     if section.get("reran"):
         r = section["reran"]
         out.append(f"The variants matching `{r['only']}` were compiled again after a kernel change "
@@ -77,7 +78,7 @@ def markdown(section: dict) -> str:
     else:
         out.append("CI passes: every expected variant compiled for every gated generation, each kernel within the "
                    "scoped VMEM limit, a `tpu_custom_call` for every kernel the dispatch runs, the fallbacks "
-                   "where expected, and linear HBM growth.")
+                   "where expected, and HBM temp growing linearly (within the rule above) from T to 2T.")
     if shown:
         out.append("\n**Open** (generations shown but not gated; reported, not failing):\n")
         out += [f"- {p}" for p in shown]
@@ -142,6 +143,9 @@ def _flex_table(section: dict) -> list[str]:
 def _hbm_table(section: dict) -> list[str]:
     t1, t2 = section.get("hbm_rule", {}).get("lengths", (None, None))
     out = [f"\n## HBM temp of fwd+bwd at T = {t1} and 2T = {t2} (bf16, hd128, causal, B=4, N=8)\n",
+           "Linear growth doubles the temp; XLA:TPU keeps some of the T compile's buffers in VMEM and not the 2T "
+           "one's, which raises the ratio above 2 on some generations. A [B, N, T, S] float32 buffer would add "
+           "2 GiB at T and 8 GiB at 2T.\n",
            "| target | temp at T | temp at 2T | ratio | arguments at 2T |", "|---|---|---|---|---|"]
     for target in section["targets"]:
         pair = {r["q_len"]: r for r in section["rows"] if r["target"] == target and r["group"] == "hbm"}
@@ -154,7 +158,7 @@ def _hbm_table(section: dict) -> list[str]:
 
 # Our variants set beside each peer: the same problem (bf16, hd128, B=4, N=8, seq 1024, fwd+bwd).
 _OURS_FOR_PEERS = ("tpu_grad_d128_bf16_causal", "tpu_grad_d128_bf16_full", "tpu_grad_d128_bf16_window",
-                   "tpu_grad_d128_gqa8to2_bf16_causal")
+                   "tpu_grad_d128_gqa8to2_bf16_causal", "tpu_hbm_grad_d128_bf16_causal_T4096")
 
 
 def _peer_table(section: dict) -> list[str]:
@@ -167,6 +171,8 @@ def _peer_table(section: dict) -> list[str]:
            "| target | variant | kernels | max scoped VMEM | HBM temp | compile s | takes |",
            "|---|---|---|---|---|---|---|"]
     for target in section["targets"]:
+        if not any(r["target"] == target and r["group"] == "peer" for r in section["rows"]):
+            continue  # peers compile for the gated generations only
         rows = [r for r in section["rows"] if r["target"] == target and
                 (r["group"] == "peer" or r["variant"] in _OURS_FOR_PEERS)]
         for r in sorted(rows, key=lambda r: (r["group"] == "peer", r["variant"])):
