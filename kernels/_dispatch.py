@@ -1,13 +1,16 @@
-"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels and the
-Mosaic GPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
+"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels, the
+Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
 
 - `default_backend`: what `FlashConfig.backend=None` means on this device; `default_config` fills the other
   `None` fields with that backend's tiles.
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
-- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic kernels cannot take runs on
-  Triton (Pallas interpret mode on the CPU); the tangent always does.
+- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
+  on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
+  TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
+  on `_TPU_TILES` per generation; what `tpu.unsupported` names runs the XLA path of `_chunked` with a
+  warning, never a GPU kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.tpu import decode as tpu_decode
 from probjax_kernels.triton import backward as triton_backward
 from probjax_kernels.triton import decode as triton_decode
 from probjax_kernels.triton import forward as triton_forward
@@ -210,17 +214,19 @@ def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> F
 
 
 def tangent_config(
-    config: FlashConfig, head_dim: int, tables: bool = False, float32: bool = False
+    config: FlashConfig, head_dim: int, tables: bool = False, dtype=None
 ) -> FlashConfig:
     """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
     query tile of at most 32. It holds q, its tangent and two accumulators, so the
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. float32 (FMA dots) takes a query tile of at most 16
-    too: 32 spills 488 B at head dim 128 on sm_86. Interpret mode keeps `config`."""
+    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
+    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86.
+    Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
     if not tables and (float32 or head_dim > 128):
@@ -390,7 +396,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
-    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
+    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
     if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
         rows, cols = (config.block_q, 1), (1, config.block_k)
         indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
@@ -403,24 +409,30 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
-                num_score_consts: int) -> triton_decode.DecodePlan:
-    """The decode kernel's static plan. `config.backend=None` is interpret mode off a GPU and the Triton
-    decode kernel on every GPU (Mosaic included: the decode kernel is Triton's alone)."""
+                num_score_consts: int) -> triton_decode.DecodePlan | tpu_decode.TpuDecodePlan:
+    """The decode kernel's static plan. `config.backend=None` is the Triton decode kernel on every GPU
+    (Mosaic included: the GPU decode kernel is Triton's alone), the Mosaic TPU one on a TPU and interpret
+    mode elsewhere."""
     config = config or DecodeConfig()
     if config.backend is None:
-        # Never the Triton kernel off an NVIDIA GPU: on a TPU the decode kernel runs in interpret mode.
-        backend = "triton" if default_backend() in ("triton", "mosaic") else "interpret"
+        backend = {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "interpret")
         config = dataclasses.replace(config, backend=backend)
+    if config.backend in tpu.TPU_BACKENDS:
+        generation = "interpret" if config.backend == "tpu_interpret" else tpu_generation()
+        return tpu_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts, generation)
     return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
 
 
-def decode(plan: triton_decode.DecodePlan, q, k, v, kv_lengths, block_tables, consts):
+def decode(plan, q, k, v, kv_lengths, block_tables, consts):
     """(out [B, T, N, Dv], lse [B, N, T]) of a decode call, by the kernel its plan was made for."""
-    return triton_decode.decode(plan, q, k, v, kv_lengths, block_tables, consts)
+    kernel = tpu_decode if isinstance(plan, tpu_decode.TpuDecodePlan) else triton_decode
+    return kernel.decode(plan, q, k, v, kv_lengths, block_tables, consts)
 
 
 def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """The decode kernel's hook arguments for a (rows, cols) tile (`triton/decode.hook_args`)."""
+    """The decode kernels' hook arguments for a (rows, cols) tile (`triton/decode.hook_args`): a float32 score
+    tile, b a scalar, h and q_idx columns, kv_idx a row. The TPU kernel passes the same (h a scalar instead
+    for a hook that reads a captured array at h: `tpu/decode.py`)."""
     return triton_decode.hook_args(score, rows, cols)
 
 

@@ -28,7 +28,7 @@ from jax.sharding import SingleDeviceSharding
 from probjax_kernels import alibi, causal_mask, create_block_mask, flash_attention, flex_attention
 from probjax_kernels import _dispatch, sliding_window, softcap
 
-GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 _CALL = re.compile(r"%(\S+) = .*custom_call_target=\"tpu_custom_call\"")
 _SCOPED = re.compile(r'"used_scoped_memory_configs":\[\{[^]]*"size":"(\d+)"')
 
@@ -157,7 +157,7 @@ def probe(generation: str, verbose: bool = True, match: str = "") -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+    parser.add_argument("--generations", nargs="*", default=["v5e", "v5p", "v6e"], choices=list(GENERATIONS))
     parser.add_argument("--match", default="", help="only the variants whose name contains this")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args()

@@ -127,12 +127,24 @@ def test_long_ragged_float16_forward():
 
 def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
     """relative_bias reads its table at kv_idx - q_idx (document_mask its ids at q_idx and kv_idx alike): a
-    vector gather, which Mosaic TPU cannot lower. The call warns, naming the op, and computes on XLA."""
+    vector gather, which Mosaic TPU cannot lower. The call warns, naming the op, and computes on XLA: forward,
+    gradients (the table's too) and jvp."""
     q, k, v = random_qkv(13, 1, 24, 24, 2, 2, 32)
     table = jax.random.normal(jax.random.key(14), (2, 47))
+
+    def of(attention, **extra):
+        return lambda q, k, v, table: attention(q, k, v, score_mod=relative_bias(table), return_lse=True, **extra)
+
     with pytest.warns(UserWarning, match="score_mod .op `gather`"):
-        out = flex_attention(q, k, v, score_mod=relative_bias(table), config=TPU)
-    assert_close(out, flex_attention_reference(q, k, v, score_mod=relative_bias(table)), jnp.float32, "out")
+        out, lse = check_gradients(of(flex_attention, config=TPU), of(flex_attention_reference), (q, k, v, table),
+                                   jnp.float32)
+        tangents = tuple(jax.random.normal(jax.random.key(30 + i), x.shape) for i, x in enumerate((q, k, v, table)))
+        _, (d_out, d_lse) = jax.jvp(of(flex_attention, config=TPU), (q, k, v, table), tangents)
+    expected, expected_lse = flex_attention_reference(q, k, v, score_mod=relative_bias(table), return_lse=True)
+    _, (want_out, want_lse) = jax.jvp(of(flex_attention_reference), (q, k, v, table), tangents)
+    for name, got, want in (("out", out, expected), ("lse", lse, expected_lse), ("d out", d_out, want_out),
+                            ("d lse", d_lse, want_lse)):
+        assert_close(got, want, jnp.float32, name)
 
 
 @pytest.mark.parametrize("kind, generation", [

@@ -200,7 +200,8 @@ def _smem_whole() -> pl.BlockSpec:
 
 
 def smem_array(x):
-    """A hook array / seed as SMEM takes it: 32-bit, at least 1-d."""
+    """A hook array (float32 / int32: `vet.py`) or the dropout seed (uint32, bit-cast to int32 and back by
+    `keep_mask`'s conversion) as SMEM takes it: 32-bit, at least 1-d."""
     x = jnp.asarray(x)
     if x.dtype == jnp.uint32:
         x = lax.bitcast_convert_type(x, jnp.int32)

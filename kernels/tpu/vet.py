@@ -19,7 +19,7 @@ from jax.extend import core as jex_core
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _Problem
 
-_SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint32), jnp.dtype(jnp.bool_))
+_SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
 
 
 def hook_shapes(block_q: int, block_k: int, transposed: bool) -> tuple:
@@ -43,7 +43,7 @@ def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool) -> str 
     its jvp in the score too (the backward kernels)."""
     for shape, dtype in hook.const_avals:
         if jnp.dtype(dtype) not in _SMEM_DTYPES:
-            return f"it captures a {jnp.dtype(dtype).name} array (SMEM scalars are 32-bit)"
+            return f"it captures a {jnp.dtype(dtype).name} array (the kernels read hook arrays as 32-bit SMEM scalars)"
     specs = _specs(shapes, with_score)
     jaxpr = hook._jaxpr(specs)
     reason = jaxpr_problem(jaxpr, set(jaxpr.constvars))
