@@ -140,9 +140,10 @@ def default_config(
     """
     config = config or FlashConfig()
     backend = config.backend or default_backend()
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     if backend == "interpret":
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
-    elif dtype is not None and jnp.dtype(dtype) == jnp.float32:
+    elif float32:
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles_float32(head_dim)
     else:
         large = backend in ("mosaic", "mosaic_interpret") or smem_per_block() >= _LARGE_SMEM
@@ -151,9 +152,11 @@ def default_config(
     def pick(value: int | None, default: int, seq_len: int) -> int:
         return value if value is not None else _fit_block(default, seq_len)
 
-    if backend in ("mosaic", "mosaic_interpret"):
+    if backend == "mosaic_interpret" or (backend == "mosaic" and not float32):
         # The Mosaic forward's CTA: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
-        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles.
+        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles. float32 inputs
+        # run on the Triton kernels (the Mosaic ones take 16-bit), so they keep the float32 Triton tiles: the
+        # Mosaic forward's 128 x 128 needed 262,144 B of shared memory there (sm_90a has 232,448).
         fwd_q, fwd_k, stages = 128, 128 if head_dim <= 128 else 64, 2
     return FlashConfig(
         block_q=pick(config.block_q, fwd_q, q_len),

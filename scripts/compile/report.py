@@ -3,13 +3,17 @@ XLA, Triton, Mosaic GPU and ptxas) and report registers, spills, shared memory, 
 / copy instructions of each kernel. Run it through scripts/compile_check.sh, which installs the toolchain.
 
     python scripts/compile/report.py run --toolchain DIR [--targets sm90a_h100,...] [--only REGEX]
-    python scripts/compile/report.py check [docs/compile/report.json]
+    python scripts/compile/report.py check [docs/compile/report.json] [--targets ...] [--only REGEX]
     python scripts/compile/report.py markdown [docs/compile/report.json]
 
 `run` starts one worker process per (target, group) shard, two at a time (`--jobs`), writes
-docs/compile/report.json and docs/compile/index.md, then checks. `check` exits 1 on a compile error, a spill,
-shared memory over the target's limit, a Hopper Triton kernel without wgmma where the report expects it, or a
-Mosaic kernel without TMA or wgmma.
+docs/compile/report.json and docs/compile/index.md, then checks what it compiled. `check` fails closed: the
+registry (scripts/compile/variants.py) is the expected set, and a (target, variant) pair missing from the
+report, a row the registry lacks, a required kernel missing (or one not expected), a compile error (a variant
+that raised while being built included), or an empty expected set fails it; then, per kernel, a spill outside
+`SPILLS`' capped entries, shared memory over the target's limit, and the instruction checks: on Hopper, TMA
+and wgmma in Mosaic kernels and a wgmma share of at least `MIN_WGMMA_SHARE` (`LOW_WGMMA_SHARE` per kernel);
+on sm_80 / sm_86, mma.sync and cp.async in 16-bit kernels.
 """
 
 from __future__ import annotations
@@ -29,57 +33,47 @@ REPO = Path(__file__).resolve().parents[2]
 TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "index.md"
-TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants as registry  # noqa: E402 - the expected set: scripts/compile/variants.py
+
+TARGETS = registry.GPU_TARGETS
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
 KERNEL_PREFIXES = ("probjax_", "mha_")  # the Pallas kernels' names: ours, then the peers' (JAX's mha)
-# Triton kernels that use no wgmma on Hopper by design, with the reason (docs/compile/index.md repeats it):
-# Triton picks mma.sync (HMMA) for a dot whose operands it cannot stage in shared memory in wgmma's layout
-# within its shared-memory budget; at head dim 256 the backward's tiles are 32 wide.
-NO_WGMMA_OK = {
-    ("probjax_flash_backward_dq", 256): "hd256 backward: 32-wide tiles, Triton emits mma.sync",
-    ("probjax_flash_backward_dkv", 256): "hd256 backward: 32-wide tiles, Triton emits mma.sync",
-    ("probjax_flash_tangent", 256): "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync",
+
+# Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
+# spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried.
+SPILLS = {
+    # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
+}
+
+# Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the
+# SASS, must be at least MIN_WGMMA_SHARE for 16-bit inputs. The kernels below fall short by design or for now,
+# each with the least share it must keep (so a further drop fails) and why; docs/perf-notes.md has figures.
+MIN_WGMMA_SHARE = 0.5
+LOW_WGMMA_SHARE = {
+    # (kernel, head dim): (least share, why)
+    (registry.DKV, 128): (0.1, "dK/dV's 32-query steps: S^T / dP^T tiles of 32 rows are below wgmma's 64, so "
+                               "Triton emits mma.sync for them; only dV / dK's 64-row products are wgmma"),
+    (registry.DQ, 256): (0.0, "hd256 backward: 32-wide tiles, Triton emits mma.sync"),
+    (registry.DKV, 256): (0.0, "hd256 backward: 32-wide tiles, Triton emits mma.sync"),
+    (registry.TANGENT, 256): (0.0, "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync"),
 }
 # A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
 # apply and Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls,
 # bounds it. The T = 16, GQA 32:8 variants (64 rows) must use wgmma.
 NO_WGMMA_VARIANTS = {r"^decode_.*(_t1|_t4|_gqa8to2)": "decode tiles of under 64 query rows: mma.sync"}
 
-# Spills the report knows of and CI tolerates, each capped (a larger spill, or one in any other kernel or
-# variant, fails): in the Mosaic GPU backward, which is opt-in (FlashConfig(backend="mosaic") or
-# PROBJAX_MOSAIC=1; no default picks it), at head dim 128, and in the float32 Triton dK/dV at head dim >= 128. docs/compile/index.md and docs/perf-notes.md give
-# the figures; removing them needs kernel work (dS^T / dP^T tiles of 64 queries, or hooks on 64-row tiles).
-KNOWN_SPILLS = {
-    # (kernel, variant regex): (max spill store bytes, max spill load bytes, why)
-    ("probjax_mosaic_backward_dkv", r"^mosaic_grad_d128_.*(causal|window)"):
-        (128, 240, "masked steps at head dim 128 (40-48 B; 120 B stores / 228 B loads with GQA 8 -> 2, ptxas "
-                   "12.9.86): the causal / window index tiles on top of dK, dV, P^T and dP^T"),
-    ("probjax_mosaic_backward_dkv", r"^mosaic_flex_grad_d128_"):
-        (2600, 3200, "hooks at head dim 128 run on 128 x 128 tiles: S^T and dP^T of 128 queries per step"),
-    ("probjax_flash_backward_dkv", r"^flash_grad_d(128|256)_f32_"):
-        (2400, 4000, "float32 dK/dV at head dim 128 / 256 (about 0.3 / 2 KB): FMA dots (Precision.HIGHEST) "
-                     "with K, V, dK and dV resident spill at every tile tried; the default kernel's only spill"),
-    ("probjax_mosaic_backward_dq", r"^mosaic_flex_grad_d128_"):
-        (600, 640, "hooks at head dim 128 run on 128 x 128 tiles: S and dP of 128 keys per step"),
-}
+
+def spill_cap(kernel: str, target: str, variant: str) -> tuple | None:
+    return SPILLS.get((kernel, target, variant))
 
 
-# Variants the report compiles and shows failing, which CI reports as OPEN instead of failing, each with why.
-OPEN = {
-    r"^flex_grad_d128_bf16_relative_bias$": "the relative-bias table's gather in the forward at head dim 128 "
-                                            "spills 40-48 B on sm_80 / sm_86 (none on sm_90a)",
-}
-
-
-def is_open(variant: str) -> str | None:
-    return next((why for pattern, why in OPEN.items() if re.search(pattern, variant)), None)
-
-
-def known_spill(kernel: str, variant: str) -> tuple | None:
-    for (name, pattern), cap in KNOWN_SPILLS.items():
-        if name == kernel and re.search(pattern, variant):
-            return cap
-    return None
+def expected(targets=None, only: str | None = None) -> list[tuple[str, registry.Variant]]:
+    """The (target, variant) pairs a report must hold: every variant of the registry on each target it applies
+    to, among `targets` (all the registry's by default) and the variants whose name matches `only`."""
+    targets = targets or TARGETS
+    return [(t, v) for v in registry.variants() for t in targets
+            if t in v.targets and not (only and not re.search(only, v.name))]
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -168,7 +162,6 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
         MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1",
         XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
     )
-    sys.path.insert(0, str(REPO / "scripts"))
     _import_kernels()
     import warnings
 
@@ -177,7 +170,6 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    import variants as compile_variants
     from probjax_kernels import default_config
 
     limits = target_limits(target)
@@ -187,15 +179,13 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     sharding = SingleDeviceSharding(device)
     seen = {dirname: set() for dirname in (ptxas_dir, xla_dir, mosaic_dir)}
     rows = []
-    for variant in compile_variants.variants():
-        if variant.group != group or (only and not re.search(only, variant.name)):
-            continue
-        hopper_only = variant.group in ("mosaic", "control") or variant.backend == "mosaic"
-        if hopper_only and not limits["arch"].startswith("sm_90"):
+    for _, variant in expected([target], only):
+        if variant.group != group:
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
-                   mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len)
+                   mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
+                   requires=list(variant.requires))
         start = time.perf_counter()
         try:
             with jax.default_device(device):
@@ -204,9 +194,11 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
                 config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
                                         q_len=variant.q_len, kv_len=variant.kv_len,
                                         head_dim=max(variant.head_dim, variant.value_dim or 0),
-                                        dtype=compile_variants._DTYPES[variant.dtype])
+                                        dtype=registry.dtype_of(variant.dtype))
                 if variant.group not in ("decode", "peer"):  # those have configs of their own
                     row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
+                if variant.mode == "jvp":
+                    row["tangent_config"] = _tangent_tiles(config, variant)
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
@@ -227,6 +219,21 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
               + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
               file=sys.stderr, flush=True)
     return rows
+
+
+def _tangent_tiles(config, variant) -> dict:
+    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`; a BlockMask's tables keep the
+    forward's query tile). It takes the dtype (`dtype=`) or, in older checkouts, a float32 flag."""
+    import inspect
+
+    from probjax_kernels import _dispatch
+
+    dtype = registry.dtype_of(variant.dtype)
+    extra = ({"dtype": dtype} if "dtype" in inspect.signature(_dispatch.tangent_config).parameters
+             else {"float32": variant.dtype == "f32"})
+    tables = variant.name.endswith(("_sliding_window", "_document_mask"))
+    tangent = _dispatch.tangent_config(config, max(variant.head_dim, variant.value_dim or 0), tables, **extra)
+    return {k: v for k, v in vars(tangent).items() if k != "backend"}
 
 
 def _import_kernels():
@@ -290,51 +297,112 @@ def _kernel_row(limits, entry, lowering, threads, smem, sass) -> dict:
 # ------------------------------------------------------------------------------------------------- check
 
 
-def row_problems(row: dict, limits: dict) -> list[str]:
-    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`)."""
+def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> list[str]:
+    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`;
+    `variant`: the registry's entry of the row, None when the registry has none)."""
     where = f"{row['target']} {row['variant']}"
+    if variant is None:
+        return [f"{where}: not in the registry (scripts/compile/variants.py): a stale report"]
     if row["group"] == "peer":
         return []  # peers (JAX's own kernels) are shown side by side, not held to our checks
     if row["status"] != "ok":
         return [f"{where}: compile error: {row.get('error')}"]
-    out = [] if row["kernels"] else [f"{where}: no Pallas kernel found in the compile (it would prove nothing)"]
+    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
     for kernel in row["kernels"]:
-        name = f"{where} {kernel['kernel']}"
-        cap = known_spill(kernel["kernel"], row["variant"])
-        if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
-                cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
-            out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
-        if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
-            out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
-        if not row["arch"].startswith("sm_90"):
-            continue
-        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
-            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
-                       f"(HGMMA {kernel['HGMMA']})")
-        exempt = ((kernel["kernel"], row["head_dim"]) in NO_WGMMA_OK or row["dtype"] == "f32"
-                  or any(re.search(pattern, row["variant"]) for pattern in NO_WGMMA_VARIANTS))
-        if kernel["lowering"] == "triton" and not kernel["HGMMA"] and not exempt:
-            out.append(f"{name}: a Hopper Triton kernel without wgmma (HGMMA 0)")
+        out += gpu_kernel_problems(row, kernel, limits)
     return out
 
 
-def problems(report: dict, open_ones: bool = False) -> list[str]:
-    """Every reason the report fails CI, one line each; with `open_ones`, the problems of the `OPEN` variants
-    instead (reported, not failing)."""
-    limits = {t: target_limits(t) for t in report["targets"]}
-    return [line for row in report["rows"] if bool(is_open(row["variant"])) == open_ones
-            for line in row_problems(row, limits[row["target"]])]
+def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
+    """A compile must hold exactly the kernels the registry requires of it (`Variant.requires`): one missing
+    (a backward kernel gone, a Mosaic call that ran on Triton) or one it does not expect fails."""
+    ours = {name for name in found if name.startswith("probjax_")}
+    out = []
+    if not requires:
+        out.append(f"{where}: the registry requires no kernel of it (it would prove nothing)")
+    missing = sorted(set(requires) - ours)
+    if missing:
+        out.append(f"{where}: missing kernel(s) {', '.join(missing)} (found: {', '.join(sorted(ours)) or 'none'})")
+    extra = sorted(ours - set(requires))
+    if extra:
+        out.append(f"{where}: kernel(s) the registry does not expect: {', '.join(extra)}")
+    return out
 
 
-def check(path: Path) -> int:
+def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
+    """An NVIDIA kernel's figures against the rules: no spill (outside `SPILLS`' capped entries), shared
+    memory within the target's limit; on Hopper, Mosaic kernels with TMA and wgmma and 16-bit kernels whose
+    matmuls are mostly wgmma (`MIN_WGMMA_SHARE`, `LOW_WGMMA_SHARE`); on sm_80 / sm_86, 16-bit kernels with
+    mma.sync (HMMA) and cp.async (LDGSTS) where the kernel pipelines (num_stages >= 2, and decode)."""
+    name = f"{row['target']} {row['variant']} {kernel['kernel']}"
+    out = []
+    cap = spill_cap(kernel["kernel"], row["target"], row["variant"])
+    if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
+            cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
+        out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
+    if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
+        out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
+    sixteen_bit = row["dtype"] != "f32"  # float32 dots run at Precision.HIGHEST: FMA, no tensor cores
+    if limits["arch"].startswith("sm_90"):
+        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
+            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
+                       f"(HGMMA {kernel['HGMMA']})")
+        if sixteen_bit and not any(re.search(p, row["variant"]) for p in NO_WGMMA_VARIANTS):
+            share = wgmma_share(kernel)
+            least, _ = LOW_WGMMA_SHARE.get((kernel["kernel"], max(row["head_dim"], row["value_dim"] or 0)),
+                                           (MIN_WGMMA_SHARE, ""))
+            if share is None or share < least:
+                out.append(f"{name}: wgmma share {share if share is None else round(share, 2)} (HGMMA "
+                           f"{kernel['HGMMA']}, HMMA {kernel['HMMA']}) under {least}")
+    elif sixteen_bit:
+        if not kernel["HMMA"]:
+            out.append(f"{name}: 16-bit matmuls without mma.sync (HMMA 0)")
+        pipelined = row["group"] == "decode" or (row.get("config") or {}).get("num_stages", 1) >= 2
+        if pipelined and not kernel["LDGSTS"]:
+            out.append(f"{name}: a pipelined kernel without cp.async (LDGSTS 0)")
+    return out
+
+
+def wgmma_share(kernel: dict) -> float | None:
+    """HGMMA / (HGMMA + HMMA) of a kernel's SASS; None when it has neither (no tensor-core matmul)."""
+    total = kernel["HGMMA"] + kernel["HMMA"]
+    return kernel["HGMMA"] / total if total else None
+
+
+def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
+    """Every reason the report fails CI, one line each: the registry's expected (target, variant) pairs
+    (`expected(targets, only)`) each present exactly once and passing `row_problems`, and nothing else. An
+    empty expected set fails: a check of nothing proves nothing."""
+    pairs = expected(targets, only)
+    whole = not only and set(targets or TARGETS) == set(TARGETS)  # then a row the registry lacks is stale
+    if not pairs:
+        return [f"no variant of the registry matches (targets {targets or 'all'}, only {only!r}): nothing checked"]
+    want = {(t, v.name): v for t, v in pairs}
+    limits = {t: target_limits(t) for t in {t for t, _ in pairs}}
+    out, seen = [], set()
+    for row in report.get("rows", []):
+        key = (row["target"], row["variant"])
+        if key in seen:
+            out.append(f"{key[0]} {key[1]}: compiled twice in the report")
+            continue
+        seen.add(key)
+        if key in want:
+            out += row_problems(row, limits[row["target"]], want[key])
+        elif whole:
+            out += row_problems(row, {}, None)
+    out += [f"{t} {name}: missing from the report (the registry expects it on {t})"
+            for (t, name) in want if (t, name) not in seen]
+    return out
+
+
+def check(path: Path, targets=None, only: str | None = None) -> int:
     report = json.loads(path.read_text())
-    found = problems(report)
-    for line in problems(report, open_ones=True):
-        print(f"compile_report: OPEN {line}")
+    found = problems(report, targets, only)
     for line in found:
         print(f"compile_report: FAIL {line}")
-    kernels = sum(len(r["kernels"]) for r in report["rows"])
-    print(f"compile_report: {len(report['rows'])} compiles, {kernels} kernels, {len(found)} problems")
+    kernels = sum(len(r["kernels"]) for r in report.get("rows", []))
+    print(f"compile_report: {len(report.get('rows', []))} compiles, {kernels} kernels, "
+          f"{len(expected(targets, only))} expected, {len(found)} problems")
     return 1 if found else 0
 
 
@@ -343,10 +411,14 @@ def check(path: Path) -> int:
 
 def run(args) -> int:
     targets = args.targets.split(",")
-    sys.path.insert(0, str(REPO / "scripts"))
     groups = ["mosaic", "triton", "control", "decode", "peer"]  # the longest shard first
-    shards = [(t, g) for g in groups for t in targets if not (g in ("mosaic", "control") and not
-                                                              target_limits(t)["arch"].startswith("sm_90"))]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise SystemExit(f"compile_report: --targets {','.join(unknown)}: not a target of the registry {TARGETS}")
+    pairs = expected(targets, args.only)
+    if not pairs:  # a run of nothing must not pass
+        raise SystemExit(f"compile_report: FAIL: no variant matches --only {args.only!r} on {','.join(targets)}")
+    shards = [(t, g) for g in groups for t in targets if any(pt == t and v.group == g for pt, v in pairs)]
     start = time.perf_counter()
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
@@ -357,16 +429,18 @@ def run(args) -> int:
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
-        wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, rows=rows,
+        wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, only=args.only, expected=len(pairs),
+        rows=rows,
     ))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     import page as compile_page
 
-    Path(args.page).write_text(compile_page.markdown(report, problems(report), problems(report, True)))
+    found = problems(report, targets, args.only)
+    Path(args.page).write_text(compile_page.markdown(report, found))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
-    return check(out)
+    return check(out, targets, args.only)
 
 
 def _shard(target, group, toolchain, only) -> list[dict]:
@@ -409,8 +483,10 @@ def main() -> int:
     w.add_argument("--toolchain", type=Path, required=True)
     w.add_argument("--only")
     w.add_argument("--json", type=Path, required=True)
-    c = sub.add_parser("check")
+    c = sub.add_parser("check", help="check a report against the whole registry (or --targets / --only of it)")
     c.add_argument("report", nargs="?", default=str(REPORT))
+    c.add_argument("--targets", help="a comma-separated subset of the targets (default: all)")
+    c.add_argument("--only", help="a regex: check only the registry's variants whose name matches")
     m = sub.add_parser("markdown")
     m.add_argument("report", nargs="?", default=str(REPORT))
     args = parser.parse_args()
@@ -420,29 +496,28 @@ def main() -> int:
         args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only)))
         return 0
     if args.command == "check":
-        return check(Path(args.report))
-    sys.path.insert(0, str(REPO / "scripts"))
+        return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
     import page as compile_page
 
     path = Path(args.report)
     report = _with_verdicts(json.loads(path.read_text()))
     path.write_text(json.dumps(report, indent=1) + "\n")
-    PAGE.write_text(compile_page.markdown(report, problems(report), problems(report, True)))
+    PAGE.write_text(compile_page.markdown(report, problems(report)))
     return 0
 
 
 def _with_verdicts(report: dict) -> dict:
-    """The report with this script's verdicts (each row's problems / open, the rules' lists), recomputed from
-    the figures: `markdown` refreshes a committed report after a rule changes, without compiling."""
+    """The report with this script's verdicts (each row's problems, the rules' lists), recomputed from the
+    figures: `markdown` refreshes a committed report after a rule changes, without compiling."""
+    by_name = {v.name: v for v in registry.variants()}
     for row in report["rows"]:  # the verdict travels with the row (tests/test_compile_report.py reads it)
-        row["problems"] = row_problems(row, target_limits(row["target"]))
-        row["open"] = is_open(row["variant"])
+        row["problems"] = row_problems(row, target_limits(row["target"]), by_name.get(row["variant"]))
     report.update(
-        no_wgmma_ok=[dict(kernel=k, head_dim=d, why=w) for (k, d), w in NO_WGMMA_OK.items()],
+        min_wgmma_share=MIN_WGMMA_SHARE,
+        low_wgmma_share=[dict(kernel=k, head_dim=d, least=c[0], why=c[1]) for (k, d), c in LOW_WGMMA_SHARE.items()],
         no_wgmma_variants=[dict(variants=k, why=v) for k, v in NO_WGMMA_VARIANTS.items()],
-        open=[dict(variants=k, why=v) for k, v in OPEN.items()],
-        known_spills=[dict(kernel=k, variants=v, max_stores=c[0], max_loads=c[1], why=c[2])
-                      for (k, v), c in KNOWN_SPILLS.items()],
+        spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
+                for (k, t, v), c in SPILLS.items()],
     )
     return report
 
