@@ -314,10 +314,39 @@ def hook_shapes(config: FlashConfig) -> list[tuple]:
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
-    Triton."""
+    Triton (`triton_fallback_config`'s tiles on backend "mosaic")."""
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
-    return triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
+    config = triton_fallback_config(problem.config, max(q.shape[3], v.shape[3]))
+    return triton_forward.forward(_retiled(problem, config), q, k, v, q_len, kv_len, optional)
+
+
+def triton_fallback_config(config: FlashConfig, head_dim: int) -> FlashConfig:
+    """The Triton forward's tiles for a call backend "mosaic" runs on Triton (what the Mosaic forward lacks,
+    `_mosaic_takes`): at most the Triton forward's own tiles for the head dim on a large-shared-memory GPU.
+    The Mosaic forward's 128 x 128 CTA holds 229,376 B of shared memory in the Triton forward at head dim 128
+    and spilled 32 B with a relative-bias table on sm_90a (docs/perf-notes.md). Halving a power-of-two tile
+    keeps it a divisor of the padded lengths and of every block table's block ("mosaic_interpret" takes the
+    same tiles, so the CPU tests run this path). Other backends keep `config`."""
+    if config.backend not in ("mosaic", "mosaic_interpret"):
+        return config
+    block_q, block_k = _triton_tiles(head_dim, large_smem=True)[:2]
+    return dataclasses.replace(config, block_q=min(config.block_q, block_q), block_k=min(config.block_k, block_k))
+
+
+def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
+    """`problem` on `config`'s tiles, its hooks traced at the new forward tile too (`_chunked._prepare_hooks`
+    traced them at the tiles of `hook_shapes`)."""
+    if config == problem.config:
+        return problem
+    f = problem.features
+    rows, cols = (config.block_q, 1), (1, config.block_k)
+    indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
+    if f.score_mod is not None:
+        f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
+    if f.mask_mod is not None:
+        f.mask_mod.prepare(*indices)
+    return dataclasses.replace(problem, config=config)
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
@@ -336,14 +365,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
-    if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
-        rows, cols = (config.block_q, 1), (1, config.block_k)
-        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
-        if f.score_mod is not None:
-            f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
-        if f.mask_mod is not None:
-            f.mask_mod.prepare(*indices)
-        problem = dataclasses.replace(problem, config=config)
+    problem = _retiled(problem, config)
     return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
 
 

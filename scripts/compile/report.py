@@ -435,10 +435,8 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    import page as compile_page
-
     found = problems(report, targets, args.only)
-    Path(args.page).write_text(compile_page.markdown(report, found))
+    _write_pages(report, found, Path(args.page))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
     return check(out, targets, args.only)
 
@@ -497,13 +495,22 @@ def main() -> int:
         return 0
     if args.command == "check":
         return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
-    import page as compile_page
-
     path = Path(args.report)
     report = _with_verdicts(json.loads(path.read_text()))
     path.write_text(json.dumps(report, indent=1) + "\n")
-    PAGE.write_text(compile_page.markdown(report, problems(report)))
+    _write_pages(report, problems(report), PAGE)
     return 0
+
+
+def _write_pages(report: dict, found: list[str], page: Path):
+    """The report's page, and, when that is the committed one (docs/compile/index.md), the generated figures
+    of docs/perf-notes.md; a run to a temporary --page (CI's) leaves the clone's docs as they are."""
+    import page as compile_page
+
+    page.write_text(compile_page.markdown(report, found))
+    if page.resolve() == PAGE.resolve():
+        notes = REPO / "docs" / "perf-notes.md"
+        notes.write_text(compile_page.with_perf_figures(notes.read_text(), report))
 
 
 def _with_verdicts(report: dict) -> dict:
