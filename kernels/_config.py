@@ -26,7 +26,7 @@ class FlashConfig:
     - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
     - `backend`: `"triton"` (Pallas Triton lowering, NVIDIA GPUs), `"interpret"` (Pallas interpret mode,
       any device, used on the CPU) or `"mosaic"`: the forward in Pallas Mosaic GPU for Hopper (wgmma, TMA,
-      warp specialisation; `_mosaic_forward.py`) where the call fits it (bfloat16 / float16, padded head
+      warp specialisation; `mosaic/forward.py`) where the call fits it (bfloat16 / float16, padded head
       dim 64, 128 or 256, no bias / dense mask / segments / dropout, tiles that are multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
       read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic

@@ -135,7 +135,7 @@ def default_config(
     On a GPU the tiles depend on the target device (`target_device()`: `jax.default_device` when set, so
     compiling ahead of time for a GPU picks that GPU's tiles): 128 x 64 forward tiles with 4 warps up to head
     dim 64 and 8 above, 64 x 64 backward tiles, narrower backward tiles where a CTA gets 99 KB of shared
-    memory (sm_86 / sm_89), small tiles at head dim 256 (`_triton_tiles`; the compile report,
+    memory (sm_86 / sm_89), small tiles at head dim 256 (`triton.tiles`; the compile report,
     docs/compile/index.md, checks every one). Interpret mode favours large tiles: it pays per grid step.
     """
     config = config or FlashConfig()

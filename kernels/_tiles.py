@@ -1,6 +1,6 @@
 """Which tiles a block of query rows (or keys) visits under a local window and the sequence lengths.
 
-Shared by the Triton kernels (`_triton_tiles.py`) and the Mosaic GPU kernels. A query at row r sees the keys in
+Shared by the Triton kernels (`triton/tiles.py`) and the Mosaic GPU kernels. A query at row r sees the keys in
 [r - left, r + right] below kv_len (`window = (left, right)`, None = unbounded; causal is right = 0). The
 ranges are traced int32 scalars (lo, full_lo, full_hi, hi): tiles [lo, hi) are visited, of which
 [full_lo, full_hi) need no per-element mask and the others do; lo = hi when nothing is visited.

@@ -1,7 +1,7 @@
 """The Mosaic GPU (Hopper) forward kernel: numerics in the Mosaic GPU CPU interpreter, and CUDA lowering on CPU.
 
 The interpreter runs the warp-specialised pipeline (TMA, barriers, both consumer warpgroups, wgmma from SMEM)
-but stages P through shared memory and accumulates P V out of place (see `_mosaic_forward`); the register-fed,
+but stages P through shared memory and accumulates P V out of place (see `mosaic.forward`); the register-fed,
 in-place P V of the compiled kernel is only lowered here, not run.
 """
 

@@ -1,7 +1,7 @@
 """`decode_attention`: a few new tokens per sequence against a long dense or paged KV cache (flash-decoding).
 
 Entry point: checks, hook tracing, and the forward-only wrapper around the Pallas kernel
-(`_decode_kernel.py`). The plain-jnp reference with the same signature is in `_decode_reference.py`.
+(`triton/decode.py`). The plain-jnp reference with the same signature is in `decode/reference.py`.
 """
 
 from __future__ import annotations

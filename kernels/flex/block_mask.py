@@ -254,7 +254,7 @@ class BlockMask:
         return mask
 
     def for_kernel(self) -> BlockMask:
-        """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`_block_tables`;
+        """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`flex.block_tables`;
         merged tiles get a mask_mod that follows these tables), and no full tile past the key length (the
         kernels skip the mask, and so the length check, on full tiles). The same attention, exactly."""
         partial, full = (self.to_dense() == c for c in (1, 2))

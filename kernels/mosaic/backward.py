@@ -1,7 +1,7 @@
 """Flash-attention backward for Hopper (sm_90) in Pallas Mosaic GPU: the dQ kernel and the dK / dV kernel
 (FlashAttention-2, Alg. 2, split by query tile and by KV tile respectively, so no atomics).
 
-Same CTA layout as `_mosaic_forward`: one CTA per (query tile of `block_q` rows, batch, query head), two
+Same CTA layout as `mosaic.forward`: one CTA per (query tile of `block_q` rows, batch, query head), two
 consumer warpgroups owning `block_q // 2` rows each and a producer warpgroup feeding a ring of K / V slots
 by TMA. Per KV tile a consumer recomputes S = Q K^T and dP = dO V^T (both wgmma from SMEM), then
 p = exp2(s * scale * log2(e) - lse2), dS = p * (dP - delta) and dQ += dS K (wgmma, dS from registers; staged
@@ -9,7 +9,7 @@ in SMEM in interpret mode). `lse2` is the forward's lse in base 2, +inf for rows
 and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
 Window (causal) tile skipping, lengths masking and the caller's padding contract are those of
-`_mosaic_forward`.
+`mosaic.forward`.
 
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams

@@ -1,7 +1,7 @@
 """What the Mosaic GPU forward and backward kernels share: the CTA's constants (consumer warpgroups, shared
 memory, swizzle), the argument checks, the per-consumer tile ranges, the score rule applied to a tile of
 q k^T (scale, window, FlexAttention's hooks), the P V / dS K accumulation, the walk over a `BlockMask`'s
-tables, and the producer's side of the K / V ring. See `_mosaic_forward.py` for the CTA layout.
+tables, and the producer's side of the K / V ring. See `mosaic/forward.py` for the CTA layout.
 """
 
 from __future__ import annotations

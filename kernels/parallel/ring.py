@@ -25,7 +25,7 @@ of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, 
 global positions: every block maps its local indices to global ones through 0-d int32 offsets that the
 wrapped hooks capture (kernel inputs, as any captured array); dropout's keep mask gets the same offsets
 beside its seed (`_dropout.positional_seed`), so the same weights drop as in the unsharded call. The
-schedule itself lives in `_ring_schedule.py`.
+schedule itself lives in `parallel/schedule.py`.
 """
 
 from __future__ import annotations

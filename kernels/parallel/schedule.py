@@ -1,4 +1,4 @@
-"""The schedule of `ring_attention` (see `_ring.py`): where a device's rows sit in the whole sequence, which
+"""The schedule of `ring_attention` (see `parallel/ring.py`): where a device's rows sit in the whole sequence, which
 (query block, key block) pairs a device visits, the kernel call of one pair, and the forward and backward
 passes over all pairs (ring by `ppermute`, or all-gather), merged through their lse in float32.
 """
@@ -74,7 +74,7 @@ def _positions(layout: str, device, shard: int, num_devices: int, part: _Slice) 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The static description of one ring_attention call (the nondiff argument of `_ring.py`'s custom_jvp)."""
+    """The static description of one ring_attention call (the nondiff argument of `parallel/ring.py`'s custom_jvp)."""
 
     axis_name: str
     layout: str
