@@ -38,7 +38,9 @@ import variants as registry  # noqa: E402 - the expected set: scripts/compile/va
 
 TARGETS = registry.GPU_TARGETS
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
-KERNEL_PREFIXES = ("probjax_", "mha_")  # the Pallas kernels' names: ours, then the peers' (JAX's mha)
+# The Pallas Triton kernels' names: ours, then the peers' (JAX's mha, tokamax's); Mosaic GPU kernels come from
+# their own dumps.
+KERNEL_PREFIXES = ("probjax_", "mha_", "pallas_flash_attention")
 
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried.
@@ -163,6 +165,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
         XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
     )
     _import_kernels()
+    sys.path.append(str(toolchain / "peers"))  # tokamax (a peer), after the venv: gpu_toolchain.sh
     import warnings
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -390,9 +390,42 @@ def _peer_variants() -> list[Variant]:
     return out
 
 
+def _tokamax_peer_variants() -> list[Variant]:
+    """tokamax (`tokamax.dot_product_attention`, installed in the toolchain's peers/ where it installs) at
+    its default configs, with implementation "triton" (every target) and "mosaic" (its Mosaic GPU kernels,
+    Hopper only), bf16, causal, forward + backward, at the seed's shapes (seq 1024 / 8192, head dim 64 / 128).
+    Its benchmarking module imports xprof's command-line tools, which import a module the PyPI build of xprof
+    does not ship; the compile never benchmarks, so that one import is stubbed."""
+    out = []
+    for implementation, targets in (("triton", GPU_TARGETS), ("mosaic", HOPPER)):
+        for seq in (1024, 8192):
+            for d in (64, 128):
+                def build(d=d, seq=seq, implementation=implementation):
+                    import sys
+                    import types
+
+                    import jax.numpy as jnp
+
+                    stub = types.ModuleType("xprof.cli.tools")
+                    stub.get_kernel_stats_tool = None
+                    sys.modules.setdefault("xprof.cli.tools", stub)
+                    import tokamax
+
+                    def attend(q, k, v):
+                        return tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                                             implementation=implementation)
+
+                    return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, seq, N, d), jnp.bfloat16)] * 3
+
+                suffix = "" if seq == 1024 else f"_T{seq}"
+                out.append(Variant(f"tokamax_{implementation}_grad_d{d}_bf16_causal{suffix}", "peer", build, d,
+                                   "bf16", "fwd+bwd", implementation, seq, seq, targets=targets))
+    return out
+
+
 def variants() -> list[Variant]:
     """Every variant of the registry; names are unique."""
-    out = _grid_variants() + _control_variants() + _decode_variants() + _peer_variants()
+    out = _grid_variants() + _control_variants() + _decode_variants() + _peer_variants() + _tokamax_peer_variants()
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
