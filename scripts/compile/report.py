@@ -149,8 +149,17 @@ def _new_files(folder: Path, seen: set) -> list[Path]:
     return files
 
 
-def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[dict]:
-    """Compile the group's variants for one target in this process; return one row per variant."""
+def worker(target: str, group: str, toolchain: Path, only: str | None, journal: Path | None = None,
+           first: str | None = None) -> list[dict]:
+    """Compile the group's variants for one target in this process; return one row per variant. With a
+    `journal` (JSON lines), each row is appended to it as it is made and the pairs it already holds are not
+    compiled again (their rows are returned from it); `first`: a regex of the variants to compile first."""
+    done = {}
+    if journal is not None and journal.exists():
+        for line in journal.read_text().splitlines():
+            row = json.loads(line) if line.strip() else None
+            if row and row["target"] == target:
+                done[row["variant"]] = row
     scratch = Path(tempfile.mkdtemp(prefix=f"probjax-compile-{target}-"))
     ptxas_dir, xla_dir, mosaic_dir = scratch / "ptxas", scratch / "xla", scratch / "mosaic"
     for folder in (ptxas_dir, xla_dir, mosaic_dir):
@@ -182,8 +191,11 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     sharding = SingleDeviceSharding(device)
     seen = {dirname: set() for dirname in (ptxas_dir, xla_dir, mosaic_dir)}
     rows = []
-    for _, variant in expected([target], only):
-        if variant.group != group:
+    todo = [v for _, v in expected([target], only) if v.group == group]
+    todo.sort(key=lambda v: not (first and re.search(first, v.name)))
+    for variant in todo:
+        if variant.name in done:
+            rows.append(done[variant.name])
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
@@ -218,6 +230,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
                                   _new_files(xla_dir, seen[xla_dir]), _new_files(mosaic_dir, seen[mosaic_dir]),
                                   cuda_root)
         rows.append(row)
+        if journal is not None:
+            with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
+                file.write(json.dumps(row) + "\n")
         print(f"[{target}] {variant.name}: {row['status']} {row['compile_s']} s "
               + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
               file=sys.stderr, flush=True)
@@ -425,7 +440,8 @@ def run(args) -> int:
     start = time.perf_counter()
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(_shard, t, g, args.toolchain, args.only) for t, g in shards]
+        futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first)
+                   for t, g in shards]
         for future in futures:
             rows += future.result()
     order = {name: i for i, name in enumerate(targets)}
@@ -444,13 +460,17 @@ def run(args) -> int:
     return check(out, targets, args.only)
 
 
-def _shard(target, group, toolchain, only) -> list[dict]:
+def _shard(target, group, toolchain, only, journal=None, first=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         command = [sys.executable, __file__, "worker", target, group, "--toolchain", str(toolchain),
                    "--json", str(out)]
         if only:
             command += ["--only", only]
+        if journal:
+            command += ["--journal", str(journal)]
+        if first:
+            command += ["--first", first]
         result = subprocess.run(command, stdout=subprocess.DEVNULL)  # Mosaic GPU prints its IR on stdout
         if result.returncode:
             raise SystemExit(f"compile_report: the worker for {target} / {group} failed (exit {result.returncode})")
@@ -476,6 +496,9 @@ def main() -> int:
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--only", help="a regex: compile only the variants whose name matches")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--journal", type=Path, help="a JSON-lines file each row is appended to as it is made; a run "
+                   "with the same file resumes, compiling only the pairs it lacks (same checkout and toolchain)")
+    p.add_argument("--first", help="a regex: compile the variants whose name matches first")
     p.add_argument("--out", default=str(REPORT))
     p.add_argument("--page", default=str(PAGE))
     w = sub.add_parser("worker")
@@ -483,6 +506,8 @@ def main() -> int:
     w.add_argument("group")
     w.add_argument("--toolchain", type=Path, required=True)
     w.add_argument("--only")
+    w.add_argument("--journal", type=Path)
+    w.add_argument("--first")
     w.add_argument("--json", type=Path, required=True)
     c = sub.add_parser("check", help="check a report against the whole registry (or --targets / --only of it)")
     c.add_argument("report", nargs="?", default=str(REPORT))
@@ -494,7 +519,8 @@ def main() -> int:
     if args.command == "run":
         return run(args)
     if args.command == "worker":
-        args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only)))
+        args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only, args.journal,
+                                               args.first)))
         return 0
     if args.command == "check":
         return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
