@@ -154,12 +154,13 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
     """Compile the group's variants for one target in this process; return one row per variant. With a
     `journal` (JSON lines), each row is appended to it as it is made and the pairs it already holds are not
     compiled again (their rows are returned from it); `first`: a regex of the variants to compile first."""
-    done = {}
-    if journal is not None and journal.exists():
-        for line in journal.read_text().splitlines():
-            row = json.loads(line) if line.strip() else None
-            if row and row["target"] == target:
-                done[row["variant"]] = row
+
+    def done() -> dict:  # read before each variant: another run may share the journal
+        if journal is None or not journal.exists():
+            return {}
+        rows = (json.loads(line) for line in journal.read_text().splitlines() if line.strip())
+        return {row["variant"]: row for row in rows if row["target"] == target}
+
     scratch = Path(tempfile.mkdtemp(prefix=f"probjax-compile-{target}-"))
     ptxas_dir, xla_dir, mosaic_dir = scratch / "ptxas", scratch / "xla", scratch / "mosaic"
     for folder in (ptxas_dir, xla_dir, mosaic_dir):
@@ -194,8 +195,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
     todo = [v for _, v in expected([target], only) if v.group == group]
     todo.sort(key=lambda v: not (first and re.search(first, v.name)))
     for variant in todo:
-        if variant.name in done:
-            rows.append(done[variant.name])
+        journaled = done().get(variant.name)
+        if journaled:
+            rows.append(journaled)
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
