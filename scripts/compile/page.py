@@ -14,7 +14,7 @@ ahead-of-time compilation: `jax.experimental.topologies` with an XLA target conf
 `docs/compile/report.json`, and checks them. Every kernel here, Triton and Mosaic GPU alike, went through that
 pinned ptxas (Mosaic GPU runs the first ptxas on PATH, so the driver puts the toolchain's first). CI
 (`.ci/run`) runs it after the test suite. Last run: {rows} compiles ({expected} expected), {kernels} kernels,
-{wall} s wall with {jobs} worker processes.
+{wall}.
 
 **The registry is the expected set.** It is derived from the dispatch rules (`required_kernels`): every
 call a user reaches through `auto` or a default `FlashConfig` (the Triton kernels on every GPU) and through
@@ -64,6 +64,16 @@ def _tile(config: dict | None, kernel: str) -> str:
     q, k = {"backward_dq": ("block_q_dq", "block_k_dq"), "backward_dkv": ("block_q_dkv", "block_k_dkv")}.get(
         kernel.removeprefix("probjax_flash_"), ("block_q", "block_k"))
     return f"{config[q]}x{config[k]} w{config['num_warps']} s{config['num_stages']}"
+
+
+def _config_of(row: dict, kernel: str) -> dict | None:
+    """The config a kernel of the row ran: the tangent's own (`tangent_config`), the Triton forward's on
+    backend "mosaic" (`triton_fallback_config`), else the row's."""
+    if kernel.endswith("_tangent"):
+        return row.get("tangent_config")
+    if kernel == "probjax_flash_forward" and row.get("fallback_config"):
+        return row["fallback_config"]
+    return row.get("config")
 
 
 def seq_note(rows: list[dict]) -> str:
@@ -117,8 +127,11 @@ def markdown(report: dict, problems: list[str]) -> str:
                            for x in report.get("low_wgmma_share", [])]
                           + [f"variants matching `{x['variants']}` ({x['why']})"
                              for x in report.get("no_wgmma_variants", [])])
+    wall = (f"{report['wall_s']} s wall with {report['jobs']} worker processes" if not report.get("assembled") else
+            f"assembled from the journal of resumed runs (`--journal`, `--assemble`): {report['wall_s']} s of "
+            f"compile time per worker over {report['jobs']} workers, on a loaded machine")
     out = [_INTRO.format(toolchain=toolchain, rows=len(rows), expected=report.get("expected", len(rows)),
-                         kernels=kernels, wall=report["wall_s"], jobs=report["jobs"],
+                         kernels=kernels, wall=wall,
                          min_share=report.get("min_wgmma_share", 0.5), low_share=low_share or "none",
                          seq_note=seq_note(rows), peers=_peers(rows))]
     out.append("## Targets\n")
@@ -170,7 +183,7 @@ def markdown(report: dict, problems: list[str]) -> str:
                 spill = f"{k['spill_stores']} / {k['spill_loads']}"
                 spill = f"**{spill}**" if k["spill_stores"] or k["spill_loads"] else spill
                 occ = f"{k.get('ctas_by_registers', '?')} / {k.get('ctas_by_smem', '?')}"
-                config = r.get("tangent_config") if k["kernel"].endswith("_tangent") else r.get("config")
+                config = _config_of(r, k["kernel"])
                 tiles = "Mosaic" if k["lowering"] == "mosaic" else _tile(config, k["kernel"])
                 out.append(
                     f"| {r['variant']} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
@@ -201,7 +214,7 @@ def perf_figures(report: dict) -> str:
             for k in row["kernels"]:
                 if name.startswith("flash_jvp") and not k["kernel"].endswith("_tangent"):
                     continue  # the forward is the fwd+bwd row's
-                config = row.get("tangent_config") if k["kernel"].endswith("_tangent") else row.get("config")
+                config = _config_of(row, k["kernel"])
                 tiles = "Mosaic" if k["lowering"] == "mosaic" else _tile(config, k["kernel"])
                 out.append(f"| {target} | {name} | {k['kernel'].removeprefix('probjax_')} | {tiles} | "
                            f"{k['registers']} | {k['spill_stores']} / {k['spill_loads']} | {k['smem'] or 0:,} | "

@@ -256,6 +256,18 @@ def _tangent_tiles(config, variant) -> dict:
     return {k: v for k, v in vars(tangent).items() if k != "backend"}
 
 
+def _fallback_tiles(row: dict) -> dict:
+    """The tiles the Triton forward runs at when backend "mosaic" falls back to it
+    (`_dispatch.triton_fallback_config`), for the page's tiles column."""
+    if "probjax_kernels" not in sys.modules:
+        _import_kernels()
+    from probjax_kernels import FlashConfig, _dispatch
+
+    config = FlashConfig(**row["config"], backend="mosaic")
+    head_dim = max(row["head_dim"], row["value_dim"] or 0)
+    return {k: v for k, v in vars(_dispatch.triton_fallback_config(config, head_dim)).items() if k != "backend"}
+
+
 def _import_kernels():
     """Import the repo's kernels/ as `probjax_kernels` (the toolchain venv does not install the project)."""
     import importlib.util
@@ -441,6 +453,11 @@ def run(args) -> int:
     shards = [(t, g) for g in groups for t in targets if any(pt == t and v.group == g for pt, v in pairs)]
     start = time.perf_counter()
     rows = []
+    if args.assemble:  # no compile: the journal's rows of the expected pairs (a missing one fails the check)
+        want = {(t, v.name) for t, v in pairs}
+        journaled = {(r["target"], r["variant"]): r for r in map(json.loads, args.journal.read_text().splitlines())}
+        rows = [row for key, row in journaled.items() if key in want]
+        shards = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first)
                    for t, g in shards]
@@ -450,7 +467,8 @@ def run(args) -> int:
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
-        wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, only=args.only, expected=len(pairs),
+        wall_s=round(sum(r["compile_s"] for r in rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
+        jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
         rows=rows,
     ))
     out = Path(args.out)
@@ -501,6 +519,7 @@ def main() -> int:
     p.add_argument("--journal", type=Path, help="a JSON-lines file each row is appended to as it is made; a run "
                    "with the same file resumes, compiling only the pairs it lacks (same checkout and toolchain)")
     p.add_argument("--first", help="a regex: compile the variants whose name matches first")
+    p.add_argument("--assemble", action="store_true", help="compile nothing: write the report from --journal's rows")
     p.add_argument("--out", default=str(REPORT))
     p.add_argument("--page", default=str(PAGE))
     w = sub.add_parser("worker")
@@ -519,6 +538,8 @@ def main() -> int:
     m.add_argument("report", nargs="?", default=str(REPORT))
     args = parser.parse_args()
     if args.command == "run":
+        if args.assemble and not args.journal:
+            parser.error("--assemble needs --journal")
         return run(args)
     if args.command == "worker":
         args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only, args.journal,
@@ -550,6 +571,8 @@ def _with_verdicts(report: dict) -> dict:
     by_name = {v.name: v for v in registry.variants()}
     for row in report["rows"]:  # the verdict travels with the row (tests/test_compile_report.py reads it)
         row["problems"] = row_problems(row, target_limits(row["target"]), by_name.get(row["variant"]))
+        if row.get("backend") == "mosaic" and row.get("config") and "fallback_config" not in row:
+            row["fallback_config"] = _fallback_tiles(row)
     report.update(
         min_wgmma_share=MIN_WGMMA_SHARE,
         low_wgmma_share=[dict(kernel=k, head_dim=d, least=c[0], why=c[1]) for (k, d), c in LOW_WGMMA_SHARE.items()],
