@@ -130,6 +130,12 @@ def markdown(report: dict, problems: list[str]) -> str:
     wall = (f"{report['wall_s']} s wall with {report['jobs']} worker processes" if not report.get("assembled") else
             f"assembled from the journal of resumed runs (`--journal`, `--assemble`): {report['wall_s']} s of "
             f"compile time per worker over {report['jobs']} workers, on a loaded machine")
+    carried = sorted({r["carried_from"] for r in rows if r.get("carried_from")})
+    if carried:
+        wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from the "
+                 f"full run of commit {', '.join(carried)}, whose kernel sources for them are unchanged since (the "
+                 "kernels moved into folders; refactors without figure changes); the others were compiled for this "
+                 "report, and CI compiles every one afresh")
     out = [_INTRO.format(toolchain=toolchain, rows=len(rows), expected=report.get("expected", len(rows)),
                          kernels=kernels, wall=wall,
                          min_share=report.get("min_wgmma_share", 0.5), low_share=low_share or "none",
@@ -186,7 +192,7 @@ def markdown(report: dict, problems: list[str]) -> str:
                 config = _config_of(r, k["kernel"])
                 tiles = "Mosaic" if k["lowering"] == "mosaic" else _tile(config, k["kernel"])
                 out.append(
-                    f"| {r['variant']} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
+                    f"| {r['variant']}{' \u2020' if r.get('carried_from') else ''} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
                     f"{spill} | {k['smem'] if k['smem'] is not None else '?'} | {k['threads']} | {occ} | "
                     f"{k['HGMMA']} | {k['HMMA']} | {k['UTMALDG']} | {k['LDGSTS']} | {r['compile_s']} |")
     return "\n".join(out) + "\n"
