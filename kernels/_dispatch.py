@@ -180,13 +180,18 @@ def tangent_config(
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
     the padded length and of every block table's block. float32 (FMA dots) takes a query tile of at most 16
-    too: 32 spills 488 B at head dim 128 on sm_86. Interpret mode keeps `config`."""
+    too: 32 spills 488 B at head dim 128 on sm_86. Where a CTA gets 99 KB of shared memory (sm_86 / sm_89)
+    the query tile is at most 64 at head dim 128 without block tables: 128 x 32 needs 98,304 B there, and
+    114,688 B (over 101,376) with a score_mod that reads a captured table (a relative bias). Interpret mode
+    keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
     if not tables and (float32 or head_dim > 128):
         block_q = min(block_q, 16 if float32 else 32)
+    elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
+        block_q = min(block_q, 64)
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8))
 

@@ -279,3 +279,14 @@ def test_float32_on_the_mosaic_backend_keeps_the_float32_triton_tiles(monkeypatc
         assert _tiles(mosaic) == _tiles(triton)
     bf16 = default_config(FlashConfig(backend="mosaic"), q_len=1024, kv_len=1024, head_dim=128, dtype=jnp.bfloat16)
     assert (bf16.block_q, bf16.block_k) == (128, 128)
+
+
+def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):
+    """sm_86: the tangent's 128 x 32 tile with a relative-bias table needed 114,688 B of shared memory (101,376
+    available): the query tile is 64 there without block tables; sm_90a keeps 128."""
+    for target, block_q in (("sm86_rtx3090", 64), ("sm90a_h100", 128)):
+        monkeypatch.setattr(_dispatch, "target_device", lambda target=target: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
+        tangent = _dispatch.tangent_config(config, 128)
+        assert (tangent.block_q, tangent.block_k) == (block_q, 32)
+        assert _dispatch.tangent_config(config, 128, tables=True).block_q == config.block_q
