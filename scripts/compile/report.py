@@ -44,6 +44,19 @@ KERNEL_PREFIXES = ("probjax_", "mha_", "pallas_flash_attention")
 
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried.
+F32_DKV = ("float32 dK/dV: FMA dots (Precision.HIGHEST) with K, V, dK and dV of the key tile resident spill at "
+           "every tile tried (docs/perf-notes.md, Version 4b); splitting the head dim of dK / dV across programs "
+           "is the fix, not done yet")
+MOSAIC_MASKED = ("Mosaic dK/dV at head dim 128 with a causal / window mask: the index tiles on top of dK, dV, P^T "
+                 "and dP^T at the 168-register cap of 3 warpgroups (opt-in backend)")
+MOSAIC_HOOKS = ("Mosaic backward with hooks at head dim 128 runs on the forward's 128 x 128 tiles (S^T / dP^T of "
+                "128 rows per step); 64-row steps inside the kernels are the fix (opt-in backend)")
+RELATIVE_BIAS = ("the relative-bias table's gather in the Triton forward at head dim 128 (128 x 64, 8 warps) on "
+                 "sm_80 / sm_86")
+F32_TANGENT = ("float32 tangent at head dim 256 (16 x 16 tiles, 8 warps; FMA dots holding q, its tangent and "
+               "two accumulators): ptxas keeps it at 32-40 registers and spills; not explored yet")
+F32_OTHER = ("float32 (FMA dots at Precision.HIGHEST) forward / dQ with a window, dropout, GQA, a BlockMask or a "
+             "table: a few bytes to tens of bytes over the float32 tiles, which were chosen without those features")
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
 }
