@@ -241,9 +241,12 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
             if smem:
                 row["error_smem"] = [int(smem.group(1)), int(smem.group(2))]
         row["compile_s"] = round(time.perf_counter() - start, 2)
+        mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
         row["kernels"] = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]),
-                                  _new_files(xla_dir, seen[xla_dir]), _new_files(mosaic_dir, seen[mosaic_dir]),
-                                  cuda_root)
+                                  _new_files(xla_dir, seen[xla_dir]), mosaic_files, cuda_root)
+        for path in mosaic_files:  # a later kernel dumped under the same name (a peer's "entry") is new again
+            path.unlink()
+            seen[mosaic_dir].discard(path)
         rows.append(row)
         if journal is not None:
             with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
