@@ -1,6 +1,7 @@
 """XLA passes over query chunks, beside the kernels: the gradients of the arrays a score_mod closes over,
-the dense attention that second-order derivatives differentiate, and the tracing of hooks at every shape
-they will see. Each step's working set is one [B, N, chunk, S] block."""
+the dense attention that second-order derivatives differentiate (and that the TPU backend falls back to:
+`dense_forward` / `dense_backward` / `dense_tangent`), and the tracing of hooks at every shape they will
+see. Each step's working set is one [B, N, chunk, S] block."""
 
 from __future__ import annotations
 
@@ -163,3 +164,57 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
     out = jnp.moveaxis(outs, 0, 1).reshape(batch, t_pad, num_heads, dv_pad).astype(q.dtype)
     lse = jnp.moveaxis(lses, 0, 2).reshape(batch, num_heads, t_pad)
     return out, lse
+
+
+# ------------------------------------------------------------------- the XLA path of a backend's kernels
+
+
+def _dense_others(optional: dict) -> dict:
+    return {name: x for name, x in optional.items() if name not in ("bias", "score_consts", "d_bias",
+                                                                   "d_score_consts", "kv_tables", "q_tables")}
+
+
+def dense_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    """(out, lse) of the kernels' forward by `_dense_attention`, for calls the TPU kernels cannot take (the
+    XLA path of `_dispatch`); a BlockMask's mask_mod is evaluated per element here, so its tables go unused."""
+    if problem.features.return_max:
+        raise NotImplementedError("the XLA path of the TPU backend has no max_scores output")
+    return _dense_attention(problem, q, k, v, optional.get("bias"), optional["score_consts"], q_len, kv_len,
+                            _dense_others(optional))
+
+
+def dense_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The gradients the backward kernels return (`_dispatch.backward`), by reverse mode through
+    `_dense_attention`."""
+    names = [name for name in ("q", "k", "v", "bias") if getattr(tangents, name)]
+    others = _dense_others(res["others"])
+
+    def dense(moving):
+        args = dict(res, **moving)
+        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], res["score_consts"],
+                                res["q_len"], res["kv_len"], others)
+
+    _, vjp = jax.vjp(dense, {name: res[name] for name in names})
+    (grads,) = vjp((d_out.astype(res["out"].dtype), d_lse))
+    return grads
+
+
+def dense_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, linear: dict, optional: dict):
+    """(d out, d lse) of the tangent kernel (`_dispatch.tangent`), by forward mode through `_dense_attention`."""
+    primals = dict(q=q, k=k, v=v, bias=optional.get("bias"), score_consts=tuple(optional["score_consts"]))
+    moving = [name for name in ("q", "k", "v") if getattr(tangents, name)]
+    if tangents.bias:
+        moving.append("bias")
+    tangent_of = dict(linear, bias=optional.get("d_bias"))
+    consts_moving = tangents.score_consts
+
+    def dense(moved, moved_consts):
+        args = dict(primals, **moved)
+        consts = _with_moving(primals["score_consts"], consts_moving, moved_consts)
+        return _dense_attention(problem, args["q"], args["k"], args["v"], args["bias"], consts, q_len, kv_len,
+                                _dense_others(optional))
+
+    moved_consts = [c for c, m in zip(primals["score_consts"], consts_moving) if m]
+    _, (d_out, d_lse) = jax.jvp(dense, ({name: primals[name] for name in moving}, moved_consts),
+                                ({name: tangent_of[name] for name in moving}, list(optional["d_score_consts"])))
+    return d_out, d_lse

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-Backend = Literal["triton", "interpret", "mosaic", "mosaic_interpret"]
+Backend = Literal["triton", "interpret", "mosaic", "mosaic_interpret", "tpu", "tpu_interpret"]
 
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
@@ -34,6 +34,10 @@ class FlashConfig:
       its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
       (`default_backend`: "mosaic" on Hopper only with PROBJAX_MOSAIC=1 until it has run on a GPU).
+      `"tpu"`: the Pallas Mosaic TPU kernels (`kernels/tpu/`) for forward, backward and tangent; what they
+      cannot take (a hook with an op Mosaic TPU cannot lower, or that reads a captured array other than one
+      element at a time) runs the XLA path with a warning. `"tpu_interpret"` runs them in Pallas' TPU
+      interpret mode on any machine. TPU tiles are multiples of 128; `None` picks "tpu" on a TPU device.
     """
 
     block_q: int | None = None
@@ -57,8 +61,8 @@ class FlashConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"FlashConfig.{field}={value!r} must be a positive int.")
-        if self.backend not in (None, "triton", "interpret", "mosaic", "mosaic_interpret"):
+        if self.backend not in (None, "triton", "interpret", "mosaic", "mosaic_interpret", "tpu", "tpu_interpret"):
             raise ValueError(
                 f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret', 'mosaic', "
-                "'mosaic_interpret' or None."
+                "'mosaic_interpret', 'tpu', 'tpu_interpret' or None."
             )

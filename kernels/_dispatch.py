@@ -1,19 +1,23 @@
-"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels and the
-Mosaic GPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
+"""Which backend runs a call, and on which tiles: the one place that chooses between the Triton kernels, the
+Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, backward and tangent to them.
 
 - `default_backend`: what `FlashConfig.backend=None` means on this device; `default_config` fills the other
   `None` fields with that backend's tiles.
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
-- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic kernels cannot take runs on
-  Triton (Pallas interpret mode on the CPU); the tangent always does.
+- `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
+  on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
+  TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
+  on `_TPU_TILES` per generation; what `tpu.unsupported` names runs the XLA path of `_chunked` with a
+  warning, never a GPU kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
+from probjax_kernels import _chunked, tpu
 from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
@@ -30,6 +35,7 @@ from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.tpu import decode as tpu_decode
 from probjax_kernels.triton import backward as triton_backward
 from probjax_kernels.triton import decode as triton_decode
 from probjax_kernels.triton import forward as triton_forward
@@ -64,6 +70,8 @@ def default_backend() -> Backend:
     """
     device = target_device()
     platform = jax.default_backend() if jax.config.jax_default_device is None else device.platform
+    if platform == "tpu":
+        return "tpu"
     if platform != "gpu":
         return "interpret"
     if os.environ.get(MOSAIC_ENV, "0") == "1" and _is_hopper(device):
@@ -140,6 +148,8 @@ def default_config(
     """
     config = config or FlashConfig()
     backend = config.backend or default_backend()
+    if backend in tpu.TPU_BACKENDS:
+        return _tpu_config(config, backend, q_len, kv_len)
     float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     if backend == "interpret":
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
@@ -171,21 +181,57 @@ def default_config(
     )
 
 
+# The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
+# `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
+# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of
+# scripts/tpu_compile_probe.py fits the default scoped VMEM. Interpret mode takes the v5e tiles.
+_TPU_TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
+              "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
+
+
+def tpu_generation(device=None) -> str:
+    """"v4", "v5e", "v5p" or "v6e" from a TPU device's kind ("TPU v5 lite", "TPU v6 lite", ...); "v5e" for
+    anything else (the interpreter, unknown kinds)."""
+    device = device if device is not None else target_device()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "v6" in kind:
+        return "v6e"
+    if "v5" in kind:
+        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+    return "v4" if "v4" in kind else "v5e"
+
+
+def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> FlashConfig:
+    """The TPU backends' tiles: the generation's (`_TPU_TILES`), shrunk to the sequence but never below 128
+    (lse rows are lane vectors); explicit fields are kept (`tpu.unsupported` sends tiles that are not
+    multiples of 128 to the XLA path)."""
+    generation = "v5e" if backend == "tpu_interpret" else tpu_generation()
+    tiles = dict(zip(("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv"),
+                     _TPU_TILES[generation]))
+    fields = {}
+    for name, default in tiles.items():
+        seq_len = q_len if name.startswith("block_q") else kv_len
+        value = getattr(config, name)
+        fields[name] = value if value is not None else max(128, _fit_block(default, seq_len))
+    return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2, backend=backend)
+
+
 def tangent_config(
-    config: FlashConfig, head_dim: int, tables: bool = False, float32: bool = False
+    config: FlashConfig, head_dim: int, tables: bool = False, dtype=None
 ) -> FlashConfig:
     """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
     query tile of at most 32. It holds q, its tangent and two accumulators, so the
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. float32 (FMA dots) takes a query tile of at most 16
-    too: 32 spills 488 B at head dim 128 on sm_86. Where a CTA gets 99 KB of shared memory (sm_86 / sm_89)
-    the query tile is at most 64 at head dim 128 without block tables: 128 x 32 needs 98,304 B there, and
-    114,688 B (over 101,376) with a score_mod that reads a captured table (a relative bias). Interpret mode
-    keeps `config`."""
+    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
+    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86. Where
+    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
+    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
+    captured table (a relative bias). Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
     if not tables and (float32 or head_dim > 128):
@@ -307,19 +353,25 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 
 def hook_shapes(config: FlashConfig) -> list[tuple]:
     """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
-    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend."""
+    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend; the Mosaic TPU
+    dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
     shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes.append(mosaic_hook_shapes(config))
+    if config.backend in tpu.TPU_BACKENDS:
+        shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
-
-
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
-    Triton (`triton_fallback_config`'s tiles on backend "mosaic")."""
+    Triton (`triton_fallback_config`'s tiles on backend "mosaic"); on the TPU backends by the Mosaic TPU
+    forward, or the XLA path where it cannot take the call."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
+        return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
     config = triton_fallback_config(problem.config, max(q.shape[3], v.shape[3]))
@@ -356,7 +408,12 @@ def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """Gradients of q, k, v and the bias flagged in `tangents`, by the Mosaic GPU dQ and dK/dV kernels where
-    they take the call (`_mosaic_backward_tiles`), else Triton's."""
+    they take the call (`_mosaic_backward_tiles`), else Triton's; on the TPU backends the Mosaic TPU kernels,
+    or the XLA path."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.backward(problem, tangents, res, d_out, d_lse)
+        return _chunked.dense_backward(problem, tangents, res, d_out, d_lse)
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
         return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
@@ -366,30 +423,54 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
             optional: dict):
     """(d out, d lse) of a forward-mode pass: the Triton tangent kernel on every backend, on
-    `tangent_config`'s tiles."""
+    `tangent_config`'s tiles; on the TPU backends the Mosaic TPU tangent kernel on the forward's tiles, or
+    the XLA path."""
+    if problem.config.backend in tpu.TPU_BACKENDS:
+        if _tpu_takes(problem):
+            return tpu.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+        return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
-    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, q.dtype == jnp.float32)
+    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
     problem = _retiled(problem, config)
     return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
-                num_score_consts: int) -> triton_decode.DecodePlan:
-    """The decode kernel's static plan. `config.backend=None` is interpret mode off a GPU and the Triton
-    decode kernel on every GPU (Mosaic included: the decode kernel is Triton's alone)."""
+                num_score_consts: int) -> triton_decode.DecodePlan | tpu_decode.TpuDecodePlan:
+    """The decode kernel's static plan. `config.backend=None` is the Triton decode kernel on every GPU
+    (Mosaic included: the GPU decode kernel is Triton's alone), the Mosaic TPU one on a TPU and interpret
+    mode elsewhere."""
     config = config or DecodeConfig()
     if config.backend is None:
-        backend = "interpret" if default_backend() == "interpret" else "triton"
+        backend = {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "interpret")
         config = dataclasses.replace(config, backend=backend)
+    if config.backend in tpu.TPU_BACKENDS:
+        generation = "interpret" if config.backend == "tpu_interpret" else tpu_generation()
+        return tpu_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts, generation)
     return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
 
 
-def decode(plan: triton_decode.DecodePlan, q, k, v, kv_lengths, block_tables, consts):
+def decode(plan, q, k, v, kv_lengths, block_tables, consts):
     """(out [B, T, N, Dv], lse [B, N, T]) of a decode call, by the kernel its plan was made for."""
-    return triton_decode.decode(plan, q, k, v, kv_lengths, block_tables, consts)
+    kernel = tpu_decode if isinstance(plan, tpu_decode.TpuDecodePlan) else triton_decode
+    return kernel.decode(plan, q, k, v, kv_lengths, block_tables, consts)
 
 
 def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """The decode kernel's hook arguments for a (rows, cols) tile (`triton/decode.hook_args`)."""
+    """The decode kernels' hook arguments for a (rows, cols) tile (`triton/decode.hook_args`): a float32 score
+    tile, b a scalar, h and q_idx columns, kv_idx a row. The TPU kernel passes the same (h a scalar instead
+    for a hook that reads a captured array at h: `tpu/decode.py`)."""
     return triton_decode.hook_args(score, rows, cols)
+
+
+# ------------------------------------------------------------------------------------------ TPU and XLA
+
+
+def _tpu_takes(problem: _Problem) -> bool:
+    """Whether the Mosaic TPU kernels run this call; if not, warns once per trace naming what they lack."""
+    reason = tpu.unsupported(problem)
+    if reason is not None:
+        warnings.warn(f"FlashConfig(backend={problem.config.backend!r}): the Mosaic TPU kernels cannot run "
+                      f"{reason}; this call runs the XLA path (query chunks, not a Pallas kernel).", stacklevel=4)
+    return reason is None

@@ -228,7 +228,7 @@ def check_dropout_rate(dropout_rate) -> float:
     if np.ndim(dropout_rate) != 0 or not _is_real(dropout_rate):
         raise TypeError(f"dropout_rate must be a real number in [0, 1), got {dropout_rate!r}.")
     if not 0.0 <= float(dropout_rate) < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+        raise ValueError(f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}.")
     return float(dropout_rate)
 
 

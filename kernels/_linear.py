@@ -63,6 +63,12 @@ def custom_linear(
     All arguments and results are flat lists of arrays.
     """
     residuals, linear = list(residuals), list(linear)
+    # Inside `jax.shard_map` (with its varying-axes checks) every output varies over the axes any input
+    # varies over (`_abstract_eval`), and so do the cotangents of the linear inputs. A linear input that
+    # varies over fewer axes is cast to vary over them here: JAX transposes that cast into the psum that its
+    # cotangent needs, so `transpose` returns per-device parts for it and never sums over devices itself.
+    axes = widest_manual_axis_type([jax.typeof(x) for x in (*residuals, *linear)]).varying
+    linear = [_vary(x, axes) for x in linear]
     in_avals = tuple(_aval(x) for x in linear)
 
     def transpose_reference(res, cts):
@@ -75,6 +81,11 @@ def custom_linear(
 
 def _aval(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+
+
+def _vary(x, axes):
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def widest_manual_axis_type(avals):

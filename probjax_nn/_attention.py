@@ -165,7 +165,8 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {
     ),
 }
 # "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
-_AUTO_ORDER = {"gpu": ("pallas", "flex", "xla"), "other": ("xla",)}
+# On a TPU the Pallas kernels are the Mosaic TPU ones (probjax_kernels' default backend there).
+_AUTO_ORDER = {"gpu": ("pallas", "flex", "xla"), "tpu": ("pallas", "flex", "xla"), "other": ("xla",)}
 IMPLS: tuple[str, ...] = ("auto", *_IMPLEMENTATIONS)
 _ALL_DTYPES = tuple(dict.fromkeys(d for spec in _IMPLEMENTATIONS.values() for d in spec.dtypes))
 
@@ -275,7 +276,7 @@ def _choose(impl: str, request: _Request) -> str:
         _check(impl, request)
         return impl
     reasons = []
-    for name in _AUTO_ORDER["gpu" if request.gpu else "other"]:
+    for name in _AUTO_ORDER["gpu" if request.gpu else "tpu" if jax.default_backend() == "tpu" else "other"]:
         try:
             _check(name, request)
         except NotImplementedError as error:
@@ -285,9 +286,24 @@ def _choose(impl: str, request: _Request) -> str:
     raise NotImplementedError("impl='auto' found no implementation for this request: " + " ".join(reasons))
 
 
+def check_impl(name: str, dtype, head_dim: int, *, score_mod: bool = False, mask_mod: bool = False) -> None:
+    """Raises `NotImplementedError` naming impl `name` (not "auto") when it cannot compute in `dtype`, at
+    head dim `head_dim`, or with hooks: `attention`'s own message, for calls that take another kernel (a
+    decode step) but must refuse what `attention` refuses."""
+    _check(name, _Request(
+        dtype=jnp.dtype(dtype).name, head_dim=head_dim, value_dim=False, kv_broadcast=False, score_mod=score_mod,
+        mask_mod=mask_mod, dropout=False, right_window=False, gpu=_on_gpu(),
+    ))
+
+
+def as_config(impl: Impl | AttentionConfig) -> AttentionConfig:
+    """`impl` (a name, checked by `AttentionConfig`, or an `AttentionConfig`) as an `AttentionConfig`."""
+    return impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
+
+
 def _resolve_config(impl: Impl | AttentionConfig, implementation: str | None) -> AttentionConfig:
     """Merges jax's `implementation` spelling into `impl`; they may not name two different impls."""
-    config = impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
+    config = as_config(impl)
     if implementation is None or implementation == config.impl:
         return config
     if implementation not in IMPLS:

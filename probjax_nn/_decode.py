@@ -20,29 +20,22 @@ from jax.tree_util import Partial
 import probjax_kernels
 from probjax_kernels import and_masks
 from probjax_kernels.layer_api import MAX_HEAD_DIM, broadcast_lookup
-from probjax_nn._attention import AttentionConfig, Impl
+from probjax_nn._attention import AttentionConfig, Impl, as_config, check_impl
 
 _KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _config(impl: Impl | AttentionConfig) -> AttentionConfig:
-    return impl if isinstance(impl, AttentionConfig) else AttentionConfig(impl=impl)
-
-
 def decode_runs_kernel(impl: Impl | AttentionConfig, dtype, head_dim: int, *, hooks: bool = False) -> bool:
     """Whether a decode step under `impl` runs the Pallas `probjax_kernels.decode_attention`: impl "flex",
-    "pallas" (without hooks: "pallas" takes none, as in `attention`), and "auto" on a GPU for the dtypes and
-    head dims the kernel takes. Off the GPU "auto" keeps XLA, as `attention` does. `head_dim`: the larger of
-    D and Dv."""
-    config = _config(impl)
+    "pallas" (without hooks: "pallas" takes none, as in `attention`), and "auto" on a GPU, each for the dtypes
+    and head dims the kernel takes (otherwise `attention` raises the impl's `NotImplementedError`, or "auto"
+    picks XLA). Off the GPU "auto" keeps XLA, as `attention` does. `head_dim`: the larger of D and Dv."""
+    config = as_config(impl)
     if config.context_axis is not None:
         return False
-    if config.impl == "flex" or (config.impl == "pallas" and not hooks):
-        return True
-    return (
-        config.impl == "auto" and jax.default_backend() == "gpu" and jnp.dtype(dtype).name in _KERNEL_DTYPES
-        and head_dim <= MAX_HEAD_DIM
-    )
+    wanted = config.impl == "flex" or (config.impl == "pallas" and not hooks) or (
+        config.impl == "auto" and jax.default_backend() == "gpu")
+    return wanted and jnp.dtype(dtype).name in _KERNEL_DTYPES and head_dim <= MAX_HEAD_DIM
 
 
 def decode_attention(
@@ -55,8 +48,10 @@ def decode_attention(
     scale: float | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
     impl: Impl | AttentionConfig = "auto",
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache that already holds them.
 
     The semantics of `probjax_kernels.decode_attention`: token t of sequence b sits at position
@@ -73,14 +68,18 @@ def decode_attention(
     - `scale`: a Python float; None means `D ** -0.5`.
     - `score_mod(score, b, h, q_idx, kv_idx)`, `mask_mod(b, h, q_idx, kv_idx)` (True = attend): FlexAttention
       hooks, written with broadcasting jnp operations.
+    - `num_splits`: programs per (sequence, key/value head) over the cache in the kernel; None picks one from
+      B, K, the cache length and the device. XLA checks it and computes in one pass.
+    - `return_lse`: also return the log-sum-exp of the scaled, masked scores.
     - `impl`: `"auto"` (the Pallas decode kernel on a GPU, XLA elsewhere), `"pallas"` (the kernel; no hooks),
       `"flex"` (the kernel with hooks), `"xla"` (`probjax_kernels.decode_attention_reference`: the pages
       gathered, the scores materialised); `"cudnn"` has no decode path and raises `NotImplementedError`, as
       does a context-parallel `AttentionConfig`. The kernels run in interpret mode off the GPU.
 
-    **Returns:** `[B, T, N, Dv]` in the dtype of `query`. Forward only under the kernel.
+    **Returns:** `[B, T, N, Dv]` in the dtype of `query`; with `return_lse`, `(out, lse)`, lse `[B, N, T]`
+    float32 (the kernel's layout; -inf for a row that attends nothing). Forward only under the kernel.
     """
-    config = _config(impl)
+    config = as_config(impl)
     if config.context_axis is not None:
         raise NotImplementedError(
             f"decode_attention does not run context parallel (context_axis={config.context_axis!r}); decode "
@@ -89,11 +88,12 @@ def decode_attention(
     if config.impl == "cudnn":
         raise NotImplementedError("impl='cudnn' has no decode path; use impl='auto', 'pallas', 'flex' or 'xla'.")
     hooks = score_mod is not None or mask_mod is not None
-    if config.impl == "pallas" and hooks:
-        feature = "score_mod" if score_mod is not None else "mask_mod"
-        raise NotImplementedError(f"impl='pallas' does not support {feature}; use impl='flex', 'xla' or 'auto'.")
     query = jnp.asarray(query)
     head_dim = max(query.shape[-1], jnp.shape(value)[-1])
+    if config.impl in ("pallas", "flex"):
+        # An explicit kernel impl refuses what it refuses in `attention` (hooks for "pallas", float64).
+        check_impl(config.impl, query.dtype, head_dim, score_mod=score_mod is not None,
+                   mask_mod=mask_mod is not None)
     run = (
         probjax_kernels.decode_attention
         if decode_runs_kernel(config, query.dtype, head_dim, hooks=hooks)
@@ -101,7 +101,7 @@ def decode_attention(
     )
     return run(
         query, key, value, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod,
-        mask_mod=mask_mod, scale=scale,
+        mask_mod=mask_mod, scale=scale, num_splits=num_splits, return_lse=return_lse,
     )
 
 
@@ -119,7 +119,7 @@ def pages_from_dense(
     **Arguments:**
 
     - `cache`: `[B, S, K, D]`, any dtype.
-    - `page_size`: keys per page (the decode kernel takes a power of two >= 16).
+    - `page_size`: keys per page, a power of two >= 16 (the decode kernel's pages).
     - `max_length`: the most positions a sequence will hold, >= S; None means S.
 
     **Returns:** `(pages, block_tables)`: pages `[B * max_pages, page_size, K, D]` in the cache's dtype,
@@ -128,8 +128,8 @@ def pages_from_dense(
     cache = jnp.asarray(cache)
     if cache.ndim != 4:
         raise ValueError(f"cache must have rank 4 ([B, S, K, D]), got shape {cache.shape}.")
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}.")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 16 or page_size & page_size - 1:
+        raise ValueError(f"page_size must be a power of two >= 16 (the decode kernel's pages), got {page_size!r}.")
     batch, length, *rest = cache.shape
     if max_length is None:
         max_length = length
@@ -142,11 +142,15 @@ def pages_from_dense(
     return pages, block_tables
 
 
-def _last_attended(mask: jax.Array, size: int) -> jax.Array:
-    """`[size]` int32: one past the last key position that some head attends, for a bool mask
-    `[size|1, N|1, 1, S|1]` of one query row (0 when it attends nothing)."""
+def _last_attended(mask: jax.Array, size: int, length: int) -> jax.Array:
+    """`[size]` int32: one past the last of the `length` key positions that some head attends, for a bool
+    mask `[size|1, N|1, 1, S|1]` of one query row (0 when it attends nothing). A key axis of size 1 (S > 1)
+    broadcasts over every key: attending it attends the last."""
     attended = jnp.any(mask, axis=(1, 2))
-    positions = jnp.arange(1, attended.shape[-1] + 1, dtype=jnp.int32)
+    if attended.shape[-1] == length:
+        positions = jnp.arange(1, length + 1, dtype=jnp.int32)
+    else:
+        positions = jnp.full((1,), length, jnp.int32)
     last = jnp.max(jnp.where(attended, positions, 0), axis=-1)
     return jnp.broadcast_to(last, (size,))
 
@@ -180,7 +184,7 @@ def one_query_step(
     lengths = jnp.full((size,), length, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # unbatched calls give [T, S] or [N, T, S]
-        lengths = jnp.minimum(lengths, _last_attended(mask, size))
+        lengths = jnp.minimum(lengths, _last_attended(mask, size, length))
         lookup = Partial(_mask_lookup, mask)
         mask_mod = lookup if mask_mod is None else and_masks(mask_mod, lookup)
     return probjax_kernels.decode_attention(

@@ -10,8 +10,10 @@ heads; the framework files only map their own conventions (flax's `dropout_rng` 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +216,18 @@ def shift_queries(
     )
 
 
+def key_value_inputs(
+    inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """The key and value inputs of a flax module's call, with flax's defaults: `inputs_k` is `inputs_q`,
+    `inputs_v` is `inputs_k`; `inputs_v` without `inputs_k` is a `ValueError`."""
+    if inputs_k is None:
+        if inputs_v is not None:
+            raise ValueError("inputs_k cannot be None if inputs_v is given.")
+        inputs_k = inputs_q
+    return inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
 def check_cache_room(position: jax.Array, max_length: int) -> None:
     """Raises a `ValueError` when a decode step finds its cache full (checked only where `position`, the
     cache index, is concrete: under `jit` the step would overwrite the last entry, as flax's modules do)."""
@@ -238,6 +252,38 @@ def runs_stock_for_complex(attend: AttentionFunction, *arrays: jax.Array) -> boo
             "to the stock attention function for complex inputs."
         )
     return True
+
+
+class _StockSignature:
+    """`__signature__` of a `FlaxAttentionFunction` instance: its `stock` function's (the class keeps its own)."""
+
+    def __get__(self, instance, owner) -> inspect.Signature:
+        if instance is None:
+            raise AttributeError("__signature__")
+        return inspect.signature(owner.stock)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlaxAttentionFunction:
+    """The base of the NNX and Linen drop-ins for flax's `dot_product_attention`.
+
+    A subclass names the framework's function as `stock` and implements `compute`, which receives each of
+    `stock`'s arguments by name, defaults filled in. A call takes `stock`'s arguments (positionally or by
+    name), and `inspect.signature` of an instance is `stock`'s: Linen's modules pass an attention_fn only the
+    arguments that its signature names. Hashable, so that it can be a static attribute of a Flax module.
+    """
+
+    attend: AttentionFunction
+    stock: ClassVar[Callable[..., jax.Array]]
+    __signature__: ClassVar = _StockSignature()
+
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        arguments = self.__signature__.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        return self.compute(**arguments.arguments)
+
+    def compute(self, **arguments) -> jax.Array:
+        raise NotImplementedError
 
 
 def flax_style_attention(

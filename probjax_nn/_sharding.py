@@ -152,7 +152,9 @@ def per_shard(call, run):
 
     if layout.whole:
         replicated = (P(), P()) if call.return_residual else P()
-        return jax.sharding.auto_axes(lambda *arrays: run(local(*arrays)), out_sharding=replicated)(*arrays)
+        # Only the free axes turn Auto: inside a caller's partly-manual shard_map the manual ones cannot.
+        return jax.sharding.auto_axes(lambda *arrays: run(local(*arrays)), axes=tuple(_axis_types(mesh)),
+                                      out_sharding=replicated)(*arrays)
     batch, heads = _entry(layout.batch), _entry(layout.heads)
     kv_batch = None if i.kv_broadcast else batch
     specs = (P(batch, None, heads), P(kv_batch, None, heads), P(kv_batch, None, heads),
@@ -194,13 +196,20 @@ def _explicit(mesh, axis: str) -> bool:
     return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
 
 
-def _sequence_spec(x: jax.Array, axis: str, mesh) -> P:
-    """x's PartitionSpec (its Explicit axes; Auto ones are the compiler's to choose) with the sequence axis
-    (axis 1 of `[B, T, N, D]`) split over the context axis."""
-    spec = [None if entry is not None and not all(_explicit(mesh, a) for a in _names(entry)) else entry
-            for entry in _spec(x, x.ndim)]
-    spec[1] = axis
-    return P(*spec)
+def _context_layout(mesh, inputs) -> _Layout:
+    """The batch / head layout of a context-parallel call: the Explicit axes that split the query's batch and
+    heads (the heads gathered where a GQA group would straddle two shards), one layout for query, key and
+    value alike. Each input taking its own spec while the ring pairs them by the query's made a replicated
+    key meet a head-split query, or a batch-split key pass as the whole batch's (wrong outputs)."""
+    batch, _, _, num_heads, num_kv_heads, _ = inputs.shape
+    q_spec = _spec(inputs.q, 4)
+    batch_axes, head_axes = ([a for a in _names(entry) if _explicit(mesh, a)] for entry in (q_spec[0], q_spec[2]))
+    if len(batch_axes) != len(_names(q_spec[0])):
+        batch_axes = []  # partly Auto: the compiler's to place
+    if len(head_axes) != len(_names(q_spec[2])) or any(
+            heads % math.prod(mesh.shape[a] for a in head_axes) for heads in (num_heads, num_kv_heads)):
+        head_axes = []
+    return _Layout(tuple(batch_axes), tuple(head_axes), reshard=True)
 
 
 def context_parallel(config, name: str, call):
@@ -244,18 +253,26 @@ def context_parallel(config, name: str, call):
                 f"{arg} has sequence length {length}, which context_axis={axis!r} with layout "
                 f"{config.context_layout!r} needs to be a multiple of {size}."
             )
-    specs = [_sequence_spec(x, axis, mesh) for x in (i.q, i.k, i.v)]
-    manual = {axis} | {a for spec in specs for entry in spec for a in _names(entry)}
-    q_spec = specs[0]
-    layout = _Layout(_names(q_spec[0]), _names(q_spec[2]), reshard=False)
-    q, k, v = (jax.reshard(x, spec) if _explicit(mesh, axis) else x for x, spec in zip((i.q, i.k, i.v), specs))
-    residual_spec = P(q_spec[0], axis, q_spec[2])
+    layout = _context_layout(mesh, i)
+    spec = P(_entry(layout.batch), axis, _entry(layout.heads))
+    # Explicit axes that split none of them run inside too (replicated): Pallas' interpret mode cannot run
+    # under a mesh with Explicit axes left outside.
+    manual = {axis, *layout.batch, *layout.heads, *(a for a in _axis_types(mesh) if _explicit(mesh, a))}
+    if any(_explicit(mesh, a) for a in _axis_types(mesh)):
+        # Every input to the one layout (a no-op where it has it); an Auto context axis is the shard_map's
+        # to split, and Explicit axes that split none of batch / heads / sequence are gathered.
+        explicit = P(*(entry if entry is not None and all(_explicit(mesh, a) for a in _names(entry)) else None
+                       for entry in spec))
+        q, k, v = (jax.reshard(x, explicit) for x in (i.q, i.k, i.v))
+    else:
+        q, k, v = i.q, i.k, i.v
+    residual_spec = P(spec[0], axis, spec[2])
 
     def body(q, k, v):
         return attend(_global_indices(call, layout, q.shape[0], q.shape[2], i.q.shape[2]), q, k, v)
 
     # check_vma=False: Pallas' interpret mode (CPU) loses the varying-axes types inside the kernels' loops.
     return jax.shard_map(
-        body, in_specs=tuple(specs), out_specs=(q_spec, residual_spec) if call.return_residual else q_spec,
+        body, in_specs=(spec,) * 3, out_specs=(spec, residual_spec) if call.return_residual else spec,
         axis_names=manual, check_vma=False,
     )(q, k, v)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,8 +24,8 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex,
+    AttentionFunction, FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    flax_style_attention, key_value_inputs, resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -51,34 +49,29 @@ def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array) 
         raise AssertionError("q, k depths must match.")
 
 
+def _check_einsums_like_flax(precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum):
+    """`flax.linen.dot_product_attention`'s ValueErrors for a bad combination of custom einsums and
+    precision, before any impl's NotImplementedError for custom einsums (code written against flax expects
+    its errors first)."""
+    if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
+        raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be specified together.")
+    if (precision or einsum_dot_general) and (qk_attn_weights_einsum or attn_weights_value_einsum):
+        raise ValueError(
+            "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum are mutually "
+            "exclusive. Please specify only one of them."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class DotProductAttention:
-    """`flax.linen.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`.
+class DotProductAttention(FlaxAttentionFunction):
+    """`flax.linen.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`."""
 
-    Linen passes only the arguments that this signature names, so every one of them is spelled out.
-    """
+    stock = staticmethod(nn.dot_product_attention)
 
-    attend: AttentionFunction
-
-    def __call__(
-        self,
-        query: jax.Array,
-        key: jax.Array,
-        value: jax.Array,
-        bias: jax.Array | None = None,
-        mask: jax.Array | None = None,
-        broadcast_dropout: bool = True,
-        dropout_rng: jax.Array | None = None,
-        dropout_rate: float = 0.0,
-        deterministic: bool = False,
-        dtype: Any = None,
-        precision: Any = None,
-        module: nn.Module | None = None,
-        force_fp32_for_softmax: bool = False,
-        einsum_dot_general: Callable[..., jax.Array] | None = None,
-        qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
-        attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
-    ) -> jax.Array:
+    def compute(self, query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
+                dtype, precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
+                attn_weights_value_einsum) -> jax.Array:
+        _check_einsums_like_flax(precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
         # The kernels form neither the weights (to sow) nor the einsums (to replace, e.g. AQT's).
         custom_einsums = any(
             f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
@@ -234,12 +227,7 @@ class FlexAttention(MultiHeadDotProductAttention):
         With `decode=True` one token per call against the `cache` collection; the hooks then see the token's
         position as `q_idx`. **Returns:** `[batch..., T, out_features or features]`.
         """
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k cannot be None if inputs_v is given.")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = key_value_inputs(inputs_q, inputs_k, inputs_v)
         features = self.out_features or inputs_q.shape[-1]
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         if qkv_features % self.num_heads:

@@ -21,8 +21,8 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks, flax_style_attention,
-    resolve_config, runs_stock_for_complex,
+    AttentionFunction, FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    flax_style_attention, key_value_inputs, resolve_config, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -31,28 +31,13 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class DotProductAttention:
+class DotProductAttention(FlaxAttentionFunction):
     """`flax.nnx.dot_product_attention`'s signature over the probjax kernels; see `attention_fn`."""
 
-    attend: AttentionFunction
+    stock = staticmethod(nnx.dot_product_attention)
 
-    def __call__(
-        self,
-        query: jax.Array,
-        key: jax.Array,
-        value: jax.Array,
-        bias: jax.Array | None = None,
-        mask: jax.Array | None = None,
-        broadcast_dropout: bool = True,
-        dropout_rng: jax.Array | None = None,
-        dropout_rate: float = 0.0,
-        deterministic: bool = False,
-        dtype: Any = None,
-        precision: Any = None,
-        module: nnx.Module | None = None,
-        promote_dtype: Callable = dtypes.promote_dtype,
-        is_causal: bool = False,
-    ) -> jax.Array:
+    def compute(self, query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
+                dtype, precision, module, promote_dtype, is_causal) -> jax.Array:
         if runs_stock_for_complex(self.attend, query, key, value):
             return nnx.dot_product_attention(
                 query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
@@ -229,12 +214,7 @@ class FlexAttention(MultiHeadAttention):
 
         **Returns:** `[batch..., T, out_features]`.
         """
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k cannot be None if inputs_v is given.")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = key_value_inputs(inputs_q, inputs_k, inputs_v)
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}.")
         query = self.query(inputs_q, out_sharding=qkv_sharding)

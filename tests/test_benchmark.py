@@ -247,3 +247,52 @@ def test_decode_mode_rows(tmp_path):
     assert (row["mode"], row["seq"], row["heads"], row["kv_heads"], row["new_tokens"]) == ("decode", 64, 4, 2, 1)
     assert row["rel_err"] < 1e-5 and row["median_ms"] is None
     assert "dense cache only" in rows["jax_xla", 16]["error"]
+
+
+def test_decode_plot_keeps_dense_and_paged_apart_and_quotes_a_runnable_command(tmp_path, capsys):
+    """`plot` of a decode report: untimed rows (the CPU's tflops None) raised TypeError; dense and paged rows
+    of one shape merged, so jax_xla's paged error hid its dense result; the quoted command had no `decode`
+    and the attention benchmark's flags."""
+    from probjax_nn.benchmark import _decode
+
+    path = tmp_path / "decode.json"
+    flags = ["--batch", "1", "--cache-lens", "32", "--heads", "2:1", "--head-dim", "16", "--page-sizes", "0", "16",
+             "--dtypes", "float32", "--impls", "probjax_decode", "jax_xla"]
+    assert main(["decode", "--output", str(path), *flags]) == 0
+    assert main(["plot", str(path), "--out-dir", str(tmp_path / "cpu")]) == 0
+    summary = (tmp_path / "cpu" / "decode.md").read_text()
+    rows = [line for line in summary.splitlines() if line.startswith("| float32 |")]
+    assert rows == ["| float32 | 1 | 2 | 16 | 32 | n | decode | 1 | 1 | dense | - | - |  |  |",
+                    "| float32 | 1 | 2 | 16 | 32 | n | decode | 1 | 1 | 16 | - | ERR |  |  |"]
+    command = next(line for line in summary.splitlines() if line.startswith("- command: "))
+    words = command.removeprefix("- command: ").strip("`").split()
+    assert words[:4] == ["python", "-m", "probjax_nn.benchmark", "decode"]
+    again, wanted = _decode.parse_args(words[4:]), _decode.parse_args(["--output", str(path), *flags])
+    assert vars(again) == vars(wanted)
+    # Timed rows (as on a GPU): one figure per cache layout.
+    report = json.loads(path.read_text())
+    for row in report["results"]:
+        if "error" not in row:
+            row["tflops"] = 1.0
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps(report))
+    assert main(["plot", str(timed), "--out-dir", str(tmp_path / "gpu")]) == 0
+    pngs = sorted(png.name for png in (tmp_path / "gpu").glob("*.png"))
+    assert pngs == ["timed_float32_b1_n2_hd16_k1_t1_dense.png", "timed_float32_b1_n2_hd16_k1_t1_page16.png"]
+    assert "| 1 | 1 | dense | 1 | 1 | jax_xla 1 | 1.00 |" in (tmp_path / "gpu" / "timed.md").read_text()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--page-sizes", "-16"], "argument --page-sizes: -16 is not 0 (a dense cache) or a power of two >= 16"),
+    (["--page-sizes", "8"], "argument --page-sizes: 8 is not 0 (a dense cache) or a power of two >= 16"),
+    (["--page-sizes", "24"], "argument --page-sizes: 24 is not 0 (a dense cache) or a power of two >= 16"),
+    (["--page-sizes", "32", "--cache-lens", "48"], "argument --page-sizes: 32 does not divide --cache-lens 48"),
+    (["--new-tokens", "17"], "argument --new-tokens: 17 is not in 1..16"),
+    (["--new-tokens", "4", "--cache-lens", "2"], "argument --cache-lens: 2 is shorter than --new-tokens 4"),
+])
+def test_decode_flags_no_row_could_measure_are_usage_errors(tmp_path, capsys, flags, message):
+    """Each gave a report of rows with reshape or kernel errors."""
+    argv = ["decode", "--output", str(tmp_path / "d.json"), "--cache-lens", "64", "--dtypes", "float32", *flags]
+    assert message in _usage_error(capsys, argv)
+    assert list(tmp_path.iterdir()) == []

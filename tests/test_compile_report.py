@@ -89,6 +89,11 @@ def test_tangent_tiles_shrink_the_key_tile_only_on_a_gpu(monkeypatch):
     tangent = _dispatch.tangent_config(config, 256)
     assert (tangent.block_q, tangent.block_k, tangent.num_warps) == (32, 16, 8)
     assert _dispatch.tangent_config(config, 256, tables=True).block_q == config.block_q
+    # The dtype as default_config takes it: float32 (FMA dots) shrinks the query tile at head dim 128 too.
+    config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
+    assert _dispatch.tangent_config(config, 128, dtype=jnp.float32).block_q == 16
+    # 16-bit: at most 64 on this 99 KB GPU (test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128).
+    assert _dispatch.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == min(config.block_q, 64)
     interpret = default_config(FlashConfig(backend="interpret"), q_len=1024, kv_len=1024, head_dim=256)
     assert _dispatch.tangent_config(interpret, 256) == interpret
 

@@ -9,13 +9,15 @@ Dv != D, return_lse and every dtype.
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from helpers import TOLERANCE, assert_close, numpy_attention
 from probjax_kernels import (
-    DecodeConfig, alibi, and_masks, decode_attention, decode_attention_reference, sliding_window,
+    DecodeConfig, alibi, and_masks, causal_mask, decode_attention, decode_attention_reference, prefix_lm,
+    sliding_window,
 )
 
 # Errors of the kernel against float64 (normalised as in helpers.assert_close), kept for the report.
@@ -149,8 +151,8 @@ def test_paged_half_precision_t16_mha_captured_bias_and_mask(dtype):
 @pytest.mark.parametrize(
     "dtype, new_tokens, num_heads, num_kv_heads, capacity, lengths, splits, hooks",
     [
-        # GQA 8, T=1, a length that is no multiple of 16 (the dense view pads to 13 pages of 16), default
-        # splits; 2 pages a step, so the last step reads past the table (masked).
+        # GQA 8, T=1, a length that is no multiple of 16 (read in place: the last 32-key tile reaches past
+        # S = 200, masked), default splits.
         (jnp.float32, 1, 8, 1, 200, [1, 200, 77], None, "mask"),
         # GQA 2, T=5, 4 splits over a 128-key cache in 16-key tiles, a score_mod only.
         (jnp.float16, 5, 6, 3, 128, [0, 5, 100, 128], 4, "score"),
@@ -228,3 +230,128 @@ def test_config_checks():
         DecodeConfig(block_k=24)
     with pytest.raises(ValueError, match="backend"):
         DecodeConfig(backend="mosaic")
+
+
+def test_out_of_contract_rows_are_nan_under_jit():
+    """Issue 30 item 4: under jit a length past the cache re-read the last page, a table entry outside the
+    pool was clamped, and under x64 an entry page + 2**32 wrapped to a valid page. Such a sequence's rows are
+    NaN now, in the kernel and the reference alike; the other rows are right. Concrete values raise."""
+    k, v = make_cache(11, 2, 32, 2, 16, 16, jnp.float32)
+    q = random_q(12, 2, 2, 4, 16, jnp.float32)
+    spare = jnp.zeros((1, 16, 2, 16))
+    k_pages, v_pages = (jnp.concatenate([x.reshape(4, 16, 2, 16), spare]) for x in (k, v))  # P = 5
+    tables = np.array([[0, 1], [2, 3]])
+
+    def both(lengths, tables):
+        args = dict(kv_lengths=lengths, block_tables=tables, return_lse=True)
+        return (decode_attention(q, k_pages, v_pages, **args),
+                decode_attention_reference(q, k_pages, v_pages, **args))
+
+    want_out, want_lse = expected(q, k, v, np.array([20, 20]))
+    run = jax.jit(both)
+    for lengths, row_tables in (([20, 33], [2, 3]), ([20, 1], [2, 3]), ([20, 20], [2, 5]), ([20, 20], [-1, 3])):
+        for out, lse in run(jnp.asarray(lengths, jnp.int32), jnp.asarray([tables[0], row_tables], jnp.int32)):
+            assert np.isnan(np.asarray(out[1])).all() and np.isnan(np.asarray(lse[1])).all(), (lengths, row_tables)
+            check("valid row", out[:1], lse[:1], want_out[:1], want_lse[:1], jnp.float32)
+    with jax.enable_x64(True):
+        wrapped = np.array([[0, 1], [2, 3 + 2**32]], np.int64)
+        for out, lse in jax.jit(both)(jnp.asarray([20, 20], jnp.int64), jnp.asarray(wrapped)):
+            assert np.isnan(np.asarray(out[1])).all() and np.isnan(np.asarray(lse[1])).all()
+            check("valid row x64", out[:1], lse[:1], want_out[:1], want_lse[:1], jnp.float32)
+        with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 4294967299"):
+            decode_attention(q, k_pages, v_pages, kv_lengths=jnp.asarray([20, 20]), block_tables=jnp.asarray(wrapped))
+
+
+def test_not_causal_among_new_tokens_follows_the_mask_mod():
+    """Issue 30 item 22: decode was always causal among the new tokens, so `prefix_lm` with new tokens inside
+    the prefix differed from flex_attention (1.34); `causal=False` leaves it to the mask_mod, kernel and
+    reference alike. Tokens at 16..19 of 20 keys, prefix 18 (the first two see token 17 ahead of them)."""
+    k, v = make_cache(13, 1, 32, 1, 16, 16, jnp.float32)
+    q = random_q(14, 1, 4, 2, 16, jnp.float32)
+    q_pos = np.arange(16, 20)[:, None]
+    allowed = (np.arange(20)[None, :] < 18) | (np.arange(20)[None, :] <= q_pos)
+    want_out, want_lse = numpy_attention(q, k[:, :20], v[:, :20], allowed=allowed)
+    for fn in (decode_attention, decode_attention_reference):
+        out, lse = fn(q, k, v, kv_lengths=jnp.array([20]), mask_mod=prefix_lm(18), causal=False, return_lse=True)
+        check(f"not causal {fn.__name__}", out, lse, want_out, want_lse, jnp.float32)
+    with pytest.raises(TypeError, match="causal"):
+        decode_attention(q, k, v, kv_lengths=jnp.array([20]), causal=None)
+
+
+def test_empty_batch_and_a_cache_shorter_than_the_new_tokens():
+    """Issue 30 item 23: B = 0 gives empty outputs (as jax.nn.dot_product_attention) instead of an error, dense
+    and paged, kernel and reference; T > capacity says so (it read "lie in [T, capacity] = [8, 4]")."""
+    q = jnp.ones((0, 2, 4, 16))
+    for fn in (decode_attention, decode_attention_reference):
+        out, lse = fn(q, jnp.ones((0, 32, 2, 16)), jnp.ones((0, 32, 2, 8)), kv_lengths=jnp.zeros((0,), jnp.int32),
+                      return_lse=True)
+        assert out.shape == (0, 2, 4, 8) and out.dtype == jnp.float32 and lse.shape == (0, 4, 2)
+        out = fn(q, jnp.ones((3, 16, 2, 16)), jnp.ones((3, 16, 2, 16)), kv_lengths=jnp.zeros((0,), jnp.int32),
+                 block_tables=jnp.zeros((0, 2), jnp.int32))
+        assert out.shape == (0, 2, 4, 16)
+    with pytest.raises(ValueError, match=r"capacity=4 keys per sequence \(S\), fewer than the T=8 new tokens"):
+        decode_attention(jnp.ones((1, 8, 2, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)),
+                         kv_lengths=jnp.array([4]))
+
+
+def _ops_on(jaxpr, shapes) -> list[str]:
+    """The primitives (at any depth, through jit / custom_jvp) that take an array of one of `shapes`."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if any(getattr(x.aval, "shape", None) in shapes for x in eqn.invars):
+            names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _ops_on(sub, shapes)
+    return names
+
+
+def test_caches_of_any_length_and_head_dim_are_read_in_place():
+    """Issue 30 item 20: a dense cache whose length is no multiple of 16 or a head dim that is no power of two
+    was padded (a copy of the whole cache) on every call. The kernel reads such caches in place now: only
+    the kernel (and the custom_jvp around it) takes them, and the answers match float64. Dense S = 20 with
+    D = 24 / Dv = 40; paged D = 24 / Dv = 40."""
+    lengths = np.array([20, 7])
+    k, v = make_cache(15, 2, 20, 1, 24, 40, jnp.float32)
+    q = random_q(16, 2, 2, 2, 24, jnp.float32)
+    want_out, want_lse = expected(q, k, v, lengths)
+    k_pages, v_pages, tables, k32, v32 = paginate(jnp.pad(k, ((0, 0), (0, 12), (0, 0), (0, 0))),
+                                                  jnp.pad(v, ((0, 0), (0, 12), (0, 0), (0, 0))), lengths, 16, seed=17)
+    # paginate makes sequence 1's first page sequence 0's (a shared prefix): its answer follows those keys.
+    want_paged = expected(q, k32, v32, lengths)
+    for caches, tabled, want in (((k, v), None, (want_out, want_lse)),
+                                 ((jnp.asarray(k_pages), jnp.asarray(v_pages)), jnp.asarray(tables, jnp.int32),
+                                  want_paged)):
+        def run(q, k, v):
+            return decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), block_tables=tabled, return_lse=True)
+
+        assert set(_ops_on(jax.make_jaxpr(run)(q, *caches).jaxpr, {c.shape for c in caches})) == {
+            "custom_jvp_call", "pallas_call"}
+        out, lse = jax.jit(run)(q, *caches)
+        check("in place", out, lse, *want, jnp.float32)
+
+
+def test_a_sliding_window_skips_the_keys_before_it():
+    """Issue 30 item 21: a window read the whole cache. The splits now start at the step holding the earliest
+    new token's first key: the keys before it are NaN here (read, they would poison the sums), and the
+    answer equals float64 on the clean cache. T = 2, window 20, 16-key steps, lengths 128 and 50."""
+    lengths = np.array([128, 50])
+    k, v = make_cache(18, 2, 128, 1, 16, 16, jnp.float32)
+    q = random_q(19, 2, 2, 2, 16, jnp.float32)
+    want_out, want_lse = expected(q, k, v, lengths, window=20)
+    first = (lengths - 2 - 20) // 16 * 16  # the first key of the step the window starts in: 96 and 16
+    before = np.arange(128)[None, :, None, None] < first[:, None, None, None]
+    poisoned = [jnp.where(before, jnp.nan, x) for x in (k, v)]
+    out, lse = jax.jit(lambda q, k, v: decode_attention(
+        q, k, v, kv_lengths=jnp.asarray(lengths), mask_mod=and_masks(causal_mask, sliding_window(20)), num_splits=2,
+        return_lse=True, config=DecodeConfig(block_k=16)))(q, *poisoned)
+    check("window", out, lse, want_out, want_lse, jnp.float32)
+
+
+def test_mask_lookback_reads_windows_through_and_or():
+    from probjax_kernels.flex.mods import mask_lookback, or_masks
+
+    assert mask_lookback(sliding_window(7)) == 7
+    assert mask_lookback(and_masks(causal_mask, sliding_window(9), sliding_window(4))) == 4
+    assert mask_lookback(or_masks(sliding_window(3), sliding_window(5))) == 5
+    assert mask_lookback(or_masks(sliding_window(3), causal_mask)) is None
+    assert mask_lookback(causal_mask) is None and mask_lookback(prefix_lm(4)) is None

@@ -39,17 +39,20 @@ def decode_calls(monkeypatch) -> list[tuple]:
 
 def test_pages_from_dense_lays_out_each_sequence_in_its_pages():
     cache = np.arange(2 * 20 * 1 * 3, dtype=np.float32).reshape(2, 20, 1, 3)
-    pages, tables = probjax_nn.pages_from_dense(cache, 8, max_length=30)
-    assert pages.shape == (8, 8, 1, 3) and tables.shape == (2, 4) and tables.dtype == jnp.int32
+    pages, tables = probjax_nn.pages_from_dense(cache, 16, max_length=40)
+    assert pages.shape == (6, 16, 1, 3) and tables.shape == (2, 3) and tables.dtype == jnp.int32
     pages, tables = np.asarray(pages), np.asarray(tables)
     for b in range(2):
-        for j in range(32):
+        for j in range(48):
             expected = cache[b, j] if j < 20 else 0.0
-            np.testing.assert_array_equal(pages[tables[b, j // 8], j % 8], expected)
+            np.testing.assert_array_equal(pages[tables[b, j // 16], j % 16], expected)
     with pytest.raises(ValueError, match=r"max_length must be an int >= the cache length S=20, got 19"):
-        probjax_nn.pages_from_dense(cache, 8, max_length=19)
-    with pytest.raises(ValueError, match=r"page_size must be a positive int, got 0"):
-        probjax_nn.pages_from_dense(cache, 0)
+        probjax_nn.pages_from_dense(cache, 16, max_length=19)
+    for page_size in (0, 8, 24):  # the decode kernel's pages are powers of two >= 16 (issue 30 item 23)
+        with pytest.raises(ValueError, match=rf"page_size must be a power of two >= 16 .*, got {page_size}"):
+            probjax_nn.pages_from_dense(cache, page_size)
+    empty_pages, empty_tables = probjax_nn.pages_from_dense(cache[:0], 16)
+    assert empty_pages.shape == (0, 16, 1, 3) and empty_tables.shape == (0, 2)
 
 
 def test_decode_attention_paged_kernel_and_xla_match_float64(decode_calls):
@@ -69,6 +72,27 @@ def test_decode_attention_paged_kernel_and_xla_match_float64(decode_calls):
         probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, impl="cudnn")
     with pytest.raises(NotImplementedError, match="impl='pallas' does not support score_mod"):
         probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, score_mod=alibi(alibi_slopes(4)), impl="pallas")
+
+
+def test_decode_attention_passes_return_lse_and_num_splits(decode_calls):
+    """`return_lse` and `num_splits` reach the kernel ("pallas", the cache split over 3 programs) and the
+    reference ("xla"): out and lse `[B, N, T]` against float64 NumPy, a fully masked slot's lse -inf."""
+    q, k, v = random_qkv(1, 3, 2, 40, 4, 2, 16)
+    lengths = np.array([40, 17, 0], np.int32)
+    rows = np.arange(2)[:, None] + lengths[:, None, None] - 2  # [B, T, 1]: token t at length - T + t
+    allowed = (np.arange(40)[None, None, :] <= rows)[:, None]
+    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed)
+    for impl in ("pallas", "xla"):
+        out, lse = probjax_nn.decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), num_splits=3,
+                                               return_lse=True, impl=impl)
+        assert lse.shape == (3, 4, 2) and lse.dtype == jnp.float32, impl
+        assert_close(out, expected_out, jnp.float32, impl)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse), err_msg=impl)
+        finite = np.isfinite(expected_lse)
+        np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], rtol=1e-5, err_msg=impl)
+    assert decode_calls == [q.shape]
+    with pytest.raises(ValueError, match="num_splits"):
+        probjax_nn.decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), num_splits=0, impl="xla")
 
 
 def _stock_decode_nnx(module, x, mask):
@@ -109,6 +133,25 @@ def test_linen_decode_matches_the_stock_module(decode_calls):
         return jnp.concatenate(outputs, axis=1), cache
 
     assert_trees_close(run(ours), run(stock), name="decode")
+    assert decode_calls
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_one_query_with_a_broadcast_key_axis_mask_matches_the_stock_module(framework, decode_calls):
+    """One query row (decode=False; GQA 4:2 in NNX) with a mask whose key axis has size 1 (it broadcasts over
+    every key): the kernel reads all the keys, as the stock module does (it read one before)."""
+    x, mask = inputs(25), jnp.ones((BATCH, 1, 1, 1), bool)
+    if framework == "nnx":
+        stock = nnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+        ours = pnnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False, attention_impl="pallas",
+                                       rngs=nnx.Rngs(0))
+        actual, expected = (module(x[:, :1], x, mask=mask) for module in (ours, stock))
+    else:
+        stock = nn.MultiHeadDotProductAttention(HEADS)  # Linen's module has no GQA
+        ours = plinen.MultiHeadDotProductAttention(HEADS, attention_impl="pallas")
+        variables = stock.init(jax.random.key(0), x[:, :1], x)
+        actual, expected = (module.apply(variables, x[:, :1], x, mask=mask) for module in (ours, stock))
+    assert_trees_close(actual, expected, name=framework)
     assert decode_calls
 
 

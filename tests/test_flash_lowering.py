@@ -166,10 +166,10 @@ def test_value_head_dim_shared_kv_and_max_scores_lower(head_dim, value_dim, kv_b
 @pytest.mark.parametrize(
     "paged, hooks, dtype, head_dim, new_tokens, num_heads",
     [
-        (False, False, jnp.bfloat16, 128, 1, 8),  # dense, GQA 8:1 at T=1
+        (False, False, jnp.bfloat16, 128, 1, 8),  # dense, GQA 8:1 at T=1, S = 1000 read in place (masked tail)
         (True, False, jnp.bfloat16, 128, 4, 32),  # paged, GQA 32:8
         (True, True, jnp.float16, 128, 16, 16),  # hooks with captured arrays; 256 rows: two row blocks
-        (False, True, jnp.float32, 64, 2, 2),  # dense, hooks, float32, Dv != D
+        (False, True, jnp.float32, 96, 2, 2),  # dense, hooks, float32, Dv != D, neither a power of two
         (True, False, jnp.float32, 256, 2, 8),  # hd 256: 16-key tiles, each page read as four slices
     ],
 )

@@ -371,3 +371,26 @@ def test_torch_private_names_and_porting_errors():
     tables = create_block_mask(causal_mask, None, 2, 64, 64, BLOCK_SIZE=32)
     assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0, 0], tables.kv_indices[0, 0], BLOCK_SIZE=32).shape == (64, 64)
     assert BlockMask.from_kv_blocks(tables.kv_num_blocks[0], tables.kv_indices[0], BLOCK_SIZE=32).shape == (2, 64, 64)
+
+
+def test_block_mask_query_block_selection_rebuilds_the_key_block_tables():
+    """Issue 30 item 2: `bm[:, :, i]` selected query blocks on the key-block tables' axis 2 (their key blocks),
+    so the dK / dV kernel walked the wrong query blocks: the gradients of the selected rows against float64."""
+    block_mask = create_block_mask(causal_mask, 1, 1, 64, 64, BLOCK_SIZE=16)
+    row = block_mask[:, :, 1]
+    assert row.q_num_blocks.shape == (1, 1, 4) and row.q_indices.shape == (1, 1, 4, 1)
+    np.testing.assert_array_equal(row.q_num_blocks[0, 0], [0, 1, 0, 0])  # key block 1 is the diagonal: partial
+    np.testing.assert_array_equal(row.full_q_num_blocks[0, 0], [1, 0, 0, 0])
+    picked = block_mask[:, :, [2, 0]]
+    rows = np.r_[32:48, 0:16]
+    q, k, v = random_qkv(3, 1, 64, 64, 1, 1, 16)
+    cotangent = jnp.sin(jnp.arange(32 * 16.0)).reshape(1, 32, 1, 16)
+    _, vjp = jax.vjp(lambda q, k, v: flex_attention(q, k, v, None, picked), q[:, rows], k, v)
+    allowed = rows[:, None] >= np.arange(64)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(x, jnp.float64) for x in (q[:, rows], k, v, cotangent)]
+        _, dense_vjp = jax.vjp(lambda q, k, v: probjax_kernels.flash_attention_reference(
+            q, k, v, mask=jnp.asarray(allowed)), *wide[:3])
+        expected = dense_vjp(wide[3])
+    for name, got, want in zip("qkv", vjp(cotangent), expected):
+        assert_close(got, want, jnp.float32, name)

@@ -94,3 +94,18 @@ def test_modules_with_pallas_on_an_explicit_mesh():
         placed = jax.device_put(x, P("data"))
         for name, (call, state) in calls.items():
             assert_close(call(state, placed), expected[name], jnp.float32, name)
+
+
+def test_kernels_inside_a_partly_manual_shard_map():
+    """impl "pallas" and "flex" inside the caller's shard_map that makes only "data" manual, on an Explicit
+    ("data", "model") mesh, the inputs replicated over "model": the kernel runs with the free axis turned Auto
+    (turning the manual "data" Auto too raised NotImplementedError), with the unsharded outputs."""
+    q, k, v = random_qkv(4, 4, 16, 16, 4, 2, 16)
+    expected = probjax_nn.attention(q, k, v, is_causal=True, impl="xla")
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, P("data")) for x in (q, k, v)]
+        for impl in ("pallas", "flex"):
+            attend = functools.partial(probjax_nn.attention, is_causal=True, impl=impl)
+            mapped = jax.shard_map(attend, in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
+            assert_close(jax.jit(mapped)(*placed), expected, jnp.float32, impl)

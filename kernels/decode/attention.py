@@ -6,15 +6,17 @@ Entry point: checks, hook tracing, and the forward-only wrapper around the Palla
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs
+from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
+from probjax_kernels.flex.mods import mask_lookback
 
 
 def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list[jax.Array]]:
@@ -63,13 +65,15 @@ def decode_attention(
     scale: float | None = None,
     return_lse: bool = False,
     config: DecodeConfig | None = None,
+    causal: bool = True,
 ):
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache (flash-decoding).
 
     The cache already holds the new tokens: sequence b has `kv_lengths[b]` keys, and its new token t sits at
     position `kv_lengths[b] - T + t`; it attends the keys at or before that position (causal among the new
-    tokens). The cache is split over `num_splits` programs per (sequence, key/value head), whose partial
-    results are merged by their log-sum-exp; the N / K query heads of a group share one pass over the cache.
+    tokens; with `causal=False` every key below the length, the mask_mod deciding the rest). The cache is
+    split over `num_splits` programs per (sequence, key/value head), whose partial results are merged by
+    their log-sum-exp; the N / K query heads of a group share one pass over the cache.
 
     **Arguments:**
 
@@ -81,17 +85,25 @@ def decode_attention(
       -inf) or T..capacity (S, or max_pages * page_size).
     - `block_tables`: `[B, max_pages]` int32, the pages of each sequence in order: key position j of sequence
       b is `k[block_tables[b, j // page_size], j % page_size]`. Pages may be shared (a common prefix) and
-      in any order; entries past `cdiv(kv_lengths[b], page_size)` are never used.
+      in any order; entries past `cdiv(kv_lengths[b], page_size)` are never used. Lengths and the used
+      entries are checked when concrete (ValueError); under `jit` a sequence that breaks the contract gets
+      NaN rows (out and lse), here and in the reference alike (docs/decoding.md).
     - `score_mod(score, b, h, q_idx, kv_idx) -> score` and `mask_mod(b, h, q_idx, kv_idx) -> bool` (True =
       attend), FlexAttention's hooks: q_idx is the global position above. Called on a float32 tile whose
       rows pack several heads, so h and q_idx are int32 columns, kv_idx a row, b a scalar: write them with
       broadcasting jnp operations (`alibi`, `softcap`, `relative_bias`, the mask_mods of this package do).
-      They may close over arrays (kernel inputs).
+      They may close over arrays (kernel inputs). A mask_mod whose reach back is known (`sliding_window(w)`,
+      alone or inside `and_masks`) makes the splits cover only the steps from the earliest new token's
+      window on: a window of 4096 over a 128k cache reads about 4096 keys.
     - `num_splits`: programs per (sequence, key/value head) over the cache; None picks one from B, K, the
       cache length and the device.
     - `scale`: a Python float, default `D ** -0.5`.
     - `return_lse`: also return lse `[B, N, T]` float32 (natural log; -inf for a row that attends nothing).
     - `config`: a `DecodeConfig` (tile, warps, stages, backend); None picks defaults for the device.
+    - `causal`: True (default) masks the later new tokens from the earlier ones, as a causal training mask
+      does. False lets every new token see all `kv_lengths[b]` keys, so a mask_mod that is not causal among
+      them (`prefix_lm` with new tokens inside the prefix, bidirectional blocks) gives flex_attention's
+      rows; the mask_mod then decides alone.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`.
 
@@ -99,10 +111,13 @@ def decode_attention(
     """
     inputs = check_decode_inputs(
         q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-        num_splits=num_splits, scale=scale, return_lse=return_lse,
+        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
     )
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
+    if inputs.q.shape[0] == 0:
+        return empty_outputs(inputs)
+    inputs = dataclasses.replace(inputs, lookback=mask_lookback(mask_mod))
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
     plan = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))
@@ -110,4 +125,5 @@ def decode_attention(
     out, lse = _forward_only(
         run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
     )
+    out, lse = poison_rows(out, lse, inputs.out_of_contract)
     return (out, lse) if inputs.return_lse else out

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._decode_inputs import DecodeInputs, check_decode_inputs
+from probjax_kernels._decode_inputs import DecodeInputs, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._reference import REFERENCE_DTYPES
 
 
@@ -56,7 +56,9 @@ def decode_from_inputs(inputs: DecodeInputs, score_mod=None, mask_mod=None) -> t
     b, h, q_idx, kv_idx = grids
     if score_mod is not None:
         scores = score_mod(scores, *grids).astype(compute)
-    allowed = (kv_idx <= q_idx) & (kv_idx < inputs.kv_lengths.reshape(batch, 1, 1, 1))
+    allowed = kv_idx < inputs.kv_lengths.reshape(batch, 1, 1, 1)
+    if inputs.causal:
+        allowed = allowed & (kv_idx <= q_idx)
     if mask_mod is not None:
         allowed = allowed & mask_mod(*grids)
     scores = jnp.where(allowed, scores, -jnp.inf)
@@ -76,7 +78,7 @@ def decode_from_inputs(inputs: DecodeInputs, score_mod=None, mask_mod=None) -> t
 
 def decode_attention_reference(
     q, k, v, *, kv_lengths, block_tables=None, score_mod=None, mask_mod=None, num_splits=None, scale=None,
-    return_lse: bool = False, config=None,
+    return_lse: bool = False, config=None, causal: bool = True,
 ):
     """Plain-jnp `decode_attention` with the same arguments and semantics (see there): the pages gathered
     through `block_tables`, the `[B, N, T, S]` scores materialised, float32 accumulation (float64 for float64
@@ -85,8 +87,10 @@ def decode_attention_reference(
     del config
     inputs = check_decode_inputs(
         q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-        num_splits=num_splits, scale=scale, return_lse=return_lse, allowed_dtypes=REFERENCE_DTYPES,
+        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, allowed_dtypes=REFERENCE_DTYPES,
         max_head_dim=None,
     )
-    out, lse = decode_from_inputs(inputs, score_mod, mask_mod)
+    if inputs.q.shape[0] == 0:
+        return empty_outputs(inputs)
+    out, lse = poison_rows(*decode_from_inputs(inputs, score_mod, mask_mod), inputs.out_of_contract)
     return (out, lse) if inputs.return_lse else out

@@ -162,7 +162,16 @@ class BlockMask:
         index = (*(slice(None),) * (2 - self.leading_axes), *index, *(slice(None),) * (visible - len(index)))
         selections = [_selection(name, i, size) for name, i, size in
                       zip(("batch", "head", "query block"), index, self.kv_num_blocks.shape[:3])]
-        tables = {name: _take(getattr(self, name), selections) for name in self._TABLES}
+        # The per-query-block tables are indexed on all three axes; the per-key-block ones list query blocks in
+        # their last axis, so they are rebuilt from the selected rows (PyTorch's __getitem__ does the same).
+        tables = {name: _take(getattr(self, name), selections) for name in self._TABLES[:4]}
+        if self.q_indices is not None:
+            for (name_num, name_idx), (num, idx) in zip((self._TABLES[4:6], self._TABLES[6:8]),
+                                                        ((tables["kv_num_blocks"], tables["kv_indices"]),
+                                                         (tables["full_kv_num_blocks"], tables["full_kv_indices"]))):
+                tables[name_num], tables[name_idx] = ordered_indices(jnp.swapaxes(tiles_of(num, idx), -1, -2))
+        else:
+            tables.update(dict.fromkeys(self._TABLES[4:]))
         block_q, q_len = self.block_size[0], self.seq_lengths[0]
         rows = selections[2]
         last_rows = q_len - (self.kv_num_blocks.shape[2] - 1) * block_q
@@ -171,8 +180,8 @@ class BlockMask:
         new_q_len = (len(rows) - 1) * block_q + (last_rows if rows[-1] == self.kv_num_blocks.shape[2] - 1 else block_q)
         maps = [_index_map(s) for s in selections]
         mask_mod = Partial(_reindexed, maps[0], maps[1], maps[2], block_q, self.mask_mod)
-        return BlockMask(*tables.values(), self.block_size, (new_q_len, self.seq_lengths[1]), mask_mod,
-                         self.leading_axes)
+        return BlockMask(*(tables[name] for name in self._TABLES), self.block_size,
+                         (new_q_len, self.seq_lengths[1]), mask_mod, self.leading_axes)
 
     def adjust(self, q_len: int, kv_len: int) -> BlockMask:
         """The mask cropped to shorter sequences (its top-left corner), as PyTorch's `block_mask._adjust`:

@@ -113,6 +113,24 @@ def or_masks(*mods: MaskMod) -> MaskMod:
     return Partial(_or_masks, *mods)
 
 
+def mask_lookback(mask_mod) -> int | None:
+    """The most keys before a query that `mask_mod` can attend (`q_idx - kv_idx <= lookback` wherever it
+    attends), when it is known without evaluating the mask: `sliding_window(w)` gives w, `and_masks` the
+    least of its parts' known ones, `or_masks` the most when every part has one. None: not known (any other
+    mask_mod, or a window traced under jit). Lets decode_attention skip the keys before a window."""
+    if not isinstance(mask_mod, Partial):
+        return None
+    if mask_mod.func is _sliding_window:
+        (window,) = mask_mod.args
+        return window if _is_int(window) else None
+    parts = [mask_lookback(mod) for mod in mask_mod.args]
+    if mask_mod.func is _and_masks and any(p is not None for p in parts):
+        return min(p for p in parts if p is not None)
+    if mask_mod.func is _or_masks and parts and all(p is not None for p in parts):
+        return max(parts)
+    return None
+
+
 def noop_mask(b, h, q_idx, kv_idx):
     """The mask_mod that attends everywhere (PyTorch's `noop_mask`)."""
     del b, h

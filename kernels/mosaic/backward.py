@@ -238,21 +238,15 @@ def mosaic_backward_dq(
                          f" {lse.shape=}")
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
-    tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv)
-    rule = _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp)
+    kv_len = k.shape[1]
+    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
+                                                "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
-    # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends.
-    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
-    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    kernel = functools.partial(
-        _dq_kernel, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        group=num_heads // num_kv_heads, interpret=interpret, has_tables=tables is not None,
-        num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
-    )
-    return plgpu.kernel(
-        kernel,
+    return _launch(
+        _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
+        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -273,12 +267,40 @@ def mosaic_backward_dq(
         ),
         grid=(q_len // block_q, num_heads, batch),
         grid_names=("q", "heads", "batch"),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        kernel_name="probjax_mosaic_backward_dq",
+    )
+
+
+def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, block_kv: int, tables_name: str):
+    """What both backward kernels take besides the inputs: the checked block tables, and the
+    FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O) and lse in base 2 (+inf where no key attends,
+    and for rows >= `q_lengths` when given, so that those rows give p = 0 without a per-element row mask);
+    with the SMEM tiling / swizzle transforms of q's dtype."""
+    batch, q_len, num_heads, _ = q.shape
+    tables = _check_tables(tables, batch, num_heads, q_len // block_q, k.shape[1] // block_kv, block_q, block_kv,
+                           name=tables_name)
+    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
+    if q_lengths is not None:
+        lse2 = jnp.where(jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None], lse2, jnp.inf)
+    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    return tables, delta, lse2, transforms
+
+
+def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
+            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names):
+    """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
+    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays."""
+    q, k = inputs[:2]
+    kernel = functools.partial(
+        body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
+        interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
+        num_mask_arrays=len(mask_arrays),
+    )
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
+        num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
+    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays)
 
 
 def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
@@ -528,21 +550,12 @@ def mosaic_backward_dkv(
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     keys = block_kv // _CONSUMERS
-    # FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O); lse to base 2, +inf where no key attends and
-    # for rows >= q_lengths, so those rows give p = 0 without a per-element row mask.
-    delta = backward_delta(out, lse, d_out, d_lse)
-    rows_valid = jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None]
-    lse2 = jnp.where(rows_valid, base2_lse(lse), jnp.inf)
-    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    tables = _check_tables(q_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv,
-                           name="q_tables")
-    kernel = functools.partial(
-        _dkv_kernel, rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp), block_q=block_q,
-        block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads, interpret=interpret,
-        has_tables=tables is not None, num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
-    )
-    return plgpu.kernel(
-        kernel,
+    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, block_q, block_kv,
+                                                "q_tables")
+    return _launch(
+        _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
+        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
             (
@@ -563,9 +576,4 @@ def mosaic_backward_dkv(
         ),
         grid=(kv_len // block_kv, num_kv_heads, batch),
         grid_names=("kv", "heads", "batch"),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        kernel_name="probjax_mosaic_backward_dkv",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
+    )

@@ -480,16 +480,10 @@ def _backward(problem: _Ring, res, cotangents):
         dkv = tuple(_pvary(x, varying) for x in dkv)
         dkv, dq, d_consts = lax.fori_loop(0, n, step, (dkv, dq, d_consts))
         dk, dv = (lax.psum_scatter(x, problem.axis_name, scatter_dimension=1, tiled=True) for x in dkv)
-    # A captured array that does not vary over the axis gets every device's part (shard_map would otherwise
-    # see a varying cotangent for an invariant input). Without vma tracking (check_vma=False) nothing varies
-    # and shard_map sums the cotangents of its replicated inputs itself.
-    tracking = problem.axis_name in jax.typeof(q).manual_axis_type.varying
-    moving = [c for c in score_consts if _differentiable(c)]
-    d_moving = iter(
-        lax.psum(d, problem.axis_name)
-        if tracking and problem.axis_name not in jax.typeof(c).manual_axis_type.varying else d
-        for c, d in zip(moving, d_consts)
-    )
+    # Every captured array's gradient stays this device's part: `custom_linear` cast the tangents of arrays
+    # that do not vary over the axis to varying ones, and JAX transposes that cast into the psum (without
+    # vma tracking, check_vma=False, shard_map sums the cotangents of its replicated inputs itself).
+    d_moving = iter(d_consts)
     d_consts = tuple(next(d_moving) if _differentiable(c) else None for c in score_consts)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_consts, None, None, None, None)
 

@@ -3,10 +3,14 @@
 One program per (sequence b, key/value head g and row block, split s): its tile's rows pack the T new tokens
 times the N / K query heads of group g (row r = t * group + j, padded to a power of two >= 16), so the group
 shares one pass over its keys. The program walks its split's share of the keys of sequence b (a dense cache
-is viewed as pages of `block_k` keys, without a copy) in tiles of min(page, block_k) keys, `block_k` keys a
-step (small pages: several independent loads in flight, one rescale per step), reading each page through a
+is read as one page of S keys per sequence) in tiles of min(page, block_k) keys, `block_k` keys a step
+(small pages: several independent loads in flight, one rescale per step), reading each page through a
 scalar from `block_tables`, with the online softmax of FlashAttention-2 (m_i, l_i: running max and sum,
 base-2 scores). It writes a partial (out, lse) per split; `merge_splits` combines them by lse in float32.
+
+The cache is read in place, whatever its length and head dims: Triton's in-kernel arrays are powers of two,
+so a tile loads a power-of-two width with a mask on the head dim past D and on the keys past the length
+(which also covers a dense cache's tail past S), instead of a padded copy of the cache per call.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see _triton_
 
 from probjax_kernels._config import _MIN_BLOCK
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
+from probjax_kernels._decode_merge import merge_splits
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
 from probjax_kernels.triton import lowering
@@ -47,12 +52,14 @@ class DecodePlan:
     group: int  # N / K
     rows: int  # rows of a program's tile (power of two >= 16)
     row_blocks: int  # tiles per key/value head
-    page: int  # keys per page: the page size, or the dense cache's view
-    max_pages: int  # pages per sequence
-    tile: int  # keys per tile: a page, or a slice of a page larger than block_k
+    page: int  # keys per page: the page size, or a dense cache's S
+    max_pages: int  # pages per sequence (1 for a dense cache)
+    tile: int  # keys per tile: a page, or a slice of a page larger than block_k (a power of two)
     tiles_per_step: int  # tiles one loop step reads (several small pages: independent loads in flight)
     splits: int
     scale: float
+    causal: bool
+    lookback: int | None  # keys before a new token its mask can attend (a window), None: unknown
     score_mod: Hook | None
     mask_mod: Hook | None
     num_score_consts: int
@@ -62,20 +69,20 @@ class DecodePlan:
 
     @property
     def tiles_per_page(self) -> int:
-        return self.page // self.tile
+        return -(-self.page // self.tile)  # a dense cache's last tile may reach past S (masked)
 
 
-def default_splits(batch: int, num_kv_heads: int, row_blocks: int, max_pages: int, page: int, backend: str) -> int:
+def default_splits(batch: int, num_kv_heads: int, row_blocks: int, capacity: int, steps: int, backend: str) -> int:
     """Programs per (sequence, key/value head): enough to fill the GPU about twice over, each with at least
-    256 keys (on the CPU, 2: interpret mode pays per program)."""
+    256 keys and a step of its own (on the CPU, 2: interpret mode pays per program)."""
     if backend == "interpret":
-        return min(2, max_pages)
+        return min(2, steps)
     device = jax.devices()[0]
     cores = getattr(device, "core_count", None) or 108
     programs = batch * num_kv_heads * row_blocks
     wanted = -(-2 * cores // programs)
-    most = max(1, max_pages * page // 256)
-    return max(1, min(wanted, most, max_pages))
+    most = max(1, capacity // 256)
+    return max(1, min(wanted, most, steps))
 
 
 def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None, mask_mod: Hook | None,
@@ -98,22 +105,24 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
         block_k = config.block_k or ((64 if itemsize <= 2 else 32) if widest <= 128 else _MIN_BLOCK)
     if inputs.paged:
         page, max_pages = inputs.page_size, inputs.block_tables.shape[1]
-    else:
-        capacity = _round_up(inputs.capacity, _MIN_BLOCK)
-        page = block_k
-        while capacity % page:  # the largest power of two <= block_k that divides the (padded) length
-            page //= 2
-        max_pages = capacity // page
-    tile = min(page, block_k)
-    tiles_per_step = min(block_k // tile, _pow2(max_pages))
-    steps = -(-max_pages * (page // tile) // tiles_per_step)
-    splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, max_pages, page, backend)
+        tile = min(page, block_k)
+        tiles_per_step = min(block_k // tile, _pow2(max_pages))
+    else:  # one page of S keys per sequence, read in block_k tiles (the last one masked past S)
+        page, max_pages = inputs.capacity, 1
+        tile, tiles_per_step = min(block_k, _pow2(page)), 1
+    steps = -(-max_pages * -(-page // tile) // tiles_per_step)
+    keys_per_step = tile * tiles_per_step
+    # With a window, a sequence's splits share only the steps from its earliest new token's window on.
+    reach = inputs.capacity if inputs.lookback is None else min(
+        inputs.capacity, inputs.lookback + new_tokens + keys_per_step)
+    splits = inputs.num_splits or default_splits(batch, num_kv_heads, packed // rows, reach,
+                                                 min(steps, -(-reach // keys_per_step)), backend)
     splits = min(splits, steps)  # every program has a step of its own
     return DecodePlan(
         new_tokens=new_tokens, group=group, rows=rows, row_blocks=packed // rows, page=page, max_pages=max_pages,
-        tile=tile, tiles_per_step=tiles_per_step,
-        splits=splits, scale=inputs.scale, score_mod=score_mod, mask_mod=mask_mod,
-        num_score_consts=num_score_consts, backend=backend,
+        tile=tile, tiles_per_step=tiles_per_step, splits=splits, scale=inputs.scale, causal=inputs.causal,
+        lookback=inputs.lookback, score_mod=score_mod, mask_mod=mask_mod, num_score_consts=num_score_consts,
+        backend=backend,
         num_warps=config.num_warps or _default_warps(rows, _pow2(value_dim), itemsize),
         num_stages=config.num_stages or _default_stages(tile * tiles_per_step, (head_dim, value_dim), itemsize),
     )
@@ -130,10 +139,6 @@ def _default_stages(keys: int, head_dims: tuple[int, int], itemsize: int) -> int
     (sm_86's 101,376 B per block, with room for the rest), else one."""
     stage_bytes = keys * sum(_pow2(d) for d in head_dims) * itemsize
     return 2 if 2 * stage_bytes <= 96 * 1024 else 1
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 # ------------------------------------------------------------------------------------------------ the kernel
@@ -155,16 +160,31 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
     tile, per_page = plan.tile, plan.tiles_per_page
     offsets = jnp.arange(tile, dtype=jnp.int32)
 
+    def load(ref, width, index, within, rows_ok):
+        """A (tile, width) tile of a page, width the power of two >= the ref's head dim: the lanes past it,
+        and the rows where `rows_ok` is False (when given), read as 0 without touching memory."""
+        dim = ref.shape[-1]
+        lanes = slice(None) if width == dim else pl.ds(0, width)
+        mask = None if width == dim else (jnp.arange(width, dtype=jnp.int32) < dim)[None, :]
+        if rows_ok is not None:
+            mask = rows_ok[:, None] if mask is None else rows_ok[:, None] & mask
+        if mask is None:
+            return ref[index, within, lanes]
+        return lowering.load(ref.at[index, within, lanes], mask=mask, other=0)
+
     def read_tile(i):
         """(k, v, kv_idx) of tile i of the sequence (keys i * tile ...); a tile past the table re-reads the
         last page (masked)."""
         page_slot = jnp.minimum(i // per_page, plan.max_pages - 1)
         index = jnp.clip(table_ref[page_slot], 0, num_pages_cache - 1)
-        within = pl.ds((i % per_page) * tile, tile) if per_page > 1 else slice(None)
+        within = pl.ds((i % per_page) * tile, tile) if per_page > 1 or plan.page != tile else slice(None)
         positions = i * tile + offsets
+        # A dense cache's last tile reaches past S (max_pages = 1: positions are rows of the page): no memory
+        # there. Other rows load unmasked, which keeps the loads pipelined (a mask on the length did not).
+        in_page = positions < plan.page if plan.page % tile else None
         # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, but 0 * NaN is NaN.
-        v = jnp.where(positions[:, None] < kv_len, v_ref[index, within], 0)
-        return k_ref[index, within], v, positions[None, :]
+        v = jnp.where(positions[:, None] < kv_len, load(v_ref, out_ref.shape[-1], index, within, in_page), 0)
+        return load(k_ref, q.shape[-1], index, within, in_page), v, positions[None, :]
 
     def scores(k, kv_idx):
         """Base-2 scores s2 = log2(e) * score_mod(scale * q k^T), -inf where not attended."""
@@ -173,7 +193,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
             s2 = dot * (plan.scale * LOG2E)
         else:
             s2 = plan.score_mod.in_kernel(score_refs, dot * plan.scale, b, h, q_idx, kv_idx) * LOG2E
-        allowed = (kv_idx <= q_idx) & row_real  # causal among the new tokens; implies kv_idx < kv_len
+        # Causal among the new tokens implies kv_idx < kv_len; without it the length masks.
+        allowed = ((kv_idx <= q_idx) if plan.causal else (kv_idx < kv_len)) & row_real
         if plan.mask_mod is not None:
             allowed &= plan.mask_mod.in_kernel(mask_refs, b, h, q_idx, kv_idx)
         return jnp.where(allowed, s2, -jnp.inf)
@@ -192,14 +213,18 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
         return acc, m_new, l
 
     # The splits share the steps that hold keys of this sequence (its length, not the cache's capacity), so
-    # a short sequence in a long cache still spreads over every split.
+    # a short sequence in a long cache still spreads over every split; with a known window, only the steps
+    # from the one holding the earliest new token's first key (kv_len - T - lookback) on.
     keys_per_step = tile * plan.tiles_per_step
     steps = (kv_len + keys_per_step - 1) // keys_per_step
-    per_split = (steps + plan.splits - 1) // plan.splits
-    first = split * per_split
+    start = 0
+    if plan.lookback is not None:
+        start = jnp.minimum(jnp.maximum(kv_len - plan.new_tokens - plan.lookback, 0) // keys_per_step, steps)
+    per_split = (steps - start + plan.splits - 1) // plan.splits
+    first = start + split * per_split
     last = jnp.minimum(first + per_split, steps)
     carry = (
-        jnp.zeros((rows, v_ref.shape[-1]), jnp.float32),
+        jnp.zeros((rows, out_ref.shape[-1]), jnp.float32),
         jnp.full((rows,), _M_INIT, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
@@ -243,31 +268,22 @@ def unpack_rows(x, plan: DecodePlan, batch: int, num_heads: int):
     return x.reshape(batch, plan.new_tokens, num_heads, *x.shape[4:])
 
 
-def paged_view(inputs: DecodeInputs, plan: DecodePlan):
-    """(k pages `[P, page, K, Dp]`, v pages `[P, page, K, Dvp]`, block tables `[B, max_pages]`): a paged cache
-    as given (head dims padded only when they are not a power of two >= 16), a dense one reshaped into
-    pages of its own (a view; the length is padded only when it is not a multiple of 16)."""
-    k, v = inputs.k, inputs.v
-    _, _, _, num_kv_heads, head_dim, value_dim = inputs.shape
+def paged_view(inputs: DecodeInputs):
+    """(k pages `[P, page, K, D]`, v pages `[P, page, K, Dv]`, block tables `[B, max_pages]`), the cache as
+    given (never a copy): a paged one with its tables, a dense `[B, S, K, D]` one as one page of S keys per
+    sequence (table `[[0], [1], ...]`)."""
     if inputs.paged:
-        tables = inputs.block_tables
-    else:
-        batch, length = k.shape[:2]
-        capacity = plan.max_pages * plan.page
-        if capacity != length:
-            pad = ((0, 0), (0, capacity - length), (0, 0), (0, 0))
-            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-        k = k.reshape(batch * plan.max_pages, plan.page, num_kv_heads, head_dim)
-        v = v.reshape(batch * plan.max_pages, plan.page, num_kv_heads, value_dim)
-        tables = jnp.arange(batch * plan.max_pages, dtype=jnp.int32).reshape(batch, plan.max_pages)
-    return _pad_last(k, _pow2(head_dim)), _pad_last(v, _pow2(value_dim)), tables
+        return inputs.k, inputs.v, inputs.block_tables
+    batch = inputs.k.shape[0]
+    return inputs.k, inputs.v, jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1)
 
 
 def decode_partials(plan: DecodePlan, q, k_pages, v_pages, tables, kv_lengths, consts):
     """Per-split (out `[B, K * row_blocks, splits, rows, Dvp]` float32, lse `[B, K * row_blocks, splits,
     rows]` float32, natural log) of packed queries against pages."""
-    batch, head_blocks, rows, head_dim = q.shape
-    num_pages, page, _, value_dim = v_pages.shape
+    batch, head_blocks, rows, head_dim = q.shape  # head dims padded to powers of two (the cache's are not)
+    num_pages, page = v_pages.shape[:2]
+    value_dim = _pow2(v_pages.shape[3])
     grid = (batch, head_blocks, plan.splits)
 
     def kv_spec(dim):
@@ -283,7 +299,7 @@ def decode_partials(plan: DecodePlan, q, k_pages, v_pages, tables, kv_lengths, c
         grid=grid,
         in_specs=[
             pl.BlockSpec((None, None, rows, head_dim), lambda b, g, s: (b, g, 0, 0)),
-            kv_spec(head_dim), kv_spec(value_dim),
+            kv_spec(k_pages.shape[3]), kv_spec(v_pages.shape[3]),
             pl.BlockSpec((None, tables.shape[1]), lambda b, g, s: (b, 0)),
             pl.BlockSpec((None,), lambda b, g, s: (b,)),
             *(whole(c) for c in consts),
@@ -301,24 +317,11 @@ def decode_partials(plan: DecodePlan, q, k_pages, v_pages, tables, kv_lengths, c
     )(q, k_pages, v_pages, tables, kv_lengths, *consts)
 
 
-def merge_splits(out, lse):
-    """Combines per-split (out `[..., splits, rows, Dv]`, lse `[..., splits, rows]`) by their lse, in float32:
-    out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s); rows no split attended give 0, -inf."""
-    top = jnp.max(lse, axis=-2, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp(lse - top)  # exactly 0 for an empty split
-    total = jnp.sum(weights, axis=-2)
-    safe = jnp.where(total > 0, total, 1.0)
-    merged = jnp.sum(weights[..., None] * out, axis=-3) / safe[..., None]
-    merged_lse = jnp.where(total > 0, jnp.log(safe) + top[..., 0, :], -jnp.inf)
-    return jnp.where((total > 0)[..., None], merged, 0.0), merged_lse
-
-
 def decode(plan: DecodePlan, q, k, v, kv_lengths, block_tables, consts):
     """(out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]` float32) of checked inputs through the kernel."""
     checked = DecodeInputs(q, k, v, kv_lengths, block_tables, plan.scale, plan.splits, True)
     batch, _, num_heads, _, head_dim, value_dim = checked.shape
-    k_pages, v_pages, tables = paged_view(checked, plan)
+    k_pages, v_pages, tables = paged_view(checked)
     packed = pack_queries(q, plan, _pow2(head_dim))
     if plan.score_mod is not None:
         plan.score_mod.prepare(*hook_args(True, plan.rows, plan.tile))

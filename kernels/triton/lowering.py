@@ -13,3 +13,4 @@ from jax.experimental.pallas import triton as pltr
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 CompilerParams = pltr.CompilerParams
+load = pltr.load  # a masked load: (ref, *, mask, other)

@@ -30,6 +30,10 @@ from probjax_nn.benchmark._impls import FLOATS, TORCH_DEVICE, _MB, _torch_availa
 from probjax_nn.benchmark._timing import time_steps
 
 DECODE_CONFIG_KEYS = ("kv_heads", "new_tokens", "page_sizes")
+# What `probjax_kernels.decode_attention` takes (its docstring): T = 1..16 new tokens, pages of a power of two
+# >= 16 keys. Checked with the flags, before the first row: otherwise every row would record a reshape or
+# kernel error.
+MAX_NEW_TOKENS, MIN_PAGE = 16, 16
 
 
 def _heads(text: str) -> tuple[int, int]:
@@ -42,6 +46,33 @@ def _heads(text: str) -> tuple[int, int]:
     return num_heads, num_kv_heads
 
 
+def _page_size(text: str) -> int:
+    value = int(text)
+    if value != 0 and (value < MIN_PAGE or value & (value - 1)):
+        raise argparse.ArgumentTypeError(f"{value} is not 0 (a dense cache) or a power of two >= {MIN_PAGE}")
+    return value
+
+
+def _new_tokens(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value} is not in 1..{MAX_NEW_TOKENS} (the decode kernel's T)")
+    return value
+
+
+def _grid_problem(args: argparse.Namespace) -> str | None:
+    """Why the flags' grid has a case no row could measure, as a usage error's message; None when it has none."""
+    for cache_len in args.cache_lens:
+        if cache_len < args.new_tokens:
+            return (f"argument --cache-lens: {cache_len} is shorter than --new-tokens {args.new_tokens} (the cache "
+                    "holds the new tokens)")
+        for page_size in args.page_sizes:
+            if page_size and cache_len % page_size:
+                return (f"argument --page-sizes: {page_size} does not divide --cache-lens {cache_len} (whole "
+                        "pages only)")
+    return None
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m probjax_nn.benchmark decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,13 +81,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--cache-lens", type=_positive, nargs="+", default=[1024, 8192, 32768, 131072])
     parser.add_argument("--heads", type=_heads, nargs="+", default=[(8, 1), (32, 8)], help="N:K pairs")
     parser.add_argument("--head-dim", type=_positive, default=128)
-    parser.add_argument("--new-tokens", type=_positive, default=1)
-    parser.add_argument("--page-sizes", type=int, nargs="+", default=[0, 16, 64], help="0: a dense cache")
+    parser.add_argument("--new-tokens", type=_new_tokens, default=1, help=f"T, 1..{MAX_NEW_TOKENS}")
+    parser.add_argument("--page-sizes", type=_page_size, nargs="+", default=[0, 16, 64],
+                        help=f"0: a dense cache; else a power of two >= {MIN_PAGE} that divides every cache length")
     parser.add_argument("--dtypes", nargs="+", choices=FLOATS, default=["bfloat16"])
     parser.add_argument("--impls", nargs="+", choices=tuple(DECODE_IMPLS), default=list(DECODE_IMPLS))
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
-    problem = _output_problem(pathlib.Path(args.output), False)
+    problem = _grid_problem(args) or _output_problem(pathlib.Path(args.output), False)
     if problem is not None:
         parser.error(problem)
     # The seed's config keys, which `Report` reads.
@@ -297,6 +329,6 @@ def run(args: argparse.Namespace) -> pathlib.Path:
 
 def decode_main(argv: Sequence[str]) -> int:
     path = run(parse_args(argv))
-    print(f"wrote {path}")
+    print(f"wrote {path}; draw it with: python -m probjax_nn.benchmark plot {path}")
     return 0
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from probjax_nn.benchmark._report import command_line, load_report
 
 SHAPE_KEYS = ("dtype", "batch", "heads", "head_dim", "seq", "causal", "mode")
+# Decode rows add these (None in attention rows): a dense and a paged cache, or two K, are different shapes.
+DECODE_KEYS = ("kv_heads", "new_tokens", "page_size")
 
 
 def _series(row: dict) -> str:
@@ -34,8 +36,24 @@ def _table(report: dict) -> tuple[list[str], dict[tuple, dict[str, dict]]]:
     shapes: dict[tuple, dict[str, dict]] = collections.defaultdict(dict)
     for row in report["results"]:
         series[_series(row)] = None
-        shapes[tuple(row[key] for key in SHAPE_KEYS)][_series(row)] = row
+        shapes[(*(row[key] for key in SHAPE_KEYS), *(row.get(key) for key in DECODE_KEYS))][_series(row)] = row
     return list(series), shapes
+
+
+def _shape_order(item) -> tuple:
+    """Sorts (shape, ...) items: in order, None (attention rows' decode keys) before any number."""
+    return tuple((value is not None, value) for value in item[0])
+
+
+def _timed(row: dict | None) -> bool:
+    """Whether `row` has a TFLOP/s figure (decode rows measured off the GPU hold None)."""
+    return row is not None and row.get("tflops") is not None
+
+
+def _decode_suffix(kv_heads, new_tokens, page_size) -> str:
+    if kv_heads is None:
+        return ""
+    return f"_k{kv_heads}_t{new_tokens}_{'page' + str(page_size) if page_size else 'dense'}"
 
 
 def _device_name(device: dict) -> str:
@@ -43,7 +61,8 @@ def _device_name(device: dict) -> str:
 
 
 def plot_figures(report: dict, stem: str, out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """One PNG per dtype x batch x heads x head_dim; returns their paths."""
+    """One PNG per dtype x batch x heads x head_dim (x kv_heads x new tokens x page size for decode rows);
+    returns their paths."""
     try:
         import matplotlib
     except ImportError as error:
@@ -56,12 +75,12 @@ def plot_figures(report: dict, stem: str, out_dir: pathlib.Path) -> list[pathlib
     palette = [plt.get_cmap("tab20")(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
     colours = {name: palette[i % 20] for i, name in enumerate(names)}
     figures = collections.defaultdict(lambda: collections.defaultdict(list))  # figure -> panel -> rows
-    for (dtype, batch, heads, head_dim, seq, causal, mode), rows in shapes.items():
+    for (dtype, batch, heads, head_dim, seq, causal, mode, *decode), rows in shapes.items():
         for row in rows.values():
-            if "tflops" in row:
-                figures[(dtype, batch, heads, head_dim)][(mode, causal)].append(row)
+            if _timed(row):
+                figures[(dtype, batch, heads, head_dim, *decode)][(mode, causal)].append(row)
     paths = []
-    for (dtype, batch, heads, head_dim), panels in sorted(figures.items()):
+    for (dtype, batch, heads, head_dim, *decode), panels in sorted(figures.items(), key=_shape_order):
         modes = sorted({mode for mode, _ in panels})
         causals = sorted({causal for _, causal in panels})
         fig, axes = plt.subplots(
@@ -81,13 +100,17 @@ def plot_figures(report: dict, stem: str, out_dir: pathlib.Path) -> list[pathlib
                     )
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}")
-            ax.set_xlabel("seq (T = S)")
+            ax.set_xlabel("cache length S" if decode[0] is not None else "seq (T = S)")
             ax.set_ylabel("TFLOP/s")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"{_device_name(report['device'])}: {dtype}, head_dim {head_dim}, batch {batch}, heads {heads}")
+        title = f"{_device_name(report['device'])}: {dtype}, head_dim {head_dim}, batch {batch}, heads {heads}"
+        if decode[0] is not None:
+            kv_heads, new_tokens, page_size = decode
+            title += f", kv_heads {kv_heads}, {new_tokens} new, {f'page {page_size}' if page_size else 'dense'}"
+        fig.suptitle(title)
         fig.tight_layout()
-        path = out_dir / f"{stem}_{dtype}_b{batch}_n{heads}_hd{head_dim}.png"
+        path = out_dir / f"{stem}_{dtype}_b{batch}_n{heads}_hd{head_dim}{_decode_suffix(*decode)}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -97,7 +120,9 @@ def plot_figures(report: dict, stem: str, out_dir: pathlib.Path) -> list[pathlib
 def _cell(row: dict | None) -> str:
     if row is None:
         return ""
-    return "ERR" if "error" in row else f"{row['tflops']:.3g}"
+    if "error" in row:
+        return "ERR"
+    return f"{row['tflops']:.3g}" if _timed(row) else "-"
 
 
 def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
@@ -105,6 +130,7 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
     device, config = report["device"], report["config"]
     names, shapes = _table(report)
     probjax = [name for name in names if _is_probjax(name)]
+    decode = any(shape[len(SHAPE_KEYS)] is not None for shape in shapes)
     errors = collections.defaultdict(set)
     for row in report["results"]:
         errors[_series(row)].add(row.get("error", ""))
@@ -113,7 +139,7 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
         if len(texts) == 1 and next(iter(texts)).startswith("missing: ")
     }
     lines = [
-        f"# Attention benchmark: {_device_name(device)}",
+        f"# {'Decode' if decode else 'Attention'} benchmark: {_device_name(device)}",
         "",
         f"- device: {_device_name(device)}, driver {device['driver']}, {device['gpu_memory_gb']} GB; "
         f"JAX backend {device['backend']} ({', '.join(device['devices'])})",
@@ -123,7 +149,8 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
         f"- data: `{stem}.json`, {len(report['results'])} rows",
         "",
         "TFLOP/s (4 B N T S D per forward; causal counts half; fwd_bwd counts 3.5x the forward, jvp 3x). "
-        "ERR: the row holds an error (see the JSON). Blank: not run. Ratios: probjax impl / the best peer.",
+        "ERR: the row holds an error (see the JSON). -: not timed (decode off the GPU). Blank: not run. "
+        "Ratios: probjax impl / the best peer.",
         "",
     ]
     if missing:
@@ -131,17 +158,23 @@ def summary(report: dict, stem: str, figures: Sequence[pathlib.Path]) -> str:
         lines += [f"- {name}: {text.removeprefix('missing: ')}" for name, text in missing.items()]
         lines.append("")
     shown = [name for name in names if name not in missing]
-    header = ["dtype", "B", "N", "hd", "seq", "causal", "mode", *shown, "best peer", *(f"{p} / best" for p in probjax)]
+    decode_columns = ["K", "new", "page"] if decode else []
+    header = ["dtype", "B", "N", "hd", "seq", "causal", "mode", *decode_columns, *shown, "best peer",
+              *(f"{p} / best" for p in probjax)]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     ratios = collections.defaultdict(list)
-    for (dtype, batch, heads, head_dim, seq, causal, mode), rows in sorted(shapes.items()):
-        peers = [(row["tflops"], name) for name, row in rows.items() if not _is_probjax(name) and "tflops" in row]
+    for (dtype, batch, heads, head_dim, seq, causal, mode, *keys), rows in sorted(shapes.items(), key=_shape_order):
+        peers = [(row["tflops"], name) for name, row in rows.items() if not _is_probjax(name) and _timed(row)]
         best_tflops, best_name = max(peers) if peers else (None, None)
-        cells = [dtype, batch, heads, head_dim, seq, "y" if causal else "n", mode, *(_cell(rows.get(n)) for n in shown)]
+        kv_heads, new_tokens, page_size = keys
+        cells = [dtype, batch, heads, head_dim, seq, "y" if causal else "n", mode]
+        if decode:
+            cells += [kv_heads, new_tokens, page_size or "dense"]
+        cells += [_cell(rows.get(n)) for n in shown]
         cells.append("" if best_name is None else f"{best_name} {best_tflops:.3g}")
         for name in probjax:
             row = rows.get(name)
-            if best_tflops and row is not None and "tflops" in row:
+            if best_tflops and _timed(row):
                 ratios[name].append(row["tflops"] / best_tflops)
                 cells.append(f"{ratios[name][-1]:.2f}")
             else:

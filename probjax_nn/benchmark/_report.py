@@ -17,13 +17,30 @@ CONFIG_KEYS = (
 )
 
 
+# The decode benchmark's flags, from the config keys that hold them (`_decode.run` writes the config).
+DECODE_FLAGS = (
+    ("output", "--output"), ("batch", "--batch"), ("seq_lens", "--cache-lens"), ("heads", "--heads"),
+    ("head_dims", "--head-dim"), ("new_tokens", "--new-tokens"), ("page_sizes", "--page-sizes"),
+    ("dtypes", "--dtypes"), ("impls", "--impls"), ("tag", "--tag"),
+)
+
+
+def is_decode(config: dict) -> bool:
+    return config.get("modes") == ["decode"]
+
+
 def command_line(config: dict) -> str:
-    """A command that measures the grid of `config` (without --append)."""
+    """A command that measures the grid of `config` (without --append): `decode` and its flags for a decode
+    report."""
     words = ["python", "-m", "probjax_nn.benchmark"]
-    for key, value in config.items():
-        if key == "append" or value is None:
+    if is_decode(config):
+        words.append("decode")
+        items = [(flag, config.get(key)) for key, flag in DECODE_FLAGS]
+    else:
+        items = [("--" + key.replace("_", "-"), value) for key, value in config.items() if key != "append"]
+    for flag, value in items:
+        if value is None:
             continue
-        flag = "--" + key.replace("_", "-")
         words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return " ".join(words)
 

@@ -280,8 +280,9 @@ def _decode_variants() -> list[Variant]:
     """The decode kernel (`probjax_kernels.decode_attention`), where this checkout has it, at its own default
     tiles (`DecodeConfig`): a dense cache (GQA 8 -> 2, hd 64 / 128 / 256), and paged caches with the serving
     shapes of the decode benchmark (pages of 16 and 64, GQA 32:8, T = 1 / 4 / 16, ALiBi with a sliding
-    window, float32 with Dv != D). The kernels are imported when a variant is built: an import that fails is a
-    failing row of the report, never a shorter registry."""
+    window, float32 with Dv != D); and a dense cache read in place with a masked tail and lanes (S = 1000,
+    head dim 80). The kernels are imported when a variant is built: an import that fails is a failing row of
+    the report, never a shorter registry."""
     cache_len = 8192
 
     def decode_kernels():
@@ -289,7 +290,7 @@ def _decode_variants() -> list[Variant]:
 
         return DecodeConfig(backend="triton"), alibi, decode_attention, sliding_window
 
-    def dense(name, d, dtype="bf16", heads=(N, 2), new_tokens=1):
+    def dense(name, d, dtype="bf16", heads=(N, 2), new_tokens=1, cache_len=cache_len):
         def build():
             import jax.numpy as jnp
 
@@ -338,6 +339,7 @@ def _decode_variants() -> list[Variant]:
         paged("decode_paged16_d128_bf16_gqa32to8_t16_alibi_window", 16, 16, hooks=True),
         paged("decode_paged64_d128_f16_gqa32to8_t16_alibi_window", 64, 16, dtype="f16", hooks=True),
         paged("decode_paged16_d128_dv64_gqa32to8_t4_float32", 16, 4, dtype="f32", value_dim=64),
+        dense("decode_d80_bf16_cache1000_gqa8to2", 80, cache_len=1000),
     ]
 
 

@@ -1,0 +1,357 @@
+"""What the Mosaic TPU kernels share: the head-major layout, the tile walk (scalar-prefetched lengths and
+`BlockMask` tables, index maps that clamp skipped tiles onto the last visited one so they cost no DMA), the
+BlockSpecs of the optional inputs, the float32 tile matmul and the score context of one tile.
+
+Layout: the kernels see q, k, v as `[B, N, T, D]` (`to_heads`), so a tile's last two block dims are
+(rows, head dim): TPU blocks need the last two dims to be multiples of (8, 128) or the whole dim, and the
+head dim is always whole. Row vectors (lse, delta) travel as `[B, N, T, 1]` columns in the query-tile kernels
+and as `[B, N, 1, T]` rows in the key-tile kernel, which computes the transposed scores k q^T (keys on the
+sublanes), so that no kernel transposes a vector.
+
+A grid's last axis counts steps, not tiles: step j visits tile lo + j of the tile range (`_tiles.py`), or
+entry j of a `BlockMask` row (partial entries, then full ones); steps past the range repeat the last
+visited tile in every index map (the pipeline skips a DMA whose block index did not change) and the kernel
+skips their compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from probjax_kernels._linear import widest_manual_axis_type
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _ScoreContext
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
+
+M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
+TPU_BACKENDS = ("tpu", "tpu_interpret")
+MIN_TILE = 128  # lse / delta rows are lane vectors in the key-tile kernel: multiples of 128
+
+
+def interpreted(problem: _Problem) -> bool:
+    return problem.config.backend == "tpu_interpret"
+
+
+def compute_dtype(dtype):
+    """float16 runs as float32 inside the TPU kernels (the MXU and the v5e VPU have no float16)."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
+
+
+def dot(a, b, contract: tuple[int, int]):
+    """A float32-accumulated tile matmul. float32 operands at HIGHEST (exact products), bfloat16 at DEFAULT:
+    Mosaic TPU rejects a bfloat16 matmul at HIGHEST ("Bad lhs type")."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def to_heads(x):
+    """[B, T, N, D] -> [B, N, T, D] (the kernels' layout)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A kernel output that varies over the `shard_map` axes its inputs vary over."""
+    manual = widest_manual_axis_type([jax.typeof(x) for x in inputs])
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+
+
+def compiler_params(problem: _Problem, semantics: tuple[str, ...]) -> dict:
+    if interpreted(problem):
+        return dict(interpret=pltpu.InterpretParams())
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
+
+
+# ----------------------------------------------------------------------------------------------- tile walk
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """One program's visit of the step axis: `tile(step)` for the index maps and the kernel, `visited(step)`
+    and `masked(step)` (whether the per-element mask runs) for the kernel. Scalars only."""
+
+    tile: Callable
+    visited: Callable
+    masked: Callable
+    always_masked: bool = False  # segments / dense masks: no unmasked variant is compiled
+
+
+def window(problem: _Problem):
+    return problem.features.window_left, problem.features.window_right
+
+
+def range_walk(tile_range, num_tiles: int, always_masked: bool) -> Walk:
+    """Steps over (lo, full_lo, full_hi, hi) of `_tiles`: step j visits tile lo + j while lo + j < hi."""
+    lo, full_lo, full_hi, hi = tile_range
+    last = jnp.clip(hi - 1, 0, num_tiles - 1)
+    return Walk(
+        tile=lambda j: jnp.minimum(lo + j, last),
+        visited=lambda j: lo + j < hi,
+        masked=lambda j: (lo + j < full_lo) | (lo + j >= full_hi),
+        always_masked=always_masked,
+    )
+
+
+def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
+    """Steps over one row of a `BlockMask`'s tables (scalar-prefetched refs, row = (b, h, tile)): the partial
+    entries then the full ones; a step past both repeats the last visited tile."""
+    num_partial, partial, num_full, full = tables
+    n_p, n_f = num_partial[row], num_full[row]
+
+    def entry(j):
+        jp = jnp.clip(j, 0, jnp.maximum(n_p - 1, 0))
+        jf = jnp.clip(j - n_p, 0, jnp.maximum(n_f - 1, 0))
+        from_full = (j >= n_p) & (n_f > 0)
+        # Past the end: the last full entry, or the last partial one when there is no full entry.
+        return jnp.where(from_full | ((n_p == 0) & (n_f > 0)), full[(*row, jf)], partial[(*row, jp)])
+
+    return Walk(
+        tile=entry,
+        visited=lambda j: j < n_p + n_f,
+        masked=lambda j: (j < n_p) | mask_everywhere,
+        always_masked=mask_everywhere,
+    )
+
+
+def q_walk(problem: _Problem, scalars, b, h, i, num_kv_tiles: int) -> Walk:
+    """The walk over key tiles of query tile i (forward, dQ, tangent), for batch b and query head h."""
+    cfg = problem.config
+    bq, bk = cfg.block_q, cfg.block_k
+    if problem.table_shape is not None:
+        tb, th = problem.table_shape
+        row = (b if tb > 1 else 0, h if th > 1 else 0, i)
+        return table_walk(scalars.tables, row, problem.per_element_mask_everywhere)
+    tile_range = kv_tile_range(i * bq, bq, scalars.q_len[b], scalars.kv_len[b], bk, window(problem), num_kv_tiles,
+                               problem.per_element_mask_everywhere)
+    return range_walk(tile_range, num_kv_tiles, problem.per_element_mask_everywhere)
+
+
+def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -> Walk:
+    """The walk over query tiles that see key tile j (dK/dV), for query head `head` of kv head `kv_head`."""
+    bq, bk = problem.config.block_q, problem.config.block_k
+    if problem.table_shape is not None:
+        tb, th = problem.table_shape
+        row = (b if tb > 1 else 0, kv_head * problem.group + head if th > 1 else 0, j)
+        return table_walk(scalars.q_tables, row, problem.per_element_mask_everywhere)
+    tile_range = q_tile_range(j * bk, bk, scalars.q_len[b], scalars.kv_len[b], bq, window(problem), num_q_tiles,
+                              problem.per_element_mask_everywhere)
+    return range_walk(tile_range, num_q_tiles, problem.per_element_mask_everywhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalars:
+    """The scalar-prefetched refs: lengths `[B]`, and a `BlockMask`'s tables (kv tables for query-tile
+    kernels, q tables for the key-tile kernel)."""
+
+    q_len: Any
+    kv_len: Any
+    tables: tuple | None = None
+    q_tables: tuple | None = None
+
+
+def scalar_inputs(problem: _Problem, q_len, kv_len, optional: dict, kind: str) -> list:
+    inputs = [q_len.astype(jnp.int32), kv_len.astype(jnp.int32)]
+    if problem.table_shape is not None:
+        tables = optional["kv_tables"] if kind == "q" else optional["q_tables"]
+        inputs += [t.astype(jnp.int32) for t in tables]
+    return inputs
+
+
+def scalars_of(problem: _Problem, refs: list, kind: str) -> Scalars:
+    q_len, kv_len, *tables = refs
+    if not tables:
+        return Scalars(q_len, kv_len)
+    return Scalars(q_len, kv_len, tables=tuple(tables)) if kind == "q" else Scalars(q_len, kv_len,
+                                                                                   q_tables=tuple(tables))
+
+
+def num_scalars(problem: _Problem) -> int:
+    return 2 + (4 if problem.table_shape is not None else 0)
+
+
+# -------------------------------------------------------------------------------------- optional inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Refs:
+    """Refs of one program's optional inputs (None / empty when absent)."""
+
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    dropout_seed: Any = None
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    d_bias: Any = None
+    d_score_consts: tuple = ()
+
+
+def _smem_whole() -> pl.BlockSpec:
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def smem_array(x):
+    """A hook array (float32 / int32: `vet.py`) or the dropout seed (uint32, bit-cast to int32 and back by
+    `keep_mask`'s conversion) as SMEM takes it: 32-bit, at least 1-d."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint32:
+        x = lax.bitcast_convert_type(x, jnp.int32)
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict, tangents: _Tangents | None = None):
+    """(arrays, specs, to_refs) of the optional inputs on a query-tile ("q") or key-tile ("kv") grid.
+
+    `tile_maps` maps "b", "h", "q", "kv" to functions of the grid ids (and scalar refs) giving the batch,
+    query head, query tile and key tile a step reads. Query-tile grids see (bq, bk) tiles; the key-tile grid
+    sees transposed (bk, bq) ones: its bias / mask arrive transposed `[B, N, S, T]`, its query segment ids
+    as a row and its key segment ids as a column.
+    """
+    bq, bk = problem.config.block_q, problem.config.block_k
+    b_of, h_of, q_of, kv_of = tile_maps["b"], tile_maps["h"], tile_maps["q"], tile_maps["kv"]
+    inputs, specs, fields = [], [], []
+    if problem.has_segments:
+        q_seg, kv_seg = arrays["q_segment_ids"].astype(jnp.int32), arrays["kv_segment_ids"].astype(jnp.int32)
+        if kind == "q":
+            inputs += [q_seg[:, :, None], kv_seg[:, None, :]]
+            specs += [pl.BlockSpec((None, bq, 1), lambda *a: (b_of(*a), q_of(*a), 0)),
+                      pl.BlockSpec((None, 1, bk), lambda *a: (b_of(*a), 0, kv_of(*a)))]
+        else:
+            inputs += [q_seg[:, None, :], kv_seg[:, :, None]]
+            specs += [pl.BlockSpec((None, 1, bq), lambda *a: (b_of(*a), 0, q_of(*a))),
+                      pl.BlockSpec((None, bk, 1), lambda *a: (b_of(*a), kv_of(*a), 0))]
+        fields += ["q_segment_ids", "kv_segment_ids"]
+    for name in ("bias", "mask"):
+        if arrays.get(name) is not None:
+            inputs.append(_broadcast_input(arrays[name], kind))
+            specs.append(_broadcast_spec(arrays[name].shape, kind, bq, bk, tile_maps))
+            fields.append(name)
+    if problem.features.dropout_rate > 0:
+        inputs.append(smem_array(arrays["dropout_seed"]))
+        specs.append(_smem_whole())
+        fields.append("dropout_seed")
+    scalar_consts = []  # whether each hook array is 0-d (then read through `_Scalar`)
+    for name in ("score_consts", "mask_consts"):
+        for const in arrays[name]:
+            inputs.append(smem_array(const))
+            specs.append(_smem_whole())
+            scalar_consts.append(jnp.ndim(const) == 0)
+    if tangents is not None:
+        if tangents.bias:
+            inputs.append(_broadcast_input(arrays["d_bias"], kind))
+            specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps))
+        for const in arrays.get("d_score_consts", ()):
+            inputs.append(smem_array(const))
+            specs.append(_smem_whole())
+            scalar_consts.append(jnp.ndim(const) == 0)
+    num_score, num_mask = problem.num_score_consts, problem.num_mask_consts
+    num_d = 0 if tangents is None else sum(tangents.score_consts)
+    has_d_bias = tangents is not None and tangents.bias
+
+    def to_refs(refs) -> Refs:
+        refs = list(refs)
+        values = {name: refs.pop(0) for name in fields}
+        flags = iter(scalar_consts)
+        const = lambda: _Scalar(refs.pop(0)) if next(flags) else refs.pop(0)  # noqa: E731
+        score = tuple(const() for _ in range(num_score))
+        mask = tuple(const() for _ in range(num_mask))
+        d_bias = refs.pop(0) if has_d_bias else None
+        d_consts = tuple(const() for _ in range(num_d))
+        assert not refs
+        return Refs(**values, score_consts=score, mask_consts=mask, d_bias=d_bias, d_score_consts=d_consts)
+
+    return inputs, specs, to_refs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scalar:
+    """A 0-d hook array, stored as a 1-element SMEM ref: reads give the scalar, as the hook's jaxpr expects."""
+
+    ref: Any
+    shape: tuple = ()
+
+    def __getitem__(self, index):
+        return self.ref[0]
+
+
+def _broadcast_input(x, kind: str):
+    return x if kind == "q" else jnp.swapaxes(x, 2, 3)
+
+
+def _broadcast_spec(shape, kind: str, bq: int, bk: int, maps: dict) -> pl.BlockSpec:
+    """The BlockSpec of a [B|1, N|1, T|1, S|1] bias / mask (transposed to [.., S|1, T|1] on a "kv" grid)."""
+    nb, nh, nt, ns = shape
+    rows, cols = (bq if nt > 1 else 1, bk if ns > 1 else 1)
+    row_of, col_of = maps["q"], maps["kv"]
+    if kind != "q":
+        rows, cols, row_of, col_of = cols, rows, col_of, row_of
+    row_whole, col_whole = rows == 1, cols == 1
+
+    def index_map(*a):
+        return (maps["b"](*a) if nb > 1 else 0, maps["h"](*a) if nh > 1 else 0,
+                0 if row_whole else row_of(*a), 0 if col_whole else col_of(*a))
+
+    return pl.BlockSpec((None, None, rows, cols), index_map)
+
+
+# ----------------------------------------------------------------------------------------- score context
+
+
+def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len, transposed: bool,
+                 tangents: _Tangents | None = None) -> _ScoreContext:
+    """The score context of tile (q_start:+bq, kv_start:+bk): (bq, 1) / (1, bk) indices, or (1, bq) / (bk, 1)
+    in the key-tile kernel (`transposed`), whose scores are k q^T."""
+    bq, bk = problem.config.block_q, problem.config.block_k
+    f = problem.features
+    if transposed:
+        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    else:
+        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    seed = None
+    if refs.dropout_seed is not None:
+        seed = refs.dropout_seed[0] if f.dropout_positions is None else tuple(
+            refs.dropout_seed[i] for i in range(refs.dropout_seed.shape[0]))
+    return _ScoreContext(
+        b=b,
+        h=h,
+        q_idx=q_idx,
+        kv_idx=kv_idx,
+        kv_len=kv_len,
+        bias=None if refs.bias is None else refs.bias[...],
+        mask=None if refs.mask is None else refs.mask[...].astype(jnp.int32),
+        q_seg=None if refs.q_segment_ids is None else refs.q_segment_ids[...],
+        kv_seg=None if refs.kv_segment_ids is None else refs.kv_segment_ids[...],
+        dropout_seed=seed,
+        score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
+        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
+        d_bias=None if refs.d_bias is None else refs.d_bias[...],
+        score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
+            f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
+    )
+
+
+def run_step(walk: Walk, step, body: Callable) -> None:
+    """Runs body(masked) for a visited step: the masked or the unmasked variant of the tile's math."""
+    visited, masked = walk.visited(step), walk.masked(step)
+    if walk.always_masked:
+        pl.when(visited)(lambda: body(True))
+        return
+
+    @pl.when(visited & masked)
+    def _():
+        body(True)
+
+    @pl.when(visited & jnp.logical_not(masked))
+    def _():
+        body(False)

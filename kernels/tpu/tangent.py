@@ -1,0 +1,126 @@
+"""The forward-mode tangent kernel in Pallas Mosaic TPU (docs/forward_mode.md): (d out, d lse) of one query
+tile for tangents of q, k, v, the bias and score_mod arrays, in one walk over the key tiles (the forward's
+grid and walk), with the two sums in VMEM scratch.
+
+With p = softmax(s) known from lse, d p_j = p_j (d s_j - c) where c = sum_j p_j d s_j, so
+d out = sum_j p_j z_j (d s_j v_j + d v_j) - c out and d lse = c (z: the dropout factor; out is already
+dropped)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _dropout_scale, _score_tangents
+from probjax_kernels.tpu import common
+from probjax_kernels.tpu.common import dot
+
+
+def _tangent_kernel(*refs, problem: _Problem, tangents: _Tangents, num_kv_tiles: int, to_refs):
+    n_scalar = common.num_scalars(problem)
+    scalars = common.scalars_of(problem, refs[:n_scalar], "q")
+    q_ref, k_ref, v_ref, out_ref, lse2_ref, *rest = refs[n_scalar:]
+    dq_ref = rest.pop(0) if tangents.q else None
+    dk_ref = rest.pop(0) if tangents.k else None
+    dv_ref = rest.pop(0) if tangents.v else None
+    *input_refs, d_out_ref, d_lse_ref, acc_ref, c_ref = rest
+    opt = to_refs(input_refs)
+    b, h, i, step = (pl.program_id(axis) for axis in range(4))
+    bq, bk = problem.config.block_q, problem.config.block_k
+    walk = common.q_walk(problem, scalars, b, h, i, num_kv_tiles)
+    dropout = problem.features.dropout_rate > 0
+
+    @pl.when(step == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        c_ref[...] = jnp.zeros(c_ref.shape, jnp.float32)
+
+    def body(masked: bool):
+        ctx = common.tile_context(opt, problem, b, h, i * bq, walk.tile(step) * bk, scalars.kv_len[b], False,
+                                  tangents)
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        d_dot = None if dq_ref is None else dot(dq_ref[...], k, (1, 1))
+        if dk_ref is not None:
+            q_dk = dot(q, dk_ref[...], (1, 1))
+            d_dot = q_dk if d_dot is None else d_dot + q_dk
+        s2, ds = _score_tangents(dot(q, k, (1, 1)), d_dot, ctx, problem, masked)
+        p = jnp.exp2(s2 - lse2_ref[...])
+        scale = _dropout_scale(ctx, problem) if dropout else None
+        if ds is not None:
+            p_ds = jnp.where(p > 0, p * ds, 0.0)  # a non-finite tangent where p = 0 must not leak
+            c_ref[...] += jnp.sum(p_ds, axis=1, keepdims=True)
+            if dropout:
+                p_ds = p_ds * scale
+            acc_ref[...] += dot(p_ds.astype(v.dtype), v, (1, 0))
+        if dv_ref is not None:
+            p_kept = p * scale if dropout else p
+            dv = dv_ref[...]
+            acc_ref[...] += dot(p_kept.astype(dv.dtype), dv, (1, 0))
+
+    common.run_step(walk, step, body)
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _():
+        c = c_ref[...]
+        d_out_ref[...] = (acc_ref[...] - c * out_ref[...].astype(jnp.float32)).astype(d_out_ref.dtype)
+        d_lse_ref[...] = c
+
+
+def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
+            optional: dict):
+    """(d out `[B, T, N, Dv]`, d lse `[B, N, T]`) for the tangents in `linear` (dq, dk, dv; d_bias and
+    d_score_consts in `optional`), of padded inputs in the core's layout; lse2 is `base2_lse`'s."""
+    batch, t_pad, num_heads, d_pad = q.shape
+    s_pad, dv_pad = k.shape[1], v.shape[3]
+    bq, bk = problem.config.block_q, problem.config.block_k
+    num_kv_tiles, group = s_pad // bk, problem.group
+    dtype = common.compute_dtype(q.dtype)
+    heads = lambda x: common.to_heads(x.astype(dtype))  # noqa: E731
+
+    def kv_tile(b, h, i, s, *scalar_refs):
+        scalars = common.scalars_of(problem, scalar_refs, "q")
+        return common.q_walk(problem, scalars, b, h, i, num_kv_tiles).tile(s)
+
+    maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, tangents)
+    kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
+
+    def q_side(dim):
+        return pl.BlockSpec((None, None, bq, dim), lambda b, h, i, s, *r: (b, h, i, 0))
+
+    def kv_side(dim):
+        return pl.BlockSpec((None, None, bk, dim),
+                            lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
+
+    row = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, s, *r: (b, h, i, 0))
+    lin, lin_specs = [], []
+    for name, spec in (("q", q_side(d_pad)), ("k", kv_side(d_pad)), ("v", kv_side(dv_pad))):
+        if getattr(tangents, name):
+            lin.append(heads(linear[name]))
+            lin_specs.append(spec)
+    scalar_inputs = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
+    steps = num_kv_tiles if problem.table_shape is None else (
+        optional["kv_tables"][1].shape[-1] + optional["kv_tables"][3].shape[-1])
+    kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents, num_kv_tiles=num_kv_tiles,
+                               to_refs=to_refs)
+    varying = (q, k, v, *(linear[name] for name in "qkv" if name in linear))
+    d_out, d_lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalar_inputs),
+            grid=(batch, num_heads, t_pad // bq, steps),
+            in_specs=[q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, *lin_specs,
+                      *extra_specs],
+            out_specs=[q_side(dv_pad), row],
+            scratch_shapes=[pltpu.VMEM((bq, dv_pad), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)],
+        ),
+        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), dtype, *varying),  # float16: cast below
+                   common.output((batch, num_heads, t_pad, 1), jnp.float32, *varying)],
+        name="probjax_tpu_tangent",
+        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
+    )(*scalar_inputs, heads(q), heads(k), heads(v), heads(out), lse2[..., None], *lin, *extra)
+    return jnp.swapaxes(d_out, 1, 2).astype(out.dtype), d_lse[..., 0]

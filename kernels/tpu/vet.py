@@ -1,0 +1,123 @@
+"""Which calls the Mosaic TPU kernels take: `unsupported` names the first feature of a call they cannot run
+(None when they run all of it), vetting a score_mod / mask_mod's jaxpr against the Mosaic TPU lowering
+rules the way `_dispatch` vets hooks for Mosaic GPU.
+
+A hook runs in the kernels when every primitive it uses has a Mosaic TPU lowering rule and it reads each
+captured array one element at a time at scalar indices (`slopes[h]`: a size-1 `dynamic_slice` then a
+squeeze, a scalar load from SMEM), or whole when it is 0-d. Reading one along q_idx / kv_idx
+(`table[q_idx - kv_idx]`) is a vector gather, which Mosaic TPU has no lowering for.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.mosaic import core as tpu_core  # the Mosaic TPU lowering rules, to vet hooks
+from jax._src.pallas.mosaic import lowering as tpu_lowering
+from jax.extend import core as jex_core
+
+from probjax_kernels._hooks import Hook
+from probjax_kernels._problem import _Problem
+
+_SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
+
+
+def hook_shapes(block_q: int, block_k: int, transposed: bool) -> tuple:
+    """(b, h, q_idx, kv_idx, score) shapes a hook sees in a query-tile kernel, or in the key-tile (dK/dV)
+    kernel, whose scores are transposed."""
+    if transposed:
+        return (), (), (1, block_q), (block_k, 1), (block_k, block_q)
+    return (), (), (block_q, 1), (1, block_k), (block_q, block_k)
+
+
+def _specs(shapes, with_score: bool) -> list:
+    b, h, q_idx, kv_idx, score = shapes
+    specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
+    if with_score:
+        specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
+    return specs
+
+
+def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool) -> str | None:
+    """Why `hook` cannot run in the Mosaic TPU kernels at these shapes (None when it can); with `derivative`,
+    its jvp in the score too (the backward kernels)."""
+    for shape, dtype in hook.const_avals:
+        if jnp.dtype(dtype) not in _SMEM_DTYPES:
+            return f"it captures a {jnp.dtype(dtype).name} array (the kernels read hook arrays as 32-bit SMEM scalars)"
+    specs = _specs(shapes, with_score)
+    jaxpr = hook._jaxpr(specs)
+    reason = jaxpr_problem(jaxpr, set(jaxpr.constvars))
+    if reason is None and derivative:
+        closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *specs)
+        captured = closed.jaxpr.invars[: len(hook.const_avals)]
+        reason = "its derivative captures arrays" if closed.consts else jaxpr_problem(closed.jaxpr, set(captured))
+    return reason
+
+
+def jaxpr_problem(jaxpr, consts: set) -> str | None:
+    """The first op of `jaxpr` without a Mosaic TPU lowering, or the first read of a captured array in
+    `consts` other than one element at scalar indices; None when there is none."""
+    elements = set()
+    consts = {var for var in consts if var.aval.shape}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        reads_element = (
+            name == "dynamic_slice" and eqn.invars[0] in consts
+            and all(size == 1 for size in eqn.params["slice_sizes"])
+            and all(not v.aval.shape for v in eqn.invars[1:])
+        )
+        if reads_element:
+            elements.add(eqn.outvars[0])
+        else:
+            missing = _missing_rule(eqn)
+            if missing is not None:
+                return f"op `{missing}` has no Mosaic TPU lowering"
+        for position, var in enumerate(eqn.invars):
+            if isinstance(var, jex_core.Literal):
+                continue
+            if var in consts and not (reads_element and position == 0):
+                return f"op `{name}` reads a captured array {list(var.aval.shape)} as a vector (a gather)"
+            if var in elements and not (name == "squeeze" and not eqn.outvars[0].aval.shape):
+                return f"op `{name}` uses an element of a captured array as an array"
+    outputs = {var for var in jaxpr.outvars if not isinstance(var, jex_core.Literal)}
+    if outputs & (consts | elements):
+        return "it returns a captured array"
+    return None
+
+
+def _missing_rule(eqn) -> str | None:
+    rules = tpu_lowering.lowering_rules[tpu_core.CoreType.TC]
+    if eqn.primitive.name == "gather" or eqn.primitive not in rules:
+        return eqn.primitive.name
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            missing = _missing_rule(inner)
+            if missing is not None:
+                return missing
+    return None
+
+
+def unsupported(problem: _Problem, tangent: bool = False) -> str | None:
+    """The first feature of this call the Mosaic TPU kernels cannot run, as words for a warning; None when
+    they run it all. `tangent`: the forward-mode kernel (which evaluates a score_mod's jvp in its arrays)."""
+    f, cfg = problem.features, problem.config
+    if f.block_sizes is not None and f.block_sizes != (cfg.block_q, cfg.block_k):
+        return (f"a BlockMask of {f.block_sizes} tiles against kernel tiles ({cfg.block_q}, {cfg.block_k}) "
+                "(the TPU kernels walk the tables at their own tile)")
+    if f.block_sizes is not None and (cfg.block_q_dq, cfg.block_k_dq, cfg.block_q_dkv, cfg.block_k_dkv) != (
+            cfg.block_q, cfg.block_k, cfg.block_q, cfg.block_k):
+        return "a BlockMask with backward tiles other than the forward's"
+    tiles = {(cfg.block_q, cfg.block_k), (cfg.block_q_dq, cfg.block_k_dq), (cfg.block_q_dkv, cfg.block_k_dkv)}
+    for block_q, block_k in tiles:
+        if block_q % 128 or block_k % 128:
+            return f"tiles ({block_q}, {block_k}) that are not multiples of 128"
+    for kind, hook in (("score_mod", f.score_mod), ("mask_mod", f.mask_mod)):
+        if hook is None:
+            continue
+        for (block_q, block_k), transposed in [(t, False) for t in tiles] + [((cfg.block_q_dkv, cfg.block_k_dkv),
+                                                                             True)]:
+            reason = hook_problem(hook, hook_shapes(block_q, block_k, transposed), kind == "score_mod",
+                                  derivative=kind == "score_mod")
+            if reason is not None:
+                return f"the {kind} ({reason})"
+    return None

@@ -1,0 +1,170 @@
+"""FlashConfig(backend="tpu_interpret"): the Mosaic TPU kernels (forward, dQ, dK/dV, tangent) run in Pallas'
+TPU interpret mode on the CPU, through `flash_attention` / `flex_attention`, against the plain-jnp and the
+float64 NumPy references; and the XLA path, with a warning naming the op, for a hook Mosaic TPU cannot lower.
+Shapes are tiny and configs few: each one costs an interpret-mode compile."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+
+from probjax_kernels import (
+    AuxRequest, FlashConfig, alibi, create_block_mask, flash_attention, flash_attention_reference,
+    flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
+)
+from probjax_kernels import _dispatch
+
+TPU = FlashConfig(backend="tpu_interpret")
+
+
+def finite(x):
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def check_gradients(kernel, reference, args, dtype, factor=1.0):
+    """Gradients in every argument of sum(out * cotangent) + sum(lse) (the finite entries), kernel against
+    reference, from one pass of the kernels (`jax.vjp`, whose primal outputs (out, lse, ...) it returns, for
+    the caller to check too: each interpret-mode kernel call costs a compile)."""
+    outputs, kernel_vjp = jax.vjp(kernel, *args)
+    expected_outputs, reference_vjp = jax.vjp(reference, *args)
+    cotangent = jax.random.normal(jax.random.key(7), outputs[0].shape, jnp.float32).astype(outputs[0].dtype)
+    lse_cotangent = jnp.isfinite(expected_outputs[1]).astype(jnp.float32)
+    rest = [jnp.zeros_like(x) for x in outputs[2:]]
+    grads = kernel_vjp((cotangent, lse_cotangent, *rest))
+    expected = reference_vjp((cotangent.astype(expected_outputs[0].dtype), lse_cotangent, *rest))
+    for i, (got, want) in enumerate(zip(grads, expected)):
+        assert_close(got, want, dtype, f"grad {i}", factor)
+    return outputs
+
+
+def test_causal_gqa_lengths_bias_mask_against_float64_and_gradients():
+    """Ragged T / S (77 / 200: one padded 128-row tile, two key tiles), GQA 2:1, causal, per-batch lengths,
+    a broadcast [1, N, T, S] bias (differentiable) and a dense [B, 1, T, S] mask, in float32."""
+    q, k, v = random_qkv(0, 2, 77, 200, 2, 1, 64)
+    q_lengths, kv_lengths = jnp.array([77, 50]), jnp.array([200, 120])
+    bias = jax.random.normal(jax.random.key(4), (1, 2, 77, 200))
+    mask = jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 77, 200))
+    kwargs = dict(causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
+    out, lse = check_gradients(
+        lambda q, k, v, b: flash_attention(q, k, v, bias=b, return_lse=True, config=TPU, **kwargs),
+        lambda q, k, v, b: flash_attention_reference(q, k, v, bias=b, return_lse=True, **kwargs),
+        (q, k, v, bias), jnp.float32)
+    allowed = numpy_allowed(2, 77, 200, causal=True, q_lengths=np.asarray(q_lengths),
+                            kv_lengths=np.asarray(kv_lengths), mask=np.asarray(mask))
+    expected, expected_lse = numpy_attention(q, k, v, allowed=allowed, bias=bias)
+    assert_close(out, expected, jnp.float32, "out")
+    assert np.array_equal(np.isfinite(lse), np.isfinite(expected_lse))
+    assert_close(finite(lse), finite(jnp.asarray(expected_lse, jnp.float32)), jnp.float32, "lse")
+
+
+def test_bf16_window_segments_value_dim_shared_kv_and_dropout():
+    """A two-sided window, segment ids, Dv != D, k / v of batch 1 shared by the batch and dropout with the
+    keep mask every backend uses (`dropout_keep_mask`, the reference's), in bfloat16: gradients."""
+    q, k, _ = random_qkv(1, 2, 130, 130, 2, 2, 64, jnp.bfloat16)
+    k = k[:1]
+    v = jax.random.normal(jax.random.key(2), (1, 130, 2, 32), jnp.float32).astype(jnp.bfloat16)
+    segments = jnp.stack([jnp.repeat(jnp.arange(2), 65), jnp.repeat(jnp.arange(3), 44)[:130]])
+    kwargs = dict(window=(40, 10), q_segment_ids=segments, kv_segment_ids=segments, dropout_rate=0.3,
+                  dropout_seed=11)
+    check_gradients(lambda q, k, v: flash_attention(q, k, v, return_lse=True, config=TPU, **kwargs),
+                    lambda q, k, v: flash_attention_reference(q, k, v, return_lse=True, **kwargs), (q, k, v),
+                    jnp.bfloat16)
+
+
+def test_flex_hooks_block_mask_and_captured_array_gradient():
+    """ALiBi (slopes read per head from SMEM) under a soft cap with a sliding-window BlockMask, GQA, and the
+    slopes' gradient (the XLA pass over query chunks); the row max of AuxRequest."""
+    q, k, v = random_qkv(8, 1, 200, 260, 2, 1, 64)
+    block_mask = create_block_mask(sliding_window(70), None, None, 200, 260)
+
+    def attend(attention):
+        def call(q, k, v, slopes):
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return softcap(20.0)(alibi(slopes)(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+            out, aux = attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                                 return_aux=AuxRequest(lse=True, max_scores=True),
+                                 **({"config": TPU} if attention is flex_attention else {}))
+            return out, aux.lse, aux.max_scores
+
+        return call
+
+    slopes = jnp.array([0.5, 0.25])
+    got = check_gradients(attend(flex_attention), attend(flex_attention_reference), (q, k, v, slopes),
+                          jnp.float32)
+    want = attend(flex_attention_reference)(q, k, v, slopes)
+    for name, x, y in zip(("out", "lse", "max_scores"), got, want):
+        assert_close(finite(x), finite(y), jnp.float32, name)
+
+
+def test_jvp_against_reference():
+    """Forward mode through the TPU tangent kernel: tangents of q, k, v and the bias."""
+    q, k, v = random_qkv(9, 1, 140, 140, 2, 1, 64)
+    bias = jax.random.normal(jax.random.key(10), (1, 1, 140, 140))
+    tangents = tuple(jax.random.normal(jax.random.key(20 + i), x.shape) for i, x in enumerate((q, k, v, bias)))
+
+    def of(attention, **extra):
+        return lambda q, k, v, b: attention(q, k, v, bias=b, causal=True, return_lse=True, **extra)
+
+    (out, lse), (d_out, d_lse) = jax.jvp(of(flash_attention, config=TPU), (q, k, v, bias), tangents)
+    (_, _), (want_out, want_lse) = jax.jvp(of(flash_attention_reference), (q, k, v, bias), tangents)
+    assert_close(d_out, want_out, jnp.float32, "d out")
+    assert_close(d_lse, want_lse, jnp.float32, "d lse")
+
+
+def test_long_ragged_float16_forward():
+    """T = S = 600 (five 128-row tiles and three 256-key tiles after padding), causal, float16 (computed in
+    float32 inside the kernels)."""
+    q, k, v = random_qkv(12, 1, 600, 600, 1, 1, 32, jnp.float16)
+    out = flash_attention(q, k, v, causal=True, config=TPU)
+    expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 600, 600, causal=True))
+    assert out.dtype == jnp.float16
+    assert_close(out, expected, jnp.float16, "out")
+
+
+def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
+    """relative_bias reads its table at kv_idx - q_idx (document_mask its ids at q_idx and kv_idx alike): a
+    vector gather, which Mosaic TPU cannot lower. The call warns, naming the op, and computes on XLA: forward,
+    gradients (the table's too) and jvp."""
+    q, k, v = random_qkv(13, 1, 24, 24, 2, 2, 32)
+    table = jax.random.normal(jax.random.key(14), (2, 47))
+
+    def of(attention, **extra):
+        return lambda q, k, v, table: attention(q, k, v, score_mod=relative_bias(table), return_lse=True, **extra)
+
+    with pytest.warns(UserWarning, match="score_mod .op `gather`"):
+        out, lse = check_gradients(of(flex_attention, config=TPU), of(flex_attention_reference), (q, k, v, table),
+                                   jnp.float32)
+        tangents = tuple(jax.random.normal(jax.random.key(30 + i), x.shape) for i, x in enumerate((q, k, v, table)))
+        _, (d_out, d_lse) = jax.jvp(of(flex_attention, config=TPU), (q, k, v, table), tangents)
+    expected, expected_lse = flex_attention_reference(q, k, v, score_mod=relative_bias(table), return_lse=True)
+    _, (want_out, want_lse) = jax.jvp(of(flex_attention_reference), (q, k, v, table), tangents)
+    for name, got, want in (("out", out, expected), ("lse", lse, expected_lse), ("d out", d_out, want_out),
+                            ("d lse", d_lse, want_lse)):
+        assert_close(got, want, jnp.float32, name)
+
+
+@pytest.mark.parametrize("kind, generation", [
+    ("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"),
+    ("TPU v6 lite", "v6e"), ("cpu", "v5e"),
+])
+def test_tpu_generation_and_tiles(kind, generation):
+    device = type("Device", (), {"device_kind": kind})()
+    assert _dispatch.tpu_generation(device) == generation
+    config = _dispatch.default_config(TPU, q_len=77, kv_len=5000, head_dim=64)
+    assert (config.block_q, config.block_k, config.backend) == (128, 512, "tpu_interpret")
+
+
+def test_a_tpu_device_picks_the_tpu_kernels(monkeypatch):
+    """On a TPU, `FlashConfig()` means backend "tpu", and probjax_nn's impl="auto" picks the Pallas kernels."""
+    from probjax_nn import _attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert _dispatch.default_backend() == "tpu"
+    request = _attention._Request("bfloat16", 128, value_dim=False, kv_broadcast=False, score_mod=False,
+                                  mask_mod=False, dropout=False, right_window=False, gpu=False)
+    assert _attention._choose("auto", request) == "pallas"
+    assert _attention._choose("auto", dataclasses.replace(request, score_mod=True)) == "flex"
