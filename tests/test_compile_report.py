@@ -196,17 +196,17 @@ def test_a_row_the_registry_lacks_and_a_duplicate_fail(clean):
 
 def test_spills_fail_outside_their_capped_entries(clean, monkeypatch):
     broken = copy.deepcopy(clean)
-    kernel = _row(broken, "sm90a_h100", "flex_grad_d128_bf16_relative_bias")["kernels"][0]
+    kernel = _row(broken, "sm90a_h100", "flash_grad_d128_bf16_window")["kernels"][0]
     kernel.update(spill_stores=40, spill_loads=40)
     assert any("spills 40 B" in p for p in compile_report.problems(broken))
     # An entry is one kernel, on one target, in one variant: it covers nothing else, and caps its bytes.
-    monkeypatch.setitem(compile_report.SPILLS, (kernel["kernel"], "sm90a_h100", "flex_grad_d128_bf16_relative_bias"),
+    monkeypatch.setitem(compile_report.SPILLS, (kernel["kernel"], "sm90a_h100", "flash_grad_d128_bf16_window"),
                         (44, 44, "why"))
     assert compile_report.problems(broken) == []
     kernel.update(spill_stores=48)
     assert any("spills 48 B" in p for p in compile_report.problems(broken))
     kernel.update(spill_stores=40)
-    _row(broken, "sm80_a100", "flex_grad_d128_bf16_relative_bias")["kernels"][0].update(spill_stores=8)
+    _row(broken, "sm80_a100", "flash_grad_d128_bf16_window")["kernels"][0].update(spill_stores=8)
     assert any("sm80_a100" in p and "spills 8 B" in p for p in compile_report.problems(broken))
 
 
