@@ -12,7 +12,8 @@ samples.txt and checkpoints/ to --out. An --out folder that holds a run needs --
 Across several processes (one per host, or several on one machine: scripts/launch_local.sh), each process
 runs this script with the same flags plus how it joins the run:
 
-    srun python examples/train_lm.py --distributed --mesh data=16 ...          # SLURM, Open MPI, Kubernetes
+    srun python examples/train_lm.py --mesh data=16 ...                        # SLURM, Open MPI: detected
+    python examples/train_lm.py --distributed --mesh data=16 ...               # Kubernetes
     python examples/train_lm.py --coordinator-address HOST0:1234 --num-processes 2 --process-id I --mesh data=16 ...
 """
 
@@ -24,14 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lm.config import ConfigError, make_parser, parse_command  # noqa: E402
-from lm.train import NonFiniteLoss, run, start_distributed  # noqa: E402
+from lm.distributed import start_distributed  # noqa: E402
+from lm.train import NonFiniteLoss, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser(__doc__)
     config, launch = parse_command(argv, parser)
-    start_distributed(launch)
     try:
+        start_distributed(launch)
         run(config)
     except ConfigError as error:  # found by the checks that run before anything is written
         parser.error(f"argument {error.flag}: {error}")

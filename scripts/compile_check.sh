@@ -2,8 +2,9 @@
 # The compile check that needs no accelerator, in two parts; it fails if either fails.
 # - GPU: install (or reuse) the pinned toolchain (scripts/compile/gpu_toolchain.sh), compile every kernel
 #   variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton, Mosaic GPU and
-#   ptxas, write docs/compile/report.json and docs/compile/index.md, and fail on a compile error, a spill,
-#   shared memory over a target's limit, or a Hopper kernel without wgmma / TMA where expected.
+#   ptxas, write docs/compile/report.json and docs/compile/index.md, and fail closed: on a variant of the
+#   registry (scripts/compile/variants.py) missing or without its kernels, a compile error, a spill, shared
+#   memory over a target's limit, or the tensor-core / copy instructions the report requires.
 # - TPU: install (or reuse) the pinned jax[tpu] toolchain (scripts/compile/tpu_toolchain.sh), compile every
 #   Mosaic TPU kernel variant for v5e, v5p and v6e (v4 shown) through libtpu, write the `tpu` section of
 #   docs/compile/report.json and docs/compile/tpu.md, and fail on a compile error, VMEM over a generation's

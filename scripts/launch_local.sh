@@ -7,12 +7,19 @@
 # Process i gets `--coordinator-address 127.0.0.1:PORT --num-processes NPROC --process-id i` after the flags
 # given (PORT: a free one). Process 0 writes to this terminal; process i > 0 to LOG_DIR/process_i.log
 # (LAUNCH_LOG_DIR, default a new temporary folder, named on stderr). When one process fails, the others are
-# killed at once (a survivor would otherwise wait for its dead peer in a collective until jax.distributed's
+# stopped at once (a survivor would otherwise wait for its dead peer in a collective until jax.distributed's
 # heartbeat timeout), the failing process's last lines are printed, and this script exits with its status.
-# Ctrl-C or a TERM stops them all as well. Each process runs in its own process group, killed as a whole.
+# A TERM, INT (Ctrl-C) or HUP to this script is passed on to every process as a TERM, which makes them stop at
+# a common step and save a checkpoint (docs/examples.md); they get LAUNCH_GRACE_S seconds (default 300) for
+# it before they are killed, and this script exits 0 if they all did. Each process runs in its own process
+# group, signalled as a whole, and stops by itself if this script dies (it watches LAUNCH_LOCAL_PID).
+#
+# GPUs: on a machine whose `nvidia-smi -L` lists G GPUs (or with CUDA_VISIBLE_DEVICES set to G of them), each
+# process gets G / NPROC of them through CUDA_VISIBLE_DEVICES (NPROC must divide G), so that no two processes
+# drive one GPU.
 #
 # Environment: PYTHON (default .venv/bin/python beside this script, else python3), LAUNCH_SCRIPT (default
-# examples/train_lm.py), LAUNCH_LOG_DIR. Needs bash >= 5.1 (`wait -n -p`).
+# examples/train_lm.py), LAUNCH_LOG_DIR, LAUNCH_GRACE_S. Needs bash >= 5.1 (`wait -n -p`).
 set -u
 
 usage() { echo "usage: $0 NPROC -- TRAIN_LM_FLAGS..." >&2; exit 2; }
@@ -29,24 +36,53 @@ mkdir -p "$logs"
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') || exit 1
 [[ $nproc -gt 1 ]] && echo "launch_local: $nproc processes, coordinator 127.0.0.1:$port; logs of 1..$((nproc - 1)) in $logs" >&2
 
-set -m  # every background job its own process group, so that a kill reaches whatever a process started
+gpus=()
+if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
+elif command -v nvidia-smi >/dev/null; then
+    mapfile -t gpus < <(nvidia-smi -L 2>/dev/null | sed -n 's/^GPU \([0-9]*\):.*/\1/p')
+fi
+if [[ ${#gpus[@]} -gt 0 ]] && (( ${#gpus[@]} % nproc )); then
+    echo "launch_local: $nproc processes cannot share ${#gpus[@]} GPUs (${gpus[*]}) evenly" >&2
+    exit 2
+fi
+per=$(( ${#gpus[@]} / nproc ))
+
+set -m  # every background job its own process group, so that a signal reaches whatever a process started
+export LAUNCH_LOCAL_PID=$$
 pids=()
+declare -A exited  # the pids already waited for, which exited with status 0
+# stop_all GRACE: TERM to every process group, up to GRACE seconds for them to exit, then KILL. Returns 0 if
+# every process exited with status 0.
 stop_all() {
+    local grace=$1 pid alive status=0
     for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
-    for _ in 1 2 3 4 5 6 7 8 9 10; do  # up to 5 s to exit cleanly, then KILL
+    for ((tick = 0; tick < grace * 2; tick++)); do
         alive=0
         for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
         [[ $alive == 0 ]] && break
         sleep 0.5
     done
     for pid in "${pids[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
-    wait 2>/dev/null
+    for pid in "${pids[@]}"; do [[ -n ${exited[$pid]:-} ]] || wait "$pid" 2>/dev/null || status=1; done
+    return $status
 }
-trap 'stop_all; exit 130' INT
-trap 'stop_all; exit 143' TERM
+on_signal() {
+    echo "launch_local: got $1; asking every process to save a checkpoint and stop" >&2
+    trap '' INT TERM HUP
+    stop_all "${LAUNCH_GRACE_S:-300}" && exit 0
+    exit "$2"
+}
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
 
 for ((i = 0; i < nproc; i++)); do
     flags=(--coordinator-address "127.0.0.1:$port" --num-processes "$nproc" --process-id "$i")
+    if [[ $per -gt 0 ]]; then
+        mine=("${gpus[@]:i*per:per}")
+        export CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${mine[*]}")
+    fi
     if [[ $i == 0 ]]; then
         "$python" "$script" "$@" "${flags[@]}" &
     else
@@ -58,6 +94,7 @@ done
 for ((left = nproc; left > 0; left--)); do
     wait -n -p finished
     status=$?
+    [[ $status == 0 ]] && exited[$finished]=1
     if [[ $status != 0 ]]; then
         for ((i = 0; i < nproc; i++)); do [[ ${pids[$i]} == "$finished" ]] && failed=$i; done
         reason="exited with status $status"
@@ -67,7 +104,7 @@ for ((left = nproc; left > 0; left--)); do
             echo "launch_local: the last lines of process $failed ($logs/process_$failed.log):" >&2
             tail -n 20 "$logs/process_$failed.log" >&2
         fi
-        stop_all
+        stop_all 5
         exit "$status"
     fi
 done

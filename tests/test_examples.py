@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 from lm import data, train  # noqa: E402
 from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
+from lm.sampling import generate  # noqa: E402
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
 # Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
@@ -221,6 +223,48 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_data_loads(d
     assert not Path("/proc/probjax_nn_run").exists()
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs on a GPU")
+def test_cudnn_without_a_gpu_is_refused_before_anything_is_written(data_cache, tmp_path, capsys):
+    """Was a traceback after config.json and metrics.jsonl were written."""
+    train_lm = _load_script("train_lm")
+    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, tmp_path / "run", attention="cudnn")))
+    assert "argument --attention: attention='cudnn' needs an NVIDIA GPU; this run's devices are cpu" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(data_cache, tmp_path, capsys, monkeypatch):
+    """A TERM (SLURM preemption, scancel, a time limit) killed the run, losing the steps since its last
+    checkpoint; now it stops after the step it arrives in, saves that step and exits 0 (checkpoint_every none:
+    no other checkpoint), and --resume reaches the losses of an unbroken run."""
+    import signal
+
+    train_lm = _load_script("train_lm")
+    config = dict(steps=8, log_every=2, eval_every=4, checkpoint_every="none", num_samples=0)
+    unbroken = train.run(micro(data_cache, tmp_path / "unbroken", **config))
+    train_starts = data.train_starts
+
+    def terminate_at_step_3(tokens, config, step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_starts(tokens, config, step)
+
+    monkeypatch.setattr(data, "train_starts", terminate_at_step_3)
+    out = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGTERM)
+    capsys.readouterr()
+    train_lm.main(micro_flags(data_cache, out, **config))  # returns: exit status 0
+    printed = capsys.readouterr().out
+    assert f"stopped by a TERM signal after step 3, saved in {out / 'checkpoints' / '3'}: run the same command " \
+        "with --resume to continue" in printed, printed
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3"]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler lasts as long as its loop
+    monkeypatch.setattr(data, "train_starts", train_starts)
+    resumed = train.run(micro(data_cache, out, resume=True, **config))
+    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [2, 4, 6, 8]
+    for got, want in zip(resumed, unbroken):
+        np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
+
+
 def test_resume_needs_a_checkpoint_and_says_what_is_there(data_cache, tmp_path, capsys):
     """--resume into a folder without a checkpoint started from step 0 and overwrote metrics.jsonl."""
     train_lm = _load_script("train_lm")
@@ -285,6 +329,35 @@ def test_resume_passes_over_a_cut_short_metrics_row_and_a_damaged_checkpoint(dat
     assert _snapshot(out) == before
 
 
+def test_resume_restores_lost_metrics_rows_and_passes_over_a_damaged_losses_item(data_cache, tmp_path, capsys):
+    """metrics.jsonl that lost rows resumed with a silent gap (steps 1, 2, then 5, 6); a damaged item of the
+    losses in the newest checkpoint (named "metrics", as orbax names its own metrics item, which its
+    CheckpointManager read on opening the folder) was a JSONDecodeError there, before any fallback."""
+    out = tmp_path / "run"
+    config = dict(steps=6, log_every=1, checkpoint_every=2, eval_every=100, num_samples=0, num_layers=1)
+    first = train.run(micro(data_cache, out, **config), stop_after=5)  # checkpoints 2 and 4; rows 1..5
+    kept = [row for row in first if row["step"] not in (3, 4)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
+    capsys.readouterr()
+    resumed = train.run(micro(data_cache, out, resume=True, **config))
+    printed = capsys.readouterr().out
+    assert "resumed from step 4" in printed, printed
+    assert "metrics.jsonl lacked the rows of steps 3, 4: restored them from the checkpoint of step 4" in printed
+    assert [row["step"] for row in resumed] == list(range(1, 7))
+    assert resumed[:4] == first[:4] and resumed == train.Metrics.read(out / "metrics.jsonl")
+
+    # The newest checkpoint's losses as a checkpoint of the last version kept them ("metrics"), cut short.
+    step = out / "checkpoints" / "6"
+    (step / "progress").rename(step / "metrics")
+    (step / "metrics" / "metadata").rename(step / "metrics" / "metrics")
+    (step / "metrics" / "metrics").write_text('{"pending_lo')
+    resumed = train.run(micro(data_cache, out, resume=True, **{**config, "steps": 8}))
+    printed = capsys.readouterr().out
+    assert "cannot restore the checkpoint of step 6: JSONDecodeError" in printed, printed
+    assert "resumed from step 4, the newest checkpoint that restores" in printed, printed
+    assert [row["step"] for row in resumed] == list(range(1, 9))
+
+
 def test_a_diverging_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_cache, tmp_path):
     """A learning rate of 1e12 turns the loss to NaN within a few steps (step 1 has rate 0: warmup). The run
     wrote NaN into metrics.jsonl (invalid JSON) and checkpointed the weights that produced it."""
@@ -334,7 +407,9 @@ def test_sharded_run_matches_the_unsharded_one(framework, data_cache, tmp_path):
     """`--mesh data=2,model=2` over 4 of conftest's 8 CPU devices (this ran in a subprocess, to get 4)."""
     base = {**MICRO, "data_cache": data_cache, "num_layers": 1, "steps": 2, "log_every": 1, "eval_every": 2,
             "eval_batches": 1, "checkpoint_every": 2, "num_samples": 0}
-    config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=str(tmp_path)))
+    # The run samples at the end, on the params as they are sharded (the decode is not split by shard_heads).
+    config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=str(tmp_path),
+                                      num_samples=1, sample_tokens=6, temperature=0))
     sharded = [row["train_loss"] for row in train.run(config)]
     # The same steps on one device, without the run's evaluation, checkpoints and plot.
     config = dataclasses.replace(config, mesh=None)
@@ -346,6 +421,8 @@ def test_sharded_run_matches_the_unsharded_one(framework, data_cache, tmp_path):
         params, opt_state, loss = train_step(params, opt_state, jnp.asarray(data.train_batch(tokens, config, step)))
         unsharded.append(float(loss))
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5)
+    samples = generate(model, params, b"def ", 6, num_samples=1, temperature=0.0, key=jax.random.key(config.seed))
+    assert (tmp_path / "samples.txt").read_text() == f"--- sample 0 ---\n{samples[0].decode(errors='replace')}\n"
 
     # The sharded gradient step, with the Pallas kernel: attention runs per shard, nothing is gathered.
     config = make_config("tiny", dict(base, framework=framework, attention="pallas", mesh="data=2,model=2"))
@@ -418,6 +495,12 @@ def test_config_precedence_preset_file_cli(tmp_path):
          "argument --process-id: process_id=2 must be in [0, num_processes=2)"),
         (["--coordinator-address", "h", "--num-processes", "2", "--process-id", "0"],
          "argument --coordinator-address: coordinator_address='h' must be HOST:PORT"),
+        # A ZeroDivisionError after the first metrics row (the folder then held a run), and a negative MFU.
+        (["--peak-tflops", "0"], "argument --peak-tflops: peak_tflops=0.0 must be positive"),
+        (["--peak-tflops", "-1"], "argument --peak-tflops: peak_tflops=-1.0 must be positive"),
+        # Infinite RoPE frequencies: NaN at step 1, reported as a learning rate too high.
+        (["--rope-theta", "0"], "argument --rope-theta: rope_theta=0.0 must be greater than 1"),
+        (["--rope-theta", "1"], "argument --rope-theta: rope_theta=1.0 must be greater than 1"),
     ],
 )
 def test_invalid_flags_are_usage_errors_that_name_the_flag(flags, message, capsys):

@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -53,20 +56,35 @@ WAIT_S = 900
 # examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs one
 # training per list in the same jax.distributed session (flags added to the command line's), and writes to
 # MP_ROWS.<process id> the batch rows (start, stop) this process read for each run's devices; MP_KILL,
-# "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint.
+# "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint;
+# MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step;
+# MP_PIDS: each process writes its pid to MP_PIDS.<process id>; MP_FETCHED: each process writes to
+# MP_FETCHED.<process id> the most bytes one `jax.device_get` fetched.
 _WORKER = """
     import json, os, signal, sys
     sys.path.insert(0, {examples!r})
     import jax
-    from lm import checkpoint, train
+    import numpy as np
+    from lm import checkpoint, data, train
     from lm.config import parse_args, parse_command
+
+    fetched = [0]
+    device_get = jax.device_get
+
+    def counting(tree):
+        result = device_get(tree)
+        fetched[0] = max(fetched[0], sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(result)))
+        return result
+
+    jax.device_get = counting
 
     rows = set()
     make_array = jax.make_array_from_callback
 
     def recording(shape, sharding, callback, *args, **kwargs):
         def read(index):
-            rows.add(index[0].indices(shape[0])[:2])
+            if len(shape) == 2:  # a batch of token windows (the sampler's replicated arrays are not)
+                rows.add(index[0].indices(shape[0])[:2])
             return callback(index)
         return make_array(shape, sharding, read, *args, **kwargs)
 
@@ -75,6 +93,19 @@ _WORKER = """
     argv = sys.argv[1:]
     _, launch = parse_command(argv)
     train.start_distributed(launch)
+    if os.environ.get("MP_PIDS"):
+        with open(os.environ["MP_PIDS"] + f".{{launch.process_id}}", "w") as file:
+            file.write(str(os.getpid()))
+    if os.environ.get("MP_SIGNAL"):
+        process, step, name = os.environ["MP_SIGNAL"].split(":")
+        train_starts = data.train_starts
+
+        def signalling(tokens, config, at):
+            if at == int(step) and launch.process_id == int(process):
+                os.kill(os.getppid(), getattr(signal, name))
+            return train_starts(tokens, config, at)
+
+        data.train_starts = signalling
     if os.environ.get("MP_KILL"):
         process, step = map(int, os.environ["MP_KILL"].split(":"))
         save = checkpoint.Checkpoints.save
@@ -93,6 +124,9 @@ _WORKER = """
     if os.environ.get("MP_ROWS"):
         with open(os.environ["MP_ROWS"] + f".{{launch.process_id}}", "w") as file:
             json.dump(read, file)
+    if os.environ.get("MP_FETCHED"):
+        with open(os.environ["MP_FETCHED"] + f".{{launch.process_id}}", "w") as file:
+            file.write(str(fetched[0]))
 """
 
 
@@ -112,10 +146,12 @@ def flags(values: dict) -> list[str]:
     return [word for name, value in values.items() for word in ("--" + name.replace("_", "-"), str(value))]
 
 
-def launch(tmp_path: Path, name: str, argv: list[str], **environment: str) -> subprocess.CompletedProcess:
+def launch(
+    tmp_path: Path, name: str, argv: list[str], worker_text: str = _WORKER, **environment: str
+) -> subprocess.CompletedProcess:
     """scripts/launch_local.sh 2 -- argv, running the worker; process 1's log goes to tmp_path/name."""
     worker = tmp_path / "worker.py"
-    worker.write_text(textwrap.dedent(_WORKER).format(examples=str(ROOT / "examples")))
+    worker.write_text(textwrap.dedent(worker_text).format(examples=str(ROOT / "examples")))
     env = {key: value for key, value in os.environ.items() if not key.startswith("MP_")}
     env.update(
         XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHON=sys.executable, LAUNCH_SCRIPT=str(worker),
@@ -177,7 +213,8 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     assert committed in ([2], [2, 4]), committed  # step 4 only if process 1 finished its part before dying
     assert [row["step"] for row in read_rows(tmp_path / "run")] == [1, 2, 3, 4]
 
-    resumed = launch(tmp_path, "resumed", [*flags({**values, "num_samples": 1, "sample_tokens": 4}), "--resume"])
+    resumed = launch(tmp_path, "resumed", [*flags({**values, "num_samples": 1, "sample_tokens": 4}), "--resume"],
+                     MP_FETCHED=str(tmp_path / "fetched"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert f"resumed from step {committed[-1]}" in resumed.stdout
     same = ("steps", "eval_every", "checkpoint_every", "mesh", "framework")
@@ -190,6 +227,11 @@ def test_a_killed_process_stops_the_run_and_resume_reproduces_the_losses(data_ca
     assert shards == {"ocdbt.process_0", "ocdbt.process_1"}, shards
     assert (tmp_path / "run" / "samples.txt").read_text().startswith("--- sample 0 ---\ndef ")
     assert "--- sample" not in (tmp_path / "resumed" / "process_1.log").read_text()
+    # Sampling ran on the sharded params: no process fetched the model to its host (each did, before).
+    model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(train.build_model(
+        make_config("tiny", {**TINY, "framework": "nnx"}), jax.random.key(0)).params))
+    fetched = [int((tmp_path / f"fetched.{process}").read_text()) for process in (0, 1)]
+    assert max(fetched) < model_bytes / 10, (fetched, model_bytes)
 
 
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
@@ -210,3 +252,322 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
     port = re.search(r"coordinator 127\.0\.0\.1:(\d+)", result.stderr)[1]
     survivors = subprocess.run(["pgrep", "-f", f"{script}.*127.0.0.1:{port}"], capture_output=True, text=True)
     assert survivors.stdout == "", survivors.stdout  # process 0 was killed, not left sleeping
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def clean_environment(**environment: str) -> dict[str, str]:
+    """This process's environment without a cluster's variables or the tests' hooks, plus `environment`."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("MP_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "LAUNCH_"))}
+    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **environment}
+
+
+def start_processes(tmp_path: Path, commands: list[tuple[list[str], dict, Path]]) -> list[tuple[int, str, str]]:
+    """Runs each (argv, environment, cwd) as a process of its own, all at once; their (status, stdout, stderr).
+    Every wait is bounded, and whatever still runs at the end is killed with its process group."""
+    processes, files = [], []
+    try:
+        for number, (argv, env, cwd) in enumerate(commands):
+            out, err = tmp_path / f"stdout.{number}", tmp_path / f"stderr.{number}"
+            files.append((out, err))
+            with out.open("w") as stdout, err.open("w") as stderr:
+                processes.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr,
+                                                  start_new_session=True))
+        for process in processes:
+            process.wait(timeout=WAIT_S)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=WAIT_S)
+    return [(process.returncode, out.read_text(), err.read_text()) for process, (out, err) in zip(processes, files)]
+
+
+TRAIN_LM = str(ROOT / "examples" / "train_lm.py")
+
+
+def test_two_tasks_of_one_slurm_step_join_one_run_without_flags(data_cache, tmp_path):
+    """Under srun (SLURM_NTASKS=2) without --distributed each task trained alone into the same --out: every
+    metrics row twice and colliding checkpoints. jax.distributed.initialize() detects the job by itself."""
+    values = {**TINY, "data_cache": data_cache, "steps": 2, "eval_every": 2, "checkpoint_every": 2,
+              "mesh": "data=4", "out": str(tmp_path / "run")}
+    # The variables jax's SLURM detection reads; JAX_COORDINATOR_PORT replaces the port it derives from the job id.
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                 JAX_COORDINATOR_PORT=str(free_port()))
+    commands = [([sys.executable, TRAIN_LM, *flags(values)],
+                 clean_environment(**slurm, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)), tmp_path)
+                for task in (0, 1)]
+    results = start_processes(tmp_path, commands)
+    for status, stdout, stderr in results:
+        assert status == 0, stdout[-2000:] + stderr[-4000:]
+    assert "waiting for 2 processes at the SLURM job's coordinator" in results[1][2]
+    assert "cpu x 4 in 2 processes" in results[0][1] + results[0][2]
+    assert [row["step"] for row in read_rows(tmp_path / "run")] == [1, 2]  # once, not twice
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+
+
+# A worker that runs one training per entry of MP_RUNS in one jax.distributed session, with flags and a
+# working folder of each process's own ({"flags": [...], "0": [...], "1": [...], "cwd": {"1": ...}}), and
+# writes each run's ConfigError (flag, message) or None to MP_OUT.<process id>.
+_AGREE_WORKER = """
+    import json, os, sys
+    sys.path.insert(0, {examples!r})
+    from lm import train
+    from lm.config import ConfigError, parse_args, parse_command
+    from lm.distributed import start_distributed
+
+    argv = sys.argv[1:]
+    _, launch = parse_command(argv)
+    start_distributed(launch)
+    me, home, results = str(launch.process_id), os.getcwd(), []
+    for run in json.loads(os.environ["MP_RUNS"]):
+        os.chdir(run.get("cwd", {{}}).get(me, home))
+        try:
+            train.run(parse_args(argv + run["flags"] + run.get(me, [])))
+            results.append(None)
+        except ConfigError as error:
+            results.append([error.flag, str(error)])
+        os.chdir(home)
+    with open(os.environ["MP_OUT"] + "." + me, "w") as file:
+        json.dump(results, file)
+"""
+
+
+def test_processes_agree_on_their_start_up_checks(data_cache, tmp_path):
+    """Each start-up failure that one process found alone (or that needed two to find) ends every process with
+    the same usage error, naming the process and the flag; then a good run still trains. Before: a flag on
+    one process only trained with other losses, a different --mesh or an --out that one process cannot write
+    hung, an --out the processes do not share hung in the first save, a mesh of 2 of 4 devices crashed
+    process 1 while process 0 trained alone."""
+    base = flags({**TINY, "data_cache": data_cache, "steps": 1, "eval_every": 1, "mesh": "data=4"})
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir()
+    other.mkdir()
+    runs = [
+        {"flags": ["--out", str(tmp_path / "lr")], "1": ["--learning-rate", "0.02"]},
+        {"flags": ["--out", str(tmp_path / "mesh")], "0": ["--mesh", "data=2,model=2"]},
+        # Relative --out: process 1 resolves it in /proc (cannot be written), or in a folder of its own.
+        {"flags": ["--out", "run"], "cwd": {"0": str(home), "1": "/proc"}},
+        {"flags": ["--out", "run"], "cwd": {"0": str(home), "1": str(other)}},
+        {"flags": ["--out", str(tmp_path / "small"), "--mesh", "data=2"]},
+        {"flags": ["--out", str(tmp_path / "good")]},
+    ]
+    result = launch(tmp_path, "logs", base, _AGREE_WORKER, MP_RUNS=json.dumps(runs), MP_OUT=str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    got = [json.loads((tmp_path / f"out.{process}").read_text()) for process in (0, 1)]
+    print(json.dumps(got, indent=1))
+    lr, mesh, unwritable, unshared, small, good = zip(*got)
+    assert lr[0] == lr[1] and lr[0][0] == "--learning-rate", lr
+    assert "0.01 on process 0, 0.02 on process 1" in lr[0][1]
+    assert mesh[0] == mesh[1] and mesh[0][0] == "--mesh" and "'data=2,model=2' on process 0" in mesh[0][1], mesh
+    assert unwritable[0][0] == unwritable[1][0] == "--out"
+    assert unwritable[0][1].startswith("on process 1: cannot write to run"), unwritable  # process 0 names it
+    assert unshared[0] == unshared[1] and "process 1 does not see" in unshared[0][1], unshared
+    assert small[0] == small[1] and small[0][0] == "--mesh" and "needs all 4" in small[0][1], small
+    assert good == (None, None)
+    assert sorted(p.name for p in home.iterdir()) == [] and sorted(p.name for p in other.iterdir()) == []
+    assert not (tmp_path / "lr").exists() and not (tmp_path / "small").exists()
+    assert [row["step"] for row in read_rows(tmp_path / "good")] == [1]
+
+
+def test_a_check_that_fails_on_one_process_exits_every_process_with_a_usage_error(data_cache, tmp_path):
+    """An --out that process 1 alone cannot write: process 1 exited, process 0 waited in a collective and
+    ended with `GetKeyValue() timed out`. Now both exit 2 at once and process 0 prints process 1's reason."""
+    port = free_port()
+    values = {**TINY, "data_cache": data_cache, "steps": 1, "mesh": "data=4", "out": "run"}
+    commands = [
+        ([sys.executable, TRAIN_LM, *flags(values), "--coordinator-address", f"127.0.0.1:{port}",
+          "--num-processes", "2", "--process-id", str(process)], clean_environment(), cwd)
+        for process, cwd in ((0, tmp_path), (1, Path("/proc")))
+    ]
+    results = start_processes(tmp_path, commands)
+    assert [status for status, _, _ in results] == [2, 2], results
+    assert "error: argument --out: on process 1: cannot write to run" in results[0][2], results[0][2]
+    assert "error: argument --out: cannot write to run" in results[1][2], results[1][2]
+    assert not (tmp_path / "run").exists()
+
+
+def test_start_up_says_what_it_waits_for_and_refuses_what_cannot_join(data_cache, tmp_path, capsys):
+    """Before: one process of two printed nothing for 300 s and aborted with a C++ stack trace; a coordinator port
+    in use left process 1 silent; --coordinator-address :1234 passed the check and hung; --distributed outside a
+    cluster was a `coordinator_address should be defined` traceback."""
+    from lm.config import parse_command
+
+    for address in (":1234", "host:0", "host:70000", "host"):
+        with pytest.raises(SystemExit) as exit:
+            parse_command(["--coordinator-address", address, "--num-processes", "2", "--process-id", "0"])
+        assert exit.value.code == 2 and f"argument --coordinator-address: coordinator_address={address!r}" in (
+            capsys.readouterr().err)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        base = [sys.executable, TRAIN_LM, *flags({**TINY, "data_cache": data_cache, "mesh": "data=4"})]
+        alone = [[*base, "--out", str(tmp_path / f"alone{process}"), "--coordinator-address",
+                  f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", str(process),
+                  "--startup-timeout", "3"] for process in (0, 1)]
+        in_use = [*base, "--out", str(tmp_path / "in_use"), "--coordinator-address",
+                  f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
+        nowhere = [*base, "--out", str(tmp_path / "nowhere"), "--distributed"]
+        results = start_processes(tmp_path, [(argv, clean_environment(), tmp_path)
+                                             for argv in (*alone, in_use, nowhere)])
+    finally:
+        taken.close()
+    for process, (status, _, stderr) in enumerate(results[:2]):
+        assert status == 1, stderr
+        address = alone[process][alone[process].index("--coordinator-address") + 1]
+        assert f"process {process}: waiting for 2 processes at {address} (up to 3 s" in stderr, stderr
+        assert f"process {process}: not all 2 processes joined {address} within 3 s (--startup-timeout)" in stderr
+    status, _, stderr = results[2]
+    assert status == 2 and f"port {port} is in use on this host" in stderr, stderr
+    status, _, stderr = results[3]
+    assert status == 2 and "error: argument --distributed: " in stderr and "Traceback" not in stderr, stderr
+    assert not any(path.name.startswith(("alone", "in_use", "nowhere")) for path in tmp_path.iterdir())
+
+
+def _stopped_step(stdout: str) -> int:
+    found = re.search(r"stopped by a TERM signal after step (\d+), saved in (\S+): run the same command with "
+                      r"--resume to continue", stdout)
+    assert found, stdout[-3000:]
+    return int(found[1])
+
+
+def test_a_term_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(data_cache, tmp_path):
+    """A TERM (SLURM preemption, scancel, a time limit) was ignored by the trainers until a KILL, losing up to
+    --checkpoint-every steps. Now every process stops after one common step, saves it and exits 0."""
+    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
+              "out": str(tmp_path / "run")}
+    result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="1:3:SIGTERM")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "launch_local: got TERM" in result.stderr
+    stopped = _stopped_step(result.stdout)
+    assert 3 <= stopped < 40
+    committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert committed == [stopped]  # checkpoint_every none: the TERM's save alone
+    assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
+    assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
+
+
+def test_processes_whose_launcher_dies_stop_with_a_checkpoint(data_cache, tmp_path):
+    """A launcher killed (or its terminal hung up) left the trainers training on with parent 1."""
+    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
+              "out": str(tmp_path / "run")}
+    pids = []
+    try:
+        # Returns when process 0, which holds the launcher's stdout, has exited.
+        result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="0:3:SIGKILL", MP_PIDS=str(tmp_path / "pid"))
+        pids = [int((tmp_path / f"pid.{process}").read_text()) for process in (0, 1)]
+        assert result.returncode == -signal.SIGKILL
+        stopped = _stopped_step(result.stdout)
+        assert 3 <= stopped < 40
+        for _ in range(WAIT_S):
+            if not any(_alive(pid) for pid in pids):
+                break
+            time.sleep(1)
+        assert not any(_alive(pid) for pid in pids)
+        assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
+        assert (tmp_path / "run" / "checkpoints" / str(stopped)).is_dir()
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize(
+    ("environment", "want"),
+    [
+        # One task per node with 8 GPUs (the docs' recipe): jax gave it GPU SLURM_LOCALID = 0 alone.
+        (dict(SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_NODEID="1", SLURM_LOCALID="0", SLURM_GPUS_ON_NODE="8"), []),
+        # --gpus-per-task=4: SLURM sets CUDA_VISIBLE_DEVICES to the task's 4, which the process sees as 0..3.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="4,5,6,7"), [0, 1, 2, 3]),
+        # Two tasks on a node of 8 GPUs, nothing restricted: each takes its half, by local rank.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_NODEID="1", SLURM_LOCALID="1", SLURM_GPUS_ON_NODE="8"),
+         [4, 5, 6, 7]),
+        # One GPU per task (8 tasks on 8 GPUs): GPU LOCALID, as jax chose.
+        (dict(SLURM_STEP_TASKS_PER_NODE="8", SLURM_LOCALID="3", SLURM_GPUS_ON_NODE="8"), [3]),
+        # Nothing to go by: jax's default.
+        (dict(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1"), None),
+    ],
+)
+def test_slurm_layouts_give_each_task_its_gpus(environment, want):
+    """jax.distributed.initialize() gives each SLURM task the one GPU of its local rank (jax#16788), so the docs'
+    one task per node of 8 GPUs trained on one of them."""
+    from lm.distributed import detected_cluster, local_device_ids
+
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1", **environment)
+    assert detected_cluster(slurm) == ("SLURM", 2, 1)
+    assert local_device_ids(slurm) == want
+    assert local_device_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == [0, 1] and local_device_ids({}) is None
+
+
+# A stand-in for train_lm.py (no jax: cheap): records its GPUs and its pid, and on TERM writes a file and exits 0.
+_STAND_IN = """
+    import os, signal, sys, time
+    for stream in (1, 2):  # not the launcher's pipes: the test's wait for them ends when the launcher does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream)
+    me = sys.argv[sys.argv.index("--process-id") + 1]
+    folder = os.environ["STAND_IN_DIR"]
+    with open(os.path.join(folder, "gpus." + me), "w") as file:
+        file.write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+
+    def stop(signum, frame):
+        open(os.path.join(folder, "stopped." + me), "w").close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    with open(os.path.join(folder, "started." + me), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(3600)
+"""
+
+
+def test_the_launcher_passes_a_hang_up_on_and_splits_the_gpus(tmp_path):
+    """A HUP (the terminal closed) killed the launcher and left its processes training; on a machine with GPUs
+    every process saw all of them."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(textwrap.dedent(_STAND_IN))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = "#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H200 (UUID: GPU-$i)\"; done\n"
+    (bin_dir / "nvidia-smi").write_text(fake)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHON=sys.executable, LAUNCH_SCRIPT=str(script), LAUNCH_LOG_DIR=str(tmp_path / "logs"),
+               STAND_IN_DIR=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    launcher = subprocess.Popen(["bash", str(LAUNCHER), "2", "--", "--steps", "3"], env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(WAIT_S * 10):
+            if all((tmp_path / f"started.{process}").exists() for process in (0, 1)):
+                break
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGHUP)
+        _, stderr = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=WAIT_S)
+        for started in tmp_path.glob("started.*"):  # stand-ins the launcher left behind
+            pid = int(started.read_text() or 0)
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 0, stderr
+    assert "launch_local: got HUP" in stderr
+    assert all((tmp_path / f"stopped.{process}").exists() for process in (0, 1))
+    assert [(tmp_path / f"gpus.{process}").read_text() for process in (0, 1)] == ["0,1", "2,3"]

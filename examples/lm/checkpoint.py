@@ -3,8 +3,11 @@
 Each pytree is saved as a nested dict of its key-path names ("blocks" -> "0" -> "attention" -> ...), which
 orbax stores without knowing NNX states, Equinox modules or optax's named tuples; restoring maps the
 saved arrays back onto a freshly built tree of the same structure, with that tree's shardings. A step also
-keeps the train losses of the steps since the last metrics row, so that a resumed run averages the same
-losses into its next row as an unbroken one.
+keeps (its "progress" item) the train losses of the steps since the last metrics row, so that a resumed run
+averages the same losses into its next row as an unbroken one, and the metrics rows up to it, so that a
+resume restores rows that metrics.jsonl lost. (Checkpoints written before kept the losses alone, in an item
+named "metrics": orbax's own name for a step's metrics, which its CheckpointManager reads when it opens the
+folder, where a damaged one failed. Those are still read, after the folder is open.)
 
 In a multi-process run every process calls every method here: each writes and reads only the shards of its
 own devices, and orbax's barriers keep them in step. A step becomes visible (`steps`, `latest_step`) only
@@ -66,9 +69,12 @@ class Checkpoints:
     background."""
 
     def __init__(self, directory: str | Path, keep: int = 2):
-        self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        )
+        self.directory = Path(directory).absolute()
+        # lightweight_initialize: open the folder from its step numbers alone, without reading every step's
+        # "metrics" item (a damaged one failed here, before a step could be passed over).
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, lightweight_initialize=True,
+        ))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -77,20 +83,27 @@ class Checkpoints:
         """The committed steps, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, params: Any, opt_state: Any, pending_losses: Sequence[float] = ()) -> None:
-        """Saves `step`; `pending_losses` are the train losses of the steps since the last metrics row."""
+    def save(
+        self, step: int, params: Any, opt_state: Any, pending_losses: Sequence[float] = (), rows: Sequence[dict] = ()
+    ) -> None:
+        """Saves `step`; `pending_losses` are the train losses of the steps since the last metrics row, `rows` the
+        metrics rows up to `step`."""
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(to_nested(params)), opt_state=ocp.args.StandardSave(to_nested(opt_state)),
-            metrics=ocp.args.JsonSave({"pending_losses": [float(loss) for loss in pending_losses]}),
+            progress=ocp.args.JsonSave(
+                {"pending_losses": [float(loss) for loss in pending_losses], "rows": list(rows)}
+            ),
         ))
 
-    def pending_losses(self, step: int) -> list[np.float32]:
-        """The train losses that `step` saved as not yet in a metrics row, as float32 (the dtype of the
-        losses they stand for); none for a checkpoint written without them."""
-        if "metrics" not in self.manager.item_metadata(step):
-            return []
-        saved = self.manager.restore(step, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))
-        return [np.float32(loss) for loss in saved["metrics"]["pending_losses"]]
+    def progress(self, step: int) -> tuple[list[np.float32], list[dict] | None]:
+        """The train losses that `step` saved as not yet in a metrics row, as float32 (the dtype of the losses
+        they stand for), and the metrics rows up to it (None from a checkpoint written without them). Raises
+        what orbax raises for a damaged item."""
+        for name in ("progress", "metrics"):  # "metrics": a checkpoint of an older version, losses only
+            if (self.directory / str(step) / name).exists():
+                saved = self.manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+                return [np.float32(loss) for loss in saved["pending_losses"]], saved.get("rows")
+        return [], None
 
     def restore(self, step: int, params: Any, opt_state: Any | None = None) -> tuple[Any, Any]:
         """The saved params (and opt_state, unless None) of `step`, shaped and sharded like the given ones."""
@@ -111,6 +124,8 @@ class Checkpoints:
         for step in reversed(self.steps()):
             try:
                 params_, opt_state_ = self.restore(step, params, opt_state)
+                if opt_state is not None:  # resuming training: the losses and rows must restore as well
+                    self.progress(step)
                 error = None
             except Exception as failure:  # orbax and tensorstore raise many kinds for a damaged file
                 error = " ".join(f"{type(failure).__name__}: {failure}".split())[:300]

@@ -123,6 +123,12 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ConfigError(name, f"{name}={value!r} must be at least {least}.")
+        # Divisors and bases: peak_tflops 0 divided by zero after the first row (a negative one wrote a negative
+        # MFU); rope_theta 0 makes every RoPE frequency infinite (NaN at step 1), and 1 makes them all equal.
+        if self.peak_tflops is not None and self.peak_tflops <= 0.0:
+            raise ConfigError("peak_tflops", f"peak_tflops={self.peak_tflops} must be positive (none: looked up).")
+        if self.rope_theta <= 1.0:
+            raise ConfigError("rope_theta", f"rope_theta={self.rope_theta} must be greater than 1 (10000 is usual).")
         if not self.sample_prompt:
             raise ConfigError("sample_prompt", "sample_prompt='' must hold at least one character.")
         check_prompt("sample_prompt", self.sample_prompt)
@@ -148,7 +154,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "num_layers": 1, "d_model": 1, "num_heads": 1, "num_kv_heads": 1, "d_ff": 1, "seq_len": 1, "batch_size": 1,
     "steps": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "checkpoint_every": 1, "warmup_steps": 0,
     "num_samples": 0, "sample_tokens": 0, "temperature": 0.0, "learning_rate": 0.0, "min_lr_ratio": 0.0,
-    "weight_decay": 0.0, "rope_theta": 0.0,
+    "weight_decay": 0.0,
 }
 
 
@@ -295,6 +301,10 @@ def make_parser(description: str | None = None) -> argparse.ArgumentParser:
     group.add_argument("--coordinator-address", metavar="HOST:PORT", help="where process 0 listens")
     group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
     group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    group.add_argument(
+        "--startup-timeout", type=int, default=300, metavar="SECONDS",
+        help="how long a process waits for the others to join (default 300)",
+    )
     return parser
 
 
@@ -307,6 +317,7 @@ class Launch:
     coordinator_address: str | None = None  # "host:port" of process 0; None: detected from the cluster
     num_processes: int | None = None  # None: detected
     process_id: int | None = None  # None: detected
+    startup_timeout: int = 300  # seconds a process waits for the others to join
 
     def check(self) -> None:
         """Raises ConfigError unless the three values are all given (and agree) or all left to detection."""
@@ -325,9 +336,13 @@ class Launch:
             message = f"process_id={self.process_id} must be in [0, num_processes={self.num_processes})."
             raise ConfigError("process_id", message)
         address = self.coordinator_address
-        if address is not None and not address.rpartition(":")[2].isdigit():
-            message = f"coordinator_address={address!r} must be HOST:PORT (for example 10.0.0.1:1234)."
-            raise ConfigError("coordinator_address", message)
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+                message = f"coordinator_address={address!r} must be HOST:PORT with a port in 1..65535 (10.0.0.1:1234)."
+                raise ConfigError("coordinator_address", message)
+        if self.startup_timeout < 1:
+            raise ConfigError("startup_timeout", f"startup_timeout={self.startup_timeout} must be at least 1 second.")
 
 
 def _flag_value(name: str, text: str) -> Any:

@@ -3,6 +3,8 @@ same steps. `generate_batch`: prompts of different lengths at once, a prefill th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,12 +16,15 @@ from lm.common import LanguageModel, Params
 
 def generate(
     model: LanguageModel, params: Params, prompt: bytes, num_tokens: int, *, num_samples: int, temperature: float,
-    key: jax.Array,
+    key: jax.Array, sharding: jax.sharding.NamedSharding | None = None,
 ) -> list[bytes]:
     """`num_samples` continuations of `prompt`, `num_tokens` bytes each (prompt included in the result).
 
     Every step feeds one token to `model.decoder`'s step: while the prompt lasts the next token is the
     prompt's, afterwards it is drawn from softmax(logits / temperature) (the arg max at temperature 0).
+    `sharding`, a replicated sharding over the mesh that `params` are sharded on: decode with the params where
+    they are (in a multi-process run every process calls this, and none gathers the model), the cache, the
+    key and the result replicated.
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one byte.")
@@ -29,8 +34,18 @@ def generate(
     prompt_tokens[: len(prompt)] = np.frombuffer(prompt, np.uint8)
     prompt_tokens = jnp.asarray(prompt_tokens)
 
-    @jax.jit
+    impl, key = jax.random.key_impl(key), jax.random.key_data(key)
+    if sharding is not None:  # the same values on every process, as arrays over the mesh
+
+        def replicate(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        cache, key = jax.tree.map(replicate, (cache, key))
+
+    @functools.partial(jax.jit, **({} if sharding is None else {"out_shardings": sharding}))
     def run(params, cache, key):
+        key = jax.random.wrap_key_data(key, impl=impl)
         def body(carry, position):
             cache, tokens, key = carry
             logits, cache = step(params, cache, tokens, position)

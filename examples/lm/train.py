@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
@@ -35,36 +34,14 @@ from tqdm import tqdm
 from lm import data
 from lm.checkpoint import Checkpoints, committed_steps
 from lm.common import LanguageModel, Params
-from lm.config import Config, ConfigError, Launch, from_json, parse_mesh, resume_conflicts, to_json
+from lm.config import Config, ConfigError, from_json, parse_mesh, resume_conflicts, to_json
+from lm.distributed import Preemption, agree, check_shared_out, is_primary, same_config, start_distributed, sync
 from lm.sampling import generate
 
 # What a run writes into its out folder; a folder holding any of them is a used one.
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints")
 # Dense bfloat16 peak FLOP/s (SXM parts) by device kind; --peak-tflops covers the rest.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
-
-
-def start_distributed(launch: Launch) -> None:
-    """Joins the multi-process run that `launch` describes; call it before anything touches a device.
-
-    Without explicit values `jax.distributed.initialize()` reads the cluster's own variables (SLURM, Open MPI,
-    Kubernetes, ...). On CPUs the processes talk through gloo (GPUs use NCCL whatever this says).
-    """
-    if not launch.distributed:
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(launch.coordinator_address, launch.num_processes, launch.process_id)
-
-
-def is_primary() -> bool:
-    """Whether this process prints and writes the run's files: process 0 of a multi-process run."""
-    return jax.process_index() == 0
-
-
-def sync(name: str) -> None:
-    """Waits until every process of a multi-process run gets here."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 def build_model(config: Config, key: jax.Array) -> LanguageModel:
@@ -109,12 +86,23 @@ def make_mesh(config: Config) -> jax.sharding.Mesh | None:
     """The mesh of `config.mesh` (axes "data", "seq", "model", outermost first as `parse_mesh` orders them), or
     None to run on the default device."""
     if config.mesh is None:
+        if jax.process_count() > 1:  # each process would train a model of its own on its own devices
+            raise ConfigError(
+                "mesh", f"a run of {jax.process_count()} processes needs --mesh over their {len(jax.devices())} "
+                f"devices (for example --mesh data={len(jax.devices())}).",
+            )
         return None
     axes = parse_mesh(config.mesh)
     size = axes["data"] * axes["seq"] * axes["model"]
     if size > len(jax.devices()):
         where = "this machine has" if jax.process_count() == 1 else f"the {jax.process_count()} processes have"
         raise ConfigError("mesh", f"mesh={config.mesh!r} needs {size} devices, {where} {len(jax.devices())}.")
+    if jax.process_count() > 1 and size != len(jax.devices()):
+        # A smaller mesh would leave out the devices of the last processes, which then have nothing to run.
+        raise ConfigError(
+            "mesh", f"mesh={config.mesh!r} has {size} devices; a run of {jax.process_count()} processes needs all "
+            f"{len(jax.devices())} of theirs (for example --mesh data={len(jax.devices())}).",
+        )
     if config.batch_size % axes["data"]:
         message = f"batch_size={config.batch_size} must be a multiple of the data axis, {axes['data']}."
         raise ConfigError("batch_size", message)
@@ -307,6 +295,15 @@ def _check_writable(out: Path) -> None:
         raise ConfigError("out", f"cannot write to {out}: {error.strerror or error} ({existing}).") from None
 
 
+def check_backend(config: Config) -> None:
+    """Raises ConfigError for an attention impl that this machine's devices cannot run."""
+    if config.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            "attention", f"attention='cudnn' needs an NVIDIA GPU; this run's devices are {jax.default_backend()} "
+            "(use auto, pallas, flex or xla).",
+        )
+
+
 def load_data(config: Config) -> tuple[np.ndarray, np.ndarray]:
     """`data.load_tokens`, its failures as the ConfigError of the field to change."""
     try:
@@ -318,6 +315,21 @@ def load_data(config: Config) -> tuple[np.ndarray, np.ndarray]:
             message = f"the {split} split has {len(tokens)} tokens, too few for seq_len={config.seq_len}."
             raise ConfigError("seq_len", message)
     return train_tokens, val_tokens
+
+
+def _restore_rows(rows: list[dict], saved: list[dict] | None, start: int) -> tuple[list[dict], str | None]:
+    """The metrics rows up to step `start` of a resumed run: those of metrics.jsonl (`rows`), with the rows that
+    the checkpoint of `start` saved (`saved`; None for a checkpoint without them) where metrics.jsonl lost
+    them, and a line naming the steps restored."""
+    if saved is None:
+        return rows, None
+    have = {row["step"] for row in rows if row["step"] <= start}
+    missing = [row for row in saved if row["step"] not in have]
+    if not missing:
+        return rows, None
+    merged = sorted([row for row in rows if row["step"] <= start] + missing, key=lambda row: row["step"])
+    steps = ", ".join(str(row["step"]) for row in missing)
+    return merged, f"metrics.jsonl lacked the rows of steps {steps}: restored them from the checkpoint of step {start}"
 
 
 def _first_non_finite(losses: list, last_step: int) -> tuple[int, float] | None:
@@ -335,13 +347,25 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
     raise `ConfigError` and leave the folder as it was. A loss that turns NaN or infinite stops the run with
     `NonFiniteLoss`; its row is not written, and the checkpoints of the weights that gave it are deleted.
     `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
-    testing `resume`. In a multi-process run every process calls this with the same config.
+    testing `resume`. In a multi-process run every process calls this with the same config (checked: a
+    ConfigError names the flag that differs); a check that fails on any process raises on every process,
+    and the out folder must be one that all of them share. A TERM signal stops the run after a step that
+    every process agrees on, with a checkpoint of that step (`Preemption`); it then returns the rows so far.
     """
-    out = check_out(config)
-    rows, note = Metrics.read_for_resume(out / "metrics.jsonl") if config.resume else ([], None)
-    train_tokens, val_tokens = load_data(config)
+    # Every process checks, then all agree: one that fails alone would leave the others waiting for it.
+    same_config(config)
+    failure = None
+    try:
+        out = check_out(config)
+        rows, note = Metrics.read_for_resume(out / "metrics.jsonl") if config.resume else ([], None)
+        train_tokens, val_tokens = load_data(config)
+        mesh = make_mesh(config)
+        check_backend(config)
+    except ConfigError as error:
+        failure = error
+    agree(failure)
+    check_shared_out(out)
     val_starts = data.validation_starts(val_tokens, config)
-    mesh = make_mesh(config)
     model = build_model(config, jax.random.key(config.seed))
     optimizer = make_optimizer(config)
     num_params = sum(x.size for x in jax.tree.leaves(model.params))
@@ -388,14 +412,16 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     "with --overwrite.",
                 )
             start, params, opt_state = restored
-            pending_losses = checkpoints.pending_losses(start)
+            pending_losses, saved_rows = checkpoints.progress(start)
+            rows, restored_note = _restore_rows(rows, saved_rows, start)
             if skipped:  # orbax saves no step at or below its latest: the broken ones must go
                 checkpoints.drop_from(start + 1)
                 say(f"resumed from step {start}, the newest checkpoint that restores; deleted the newer ones")
             else:
                 say(f"resumed from step {start}")
-            if note is not None:
-                say(note)
+            for line in (note, restored_note):
+                if line is not None:
+                    say(line)
         # resume and overwrite are what this command did, not part of the run: a later --config of this file
         # must not delete the folder.
         if primary:
@@ -424,6 +450,8 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
         )
         # Since the last metrics row; a resumed run starts with the losses its checkpoint kept of them.
         losses, timer, timed_steps = list(pending_losses), None, 0
+        stopped = None  # the step after which a TERM stopped the run
+        preemption = Preemption().install()
         try:
             for step in range(start + 1, last + 1):
                 batch = shardings.feed(train_tokens, data.train_starts(train_tokens, config, step), config.seq_len)
@@ -462,26 +490,41 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                         bar.write(f"step {step}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}")
                     losses, timer, timed_steps = [], time.perf_counter(), 0
                 if is_checkpoint:
-                    checkpoints.save(step, params, opt_state, jax.device_get(losses))
+                    checkpoints.save(step, params, opt_state, jax.device_get(losses), list(metrics.rows))
+                if preemption.reached(step):  # every process gets True at the same step
+                    if not is_checkpoint:
+                        bad = _first_non_finite(losses, step)
+                        if bad is not None:
+                            raise stop(bad[0], "train", bad[1], bad_weights=bad[0] - 1)
+                        checkpoints.save(step, params, opt_state, jax.device_get(losses), list(metrics.rows))
+                    stopped = step
+                    break
         finally:
+            preemption.restore()
             bar.close()
-            checkpoints.close()
+            checkpoints.close()  # waits for the saves in flight
+        if stopped is not None:
+            say(f"stopped by a TERM signal after step {stopped}, saved in {out / 'checkpoints' / str(stopped)}: run "
+                "the same command with --resume to continue")
+            return metrics.rows
 
-        if last == config.steps and config.num_samples:
-            # Every process takes part in gathering the weights; process 0 samples from them.
-            replicated = None if mesh is None else NamedSharding(mesh, P())
-            params = jax.device_get(params if mesh is None else jax.jit(lambda p: p, out_shardings=replicated)(params))
+
+    samples = None
+    if last == config.steps and config.num_samples:
+        # Every process takes part, on the params as they are sharded (none gathers the model); every one
+        # gets the sampled bytes, and process 0 writes them. Outside the mesh context: the decode step's
+        # attention is not split by shard_heads (the samples need not divide the data axis).
+        samples = generate(
+            model, compute_params(params, config), config.sample_prompt.encode(),
+            config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
+            key=jax.random.key(config.seed), sharding=None if mesh is None else NamedSharding(mesh, P()),
+        )
 
     if last < config.steps or not primary:
         return metrics.rows
     plot_losses(metrics.rows, out / "loss.png", f"{config.framework}, attention={config.attention}")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'} and {out / 'checkpoints'}")
-    if config.num_samples:
-        samples = generate(
-            model, compute_params(params, config), config.sample_prompt.encode(),
-            config.sample_tokens, num_samples=config.num_samples, temperature=config.temperature,
-            key=jax.random.key(config.seed),
-        )
+    if samples is not None:
         text = "".join(f"--- sample {i} ---\n{s.decode('utf-8', errors='replace')}\n" for i, s in enumerate(samples))
         (out / "samples.txt").write_text(text)
         print(text, end="")

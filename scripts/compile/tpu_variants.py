@@ -76,7 +76,7 @@ def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024) -> TpuVariant:
     """fwd+bwd with a dense additive bias `[1, N, T, S]` that gets a gradient (an argument, not a constant)."""
     from probjax_kernels import FlashConfig, flash_attention
 
-    dt = gpu_variants._DTYPES[dtype]
+    dt = gpu_variants.dtype_of(dtype)
 
     def build():
         specs = [_spec((B, q_len, N, head_dim), dt)] * 3 + [_spec((1, N, q_len, q_len), jnp.float32)]
