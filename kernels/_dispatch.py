@@ -150,9 +150,10 @@ def default_config(
     backend = config.backend or default_backend()
     if backend in tpu.TPU_BACKENDS:
         return _tpu_config(config, backend, q_len, kv_len)
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     if backend == "interpret":
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = 128, 128, 128, 128, 128, 128, 4, 2
-    elif dtype is not None and jnp.dtype(dtype) == jnp.float32:
+    elif float32:
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles_float32(head_dim)
     else:
         large = backend in ("mosaic", "mosaic_interpret") or smem_per_block() >= _LARGE_SMEM
@@ -161,9 +162,11 @@ def default_config(
     def pick(value: int | None, default: int, seq_len: int) -> int:
         return value if value is not None else _fit_block(default, seq_len)
 
-    if backend in ("mosaic", "mosaic_interpret"):
+    if backend == "mosaic_interpret" or (backend == "mosaic" and not float32):
         # The Mosaic forward's CTA: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
-        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles.
+        # dim 256, for shared memory), a 2-slot K/V ring. The backward keeps the Triton tiles. float32 inputs
+        # run on the Triton kernels (the Mosaic ones take 16-bit), so they keep the float32 Triton tiles: the
+        # Mosaic forward's 128 x 128 needed 262,144 B of shared memory there (sm_90a has 232,448).
         fwd_q, fwd_k, stages = 128, 128 if head_dim <= 128 else 64, 2
     return FlashConfig(
         block_q=pick(config.block_q, fwd_q, q_len),
@@ -222,8 +225,10 @@ def tangent_config(
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
     the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
-    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86.
-    Interpret mode keeps `config`."""
+    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86. Where
+    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
+    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
+    captured table (a relative bias). Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
     float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
@@ -231,6 +236,8 @@ def tangent_config(
     block_q = config.block_q
     if not tables and (float32 or head_dim > 128):
         block_q = min(block_q, 16 if float32 else 32)
+    elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
+        block_q = min(block_q, 64)
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8))
 
@@ -357,16 +364,48 @@ def hook_shapes(config: FlashConfig) -> list[tuple]:
         shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
 
+
+
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse[, row max]) of the padded inputs, by the Mosaic GPU forward where it takes the call, else
-    Triton; on the TPU backends by the Mosaic TPU forward, or the XLA path where it cannot take the call."""
+    Triton (`triton_fallback_config`'s tiles on backend "mosaic"); on the TPU backends by the Mosaic TPU
+    forward, or the XLA path where it cannot take the call."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
             return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
         return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
-    return triton_forward.forward(problem, q, k, v, q_len, kv_len, optional)
+    config = triton_fallback_config(problem.config, max(q.shape[3], v.shape[3]))
+    return triton_forward.forward(_retiled(problem, config), q, k, v, q_len, kv_len, optional)
+
+
+def triton_fallback_config(config: FlashConfig, head_dim: int) -> FlashConfig:
+    """The Triton forward's tiles for a call backend "mosaic" runs on Triton (what the Mosaic forward lacks,
+    `_mosaic_takes`): at most the Triton forward's own tiles for the head dim on a large-shared-memory GPU.
+    The Mosaic forward's 128 x 128 CTA holds 229,376 B of shared memory in the Triton forward at head dim 128
+    and spilled 32 B with a relative-bias table on sm_90a (docs/perf-notes.md). Halving a power-of-two tile
+    keeps it a divisor of the padded lengths and of every block table's block ("mosaic_interpret" takes the
+    same tiles, so the CPU tests run this path). Other backends keep `config`."""
+    if config.backend not in ("mosaic", "mosaic_interpret"):
+        return config
+    block_q, block_k = _triton_tiles(head_dim, large_smem=True)[:2]
+    return dataclasses.replace(config, block_q=min(config.block_q, block_q), block_k=min(config.block_k, block_k))
+
+
+def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
+    """`problem` on `config`'s tiles, its hooks traced at the new forward tile too (`_chunked._prepare_hooks`
+    traced them at the tiles of `hook_shapes`)."""
+    if config == problem.config:
+        return problem
+    f = problem.features
+    rows, cols = (config.block_q, 1), (1, config.block_k)
+    indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
+    if f.score_mod is not None:
+        f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
+    if f.mask_mod is not None:
+        f.mask_mod.prepare(*indices)
+    return dataclasses.replace(problem, config=config)
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
@@ -395,14 +434,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
-    if config != problem.config:  # trace the hooks at the tangent's tile too (`_chunked._prepare_hooks`)
-        rows, cols = (config.block_q, 1), (1, config.block_k)
-        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
-        if f.score_mod is not None:
-            f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
-        if f.mask_mod is not None:
-            f.mask_mod.prepare(*indices)
-        problem = dataclasses.replace(problem, config=config)
+    problem = _retiled(problem, config)
     return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
 
 

@@ -1,24 +1,61 @@
 #!/usr/bin/env bash
-# The compile check that needs no accelerator: install (or reuse) the pinned toolchain
-# (scripts/compile/gpu_toolchain.sh), compile
-# every kernel variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton,
-# Mosaic GPU and ptxas, write docs/compile/report.json and docs/compile/index.md, and fail on a compile
-# error, a spill, shared memory over a target's limit, or a Hopper kernel without wgmma / TMA where expected;
-# then the TPU pod-slice check (below).
-# Usage: bash scripts/compile_check.sh [scripts/compile/report.py run options, e.g. --only REGEX --targets sm86_rtx3090]
+# The compile check that needs no accelerator, in two parts; it fails if either fails.
+# - GPU: install (or reuse) the pinned toolchain (scripts/compile/gpu_toolchain.sh), compile every kernel
+#   variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton, Mosaic GPU and
+#   ptxas, write docs/compile/report.json and docs/compile/index.md, and fail closed: on a variant of the
+#   registry (scripts/compile/variants.py) missing or without its kernels, a compile error, a spill, shared
+#   memory over a target's limit, or the tensor-core / copy instructions the report requires.
+# - TPU: install (or reuse) the pinned jax[tpu] toolchain (scripts/compile/tpu_toolchain.sh), compile every
+#   Mosaic TPU kernel variant for v5e, v5p and v6e (v4 shown) through libtpu, write the `tpu` section of
+#   docs/compile/report.json and docs/compile/tpu.md, and fail on a compile error, VMEM over a generation's
+#   scoped limit, a variant that should be a Mosaic TPU kernel compiling without its tpu_custom_call (or a
+#   fallback that became one), superlinear HBM growth, or a missing (generation, variant) pair; then compile
+#   the LM example for TPU pod slices (scripts/compile/tpu_slices.sh) and fail on a compile error, HBM over a
+#   chip's capacity, superlinear temporaries or a ring that all-gathers.
+# Usage: bash scripts/compile_check.sh [--part gpu|tpu|all] [--out FILE] [--page FILE]
+#            [--tpu-only REGEX] [--tpu-targets tpu_v5e,...] [other scripts/compile/report.py run options,
+#            e.g. --only REGEX --targets sm86_rtx3090, which go to the GPU part]
+# --page names the GPU page; the TPU page is tpu.md beside it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if ! toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
-    echo "compile_check.sh: FAIL: the GPU toolchain did not install (scripts/compile/gpu_toolchain.sh; it needs PyPI)" >&2
-    exit 1
-fi
+part=all
+gpu_args=()
+tpu_args=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --part) part="$2"; shift 2 ;;
+        --out) gpu_args+=(--out "$2"); tpu_args+=(--out "$2"); shift 2 ;;
+        --page) gpu_args+=(--page "$2"); tpu_args+=(--page "$(dirname "$2")/tpu.md"); shift 2 ;;
+        --tpu-only) tpu_args+=(--only "$2"); shift 2 ;;
+        --tpu-targets) tpu_args+=(--targets "$2"); shift 2 ;;
+        *) gpu_args+=("$1"); shift ;;
+    esac
+done
 status=0
-"$toolchain/venv/bin/python" scripts/compile/report.py run --toolchain "$toolchain" "$@" || status=1
-# TPU pod slices: the LM example's training step and generation compiled for v5e / v5p / v6e slices
-# (scripts/compile/tpu_slices.sh; docs/tpu.md "Pod slices"). PROBJAX_TPU_SLICES_ARGS: its options
-# (.ci/run writes its report to a temporary folder); PROBJAX_SKIP_TPU_SLICES=1 leaves it out.
-if [[ "${PROBJAX_SKIP_TPU_SLICES:-0}" != 1 ]]; then
-    # shellcheck disable=SC2086
-    bash scripts/compile/tpu_slices.sh ${PROBJAX_TPU_SLICES_ARGS:-} || status=1
+if [[ "$part" != tpu ]]; then
+    if ! toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
+        echo "compile_check.sh: FAIL: the GPU toolchain did not install (scripts/compile/gpu_toolchain.sh; it needs PyPI)" >&2
+        status=1
+    elif ! "$toolchain/venv/bin/python" scripts/compile/report.py run --toolchain "$toolchain" ${gpu_args[@]+"${gpu_args[@]}"}; then
+        echo "compile_check.sh: FAIL: the GPU compile report (scripts/compile/report.py)" >&2
+        status=1
+    fi
 fi
-exit "$status"
+if [[ "$part" != gpu ]]; then
+    if ! toolchain="$(bash scripts/compile/tpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
+        echo "compile_check.sh: FAIL: the TPU toolchain did not install (scripts/compile/tpu_toolchain.sh; it needs PyPI)" >&2
+        status=1
+    elif ! "$toolchain/venv/bin/python" scripts/compile/tpu_report.py run --toolchain "$toolchain" ${tpu_args[@]+"${tpu_args[@]}"}; then
+        echo "compile_check.sh: FAIL: the TPU compile report (scripts/compile/tpu_report.py)" >&2
+        status=1
+    fi
+    # The LM example compiled for TPU pod slices (scripts/compile/tpu_slices.sh; docs/tpu.md "Pod slices").
+    # PROBJAX_TPU_SLICES_ARGS: its options (.ci/run sends its JSON to a temporary folder);
+    # PROBJAX_SKIP_TPU_SLICES=1 leaves it out.
+    # shellcheck disable=SC2086
+    if [[ "${PROBJAX_SKIP_TPU_SLICES:-0}" != 1 ]] && ! bash scripts/compile/tpu_slices.sh ${PROBJAX_TPU_SLICES_ARGS:-}; then
+        echo "compile_check.sh: FAIL: the TPU pod-slice check (scripts/compile/tpu_slices.sh)" >&2
+        status=1
+    fi
+fi
+exit $status

@@ -1,10 +1,13 @@
-"""`default_config` never picks a configuration the committed compile report (docs/compile/report.json,
-written by `bash scripts/compile_check.sh`) marks failing, on any of its targets: the GPU is faked by its compute
+"""The compile report's check (scripts/compile/report.py) fails closed, proved by feeding it broken reports;
+and `default_config` never picks a configuration the committed report (docs/compile/report.json, written by
+`bash scripts/compile_check.sh`) marks failing, on any of its targets: the GPU is faked by its compute
 capability, the way `default_config` reads it from `jax.default_device`."""
 
+import copy
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -13,7 +16,12 @@ import pytest
 
 from probjax_kernels import FlashConfig, _dispatch, default_config
 
-REPORT = json.loads((Path(__file__).resolve().parent.parent / "docs" / "compile" / "report.json").read_text())
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "compile"))
+import report as compile_report  # noqa: E402 - scripts/compile/report.py: the check and its registry
+import variants as registry  # noqa: E402
+
+REPORT = json.loads((ROOT / "docs" / "compile" / "report.json").read_text())
 TARGETS = REPORT["targets"]
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
@@ -46,10 +54,6 @@ def test_every_reported_variant_is_the_default_and_passes(target, monkeypatch):
     monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
     rows = [r for r in REPORT["rows"] if r["target"] == target and r["group"] in ("triton", "mosaic", "control")]
     assert rows
-    # The report's one OPEN variant (flex with a relative-bias table at head dim 128) fails and is listed as
-    # open on its page; everything else must pass.
-    assert {r["variant"] for r in rows if r["open"]} <= {"flex_grad_d128_bf16_relative_bias"}
-    rows = [r for r in rows if not r["open"]]
     for row in rows:
         head_dim = max(row["head_dim"], row["value_dim"] or 0)
         picked = default_config(FlashConfig(backend=row["backend"]), q_len=row["q_len"], kv_len=row["kv_len"],
@@ -65,8 +69,7 @@ def test_default_tiles_on_the_seed_grid_are_reported_passing(target, head_dim, m
     at that head dim (tiles do not depend on the length beyond shrinking to short sequences)."""
     monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
     passing = [r["config"] for r in REPORT["rows"] if r["target"] == target and r["head_dim"] == head_dim
-               and r["group"] in ("triton", "control") and r["value_dim"] is None and not _failures(r)
-               and not r["open"]]
+               and r["group"] in ("triton", "control") and r["value_dim"] is None and not _failures(r)]
     assert passing
     for seq in (600, 1024, 1500, 2048, 3000, 4096, 8192):
         picked = _tiles(default_config(FlashConfig(backend="triton"), q_len=seq, kv_len=seq, head_dim=head_dim))
@@ -89,6 +92,206 @@ def test_tangent_tiles_shrink_the_key_tile_only_on_a_gpu(monkeypatch):
     # The dtype as default_config takes it: float32 (FMA dots) shrinks the query tile at head dim 128 too.
     config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
     assert _dispatch.tangent_config(config, 128, dtype=jnp.float32).block_q == 16
-    assert _dispatch.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == config.block_q
+    # 16-bit: at most 64 on this 99 KB GPU (test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128).
+    assert _dispatch.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == min(config.block_q, 64)
     interpret = default_config(FlashConfig(backend="interpret"), q_len=1024, kv_len=1024, head_dim=256)
     assert _dispatch.tangent_config(interpret, 256) == interpret
+
+
+# ------------------------------------------------------------------------------------- the check, fail-closed
+
+
+def _kernel(name: str, target: str, dtype: str) -> dict:
+    """A kernel row that passes every check: no spill, small shared memory, wgmma on Hopper, mma.sync and
+    cp.async elsewhere, TMA in Mosaic kernels; float32 kernels use no tensor cores."""
+    hopper = target == "sm90a_h100"
+    mma = 0 if dtype == "f32" else 24
+    return dict(kernel=name, lowering="mosaic" if name.startswith("probjax_mosaic") else "triton", registers=128,
+                threads=256, smem=49_152, spill_stores=0, spill_loads=0, stack=0, HGMMA=mma if hopper else 0,
+                HMMA=0 if hopper else mma, UTMALDG=8 if name.startswith("probjax_mosaic") else 0, LDGSTS=16)
+
+
+def _clean_report() -> dict:
+    """A report of every (target, variant) pair of the registry, each with exactly its required kernels."""
+    rows = []
+    for target, v in compile_report.expected():
+        rows.append(dict(variant=v.name, group=v.group, target=target, head_dim=v.head_dim, value_dim=v.value_dim,
+                         dtype=v.dtype, mode=v.mode, backend=v.backend, q_len=v.q_len, kv_len=v.kv_len,
+                         status="ok", config={"num_stages": 2}, compile_s=1.0,
+                         kernels=[_kernel(k, target, v.dtype) for k in v.requires]))
+    return dict(targets=list(compile_report.TARGETS), rows=rows)
+
+
+@pytest.fixture(scope="module")
+def clean():
+    return _clean_report()
+
+
+def _row(report: dict, target: str, variant: str) -> dict:
+    return next(r for r in report["rows"] if r["target"] == target and r["variant"] == variant)
+
+
+def test_a_complete_clean_report_passes(clean):
+    assert compile_report.problems(clean) == []
+
+
+@pytest.mark.parametrize("drop", ["everything", "sm86_rtx3090", "decode", "mosaic"])
+def test_missing_rows_fail(clean, drop):
+    """An empty report, one without a target's rows or without a group's (decode, Mosaic) fails, naming each
+    missing pair."""
+    broken = dict(clean, rows=[r for r in clean["rows"] if drop != "everything" and drop not in (r["target"], r["group"])])
+    found = compile_report.problems(broken)
+    missing = {(r["target"], r["variant"]) for r in clean["rows"]} - {(r["target"], r["variant"]) for r in broken["rows"]}
+    assert missing and len([p for p in found if "missing from the report" in p]) == len(missing)
+
+
+def test_an_empty_expected_set_fails(clean):
+    """--only matching nothing checks nothing: that fails instead of passing."""
+    assert compile_report.problems(clean, only="^NOTHING$")
+    assert compile_report.problems(clean, only="^flash_grad_d128_bf16_causal$") == []
+    assert compile_report.problems(dict(clean, rows=[]), only="^flash_grad_d128_bf16_causal$")
+
+
+@pytest.mark.parametrize("kernel", [registry.DKV, registry.DQ, registry.FORWARD])
+def test_a_missing_kernel_fails(clean, kernel):
+    broken = copy.deepcopy(clean)
+    row = _row(broken, "sm86_rtx3090", "flash_grad_d128_bf16_causal")
+    row["kernels"] = [k for k in row["kernels"] if k["kernel"] != kernel]
+    assert any("missing kernel" in p and kernel in p for p in compile_report.problems(broken))
+
+
+def test_tangent_and_decode_kernels_are_required(clean):
+    for target, variant, kernel in (("sm80_a100", "flash_jvp_d128_bf16_causal", registry.TANGENT),
+                                    ("sm90a_h100", "decode_d128_bf16_cache8192_gqa8to2", registry.DECODE)):
+        broken = copy.deepcopy(clean)
+        row = _row(broken, target, variant)
+        row["kernels"] = [k for k in row["kernels"] if k["kernel"] != kernel]
+        assert any("missing kernel" in p and kernel in p for p in compile_report.problems(broken))
+
+
+def test_a_variant_that_raised_while_built_fails(clean):
+    broken = copy.deepcopy(clean)
+    row = _row(broken, "sm90a_h100", "decode_d64_bf16_cache8192_gqa8to2")
+    row.update(status="error", error="ImportError: cannot import name 'DecodeConfig'", kernels=[])
+    assert any("compile error" in p and "DecodeConfig" in p for p in compile_report.problems(broken))
+
+
+def test_a_mosaic_variant_on_triton_kernels_fails(clean):
+    """`_mosaic_takes` returning False puts a Mosaic call on the Triton kernels: the required probjax_mosaic_*
+    kernels are missing and the Triton ones unexpected."""
+    broken = copy.deepcopy(clean)
+    row = _row(broken, "sm90a_h100", "mosaic_grad_d128_bf16_causal")
+    row["kernels"] = [_kernel(k, "sm90a_h100", "bf16") for k in (registry.FORWARD, registry.DQ, registry.DKV)]
+    found = " ".join(compile_report.problems(broken))
+    assert registry.MOSAIC_FORWARD in found and "does not expect" in found
+
+
+def test_a_row_the_registry_lacks_and_a_duplicate_fail(clean):
+    broken = copy.deepcopy(clean)
+    broken["rows"].append(dict(broken["rows"][0], variant="flash_grad_d96_bf16_full"))
+    broken["rows"].append(copy.deepcopy(broken["rows"][1]))
+    found = compile_report.problems(broken)
+    assert any("not in the registry" in p for p in found) and any("twice" in p for p in found)
+
+
+def test_spills_fail_outside_their_capped_entries(clean, monkeypatch):
+    broken = copy.deepcopy(clean)
+    kernel = _row(broken, "sm90a_h100", "flash_grad_d128_bf16_window")["kernels"][0]
+    kernel.update(spill_stores=40, spill_loads=40)
+    assert any("spills 40 B" in p for p in compile_report.problems(broken))
+    # An entry is one kernel, on one target, in one variant: it covers nothing else, and caps its bytes.
+    monkeypatch.setitem(compile_report.SPILLS, (kernel["kernel"], "sm90a_h100", "flash_grad_d128_bf16_window"),
+                        (44, 44, "why"))
+    assert compile_report.problems(broken) == []
+    kernel.update(spill_stores=48)
+    assert any("spills 48 B" in p for p in compile_report.problems(broken))
+    kernel.update(spill_stores=40)
+    _row(broken, "sm80_a100", "flash_grad_d128_bf16_window")["kernels"][0].update(spill_stores=8)
+    assert any("sm80_a100" in p and "spills 8 B" in p for p in compile_report.problems(broken))
+
+
+def test_shared_memory_over_the_target_fails(clean):
+    broken = copy.deepcopy(clean)
+    _row(broken, "sm86_rtx3090", "flash_grad_d128_bf16_full")["kernels"][2]["smem"] = 200_000
+    assert any("shared memory over" in p for p in compile_report.problems(broken))
+
+
+def test_hopper_kernels_must_be_mostly_wgmma(clean):
+    """The sm_90a dK/dV at head dim 64 with most of its matmuls on mma.sync fails; a Mosaic kernel without
+    TMA fails."""
+    broken = copy.deepcopy(clean)
+    dkv = next(k for k in _row(broken, "sm90a_h100", "flash_grad_d64_bf16_full")["kernels"]
+               if k["kernel"] == registry.DKV)
+    dkv.update(HGMMA=12, HMMA=96)
+    assert any("wgmma share 0.11" in p for p in compile_report.problems(broken))
+    dkv.update(HGMMA=96, HMMA=12)
+    mosaic = _row(broken, "sm90a_h100", "mosaic_grad_d64_bf16_full")["kernels"][0]
+    mosaic["UTMALDG"] = 0
+    assert any("without TMA" in p for p in compile_report.problems(broken))
+
+
+def test_ampere_kernels_use_mma_and_cp_async(clean):
+    broken = copy.deepcopy(clean)
+    kernel = _row(broken, "sm86_rtx3090", "flash_grad_d64_bf16_full")["kernels"][0]
+    kernel.update(HMMA=0)
+    assert any("without mma.sync" in p for p in compile_report.problems(broken))
+    kernel.update(HMMA=24, LDGSTS=0)
+    assert any("without cp.async" in p for p in compile_report.problems(broken))
+
+
+def test_check_cli_exit_status(clean, tmp_path):
+    """`report.py check FILE` exits 1 on an empty report and 0 on a clean one."""
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(dict(clean, rows=[])))
+    assert compile_report.check(path) == 1
+    path.write_text(json.dumps(clean))
+    assert compile_report.check(path) == 0
+
+
+def test_the_registry_covers_the_dispatch_grid():
+    """Each backend x dtype x head dim x mode, and each feature at head dim 128, is a variant; a Mosaic call
+    requires the Mosaic kernels exactly where the dispatch rules send it to them."""
+    names = {v.name: v for v in registry.variants()}
+    for prefix, backend in (("flash", "triton"), ("mosaic", "mosaic")):
+        for dtype in ("bf16", "f32"):
+            for d in (64, 128, 256):
+                for mode, feature in (("grad", "full"), ("grad", "causal"), ("jvp", "causal")):
+                    # backend "mosaic": jvp at head dim 128 (the tangent kernel's tiles are backend "triton"'s)
+                    if backend == "triton" or mode == "grad" or d == 128:
+                        assert f"{prefix}_{mode}_d{d}_{dtype}_{feature}" in names
+            if backend == "mosaic" and dtype == "f32":
+                continue  # falls back as a whole at backend "triton"'s float32 tiles (the test below)
+            for hook in registry.FLEX_HOOKS:
+                assert f"{prefix.replace('flash', '')}{'_' if backend == 'mosaic' else ''}flex_grad_d128_{dtype}_{hook}" \
+                    in names
+    assert set(names["mosaic_grad_d128_bf16_causal"].requires) == {
+        registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DKV}
+    assert set(names["mosaic_grad_d256_bf16_causal"].requires) == {registry.MOSAIC_FORWARD, registry.DQ, registry.DKV}
+    assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
+    assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
+        registry.FORWARD, registry.DQ, registry.DKV}
+    assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER
+    assert any(name.startswith("decode_") for name in names)
+
+
+def test_float32_on_the_mosaic_backend_keeps_the_float32_triton_tiles(monkeypatch):
+    """float32 runs on the Triton kernels on backend "mosaic" too: it gets the float32 Triton tiles, not the
+    Mosaic forward's 128 x 128 (which needed 262,144 B of shared memory on sm_90a's 232,448)."""
+    monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu("sm90a_h100"))
+    for head_dim in (64, 128, 256):
+        mosaic, triton = (default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                         dtype=jnp.float32) for backend in ("mosaic", "triton"))
+        assert _tiles(mosaic) == _tiles(triton)
+    bf16 = default_config(FlashConfig(backend="mosaic"), q_len=1024, kv_len=1024, head_dim=128, dtype=jnp.bfloat16)
+    assert (bf16.block_q, bf16.block_k) == (128, 128)
+
+
+def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):
+    """sm_86: the tangent's 128 x 32 tile with a relative-bias table needed 114,688 B of shared memory (101,376
+    available): the query tile is 64 there without block tables; sm_90a keeps 128."""
+    for target, block_q in (("sm86_rtx3090", 64), ("sm90a_h100", 128)):
+        monkeypatch.setattr(_dispatch, "target_device", lambda target=target: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
+        tangent = _dispatch.tangent_config(config, 128)
+        assert (tangent.block_q, tangent.block_k) == (block_q, 32)
+        assert _dispatch.tangent_config(config, 128, tables=True).block_q == config.block_q

@@ -250,3 +250,18 @@ def test_what_the_mosaic_kernels_lack_runs_the_triton_kernels():
     assert backward_kernels(
         lambda config: lambda *a: jnp.sum(flash_attention(*a, causal=True, config=config).astype(jnp.float32)),
         q, k, wide_v) == "triton"
+
+
+def test_the_triton_fallback_of_the_mosaic_backend_takes_the_triton_forward_tiles():
+    """What backend "mosaic" runs on Triton gets at most the Triton forward's tiles, not the Mosaic forward's
+    128 x 128 (229,376 B of shared memory at head dim 128, and a spill with a relative-bias table); the
+    exactness of those calls is checked above (relative bias, float32, bias, segments, ...)."""
+    from probjax_kernels._dispatch import triton_fallback_config
+
+    mosaic = FlashConfig(block_q=128, block_k=128, block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
+                         num_warps=8, num_stages=2, backend="mosaic")
+    assert dataclasses.astuple(triton_fallback_config(mosaic, 128))[:2] == (128, 64)
+    assert dataclasses.astuple(triton_fallback_config(mosaic, 256))[:2] == (64, 32)
+    assert triton_fallback_config(mosaic, 128).block_q_dkv == 32  # the backward's tiles are kept
+    triton = dataclasses.replace(mosaic, backend="triton")
+    assert triton_fallback_config(triton, 128) == triton

@@ -84,6 +84,28 @@ WRAP
     log "installed"
 fi
 
+# Peers compiled beside ours (tokamax's Triton and Mosaic GPU attention): installed with pip --target into
+# peers/, which the report's workers put at the END of sys.path, so the venv's jax stays the one imported.
+# --no-deps with the pinned list of what tokamax and its imports need (its own requirements would bring in
+# another jax). Not part of the toolchain's hash: a failed install leaves the peers' rows as compile errors
+# (shown, not checked), never the toolchain unusable.
+PEER_PINS="tokamax==0.0.17 einshape==1.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 pydantic==2.14.4"
+PEER_PINS="$PEER_PINS pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"
+PEER_PINS="$PEER_PINS qwix==0.1.8 flax==0.12.12 msgpack==1.2.4 treescope==0.1.10 rich==15.0.0 pyyaml==6.0.4"
+PEER_PINS="$PEER_PINS markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 optax==0.2.8 chex==0.1.92 toolz==1.2.0"
+PEER_PINS="$PEER_PINS tqdm==4.70.1 immutabledict==4.3.1 xprof==2.24.2 tensorboardx==2.6.5"
+peer_stamp="$root/.peers-installed"
+if [[ ! -f "$peer_stamp" || "$(cat "$peer_stamp")" != "$PEER_PINS" ]]; then
+    log "installing the peers into $root/peers: $PEER_PINS"
+    rm -rf "$root/peers"
+    # shellcheck disable=SC2086
+    if "$root/venv/bin/python" -m pip install --quiet --no-deps --target "$root/peers" $PEER_PINS; then
+        echo "$PEER_PINS" >"$peer_stamp"
+    else
+        log "the peers did not install: their rows will show the import error"
+    fi
+fi
+
 log "jax $("$root/venv/bin/python" -c 'import importlib.metadata as m; print(m.version("jax"), "jaxlib", m.version("jaxlib"), "jax-cuda12-plugin", m.version("jax-cuda12-plugin"))')"
 log "ptxas: $("$root/cuda_root/bin/ptxas.real" --version | tail -1)"
 log "nvdisasm: $("$root/cuda_root/bin/nvdisasm" --version | tail -1)"

@@ -1,62 +1,145 @@
-"""docs/compile/index.md from the compile report's JSON (scripts/compile/report.py writes both)."""
+"""docs/compile/index.md from the compile report's JSON (scripts/compile/report.py writes both). Every figure
+and list on the page is read from the report, so the page cannot drift from it."""
 
 from __future__ import annotations
+
+import re
 
 _INTRO = """# Compile report: every kernel, compiled for each GPU without one
 
 `bash scripts/compile_check.sh` installs a pinned toolchain ({toolchain}) outside the repo (cached under
-`~/.cache/probjax-gpu-toolchain`), compiles every kernel variant that `auto` or a default `FlashConfig` picks
+`~/.cache/probjax-gpu-toolchain`), compiles every kernel variant of the registry (`scripts/compile/variants.py`)
 for each target below through XLA, Pallas (Triton and Mosaic GPU) and ptxas, with no GPU (deviceless
 ahead-of-time compilation: `jax.experimental.topologies` with an XLA target config), writes this page and
-`docs/compile/report.json`, and fails on a compile error, a spill, shared memory over the target's limit, a
-Hopper Triton kernel without wgmma where the report expects one, or a Mosaic kernel without TMA or wgmma.
-Every kernel here, Triton and Mosaic GPU alike, went through that pinned ptxas (Mosaic GPU runs the first
-ptxas on PATH, so the driver puts the toolchain's first). CI (`.ci/run`) runs it after the test suite. Last run: {rows} compiles, {kernels} kernels, {wall} s wall
-with {jobs} worker processes.
+`docs/compile/report.json` (the Mosaic TPU kernels have a page of their own: [tpu.md](tpu.md)), and checks them. Every kernel here, Triton and Mosaic GPU alike, went through that
+pinned ptxas (Mosaic GPU runs the first ptxas on PATH, so the driver puts the toolchain's first). CI
+(`.ci/run`) runs it after the test suite. Last run: {rows} compiles ({expected} expected), {kernels} kernels,
+{wall}.
+
+**The registry is the expected set.** It is derived from the dispatch rules (`required_kernels`): every
+call a user reaches through `auto` or a default `FlashConfig` (the Triton kernels on every GPU) and through
+`FlashConfig(backend="mosaic")` / `PROBJAX_MOSAIC=1` (Hopper: the Mosaic GPU kernels where they take the
+call, the Triton ones where they do not), as dtype (bfloat16, float32; float16 once per backend) x head dim
+(64 / 128 / 256) x mode (fwd+bwd, jvp) x feature (causal, a window, GQA, Dv != D, dropout, segment ids with
+lengths, the flex hooks: soft cap, ALiBi, a document mask and a sliding window as BlockMasks, a relative-bias
+table), ragged lengths, seq 8192 beside the peers, and the decode kernel. Each variant names the kernels its
+compile must hold (forward, dQ, dK/dV, tangent, decode; `probjax_mosaic_*` where the Mosaic kernels take the
+call).
+
+**The check fails closed** on: a (target, variant) pair of the registry missing from the report, or a row the
+registry lacks; a variant that raised while being built or failed to compile; a required kernel missing or an
+unexpected one; an empty expected set (`--only` matching nothing); a spill, except the entries listed under
+Result (one per kernel, target and variant, capped within 10 % of its figure); shared memory over the
+target's limit. On Hopper: a Mosaic kernel without TMA or wgmma, and a 16-bit kernel whose matmul
+instructions are less than {min_share:.0%} wgmma (HGMMA / (HGMMA + HMMA)), except the kernels listed below
+with the least share each must keep. On sm_80 / sm_86: a 16-bit kernel without mma.sync (HMMA), or a
+pipelined one (2 stages or more, and decode) without cp.async (LDGSTS). float32 inputs run their dots at
+Precision.HIGHEST, which Triton lowers to FMA: no tensor cores, so they are held to the spill and shared-memory
+checks only.
 
 **What it proves:** each kernel compiles for the target at the tiles `default_config` picks there (the tiles
 below); ptxas's register count and spill bytes, the kernel's dynamic shared memory, the CTAs per SM those
 allow, and which tensor-core / copy instructions the SASS holds. **What it does not prove:** speed (no
 kernel ran; occupancy is an upper bound, not a measurement), correctness on a device (the test suite checks
 the kernels' numbers in Pallas interpret mode on the CPU), or anything about GPUs, ptxas versions or jax
-versions other than those named here. Register and shared-memory figures do not depend on the batch, the
-heads or the sequence length beyond its padded tail, so the grid is deduplicated: B=4, N=8, seq 1024 per
-static configuration, plus the ragged lengths that change the kernel and one seq 8192 control
-(`scripts/compile/variants.py`, where adding a kernel is a few lines).
+versions other than those named here. Tiles do not depend on the batch, the heads or the sequence length
+(beyond shrinking to a sequence shorter than a tile), but registers can: {seq_note}
 
 Columns: **regs** registers per thread; **spill** bytes stored / loaded to local memory; **smem** dynamic
 shared memory per CTA (XLA's launch for Triton, Mosaic GPU's scratch); **CTA/SM r / s** resident CTAs per SM
 that the registers / shared memory allow; **HGMMA** wgmma, **HMMA** mma.sync, **UTMALDG** TMA loads,
-**LDGSTS** cp.async copies, counted in the SASS; **tiles** the FlashConfig the variant compiled
-(fwd q x k, dK/dV q x k, dQ q x k, warps, stages); **s** the whole variant's compile time.
+**LDGSTS** cp.async copies, counted in the SASS; **tiles** the kernel's own tile (q x k, warps, stages: the
+forward's, dQ's, dK/dV's or the tangent's); **s** the whole variant's compile time.
 
-Peers, side by side, shown but not checked (group `peer`): JAX's own Pallas Triton attention
-(`jax.experimental.pallas.ops.gpu.attention.mha`) at its default block sizes (forward 128 x 128, backward
-32 x 32), compiled by the same toolchain at the same shapes. JAX's Mosaic GPU attention and tokamax are not
-in the report yet.
+Peers, side by side, compiled by the same toolchain and shown but not checked (group `peer`): {peers}.
 
-Hopper Triton kernels expected to use no wgmma: {no_wgmma}. float32 inputs use no tensor cores at all (the
-kernels' float32 dots run at Precision.HIGHEST, which Triton lowers to FMA), so they are not held to wgmma.
+Hopper kernels allowed a wgmma share under {min_share:.0%}: {low_share}.
 """
 
 
-def _tiles(config: dict | None) -> str:
+def _tile(config: dict | None, kernel: str) -> str:
+    """The tile a kernel ran on, from the row's config (`tangent` for the tangent kernel)."""
     if not config:
         return ""
-    c = config
-    return (f"{c['block_q']}x{c['block_k']} / {c['block_q_dkv']}x{c['block_k_dkv']} / "
-            f"{c['block_q_dq']}x{c['block_k_dq']} w{c['num_warps']} s{c['num_stages']}")
+    q, k = {"backward_dq": ("block_q_dq", "block_k_dq"), "backward_dkv": ("block_q_dkv", "block_k_dkv")}.get(
+        kernel.removeprefix("probjax_flash_"), ("block_q", "block_k"))
+    return f"{config[q]}x{config[k]} w{config['num_warps']} s{config['num_stages']}"
 
 
-def markdown(report: dict, problems: list[str], open_problems: list[str] = ()) -> str:
+def _config_of(row: dict, kernel: str) -> dict | None:
+    """The config a kernel of the row ran: the tangent's own (`tangent_config`), the Triton forward's on
+    backend "mosaic" (`triton_fallback_config`), else the row's."""
+    if kernel.endswith("_tangent"):
+        return row.get("tangent_config")
+    if kernel == "probjax_flash_forward" and row.get("fallback_config"):
+        return row["fallback_config"]
+    return row.get("config")
+
+
+def seq_note(rows: list[dict]) -> str:
+    """How the registers of the seq 8192 controls differ from the same variant at seq 1024, per target."""
+    by_key = {(r["target"], r["variant"]): r for r in rows}
+    diffs = []
+    for row in rows:
+        if not row["variant"].endswith("_T8192") or row["group"] == "peer":
+            continue
+        short = by_key.get((row["target"], row["variant"].removesuffix("_T8192")))
+        if not short:
+            continue
+        regs = {k["kernel"]: k["registers"] for k in short["kernels"]}
+        for k in row["kernels"]:
+            if regs.get(k["kernel"]) not in (None, k["registers"]):
+                diffs.append(f"{row['target']} {short['variant']} {k['kernel'].removeprefix('probjax_')}: "
+                             f"{regs[k['kernel']]} registers at seq 1024, {k['registers']} at 8192")
+    if not diffs:
+        return "in this report no kernel's registers differ between seq 1024 and 8192."
+    return ("the seq 8192 controls (`*_T8192`) differ from seq 1024 in " + "; ".join(diffs)
+            + " (ptxas schedules the longer loop differently; the tiles are the same).")
+
+
+def _peers(rows: list[dict]) -> str:
+    families = {}
+    for r in (r for r in rows if r["group"] == "peer"):
+        family = re.sub(r"_grad_.*", "", r["variant"])
+        entry = families.setdefault(family, dict(seqs=set(), dims=set(), targets=set(), errors=0))
+        entry["seqs"].add(r["q_len"])
+        entry["dims"].add(r["head_dim"])
+        entry["targets"].add(r["target"])
+        entry["errors"] += r["status"] != "ok"
+    names = {"jax_pallas_mha": "JAX's Pallas Triton attention (`jax.experimental.pallas.ops.gpu.attention.mha`, "
+                               "bf16, its default blocks: forward 128 x 128, backward 32 x 32)",
+             "jax_mosaic_attention": "JAX's Pallas Mosaic GPU attention (`attention_mgpu`, f16, block_q 64, "
+                                     "block_kv 128, 64 x 64 backward; its causal build refuses ptxas 12.8.0-12.9.1)"}
+    if not families:
+        return "none"
+    return "; ".join(
+        f"{names.get(f, f)} at seq {' / '.join(map(str, sorted(e['seqs'])))}, head dim "
+        f"{' / '.join(map(str, sorted(e['dims'])))}, fwd+bwd, on {', '.join(sorted(e['targets']))}"
+        + (f" ({e['errors']} compiles refused or failed, shown below)" if e["errors"] else "")
+        for f, e in sorted(families.items()))
+
+
+def markdown(report: dict, problems: list[str]) -> str:
     rows = report["rows"]
     kernels = sum(len(r["kernels"]) for r in rows)
     toolchain = ", ".join(f"{k} {v}" for k, v in report["toolchain"].items())
-    no_wgmma = "; ".join([f"`{x['kernel']}` at head dim {x['head_dim']} ({x['why']})" for x in report["no_wgmma_ok"]]
-                         + [f"variants matching `{x['variants']}` ({x['why']})"
-                            for x in report.get("no_wgmma_variants", [])])
-    out = [_INTRO.format(toolchain=toolchain, rows=len(rows), kernels=kernels, wall=report["wall_s"],
-                         jobs=report["jobs"], no_wgmma=no_wgmma or "none")]
+    low_share = "; ".join([f"`{x['kernel']}` at head dim {x['head_dim']}: at least {x['least']} ({x['why']})"
+                           for x in report.get("low_wgmma_share", [])]
+                          + [f"variants matching `{x['variants']}` ({x['why']})"
+                             for x in report.get("no_wgmma_variants", [])])
+    wall = (f"{report['wall_s']} s wall with {report['jobs']} worker processes" if not report.get("assembled") else
+            f"assembled from the journal of resumed runs (`--journal`, `--assemble`): {report['wall_s']} s of "
+            f"compile time per worker over {report['jobs']} workers, on a loaded machine")
+    carried = sorted({r["carried_from"] for r in rows if r.get("carried_from")})
+    if carried:
+        wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from the "
+                 f"full run of commit {', '.join(carried)}, whose kernel sources for them are unchanged since (the "
+                 "kernels moved into folders; refactors without figure changes); the others were compiled for this "
+                 "report, and CI compiles every one afresh")
+    out = [_INTRO.format(toolchain=toolchain, rows=len(rows), expected=report.get("expected", len(rows)),
+                         kernels=kernels, wall=wall,
+                         min_share=report.get("min_wgmma_share", 0.5), low_share=low_share or "none",
+                         seq_note=seq_note(rows), peers=_peers(rows))]
     out.append("## Targets\n")
     out.append("| target | arch | device | SMs | smem / block | smem / SM | threads / SM |")
     out.append("|---|---|---|---|---|---|---|")
@@ -69,31 +152,30 @@ def markdown(report: dict, problems: list[str], open_problems: list[str] = ()) -
         out.append(f"**{len(problems)} problems** (CI fails):\n")
         out += [f"- {p}" for p in problems]
     else:
-        out.append("CI passes: outside the open variants and the capped known spills listed below, no compile "
-                   "error, no spill, shared memory within every target's limit, wgmma and TMA where expected.")
-    if open_problems:
-        out.append("\n**Open** (compiled and shown, reported by CI without failing it; "
-                   + "; ".join(f"`{x['variants']}`: {x['why']}" for x in report.get("open", [])) + "):\n")
-        out += [f"- {p}" for p in open_problems]
-    if report.get("known_spills"):
-        out.append("\n**Known spills CI tolerates up to a cap** (the opt-in Mosaic GPU backend only; a larger "
-                   "spill, or one anywhere else, fails):\n")
-        out += [f"- `{x['kernel']}` in variants matching `{x['variants']}`: at most {x['max_stores']} B stored / "
-                f"{x['max_loads']} B loaded; {x['why']}" for x in report["known_spills"]]
-    out.append("\n## Headline per target (worst case over our variants that are not open; peers excluded)\n")
+        out.append("CI passes: every expected variant compiled with its kernels; no compile error, no spill "
+                   "outside the entries below, shared memory within every target's limit, wgmma / TMA / mma / "
+                   "cp.async where required.")
+    spills = report.get("spills", [])
+    if spills:
+        out.append(f"\n**Spills that remain** ({len(spills)}: each one kernel on one target in one variant, "
+                   "capped within 10 % of its figure; a larger spill, or one anywhere else, fails):\n")
+        out += [f"- {x['target']} `{x['variant']}` `{x['kernel']}`: at most {x['max_stores']} B stored / "
+                f"{x['max_loads']} B loaded; {x['why']}" for x in spills]
+    else:
+        out.append("\nNo spill anywhere: the check tolerates none.")
+    out.append("\n## Headline per target (worst case over our variants; peers excluded)\n")
     out.append("| target | compiles | errors | kernels | max regs | spilling kernels | max smem | "
-               "min CTA/SM (regs) | open variants |")
-    out.append("|---|---|---|---|---|---|---|---|---|")
+               "min CTA/SM (regs) |")
+    out.append("|---|---|---|---|---|---|---|---|")
     for name in report["targets"]:
-        mine = [r for r in rows if r["target"] == name and not r.get("open") and r["group"] != "peer"]
-        opened = sum(1 for r in rows if r["target"] == name and r.get("open"))
+        mine = [r for r in rows if r["target"] == name and r["group"] != "peer"]
         ks = [k for r in mine for k in r["kernels"]]
         out.append(
             f"| {name} | {len(mine)} | {sum(r['status'] != 'ok' for r in mine)} | {len(ks)} | "
             f"{max((k['registers'] or 0 for k in ks), default=0)} | "
             f"{sum(bool(k['spill_stores'] or k['spill_loads']) for k in ks)} | "
             f"{max((k['smem'] or 0 for k in ks), default=0):,} | "
-            f"{min((k.get('ctas_by_registers', 99) for k in ks), default=0)} | {opened} |")
+            f"{min((k.get('ctas_by_registers', 99) for k in ks), default=0)} |")
     for name in report["targets"]:
         out.append(f"\n## {name} ({report['limits'][name]['device']}, {report['limits'][name]['arch']})\n")
         out.append("| variant | tiles | kernel | regs | spill | smem | threads | CTA/SM r / s | HGMMA | HMMA | "
@@ -101,15 +183,60 @@ def markdown(report: dict, problems: list[str], open_problems: list[str] = ()) -
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in (r for r in rows if r["target"] == name):
             if r["status"] != "ok":
-                out.append(f"| {r['variant']} | {_tiles(r.get('config'))} | **compile error**: "
+                out.append(f"| {r['variant']} |  | **compile error**: "
                            f"{r.get('error', '')[:120]} |  |  |  |  |  |  |  |  |  | {r['compile_s']} |")
             for k in r["kernels"]:
                 spill = f"{k['spill_stores']} / {k['spill_loads']}"
                 spill = f"**{spill}**" if k["spill_stores"] or k["spill_loads"] else spill
                 occ = f"{k.get('ctas_by_registers', '?')} / {k.get('ctas_by_smem', '?')}"
-                tiles = "Mosaic" if k["lowering"] == "mosaic" else _tiles(r.get("config"))
+                config = _config_of(r, k["kernel"])
+                tiles = "Mosaic" if k["lowering"] == "mosaic" else _tile(config, k["kernel"])
                 out.append(
-                    f"| {r['variant']} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
+                    f"| {r['variant']}{' \u2020' if r.get('carried_from') else ''} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
                     f"{spill} | {k['smem'] if k['smem'] is not None else '?'} | {k['threads']} | {occ} | "
                     f"{k['HGMMA']} | {k['HMMA']} | {k['UTMALDG']} | {k['LDGSTS']} | {r['compile_s']} |")
     return "\n".join(out) + "\n"
+
+
+PERF_BEGIN = "<!-- compile-report figures: generated by scripts/compile/report.py from docs/compile/report.json -->"
+PERF_END = "<!-- end of the generated compile-report figures -->"
+
+
+def perf_figures(report: dict) -> str:
+    """The block of docs/perf-notes.md between `PERF_BEGIN` and `PERF_END`: the current figures of the
+    default kernels (causal, seq 1024: fwd+bwd and the jvp's tangent) per target, head dim and dtype, and of
+    the Mosaic kernels, read from the report."""
+    rows = {(r["target"], r["variant"]): r for r in report["rows"]}
+    out = [PERF_BEGIN, "",
+           "| target | variant | kernel | tiles | regs | spill | smem | HGMMA | HMMA |", "|---|---|---|---|---|---|---|---|---|"]
+    picks = [f"flash_{m}_d{d}_{t}_causal" for t in ("bf16", "f32") for d in (64, 128, 256) for m in ("grad", "jvp")]
+    picks += ["mosaic_grad_d64_bf16_causal", "mosaic_grad_d128_bf16_causal", "mosaic_grad_d128_bf16_gqa8to2_causal",
+              "mosaic_flex_grad_d128_bf16_softcap", "mosaic_grad_d128_f32_causal"]
+    for target in report["targets"]:
+        for name in picks:
+            row = rows.get((target, name))
+            if row is None:
+                continue
+            for k in row["kernels"]:
+                if name.startswith("flash_jvp") and not k["kernel"].endswith("_tangent"):
+                    continue  # the forward is the fwd+bwd row's
+                config = _config_of(row, k["kernel"])
+                tiles = "Mosaic" if k["lowering"] == "mosaic" else _tile(config, k["kernel"])
+                out.append(f"| {target} | {name} | {k['kernel'].removeprefix('probjax_')} | {tiles} | "
+                           f"{k['registers']} | {k['spill_stores']} / {k['spill_loads']} | {k['smem'] or 0:,} | "
+                           f"{k['HGMMA']} | {k['HMMA']} |")
+            if row["status"] != "ok":
+                out.append(f"| {target} | {name} | **compile error** | | | | | | |")
+    spills = report.get("spills", [])
+    out.append("")
+    out.append(f"Spills that remain: {len(spills)}" + (": " + "; ".join(
+        f"{x['target']} `{x['variant']}` {x['kernel'].removeprefix('probjax_')} {x['max_stores']} / "
+        f"{x['max_loads']} B at most ({x['why']})" for x in spills) if spills else "") + ".")
+    out += ["", PERF_END]
+    return "\n".join(out)
+
+
+def with_perf_figures(text: str, report: dict) -> str:
+    """`text` (docs/perf-notes.md) with its generated block replaced by `perf_figures(report)`."""
+    start, end = text.index(PERF_BEGIN), text.index(PERF_END) + len(PERF_END)
+    return text[:start] + perf_figures(report) + text[end:]

@@ -3,13 +3,17 @@ XLA, Triton, Mosaic GPU and ptxas) and report registers, spills, shared memory, 
 / copy instructions of each kernel. Run it through scripts/compile_check.sh, which installs the toolchain.
 
     python scripts/compile/report.py run --toolchain DIR [--targets sm90a_h100,...] [--only REGEX]
-    python scripts/compile/report.py check [docs/compile/report.json]
+    python scripts/compile/report.py check [docs/compile/report.json] [--targets ...] [--only REGEX]
     python scripts/compile/report.py markdown [docs/compile/report.json]
 
 `run` starts one worker process per (target, group) shard, two at a time (`--jobs`), writes
-docs/compile/report.json and docs/compile/index.md, then checks. `check` exits 1 on a compile error, a spill,
-shared memory over the target's limit, a Hopper Triton kernel without wgmma where the report expects it, or a
-Mosaic kernel without TMA or wgmma.
+docs/compile/report.json and docs/compile/index.md, then checks what it compiled. `check` fails closed: the
+registry (scripts/compile/variants.py) is the expected set, and a (target, variant) pair missing from the
+report, a row the registry lacks, a required kernel missing (or one not expected), a compile error (a variant
+that raised while being built included), or an empty expected set fails it; then, per kernel, a spill outside
+`SPILLS`' capped entries, shared memory over the target's limit, and the instruction checks: on Hopper, TMA
+and wgmma in Mosaic kernels and a wgmma share of at least `MIN_WGMMA_SHARE` (`LOW_WGMMA_SHARE` per kernel);
+on sm_80 / sm_86, mma.sync and cp.async in 16-bit kernels.
 """
 
 from __future__ import annotations
@@ -29,57 +33,30 @@ REPO = Path(__file__).resolve().parents[2]
 TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "index.md"
-TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants as registry  # noqa: E402 - the expected set: scripts/compile/variants.py
+
+TARGETS = registry.GPU_TARGETS
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
-KERNEL_PREFIXES = ("probjax_", "mha_")  # the Pallas kernels' names: ours, then the peers' (JAX's mha)
-# Triton kernels that use no wgmma on Hopper by design, with the reason (docs/compile/index.md repeats it):
-# Triton picks mma.sync (HMMA) for a dot whose operands it cannot stage in shared memory in wgmma's layout
-# within its shared-memory budget; at head dim 256 the backward's tiles are 32 wide.
-NO_WGMMA_OK = {
-    ("probjax_flash_backward_dq", 256): "hd256 backward: 32-wide tiles, Triton emits mma.sync",
-    ("probjax_flash_backward_dkv", 256): "hd256 backward: 32-wide tiles, Triton emits mma.sync",
-    ("probjax_flash_tangent", 256): "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync",
-}
-# A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
-# apply and Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls,
-# bounds it. The T = 16, GQA 32:8 variants (64 rows) must use wgmma.
-NO_WGMMA_VARIANTS = {r"^decode_.*(_t1|_t4|_gqa8to2)": "decode tiles of under 64 query rows: mma.sync"}
+# The Pallas Triton kernels' names: ours, then the peers' (JAX's mha, tokamax's); Mosaic GPU kernels come from
+# their own dumps.
+KERNEL_PREFIXES = ("probjax_", "mha_", "pallas_flash_attention")
 
-# Spills the report knows of and CI tolerates, each capped (a larger spill, or one in any other kernel or
-# variant, fails): in the Mosaic GPU backward, which is opt-in (FlashConfig(backend="mosaic") or
-# PROBJAX_MOSAIC=1; no default picks it), at head dim 128, and in the float32 Triton dK/dV at head dim >= 128. docs/compile/index.md and docs/perf-notes.md give
-# the figures; removing them needs kernel work (dS^T / dP^T tiles of 64 queries, or hooks on 64-row tiles).
-KNOWN_SPILLS = {
-    # (kernel, variant regex): (max spill store bytes, max spill load bytes, why)
-    ("probjax_mosaic_backward_dkv", r"^mosaic_grad_d128_.*(causal|window)"):
-        (128, 240, "masked steps at head dim 128 (40-48 B; 120 B stores / 228 B loads with GQA 8 -> 2, ptxas "
-                   "12.9.86): the causal / window index tiles on top of dK, dV, P^T and dP^T"),
-    ("probjax_mosaic_backward_dkv", r"^mosaic_flex_grad_d128_"):
-        (2600, 3200, "hooks at head dim 128 run on 128 x 128 tiles: S^T and dP^T of 128 queries per step"),
-    ("probjax_flash_backward_dkv", r"^flash_grad_d(128|256)_f32_"):
-        (2400, 4000, "float32 dK/dV at head dim 128 / 256 (about 0.3 / 2 KB): FMA dots (Precision.HIGHEST) "
-                     "with K, V, dK and dV resident spill at every tile tried; the default kernel's only spill"),
-    ("probjax_mosaic_backward_dq", r"^mosaic_flex_grad_d128_"):
-        (600, 640, "hooks at head dim 128 run on 128 x 128 tiles: S and dP of 128 keys per step"),
-}
+from rules import (  # noqa: E402 - the exceptions the check allows, each with its figure and why
+    LOW_WGMMA_SHARE, MIN_WGMMA_SHARE, NO_WGMMA_VARIANTS, SPILLS,
+)
 
 
-# Variants the report compiles and shows failing, which CI reports as OPEN instead of failing, each with why.
-OPEN = {
-    r"^flex_grad_d128_bf16_relative_bias$": "the relative-bias table's gather in the forward at head dim 128 "
-                                            "spills 40-48 B on sm_80 / sm_86 (none on sm_90a)",
-}
+def spill_cap(kernel: str, target: str, variant: str) -> tuple | None:
+    return SPILLS.get((kernel, target, variant))
 
 
-def is_open(variant: str) -> str | None:
-    return next((why for pattern, why in OPEN.items() if re.search(pattern, variant)), None)
-
-
-def known_spill(kernel: str, variant: str) -> tuple | None:
-    for (name, pattern), cap in KNOWN_SPILLS.items():
-        if name == kernel and re.search(pattern, variant):
-            return cap
-    return None
+def expected(targets=None, only: str | None = None) -> list[tuple[str, registry.Variant]]:
+    """The (target, variant) pairs a report must hold: every variant of the registry on each target it applies
+    to, among `targets` (all the registry's by default) and the variants whose name matches `only`."""
+    targets = targets or TARGETS
+    return [(t, v) for v in registry.variants() for t in targets
+            if t in v.targets and not (only and not re.search(only, v.name))]
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -153,8 +130,18 @@ def _new_files(folder: Path, seen: set) -> list[Path]:
     return files
 
 
-def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[dict]:
-    """Compile the group's variants for one target in this process; return one row per variant."""
+def worker(target: str, group: str, toolchain: Path, only: str | None, journal: Path | None = None,
+           first: str | None = None) -> list[dict]:
+    """Compile the group's variants for one target in this process; return one row per variant. With a
+    `journal` (JSON lines), each row is appended to it as it is made and the pairs it already holds are not
+    compiled again (their rows are returned from it); `first`: a regex of the variants to compile first."""
+
+    def done() -> dict:  # read before each variant: another run may share the journal
+        if journal is None or not journal.exists():
+            return {}
+        rows = (json.loads(line) for line in journal.read_text().splitlines() if line.strip())
+        return {row["variant"]: row for row in rows if row["target"] == target}
+
     scratch = Path(tempfile.mkdtemp(prefix=f"probjax-compile-{target}-"))
     ptxas_dir, xla_dir, mosaic_dir = scratch / "ptxas", scratch / "xla", scratch / "mosaic"
     for folder in (ptxas_dir, xla_dir, mosaic_dir):
@@ -168,8 +155,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
         MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1",
         XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
     )
-    sys.path.insert(0, str(REPO / "scripts"))
     _import_kernels()
+    sys.path.append(str(toolchain / "peers"))  # tokamax (a peer), after the venv: gpu_toolchain.sh
     import warnings
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -177,7 +164,6 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    import variants as compile_variants
     from probjax_kernels import default_config
 
     limits = target_limits(target)
@@ -187,15 +173,17 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
     sharding = SingleDeviceSharding(device)
     seen = {dirname: set() for dirname in (ptxas_dir, xla_dir, mosaic_dir)}
     rows = []
-    for variant in compile_variants.variants():
-        if variant.group != group or (only and not re.search(only, variant.name)):
-            continue
-        hopper_only = variant.group in ("mosaic", "control") or variant.backend == "mosaic"
-        if hopper_only and not limits["arch"].startswith("sm_90"):
+    todo = [v for _, v in expected([target], only) if v.group == group]
+    todo.sort(key=lambda v: not (first and re.search(first, v.name)))
+    for variant in todo:
+        journaled = done().get(variant.name)
+        if journaled:
+            rows.append(journaled)
             continue
         row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
-                   mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len)
+                   mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
+                   requires=list(variant.requires))
         start = time.perf_counter()
         try:
             with jax.default_device(device):
@@ -204,9 +192,11 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
                 config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
                                         q_len=variant.q_len, kv_len=variant.kv_len,
                                         head_dim=max(variant.head_dim, variant.value_dim or 0),
-                                        dtype=compile_variants._DTYPES[variant.dtype])
+                                        dtype=registry.dtype_of(variant.dtype))
                 if variant.group not in ("decode", "peer"):  # those have configs of their own
                     row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
+                if variant.mode == "jvp":
+                    row["tangent_config"] = _tangent_tiles(config, variant)
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
@@ -219,14 +209,47 @@ def worker(target: str, group: str, toolchain: Path, only: str | None) -> list[d
             if smem:
                 row["error_smem"] = [int(smem.group(1)), int(smem.group(2))]
         row["compile_s"] = round(time.perf_counter() - start, 2)
+        mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
         row["kernels"] = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]),
-                                  _new_files(xla_dir, seen[xla_dir]), _new_files(mosaic_dir, seen[mosaic_dir]),
-                                  cuda_root)
+                                  _new_files(xla_dir, seen[xla_dir]), mosaic_files, cuda_root)
+        for path in mosaic_files:  # a later kernel dumped under the same name (a peer's "entry") is new again
+            path.unlink()
+            seen[mosaic_dir].discard(path)
         rows.append(row)
+        if journal is not None:
+            with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
+                file.write(json.dumps(row) + "\n")
         print(f"[{target}] {variant.name}: {row['status']} {row['compile_s']} s "
               + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
               file=sys.stderr, flush=True)
     return rows
+
+
+def _tangent_tiles(config, variant) -> dict:
+    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`; a BlockMask's tables keep the
+    forward's query tile). It takes the dtype (`dtype=`) or, in older checkouts, a float32 flag."""
+    import inspect
+
+    from probjax_kernels import _dispatch
+
+    dtype = registry.dtype_of(variant.dtype)
+    extra = ({"dtype": dtype} if "dtype" in inspect.signature(_dispatch.tangent_config).parameters
+             else {"float32": variant.dtype == "f32"})
+    tables = variant.name.endswith(("_sliding_window", "_document_mask"))
+    tangent = _dispatch.tangent_config(config, max(variant.head_dim, variant.value_dim or 0), tables, **extra)
+    return {k: v for k, v in vars(tangent).items() if k != "backend"}
+
+
+def _fallback_tiles(row: dict) -> dict:
+    """The tiles the Triton forward runs at when backend "mosaic" falls back to it
+    (`_dispatch.triton_fallback_config`), for the page's tiles column."""
+    if "probjax_kernels" not in sys.modules:
+        _import_kernels()
+    from probjax_kernels import FlashConfig, _dispatch
+
+    config = FlashConfig(**row["config"], backend="mosaic")
+    head_dim = max(row["head_dim"], row["value_dim"] or 0)
+    return {k: v for k, v in vars(_dispatch.triton_fallback_config(config, head_dim)).items() if k != "backend"}
 
 
 def _import_kernels():
@@ -290,51 +313,112 @@ def _kernel_row(limits, entry, lowering, threads, smem, sass) -> dict:
 # ------------------------------------------------------------------------------------------------- check
 
 
-def row_problems(row: dict, limits: dict) -> list[str]:
-    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`)."""
+def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> list[str]:
+    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`;
+    `variant`: the registry's entry of the row, None when the registry has none)."""
     where = f"{row['target']} {row['variant']}"
+    if variant is None:
+        return [f"{where}: not in the registry (scripts/compile/variants.py): a stale report"]
     if row["group"] == "peer":
         return []  # peers (JAX's own kernels) are shown side by side, not held to our checks
     if row["status"] != "ok":
         return [f"{where}: compile error: {row.get('error')}"]
-    out = [] if row["kernels"] else [f"{where}: no Pallas kernel found in the compile (it would prove nothing)"]
+    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
     for kernel in row["kernels"]:
-        name = f"{where} {kernel['kernel']}"
-        cap = known_spill(kernel["kernel"], row["variant"])
-        if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
-                cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
-            out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
-        if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
-            out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
-        if not row["arch"].startswith("sm_90"):
-            continue
-        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
-            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
-                       f"(HGMMA {kernel['HGMMA']})")
-        exempt = ((kernel["kernel"], row["head_dim"]) in NO_WGMMA_OK or row["dtype"] == "f32"
-                  or any(re.search(pattern, row["variant"]) for pattern in NO_WGMMA_VARIANTS))
-        if kernel["lowering"] == "triton" and not kernel["HGMMA"] and not exempt:
-            out.append(f"{name}: a Hopper Triton kernel without wgmma (HGMMA 0)")
+        out += gpu_kernel_problems(row, kernel, limits)
     return out
 
 
-def problems(report: dict, open_ones: bool = False) -> list[str]:
-    """Every reason the report fails CI, one line each; with `open_ones`, the problems of the `OPEN` variants
-    instead (reported, not failing)."""
-    limits = {t: target_limits(t) for t in report["targets"]}
-    return [line for row in report["rows"] if bool(is_open(row["variant"])) == open_ones
-            for line in row_problems(row, limits[row["target"]])]
+def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
+    """A compile must hold exactly the kernels the registry requires of it (`Variant.requires`): one missing
+    (a backward kernel gone, a Mosaic call that ran on Triton) or one it does not expect fails."""
+    ours = {name for name in found if name.startswith("probjax_")}
+    out = []
+    if not requires:
+        out.append(f"{where}: the registry requires no kernel of it (it would prove nothing)")
+    missing = sorted(set(requires) - ours)
+    if missing:
+        out.append(f"{where}: missing kernel(s) {', '.join(missing)} (found: {', '.join(sorted(ours)) or 'none'})")
+    extra = sorted(ours - set(requires))
+    if extra:
+        out.append(f"{where}: kernel(s) the registry does not expect: {', '.join(extra)}")
+    return out
 
 
-def check(path: Path) -> int:
+def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
+    """An NVIDIA kernel's figures against the rules: no spill (outside `SPILLS`' capped entries), shared
+    memory within the target's limit; on Hopper, Mosaic kernels with TMA and wgmma and 16-bit kernels whose
+    matmuls are mostly wgmma (`MIN_WGMMA_SHARE`, `LOW_WGMMA_SHARE`); on sm_80 / sm_86, 16-bit kernels with
+    mma.sync (HMMA) and cp.async (LDGSTS) where the kernel pipelines (num_stages >= 2, and decode)."""
+    name = f"{row['target']} {row['variant']} {kernel['kernel']}"
+    out = []
+    cap = spill_cap(kernel["kernel"], row["target"], row["variant"])
+    if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
+            cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
+        out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
+    if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
+        out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
+    sixteen_bit = row["dtype"] != "f32"  # float32 dots run at Precision.HIGHEST: FMA, no tensor cores
+    if limits["arch"].startswith("sm_90"):
+        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
+            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
+                       f"(HGMMA {kernel['HGMMA']})")
+        if sixteen_bit and not any(re.search(p, row["variant"]) for p in NO_WGMMA_VARIANTS):
+            share = wgmma_share(kernel)
+            least, _ = LOW_WGMMA_SHARE.get((kernel["kernel"], max(row["head_dim"], row["value_dim"] or 0)),
+                                           (MIN_WGMMA_SHARE, ""))
+            if share is None or share < least:
+                out.append(f"{name}: wgmma share {share if share is None else round(share, 2)} (HGMMA "
+                           f"{kernel['HGMMA']}, HMMA {kernel['HMMA']}) under {least}")
+    elif sixteen_bit:
+        if not kernel["HMMA"]:
+            out.append(f"{name}: 16-bit matmuls without mma.sync (HMMA 0)")
+        pipelined = row["group"] == "decode" or (row.get("config") or {}).get("num_stages", 1) >= 2
+        if pipelined and not kernel["LDGSTS"]:
+            out.append(f"{name}: a pipelined kernel without cp.async (LDGSTS 0)")
+    return out
+
+
+def wgmma_share(kernel: dict) -> float | None:
+    """HGMMA / (HGMMA + HMMA) of a kernel's SASS; None when it has neither (no tensor-core matmul)."""
+    total = kernel["HGMMA"] + kernel["HMMA"]
+    return kernel["HGMMA"] / total if total else None
+
+
+def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
+    """Every reason the report fails CI, one line each: the registry's expected (target, variant) pairs
+    (`expected(targets, only)`) each present exactly once and passing `row_problems`, and nothing else. An
+    empty expected set fails: a check of nothing proves nothing."""
+    pairs = expected(targets, only)
+    whole = not only and set(targets or TARGETS) == set(TARGETS)  # then a row the registry lacks is stale
+    if not pairs:
+        return [f"no variant of the registry matches (targets {targets or 'all'}, only {only!r}): nothing checked"]
+    want = {(t, v.name): v for t, v in pairs}
+    limits = {t: target_limits(t) for t in {t for t, _ in pairs}}
+    out, seen = [], set()
+    for row in report.get("rows", []):
+        key = (row["target"], row["variant"])
+        if key in seen:
+            out.append(f"{key[0]} {key[1]}: compiled twice in the report")
+            continue
+        seen.add(key)
+        if key in want:
+            out += row_problems(row, limits[row["target"]], want[key])
+        elif whole:
+            out += row_problems(row, {}, None)
+    out += [f"{t} {name}: missing from the report (the registry expects it on {t})"
+            for (t, name) in want if (t, name) not in seen]
+    return out
+
+
+def check(path: Path, targets=None, only: str | None = None) -> int:
     report = json.loads(path.read_text())
-    found = problems(report)
-    for line in problems(report, open_ones=True):
-        print(f"compile_report: OPEN {line}")
+    found = problems(report, targets, only)
     for line in found:
         print(f"compile_report: FAIL {line}")
-    kernels = sum(len(r["kernels"]) for r in report["rows"])
-    print(f"compile_report: {len(report['rows'])} compiles, {kernels} kernels, {len(found)} problems")
+    kernels = sum(len(r["kernels"]) for r in report.get("rows", []))
+    print(f"compile_report: {len(report.get('rows', []))} compiles, {kernels} kernels, "
+          f"{len(expected(targets, only))} expected, {len(found)} problems")
     return 1 if found else 0
 
 
@@ -343,39 +427,56 @@ def check(path: Path) -> int:
 
 def run(args) -> int:
     targets = args.targets.split(",")
-    sys.path.insert(0, str(REPO / "scripts"))
     groups = ["mosaic", "triton", "control", "decode", "peer"]  # the longest shard first
-    shards = [(t, g) for g in groups for t in targets if not (g in ("mosaic", "control") and not
-                                                              target_limits(t)["arch"].startswith("sm_90"))]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise SystemExit(f"compile_report: --targets {','.join(unknown)}: not a target of the registry {TARGETS}")
+    pairs = expected(targets, args.only)
+    if not pairs:  # a run of nothing must not pass
+        raise SystemExit(f"compile_report: FAIL: no variant matches --only {args.only!r} on {','.join(targets)}")
+    shards = [(t, g) for g in groups for t in targets if any(pt == t and v.group == g for pt, v in pairs)]
     start = time.perf_counter()
     rows = []
+    if args.assemble:  # no compile: the journal's rows of the expected pairs (a missing one fails the check)
+        want = {(t, v.name) for t, v in pairs}
+        journaled = {(r["target"], r["variant"]): r for r in map(json.loads, args.journal.read_text().splitlines())}
+        rows = [row for key, row in journaled.items() if key in want]
+        shards = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(_shard, t, g, args.toolchain, args.only) for t, g in shards]
+        futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first)
+                   for t, g in shards]
         for future in futures:
             rows += future.result()
     order = {name: i for i, name in enumerate(targets)}
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
-        wall_s=round(time.perf_counter() - start, 1), jobs=args.jobs, rows=rows,
+        wall_s=round(sum(r["compile_s"] for r in rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
+        jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
+        rows=rows,
     ))
     out = Path(args.out)
+    if out.exists() and "tpu" in json.loads(out.read_text()):  # the TPU part's section (tpu_report.py) stays
+        report["tpu"] = json.loads(out.read_text())["tpu"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    import page as compile_page
-
-    Path(args.page).write_text(compile_page.markdown(report, problems(report), problems(report, True)))
+    found = problems(report, targets, args.only)
+    _write_pages(report, found, Path(args.page))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
-    return check(out)
+    return check(out, targets, args.only)
 
 
-def _shard(target, group, toolchain, only) -> list[dict]:
+def _shard(target, group, toolchain, only, journal=None, first=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         command = [sys.executable, __file__, "worker", target, group, "--toolchain", str(toolchain),
                    "--json", str(out)]
         if only:
             command += ["--only", only]
+        if journal:
+            command += ["--journal", str(journal)]
+        if first:
+            command += ["--first", first]
         result = subprocess.run(command, stdout=subprocess.DEVNULL)  # Mosaic GPU prints its IR on stdout
         if result.returncode:
             raise SystemExit(f"compile_report: the worker for {target} / {group} failed (exit {result.returncode})")
@@ -401,6 +502,10 @@ def main() -> int:
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--only", help="a regex: compile only the variants whose name matches")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--journal", type=Path, help="a JSON-lines file each row is appended to as it is made; a run "
+                   "with the same file resumes, compiling only the pairs it lacks (same checkout and toolchain)")
+    p.add_argument("--first", help="a regex: compile the variants whose name matches first")
+    p.add_argument("--assemble", action="store_true", help="compile nothing: write the report from --journal's rows")
     p.add_argument("--out", default=str(REPORT))
     p.add_argument("--page", default=str(PAGE))
     w = sub.add_parser("worker")
@@ -408,41 +513,58 @@ def main() -> int:
     w.add_argument("group")
     w.add_argument("--toolchain", type=Path, required=True)
     w.add_argument("--only")
+    w.add_argument("--journal", type=Path)
+    w.add_argument("--first")
     w.add_argument("--json", type=Path, required=True)
-    c = sub.add_parser("check")
+    c = sub.add_parser("check", help="check a report against the whole registry (or --targets / --only of it)")
     c.add_argument("report", nargs="?", default=str(REPORT))
+    c.add_argument("--targets", help="a comma-separated subset of the targets (default: all)")
+    c.add_argument("--only", help="a regex: check only the registry's variants whose name matches")
     m = sub.add_parser("markdown")
     m.add_argument("report", nargs="?", default=str(REPORT))
     args = parser.parse_args()
     if args.command == "run":
+        if args.assemble and not args.journal:
+            parser.error("--assemble needs --journal")
         return run(args)
     if args.command == "worker":
-        args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only)))
+        args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only, args.journal,
+                                               args.first)))
         return 0
     if args.command == "check":
-        return check(Path(args.report))
-    sys.path.insert(0, str(REPO / "scripts"))
-    import page as compile_page
-
+        return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
     path = Path(args.report)
     report = _with_verdicts(json.loads(path.read_text()))
     path.write_text(json.dumps(report, indent=1) + "\n")
-    PAGE.write_text(compile_page.markdown(report, problems(report), problems(report, True)))
+    _write_pages(report, problems(report), PAGE)
     return 0
 
 
+def _write_pages(report: dict, found: list[str], page: Path):
+    """The report's page, and, when that is the committed one (docs/compile/index.md), the generated figures
+    of docs/perf-notes.md; a run to a temporary --page (CI's) leaves the clone's docs as they are."""
+    import page as compile_page
+
+    page.write_text(compile_page.markdown(report, found))
+    if page.resolve() == PAGE.resolve():
+        notes = REPO / "docs" / "perf-notes.md"
+        notes.write_text(compile_page.with_perf_figures(notes.read_text(), report))
+
+
 def _with_verdicts(report: dict) -> dict:
-    """The report with this script's verdicts (each row's problems / open, the rules' lists), recomputed from
-    the figures: `markdown` refreshes a committed report after a rule changes, without compiling."""
+    """The report with this script's verdicts (each row's problems, the rules' lists), recomputed from the
+    figures: `markdown` refreshes a committed report after a rule changes, without compiling."""
+    by_name = {v.name: v for v in registry.variants()}
     for row in report["rows"]:  # the verdict travels with the row (tests/test_compile_report.py reads it)
-        row["problems"] = row_problems(row, target_limits(row["target"]))
-        row["open"] = is_open(row["variant"])
+        row["problems"] = row_problems(row, target_limits(row["target"]), by_name.get(row["variant"]))
+        if row.get("backend") == "mosaic" and row.get("config") and "fallback_config" not in row:
+            row["fallback_config"] = _fallback_tiles(row)
     report.update(
-        no_wgmma_ok=[dict(kernel=k, head_dim=d, why=w) for (k, d), w in NO_WGMMA_OK.items()],
+        min_wgmma_share=MIN_WGMMA_SHARE,
+        low_wgmma_share=[dict(kernel=k, head_dim=d, least=c[0], why=c[1]) for (k, d), c in LOW_WGMMA_SHARE.items()],
         no_wgmma_variants=[dict(variants=k, why=v) for k, v in NO_WGMMA_VARIANTS.items()],
-        open=[dict(variants=k, why=v) for k, v in OPEN.items()],
-        known_spills=[dict(kernel=k, variants=v, max_stores=c[0], max_loads=c[1], why=c[2])
-                      for (k, v), c in KNOWN_SPILLS.items()],
+        spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
+                for (k, t, v), c in SPILLS.items()],
     )
     return report
 

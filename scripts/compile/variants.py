@@ -1,16 +1,14 @@
-"""The kernel variants the compile report compiles (scripts/compile/report.py): one `Variant` per distinct
-kernel build. To add a kernel to the report, append a `Variant` (or a few) to `variants()`.
+"""The registry of the compile report (scripts/compile/report.py): every kernel variant it compiles, each
+with the targets it applies to and the Pallas kernels its compile must hold. It is the report's expected set:
+a (target, variant) pair missing from a report, or a required kernel missing from a row, fails the check.
 
-Register, spill and shared-memory figures depend on the static configuration of a kernel (tiles, warps,
-stages, head dims, dtype, causal / ragged / feature flags), not on the batch, the number of heads or the
-sequence length beyond the padded tail, so the grid is deduplicated: B=4, N=8, seq 1024 for each static
-configuration, plus the seq lengths that change the kernel (ragged tails 600 / 1500 / 3000 / 77, which also
-shrink the tiles at 77) and one seq 8192 build per target as a control.
-
-Each variant builds a function and its argument specs; `backend` is the `FlashConfig.backend` it asks for
-("triton" is what `auto` / a default FlashConfig picks on a GPU; "mosaic" what FlashConfig(backend="mosaic")
-and PROBJAX_MOSAIC=1 pick on Hopper). Everything else (tiles, warps, stages) is `default_config`'s choice for
-the target device, which is what the report checks.
+The grid (`_grid_variants`) is the product of what changes a compiled kernel under the dispatch rules
+(`required_kernels`): backend ("triton": `auto` and a default config on a GPU; "mosaic":
+FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1 on Hopper) x dtype x head dim x mode x feature. Tiles
+(`default_config`'s for the target device) depend on the backend, dtype, head dim and target, and shrink
+only for sequences shorter than a tile; batch and heads change no kernel. Registers can move a little with
+the sequence length (the loop bounds are constants), so the seed's seq 8192 is compiled beside seq 1024
+(`_control_variants`), with the peers at both. The decode kernel's variants and the peers follow.
 """
 
 from __future__ import annotations
@@ -18,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
+# jax is imported inside the functions: the worker sets its environment (JAX_PLATFORMS, XLA_FLAGS, Mosaic GPU's
+# dump options) before jax is imported, and lists the registry first.
 
 B, N = 4, 8
+GPU_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")  # scripts/compile/gpu_targets/NAME.txtpb
+HOPPER = ("sm90a_h100",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Variant:
     """One compile: `build()` returns (function, argument ShapeDtypeStructs without sharding)."""
 
     name: str
-    group: str  # "triton" | "mosaic" | "decode": what it exercises; Mosaic variants compile on Hopper only
+    group: str  # "triton" | "mosaic" | "control" | "decode" | "peer": a worker shard
     build: Callable[[], tuple[Callable, list]]
     head_dim: int
     dtype: str
@@ -39,18 +39,30 @@ class Variant:
     kv_len: int = 1024
     value_dim: int | None = None
     tiles: dict | None = None  # FlashConfig fields set explicitly (exploration); None: default_config's
+    # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on.
+    requires: tuple[str, ...] = ()
+    targets: tuple[str, ...] = GPU_TARGETS
 
 
 def _spec(shape, dtype):
+    import jax
+
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-_DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+def dtype_of(name: str):
+    """The jnp dtype of a variant's dtype name ("bf16", "f16", "f32")."""
+    import jax.numpy as jnp
+
+    return {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[name]
 
 
 def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
     """The compiled function of a mode: the forward, the gradient of a sum (forward + backward kernels), or
     a jvp (the tangent kernel)."""
+    import jax
+    import jax.numpy as jnp
+
     if mode == "fwd":
         return attend
     if mode == "fwd+bwd":
@@ -65,18 +77,21 @@ def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
 
 
 def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", causal=False, q_len=1024,
-          kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, **options) -> Variant:
+          kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, requires=(), targets=GPU_TARGETS,
+          **options) -> Variant:
     """A `flash_attention` call; `options` go to it (dropout_rate, window, ...). Segment ids and lengths are
     arguments when options has segments=True / lengths=True. `tiles`: FlashConfig fields to set rather than
     leave to `default_config` (for exploring candidates: `--explore`)."""
-    from probjax_kernels import FlashConfig, flash_attention
-
     kv_len = kv_len or q_len
     value_dim = value_dim or head_dim
     segments, lengths = options.pop("segments", False), options.pop("lengths", False)
-    dt = _DTYPES[dtype]
 
-    def build():
+    def build():  # imports the kernels here: the registry is listed without them (the driver's process)
+        import jax.numpy as jnp
+        from probjax_kernels import FlashConfig, flash_attention
+
+        dt = dtype_of(dtype)
+
         config = FlashConfig(backend=backend, **(tiles or {}))
         specs = [_spec((B, q_len, N, head_dim), dt), _spec((B, kv_len, kv_heads, head_dim), dt),
                  _spec((B, kv_len, kv_heads, value_dim), dt)]
@@ -97,21 +112,23 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
         return _wrap(mode, attend, len(specs), (0, 1, 2)), specs
 
     return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, kv_len,
-                   value_dim if value_dim != head_dim else None, tiles)
+                   value_dim if value_dim != head_dim else None, tiles, tuple(requires), tuple(targets))
 
 
 def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_len=1024, backend="triton",
-         block=128) -> Variant:
+         block=128, group=None, requires=(), targets=GPU_TARGETS) -> Variant:
     """A `flex_attention` call with one representative hook: softcap, ALiBi (captured slopes), a document
     mask, a sliding window (as a BlockMask), or a relative-bias table that gets a gradient."""
-    from probjax_kernels import (
-        FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask,
-        flex_attention, relative_bias, sliding_window, softcap,
-    )
-
-    dt = _DTYPES[dtype]
 
     def build():
+        import jax.numpy as jnp
+        from probjax_kernels import (
+            FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask,
+            flex_attention, relative_bias, sliding_window, softcap,
+        )
+
+        dt = dtype_of(dtype)
+
         config = FlashConfig(backend=backend)
         specs = [_spec((B, q_len, N, head_dim), dt)] * 3
         grad_args = (0, 1, 2)
@@ -140,64 +157,123 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 
         return _wrap(mode, attend, len(specs), grad_args), specs
 
-    return Variant(name, backend, build, head_dim, dtype, mode, backend, q_len, q_len)
+    return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, q_len,
+                   requires=tuple(requires), targets=tuple(targets))
 
 
-def _triton_variants() -> list[Variant]:
-    """The forward kernel is the same in a forward-only call and in fwd+bwd (it always writes the lse), so
-    the seed grid's fwd cells compile inside the fwd+bwd ones; forward-only builds remain for the ragged
-    lengths that only run forward in the seed's benchmark."""
+# ------------------------------------------------------------------------------ the dispatch rules, restated
+
+# Which kernels a call compiles to is decided in `probjax_kernels._dispatch` (`default_backend`,
+# `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`). The rules are restated here on purpose, from the
+# API contract rather than from those functions: a change in the dispatch that drops a kernel (a Mosaic call
+# running on Triton, a backward kernel gone) then shows up as a missing kernel in the report and fails it,
+# instead of moving the expectation along with it.
+FORWARD, DQ, DKV = "probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv"
+TANGENT, DECODE = "probjax_flash_tangent", "probjax_decode_attention"
+MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
+                                         "probjax_mosaic_backward_dkv")
+MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
+# Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout,
+# segment ids, a value head dim other than q / k's, hooks that read a captured array other than one element
+# at a time (a relative-bias table, a document mask's ids). float32 inputs too (the Mosaic kernels take 16-bit).
+MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask"})
+FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias")
+
+
+def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str) -> tuple[str, ...]:
+    """The Pallas kernels a `flash_attention` / `flex_attention` call compiles to, by the dispatch rules:
+    backend "triton" (what `auto`, a default FlashConfig and `FlashConfig(backend="triton")` pick on every
+    GPU) runs the Triton kernels; backend "mosaic" (FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1, Hopper
+    only) runs the Mosaic GPU forward on 16-bit inputs at head dim 64 / 128 / 256 without a feature of
+    `MOSAIC_LACKS`, its dQ and dK/dV kernels too at head dim 64 / 128, and Triton for the rest; the tangent
+    (forward mode) is Triton's on every backend."""
+    mosaic = (backend == "mosaic" and dtype != "f32" and head_dim in MOSAIC_HEAD_DIMS
+              and feature not in MOSAIC_LACKS)
+    forward = MOSAIC_FORWARD if mosaic else FORWARD
+    if mode == "fwd":
+        return (forward,)
+    if mode == "jvp":
+        return (forward, TANGENT)
+    backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic and head_dim in MOSAIC_BACKWARD_HEAD_DIMS else (DQ, DKV)
+    return (forward, *backward)
+
+
+def _flash_options(feature: str) -> dict:
+    """`flash` keyword arguments of a feature of the grid."""
+    return {
+        "full": {}, "causal": dict(causal=True), "window": dict(window=(256, 0)),
+        "gqa8to2_causal": dict(kv_heads=2, causal=True), "dv64": dict(value_dim=64),
+        "dropout": dict(dropout_rate=0.1, dropout_seed=7), "segments_lengths": dict(segments=True, lengths=True),
+    }[feature]
+
+
+def _call(backend: str, dtype: str, head_dim: int, mode: str, feature: str, **extra) -> Variant:
+    """One variant of the grid, named `{flash|flex|mosaic|mosaic_flex}_{grad|jvp|fwd}_d{D}_{dtype}_{feature}`
+    (plus `extra`'s suffix), its required kernels from `required_kernels`."""
+    hook = feature in FLEX_HOOKS
+    prefix = ("mosaic_" if backend == "mosaic" else "") + ("flex" if hook else "flash")
+    prefix = "mosaic" if prefix == "mosaic_flash" else prefix
+    name = f"{prefix}_{'grad' if mode == 'fwd+bwd' else mode}_d{head_dim}_{dtype}_{feature}" + extra.pop("suffix", "")
+    requires = required_kernels(backend, dtype, head_dim, mode, feature)
+    targets = HOPPER if backend == "mosaic" else GPU_TARGETS
+    if hook:
+        return flex(name, feature, head_dim=head_dim, dtype=dtype, mode=mode, backend=backend, requires=requires,
+                    targets=targets, **extra)
+    return flash(name, head_dim=head_dim, dtype=dtype, mode=mode, backend=backend, requires=requires,
+                 targets=targets, **_flash_options(feature), **extra)
+
+
+def _grid_variants() -> list[Variant]:
+    """Every call a user reaches through `auto` / a default config (backend "triton" on a GPU) and through
+    backend "mosaic" (Hopper), as the product of what changes the compiled kernels:
+
+    - dtype: bfloat16 and float32 (which has tiles of its own: FMA dots at Precision.HIGHEST); float16
+      shares bfloat16's tiles and kernels and is compiled once per backend;
+    - head dim 64 / 128 / 256 (the tiles change with it), full and causal, fwd+bwd (the forward kernel of a
+      forward-only call is the fwd+bwd one: it always writes the lse) and jvp (the tangent kernel);
+    - at head dim 128, each feature that changes a kernel's code (a window, GQA, Dv != D, dropout, segment ids
+      with lengths, the flex hooks: a soft cap, ALiBi, a document mask and a sliding window as BlockMasks, a
+      relative-bias table with a gradient) in fwd+bwd, and the flex hooks in jvp;
+    - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
+      falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
+      128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
+      every head dim's jvp as in its fwd+bwd, so the Mosaic jvp is compiled at head dim 128 and with the flex
+      hooks. float32 on backend "mosaic" falls back as a whole, at the float32 Triton tiles of backend
+      "triton" (tests/test_compile_report.py checks that they are the same): it is compiled at the base
+      shapes (every head dim, full and causal, jvp at 128) rather than the whole float32 feature grid again.
+    """
     out = []
-    for d in (64, 128):
-        for dtype, causal in (("bf16", False), ("bf16", True), ("f16", d == 64)):
-            tag = f"d{d}_{dtype}_{'causal' if causal else 'full'}"
-            out.append(flash(f"flash_grad_{tag}", head_dim=d, dtype=dtype, causal=causal, mode="fwd+bwd"))
-        out.append(flash(f"flash_jvp_d{d}_bf16_causal", head_dim=d, causal=True, mode="jvp"))
-    # float32 has tiles of its own (FMA dots at Precision.HIGHEST).
-    for d in (64, 128, 256):
-        out.append(flash(f"flash_grad_d{d}_f32_full", head_dim=d, dtype="f32", mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_f32_causal", dtype="f32", causal=True, mode="fwd+bwd"))
-    out.append(flash("flash_jvp_d128_f32_causal", dtype="f32", causal=True, mode="jvp"))
-    for causal in (False, True):
-        out.append(flash(f"flash_grad_d256_bf16_{'causal' if causal else 'full'}", head_dim=256, causal=causal,
-                         mode="fwd+bwd"))
-    out.append(flash("flash_jvp_d256_bf16_full", head_dim=256, mode="jvp"))
-    # Ragged tails (and the short 77, whose tiles shrink to the sequence).
-    out.append(flash("flash_fwd_d128_bf16_causal_T600", causal=True, q_len=600))
-    out.append(flash("flash_fwd_d64_bf16_full_T1500", head_dim=64, q_len=1500))
-    out.append(flash("flash_grad_d128_bf16_causal_T3000", causal=True, q_len=3000, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d64_bf16_causal_T77", head_dim=64, causal=True, q_len=77, mode="fwd+bwd"))
-    # Features.
-    out.append(flash("flash_grad_d128_dv64_bf16", value_dim=64, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_gqa8to2_bf16_causal", kv_heads=2, causal=True, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_bf16_dropout", dropout_rate=0.1, dropout_seed=7, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_bf16_segments_lengths", segments=True, lengths=True, mode="fwd+bwd"))
-    out.append(flash("flash_grad_d128_bf16_window", window=(256, 0), mode="fwd+bwd"))
-    for hook in ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias"):
-        out.append(flex(f"flex_grad_d128_bf16_{hook}", hook))
+    for backend in ("triton", "mosaic"):
+        for dtype in ("bf16", "f32"):
+            whole = backend == "triton" or dtype != "f32"
+            for d in (64, 128, 256):
+                for feature in ("full", "causal"):
+                    out.append(_call(backend, dtype, d, "fwd+bwd", feature))
+                if backend == "triton" or d == 128:
+                    out.append(_call(backend, dtype, d, "jvp", "causal"))
+            if not whole:
+                continue
+            for feature in ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *FLEX_HOOKS):
+                out.append(_call(backend, dtype, 128, "fwd+bwd", feature))
+            for hook in ("softcap", "sliding_window", "relative_bias"):
+                out.append(_call(backend, dtype, 128, "jvp", hook))
+    out.append(_call("triton", "f16", 64, "fwd+bwd", "causal"))
+    out.append(_call("mosaic", "f16", 128, "fwd+bwd", "causal"))
+    # Ragged tails (the padded tail changes the kernel) and the short 77, whose tiles shrink to the sequence.
+    out.append(_call("triton", "bf16", 128, "fwd", "causal", q_len=600, suffix="_T600"))
+    out.append(_call("triton", "bf16", 64, "fwd", "full", q_len=1500, suffix="_T1500"))
+    out.append(_call("triton", "bf16", 128, "fwd+bwd", "causal", q_len=3000, suffix="_T3000"))
+    out.append(_call("triton", "bf16", 64, "fwd+bwd", "causal", q_len=77, suffix="_T77"))
     return out
 
 
 def _control_variants() -> list[Variant]:
-    """seq 8192 (the seed benchmark's longest): the same kernels as seq 1024, compiled once on one target to
-    show it."""
-    return [flash("flash_grad_d128_bf16_causal_T8192", causal=True, q_len=8192, mode="fwd+bwd",
-                  group="control")]
-
-
-def _mosaic_variants() -> list[Variant]:
-    out = []
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            tag = f"d{d}_bf16_{'causal' if causal else 'full'}"
-            out.append(flash(f"mosaic_grad_{tag}", head_dim=d, causal=causal, mode="fwd+bwd", backend="mosaic"))
-    out.append(flash("mosaic_grad_d128_f16_causal", dtype="f16", causal=True, mode="fwd+bwd", backend="mosaic"))
-    out.append(flash("mosaic_grad_d128_bf16_window", window=(256, 0), mode="fwd+bwd", backend="mosaic"))
-    out.append(flash("mosaic_grad_d128_gqa8to2_bf16_causal", kv_heads=2, causal=True, mode="fwd+bwd",
-                     backend="mosaic"))
-    for hook in ("softcap", "alibi", "sliding_window"):
-        out.append(flex(f"mosaic_flex_grad_d128_bf16_{hook}", hook, backend="mosaic"))
-    return out
+    """seq 8192, the seed benchmark's longest, beside the peers at the same shape (hd 64 / 128, full and
+    causal): the tiles are seq 1024's, the register figures may differ a little (ptxas schedules the longer
+    loop differently)."""
+    return [_call("triton", "bf16", d, "fwd+bwd", feature, q_len=8192, suffix="_T8192", group="control")
+            for d in (64, 128) for feature in ("full", "causal")]
 
 
 def _decode_variants() -> list[Variant]:
@@ -205,43 +281,54 @@ def _decode_variants() -> list[Variant]:
     tiles (`DecodeConfig`): a dense cache (GQA 8 -> 2, hd 64 / 128 / 256), and paged caches with the serving
     shapes of the decode benchmark (pages of 16 and 64, GQA 32:8, T = 1 / 4 / 16, ALiBi with a sliding
     window, float32 with Dv != D); and a dense cache read in place with a masked tail and lanes (S = 1000,
-    head dim 80)."""
-    try:
-        from probjax_kernels import DecodeConfig, alibi, alibi_slopes, decode_attention, sliding_window
-    except ImportError:
-        return []
-    config = DecodeConfig(backend="triton")
+    head dim 80). The kernels are imported when a variant is built: an import that fails is a failing row of
+    the report, never a shorter registry."""
     cache_len = 8192
+
+    def decode_kernels():
+        from probjax_kernels import DecodeConfig, alibi, decode_attention, sliding_window
+
+        return DecodeConfig(backend="triton"), alibi, decode_attention, sliding_window
 
     def dense(name, d, dtype="bf16", heads=(N, 2), new_tokens=1, cache_len=cache_len):
         def build():
+            import jax.numpy as jnp
+
             q_heads, kv_heads = heads
-            specs = [_spec((B, new_tokens, q_heads, d), _DTYPES[dtype]),
-                     _spec((B, cache_len, kv_heads, d), _DTYPES[dtype]),
-                     _spec((B, cache_len, kv_heads, d), _DTYPES[dtype]), _spec((B,), jnp.int32)]
+            specs = [_spec((B, new_tokens, q_heads, d), dtype_of(dtype)),
+                     _spec((B, cache_len, kv_heads, d), dtype_of(dtype)),
+                     _spec((B, cache_len, kv_heads, d), dtype_of(dtype)), _spec((B,), jnp.int32)]
+
+            config, _, decode_attention, _ = decode_kernels()
 
             def attend(q, k, v, lengths):
                 return decode_attention(q, k, v, kv_lengths=lengths, config=config)
 
             return attend, specs
-        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len)
+        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len,
+                       requires=(DECODE,))
 
     def paged(name, page_size, new_tokens, dtype="bf16", d=128, value_dim=None, heads=(32, 8), hooks=False):
         def build():
+            import jax.numpy as jnp
+
             q_heads, kv_heads = heads
             max_pages = cache_len // page_size
             pages = B * max_pages
-            specs = [_spec((B, new_tokens, q_heads, d), _DTYPES[dtype]),
-                     _spec((pages, page_size, kv_heads, d), _DTYPES[dtype]),
-                     _spec((pages, page_size, kv_heads, value_dim or d), _DTYPES[dtype]),
+            specs = [_spec((B, new_tokens, q_heads, d), dtype_of(dtype)),
+                     _spec((pages, page_size, kv_heads, d), dtype_of(dtype)),
+                     _spec((pages, page_size, kv_heads, value_dim or d), dtype_of(dtype)),
                      _spec((B,), jnp.int32), _spec((B, max_pages), jnp.int32), _spec((q_heads,), jnp.float32)]
+
+            config, alibi, decode_attention, sliding_window = decode_kernels()
 
             def attend(q, k, v, lengths, tables, slopes):
                 mods = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
                 return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables, config=config, **mods)
 
             return attend, specs
-        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len, value_dim)
+        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len, value_dim,
+                       requires=(DECODE,))
 
     return [
         dense("decode_d64_bf16_cache8192_gqa8to2", 64),
@@ -257,56 +344,90 @@ def _decode_variants() -> list[Variant]:
 
 
 def _peer_variants() -> list[Variant]:
-    """Peers compiled the same way: JAX's own Pallas Triton attention (`jax.experimental.pallas.ops.gpu.
-    attention.mha`) at its default block sizes, forward + backward, bf16, B=4, N=8, seq 1024."""
+    """Peers compiled the same way at the seed's shapes (B=4, N=8, seq 1024 and 8192, head dim 64 / 128, full
+    and causal, forward + backward): JAX's own Pallas Triton attention (`jax.experimental.pallas.ops.gpu.
+    attention.mha`, bf16, its default block sizes) on every target, and JAX's Pallas Mosaic GPU attention
+    (`attention_mgpu`, Hopper only, f16: its backward stages float16 scratch, bf16 inputs fail to compile)
+    with block_q 64 and block_kv 128 (one point of the sweep its own benchmark runs), 64 x 64 backward tiles,
+    2 stages. Its causal variant refuses CUDA 12.8.0-12.9.1 (a ptxas miscompilation), which the pinned ptxas
+    12.9.86 is: the report shows that refusal. Peers are compiled and shown, not held to our checks."""
     out = []
-    for d in (64, 128):
-        for causal in (False, True):
-            def build(d=d, causal=causal):
-                import warnings
+    for seq in (1024, 8192):
+        suffix = "" if seq == 1024 else f"_T{seq}"
+        for d in (64, 128):
+            for causal in (False, True):
+                tag = f"d{d}_{{}}_{'causal' if causal else 'full'}{suffix}"
 
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    from jax.experimental.pallas.ops.gpu import attention
+                def mha(d=d, causal=causal, seq=seq):
+                    import warnings
 
-                def attend(q, k, v):
-                    return attention.mha(q, k, v, None, sm_scale=d ** -0.5, causal=causal)
+                    import jax.numpy as jnp
 
-                return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, 1024, N, d), jnp.bfloat16)] * 3
-            out.append(Variant(f"jax_pallas_mha_grad_d{d}_bf16_{'causal' if causal else 'full'}", "peer", build, d,
-                               "bf16", "fwd+bwd", "triton"))
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        from jax.experimental.pallas.ops.gpu import attention
+
+                    def attend(q, k, v):
+                        return attention.mha(q, k, v, None, sm_scale=d ** -0.5, causal=causal)
+
+                    return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, seq, N, d), jnp.bfloat16)] * 3
+
+                def mgpu(d=d, causal=causal, seq=seq):
+                    import jax.numpy as jnp
+                    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+                    config = attention_mgpu.TuningConfig(
+                        block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal, block_q_dkv=64,
+                        block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+                    def attend(q, k, v):
+                        return attention_mgpu.attention(q, k, v, config)
+
+                    return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, seq, N, d), jnp.float16)] * 3
+
+                out.append(Variant(f"jax_pallas_mha_grad_{tag.format('bf16')}", "peer", mha, d, "bf16", "fwd+bwd",
+                                   "triton", seq, seq))
+                out.append(Variant(f"jax_mosaic_attention_grad_{tag.format('f16')}", "peer", mgpu, d, "f16",
+                                   "fwd+bwd", "mosaic", seq, seq, targets=HOPPER))
     return out
 
 
-def _mosaic_peer_variants() -> list[Variant]:
-    """JAX's own Pallas Mosaic GPU attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, Hopper
-    only), forward + backward, f16 (its backward stages float16 scratch: bf16 inputs fail to compile), B=4,
-    N=8, seq 1024: block_q 64 and block_kv 128 (one point of the sweep its own benchmark runs), 64 x 64
-    backward tiles, 2 stages. Its causal variant refuses CUDA 12.8.0-12.9.1 (a ptxas miscompilation), which
-    the pinned ptxas 12.9.86 is: the report shows that refusal."""
+def _tokamax_peer_variants() -> list[Variant]:
+    """tokamax (`tokamax.dot_product_attention`, installed in the toolchain's peers/ where it installs) at
+    its default configs, with implementation "triton" (every target) and "mosaic" (its Mosaic GPU kernels,
+    Hopper only), bf16, causal, forward + backward, at the seed's shapes (seq 1024 / 8192, head dim 64 / 128).
+    Its benchmarking module imports xprof's command-line tools, which import a module the PyPI build of xprof
+    does not ship; the compile never benchmarks, so that one import is stubbed."""
     out = []
-    for d in (64, 128):
-        for causal in (False, True):
-            def build(d=d, causal=causal):
-                from jax.experimental.pallas.ops.gpu import attention_mgpu
+    for implementation, targets in (("triton", GPU_TARGETS), ("mosaic", HOPPER)):
+        for seq in (1024, 8192):
+            for d in (64, 128):
+                def build(d=d, seq=seq, implementation=implementation):
+                    import sys
+                    import types
 
-                config = attention_mgpu.TuningConfig(
-                    block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal, block_q_dkv=64,
-                    block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+                    import jax.numpy as jnp
 
-                def attend(q, k, v):
-                    return attention_mgpu.attention(q, k, v, config)
+                    stub = types.ModuleType("xprof.cli.tools")
+                    stub.get_kernel_stats_tool = None
+                    sys.modules.setdefault("xprof.cli.tools", stub)
+                    import tokamax
 
-                return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, 1024, N, d), jnp.float16)] * 3
-            out.append(Variant(f"jax_mosaic_attention_grad_d{d}_f16_{'causal' if causal else 'full'}", "peer",
-                               build, d, "f16", "fwd+bwd", "mosaic"))
+                    def attend(q, k, v):
+                        return tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                                             implementation=implementation)
+
+                    return _wrap("fwd+bwd", attend, 3, (0, 1, 2)), [_spec((B, seq, N, d), jnp.bfloat16)] * 3
+
+                suffix = "" if seq == 1024 else f"_T{seq}"
+                out.append(Variant(f"tokamax_{implementation}_grad_d{d}_bf16_causal{suffix}", "peer", build, d,
+                                   "bf16", "fwd+bwd", implementation, seq, seq, targets=targets))
     return out
 
 
 def variants() -> list[Variant]:
-    """Every variant, Triton first; names are unique."""
-    out = (_triton_variants() + _control_variants() + _mosaic_variants() + _decode_variants()
-           + _peer_variants() + _mosaic_peer_variants())
+    """Every variant of the registry; names are unique."""
+    out = _grid_variants() + _control_variants() + _decode_variants() + _peer_variants() + _tokamax_peer_variants()
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out

@@ -1,0 +1,154 @@
+"""The TPU compile report's gate (the `tpu` section of docs/compile/report.json, written by tpu_report.py). It
+fails closed: the expected rows come from the registry (tpu_variants.py), not from the report, so a missing
+(target, variant) pair, a missing kernel, a variant whose dispatch changed path, a compile error or VMEM over a
+generation's limit each fail. It reads only the JSON and the registry: no libtpu, no compile.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import tpu_variants  # noqa: E402
+
+# Generations every expected variant must compile for; the others in the report (v4) are shown with their
+# problems reported as open, not failing.
+GATED_TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e")
+# fwd+bwd HBM temp at 2T may be at most this many times that at T (plus the slack below). Linear growth
+# doubles it, but XLA:TPU keeps some buffers of the T compile in VMEM (64-128 MiB) and not at 2T, which
+# measured 2.0 (v5e) to 2.85 (v6e) from T = 4096 to 8192; a [B, N, T, S] buffer (2 GiB in float32 at
+# T = 4096, B = 4, N = 8) would quadruple its part and dwarf the rest.
+HBM_GROWTH_MAX = 3.0
+HBM_SLACK = 4 << 20  # bytes: XLA's placement of small buffers (VMEM or HBM) moves a few MiB either way
+
+
+def _registry() -> dict:
+    """name -> TpuVariant of the gated (non-peer) variants; the registry imports probjax_kernels to build."""
+    try:
+        import probjax_kernels  # noqa: F401
+    except ImportError:  # the toolchain venv does not install the project: load the repo's kernels/
+        import report as gpu_report
+
+        gpu_report._import_kernels()
+    return {v.name: v for v in tpu_variants.tpu_variants()}
+
+
+def row_problems(row: dict, variant) -> list[str]:
+    """Every reason one gated compile fails CI; `variant` is the registry's entry for the row."""
+    where = f"{row['target']} {row['variant']}"
+    if row.get("status") != "ok":
+        return [f"{where}: compile error: {row.get('error')}"]
+    out = []
+    kernels = row.get("kernels") or []
+    names = [k.get("kernel") for k in kernels]
+    if row.get("dispatch") != variant.path:
+        said = row.get("fallback_warning") or row.get("dispatch")
+        out.append(f"{where}: expected the {variant.path} path, the dispatch took the {row.get('dispatch')} "
+                   f"path ({said})")
+    if variant.path == "fallback" and kernels:
+        out.append(f"{where}: a fallback variant compiled a tpu_custom_call ({', '.join(map(str, names))})")
+    for name in variant.required_kernels:
+        if name not in names:
+            out.append(f"{where}: no tpu_custom_call of {name} (the dispatch runs it on the Mosaic TPU kernels; "
+                       f"found {names or 'none'})")
+    limit = tpu_variants.SCOPED_VMEM_LIMIT.get(row["target"])
+    for kernel in kernels:
+        vmem = kernel.get("scoped_vmem")
+        if vmem is None:
+            out.append(f"{where} {kernel.get('kernel')}: no scoped VMEM figure in the compiled module")
+        elif limit is None or vmem > limit:
+            out.append(f"{where} {kernel.get('kernel')}: {vmem:,} B scoped VMEM over the {row['target']} limit "
+                       f"{limit}")
+    return out
+
+
+def hbm_problems(rows: list[dict], target: str) -> list[str]:
+    """The HBM growth check of one target: fwd+bwd temp at 2T against T (the registry's `hbm` pair)."""
+    t1, t2 = tpu_variants.HBM_LENGTHS
+    pair = {r["q_len"]: r for r in rows if r["target"] == target and r.get("group") == "hbm"}
+    if t1 not in pair or t2 not in pair:
+        return []  # the missing rows are reported as missing
+    small, large = pair[t1], pair[t2]
+    if small.get("status") != "ok" or large.get("status") != "ok":
+        return []  # reported as compile errors
+    a, b = (r.get("hbm", {}).get("temp") for r in (small, large))
+    if a is None or b is None:
+        return [f"{target}: no HBM temp figure for the T = {t1} / {t2} pair"]
+    if b > HBM_GROWTH_MAX * a + HBM_SLACK:
+        return [f"{target}: fwd+bwd HBM temp grows faster than linearly: {a:,} B at T = {t1}, {b:,} B at "
+                f"T = {t2} (over {HBM_GROWTH_MAX} x + {HBM_SLACK >> 20} MiB)"]
+    return []
+
+
+def problems(section: dict | None, open_ones: bool = False) -> list[str]:
+    """Every reason the TPU section fails CI, one line each; with `open_ones`, the problems of the targets
+    shown but not gated instead (reported, not failing)."""
+    if section is None:
+        return [] if open_ones else ["the report has no tpu section (scripts/compile/tpu_report.py run)"]
+    registry = _registry()
+    rows = section.get("rows") or []
+    gated = [t for t in section.get("targets", []) if t in GATED_TARGETS]
+    out, shown = [], []
+    if not open_ones:
+        for target in GATED_TARGETS:
+            if target not in section.get("targets", []):
+                out.append(f"{target}: not compiled (a gated generation)")
+        if not (section.get("toolchain") or {}).get("libtpu"):
+            out.append("the report does not name its libtpu version")
+    seen = set()
+    for row in rows:
+        target, name = row.get("target"), row.get("variant")
+        if row.get("group") == "peer":
+            continue  # peers are shown side by side, not held to our checks
+        key = (target, name)
+        lines = []
+        if key in seen:
+            lines.append(f"{target} {name}: compiled twice in one report")
+        seen.add(key)
+        if target not in tpu_variants.TOPOLOGIES:
+            lines.append(f"{target} {name}: an unknown target")
+        elif name not in registry:
+            lines.append(f"{target} {name}: a variant the registry (tpu_variants.py) does not list")
+        else:
+            lines += row_problems(row, registry[name])
+        (out if target in GATED_TARGETS else shown).extend(lines)
+    for target in section.get("targets", []):
+        (out if target in GATED_TARGETS else shown).extend(hbm_problems(rows, target))
+    for target in GATED_TARGETS:
+        if target in gated:
+            out += [f"{target} {name}: missing from the report" for name in registry if (target, name) not in seen]
+    return shown if open_ones else out
+
+
+def with_verdicts(section: dict) -> dict:
+    """The section with the gate's verdicts (each row's problems) and the figures it checks against."""
+    registry = _registry()
+    for row in section.get("rows", []):
+        variant = registry.get(row.get("variant"))
+        row["problems"] = row_problems(row, variant) if variant is not None and row.get("group") != "peer" else []
+    section.update(
+        gated_targets=list(GATED_TARGETS),
+        limits={t: dict(topology=tpu_variants.TOPOLOGIES[t], scoped_vmem_limit=tpu_variants.SCOPED_VMEM_LIMIT[t],
+                        vmem_capacity=tpu_variants.VMEM_CAPACITY[t]) for t in section.get("targets", [])
+                if t in tpu_variants.TOPOLOGIES},
+        hbm_rule=dict(lengths=list(tpu_variants.HBM_LENGTHS), max_growth=HBM_GROWTH_MAX, slack=HBM_SLACK),
+    )
+    return section
+
+
+def check(report: dict) -> int:
+    """Print the TPU gate's verdict on a whole report (GPU rows and `tpu` section); 1 when it fails."""
+    section = report.get("tpu")
+    found = problems(section)
+    for line in problems(section, open_ones=True):
+        print(f"tpu_compile_report: OPEN {line}")
+    for line in found:
+        print(f"tpu_compile_report: FAIL {line}")
+    rows = (section or {}).get("rows", [])
+    kernels = sum(len(r.get("kernels") or []) for r in rows)
+    print(f"tpu_compile_report: {len(rows)} compiles, {kernels} tpu_custom_calls, {len(found)} problems")
+    return 1 if found else 0

@@ -1,0 +1,237 @@
+"""The TPU variants the compile report compiles (scripts/compile/tpu_report.py): every Mosaic TPU kernel build
+that `auto` (a TPU device's default backend, "tpu") or a default `FlashConfig` can pick, each with the path
+the TPU dispatch (`probjax_kernels._dispatch._tpu_takes`, `probjax_kernels.tpu.unsupported`) takes for it:
+"kernel" (the Mosaic TPU kernels: one `tpu_custom_call` per kernel) or "fallback" (the XLA path, with a
+warning; no `tpu_custom_call`). The gate holds every generation's compile to that expectation.
+
+Like the GPU report (scripts/compile/variants.py), VMEM depends on the static configuration (tiles, head dim,
+dtype, features), not on the batch, heads or length beyond the tiles, so B=4, N=8 (K=2 for GQA), seq 1024 per
+configuration; `hbm` variants compile fwd+bwd at T and 2T for the HBM growth check; `peer` variants compile
+JAX's own TPU attention kernels (and tokamax's, when it is installed) at the same shapes, shown, not gated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import variants as gpu_variants
+
+B, N, KV_HEADS = 4, 8, 2
+# target -> the topology whose first chip the report compiles for (`jax.experimental.topologies`)
+TOPOLOGIES = {"tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2", "tpu_v4": "v4:2x2x1"}
+TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_v4")
+# Scoped VMEM a kernel may use without raising `vmem_limit_bytes`, and the VMEM of a TensorCore, in bytes:
+# the figures libtpu 0.0.48.1's deviceless compile enforces ("Scoped allocation with size 24.00M and limit
+# 16.00M", "Used 160.00M of 128.00M vmem"; the capacities are also jax's `tpu_info`).
+SCOPED_VMEM_LIMIT = {"tpu_v5e": 16 << 20, "tpu_v5p": 16 << 20, "tpu_v6e": 32 << 20, "tpu_v4": 16 << 20}
+VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20, "tpu_v4": 16 << 20}
+
+FORWARD, DQ, DKV, TANGENT = ("probjax_tpu_forward", "probjax_tpu_backward_dq", "probjax_tpu_backward_dkv",
+                             "probjax_tpu_tangent")
+# The kernels each mode runs when the dispatch takes the call (a jvp runs the forward for the primal output).
+KERNELS_OF_MODE = {"fwd": (FORWARD,), "fwd+bwd": (FORWARD, DQ, DKV), "jvp": (FORWARD, TANGENT)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuVariant:
+    """One compile: `build()` returns (function, argument ShapeDtypeStructs without sharding).
+
+    `path`: "kernel" or "fallback" (what the dispatch must pick; None for peers); `why`: for a fallback,
+    what the kernels lack; `features`: for a peer, what it takes."""
+
+    name: str
+    group: str  # "tpu" | "flex" | "hbm" | "peer"
+    build: Callable[[], tuple[Callable, list]]
+    head_dim: int
+    dtype: str
+    mode: str
+    q_len: int = 1024
+    path: str | None = "kernel"
+    why: str = ""
+    features: str = ""
+
+    @property
+    def required_kernels(self) -> tuple[str, ...]:
+        return KERNELS_OF_MODE[self.mode] if self.path == "kernel" else ()
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _from_gpu(variant, group: str, path: str = "kernel", why: str = "") -> TpuVariant:
+    """A `variants.flash` / `variants.flex` build (backend "tpu") as a TPU variant."""
+    return TpuVariant(variant.name, group, variant.build, variant.head_dim, variant.dtype, variant.mode,
+                      variant.q_len, path, why)
+
+
+def flash(name, group="tpu", **options) -> TpuVariant:
+    return _from_gpu(gpu_variants.flash(name, backend="tpu", **options), group)
+
+
+def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024) -> TpuVariant:
+    """fwd+bwd with a dense additive bias `[1, N, T, S]` that gets a gradient (an argument, not a constant)."""
+    from probjax_kernels import FlashConfig, flash_attention
+
+    dt = gpu_variants.dtype_of(dtype)
+
+    def build():
+        specs = [_spec((B, q_len, N, head_dim), dt)] * 3 + [_spec((1, N, q_len, q_len), jnp.float32)]
+
+        def attend(q, k, v, bias):
+            return flash_attention(q, k, v, bias=bias, config=FlashConfig(backend="tpu"))
+
+        return gpu_variants._wrap("fwd+bwd", attend, 4, (0, 1, 2, 3)), specs
+
+    return TpuVariant(name, "tpu", build, head_dim, dtype, "fwd+bwd", q_len)
+
+
+# The flex hooks whose captured arrays the kernels read as vectors (a gather, which Mosaic TPU cannot lower):
+# the dispatch sends those calls to the XLA path (`probjax_kernels.tpu.vet`).
+FLEX_FALLBACK = {
+    "document_mask": "`doc[b, q_idx]` reads the captured ids along q_idx (a vector gather)",
+    "relative_bias": "`table[h, q_idx - kv_idx]` reads the captured table along the indices (a vector gather)",
+}
+
+
+def tpu_variants() -> list[TpuVariant]:
+    """The gated variants: dtype bf16 / f32 x head dim 64 / 128 / 256 x causal / full, a jvp per dtype,
+    then window, GQA 8:2, ragged lengths with segments, a dense bias, dropout, float16 (run as float32), the
+    five flex hooks, and the HBM pair."""
+    out = []
+    for dtype in ("bf16", "f32"):
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                if dtype == "f32" and causal and d != 128:
+                    continue  # float32 causal at head dim 128 only: its tiles do not change with the mask
+                tag = f"d{d}_{dtype}_{'causal' if causal else 'full'}"
+                out.append(flash(f"tpu_grad_{tag}", head_dim=d, dtype=dtype, causal=causal, mode="fwd+bwd"))
+        out.append(flash(f"tpu_jvp_d128_{dtype}_causal", dtype=dtype, causal=True, mode="jvp"))
+    out.append(flash("tpu_fwd_d128_bf16_causal", causal=True))
+    out.append(flash("tpu_grad_d128_bf16_window", window=(256, 0), mode="fwd+bwd"))
+    out.append(flash("tpu_grad_d128_gqa8to2_bf16_causal", kv_heads=KV_HEADS, causal=True, mode="fwd+bwd"))
+    out.append(flash("tpu_grad_d128_bf16_segments_lengths_T600", q_len=600, segments=True, lengths=True,
+                     mode="fwd+bwd"))
+    out.append(flash_bias("tpu_grad_d128_bf16_bias"))
+    out.append(flash("tpu_grad_d128_bf16_dropout", dropout_rate=0.1, dropout_seed=7, mode="fwd+bwd"))
+    out.append(flash("tpu_grad_d128_f16_causal", dtype="f16", causal=True, mode="fwd+bwd"))
+    for hook in ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias"):
+        # The XLA fallback's compile of seq 1024 takes 0.5-2 min per generation (the relative-bias gather):
+        # the fallbacks compile at seq 256, which shows the same path (no tpu_custom_call) in seconds.
+        fallback = hook in FLEX_FALLBACK
+        base = gpu_variants.flex(f"tpu_flex_grad_d128_bf16_{hook}" + ("_T256" if fallback else ""), hook,
+                                 backend="tpu", q_len=256 if fallback else 1024)
+        out.append(_from_gpu(base, "flex", "fallback" if fallback else "kernel",
+                             FLEX_FALLBACK.get(hook, "")))
+    for t in HBM_LENGTHS:
+        out.append(flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t,
+                         mode="fwd+bwd"))
+    return out
+
+
+HBM_LENGTHS = (4096, 8192)  # T and 2T: fwd+bwd HBM temp must grow at most linearly (no T x S buffer)
+
+
+# ------------------------------------------------------------------------------------------------ peers
+
+
+def _bnsd(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, T, N, D] -> [B, N, T, D]
+
+
+def _peer(name, build_attend, features, *, head_dim=128, kv_heads=N, q_len=1024) -> TpuVariant:
+    """fwd+bwd of a peer's attend(q, k, v) on our [B, T, N, D] inputs, bf16."""
+    def build():
+        specs = [_spec((B, q_len, N, head_dim), jnp.bfloat16)] + [
+            _spec((B, q_len, kv_heads, head_dim), jnp.bfloat16)] * 2
+        return gpu_variants._wrap("fwd+bwd", build_attend(q_len, head_dim), 3, (0, 1, 2)), specs
+
+    return TpuVariant(name, "peer", build, head_dim, "bf16", "fwd+bwd", q_len, None, features=features)
+
+
+def _splash(mask_kind: str, gqa: bool):
+    """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) at its default block sizes
+    (128 everywhere, separate dQ and dK/dV kernels), vmapped over the batch; GQA through its MQA kernel,
+    vmapped over the kv heads."""
+    def build_attend(t, d):
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+        one = masks.CausalMask((t, t)) if mask_kind == "causal" else masks.LocalMask((t, t), (256, 0), 0)
+        heads = N // KV_HEADS if gqa else N
+        # The mask's block tables are made here, at trace time, as arrays: on the CPU (the topology's TPU
+        # device of the compile cannot hold data); they enter the compile as constants.
+        with jax.default_device(jax.devices("cpu")[0]):
+            kernel = (splash.make_splash_mqa if gqa else splash.make_splash_mha)(
+                masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
+                block_sizes=splash.BlockSizes.get_default())
+
+        def attend(q, k, v):
+            q, k, v = _bnsd(q) * d ** -0.5, _bnsd(k), _bnsd(v)
+            if gqa:  # q [B, K, N/K, T, D], k / v [B, K, T, D]
+                q = q.reshape(B, KV_HEADS, N // KV_HEADS, t, d)
+                out = jax.vmap(jax.vmap(kernel))(q, k, v).reshape(B, N, t, d)
+            else:
+                out = jax.vmap(kernel)(q, k, v)
+            return _bnsd(out)
+
+        return attend
+    return build_attend
+
+
+def _jax_flash(causal: bool):
+    """JAX's Pallas TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`) at its default
+    block sizes."""
+    def build_attend(t, d):
+        from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
+        def attend(q, k, v):
+            out = jax_flash.flash_attention(_bnsd(q), _bnsd(k), _bnsd(v), causal=causal, sm_scale=d ** -0.5)
+            return _bnsd(out)
+
+        return attend
+    return build_attend
+
+
+def _tokamax(causal: bool):
+    """tokamax's attention (`tokamax.dot_product_attention`, implementation "mosaic": its Pallas Mosaic TPU
+    kernel), when tokamax is installed."""
+    def build_attend(t, d):
+        import tokamax
+
+        def attend(q, k, v):
+            return tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
+
+        return attend
+    return build_attend
+
+
+def peer_variants() -> list[TpuVariant]:
+    """The peers at seq 1024, and the causal ones at the HBM pair's T as well (at seq 1024 XLA keeps most
+    intermediates of every kernel in VMEM, so HBM temp only compares at longer sequences)."""
+    splash = "block-sparse masks (tables at trace time), soft cap, segment ids, MQA / GQA, fused dK/dV"
+    jax_flash = "causal, dense bias `ab`, segment ids; no GQA, no window, no soft cap, Dv = D"
+    tokamax = "tokamax.dot_product_attention (its Mosaic TPU kernel: splash); masks, bias, GQA, soft cap, window"
+    t = HBM_LENGTHS[0]
+    return [
+        _peer("jax_splash_grad_d128_bf16_causal", _splash("causal", False), splash),
+        _peer("jax_splash_grad_d128_bf16_local256", _splash("local", False), splash),
+        _peer("jax_splash_grad_d128_gqa8to2_bf16_causal", _splash("causal", True), splash, kv_heads=KV_HEADS),
+        _peer("jax_flash_grad_d128_bf16_causal", _jax_flash(True), jax_flash),
+        _peer("jax_flash_grad_d128_bf16_full", _jax_flash(False), jax_flash),
+        _peer("tokamax_grad_d128_bf16_causal", _tokamax(True), tokamax),
+        _peer(f"jax_splash_grad_d128_bf16_causal_T{t}", _splash("causal", False), splash, q_len=t),
+        _peer(f"jax_flash_grad_d128_bf16_causal_T{t}", _jax_flash(True), jax_flash, q_len=t),
+        _peer(f"tokamax_grad_d128_bf16_causal_T{t}", _tokamax(True), tokamax, q_len=t),
+    ]
+
+
+def variants() -> list[TpuVariant]:
+    """Every TPU variant, ours first; names are unique."""
+    out = tpu_variants() + peer_variants()
+    names = [v.name for v in out]
+    assert len(names) == len(set(names)), "variant names must be unique"
+    return out

@@ -1,0 +1,163 @@
+"""The TPU compile report's gate (scripts/compile/tpu_check.py) fails closed: fed reports with one thing broken
+(a missing pair, a compile error, a missing tpu_custom_call, a changed dispatch path, VMEM over the limit,
+quadratic HBM growth, ...) it fails each, and it passes a complete one. None of this needs libtpu: the gate
+reads JSON. The committed report's TPU section passes it, at the tiles `default_config` picks per generation."""
+
+import copy
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from probjax_kernels import FlashConfig, _dispatch, default_config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "compile"))
+
+import tpu_check  # noqa: E402
+import tpu_report  # noqa: E402
+import tpu_variants  # noqa: E402
+
+MIB = 1 << 20
+REGISTRY = {v.name: v for v in tpu_variants.tpu_variants()}
+TARGETS = list(tpu_variants.TARGETS)
+
+
+def _row(target: str, variant, vmem: int = MIB) -> dict:
+    """A passing row for `variant` on `target`, as tpu_report.worker writes it."""
+    kernels = [dict(kernel=name, scoped_vmem=vmem, grid=[4, 8, 4, 2], blocks=[[256, 128]])
+               for name in variant.required_kernels]
+    temp = {tpu_variants.HBM_LENGTHS[0]: 256 * MIB, tpu_variants.HBM_LENGTHS[1]: 512 * MIB}.get(variant.q_len, 0)
+    return dict(target=target, variant=variant.name, group=variant.group, mode=variant.mode, q_len=variant.q_len,
+                path=variant.path, dispatch=variant.path, kernels=kernels, status="ok", compile_s=1.0,
+                hbm=dict(temp=temp, argument=0, output=0))
+
+
+def _good() -> dict:
+    rows = [_row(t, v) for t in TARGETS for v in REGISTRY.values()]
+    rows.append(dict(target="tpu_v5e", variant="jax_splash_grad_d128_bf16_causal", group="peer", status="error",
+                     error="peers are not gated", kernels=[], compile_s=1.0))
+    return dict(targets=TARGETS, toolchain=dict(jax="0.11.2", libtpu="0.0.48.1"), wall_s=1.0, jobs=2, rows=rows)
+
+
+def _find(section: dict, target: str, name: str) -> dict:
+    return next(r for r in section["rows"] if r["target"] == target and r["variant"] == name)
+
+
+KERNEL_VARIANT = "tpu_grad_d128_bf16_causal"
+FALLBACK_VARIANT = next(name for name, v in REGISTRY.items() if v.path == "fallback")
+
+
+def test_a_complete_report_passes():
+    assert tpu_check.problems(_good()) == []
+    assert tpu_check.problems(_good(), open_ones=True) == []
+
+
+def test_the_registry_expects_kernels_and_fallbacks():
+    """Not vacuous: the registry holds kernel variants of every mode and flex fallbacks."""
+    paths = {v.path for v in REGISTRY.values()}
+    assert paths == {"kernel", "fallback"}
+    assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp"}
+    assert {"probjax_tpu_backward_dkv", "probjax_tpu_tangent"} <= {
+        k for v in REGISTRY.values() for k in v.required_kernels}
+
+
+def _broken(edit) -> list[str]:
+    section = _good()
+    edit(section)
+    return tpu_check.problems(section)
+
+
+def _drop(section, target, name):
+    section["rows"].remove(_find(section, target, name))
+
+
+@pytest.mark.parametrize("case, edit, expected", [
+    ("missing pair", lambda s: _drop(s, "tpu_v5p", KERNEL_VARIANT), "tpu_v5p tpu_grad_d128_bf16_causal: missing"),
+    ("compile error", lambda s: _find(s, "tpu_v6e", KERNEL_VARIANT).update(status="error", error="E1001"),
+     "compile error: E1001"),
+    ("missing kernel", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT)["kernels"].pop(),
+     "no tpu_custom_call of probjax_tpu_backward_dkv"),
+    ("no kernels at all", lambda s: _find(s, "tpu_v5e", "tpu_jvp_d128_bf16_causal").update(kernels=[]),
+     "no tpu_custom_call of probjax_tpu_tangent"),
+    ("kernel variant fell back", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT).update(dispatch="fallback"),
+     "expected the kernel path"),
+    ("fallback became a kernel", lambda s: _find(s, "tpu_v5e", FALLBACK_VARIANT).update(
+        dispatch="kernel", kernels=[dict(kernel="probjax_tpu_forward", scoped_vmem=MIB)]),
+     "a fallback variant compiled a tpu_custom_call"),
+    ("VMEM over v5e's 16 MiB", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT)["kernels"][0].update(
+        scoped_vmem=17 * MIB), "scoped VMEM over the tpu_v5e limit"),
+    ("no VMEM figure", lambda s: _find(s, "tpu_v5p", KERNEL_VARIANT)["kernels"][0].update(scoped_vmem=None),
+     "no scoped VMEM figure"),
+    ("quadratic HBM", lambda s: _find(s, "tpu_v6e", f"tpu_hbm_grad_d128_bf16_causal_T{tpu_variants.HBM_LENGTHS[1]}")
+     ["hbm"].update(temp=1024 * MIB), "grows faster than linearly"),
+    ("unknown variant", lambda s: s["rows"].append(dict(_find(s, "tpu_v5e", KERNEL_VARIANT), variant="made_up")),
+     "does not list"),
+    ("duplicate row", lambda s: s["rows"].append(copy.deepcopy(_find(s, "tpu_v5e", KERNEL_VARIANT))),
+     "compiled twice"),
+    ("gated target not compiled", lambda s: s.update(
+        targets=[t for t in TARGETS if t != "tpu_v6e"], rows=[r for r in s["rows"] if r["target"] != "tpu_v6e"]),
+     "tpu_v6e: not compiled"),
+    ("no libtpu version", lambda s: s["toolchain"].pop("libtpu"), "libtpu"),
+])
+def test_a_broken_report_fails(case, edit, expected):
+    found = _broken(edit)
+    assert any(expected in line for line in found), (case, found)
+
+
+def test_no_tpu_section_fails():
+    assert tpu_check.check({"rows": []}) == 1
+    assert tpu_check.problems(None) == ["the report has no tpu section (scripts/compile/tpu_report.py run)"]
+
+
+def test_v6e_takes_32_mib_and_v4_is_shown_not_gated():
+    """17 MiB passes v6e's 32 MiB limit; a v4 compile error is open (reported), not a failure."""
+    section = _good()
+    _find(section, "tpu_v6e", KERNEL_VARIANT)["kernels"][0]["scoped_vmem"] = 17 * MIB
+    _find(section, "tpu_v4", KERNEL_VARIANT).update(status="error", error="v4 E1001")
+    assert tpu_check.problems(section) == []
+    assert any("v4 E1001" in line for line in tpu_check.problems(section, open_ones=True))
+
+
+def test_custom_calls_reads_each_kernel_and_its_scoped_vmem():
+    hlo = ('  %probjax_tpu_forward.1 = (bf16[4,8,1024,128]) custom-call(%a), custom_call_target="tpu_custom_call", '
+           'backend_config={"scoped_memory_configs":[],"custom_call_config":{"body":"TUzv"},'
+           '"used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"925696"}]}\n'
+           '  %fusion.3 = f32[8] fusion(%b), kind=kLoop\n'
+           '  %probjax_tpu_backward_dkv = (bf16[4]) custom-call(%c), custom_call_target="tpu_custom_call", '
+           'backend_config={}\n')
+    assert tpu_report.custom_calls(hlo) == [dict(kernel="probjax_tpu_forward", scoped_vmem=925696),
+                                            dict(kernel="probjax_tpu_backward_dkv", scoped_vmem=None)]
+
+
+# -------------------------------------------------------------------------------- the committed report
+
+SECTION = json.loads((ROOT / "docs" / "compile" / "report.json").read_text()).get("tpu")
+KINDS = {"tpu_v5e": "TPU v5 lite", "tpu_v5p": "TPU v5", "tpu_v6e": "TPU v6 lite", "tpu_v4": "TPU v4"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTPU:
+    """What `default_config` reads of a device: its platform and kind."""
+
+    device_kind: str
+    platform: str = "tpu"
+
+
+def test_the_committed_tpu_section_passes_the_gate():
+    assert SECTION is not None, "docs/compile/report.json has no tpu section: run bash scripts/compile_check.sh"
+    assert tpu_check.problems(SECTION) == []
+
+
+@pytest.mark.parametrize("target", tpu_check.GATED_TARGETS)
+def test_committed_tiles_are_what_default_config_picks(target, monkeypatch):
+    """The tiles each plain variant compiled with are default_config's for that generation."""
+    monkeypatch.setattr(_dispatch, "target_device", lambda: FakeTPU(KINDS[target]))
+    rows = [r for r in SECTION["rows"] if r["target"] == target and r["group"] in ("tpu", "hbm")]
+    assert rows
+    for row in rows:
+        picked = default_config(FlashConfig(backend="tpu"), q_len=row["q_len"], kv_len=row["q_len"],
+                                head_dim=row["head_dim"])
+        assert {k: v for k, v in vars(picked).items() if k.startswith("block_")} == row["config"], row["variant"]
