@@ -21,7 +21,7 @@ import tpu_report  # noqa: E402
 import tpu_variants  # noqa: E402
 
 MIB = 1 << 20
-REGISTRY = {v.name: v for v in tpu_variants.tpu_variants()}
+REGISTRY = {v.name: v for v in tpu_variants.gated_variants()}
 TARGETS = list(tpu_variants.TARGETS)
 
 
@@ -59,7 +59,7 @@ def test_the_registry_expects_kernels_and_fallbacks():
     """Not vacuous: the registry holds kernel variants of every mode and flex fallbacks."""
     paths = {v.path for v in REGISTRY.values()}
     assert paths == {"kernel", "fallback"}
-    assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp"}
+    assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp", "decode"}
     assert {"probjax_tpu_backward_dkv", "probjax_tpu_tangent"} <= {
         k for v in REGISTRY.values() for k in v.required_kernels}
 
@@ -161,3 +161,11 @@ def test_committed_tiles_are_what_default_config_picks(target, monkeypatch):
         picked = default_config(FlashConfig(backend="tpu"), q_len=row["q_len"], kv_len=row["q_len"],
                                 head_dim=row["head_dim"])
         assert {k: v for k, v in vars(picked).items() if k.startswith("block_")} == row["config"], row["variant"]
+
+
+def test_a_decode_variant_without_its_kernel_fails():
+    """The decode kernel is gated like the flash kernels: its row must hold `probjax_tpu_decode_attention`."""
+    name = next(n for n, v in REGISTRY.items() if v.mode == "decode")
+    section = _good()
+    _find(section, "tpu_v5e", name)["kernels"] = []
+    assert any(name in line for line in tpu_check.problems(section))

@@ -34,7 +34,7 @@ def _registry() -> dict:
         import report as gpu_report
 
         gpu_report._import_kernels()
-    return {v.name: v for v in tpu_variants.tpu_variants()}
+    return {v.name: v for v in tpu_variants.gated_variants()}
 
 
 def row_problems(row: dict, variant) -> list[str]:

@@ -51,10 +51,11 @@ def _ours(new_tokens: int, paged: bool = True, dtype=jnp.bfloat16, head_dim: int
     else:
         cache, tables = (B, CONTEXT, num_kv_heads), []
     k, v = jax.ShapeDtypeStruct((*cache, head_dim), dtype), jax.ShapeDtypeStruct((*cache, value_dim), dtype)
-    slopes = jnp.linspace(0.05, 0.5, N)  # a captured array, read per head (SMEM scalars)
-    options = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
-
     def fn(q, k, v, lengths, *tables):
+        # Built inside the trace: an eager jnp op on a deviceless TPU device fails. The slopes are a captured
+        # array, read per head (SMEM scalars).
+        slopes = jnp.linspace(0.05, 0.5, N)
+        options = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
         return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables[0] if tables else None,
                                 num_splits=splits, return_lse=True, **options)
 

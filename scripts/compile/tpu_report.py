@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "tpu.md"
-GROUPS = ("tpu", "flex", "hbm", "peer")
+GROUPS = ("tpu", "flex", "hbm", "decode", "peer")
 _CALL = re.compile(r"%(\S+?)(?:\.\d+)? = [^\n]*custom_call_target=\"tpu_custom_call\"")
 _USED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
 _SIZE = re.compile(r'"size":"(\d+)"')
@@ -138,7 +138,7 @@ def worker(target: str, group: str, only: str | None) -> list[dict]:
         try:
             with jax.default_device(device), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                if variant.group != "peer":
+                if variant.group not in ("peer", "decode"):
                     config = default_config(FlashConfig(backend="tpu"), q_len=variant.q_len, kv_len=variant.q_len,
                                             head_dim=variant.head_dim)
                     row["config"] = {k: v for k, v in vars(config).items()
@@ -193,7 +193,7 @@ def run(args) -> int:
 
     wanted = {v.group for v in tpu_variants.variants() if not args.only or re.search(args.only, v.name)}
     # The peers compile for the gated generations only (shown beside ours, not checked).
-    shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm") for t in targets
+    shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm", "decode") for t in targets
               if g in wanted and (g != "peer" or t in tpu_check.GATED_TARGETS)]
     start = time.perf_counter()
     rows = []

@@ -31,8 +31,10 @@ VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20
 
 FORWARD, DQ, DKV, TANGENT = ("probjax_tpu_forward", "probjax_tpu_backward_dq", "probjax_tpu_backward_dkv",
                              "probjax_tpu_tangent")
+DECODE = "probjax_tpu_decode_attention"
 # The kernels each mode runs when the dispatch takes the call (a jvp runs the forward for the primal output).
-KERNELS_OF_MODE = {"fwd": (FORWARD,), "fwd+bwd": (FORWARD, DQ, DKV), "jvp": (FORWARD, TANGENT)}
+KERNELS_OF_MODE = {"fwd": (FORWARD,), "fwd+bwd": (FORWARD, DQ, DKV), "jvp": (FORWARD, TANGENT),
+                   "decode": (DECODE,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +231,47 @@ def peer_variants() -> list[TpuVariant]:
     ]
 
 
+def decode_variants() -> list[TpuVariant]:
+    """`decode_attention` with its default config (backend "tpu" on a TPU device) at the serving shapes of
+    `tpu_decode_probe.py` (B=8, N=32, K=8, D=128, 16-key pages, 2048 keys per sequence), and JAX's paged /
+    ragged paged attention beside it (peers, shown, not gated)."""
+    import tpu_decode_probe as probe
+
+    def ours(name, dtype="bf16", **options):
+        def build():
+            fn, specs = probe._ours(dtype=gpu_variants.dtype_of(dtype), **options)
+            return fn, list(specs)
+        return TpuVariant(name, "decode", build, probe.D, dtype, "decode", probe.CONTEXT)
+
+    def peer(name, probe_build, features):
+        def build():
+            fn, specs = probe_build()
+            return fn, list(specs)
+        return TpuVariant(name, "peer", build, probe.D, "bf16", "decode", probe.CONTEXT, path=None,
+                          features=features)
+
+    paged = "paged KV cache (head-major pages), one new token, MQA / GQA; no hooks, no dense cache"
+    ragged = "ragged paged attention: mixed prefill / decode tokens, paged KV; sliding window, soft cap"
+    return [
+        ours("tpu_decode_paged_d128_bf16_gqa32to8_t1", new_tokens=1),
+        ours("tpu_decode_paged_d128_bf16_gqa32to8_t16_alibi_window", new_tokens=16, hooks=True),
+        ours("tpu_decode_dense_d128_bf16_gqa32to8_t1", new_tokens=1, paged=False),
+        ours("tpu_decode_paged_d128_f32_gqa32to8_t4", "f32", new_tokens=4),
+        ours("tpu_decode_paged_d192_dv128_bf16_gqa32to2_t8", new_tokens=8, head_dim=192, value_dim=128,
+             num_kv_heads=2),
+        peer("jax_paged_attention_decode_d128_bf16_t1", probe._peer_paged, paged),
+        peer("jax_ragged_paged_attention_decode_d128_bf16_t4", lambda: probe._peer_ragged(4), ragged),
+    ]
+
+
+def gated_variants() -> list[TpuVariant]:
+    """The variants the gate checks: ours (flash, flex, HBM pair, decode); the peers are shown only."""
+    return [*tpu_variants(), *(v for v in decode_variants() if v.group != "peer")]
+
+
 def variants() -> list[TpuVariant]:
     """Every TPU variant, ours first; names are unique."""
-    out = tpu_variants() + peer_variants()
+    out = tpu_variants() + peer_variants() + decode_variants()
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
