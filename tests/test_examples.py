@@ -390,6 +390,38 @@ def test_pallas_and_xla_give_the_same_losses(data_cache, tmp_path):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bfloat16_models_hand_attention_bfloat16(framework, monkeypatch):
+    """dtype="bfloat16" keeps float32 params and computes in bfloat16: q, k and v reach attention as bfloat16 in
+    training and in the prefill (NNX's Embed once cast its output back to its float32 param_dtype, so the NNX
+    model ran float32 attention kernels)."""
+    import lm.common
+    import lm.model_nnx
+
+    seen = []
+    shard_heads = lm.common.shard_heads
+
+    def spy(attend):
+        def run(query, key, value):
+            seen.append((query.dtype, key.dtype, value.dtype))
+            return shard_heads(attend)(query, key, value)
+        return run
+
+    # Every model's attention passes through shard_heads (NNX's RotaryAttention imports it by name).
+    monkeypatch.setattr(lm.common, "shard_heads", spy)
+    monkeypatch.setattr(lm.model_nnx, "shard_heads", spy)
+    config = make_config("tiny", {**MICRO, "framework": framework, "dtype": "bfloat16"})
+    model = train.build_model(config, jax.random.key(0))
+    assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.float32)}
+    params = train.compute_params(model.params, config)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    seen.clear()  # Linen's init ran the float32 model
+    assert jax.eval_shape(model.apply, params, tokens).dtype == jnp.float32  # the logits
+    jax.eval_shape(model.prefill, params, tokens)
+    assert len(seen) == 2 * config.num_layers
+    assert set(seen) == {(jnp.dtype(jnp.bfloat16),) * 3}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_decode_with_the_cache_matches_the_full_forward(framework):
     config = make_config("tiny", {**MICRO, "framework": framework, "num_kv_heads": 1, "tie_embeddings": False})
     model = train.build_model(config, jax.random.key(1))

@@ -93,8 +93,12 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
+        # The compute dtype, said explicitly: nnx.Embed fixes its output dtype when built (default: its
+        # param_dtype, float32), so the bfloat16 params of a step would be cast back to float32 and every layer
+        # after it, attention included, would compute in float32. The params stay float32 (param_dtype).
         self.embed = nnx.Embed(
-            config.vocab_size, config.d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
+            config.vocab_size, config.d_model, embedding_init=nnx.initializers.normal(0.02),
+            dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32, rngs=rngs,
         )
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.final_norm = nnx.RMSNorm(config.d_model, epsilon=1e-6, rngs=rngs)
