@@ -50,12 +50,14 @@ def decode_attention(
     mask_mod: Callable | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
+    causal: bool = True,
     impl: Impl | AttentionConfig = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache that already holds them.
 
     The semantics of `probjax_kernels.decode_attention`: token t of sequence b sits at position
-    `kv_lengths[b] - T + t` and attends the keys at or before it; hooks see those global positions.
+    `kv_lengths[b] - T + t` and attends the keys at or before it (with `causal=False`, every key below
+    `kv_lengths[b]`); hooks see those global positions.
 
     **Arguments:**
 
@@ -71,6 +73,11 @@ def decode_attention(
     - `num_splits`: programs per (sequence, key/value head) over the cache in the kernel; None picks one from
       B, K, the cache length and the device. XLA checks it and computes in one pass.
     - `return_lse`: also return the log-sum-exp of the scaled, masked scores.
+    - `causal`: True (default) masks the later new tokens from the earlier ones, as a causal training mask
+      does. False lets every new token see all `kv_lengths[b]` keys, the later new tokens included, so a
+      `mask_mod` that is not causal among them (`prefix_lm` with new tokens inside the prefix, bidirectional
+      blocks) decides alone and gives flex_attention's rows. With T = 1 both are the same. A bool (TypeError
+      otherwise), for every impl.
     - `impl`: `"auto"` (the Pallas decode kernel on a GPU, XLA elsewhere), `"pallas"` (the kernel; no hooks),
       `"flex"` (the kernel with hooks), `"xla"` (`probjax_kernels.decode_attention_reference`: the pages
       gathered, the scores materialised); `"cudnn"` has no decode path and raises `NotImplementedError`, as
@@ -101,7 +108,7 @@ def decode_attention(
     )
     return run(
         query, key, value, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod,
-        mask_mod=mask_mod, scale=scale, num_splits=num_splits, return_lse=return_lse,
+        mask_mod=mask_mod, scale=scale, num_splits=num_splits, return_lse=return_lse, causal=causal,
     )
 
 

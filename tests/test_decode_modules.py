@@ -16,7 +16,7 @@ from module_helpers import BATCH, FEATURES, HEADS, SEQ, assert_trees_close, inpu
 
 import probjax_kernels
 import probjax_nn
-from probjax_kernels import alibi, alibi_slopes
+from probjax_kernels import alibi, alibi_slopes, prefix_lm
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
@@ -93,6 +93,25 @@ def test_decode_attention_passes_return_lse_and_num_splits(decode_calls):
     assert decode_calls == [q.shape]
     with pytest.raises(ValueError, match="num_splits"):
         probjax_nn.decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), num_splits=0, impl="xla")
+
+
+def test_decode_attention_passes_causal(decode_calls):
+    """`causal=False` reaches the kernel ("flex") and the reference ("xla"): the 4 new tokens at 16..19 of 20
+    keys under `prefix_lm(18)` see the prefix key 17 ahead of them, against float64 NumPy; the default stays
+    causal among the new tokens."""
+    q, k, v = random_qkv(2, 1, 4, 20, 4, 2, 16)
+    lengths = jnp.array([20])
+    positions, keys = np.arange(16, 20)[:, None], np.arange(20)[None, :]
+    prefix = (keys < 18) | (keys <= positions)
+    for causal, allowed in ((False, prefix), (True, prefix & (keys <= positions))):
+        expected, _ = numpy_attention(q, k, v, allowed=allowed)
+        for impl in ("flex", "xla"):
+            out = probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, mask_mod=prefix_lm(18), causal=causal,
+                                              impl=impl)
+            assert_close(out, expected, jnp.float32, f"causal={causal} {impl}")
+    assert decode_calls == [q.shape] * 2
+    with pytest.raises(TypeError, match="causal"):
+        probjax_nn.decode_attention(q, k, v, kv_lengths=lengths, causal=None, impl="xla")
 
 
 def _stock_decode_nnx(module, x, mask):
