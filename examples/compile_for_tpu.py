@@ -92,8 +92,23 @@ def _specs(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _figures(compiled, seconds: float, capacity: int) -> dict:
-    """Per-chip HBM, collectives and kernels of one compiled program."""
+def _compile(function, *args):
+    """`function` (a jitted function) traced, lowered for TPU and compiled by XLA for `args`' shardings; also
+    returns the seconds of each stage (where the check's time goes)."""
+    times = [time.perf_counter()]
+    traced = function.trace(*args)
+    times.append(time.perf_counter())
+    lowered = traced.lower(lowering_platforms=("tpu",))
+    times.append(time.perf_counter())
+    compiled = lowered.compile()
+    times.append(time.perf_counter())
+    return compiled, dict(zip(("trace", "lower", "compile"), (round(b - a, 1) for a, b in zip(times, times[1:]))))
+
+
+def _figures(compiled, stages: dict, capacity: int) -> dict:
+    """Per-chip HBM, collectives and kernels of one compiled program; `stages`: the seconds of tracing, lowering
+    and XLA's compile (compile_s is their sum)."""
+    seconds = sum(stages.values())
     memory = compiled.memory_analysis()
     text = compiled.as_text()
     collectives = {name: 0 for name in COLLECTIVES}
@@ -111,7 +126,7 @@ def _figures(compiled, seconds: float, capacity: int) -> dict:
     )
     # Donated arguments alias their outputs: count those bytes once.
     hbm["total"] = hbm["arguments"] + hbm["outputs"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
-    return dict(compile_s=round(seconds, 1), hbm=hbm, capacity=capacity, collectives=collectives,
+    return dict(compile_s=round(seconds, 1), stages_s=stages, hbm=hbm, capacity=capacity, collectives=collectives,
                 collective_shapes={name: sorted(found) for name, found in shapes.items() if found},
                 tpu_kernels=len(_KERNEL.findall(text)))
 
@@ -119,6 +134,7 @@ def _figures(compiled, seconds: float, capacity: int) -> dict:
 def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int,
                  programs=("train", "generate")) -> dict:
     """One row of the report: the training step and the batched generation (`programs`) of one slice and shape."""
+    start = time.perf_counter()
     axes = parse_mesh(mesh_flag)
     config = make_config(f"bench-hd{head_dim}", dict(
         seq_len=seq_len, batch_size=BATCH_PER_DATA_SHARD * axes["data"], attention="pallas", mesh=mesh_flag,
@@ -131,6 +147,7 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int,
     model = abstract_model(config)
     row["params"] = sum(x.size for x in jax.tree.leaves(model.params))
     optimizer = make_optimizer(config)
+    row["setup_s"] = round(time.perf_counter() - start, 1)  # the config, the slice's mesh, the abstract model
     if "train" in programs:
         row["train"] = _compile_train(config, mesh, model, optimizer, capacity)
     if "generate" in programs:
@@ -151,9 +168,8 @@ def _compile_train(config, mesh: Mesh, model, optimizer, capacity: int) -> dict:
         # The slice's device as the default: the kernels' dispatch then picks the Mosaic TPU backend.
         with jax.default_device(mesh.devices.flat[0]), jax.set_mesh(mesh):
             train_step, _ = make_steps(model, optimizer, config, shardings)
-            start = time.perf_counter()
-            compiled = train_step.trace(params, opt_state, batch).lower(lowering_platforms=("tpu",)).compile()
-        return _figures(compiled, time.perf_counter() - start, capacity)
+            compiled, stages = _compile(train_step, params, opt_state, batch)
+        return _figures(compiled, stages, capacity)
     except Exception as error:  # noqa: BLE001 - a failed compile is a row of the report
         return dict(error=f"{type(error).__name__}: {str(error)[:800]}")
 
@@ -174,9 +190,8 @@ def _compile_generation(config, device, model, capacity: int) -> dict:
         with jax.default_device(device):
             run = batch_generator(model, config.seq_len + GENERATE_TOKENS, GENERATE_TOKENS,
                                   temperature=config.temperature)
-            start = time.perf_counter()
-            compiled = run.trace(params, tokens, lengths, key).lower(lowering_platforms=("tpu",)).compile()
-        figures = _figures(compiled, time.perf_counter() - start, capacity)
+            compiled, stages = _compile(run, params, tokens, lengths, key)
+        figures = _figures(compiled, stages, capacity)
         figures.update(batch=GENERATE_BATCH, prompt=config.seq_len, new_tokens=GENERATE_TOKENS)
         return figures
     except Exception as error:  # noqa: BLE001
@@ -188,6 +203,13 @@ def _slice(text: str) -> tuple[str, str]:
     if not mesh:
         raise argparse.ArgumentTypeError(f"{text!r}: expected TOPOLOGY=MESH, e.g. v5e:2x2=data=2,seq=2")
     return topology, mesh
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N with 0 <= I < N, e.g. 0/2")
+    return int(index), int(count)
 
 
 def _describe(row: dict) -> str:
@@ -213,15 +235,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-lens", nargs="*", type=int, default=list(SEQ_LENS))
     parser.add_argument("--programs", nargs="*", choices=("train", "generate"), default=["train", "generate"])
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                        help="compile only every N-th (slice, head dim, seq) case from the I-th (0-based): N "
+                        "processes with I = 0..N-1 share the cases")
     args = parser.parse_args(argv)
+    cases = [(topology, mesh, head_dim, seq_len) for topology, mesh in args.slices for head_dim in args.head_dims
+             for seq_len in args.seq_lens]
+    index, count = args.shard
     rows = []
-    for topology, mesh in args.slices:
-        for head_dim in args.head_dims:
-            for seq_len in args.seq_lens:
-                rows.append(compile_case(topology, mesh, head_dim, seq_len, programs=args.programs))
-                print(_describe(rows[-1]), flush=True)
-                if args.json:  # after every row: a long run that is stopped keeps what it compiled
-                    Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")
+    for case in cases[index::count]:
+        rows.append(compile_case(*case, programs=args.programs))
+        print(_describe(rows[-1]), flush=True)
+        if args.json:  # after every row: a long run that is stopped keeps what it compiled
+            Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")
     failed = [row for row in rows if any("error" in row.get(name, {}) for name in ("train", "generate"))]
     raise SystemExit(1 if failed else 0)
 

@@ -38,8 +38,9 @@ def healthy() -> dict:
     return dict(jax="0.11.2", rows=rows)
 
 
-def _row(report: dict, topology: str, seq: int = 2048) -> dict:
-    return next(r for r in report["rows"] if r["topology"] == topology and r["seq_len"] == seq)
+def _row(report: dict, topology: str, seq: int = 2048, head_dim: int = 128) -> dict:
+    return next(r for r in report["rows"]
+                if r["topology"] == topology and r["seq_len"] == seq and r["head_dim"] == head_dim)
 
 
 def test_a_complete_healthy_report_passes():
@@ -54,6 +55,7 @@ def _broken(change) -> list[str]:
 
 @pytest.mark.parametrize("change, problem", [
     (lambda r: r["rows"].pop(), "missing: v6e:2x2 mesh data=4 head dim 128 seq 8192"),
+    (lambda r: r["rows"].remove(_row(r, "v5e:2x2", 8192, head_dim=64)), "missing: v5e:2x2 mesh data=2,seq=2 head dim 64"),
     (lambda r: _row(r, "v5p:2x2x1").__setitem__("train", dict(error="XlaRuntimeError: RESOURCE_EXHAUSTED")),
      "v5p:2x2x1 data=2,model=2 hd128 T=2048 train: compile error: XlaRuntimeError"),
     (lambda r: _row(r, "v6e:2x2").pop("generate"), "v6e:2x2 data=4 hd128 T=2048 generate: not compiled"),
@@ -68,6 +70,11 @@ def _broken(change) -> list[str]:
     # quadratic growth: 16x the temporaries for 4x the sequence
     (lambda r: _row(r, "v5p:2x2x1", 8192)["train"]["hbm"].__setitem__("temp", 16 * GiB),
      "v5p:2x2x1 data=2,model=2 hd128 train: temporaries grow 16.0x"),
+    # the generation too: a prefill that materialised T x T scores would grow its temporaries 16x
+    (lambda r: _row(r, "v5e:2x2", 8192)["generate"]["hbm"].__setitem__("temp", 8 * GiB),
+     "v5e:2x2 data=2,seq=2 hd128 generate: temporaries grow 16.0x"),
+    (lambda r: _row(r, "v6e:2x2", 8192, head_dim=64)["generate"]["hbm"].__setitem__("temp", int(2.6 * GiB)),
+     "v6e:2x2 data=4 hd64 generate: temporaries grow 5.2x"),
     (lambda r: _row(r, "v5p:2x2x1")["train"]["hbm"].pop("temp"), "incomplete figures (KeyError"),
     (lambda r: _row(r, "v5p:2x2x1")["train"].__setitem__("collectives", None), "incomplete figures (TypeError"),
     (lambda r: _row(r, "v5p:2x2x1").__setitem__("topology", "v9x:2x2"), "unknown TPU generation 'v9x'"),
@@ -101,7 +108,7 @@ def test_the_table_lands_between_the_markers(tmp_path):
     text = doc.read_text()
     assert "old" not in text and text.endswith("## After\n")
     table = text.split(tpu_slices.BEGIN)[1].split(tpu_slices.END)[0]
-    assert table.count("| v5e:2x2 |") == 4  # 2 seqs x (train, generate)
+    assert table.count("| v5e:2x2 |") == 8  # 2 head dims x 2 seqs x (train, generate)
     assert "| v5e:2x2 | data=2,seq=2 | 128 | 8192 | train | 0.50 | 4.00 | 4.50 | 16 GiB | collective-permute 48" in table
 
 
@@ -113,3 +120,48 @@ def test_check_command_exit_status(tmp_path):
     bad.write_text(json.dumps(report))
     assert tpu_slices.main(["check", str(good)]) == 0
     assert tpu_slices.main(["check", str(bad)]) == 1
+
+
+def test_ci_gates_head_dim_128_the_record_both():
+    """CI compiles head dim 128 only (`run --gated`): its report passes the gated check and not the full one,
+    which the committed record (head dims 64 and 128) must pass."""
+    report = healthy()
+    report["rows"] = [row for row in report["rows"] if row["head_dim"] == 128]
+    assert tpu_slices.check(report, tpu_slices.GATED_HEAD_DIMS) == []
+    assert sum("head dim 64" in problem for problem in tpu_slices.check(report)) == 6
+
+
+def test_the_committed_record_passes_the_full_gate():
+    report = json.loads(tpu_slices.REPORT.read_text())
+    assert tpu_slices.check(report, tpu_slices.ALL_HEAD_DIMS) == []
+    assert {(row["head_dim"], row["seq_len"]) for row in report["rows"]} == {
+        (hd, seq) for hd in tpu_slices.ALL_HEAD_DIMS for seq in tpu_slices.SEQ_LENS}
+
+
+_FAKE_SCRIPT = """
+import argparse, json, os
+parser = argparse.ArgumentParser()
+parser.add_argument("--head-dims", nargs="*", type=int)
+parser.add_argument("--seq-lens", nargs="*", type=int)
+parser.add_argument("--slices", nargs="*")
+parser.add_argument("--shard")
+parser.add_argument("--json")
+args = parser.parse_args()
+index, count = map(int, args.shard.split("/"))
+cases = [(s, hd, seq) for s in args.slices for hd in args.head_dims for seq in args.seq_lens]
+rows = [dict(topology=s.split("=", 1)[0], mesh=s.split("=", 1)[1], head_dim=hd, seq_len=seq, pid=os.getpid())
+        for s, hd, seq in cases[index::count]]
+open(args.json, "w").write(json.dumps(dict(jax="fake", rows=rows)))
+"""
+
+
+def test_run_shares_the_cases_among_its_jobs(tmp_path, monkeypatch):
+    """`run --jobs 2`: two processes, each compiling every other case, their rows merged in the gate's order."""
+    script = tmp_path / "compile_for_tpu.py"
+    script.write_text(_FAKE_SCRIPT)
+    monkeypatch.setattr(tpu_slices, "SCRIPT", script)
+    out = tmp_path / "report.json"
+    report = tpu_slices._compile(tpu_slices.ALL_HEAD_DIMS, 2, out)
+    assert [tpu_slices._key(row) for row in report["rows"]] == tpu_slices.expected(tpu_slices.ALL_HEAD_DIMS)
+    assert len({row["pid"] for row in report["rows"]}) == 2 and report["jobs"] == 2
+    assert json.loads(out.read_text()) == report

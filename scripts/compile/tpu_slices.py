@@ -3,17 +3,19 @@ TPU slices without a TPU (examples/compile_for_tpu.py), its figures in docs/comp
 docs/tpu.md ("Pod slices"), and the gate over them. Run it through scripts/compile/tpu_slices.sh, which
 finds the TPU toolchain and adds the examples' packages to it.
 
-    python scripts/compile/tpu_slices.py run [--out docs/compile/tpu_slices.json] [--doc docs/tpu.md] [--all]
-    python scripts/compile/tpu_slices.py check [docs/compile/tpu_slices.json]
+    python scripts/compile/tpu_slices.py run [--out docs/compile/tpu_slices.json] [--doc docs/tpu.md] [--gated]
+                                             [--jobs 2]
+    python scripts/compile/tpu_slices.py check [--gated] [docs/compile/tpu_slices.json]
     python scripts/compile/tpu_slices.py markdown [docs/compile/tpu_slices.json]
-    python scripts/compile/tpu_slices.py doc [docs/compile/tpu_slices.json]     # docs/tpu.md's table, then check
+    python scripts/compile/tpu_slices.py doc [--gated] [docs/compile/tpu_slices.json]   # docs/tpu.md's table, check
 
-`run` compiles the gated set (head dim 128 at seq 2048 and 8192 on each slice; `--all` adds head dim 64),
-writes the JSON and the docs section, then checks. `check` exits 1 when a gated (slice, mesh, head dim,
-seq) row is missing, a program failed to compile, a chip's planned HBM exceeds its capacity, the training
-step's temporaries grow faster than linearly from seq 2048 to 8192, a ring step (a "seq" mesh axis)
-all-gathers or sends no block by collective-permute, or a training step holds no Mosaic TPU kernel (the
-attention fell back to XLA).
+`run` compiles head dims 64 and 128 at seq 2048 and 8192 on each slice (12 slice shapes: the committed
+record), or with `--gated` head dim 128 only (6: what CI compiles, to keep its time), in `--jobs` processes
+side by side; writes the JSON and the docs section, then checks. `check` exits 1 when a (slice, mesh, head
+dim, seq) row is missing (of head dims 64 and 128; 128 only with `--gated`), a program failed to compile, a
+chip's planned HBM exceeds its capacity, the training step's or the generation's temporaries grow faster
+than linearly from seq 2048 to 8192, a ring step (a "seq" mesh axis) all-gathers or sends no block by
+collective-permute, or a training step holds no Mosaic TPU kernel (the attention fell back to XLA).
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ SLICES = (("v5e:2x2", "data=2,seq=2"), ("v5p:2x2x1", "data=2,model=2"), ("v6e:2x
 GATED_HEAD_DIMS, ALL_HEAD_DIMS, SEQ_LENS = (128,), (64, 128), (2048, 8192)
 # HBM per chip, GiB, by generation; the checker's own figure, not the report's.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
-# Temporaries at seq 8192 over those at 2048: 4 when they grow linearly (flash attention keeps no T x T
-# matrix), 16 when quadratically; this bound leaves room for the parts that do not grow.
+# Temporaries at seq 8192 over those at 2048, per program: 4 when they grow linearly (flash attention keeps no
+# T x T matrix, the paged decode reads the cache in place), 16 when quadratically; this bound leaves room for
+# the parts that do not grow. The generation's plan (a prefill of whole prompts, then a decode loop over the
+# paged cache) is gated as the training step is.
 MAX_TEMP_RATIO = 5.0
 PROGRAMS = ("train", "generate")
 BEGIN, END = "<!-- pod-slices:begin (scripts/compile/tpu_slices.py writes this table) -->", "<!-- pod-slices:end -->"
 
 
-def expected(head_dims=GATED_HEAD_DIMS) -> list[tuple[str, str, int, int]]:
+def expected(head_dims=ALL_HEAD_DIMS) -> list[tuple[str, str, int, int]]:
     return [(topology, mesh, hd, seq) for topology, mesh in SLICES for hd in head_dims for seq in SEQ_LENS]
 
 
@@ -56,9 +60,10 @@ def _is_ring(mesh: str) -> bool:
     return any(part.strip().startswith("seq=") and part.split("=")[1].strip() != "1" for part in mesh.split(","))
 
 
-def check(report: dict) -> list[str]:
+def check(report: dict, head_dims=ALL_HEAD_DIMS) -> list[str]:
     """The gate's problems with `report` (examples/compile_for_tpu.py's JSON); empty when it passes. Fails
-    closed: a field it needs that is missing or of the wrong kind is a problem too."""
+    closed: a field it needs that is missing or of the wrong kind is a problem too. `head_dims`: those whose
+    rows must all be there (every row present is checked)."""
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list):
         return ["the report has no list of rows"]
@@ -69,7 +74,7 @@ def check(report: dict) -> list[str]:
             problems.append(f"a row is not an object: {row!r:.80}")
             continue
         by_key[_key(row)] = row
-    for key in expected():
+    for key in expected(head_dims):
         if key not in by_key:
             problems.append("missing: %s mesh %s head dim %s seq %s" % key)
     for key, row in by_key.items():
@@ -110,13 +115,14 @@ def check(report: dict) -> list[str]:
         longer = by_key.get((topology, mesh, hd, seq * 4))
         if seq != SEQ_LENS[0] or longer is None:
             continue
-        try:
-            ratio = longer["train"]["hbm"]["temp"] / row["train"]["hbm"]["temp"]
-        except (KeyError, TypeError, ZeroDivisionError):
-            continue  # a failed or incomplete row is a problem above already
-        if ratio > MAX_TEMP_RATIO:
-            problems.append(f"{topology} {mesh} hd{hd} train: temporaries grow {ratio:.1f}x from seq {seq} to "
-                            f"{seq * 4} (linear: 4x, at most {MAX_TEMP_RATIO}x)")
+        for program in PROGRAMS:
+            try:
+                ratio = longer[program]["hbm"]["temp"] / row[program]["hbm"]["temp"]
+            except (KeyError, TypeError, ZeroDivisionError):
+                continue  # a failed or incomplete row is a problem above already
+            if ratio > MAX_TEMP_RATIO:
+                problems.append(f"{topology} {mesh} hd{hd} {program}: temporaries grow {ratio:.1f}x from seq {seq} "
+                                f"to {seq * 4} (linear: 4x, at most {MAX_TEMP_RATIO}x)")
     return problems
 
 
@@ -162,12 +168,43 @@ def write_doc(report: dict, doc: Path) -> None:
     doc.write_text(f"{head}{BEGIN}\n{markdown(report)}\n({meta}.)\n{END}{tail}")
 
 
-def _report_problems(report: dict) -> int:
-    problems = check(report)
+def _report_problems(report: dict, head_dims) -> int:
+    problems = check(report, head_dims)
     for problem in problems:
         print(f"tpu_slices: FAIL: {problem}", file=sys.stderr)
     print(f"tpu_slices: {len(report.get('rows', []))} slice shapes, {len(problems)} problems", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _compile(head_dims, jobs: int, out: Path) -> dict:
+    """examples/compile_for_tpu.py over the slices at `head_dims` x SEQ_LENS, its cases shared by `jobs`
+    processes (`--shard i/jobs`) run side by side; their rows merged in the order of `expected`."""
+    command = [sys.executable, str(SCRIPT), "--head-dims", *map(str, head_dims), "--seq-lens", *map(str, SEQ_LENS),
+               "--slices", *(f"{t}={m}" for t, m in SLICES)]
+    with tempfile.TemporaryDirectory() as folder:
+        # The toolchain venv does not install the project: kernels/ is imported as probjax_kernels through a link,
+        # probjax_nn from the repo root. No TPU is used (JAX_PLATFORMS=cpu); the other libtpu processes (the jobs,
+        # a second compile check) must not lock one another out.
+        (Path(folder) / "probjax_kernels").symlink_to(REPO / "kernels", target_is_directory=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO)]), JAX_PLATFORMS="cpu",
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        parts = [Path(folder) / f"part{i}.json" for i in range(jobs)]
+        # Each process compiles one program at a time, mostly on one core (tracing and lowering are Python, much
+        # of XLA's compile one thread): `jobs` of them keep that many cores busy. Their exit statuses say
+        # whether everything compiled; the check says it in full.
+        processes = [subprocess.Popen([*command, "--shard", f"{i}/{jobs}", "--json", str(part)], cwd=REPO, env=env)
+                     for i, part in enumerate(parts)]
+        for process in processes:
+            process.wait()
+        reports = [json.loads(part.read_text()) for part in parts if part.exists()]
+    if not reports:
+        return {}
+    order = {key: i for i, key in enumerate(expected(head_dims))}
+    rows = sorted((row for report in reports for row in report.get("rows", [])),
+                  key=lambda row: order.get(_key(row), len(order)))
+    report = dict(reports[0], rows=rows, jobs=jobs)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="compile, write the JSON and the docs table, check")
     run.add_argument("--out", type=Path, default=REPORT)
     run.add_argument("--doc", type=Path, default=DOC, help="the page with the pod-slices markers; 'none': no page")
-    run.add_argument("--all", action="store_true", help="head dim 64 too (12 compiles of each program, not 6)")
-    for name in ("check", "markdown", "doc"):
-        commands.add_parser(name).add_argument("report", nargs="?", type=Path, default=REPORT)
+    run.add_argument("--jobs", type=int, default=2, help="compile processes side by side (default 2)")
+    readers = {name: commands.add_parser(name) for name in ("check", "markdown", "doc")}
+    for command in readers.values():
+        command.add_argument("report", nargs="?", type=Path, default=REPORT)
+    for command in (run, readers["check"], readers["doc"]):
+        command.add_argument("--gated", action="store_true",
+                             help="head dim 128 only (what CI compiles: 6 slice shapes, not the record's 12)")
     args = parser.parse_args(argv)
+    head_dims = GATED_HEAD_DIMS if getattr(args, "gated", False) else ALL_HEAD_DIMS
     if args.command != "run":
         report = json.loads(args.report.read_text())
         if args.command == "markdown":
@@ -187,29 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "doc":
             write_doc(report, DOC)
-        return _report_problems(report)
-    head_dims = ALL_HEAD_DIMS if args.all else GATED_HEAD_DIMS
-    command = [sys.executable, str(SCRIPT), "--json", str(args.out), "--head-dims", *map(str, head_dims),
-               "--seq-lens", *map(str, SEQ_LENS), "--slices", *(f"{t}={m}" for t, m in SLICES)]
+        return _report_problems(report, head_dims)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as shim:
-        # The toolchain venv does not install the project: kernels/ is imported as probjax_kernels through a link,
-        # probjax_nn from the repo root. No TPU is used (JAX_PLATFORMS=cpu); another libtpu process (a second
-        # compile check) must not lock this one out.
-        (Path(shim) / "probjax_kernels").symlink_to(REPO / "kernels", target_is_directory=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([shim, str(REPO)]), JAX_PLATFORMS="cpu",
-                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        # The script's own exit status says whether everything compiled; the check below says it in full.
-        subprocess.run(command, cwd=REPO, env=env, check=False)
-    if not args.out.exists():
+    report = _compile(head_dims, args.jobs, args.out)
+    if not report:
         print(f"tpu_slices: FAIL: {SCRIPT.name} wrote no report", file=sys.stderr)
         return 1
-    report = json.loads(args.out.read_text())
     report["wall_s"] = round(time.perf_counter() - start)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     if str(args.doc) != "none":
         write_doc(report, args.doc)
-    return _report_problems(report)
+    return _report_problems(report, head_dims)
 
 
 if __name__ == "__main__":

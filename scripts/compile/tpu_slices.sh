@@ -3,10 +3,12 @@
 # (v5e:2x2 data=2,seq=2; v5p:2x2x1 data=2,model=2; v6e:2x2 data=4) without a TPU, at the benchmark shapes;
 # writes docs/compile/tpu_slices.json and the "Pod slices" table of docs/tpu.md, and fails on a compile error,
 # HBM over a chip's capacity, temporaries growing faster than linearly with the sequence, or a ring that
-# all-gathers (scripts/compile/tpu_slices.py).
+# all-gathers (scripts/compile/tpu_slices.py). Head dims 64 and 128 (12 slice shapes); --gated: 128 only (6,
+# what CI compiles).
 # The Python: $PROBJAX_TPU_PYTHON, or the TPU toolchain's venv (scripts/compile/tpu_toolchain.sh), to which
 # this adds the examples' packages (pinned below) once.
-# Usage: bash scripts/compile/tpu_slices.sh [scripts/compile/tpu_slices.py run options: --all --out F --doc F]
+# Usage: bash scripts/compile/tpu_slices.sh [scripts/compile/tpu_slices.py run options: --gated --jobs N --out F
+#        --doc F]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "tpu_slices.sh: $*" >&2; }
