@@ -40,10 +40,11 @@ GATED_HEAD_DIMS, ALL_HEAD_DIMS, SEQ_LENS = (128,), (64, 128), (2048, 8192)
 # HBM per chip, GiB, by generation; the checker's own figure, not the report's.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 # Temporaries at seq 8192 over those at 2048, per program: 4 when they grow linearly (flash attention keeps no
-# T x T matrix, the paged decode reads the cache in place), 16 when quadratically; this bound leaves room for
-# the parts that do not grow. The generation's plan (a prefill of whole prompts, then a decode loop over the
-# paged cache) is gated as the training step is.
-MAX_TEMP_RATIO = 5.0
+# T x T matrix, the paged decode reads the cache in place), 16 when quadratically. A bound above 4 leaves room
+# for XLA's buffer plan, which shares more buffers at the short length: the generation's temporaries on v5e at
+# head dim 64 lie on a line through seq 2048, 4096 and 8192 (0.33, 0.76, 1.68 GiB) that meets zero above T = 0,
+# so linear growth reads 5.0x there; the training step's read up to 4.7x.
+MAX_TEMP_RATIO = {"train": 5.0, "generate": 6.0}
 PROGRAMS = ("train", "generate")
 BEGIN, END = "<!-- pod-slices:begin (scripts/compile/tpu_slices.py writes this table) -->", "<!-- pod-slices:end -->"
 
@@ -120,9 +121,9 @@ def check(report: dict, head_dims=ALL_HEAD_DIMS) -> list[str]:
                 ratio = longer[program]["hbm"]["temp"] / row[program]["hbm"]["temp"]
             except (KeyError, TypeError, ZeroDivisionError):
                 continue  # a failed or incomplete row is a problem above already
-            if ratio > MAX_TEMP_RATIO:
+            if ratio > MAX_TEMP_RATIO[program]:
                 problems.append(f"{topology} {mesh} hd{hd} {program}: temporaries grow {ratio:.1f}x from seq {seq} "
-                                f"to {seq * 4} (linear: 4x, at most {MAX_TEMP_RATIO}x)")
+                                f"to {seq * 4} (linear: 4x, at most {MAX_TEMP_RATIO[program]}x)")
     return problems
 
 
