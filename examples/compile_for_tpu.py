@@ -19,7 +19,9 @@ off a GPU). For each (slice, mesh, head dim, sequence length) it compiles
   unsharded), with the bfloat16 params;
 
 and records per chip the HBM that XLA plans (arguments, outputs, temporaries) against the chip's capacity,
-the collectives of the step, the Mosaic TPU kernels (`tpu_custom_call`) and the compile time.
+the collectives of the step, the Mosaic TPU kernels (`tpu_custom_call`) and the compile time (wall seconds
+of tracing, lowering and XLA's compile, and the CPU seconds of the three). `--shard I/N` compiles every N-th
+case only, so that N processes share them.
 `scripts/compile/tpu_slices.py` runs it for the compile check and checks the figures; docs/tpu.md ("Pod
 slices") shows them. What it proves: the programs compile for the slice and fit its chips' HBM as XLA plans
 them. What it does not: that they run, or how fast.
