@@ -193,10 +193,18 @@ def _compile(head_dims, jobs: int, out: Path) -> dict:
         # Each process compiles one program at a time, mostly on one core (tracing and lowering are Python, much
         # of XLA's compile one thread): `jobs` of them keep that many cores busy. Their exit statuses say
         # whether everything compiled; the check says it in full.
-        processes = [subprocess.Popen([*command, "--shard", f"{i}/{jobs}", "--json", str(part)], cwd=REPO, env=env)
-                     for i, part in enumerate(parts)]
-        for process in processes:
-            process.wait()
+        processes = []
+        try:
+            for i, part in enumerate(parts):
+                processes.append(subprocess.Popen([*command, "--shard", f"{i}/{jobs}", "--json", str(part)], cwd=REPO,
+                                                  env=env))
+            for process in processes:
+                process.wait()
+        finally:  # stopped (Ctrl-C) or failed to start one: no compile outlives this script
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         reports = [json.loads(part.read_text()) for part in parts if part.exists()]
     if not reports:
         return {}
