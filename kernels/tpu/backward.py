@@ -105,7 +105,7 @@ def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs,
         return _dq_walk(problem, scalars, b, h, i, num_kv_tiles, emit_ds).tile(s)
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad))
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):
@@ -190,7 +190,7 @@ def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs
         return kv_head * group + s // steps
 
     maps = dict(b=lambda b, kh, j, s, *r: b, h=head_of, q=q_tile, kv=lambda b, kh, j, s, *r: j)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad))
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):
