@@ -78,6 +78,29 @@ class Hook:
         return result
 
 
+    def tile_cotangents(self, const_refs, wanted: tuple[int, ...], axis: str, cotangent, *args) -> list:
+        """Inside a Pallas kernel, for a cotangent of the hook's output at `args`: (array position, TileRead,
+        leading scalars, the tile's cotangent) of each tile read along `axis` of the captured arrays at
+        positions `wanted` (the vjp of the hook in those tiles, the others held fixed)."""
+        jaxpr = self._jaxpr(args)
+        reads = _kernel_tile_reads(jaxpr, jaxpr.constvars, const_refs) or {}
+        position = {var: i for i, var in enumerate(jaxpr.constvars)}
+        chosen = sorted(n for n, read in reads.items() if position[read.const] in wanted and read.axis == axis)
+        if not chosen:
+            return []
+
+        def run(tiles, record=None):
+            env = {var: _RefValue(ref) for var, ref in zip(jaxpr.constvars, const_refs)}
+            env.update(zip(jaxpr.invars, args))
+            given = None if tiles is None else dict(zip(chosen, tiles))
+            return _eval(jaxpr, env, reads, given=given, record=record)[0]
+
+        record = {}
+        run(None, record)  # the tiles and their leading scalars (the primal, also the vjp's)
+        _, vjp = jax.vjp(run, [record[n][0] for n in chosen])
+        (tile_cotangents,) = vjp(cotangent)
+        return [(position[reads[n].const], reads[n], record[n][1], g) for n, g in zip(chosen, tile_cotangents)]
+
     def jvp_jaxpr(self, moved: tuple[bool, ...], *arg_specs) -> jex_core.ClosedJaxpr:
         """The jaxpr of `(consts, moving tangents, score, d_score, *indices) -> (hook(score), its tangent)` at
         `arg_specs` (score, *indices), for tangents of the captured arrays flagged in `moved`; traced once."""
@@ -279,8 +302,9 @@ def _materialize(value):
     return value
 
 
-def _eval(jaxpr, env: dict, reads: dict | None = None):
-    """Evaluates `jaxpr` on `env`; `reads` (`tile_reads`) are given their tile by the constant's `read_tile`,
+def _eval(jaxpr, env: dict, reads: dict | None = None, given: dict | None = None, record: dict | None = None):
+    """Evaluates `jaxpr` on `env`; `reads` (`tile_reads`) are given their tile by the constant's `read_tile`
+    (or by `given`, {equation number: tile}; `record` receives {equation number: (tile, leading scalars)}),
     and the equations only they used (the index arithmetic) are skipped."""
 
     def read(atom):
@@ -293,7 +317,13 @@ def _eval(jaxpr, env: dict, reads: dict | None = None):
         if reads and n in reads:
             tile_read = reads[n]
             leading = [read(a) if isinstance(a, (jex_core.Var, jex_core.Literal)) else a for a in tile_read.leading]
-            env[eqn.outvars[0]] = env[tile_read.const].ref.read_tile(tile_read, leading)
+            if given is not None and n in given:
+                tile = given[n]
+            else:
+                tile = env[tile_read.const].ref.read_tile(tile_read, leading)
+            if record is not None:
+                record[n] = (tile, leading)
+            env[eqn.outvars[0]] = tile
             continue
         invals = [read(v) for v in eqn.invars]
         # Index vectors are stacked lazily: the concatenate that builds them has only plain inputs.

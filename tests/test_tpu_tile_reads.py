@@ -15,7 +15,7 @@ from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
 from probjax_kernels import (
     FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, flex_attention, relative_bias,
 )
-from probjax_kernels import _dispatch, _hooks
+from probjax_kernels import _autodiff, _dispatch, _hooks
 from probjax_kernels.tpu import vet
 
 TPU = FlashConfig(backend="tpu_interpret")
@@ -23,8 +23,14 @@ TPU = FlashConfig(backend="tpu_interpret")
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the Mosaic TPU kernel launches by kind, and turns any XLA-path warning into an error."""
+    """Counts the Mosaic TPU kernel launches by kind, and turns any XLA-path warning, or an XLA pass for the
+    gradient of a hook array, into an error."""
     calls = {"forward": 0, "backward": 0, "tangent": 0}
+
+    def no_xla_pass(*args):
+        raise AssertionError("a hook array's gradient took the XLA pass over query chunks")
+
+    monkeypatch.setattr(_autodiff, "_score_const_gradients", no_xla_pass)
     for name in calls:
         original = getattr(_dispatch.tpu, name)
 
@@ -71,8 +77,9 @@ def test_document_ids_and_per_token_biases_in_the_kernels(kernel_calls):
     """A document mask `q_doc[b, q_idx] == kv_doc[b, kv_idx]` (int ids: a query column and a key row) under a
     causal BlockMask, and the score_mod `score + kv_bias[b, kv_idx] + q_bias[h // 2, q_idx]` (a per-key bias
     selected by the BlockSpec at b, a per-query bias per kv head held whole and indexed in the kernel);
-    T = 150, S = 300 (ragged, padded differently), GQA 4:2. Out, lse, the gradients of q, k, v and both
-    biases, and the jvp in all five (rows whose document has no earlier key attend nothing) (the tangent kernel reads the biases' tangents as tiles too), against
+    T = 150, S = 300 (ragged, padded differently), GQA 4:2; rows whose document has no earlier key attend
+    nothing. Out, lse, the gradients of q, k, v and of both biases (accumulated per tile by the dQ and dK/dV
+    kernels), and the jvp in all five (the tangent kernel reads the biases' tangents as tiles too), against
     float64, from one forward (`jax.linearize`); every pass in the kernels."""
     batch, t, s, heads = 2, 150, 300, 4
     q, k, v = random_qkv(42, batch, t, s, heads, 2, 32)

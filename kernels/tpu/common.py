@@ -312,12 +312,7 @@ def _tile_input(const, axis: str, kinds: tuple, fill, kind: str, maps: dict, len
     query-tile kernel, the key axis of the key-tile kernel), else as a lane-dense `[*lead, 1, T]` row. The
     leading axes indexed exactly by b / h are selected by the BlockSpec (clamped, as the read), the others
     held whole."""
-    length = lengths[0] if axis == "q" else lengths[1]
-    size = const.shape[-1]
-    positions = jnp.arange(length)
-    taken = jnp.take(const, jnp.minimum(positions, size - 1), axis=-1)
-    if fill is not None:
-        taken = jnp.where(positions < size, taken, jnp.asarray(fill, const.dtype))
+    taken = sequence_take(const, fill, lengths[0] if axis == "q" else lengths[1])
     column = (axis == "q") == (kind == "q")
     array = taken[..., None] if column else taken[..., None, :]
     tile = maps["q"] if axis == "q" else maps["kv"]
@@ -331,6 +326,16 @@ def _tile_input(const, axis: str, kinds: tuple, fill, kind: str, maps: dict, len
     lead_block = tuple(None if k is not None else dim for k, dim in zip(kinds, lead))
     block = (*lead_block, rows, 1) if column else (*lead_block, 1, rows)
     return array, pl.BlockSpec(block, index_map), column
+
+
+def sequence_take(const, fill, length: int):
+    """`const[..., 0 .. length-1]`, clamped past its last axis as the kernels' reads are (or `fill`)."""
+    size = const.shape[-1]
+    positions = jnp.arange(length)
+    taken = jnp.take(const, jnp.minimum(positions, size - 1), axis=-1)
+    if fill is not None:
+        taken = jnp.where(positions < size, taken, jnp.asarray(fill, const.dtype))
+    return taken
 
 
 @dataclasses.dataclass(frozen=True)
