@@ -42,30 +42,32 @@ def _specs(shapes, with_score: bool) -> list:
     return specs
 
 
-def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool) -> str | None:
+def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool, tiles: bool = True) -> str | None:
     """Why `hook` cannot run in the Mosaic TPU kernels at these shapes (None when it can); with `derivative`,
-    its jvp in the score too (the backward kernels)."""
+    its jvp in the score too (the backward kernels); `tiles`: whether the kernel reads hook arrays along
+    q_idx / kv_idx as tiles (the decode kernel does not)."""
     for shape, dtype in hook.const_avals:
         if jnp.dtype(dtype) not in _SMEM_DTYPES:
             return (f"it captures a {jnp.dtype(dtype).name} array (the kernels read hook arrays as 32-bit SMEM "
                     "scalars or VMEM tiles)")
     specs = _specs(shapes, with_score)
     jaxpr = hook._jaxpr(specs)
-    reason = jaxpr_problem(jaxpr, set(jaxpr.constvars))
+    reason = jaxpr_problem(jaxpr, set(jaxpr.constvars), tiles)
     if reason is None and derivative:
         closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *specs)
         captured = closed.jaxpr.invars[: len(hook.const_avals)]
-        reason = "its derivative captures arrays" if closed.consts else jaxpr_problem(closed.jaxpr, set(captured))
+        reason = "its derivative captures arrays" if closed.consts else jaxpr_problem(closed.jaxpr, set(captured),
+                                                                                      tiles)
     return reason
 
 
-def jaxpr_problem(jaxpr, consts: set) -> str | None:
+def jaxpr_problem(jaxpr, consts: set, tiles: bool = True) -> str | None:
     """The first op of `jaxpr` without a Mosaic TPU lowering, or the first read of a captured array in
     `consts` other than one element at scalar indices or a tile along q_idx / kv_idx; None when there is
     none. The index arithmetic only tile reads use is never evaluated, so it is not vetted."""
     elements = set()
     consts = {var for var in consts if var.aval.shape}
-    reads = tile_reads(jaxpr, consts)
+    reads = tile_reads(jaxpr, consts) if tiles else {}
     live = live_equations(jaxpr, reads)
     for n, eqn in enumerate(jaxpr.eqns):
         if not live[n] or n in reads:
