@@ -104,7 +104,8 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
         return list(d)
 
     out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
-    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs)
+    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs,
+                                 _dispatch.kernel_effects(problem.config))
     return primal_out, (d_out, d_lse, *no_max)
 
 

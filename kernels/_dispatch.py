@@ -21,8 +21,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas import core as pallas_core  # the interpreters' effects (get_interpret_effects)
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
 from probjax_kernels import _chunked, tpu
@@ -467,6 +470,17 @@ def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeSt
 
 
 # ------------------------------------------------------------------------------------------ TPU and XLA
+
+
+def kernel_effects(config: FlashConfig) -> frozenset:
+    """The JAX effects of this backend's kernels: Pallas' TPU and Mosaic GPU interpreters order each kernel
+    with ordered IO callbacks (their `pallas_call`s declare them); a primitive wrapping the kernels
+    (`_linear.custom_linear`) must declare them too, or lowering under `jax.jit` misses their token."""
+    if config.backend == "tpu_interpret":
+        return frozenset(pallas_core.get_interpret_effects(pltpu.InterpretParams()))
+    if config.backend == "mosaic_interpret":
+        return frozenset(pallas_core.get_interpret_effects(plgpu.InterpretGPUParams()))
+    return frozenset()
 
 
 def _tpu_takes(problem: _Problem) -> bool:

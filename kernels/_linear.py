@@ -40,10 +40,11 @@ class _Maps:
     transpose_reference: FlatMap
     out_avals: tuple
     in_avals: tuple
+    effects: frozenset = frozenset()  # of the maps' kernels (an interpreter's ordered callbacks)
 
     def transposed(self) -> _Maps:
         return _Maps(self.transpose, self.apply, self.transpose_reference, self.reference, self.in_avals,
-                     self.out_avals)
+                     self.out_avals, self.effects)
 
 
 custom_linear_p = jex_core.Primitive("probjax_custom_linear")
@@ -52,7 +53,7 @@ custom_linear_p.multiple_results = True
 
 def custom_linear(
     apply: FlatMap, transpose: FlatMap, reference: FlatMap, residuals: Sequence, linear: Sequence,
-    out_specs: Sequence[jax.ShapeDtypeStruct],
+    out_specs: Sequence[jax.ShapeDtypeStruct], effects=frozenset(),
 ) -> list:
     """y = apply(residuals, linear), a map linear in `linear`, with every transformation defined.
 
@@ -60,7 +61,9 @@ def custom_linear(
     - `transpose(residuals, cotangents)` -> list shaped like `linear`: the transpose (fast backward).
     - `reference(residuals, linear)`: equal to `apply`, written in differentiable jnp; used only for
       derivatives in `residuals` and their transposes.
-    All arguments and results are flat lists of arrays.
+    All arguments and results are flat lists of arrays. `effects`: the JAX effects of `apply` and
+    `transpose` (Pallas' TPU / Mosaic GPU interpreters order their kernels with ordered IO callbacks, whose
+    tokens a lowering under `jax.jit` must thread: an undeclared one fails there with a KeyError).
     """
     residuals, linear = list(residuals), list(linear)
     # Inside `jax.shard_map` (with its varying-axes checks) every output varies over the axes any input
@@ -75,7 +78,8 @@ def custom_linear(
         transposed = jax.linear_transpose(lambda *lin: reference(res, list(lin)), *in_avals)
         return list(transposed(list(cts)))
 
-    maps = _Maps(apply, transpose, reference, transpose_reference, tuple(map(_aval, out_specs)), in_avals)
+    maps = _Maps(apply, transpose, reference, transpose_reference, tuple(map(_aval, out_specs)), in_avals,
+                 frozenset(effects))
     return custom_linear_p.bind(*residuals, *linear, maps=maps, num_res=len(residuals))
 
 
@@ -103,7 +107,7 @@ def _abstract_eval(*avals, maps: _Maps, num_res: int):
     manual = widest_manual_axis_type(avals)
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
     return [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
-            for a in maps.out_avals]
+            for a in maps.out_avals], set(maps.effects)
 
 
 def _jvp(primals, tangents, *, maps: _Maps, num_res: int):
@@ -155,13 +159,14 @@ def _batch(args, dims, *, maps: _Maps, num_res: int):
         return tuple(jax.ShapeDtypeStruct((size, *a.shape), a.dtype) for a in avals)
 
     batched_maps = _Maps(batched(maps.apply), batched(maps.transpose), batched(maps.reference),
-                         batched(maps.transpose_reference), with_batch(maps.out_avals), with_batch(maps.in_avals))
+                         batched(maps.transpose_reference), with_batch(maps.out_avals), with_batch(maps.in_avals),
+                         maps.effects)
     out = custom_linear_p.bind(*res, *lin, maps=batched_maps, num_res=num_res)
     return out, [0] * len(out)
 
 
 custom_linear_p.def_impl(_impl)
-custom_linear_p.def_abstract_eval(_abstract_eval)
+custom_linear_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[custom_linear_p] = _jvp
 ad.primitive_transposes[custom_linear_p] = _transpose
 batching.primitive_batchers[custom_linear_p] = _batch
