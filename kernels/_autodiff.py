@@ -16,7 +16,7 @@ from jax import lax
 
 from probjax_kernels import _dispatch
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
-from probjax_kernels._config import FlashConfig
+from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dropout import SEED_PARTS
 from probjax_kernels._linear import custom_linear
 from probjax_kernels._problem import Features, _Problem, _Tangents
@@ -105,7 +105,7 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
 
     out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs,
-                                 _dispatch.kernel_effects(problem.config))
+                                 interpreted=problem.config.backend in CALLBACK_INTERPRETERS)
     return primal_out, (d_out, d_lse, *no_max)
 
 

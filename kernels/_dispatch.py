@@ -21,11 +21,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas import core as pallas_core  # the interpreters' effects (get_interpret_effects)
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
 from probjax_kernels import _chunked, tpu
@@ -186,8 +183,8 @@ def default_config(
 
 # The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
 # `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
-# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of
-# scripts/tpu_compile_probe.py fits the default scoped VMEM. Interpret mode takes the v5e tiles.
+# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of the
+# TPU compile report (docs/compile/tpu.md) fits the default scoped VMEM. Interpret mode takes the v5e tiles.
 _TPU_TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
               "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
 
@@ -470,17 +467,6 @@ def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeSt
 
 
 # ------------------------------------------------------------------------------------------ TPU and XLA
-
-
-def kernel_effects(config: FlashConfig) -> frozenset:
-    """The JAX effects of this backend's kernels: Pallas' TPU and Mosaic GPU interpreters order each kernel
-    with ordered IO callbacks (their `pallas_call`s declare them); a primitive wrapping the kernels
-    (`_linear.custom_linear`) must declare them too, or lowering under `jax.jit` misses their token."""
-    if config.backend == "tpu_interpret":
-        return frozenset(pallas_core.get_interpret_effects(pltpu.InterpretParams()))
-    if config.backend == "mosaic_interpret":
-        return frozenset(pallas_core.get_interpret_effects(plgpu.InterpretGPUParams()))
-    return frozenset()
 
 
 def _tpu_takes(problem: _Problem) -> bool:

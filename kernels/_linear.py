@@ -40,11 +40,11 @@ class _Maps:
     transpose_reference: FlatMap
     out_avals: tuple
     in_avals: tuple
-    effects: frozenset = frozenset()  # of the maps' kernels (an interpreter's ordered callbacks)
+    interpreted: bool  # its maps may have effects (`_effects`)
 
     def transposed(self) -> _Maps:
         return _Maps(self.transpose, self.apply, self.transpose_reference, self.reference, self.in_avals,
-                     self.out_avals, self.effects)
+                     self.out_avals, self.interpreted)
 
 
 custom_linear_p = jex_core.Primitive("probjax_custom_linear")
@@ -53,7 +53,7 @@ custom_linear_p.multiple_results = True
 
 def custom_linear(
     apply: FlatMap, transpose: FlatMap, reference: FlatMap, residuals: Sequence, linear: Sequence,
-    out_specs: Sequence[jax.ShapeDtypeStruct], effects=frozenset(),
+    out_specs: Sequence[jax.ShapeDtypeStruct], interpreted: bool = False,
 ) -> list:
     """y = apply(residuals, linear), a map linear in `linear`, with every transformation defined.
 
@@ -61,9 +61,10 @@ def custom_linear(
     - `transpose(residuals, cotangents)` -> list shaped like `linear`: the transpose (fast backward).
     - `reference(residuals, linear)`: equal to `apply`, written in differentiable jnp; used only for
       derivatives in `residuals` and their transposes.
-    All arguments and results are flat lists of arrays. `effects`: the JAX effects of `apply` and
-    `transpose` (Pallas' TPU / Mosaic GPU interpreters order their kernels with ordered IO callbacks, whose
-    tokens a lowering under `jax.jit` must thread: an undeclared one fails there with a KeyError).
+    - `interpreted`: `apply` / `transpose` run kernels in a Pallas interpreter, whose ordered callbacks are
+      effects that a `jit` must thread through this primitive: they are found by tracing each map once when
+      it is bound (compiled kernels have none, and skip that trace).
+    All arguments and results are flat lists of arrays.
     """
     residuals, linear = list(residuals), list(linear)
     # Inside `jax.shard_map` (with its varying-axes checks) every output varies over the axes any input
@@ -79,7 +80,7 @@ def custom_linear(
         return list(transposed(list(cts)))
 
     maps = _Maps(apply, transpose, reference, transpose_reference, tuple(map(_aval, out_specs)), in_avals,
-                 frozenset(effects))
+                 interpreted)
     return custom_linear_p.bind(*residuals, *linear, maps=maps, num_res=len(residuals))
 
 
@@ -103,11 +104,24 @@ def _impl(*args, maps: _Maps, num_res: int):
 
 
 def _abstract_eval(*avals, maps: _Maps, num_res: int):
-    del num_res
     manual = widest_manual_axis_type(avals)
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
-    return [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
-            for a in maps.out_avals], set(maps.effects)
+    outs = [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
+            for a in maps.out_avals]
+    return outs, _effects(maps, avals[:num_res])
+
+
+def _effects(maps: _Maps, residual_avals) -> set:
+    """The effects of `maps.apply`: the Pallas interpreters run kernels through ordered IO callbacks, and a
+    `jit` can only thread their token through this primitive when it declares them. Traced once per map, and
+    only for interpreted maps (compiled kernels have none)."""
+    if not maps.interpreted:
+        return set()
+    if not hasattr(maps, "effects"):
+        residuals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_avals]
+        traced = jax.make_jaxpr(lambda res, lin: maps.apply(res, lin))(residuals, list(maps.in_avals))
+        object.__setattr__(maps, "effects", frozenset(traced.effects))
+    return set(maps.effects)
 
 
 def _jvp(primals, tangents, *, maps: _Maps, num_res: int):
@@ -160,7 +174,7 @@ def _batch(args, dims, *, maps: _Maps, num_res: int):
 
     batched_maps = _Maps(batched(maps.apply), batched(maps.transpose), batched(maps.reference),
                          batched(maps.transpose_reference), with_batch(maps.out_avals), with_batch(maps.in_avals),
-                         maps.effects)
+                         maps.interpreted)
     out = custom_linear_p.bind(*res, *lin, maps=batched_maps, num_res=num_res)
     return out, [0] * len(out)
 

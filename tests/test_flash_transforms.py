@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import pytest
 from helpers import assert_close, random_qkv
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
@@ -84,14 +83,13 @@ def test_forward_inside_shard_map_with_default_checks():
     assert_close(jax.jit(sharded)(q, k, v), flash_attention_reference(q, k, v, causal=True), jnp.float32)
 
 
-@pytest.mark.parametrize("backend, dtype", [("tpu_interpret", jnp.float32), ("mosaic_interpret", jnp.bfloat16)])
-def test_jit_of_grad_and_jvp_through_the_interpreted_kernels(backend, dtype):
-    """Pallas' TPU and Mosaic GPU interpreters order their kernels with ordered IO callbacks: the primitive
-    that wraps the tangent / backward kernels (`_linear.custom_linear`) declares those effects, so `jax.jit`
-    of `jax.grad` (and of `jax.jvp`) lowers (it failed with KeyError: OrderedIOEffect) and matches the
-    reference. bfloat16 for Mosaic GPU, whose kernels take no float32."""
-    q, k, v = random_qkv(32, 1, 128, 128, 2, 2, 64, dtype)
-    config = FlashConfig(backend=backend)
+def test_jit_of_grad_and_jvp_through_the_mosaic_gpu_interpreter():
+    """Pallas' Mosaic GPU interpreter orders its kernels with ordered IO callbacks, like the TPU one
+    (tests/test_tpu_kernels.py): `custom_linear` declares them, so `jax.jit` of `jax.grad` and of `jax.jvp`
+    lowers through the Mosaic backward kernels and matches the reference. bfloat16: the Mosaic GPU kernels
+    take no float32 (float32 calls run Triton, without callbacks)."""
+    q, k, v = random_qkv(32, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
+    config = FlashConfig(backend="mosaic_interpret")
 
     def loss(attention, q, k, v, **extra):
         return jnp.sum(jnp.sin(attention(q, k, v, causal=True, **extra)))
@@ -99,8 +97,8 @@ def test_jit_of_grad_and_jvp_through_the_interpreted_kernels(backend, dtype):
     grads = jax.jit(jax.grad(lambda *a: loss(flash_attention, *a, config=config), (0, 1, 2)))(q, k, v)
     expected = jax.grad(lambda *a: loss(flash_attention_reference, *a), (0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
-        assert_close(got, want, dtype)
+        assert_close(got, want, jnp.bfloat16)
     tangent = jax.jit(lambda q, k, v: jax.jvp(lambda q: loss(flash_attention, q, k, v, config=config), (q,),
                                               (v,))[1])(q, k, v)
     _, want = jax.jvp(lambda q: loss(flash_attention_reference, q, k, v), (q,), (v,))
-    assert_close(tangent, want, dtype)
+    assert_close(tangent, want, jnp.bfloat16)

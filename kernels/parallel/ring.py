@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_kernels._config import FlashConfig
+from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
@@ -133,14 +133,17 @@ def _ring_jvp(problem: _Ring, primals, tangents):
     specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     # Derivatives in the residuals (second order) take the plain-jnp blocks, differentiable to any order.
     d_out, d_lse = custom_linear(tangent_map(problem.backend), transpose, tangent_map("reference"), res_flat,
-                                 lin_flat, specs)
+                                 lin_flat, specs, interpreted=_kernel_backend(problem.config) in CALLBACK_INTERPRETERS)
     return (out, lse), (d_out, d_lse)
 
 
+def _kernel_backend(config: FlashConfig | None) -> str:
+    return config.backend if config is not None and config.backend is not None else default_backend()
+
+
 def _interpreted(config: FlashConfig | None) -> bool:
-    """Whether the kernels of this call run in a CPU interpreter."""
-    backend = config.backend if config is not None and config.backend is not None else default_backend()
-    return backend in ("interpret", "mosaic_interpret")
+    """Whether the kernels of this call run in a GPU kernel's CPU interpreter."""
+    return _kernel_backend(config) in ("interpret", "mosaic_interpret")
 
 
 def _with_backend(problem: _Ring, backend: str) -> _Ring:
