@@ -81,24 +81,3 @@ def test_forward_inside_shard_map_with_default_checks():
         in_specs=jax.P("data"), out_specs=jax.P("data"),
     )
     assert_close(jax.jit(sharded)(q, k, v), flash_attention_reference(q, k, v, causal=True), jnp.float32)
-
-
-def test_jit_of_grad_and_jvp_through_the_mosaic_gpu_interpreter():
-    """Pallas' Mosaic GPU interpreter orders its kernels with ordered IO callbacks, like the TPU one
-    (tests/test_tpu_kernels.py): `custom_linear` declares them, so `jax.jit` of `jax.grad` and of `jax.jvp`
-    lowers through the Mosaic backward kernels and matches the reference. bfloat16: the Mosaic GPU kernels
-    take no float32 (float32 calls run Triton, without callbacks)."""
-    q, k, v = random_qkv(32, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
-    config = FlashConfig(backend="mosaic_interpret")
-
-    def loss(attention, q, k, v, **extra):
-        return jnp.sum(jnp.sin(attention(q, k, v, causal=True, **extra)))
-
-    grads = jax.jit(jax.grad(lambda *a: loss(flash_attention, *a, config=config), (0, 1, 2)))(q, k, v)
-    expected = jax.grad(lambda *a: loss(flash_attention_reference, *a), (0, 1, 2))(q, k, v)
-    for got, want in zip(grads, expected):
-        assert_close(got, want, jnp.bfloat16)
-    tangent = jax.jit(lambda q, k, v: jax.jvp(lambda q: loss(flash_attention, q, k, v, config=config), (q,),
-                                              (v,))[1])(q, k, v)
-    _, want = jax.jvp(lambda q: loss(flash_attention_reference, q, k, v), (q,), (v,))
-    assert_close(tangent, want, jnp.bfloat16)
