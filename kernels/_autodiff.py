@@ -25,7 +25,8 @@ from probjax_kernels._scores import backward_delta, base2_lse
 
 def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels
-    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend)."""
+    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend),
+    except the arrays the TPU kernels read as tiles, whose gradients those kernels accumulate."""
     grads = _dispatch.backward(problem, tangents, res, d_out, d_lse)
     # The TPU kernels accumulate the gradients of arrays read as tiles (`tpu/hook_grads.py`), by position.
     from_kernels = grads.pop("score_consts_by_index", {})

@@ -268,7 +268,8 @@ def _table_steps(tables) -> int:
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """Gradients of q, k, v and the bias flagged in `tangents` from `_autodiff`'s residuals (padded, in the
-    core's `[B, T, N, D]` layout); the score_mod arrays' come from `_chunked`, as on every backend."""
+    core's `[B, T, N, D]` layout), and under "score_consts_by_index" those of the score_mod arrays read as
+    tiles (`hook_grads`); the other score_mod arrays' come from `_chunked`, as on every backend."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
     bias, q_len, kv_len = res["bias"], res["q_len"], res["kv_len"]
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
