@@ -157,7 +157,7 @@ def test_tile_reads_are_taken_and_real_gathers_refused(score_mod, refused, smem)
         assert all(refused in reason for reason in reasons)
 
 
-def test_the_document_mask_helper_is_a_pair_of_tiles():
+def test_document_mask_reads_one_array_as_two_tiles():
     """`document_mask(ids)` reads ids[b, q_idx] and ids[b, kv_idx]: one array, tiles along both axes, selected
     at b by the BlockSpec, no SMEM copy."""
     ids = jnp.zeros((2, 300), jnp.int32)
