@@ -125,9 +125,10 @@ def _triton_tiles(head_dim: int, large_smem: bool) -> tuple[int, ...]:
 def _triton_tiles_float32(head_dim: int) -> tuple[int, ...]:
     """The Triton tiles for float32 inputs. Their dots run at Precision.HIGHEST, which Pallas Triton lowers to
     FMA loops holding both operand tiles in registers (no tensor cores): at the 16-bit tiles every kernel
-    spills 1.6-42 KB per thread (docs/compile/index.md). With these the forward, dQ and tangent kernels do
-    not spill on sm_90a / sm_80 / sm_86; dK/dV (K, V, dK and dV resident) still spills about 0.3 KB at head
-    dim 128 and 2 KB at 256 with every tile tried (docs/perf-notes.md). 3xTF32 dots were worse."""
+    spills 1.6-42 KB per thread (docs/compile/index.md). These are the tiles at which the kernels' float32
+    paths (dK/dV reads K / V per step and slices its score dots, `triton/backward.py`) do not spill on
+    sm_90a / sm_80 / sm_86 but for the capped cases of scripts/compile/rules.py (docs/perf-notes.md).
+    3xTF32 dots were worse."""
     if head_dim <= 64:
         return 32, 32, 32, 16, 32, 32, 8, 1
     if head_dim <= 128:
@@ -225,7 +226,8 @@ def tangent_config(
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
     the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
-    in `default_config`) takes a query tile of at most 16 too: 32 spills 488 B at head dim 128 on sm_86. Where
+    in `default_config`) takes a query tile of at most 16 too (32 spills 488 B at head dim 128 on sm_86), and
+    at least 2 stages. Where
     a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
     block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
     captured table (a relative bias). Interpret mode keeps `config`."""
@@ -238,8 +240,11 @@ def tangent_config(
         block_q = min(block_q, 16 if float32 else 32)
     elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
         block_q = min(block_q, 64)
+    # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
+    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
+    stages = max(config.num_stages, 2) if float32 else config.num_stages
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
-                               num_warps=max(config.num_warps, 8))
+                               num_warps=max(config.num_warps, 8), num_stages=stages)
 
 
 # --------------------------------------------------------------------------------------------- per call

@@ -18,7 +18,10 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src import api_util  # tracing at given avals (`_effects`) has no public name
 from jax._src import core as jax_src_core  # get_cur_mesh_sharding has no public name
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -108,19 +111,27 @@ def _abstract_eval(*avals, maps: _Maps, num_res: int):
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
     outs = [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
             for a in maps.out_avals]
-    return outs, _effects(maps, avals[:num_res])
+    del num_res
+    return outs, _effects(maps, avals)
 
 
-def _effects(maps: _Maps, residual_avals) -> set:
-    """The effects of `maps.apply`: the Pallas interpreters run kernels through ordered IO callbacks, and a
-    `jit` can only thread their token through this primitive when it declares them. Traced once per map, and
-    only for interpreted maps (compiled kernels have none)."""
+def _effects(maps: _Maps, avals) -> set:
+    """The effects of `maps.apply` at the bound arguments' `avals`: the Pallas interpreters run kernels through
+    ordered IO callbacks, and a `jit` can only thread their token through this primitive when it declares
+    them. Traced once per map, and only for interpreted maps (compiled kernels have none)."""
     if not maps.interpreted:
         return set()
     if not hasattr(maps, "effects"):
-        residuals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_avals]
-        traced = jax.make_jaxpr(lambda res, lin: maps.apply(res, lin))(residuals, list(maps.in_avals))
-        object.__setattr__(maps, "effects", frozenset(traced.effects))
+        # Traced at the avals themselves, in the caller's context (inside `jax.shard_map`, the branches of
+        # the maps must agree on the avals' manual axis types, which a `jax.make_jaxpr` would drop).
+        num_res = len(avals) - len(maps.in_avals)
+
+        def flat(*args):
+            return maps.apply(list(args[:num_res]), list(args[num_res:]))
+
+        debug = api_util.debug_info("custom_linear", flat, avals, {})
+        jaxpr, _, _ = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=debug), avals)
+        object.__setattr__(maps, "effects", frozenset(jaxpr.effects))
     return set(maps.effects)
 
 

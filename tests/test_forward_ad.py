@@ -83,6 +83,14 @@ def test_flash_jvp_with_one_moving_input(moving):
               jnp.float32)
 
 
+def test_flash_jvp_float32_head_dim_256():
+    """Above head dim 128 the float32 tangent kernel sums its score dots over 64-wide slices of the head dim."""
+    q, k, v = random_qkv(9, 1, 24, 40, 2, 1, 256)
+    fn = lambda attention, **extra: lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, **extra)  # noqa: E731
+    check_jvp(fn(flash_attention, config=TILES), fn(flash_attention_reference), (q, k, v),
+              tangents_like(10, q, k, v), jnp.float32)
+
+
 def test_flash_jvp_bfloat16():
     q, k, v = random_qkv(7, 1, 48, 48, 2, 1, 64, jnp.bfloat16)
     fn = lambda attention, **extra: lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, **extra)  # noqa: E731

@@ -142,8 +142,8 @@ def test_long_ragged_float16_forward():
 
 
 def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
-    """relative_bias reads its table at kv_idx - q_idx (document_mask its ids at q_idx and kv_idx alike): a
-    vector gather, which Mosaic TPU cannot lower. The call warns, naming the op, and computes on XLA: forward,
+    """relative_bias reads its table at kv_idx - q_idx: a vector gather, which Mosaic TPU cannot lower (a read
+    at exactly q_idx / kv_idx is a tile: tests/test_tpu_tile_reads.py). The call warns, naming the op, and computes on XLA: forward,
     gradients (the table's too) and jvp."""
     q, k, v = random_qkv(13, 1, 24, 24, 2, 2, 32)
     table = jax.random.normal(jax.random.key(14), (2, 47))

@@ -239,6 +239,11 @@ def ring_attention(
         # kernel body on varying types, whose loops start from unvarying constants): on the CPU the blocks
         # then take the plain-jnp path, the same numbers. check_vma=False runs the interpreter.
         _backend = "reference"
+    if _backend == "kernel" and _kernel_backend(config) == "tpu_interpret":
+        # Pallas' TPU interpreter simulates one chip per process: its callbacks from several host devices
+        # beside the ring's collective-permutes deadlock. The blocks take the plain-jnp path (the same
+        # numbers); on a TPU ("tpu") they run the kernels.
+        _backend = "reference"
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)
     problem = _Ring(

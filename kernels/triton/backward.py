@@ -28,16 +28,18 @@ from probjax_kernels.triton.tiles import (
     _Refs,
     _run_ranges,
     _run_table,
+    _sliced_dot,
     _tile_context,
 )
 
 # --------------------------------------------------------------------------------------------- backward: dQ
 
 
-def _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem: _Problem):
-    """p and dS = d loss / d (scaled, biased score) of one tile, FlashAttention-2 with dropout and score_mod."""
+def _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem: _Problem):
+    """p and dS = d loss / d (scaled, biased score) of one tile from its scores s and dP = dO V^T (`dp_fn()`),
+    FlashAttention-2 with dropout and score_mod."""
     p = jnp.exp2(s - lse2[:, None])
-    dp = _dot(do, v, (1, 1), problem.precision)
+    dp = dp_fn()
     p_dropped = p
     if problem.features.dropout_rate > 0:
         scale = _dropout_scale(ctx, problem)
@@ -71,7 +73,8 @@ def _dq_kernel(
         v = v_ref[pl.ds(start, block_k), :]
         ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, start, block_k, kv_len, True)
         s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
-        _, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+        _, ds = _tile_gradient(s, lambda: _dot(do, v, (1, 1), problem.precision), delta, lse2, derivative, ctx,
+                               problem)
         if emit_ds:
             ds_ref[:, pl.ds(start, block_k)] = ds
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), problem.precision)
@@ -95,6 +98,8 @@ def _dq_kernel(
 
 # ------------------------------------------------------------------------------------------ backward: dK, dV
 
+_F32_SLICE = 64  # head-dim slice of the float32 dK/dV kernel's score dots (`_sliced_dot`)
+
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, do_ref, lse2_ref, delta_ref, *refs, problem: _Problem, refs_fn,
@@ -108,20 +113,32 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     with_derivative = problem.features.score_mod is not None
     kv_start = kv_tile * block_k
+    # float32 (FMA dots at Precision.HIGHEST): K and V are read again at every query step, and S = Q K^T and
+    # dP = dO V^T summed over 64-wide slices of the head dim. Held across the loop, K and V stay in registers
+    # in the FMA operand layout and spill (0.3 KB at head dim 128, 2-6 KB at 256; docs/perf-notes.md).
+    reload = problem.precision == lax.Precision.HIGHEST
 
     def head_body(head, carry):
         # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
         def body(q_tile, carry, masked: bool):
             dk, dv = carry
             start = q_tile * block_q
-            q = q_ref[pl.ds(start, block_q), head, :]
-            do = do_ref[pl.ds(start, block_q), head, :]
-            lse2 = lse2_ref[head, pl.ds(start, block_q)]
-            delta = delta_ref[head, pl.ds(start, block_q)]
+            rows = pl.ds(start, block_q)
+            q = q_ref[rows, head, :]
+            do = do_ref[rows, head, :]
+            lse2 = lse2_ref[head, rows]
+            delta = delta_ref[head, rows]
             ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q, kv_start,
                                 block_k, kv_len, False)
-            s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
-            p, ds = _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem)
+            if reload:
+                qk = _sliced_dot(lambda c: q_ref[rows, head, c], lambda c: k_ref[:, c], q.shape[-1], _F32_SLICE,
+                                 problem.precision)
+                dp_fn = lambda: _sliced_dot(lambda c: do_ref[rows, head, c], lambda c: v_ref[:, c],  # noqa: E731
+                                            do.shape[-1], _F32_SLICE, problem.precision)
+            else:
+                qk, dp_fn = _dot(q, k, (1, 1), problem.precision), lambda: _dot(do, v, (1, 1), problem.precision)
+            s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
+            p, ds = _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem)
             dv = dv + _dot(p.astype(do.dtype), do, (0, 0), problem.precision)
             dk = dk + _dot(ds.astype(q.dtype), q, (0, 0), problem.precision)
             return dk, dv

@@ -7,12 +7,15 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _score_tangents
 from probjax_kernels.triton.specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
-from probjax_kernels.triton.tiles import _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _tile_context
+from probjax_kernels.triton.tiles import (
+    _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _sliced_dot, _tile_context,
+)
 
 
 def _tangent_kernel(
@@ -35,9 +38,23 @@ def _tangent_kernel(
     block_q, block_k = cfg.block_q, cfg.block_k
     q_tile, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[...], kv_len_ref[...]
-    q, lse2 = q_ref[...], lse2_ref[...]
-    dq = None if dq_ref is None else dq_ref[...]
     dropout = problem.features.dropout_rate > 0
+    # float32 (FMA dots at Precision.HIGHEST): q and its tangent are read again at every KV step, as K / V are
+    # in the dK/dV kernel; held across the loop, their FMA operand layouts stay in registers and spill. Above
+    # head dim 128 the score dots also run over 64-wide slices of the head dim, read from the refs.
+    reload = problem.precision == lax.Precision.HIGHEST
+    head_dim = q_ref.shape[-1]
+    chunk = 64 if head_dim > 128 else head_dim
+    q, lse2 = None if reload else q_ref[...], lse2_ref[...]
+    dq = None if reload or dq_ref is None else dq_ref[...]
+
+    def score_dot(a_ref, a, b_ref, b, kv):
+        """a (block_q, D) . b (block_k, D)^T, b = b_ref[kv]; float32: read from the refs, in head-dim slices of
+        `chunk` (a and b unused)."""
+        if not reload:
+            return _dot(a, b, (1, 1), problem.precision)
+        return _sliced_dot(lambda cols: a_ref[:, cols], lambda cols: b_ref[kv, cols], head_dim, chunk,
+                           problem.precision)
 
     def body(kv_tile, carry, masked: bool):
         acc, c = carry
@@ -45,11 +62,11 @@ def _tangent_kernel(
         k, v = k_ref[kv, :], v_ref[kv, :]
         ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, kv_tile * block_k, block_k,
                             kv_len, True, tangents)
-        d_dot = None if dq is None else _dot(dq, k, (1, 1), problem.precision)
+        d_dot = None if dq_ref is None else score_dot(dq_ref, dq, k_ref, k, kv)
         if dk_ref is not None:
-            q_dk = _dot(q, dk_ref[kv, :], (1, 1), problem.precision)
+            q_dk = score_dot(q_ref, q, dk_ref, None if reload else dk_ref[kv, :], kv)
             d_dot = q_dk if d_dot is None else d_dot + q_dk
-        s2, ds = _score_tangents(_dot(q, k, (1, 1), problem.precision), d_dot, ctx, problem, masked)
+        s2, ds = _score_tangents(score_dot(q_ref, q, k_ref, k, kv), d_dot, ctx, problem, masked)
         p = jnp.exp2(s2 - lse2[:, None])
         scale = _dropout_scale(ctx, problem) if dropout else None
         if ds is not None:

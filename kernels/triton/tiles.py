@@ -95,6 +95,18 @@ def _dot(a, b, contract: tuple[int, int], precision):
     )
 
 
+def _sliced_dot(a, b, head_dim: int, chunk: int, precision):
+    """a(cols) . b(cols)^T summed over the head dim in slices of `chunk` columns, where a / b read the
+    (rows, len(cols)) slice of their operand from a ref: float32 FMA dots over the whole of a wide head dim
+    hold too many operand values per thread."""
+    out = None
+    for start in range(0, head_dim, chunk):
+        cols = pl.ds(start, min(chunk, head_dim - start))
+        part = _dot(a(cols), b(cols), (1, 1), precision)
+        out = part if out is None else out + part
+    return out
+
+
 def _load_2d(ref, row_start, rows, col_start, cols, head=None):
     """A (rows|1, cols|1) tile of a bias / mask block, honouring broadcast axes of size 1.
 

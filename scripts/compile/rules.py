@@ -7,61 +7,24 @@ import variants as registry
 
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried.
-F32_DKV = ("float32 dK/dV: FMA dots (Precision.HIGHEST) with K, V, dK and dV of the key tile resident spill at "
-           "every tile tried (docs/perf-notes.md, Version 4b); splitting the head dim of dK / dV across programs "
-           "is the fix, not done yet")
+F32_DKV = ("float32 dK/dV with GQA 8 -> 2 on sm_80 / sm_86: ptxas stops at 128 registers over the group's query "
+           "heads; the float32 path (K / V read per query step, score dots over 64-wide head-dim slices) does "
+           "not spill elsewhere; docs/perf-notes.md, Version 6")
 MOSAIC_MASKED = ("Mosaic dK/dV at head dim 128 with a causal / window mask: the index tiles on top of dK, dV, P^T "
                  "and dP^T at the 168-register cap of 3 warpgroups (opt-in backend)")
 MOSAIC_HOOKS = ("Mosaic backward with hooks at head dim 128 runs on the forward's 128 x 128 tiles (S^T / dP^T of "
                 "128 rows per step); 64-row steps inside the kernels are the fix (opt-in backend)")
 RELATIVE_BIAS = ("the relative-bias table's gather in the Triton forward at head dim 128 (128 x 64, 8 warps) on "
                  "sm_80 / sm_86")
-F32_TANGENT = ("float32 tangent at head dim 256 (16 x 16 tiles, 8 warps; FMA dots holding q, its tangent and "
-               "two accumulators): ptxas keeps it at 32-40 registers and spills; not explored yet")
+F32_TANGENT = ("float32 flex tangent with a sliding-window BlockMask at head dim 128 on sm_90a (32 x 16 tiles, 8 "
+               "warps, 255 registers): the block tables' loops on top of q, its tangent and two accumulators; "
+               "clean on sm_80 / sm_86 (docs/perf-notes.md, Version 6)")
 F32_OTHER = ("float32 (FMA dots at Precision.HIGHEST) forward / dQ with a window, dropout, GQA, a BlockMask or a "
              "table: a few bytes to tens of bytes over the float32 tiles, which were chosen without those features")
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_causal"): (374, 594, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_dropout"): (356, 435, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_full"): (330, 409, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_gqa8to2_causal"): (378, 602, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_window"): (422, 624, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d256_f32_causal"): (2164, 6098, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d256_f32_full"): (2112, 4070, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flex_grad_d128_f32_alibi"): (365, 435, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flex_grad_d128_f32_document_mask"): (352, 448, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flex_grad_d128_f32_relative_bias"): (360, 440, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flex_grad_d128_f32_sliding_window"): (369, 470, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm80_a100", "flex_grad_d128_f32_softcap"): (325, 404, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_causal"): (312, 585, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_dropout"): (316, 426, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_full"): (347, 426, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_gqa8to2_causal"): (356, 580, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_window"): (352, 620, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d256_f32_causal"): (2252, 6168, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d256_f32_full"): (2151, 4105, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flex_grad_d128_f32_alibi"): (299, 413, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flex_grad_d128_f32_document_mask"): (347, 444, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flex_grad_d128_f32_relative_bias"): (303, 418, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flex_grad_d128_f32_sliding_window"): (356, 453, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flex_grad_d128_f32_softcap"): (321, 435, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_f32_causal"): (391, 602, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_f32_dropout"): (360, 435, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_f32_full"): (338, 418, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_f32_gqa8to2_causal"): (426, 660, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_f32_window"): (440, 642, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d256_f32_causal"): (2318, 6212, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d256_f32_full"): (2173, 4109, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d128_f32_alibi"): (360, 431, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d128_f32_document_mask"): (338, 431, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d128_f32_relative_bias"): (365, 462, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d128_f32_sliding_window"): (369, 479, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d128_f32_softcap"): (330, 444, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_grad_d128_f32_causal"): (391, 602, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_grad_d128_f32_full"): (338, 418, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_grad_d256_f32_causal"): (2318, 6212, F32_DKV),
-    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_grad_d256_f32_full"): (2173, 4109, F32_DKV),
+    ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_gqa8to2_causal"): (17, 17, F32_DKV),
+    ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_gqa8to2_causal"): (13, 13, F32_DKV),
     ("probjax_flash_backward_dq", "sm80_a100", "flash_grad_d128_f32_dropout"): (4, 4, F32_OTHER),
     ("probjax_flash_backward_dq", "sm80_a100", "flex_grad_d128_f32_sliding_window"): (13, 17, F32_OTHER),
     ("probjax_flash_backward_dq", "sm86_rtx3090", "flash_grad_d128_f32_window"): (4, 4, F32_OTHER),
@@ -74,10 +37,6 @@ SPILLS = {
     ("probjax_flash_forward", "sm86_rtx3090", "flash_grad_d128_f32_dropout"): (13, 13, F32_OTHER),
     ("probjax_flash_forward", "sm86_rtx3090", "flex_grad_d128_bf16_relative_bias"): (44, 44, RELATIVE_BIAS),
     ("probjax_flash_forward", "sm86_rtx3090", "flex_jvp_d128_bf16_relative_bias"): (44, 44, RELATIVE_BIAS),
-    ("probjax_flash_tangent", "sm80_a100", "flash_jvp_d256_f32_causal"): (9794, 11814, F32_TANGENT),
-    ("probjax_flash_tangent", "sm86_rtx3090", "flash_jvp_d256_f32_causal"): (7106, 8188, F32_TANGENT),
-    ("probjax_flash_tangent", "sm86_rtx3090", "flex_jvp_d128_f32_sliding_window"): (554, 484, F32_TANGENT),
-    ("probjax_flash_tangent", "sm90a_h100", "flash_jvp_d256_f32_causal"): (9900, 11875, F32_TANGENT),
     ("probjax_flash_tangent", "sm90a_h100", "flex_jvp_d128_f32_sliding_window"): (228, 233, F32_TANGENT),
     ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (2802, 3462, MOSAIC_HOOKS),
     ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_sliding_window"): (1214, 1522, MOSAIC_HOOKS),
