@@ -43,7 +43,7 @@ HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 # T x T matrix, the paged decode reads the cache in place), 16 when quadratically. A bound above 4 leaves room
 # for XLA's buffer plan, which shares more buffers at the short length: the generation's temporaries on v5e at
 # head dim 64 lie on a line through seq 2048, 4096 and 8192 (0.33, 0.76, 1.68 GiB) that meets zero above T = 0,
-# so linear growth reads 5.0x there. The record's generations read 2.6x-5.3x, its training steps 3.8x-4.7x.
+# so linear growth reads 5.0x there. The record's generations read 3.3x-5.3x, its training steps 3.9x-4.7x.
 MAX_TEMP_RATIO = {"train": 5.0, "generate": 6.0}
 PROGRAMS = ("train", "generate")
 BEGIN, END = "<!-- pod-slices:begin (scripts/compile/tpu_slices.py writes this table) -->", "<!-- pod-slices:end -->"
