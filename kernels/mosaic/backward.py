@@ -399,6 +399,11 @@ def _dkv_kernel(
             dk, dv = carry
             slot = lax.rem(g, num_stages)
             q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+            # The resident K / V tiles' wgmma descriptors are loop-invariant: hoisted out of the step loops, they
+            # held 32 registers across them and the masked steps spilled (docs/perf-notes.md, Version 6). Taking
+            # the tiles through an opaque copy of wg makes each step compute them where they are used.
+            own = lax.optimization_barrier(wg)
+            k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
             s_t = transposed_scores(k_own, q_slot)  # S^T = K Q^T, keys x queries
