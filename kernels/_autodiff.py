@@ -16,7 +16,7 @@ from jax import lax
 
 from probjax_kernels import _dispatch
 from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
-from probjax_kernels._config import FlashConfig
+from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dropout import SEED_PARTS
 from probjax_kernels._linear import custom_linear
 from probjax_kernels._problem import Features, _Problem, _Tangents
@@ -25,16 +25,22 @@ from probjax_kernels._scores import backward_delta, base2_lse
 
 def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels
-    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend)."""
+    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend),
+    except the arrays the TPU kernels read as tiles, whose gradients those kernels accumulate."""
     grads = _dispatch.backward(problem, tangents, res, d_out, d_lse)
-    if any(tangents.score_consts):
+    # The TPU kernels accumulate the gradients of arrays read as tiles (`tpu/hook_grads.py`), by position.
+    from_kernels = grads.pop("score_consts_by_index", {})
+    rest = tuple(m and i not in from_kernels for i, m in enumerate(tangents.score_consts))
+    if any(rest):
         q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
         delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
         optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"])
-        grads["score_consts"] = _score_const_gradients(
-            problem, q, k, v, res["kv_len"], d_out, lse2, delta, optional, res["score_consts"],
-            tangents.score_consts,
-        )
+        from_xla = iter(_score_const_gradients(
+            problem, q, k, v, res["kv_len"], d_out, lse2, delta, optional, res["score_consts"], rest,
+        ))
+        from_kernels.update({i: next(from_xla) for i, m in enumerate(rest) if m})
+    if any(tangents.score_consts):
+        grads["score_consts"] = tuple(from_kernels[i] for i, m in enumerate(tangents.score_consts) if m)
     return grads
 
 
@@ -99,7 +105,8 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
         return list(d)
 
     out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
-    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs)
+    d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs,
+                                 interpreted=problem.config.backend in CALLBACK_INTERPRETERS)
     return primal_out, (d_out, d_lse, *no_max)
 
 

@@ -7,6 +7,8 @@ import dataclasses
 from typing import Literal
 
 Backend = Literal["triton", "interpret", "mosaic", "mosaic_interpret", "tpu", "tpu_interpret"]
+# The interpreters that run kernels through ordered IO callbacks (effects a `jit` threads a token through).
+CALLBACK_INTERPRETERS = ("mosaic_interpret", "tpu_interpret")
 
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 

@@ -183,8 +183,8 @@ def default_config(
 
 # The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
 # `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
-# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of
-# scripts/tpu_compile_probe.py fits the default scoped VMEM. Interpret mode takes the v5e tiles.
+# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of the
+# TPU compile report (docs/compile/tpu.md) fits the default scoped VMEM. Interpret mode takes the v5e tiles.
 _TPU_TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
               "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
 

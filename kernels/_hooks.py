@@ -6,6 +6,9 @@ may not capture arrays. Inside a kernel those constants are refs, and neither GP
 gather, so `_eval_in_kernel` runs the hook's jaxpr with the constants kept as refs and turns the indexing
 patterns that jnp emits (a pointwise `gather` whose index vector is a `concatenate` of `[..., 1]` pieces,
 and `dynamic_slice`) into ref loads with array indices. Any other use of a constant loads it whole.
+`tile_reads` finds the reads `array[i0, ..., q_idx]` / `array[..., kv_idx]` (leading indices scalars, the last
+one exactly a hook index): a kernel that holds such an array as tiles along the sequence (the Mosaic TPU
+kernels) gives the read its tile through the constant's `read_tile` instead, and skips the index arithmetic.
 Outside the kernels (reference, block-mask construction, gradients of the constants) the same jaxpr is
 evaluated on values with `jax.core.eval_jaxpr`.
 """
@@ -71,9 +74,32 @@ class Hook:
         jaxpr = self._jaxpr(args)
         env = {var: _RefValue(ref) for var, ref in zip(jaxpr.constvars, const_refs)}
         env.update(zip(jaxpr.invars, args))
-        (result,) = _eval(jaxpr, env)
+        (result,) = _eval(jaxpr, env, _kernel_tile_reads(jaxpr, jaxpr.constvars, const_refs))
         return result
 
+
+    def tile_cotangents(self, const_refs, wanted: tuple[int, ...], axis: str, cotangent, *args) -> list:
+        """Inside a Pallas kernel, for a cotangent of the hook's output at `args`: (array position, TileRead,
+        leading scalars, the tile's cotangent) of each tile read along `axis` of the captured arrays at
+        positions `wanted` (the vjp of the hook in those tiles, the others held fixed)."""
+        jaxpr = self._jaxpr(args)
+        reads = _kernel_tile_reads(jaxpr, jaxpr.constvars, const_refs) or {}
+        position = {var: i for i, var in enumerate(jaxpr.constvars)}
+        chosen = sorted(n for n, read in reads.items() if position[read.const] in wanted and read.axis == axis)
+        if not chosen:
+            return []
+
+        def run(tiles, record=None):
+            env = {var: _RefValue(ref) for var, ref in zip(jaxpr.constvars, const_refs)}
+            env.update(zip(jaxpr.invars, args))
+            given = None if tiles is None else dict(zip(chosen, tiles))
+            return _eval(jaxpr, env, reads, given=given, record=record)[0]
+
+        record = {}
+        run(None, record)  # the tiles and their leading scalars (the primal, also the vjp's)
+        _, vjp = jax.vjp(run, [record[n][0] for n in chosen])
+        (tile_cotangents,) = vjp(cotangent)
+        return [(position[reads[n].const], reads[n], record[n][1], g) for n, g in zip(chosen, tile_cotangents)]
 
     def jvp_jaxpr(self, moved: tuple[bool, ...], *arg_specs) -> jex_core.ClosedJaxpr:
         """The jaxpr of `(consts, moving tangents, score, d_score, *indices) -> (hook(score), its tangent)` at
@@ -106,7 +132,8 @@ class Hook:
         env = dict(zip(closed.jaxpr.constvars, closed.consts))
         refs = [*const_refs, *tangent_refs]
         env.update(zip(closed.jaxpr.invars, [*map(_RefValue, refs), score, d_score, *indices]))
-        value, tangent = _eval(closed.jaxpr, env)
+        reads = _kernel_tile_reads(closed.jaxpr, closed.jaxpr.invars[: len(refs)], refs)
+        value, tangent = _eval(closed.jaxpr, env, reads)
         return value, tangent
 
 
@@ -275,11 +302,29 @@ def _materialize(value):
     return value
 
 
-def _eval(jaxpr, env: dict):
+def _eval(jaxpr, env: dict, reads: dict | None = None, given: dict | None = None, record: dict | None = None):
+    """Evaluates `jaxpr` on `env`; `reads` (`tile_reads`) are given their tile by the constant's `read_tile`
+    (or by `given`, {equation number: tile}; `record` receives {equation number: (tile, leading scalars)}),
+    and the equations only they used (the index arithmetic) are skipped."""
+
     def read(atom):
         return atom.val if isinstance(atom, jex_core.Literal) else env[atom]
 
-    for eqn in jaxpr.eqns:
+    live = live_equations(jaxpr, reads) if reads else None
+    for n, eqn in enumerate(jaxpr.eqns):
+        if live is not None and not live[n]:
+            continue
+        if reads and n in reads:
+            tile_read = reads[n]
+            leading = [read(a) if isinstance(a, (jex_core.Var, jex_core.Literal)) else a for a in tile_read.leading]
+            if given is not None and n in given:
+                tile = given[n]
+            else:
+                tile = env[tile_read.const].ref.read_tile(tile_read, leading)
+            if record is not None:
+                record[n] = (tile, leading)
+            env[eqn.outvars[0]] = tile
+            continue
         invals = [read(v) for v in eqn.invars]
         # Index vectors are stacked lazily: the concatenate that builds them has only plain inputs.
         special = eqn.primitive.name == "concatenate" or any(
@@ -356,3 +401,133 @@ def _gather_from_ref(ref, indices, params):
             fill = jnp.nan if jnp.issubdtype(value.dtype, jnp.inexact) else jnp.iinfo(value.dtype).min
         value = jnp.where(in_bounds, value, jnp.asarray(fill, value.dtype))
     return [value]
+
+
+# ----------------------------------------------------------------------------------------- tile reads
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRead:
+    """A read `array[i0, ..., q_idx]` (axis "q") or `array[..., kv_idx]` (axis "kv") of a captured array: the
+    last index exactly the hook's q_idx / kv_idx, the leading ones scalars. `leading` holds their jaxpr atoms
+    (or the int 0 for an axis the gather leaves at 0), `kinds` "b" / "h" where one is exactly the hook's b / h
+    (else None), `fill` the value of out-of-range reads of a "fill" gather (None: clamped, as every other mode
+    of an in-kernel read)."""
+
+    const: Any
+    axis: str
+    leading: tuple
+    kinds: tuple
+    fill: Any = None
+
+
+def tile_reads(jaxpr, consts) -> dict:
+    """{equation number: TileRead} of the gathers of `jaxpr` that read one of `consts` (its captured arrays'
+    vars) as `array[scalars..., q_idx]` / `[..., kv_idx]`, in the pattern jnp emits: each index normalised
+    for negative values (`select_n(i < 0, i, i + n)`, a no-op for the kernels' non-negative indices), the
+    scalars broadcast and stacked with the sequence index by a `concatenate`. The jaxpr's last four inputs
+    are b, h, q_idx, kv_idx. Top-level equations only (a read inside a sub-jaxpr is not one)."""
+    consts = set(consts)
+    b, h, q, kv = jaxpr.invars[-4:]
+    tags = {b: ("scalar", b, "b"), h: ("scalar", h, "h"), q: ("idx", "q"), kv: ("idx", "kv")}
+    index_shapes = {"q": q.aval.shape, "kv": kv.aval.shape}
+
+    def tag(atom):
+        if isinstance(atom, jex_core.Literal):
+            return ("scalar", atom, None) if not jnp.shape(atom.val) else None
+        if atom in tags:
+            return tags[atom]
+        if not atom.aval.shape and atom not in consts:  # any other 0-d value is a scalar index
+            return ("scalar", atom, None)
+        return None
+
+    reads = {}
+    for n, eqn in enumerate(jaxpr.eqns):
+        name, ins = eqn.primitive.name, [tag(v) for v in eqn.invars]
+        first, out = ins[0] if ins else None, eqn.outvars[0] if eqn.outvars else None
+        result = None
+        if name == "gather" and eqn.invars[0] in consts:
+            read = _tile_read(eqn, ins[1], index_shapes)
+            if read is not None:
+                reads[n] = read
+        elif first is None:
+            continue
+        elif name == "lt" and _is_zero(eqn.invars[1]) and (first[0] == "idx" or first[0] == "scalar" and first[2]):
+            result = ("false",)  # b, h, q_idx and kv_idx are never negative
+        elif name == "select_n" and len(ins) == 3 and first == ("false",):
+            result = ins[1]
+        elif name == "convert_element_type" and not jnp.issubdtype(eqn.params["new_dtype"], jnp.integer):
+            pass
+        elif name in ("broadcast_in_dim", "reshape", "squeeze", "convert_element_type"):
+            if first[0] == "scalar":
+                result = first if not out.aval.shape else ("uniform", first[1], first[2])
+            elif first[0] in ("uniform", "stack") or out.aval.size == eqn.invars[0].aval.size:
+                result = None if first[0] == "stack" and name != "convert_element_type" else first
+        elif name == "concatenate" and eqn.params["dimension"] == out.aval.ndim - 1 and all(
+                v.aval.shape[-1] == 1 for v in eqn.invars):
+            pieces = []
+            for t in ins:
+                pieces.extend(t[1] if t is not None and t[0] == "stack" else (t,))
+            result = ("stack", tuple(pieces))
+        if result is not None:
+            tags[out] = result
+    return reads
+
+
+def _is_zero(atom) -> bool:
+    return isinstance(atom, jex_core.Literal) and not jnp.shape(atom.val) and atom.val == 0
+
+
+def _tile_read(eqn, index, index_shapes) -> TileRead | None:
+    """The TileRead of a gather from a captured array with index tag `index`, or None."""
+    dims, operand = eqn.params["dimension_numbers"], eqn.invars[0].aval
+    if index is None or eqn.params["slice_sizes"] != (1,) * operand.ndim or dims.offset_dims or (
+            dims.operand_batching_dims):
+        return None
+    if index[0] == "stack":
+        pieces = index[1]
+    elif eqn.invars[1].aval.shape[-1] == 1:
+        pieces = (index,)
+    else:
+        return None
+    if len(pieces) != len(dims.start_index_map):
+        return None
+    per_axis = [("scalar", 0, None)] * operand.ndim
+    for piece, axis in zip(pieces, dims.start_index_map):
+        per_axis[axis] = piece
+    *leading, last = per_axis
+    if last is None or last[0] != "idx" or eqn.outvars[0].aval.shape != index_shapes[last[1]]:
+        return None
+    if any(t is None or t[0] not in ("scalar", "uniform") for t in leading):
+        return None
+    fill = None
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        fill = eqn.params["fill_value"]
+        if fill is None:
+            dtype = operand.dtype
+            fill = jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+    kinds = tuple(None if fill is not None else t[2] for t in leading)
+    return TileRead(eqn.invars[0], last[1], tuple(t[1] for t in leading), kinds, fill)
+
+
+def live_equations(jaxpr, reads: dict) -> list[bool]:
+    """Which equations of `jaxpr` its outputs need when the `reads` (`tile_reads`) take only their leading
+    scalars: the index vectors they would gather with are dead."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    live = [False] * len(jaxpr.eqns)
+    for n in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[n]
+        if not eqn.effects and not any(v in needed for v in eqn.outvars):
+            continue
+        live[n] = True
+        uses = reads[n].leading if n in reads else eqn.invars
+        needed.update(v for v in uses if isinstance(v, jex_core.Var))
+    return live
+
+
+def _kernel_tile_reads(jaxpr, const_vars, const_refs) -> dict | None:
+    """The `tile_reads` of the constants that a kernel holds as tiles (refs with `read_tile`), or None."""
+    tiled = [var for var, ref in zip(const_vars, const_refs) if hasattr(ref, "read_tile")]
+    if not tiled:
+        return None
+    return {n: read for n, read in tile_reads(jaxpr, const_vars).items() if read.const in tiled}

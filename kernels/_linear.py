@@ -18,7 +18,10 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src import api_util  # tracing at given avals (`_effects`) has no public name
 from jax._src import core as jax_src_core  # get_cur_mesh_sharding has no public name
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -40,10 +43,11 @@ class _Maps:
     transpose_reference: FlatMap
     out_avals: tuple
     in_avals: tuple
+    interpreted: bool  # its maps may have effects (`_effects`)
 
     def transposed(self) -> _Maps:
         return _Maps(self.transpose, self.apply, self.transpose_reference, self.reference, self.in_avals,
-                     self.out_avals)
+                     self.out_avals, self.interpreted)
 
 
 custom_linear_p = jex_core.Primitive("probjax_custom_linear")
@@ -52,7 +56,7 @@ custom_linear_p.multiple_results = True
 
 def custom_linear(
     apply: FlatMap, transpose: FlatMap, reference: FlatMap, residuals: Sequence, linear: Sequence,
-    out_specs: Sequence[jax.ShapeDtypeStruct],
+    out_specs: Sequence[jax.ShapeDtypeStruct], interpreted: bool = False,
 ) -> list:
     """y = apply(residuals, linear), a map linear in `linear`, with every transformation defined.
 
@@ -60,6 +64,9 @@ def custom_linear(
     - `transpose(residuals, cotangents)` -> list shaped like `linear`: the transpose (fast backward).
     - `reference(residuals, linear)`: equal to `apply`, written in differentiable jnp; used only for
       derivatives in `residuals` and their transposes.
+    - `interpreted`: `apply` / `transpose` run kernels in a Pallas interpreter, whose ordered callbacks are
+      effects that a `jit` must thread through this primitive: they are found by tracing each map once when
+      it is bound (compiled kernels have none, and skip that trace).
     All arguments and results are flat lists of arrays.
     """
     residuals, linear = list(residuals), list(linear)
@@ -75,7 +82,8 @@ def custom_linear(
         transposed = jax.linear_transpose(lambda *lin: reference(res, list(lin)), *in_avals)
         return list(transposed(list(cts)))
 
-    maps = _Maps(apply, transpose, reference, transpose_reference, tuple(map(_aval, out_specs)), in_avals)
+    maps = _Maps(apply, transpose, reference, transpose_reference, tuple(map(_aval, out_specs)), in_avals,
+                 interpreted)
     return custom_linear_p.bind(*residuals, *linear, maps=maps, num_res=len(residuals))
 
 
@@ -99,11 +107,32 @@ def _impl(*args, maps: _Maps, num_res: int):
 
 
 def _abstract_eval(*avals, maps: _Maps, num_res: int):
-    del num_res
     manual = widest_manual_axis_type(avals)
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
-    return [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
+    outs = [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
             for a in maps.out_avals]
+    del num_res
+    return outs, _effects(maps, avals)
+
+
+def _effects(maps: _Maps, avals) -> set:
+    """The effects of `maps.apply` at the bound arguments' `avals`: the Pallas interpreters run kernels through
+    ordered IO callbacks, and a `jit` can only thread their token through this primitive when it declares
+    them. Traced once per map, and only for interpreted maps (compiled kernels have none)."""
+    if not maps.interpreted:
+        return set()
+    if not hasattr(maps, "effects"):
+        # Traced at the avals themselves, in the caller's context (inside `jax.shard_map`, the branches of
+        # the maps must agree on the avals' manual axis types, which a `jax.make_jaxpr` would drop).
+        num_res = len(avals) - len(maps.in_avals)
+
+        def flat(*args):
+            return maps.apply(list(args[:num_res]), list(args[num_res:]))
+
+        debug = api_util.debug_info("custom_linear", flat, avals, {})
+        jaxpr, _, _ = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=debug), avals)
+        object.__setattr__(maps, "effects", frozenset(jaxpr.effects))
+    return set(maps.effects)
 
 
 def _jvp(primals, tangents, *, maps: _Maps, num_res: int):
@@ -155,13 +184,14 @@ def _batch(args, dims, *, maps: _Maps, num_res: int):
         return tuple(jax.ShapeDtypeStruct((size, *a.shape), a.dtype) for a in avals)
 
     batched_maps = _Maps(batched(maps.apply), batched(maps.transpose), batched(maps.reference),
-                         batched(maps.transpose_reference), with_batch(maps.out_avals), with_batch(maps.in_avals))
+                         batched(maps.transpose_reference), with_batch(maps.out_avals), with_batch(maps.in_avals),
+                         maps.interpreted)
     out = custom_linear_p.bind(*res, *lin, maps=batched_maps, num_res=num_res)
     return out, [0] * len(out)
 
 
 custom_linear_p.def_impl(_impl)
-custom_linear_p.def_abstract_eval(_abstract_eval)
+custom_linear_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[custom_linear_p] = _jvp
 ad.primitive_transposes[custom_linear_p] = _transpose
 batching.primitive_batchers[custom_linear_p] = _batch

@@ -12,18 +12,22 @@
 #   fallback that became one), superlinear HBM growth, or a missing (generation, variant) pair; then compile
 #   the LM example for TPU pod slices (scripts/compile/tpu_slices.sh) and fail on a compile error, HBM over a
 #   chip's capacity, superlinear temporaries or a ring that all-gathers.
-# Usage: bash scripts/compile_check.sh [--part gpu|tpu|all] [--out FILE] [--page FILE]
+# --prepare installs (or reuses) the toolchains and the pod-slice step's packages and compiles nothing: .ci/run
+# downloads them while the tests hold the CPUs.
+# Usage: bash scripts/compile_check.sh [--prepare] [--part gpu|tpu|all] [--out FILE] [--page FILE]
 #            [--tpu-only REGEX] [--tpu-targets tpu_v5e,...] [other scripts/compile/report.py run options,
 #            e.g. --only REGEX --targets sm86_rtx3090, which go to the GPU part]
 # --page names the GPU page; the TPU page is tpu.md beside it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=all
+prepare=0
 gpu_args=()
 tpu_args=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --part) part="$2"; shift 2 ;;
+        --prepare) prepare=1; shift ;;
         --out) gpu_args+=(--out "$2"); tpu_args+=(--out "$2"); shift 2 ;;
         --page) gpu_args+=(--page "$2"); tpu_args+=(--page "$(dirname "$2")/tpu.md"); shift 2 ;;
         --tpu-only) tpu_args+=(--only "$2"); shift 2 ;;
@@ -31,6 +35,12 @@ while [[ $# -gt 0 ]]; do
         *) gpu_args+=("$1"); shift ;;
     esac
 done
+if [[ "$prepare" == 1 ]]; then
+    status=0
+    if [[ "$part" != tpu ]]; then bash scripts/compile/gpu_toolchain.sh >/dev/null || status=1; fi
+    if [[ "$part" != gpu ]]; then bash scripts/compile/tpu_slices.sh --prepare || status=1; fi
+    exit $status
+fi
 status=0
 if [[ "$part" != tpu ]]; then
     if ! toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then

@@ -15,7 +15,7 @@ import pytest
 from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
 from jax.sharding import PartitionSpec as P
 
-from probjax_kernels import create_block_mask, flex_attention_reference, ring_attention, zigzag_permutation
+from probjax_kernels import FlashConfig, create_block_mask, flex_attention_reference, ring_attention, zigzag_permutation
 
 SEQ = P(None, "sp")
 
@@ -114,6 +114,24 @@ def test_kernels_zigzag_ring_causal_gqa_documents():
     _check(out, lse, expected, expected_lse)
     for name, actual, wanted in zip(("dq", "dk", "dv"), grads, _reference_grads(q, k, v, allowed, d_out, d_lse)):
         assert_close(actual, wanted, jnp.float32, name)
+
+
+def test_tpu_interpreter_config_runs_the_blocks_in_plain_jnp():
+    """`FlashConfig(backend="tpu_interpret")` in a ring on 2 host devices: the TPU interpreter's callbacks
+    beside the collective-permutes deadlocked (forward) or aborted (jit of the gradient); the blocks now take
+    the plain-jnp path. Forward and gradients against float64, under the default varying-axes checks too."""
+    n, length = 2, 64
+    q, k, v = random_qkv(3, 1, length, length, 2, 1, 32)
+    d_out, d_lse = _cotangents(q)
+    allowed = numpy_allowed(1, length, length, causal=True)
+    expected, expected_lse = numpy_attention(q, k, v, allowed=allowed)
+    expected_grads = _reference_grads(q, k, v, allowed, d_out, d_lse)
+    for check_vma in (False, True):
+        out, lse, grads = run_ring(n, q, k, v, layout="contiguous", causal=True, check_vma=check_vma,
+                                   grad_of=(d_out, d_lse), config=FlashConfig(backend="tpu_interpret"))
+        _check(out, lse, expected, expected_lse)
+        for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected_grads):
+            assert_close(actual, wanted, jnp.float32, name)
 
 
 def test_kernels_allgather_hooks_see_global_positions():

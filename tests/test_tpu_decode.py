@@ -99,12 +99,17 @@ def test_paged_t16_float16_mha_head_column_mask():
     check("tpu paged f16 mask", out, lse, want_out, want_lse, dtype)
 
 
-def test_a_hook_mosaic_tpu_cannot_lower_is_refused_by_name():
-    """relative_bias reads table[h, q_idx - kv_idx]: a vector gather with or without a scalar h."""
+@pytest.mark.parametrize("score_mod", [
+    relative_bias(jnp.zeros((2, 63))),
+    # a per-token bias: the flash kernels read it as tiles; the decode kernel holds hook arrays in SMEM only
+    lambda s, b, h, q_idx, kv_idx, bias=jnp.zeros((1, 32)): s + bias[b, kv_idx],
+])
+def test_a_hook_mosaic_tpu_cannot_lower_is_refused_by_name(score_mod):
+    """relative_bias reads table[h, q_idx - kv_idx]: a vector gather with or without a scalar h; so is
+    bias[b, kv_idx] in the decode kernel."""
     q, k = jnp.ones((1, 1, 2, 16)), jnp.ones((1, 32, 2, 16))
     with pytest.raises(NotImplementedError, match="score_mod cannot run in the Mosaic TPU decode kernel"):
-        decode_attention(q, k, k, kv_lengths=jnp.array([3]), score_mod=relative_bias(jnp.zeros((2, 63))),
-                         config=DecodeConfig(backend=TPU))
+        decode_attention(q, k, k, kv_lengths=jnp.array([3]), score_mod=score_mod, config=DecodeConfig(backend=TPU))
 
 
 def test_the_default_on_a_tpu_is_the_tpu_kernel(monkeypatch):

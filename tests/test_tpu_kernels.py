@@ -109,10 +109,26 @@ def test_jvp_against_reference():
     def of(attention, **extra):
         return lambda q, k, v, b: attention(q, k, v, bias=b, causal=True, return_lse=True, **extra)
 
-    (out, lse), (d_out, d_lse) = jax.jvp(of(flash_attention, config=TPU), (q, k, v, bias), tangents)
+    # Under jit: the interpreter's ordered callbacks must thread through custom_linear's lowering.
+    jvp = jax.jit(lambda p, t: jax.jvp(of(flash_attention, config=TPU), p, t))
+    (out, lse), (d_out, d_lse) = jvp((q, k, v, bias), tangents)
     (_, _), (want_out, want_lse) = jax.jvp(of(flash_attention_reference), (q, k, v, bias), tangents)
     assert_close(d_out, want_out, jnp.float32, "d out")
     assert_close(d_lse, want_lse, jnp.float32, "d lse")
+
+
+def test_gradient_under_jit():
+    """`jit(grad)`: the backward kernels in the interpreter, reached through custom_linear's transpose."""
+    q, k, v = random_qkv(15, 1, 70, 70, 2, 1, 32)
+    cotangent = jax.random.normal(jax.random.key(16), q.shape)
+
+    def loss(attention, **extra):
+        return lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, **extra) * cotangent)
+
+    grads = jax.jit(jax.grad(loss(flash_attention, config=TPU), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.grad(loss(flash_attention_reference), argnums=(0, 1, 2))(q, k, v)
+    for name, got, want in zip("qkv", grads, expected):
+        assert_close(got, want, jnp.float32, f"d{name}")
 
 
 def test_long_ragged_float16_forward():
@@ -126,8 +142,8 @@ def test_long_ragged_float16_forward():
 
 
 def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
-    """relative_bias reads its table at kv_idx - q_idx (document_mask its ids at q_idx and kv_idx alike): a
-    vector gather, which Mosaic TPU cannot lower. The call warns, naming the op, and computes on XLA: forward,
+    """relative_bias reads its table at kv_idx - q_idx: a vector gather, which Mosaic TPU cannot lower (a read
+    at exactly q_idx / kv_idx is a tile: tests/test_tpu_tile_reads.py). The call warns, naming the op, and computes on XLA: forward,
     gradients (the table's too) and jvp."""
     q, k, v = random_qkv(13, 1, 24, 24, 2, 2, 32)
     table = jax.random.normal(jax.random.key(14), (2, 47))

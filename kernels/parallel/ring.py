@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_kernels._config import FlashConfig
+from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
@@ -133,14 +133,17 @@ def _ring_jvp(problem: _Ring, primals, tangents):
     specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     # Derivatives in the residuals (second order) take the plain-jnp blocks, differentiable to any order.
     d_out, d_lse = custom_linear(tangent_map(problem.backend), transpose, tangent_map("reference"), res_flat,
-                                 lin_flat, specs)
+                                 lin_flat, specs, interpreted=_kernel_backend(problem.config) in CALLBACK_INTERPRETERS)
     return (out, lse), (d_out, d_lse)
 
 
+def _kernel_backend(config: FlashConfig | None) -> str:
+    return config.backend if config is not None and config.backend is not None else default_backend()
+
+
 def _interpreted(config: FlashConfig | None) -> bool:
-    """Whether the kernels of this call run in a CPU interpreter."""
-    backend = config.backend if config is not None and config.backend is not None else default_backend()
-    return backend in ("interpret", "mosaic_interpret")
+    """Whether the kernels of this call run in a GPU kernel's CPU interpreter."""
+    return _kernel_backend(config) in ("interpret", "mosaic_interpret")
 
 
 def _with_backend(problem: _Ring, backend: str) -> _Ring:
@@ -235,6 +238,11 @@ def ring_attention(
         # jax 0.11.2's Pallas interpreter cannot run under shard_map's varying-axes checks (it replays the
         # kernel body on varying types, whose loops start from unvarying constants): on the CPU the blocks
         # then take the plain-jnp path, the same numbers. check_vma=False runs the interpreter.
+        _backend = "reference"
+    if _backend == "kernel" and _kernel_backend(config) == "tpu_interpret":
+        # Pallas' TPU interpreter simulates one chip per process: its callbacks from several host devices
+        # beside the ring's collective-permutes deadlock. The blocks take the plain-jnp path (the same
+        # numbers); on a TPU ("tpu") they run the kernels.
         _backend = "reference"
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)

@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _scores, backward_delta, base2_lse
-from probjax_kernels.tpu import common
+from probjax_kernels.tpu import common, hook_grads
 from probjax_kernels.tpu.common import dot
 
 
@@ -26,30 +26,40 @@ def with_tiles(problem: _Problem, block_q: int, block_k: int) -> _Problem:
 
 
 def _tile_gradient(s, do, v, delta, lse2, derivative, ctx, problem: _Problem, transposed: bool):
-    """(p with dropout, dS) of one tile; transposed tiles are (keys, queries) with lse / delta as rows."""
+    """(p with dropout, dS, d loss / d score_mod(score)) of one tile; transposed tiles are (keys, queries)
+    with lse / delta as rows."""
     p = jnp.exp2(s - lse2)
     dp = dot(v, do, (1, 1)) if transposed else dot(do, v, (1, 1))
     p_dropped = p
     if problem.features.dropout_rate > 0:
         scale = _dropout_scale(ctx, problem)
         dp, p_dropped = dp * scale, p * scale
-    ds = p * (dp - delta)
-    if derivative is not None:
-        ds = ds * derivative
-    return p_dropped, ds
+    d_modded = p * (dp - delta)
+    ds = d_modded if derivative is None else d_modded * derivative
+    return p_dropped, ds, d_modded
+
+
+def _score_before_hook(qk, ctx, problem: _Problem):
+    """The score the score_mod sees (as in `_scores`): scale * q k^T + bias."""
+    s = qk * problem.features.scale
+    return s if ctx.bias is None else s + ctx.bias.astype(jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------- dQ kernel
 
 
-def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bool):
+def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bool, grads: tuple):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
+    n_grads = sum(g.axis == "q" for g in grads)
+    grad_accs = rest[len(rest) - n_grads:]
+    rest = rest[:len(rest) - n_grads]
     acc_ref = rest[-1]
-    num_out = 2 if emit_ds else 1
+    num_out = (2 if emit_ds else 1) + n_grads
     dq_ref = rest[-1 - num_out]
-    ds_ref = rest[-2] if emit_ds else None
+    ds_ref = rest[-num_out] if emit_ds else None
+    grad_outs = rest[len(rest) - 1 - n_grads:-1]
     opt = to_refs(rest[:-1 - num_out])
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
@@ -59,6 +69,7 @@ def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bo
     @pl.when(step == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        hook_grads.zero(grad_accs)
 
     if emit_ds:  # every dS block is written: skipped tiles get zeros
         ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
@@ -66,9 +77,12 @@ def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bo
     def body(masked: bool):
         ctx = common.tile_context(opt, problem, b, h, i * bq, walk.tile(step) * bk, scalars.kv_len[b], False)
         k = k_ref[...]
-        s, derivative = _scores(dot(q_ref[...], k, (1, 1)), ctx, problem, masked, with_derivative)
-        _, ds = _tile_gradient(s, do_ref[...], v_ref[...], delta_ref[...], lse2_ref[...], derivative, ctx,
-                               problem, False)
+        qk = dot(q_ref[...], k, (1, 1))
+        s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
+        _, ds, d_modded = _tile_gradient(s, do_ref[...], v_ref[...], delta_ref[...], lse2_ref[...], derivative,
+                                         ctx, problem, False)
+        hook_grads.accumulate(grads, "q", problem, opt.score_consts, grad_accs, None,
+                              _score_before_hook(qk, ctx, problem), d_modded, ctx)
         if emit_ds:
             ds_ref[...] = ds
         acc_ref[...] += dot(ds.astype(k.dtype), k, (1, 0))
@@ -78,6 +92,7 @@ def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bo
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
         dq_ref[...] = (acc_ref[...] * problem.features.scale).astype(dq_ref.dtype)
+        hook_grads.store(grad_accs, grad_outs)
 
 
 def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> common.Walk:
@@ -92,7 +107,7 @@ def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> com
 
 
 def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, emit_ds: bool,
-                 varying):
+                 varying, grads: tuple = ()):
     batch, num_heads, t_pad, d_pad = qh.shape
     s_pad, dv_pad = kh.shape[2], vh.shape[3]
     problem = with_tiles(problem, problem.config.block_q_dq, problem.config.block_k_dq)
@@ -105,7 +120,7 @@ def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs,
         return _dq_walk(problem, scalars, b, h, i, num_kv_tiles, emit_ds).tile(s)
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad))
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):
@@ -120,18 +135,20 @@ def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs,
     if emit_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, s, *r: (b, h, i, s)))
         out_shape.append(common.output((batch, num_heads, t_pad, s_pad), jnp.float32, *varying))
+    grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
+        grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
     kernel = functools.partial(_dq_kernel, problem=problem, num_kv_tiles=num_kv_tiles, to_refs=to_refs,
-                               emit_ds=emit_ds)
+                               emit_ds=emit_ds, grads=grads)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
             grid=(batch, num_heads, t_pad // bq, steps),
             in_specs=[q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, row, *extra_specs],
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bq, d_pad), jnp.float32)],
+            out_specs=[*out_specs, *grad_specs],
+            scratch_shapes=[pltpu.VMEM((bq, d_pad), jnp.float32), *grad_scratch],
         ),
-        out_shape=out_shape,
+        out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dq",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
     )(*scalar_inputs, qh, kh, vh, doh, lse2[..., None], delta[..., None], *extra)
@@ -140,12 +157,17 @@ def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs,
 # ------------------------------------------------------------------------------------------ dK/dV kernel
 
 
-def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs):
+def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs, grads: tuple):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
-    dk_ref, dv_ref, dk_acc, dv_acc = rest[-4:]
-    opt = to_refs(rest[:-4])
+    n_grads = sum(g.axis == "kv" for g in grads)
+    grad_accs = rest[len(rest) - n_grads:]
+    rest = rest[:len(rest) - n_grads]
+    dk_acc, dv_acc = rest[-2:]
+    grad_outs = rest[len(rest) - 2 - n_grads:-2]
+    dk_ref, dv_ref = rest[-4 - n_grads:-2 - n_grads]
+    opt = to_refs(rest[:-4 - n_grads])
     b, kv_head, j, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     head, q_step = step // steps, step % steps
@@ -156,13 +178,18 @@ def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs)
     def _():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        hook_grads.zero(grad_accs)
 
     def body(masked: bool):
         h = kv_head * problem.group + head
         ctx = common.tile_context(opt, problem, b, h, walk.tile(q_step) * bq, j * bk, scalars.kv_len[b], True)
         q, do = q_ref[...], do_ref[...]
-        s, derivative = _scores(dot(k_ref[...], q, (1, 1)), ctx, problem, masked, with_derivative)
-        p, ds = _tile_gradient(s, do, v_ref[...], delta_ref[...], lse2_ref[...], derivative, ctx, problem, True)
+        kq = dot(k_ref[...], q, (1, 1))
+        s, derivative = _scores(kq, ctx, problem, masked, with_derivative)
+        p, ds, d_modded = _tile_gradient(s, do, v_ref[...], delta_ref[...], lse2_ref[...], derivative, ctx,
+                                         problem, True)
+        hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
+                              _score_before_hook(kq, ctx, problem), d_modded, ctx)
         dv_acc[...] += dot(p.astype(do.dtype), do, (1, 0))
         dk_acc[...] += dot(ds.astype(q.dtype), q, (1, 0))
 
@@ -172,9 +199,11 @@ def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs)
     def _():
         dk_ref[...] = (dk_acc[...] * problem.features.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        hook_grads.store(grad_accs, grad_outs)
 
 
-def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, varying):
+def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, varying,
+                  grads: tuple = ()):
     batch, num_heads, t_pad, d_pad = qh.shape
     num_kv_heads, s_pad, dv_pad = kh.shape[1], kh.shape[2], vh.shape[3]
     problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
@@ -190,7 +219,7 @@ def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs
         return kv_head * group + s // steps
 
     maps = dict(b=lambda b, kh, j, s, *r: b, h=head_of, q=q_tile, kv=lambda b, kh, j, s, *r: j)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad))
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):
@@ -206,24 +235,31 @@ def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs
         out_shape = [common.output((batch, *x.shape[1:]), jnp.float32, *varying) for x in (kh, vh)]
     else:
         out_shape = [common.output(x.shape, x.dtype, *varying) for x in (kh, vh)]
-    kernel = functools.partial(_dkv_kernel, problem=problem, num_q_tiles=num_q_tiles, steps=steps, to_refs=to_refs)
-    dk, dv = pl.pallas_call(
+    grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
+        grads, "kv", (batch, num_kv_heads, group), (None, None, group), lambda b, kh, j, s, *r: (b, kh, 0), s_pad,
+        bk, varying)
+    kernel = functools.partial(_dkv_kernel, problem=problem, num_q_tiles=num_q_tiles, steps=steps, to_refs=to_refs,
+                               grads=grads)
+    dk, dv, *grad_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
             grid=(batch, num_kv_heads, s_pad // bk, group * steps),
             in_specs=[q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row, row,
                       *extra_specs],
-            out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False)],
-            scratch_shapes=[pltpu.VMEM((bk, d_pad), jnp.float32), pltpu.VMEM((bk, dv_pad), jnp.float32)],
+            out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False), *grad_specs],
+            scratch_shapes=[pltpu.VMEM((bk, d_pad), jnp.float32), pltpu.VMEM((bk, dv_pad), jnp.float32),
+                            *grad_scratch],
         ),
-        out_shape=out_shape,
+        out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dkv",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
     )(*scalar_inputs, qh, kh, vh, doh, lse2[:, :, None, :], delta[:, :, None, :], *extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
-    return dk, dv
+    # [B, K, group, ...] -> [B, N, ...]: query head kv_head * group + head
+    grad_blocks = [x.reshape(batch, num_heads, *x.shape[3:]) for x in grad_blocks]
+    return dk, dv, grad_blocks
 
 
 def _table_steps(tables) -> int:
@@ -232,7 +268,8 @@ def _table_steps(tables) -> int:
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """Gradients of q, k, v and the bias flagged in `tangents` from `_autodiff`'s residuals (padded, in the
-    core's `[B, T, N, D]` layout); the score_mod arrays' come from `_chunked`, as on every backend."""
+    core's `[B, T, N, D]` layout), and under "score_consts_by_index" those of the score_mod arrays read as
+    tiles (`hook_grads`); the other score_mod arrays' come from `_chunked`, as on every backend."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
     bias, q_len, kv_len = res["bias"], res["q_len"], res["kv_len"]
     delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
@@ -241,17 +278,30 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     qh, kh, vh, doh = (common.to_heads(x.astype(dtype)) for x in (q, k, v, d_out))
     varying = (q, k, v, d_out)
     grads = {}
-    if tangents.q or tangents.bias:
+    tile_grads = hook_grads.tile_grads(problem, tangents)
+    blocks = {}  # (array position, axis) -> accumulated blocks `[B, N, *whole, T|S, 1]`
+    if tangents.q or tangents.bias or any(g.axis == "q" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
-        dq, *ds = _backward_dq(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, tangents.bias, varying)
+        dq, *rest = _backward_dq(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, tangents.bias, varying,
+                                 tile_grads)
         if tangents.q:
             grads["q"] = jnp.swapaxes(dq, 1, 2).astype(q.dtype)
         if tangents.bias:
             broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
-            grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
-    if tangents.k or tangents.v:
+            grads["bias"] = jnp.sum(rest.pop(0), axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+        blocks.update(zip([(g.index, "q") for g in tile_grads if g.axis == "q"], rest))
+    if tangents.k or tangents.v or any(g.axis == "kv" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "kv")
-        dk, dv = _backward_dkv(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, varying)
+        dk, dv, rest = _backward_dkv(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, varying, tile_grads)
         grads.update({name: jnp.swapaxes(g, 1, 2).astype(x.dtype)
                       for name, g, x in (("k", dk, k), ("v", dv, v)) if getattr(tangents, name)})
+        blocks.update(zip([(g.index, "kv") for g in tile_grads if g.axis == "kv"], rest))
+    if tile_grads:
+        consts = res["score_consts"]
+        lengths = {"q": q.shape[1], "kv": k.shape[1]}
+        by_index = {}
+        for g in tile_grads:
+            part = hook_grads.finish(g, blocks[(g.index, g.axis)], consts[g.index], lengths[g.axis])
+            by_index[g.index] = part if g.index not in by_index else by_index[g.index] + part
+        grads["score_consts_by_index"] = by_index
     return grads

@@ -30,6 +30,7 @@ from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _ScoreContext
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.tpu import vet
 
 M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 TPU_BACKENDS = ("tpu", "tpu_interpret")
@@ -208,13 +209,15 @@ def smem_array(x):
     return x.reshape(1) if x.ndim == 0 else x
 
 
-def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict, tangents: _Tangents | None = None):
+def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict, lengths: tuple[int, int],
+                    tangents: _Tangents | None = None):
     """(arrays, specs, to_refs) of the optional inputs on a query-tile ("q") or key-tile ("kv") grid.
 
     `tile_maps` maps "b", "h", "q", "kv" to functions of the grid ids (and scalar refs) giving the batch,
-    query head, query tile and key tile a step reads. Query-tile grids see (bq, bk) tiles; the key-tile grid
-    sees transposed (bk, bq) ones: its bias / mask arrive transposed `[B, N, S, T]`, its query segment ids
-    as a row and its key segment ids as a column.
+    query head, query tile and key tile a step reads; `lengths` are the padded (T, S). Query-tile grids see
+    (bq, bk) tiles; the key-tile grid sees transposed (bk, bq) ones: its bias / mask arrive transposed
+    `[B, N, S, T]`, its query segment ids as a row and its key segment ids as a column. Hook arrays read along
+    q_idx / kv_idx arrive the same way, as the tile of their last axis (`vet.const_layouts`).
     """
     bq, bk = problem.config.block_q, problem.config.block_k
     b_of, h_of, q_of, kv_of = tile_maps["b"], tile_maps["h"], tile_maps["q"], tile_maps["kv"]
@@ -239,20 +242,22 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
         inputs.append(smem_array(arrays["dropout_seed"]))
         specs.append(_smem_whole())
         fields.append("dropout_seed")
-    scalar_consts = []  # whether each hook array is 0-d (then read through `_Scalar`)
-    for name in ("score_consts", "mask_consts"):
-        for const in arrays[name]:
-            inputs.append(smem_array(const))
-            specs.append(_smem_whole())
-            scalar_consts.append(jnp.ndim(const) == 0)
+    f, cfg = problem.features, problem.config
+    layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
+    holders = []  # per hook array: how `to_refs` rebuilds it from its refs
+
+    def add_const(const, layout):
+        holders.append(_const_inputs(const, layout, kind, tile_maps, lengths, (bq, bk), inputs, specs))
+
+    for const, layout in zip((*arrays["score_consts"], *arrays["mask_consts"]), layouts):
+        add_const(const, layout)
     if tangents is not None:
         if tangents.bias:
             inputs.append(_broadcast_input(arrays["d_bias"], kind))
             specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps))
-        for const in arrays.get("d_score_consts", ()):
-            inputs.append(smem_array(const))
-            specs.append(_smem_whole())
-            scalar_consts.append(jnp.ndim(const) == 0)
+        moving = [layout for layout, moved in zip(layouts, tangents.score_consts) if moved]
+        for const, layout in zip(arrays.get("d_score_consts", ()), moving):
+            add_const(const, layout)
     num_score, num_mask = problem.num_score_consts, problem.num_mask_consts
     num_d = 0 if tangents is None else sum(tangents.score_consts)
     has_d_bias = tangents is not None and tangents.bias
@@ -260,8 +265,8 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
     def to_refs(refs) -> Refs:
         refs = list(refs)
         values = {name: refs.pop(0) for name in fields}
-        flags = iter(scalar_consts)
-        const = lambda: _Scalar(refs.pop(0)) if next(flags) else refs.pop(0)  # noqa: E731
+        holder = iter(holders)
+        const = lambda: next(holder)(refs)  # noqa: E731
         score = tuple(const() for _ in range(num_score))
         mask = tuple(const() for _ in range(num_mask))
         d_bias = refs.pop(0) if has_d_bias else None
@@ -270,6 +275,93 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
         return Refs(**values, score_consts=score, mask_consts=mask, d_bias=d_bias, d_score_consts=d_consts)
 
     return inputs, specs, to_refs
+
+
+def _const_inputs(const, layout, kind: str, maps: dict, lengths: tuple[int, int], blocks: tuple[int, int],
+                  inputs: list, specs: list):
+    """Appends the inputs of one hook array (an SMEM copy, and a VMEM copy per axis it is read along as
+    tiles); returns the function that takes its refs off the front of a list and gives what the hook reads."""
+    if not layout.tiles:
+        inputs.append(smem_array(const))
+        specs.append(_smem_whole())
+        return (lambda refs: _Scalar(refs.pop(0))) if jnp.ndim(const) == 0 else (lambda refs: refs.pop(0))
+    if layout.smem:
+        inputs.append(smem_array(const))
+        specs.append(_smem_whole())
+    tiles = []
+    for axis, kinds, fill in layout.tiles:
+        array, spec, column = _tile_input(const, axis, kinds, fill, kind, maps, lengths, blocks)
+        inputs.append(array)
+        specs.append(spec)
+        tiles.append((axis, column, kinds, fill))
+    shape = tuple(jnp.shape(const))
+
+    def holder(refs):
+        smem = refs.pop(0) if layout.smem else None
+        return _Tiles(smem, {axis: (refs.pop(0), column, kinds, fill) for axis, column, kinds, fill in tiles},
+                      shape)
+
+    return holder
+
+
+def _tile_input(const, axis: str, kinds: tuple, fill, kind: str, maps: dict, lengths: tuple[int, int],
+                blocks: tuple[int, int]):
+    """(array, BlockSpec, column) of a hook array `[*lead, L]` read as `array[..., q_idx]` (axis "q") or
+    `[..., kv_idx]` ("kv"): its last axis taken at 0 .. T-1 (or S-1), clamped past L (or `fill`), as a
+    `[*lead, T, 1]` column where the grid's tiles hold that index on the sublanes (the query axis of a
+    query-tile kernel, the key axis of the key-tile kernel), else as a lane-dense `[*lead, 1, T]` row. The
+    leading axes indexed exactly by b / h are selected by the BlockSpec (clamped, as the read), the others
+    held whole."""
+    taken = sequence_take(const, fill, lengths[0] if axis == "q" else lengths[1])
+    column = (axis == "q") == (kind == "q")
+    array = taken[..., None] if column else taken[..., None, :]
+    tile = maps["q"] if axis == "q" else maps["kv"]
+    lead = const.shape[:-1]
+
+    def index_map(*a):
+        index = [jnp.minimum(maps[k](*a), dim - 1) if k is not None else 0 for k, dim in zip(kinds, lead)]
+        return (*index, tile(*a), 0) if column else (*index, 0, tile(*a))
+
+    rows = blocks[0] if axis == "q" else blocks[1]
+    lead_block = tuple(None if k is not None else dim for k, dim in zip(kinds, lead))
+    block = (*lead_block, rows, 1) if column else (*lead_block, 1, rows)
+    return array, pl.BlockSpec(block, index_map), column
+
+
+def sequence_take(const, fill, length: int):
+    """`const[..., 0 .. length-1]`, clamped past its last axis as the kernels' reads are (or `fill`)."""
+    size = const.shape[-1]
+    positions = jnp.arange(length)
+    taken = jnp.take(const, jnp.minimum(positions, size - 1), axis=-1)
+    if fill is not None:
+        taken = jnp.where(positions < size, taken, jnp.asarray(fill, const.dtype))
+    return taken
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """A hook array held as VMEM tiles along q_idx / kv_idx (`_tile_input`), with an SMEM copy for its scalar
+    reads when it has any: `_hooks` gives a `TileRead` its tile through `read_tile`."""
+
+    smem: Any
+    tiles: dict  # axis -> (ref, column, kinds, fill)
+    shape: tuple
+
+    def __getitem__(self, index):
+        return self.smem[index]
+
+    def read_tile(self, read, leading):
+        """The (tile, 1) column or (1, tile) row of `read` (`_hooks.TileRead`), at the leading scalars."""
+        ref, _, kinds, _ = self.tiles[read.axis]
+        index, in_bounds = [], True
+        for value, kind, dim in zip(leading, kinds, self.shape[:-1]):
+            if kind is None:  # held whole: a dynamic index on an untiled axis
+                index.append(jnp.clip(jnp.asarray(value, jnp.int32), 0, dim - 1))
+                in_bounds = in_bounds & (value >= 0) & (value < dim)
+        tile = ref[(*index, slice(None), slice(None))]
+        if read.fill is not None and index:
+            tile = jnp.where(in_bounds, tile, jnp.asarray(read.fill, tile.dtype))
+        return tile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,8 @@ def _vet_hook(name: str, hook: Hook | None, rows: int, tile: int) -> bool:
     for scalar_head in (False, True):
         specs = _hook_specs(rows, tile, with_score, scalar_head)
         hook.prepare(*specs)
-        reason = hook_problem(hook, _shapes(specs, with_score), with_score, derivative=False)
+        # The decode kernel holds hook arrays in SMEM only: a read along q_idx / kv_idx is a vector gather here.
+        reason = hook_problem(hook, _shapes(specs, with_score), with_score, derivative=False, tiles=False)
         if reason is None:
             return scalar_head
         reasons.append(reason)

@@ -85,7 +85,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         return 0 if problem.kv_broadcast else b
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad))
     q_spec = pl.BlockSpec((None, None, bq, qh.shape[3]), lambda b, h, i, s, *r: (b, h, i, 0))
 
     def kv_spec(dim):

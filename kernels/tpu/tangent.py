@@ -86,7 +86,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         return common.q_walk(problem, scalars, b, h, i, num_kv_tiles).tile(s)
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, tangents)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad), tangents)
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
     def q_side(dim):

@@ -4,11 +4,15 @@ rules the way `_dispatch` vets hooks for Mosaic GPU.
 
 A hook runs in the kernels when every primitive it uses has a Mosaic TPU lowering rule and it reads each
 captured array one element at a time at scalar indices (`slopes[h]`: a size-1 `dynamic_slice` then a
-squeeze, a scalar load from SMEM), or whole when it is 0-d. Reading one along q_idx / kv_idx
+squeeze, a scalar load from SMEM), whole when it is 0-d, or along its last axis at exactly q_idx / kv_idx
+with scalar leading indices (`doc[b, q_idx]`, `bias[h, kv_idx]`: `_hooks.tile_reads`), which the kernels
+give as the VMEM tile of the array along that axis (`const_layouts`). Any other read along q_idx / kv_idx
 (`table[q_idx - kv_idx]`) is a vector gather, which Mosaic TPU has no lowering for.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +20,7 @@ from jax._src.pallas.mosaic import core as tpu_core  # the Mosaic TPU lowering r
 from jax._src.pallas.mosaic import lowering as tpu_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels._hooks import Hook
+from probjax_kernels._hooks import Hook, live_equations, tile_reads
 from probjax_kernels._problem import _Problem
 
 _SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
@@ -38,28 +42,36 @@ def _specs(shapes, with_score: bool) -> list:
     return specs
 
 
-def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool) -> str | None:
+def hook_problem(hook: Hook, shapes, with_score: bool, derivative: bool, tiles: bool = True) -> str | None:
     """Why `hook` cannot run in the Mosaic TPU kernels at these shapes (None when it can); with `derivative`,
-    its jvp in the score too (the backward kernels)."""
+    its jvp in the score too (the backward kernels); `tiles`: whether the kernel reads hook arrays along
+    q_idx / kv_idx as tiles (the decode kernel does not)."""
     for shape, dtype in hook.const_avals:
         if jnp.dtype(dtype) not in _SMEM_DTYPES:
-            return f"it captures a {jnp.dtype(dtype).name} array (the kernels read hook arrays as 32-bit SMEM scalars)"
+            return (f"it captures a {jnp.dtype(dtype).name} array (the kernels read hook arrays as 32-bit SMEM "
+                    "scalars or VMEM tiles)")
     specs = _specs(shapes, with_score)
     jaxpr = hook._jaxpr(specs)
-    reason = jaxpr_problem(jaxpr, set(jaxpr.constvars))
+    reason = jaxpr_problem(jaxpr, set(jaxpr.constvars), tiles)
     if reason is None and derivative:
         closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *specs)
         captured = closed.jaxpr.invars[: len(hook.const_avals)]
-        reason = "its derivative captures arrays" if closed.consts else jaxpr_problem(closed.jaxpr, set(captured))
+        reason = "its derivative captures arrays" if closed.consts else jaxpr_problem(closed.jaxpr, set(captured),
+                                                                                      tiles)
     return reason
 
 
-def jaxpr_problem(jaxpr, consts: set) -> str | None:
+def jaxpr_problem(jaxpr, consts: set, tiles: bool = True) -> str | None:
     """The first op of `jaxpr` without a Mosaic TPU lowering, or the first read of a captured array in
-    `consts` other than one element at scalar indices; None when there is none."""
+    `consts` other than one element at scalar indices or a tile along q_idx / kv_idx; None when there is
+    none. The index arithmetic only tile reads use is never evaluated, so it is not vetted."""
     elements = set()
     consts = {var for var in consts if var.aval.shape}
-    for eqn in jaxpr.eqns:
+    reads = tile_reads(jaxpr, consts) if tiles else {}
+    live = live_equations(jaxpr, reads)
+    for n, eqn in enumerate(jaxpr.eqns):
+        if not live[n] or n in reads:
+            continue
         name = eqn.primitive.name
         reads_element = (
             name == "dynamic_slice" and eqn.invars[0] in consts
@@ -83,6 +95,59 @@ def jaxpr_problem(jaxpr, consts: set) -> str | None:
     if outputs & (consts | elements):
         return "it returns a captured array"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstLayout:
+    """How the kernels hold one hook array: `smem`, a 32-bit SMEM copy for scalar reads (and 0-d arrays);
+    `tiles`, `(axis, kinds, fill)` per axis ("q" / "kv") the hook reads it along (`_hooks.TileRead`: `kinds`
+    "b" / "h" for a leading axis indexed exactly by b / h, which the BlockSpec then selects, None for one
+    held whole), as VMEM blocks of the array's last axis."""
+
+    smem: bool
+    tiles: tuple = ()
+
+
+def const_layouts(hook: Hook | None, config, with_score: bool) -> tuple[ConstLayout, ...]:
+    """The `ConstLayout` of each of `hook`'s arrays, from its jaxprs at every tile shape of `config` (and its
+    score derivative's, for a score_mod); () without a hook. Traced jaxprs are cached on the hook."""
+    if hook is None:
+        return ()
+    tiles = {(config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
+             (config.block_q_dkv, config.block_k_dkv)}
+    all_shapes = sorted({hook_shapes(*t, False) for t in tiles} | {hook_shapes(config.block_q_dkv,
+                                                                                config.block_k_dkv, True)})
+    key = ("tpu_layouts", with_score, tuple(all_shapes))
+    if key in hook.jaxprs:
+        return hook.jaxprs[key]
+    n = len(hook.const_avals)
+    smem = [not shape for shape, _ in hook.const_avals]
+    axes = [dict() for _ in range(n)]
+    for shapes in all_shapes:
+        specs = _specs(shapes, with_score)
+        jaxpr = hook._jaxpr(specs)
+        jaxprs = [(jaxpr, list(jaxpr.constvars))]
+        if with_score:
+            closed = hook.jvp_jaxpr((False,) * n, *specs)
+            jaxprs.append((closed.jaxpr, list(closed.jaxpr.invars[:n])))
+        for jaxpr, const_vars in jaxprs:
+            reads = tile_reads(jaxpr, const_vars)
+            live = live_equations(jaxpr, reads)
+            for i, var in enumerate(const_vars):
+                for eqn_number, eqn in enumerate(jaxpr.eqns):
+                    if not live[eqn_number]:
+                        continue
+                    read = reads.get(eqn_number)
+                    if read is not None and read.const is var:
+                        kinds, fill = axes[i].get(read.axis, (read.kinds, read.fill))
+                        kinds = tuple(k if k == r else None for k, r in zip(kinds, read.kinds))
+                        axes[i][read.axis] = (kinds, fill)
+                    elif var in eqn.invars:
+                        smem[i] = True
+    layouts = tuple(ConstLayout(smem[i], tuple((axis, *axes[i][axis]) for axis in sorted(axes[i])))
+                    for i in range(n))
+    hook.jaxprs[key] = layouts
+    return layouts
 
 
 def _missing_rule(eqn) -> str | None:

@@ -19,28 +19,19 @@ ABSL_VERSION="2.5.1"            # imported by JAX's Mosaic GPU attention (a peer
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "gpu_toolchain.sh: $*" >&2; }
+# shellcheck source=scripts/compile/toolchain_common.sh
+source scripts/compile/toolchain_common.sh
 
 pins="jax[cuda12]==$JAX_VERSION nvidia-cuda-nvcc-cu12==$NVCC_VERSION"
 pins="$pins nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
 pins="$pins absl-py==$ABSL_VERSION"
-pins_hash="$(echo "$pins" | sha256sum | cut -c1-12)"
-root="${PROBJAX_GPU_TOOLCHAIN:-${XDG_CACHE_HOME:-$HOME/.cache}/probjax-gpu-toolchain/$pins_hash}"
-stamp="$root/.installed"
+root="$(toolchain_root probjax-gpu-toolchain "$pins" "${PROBJAX_GPU_TOOLCHAIN:-}")"
 
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$pins" ]]; then
+if toolchain_installed "$root" "$pins"; then
     log "reusing $root"
 else
-    # The repo's .venv (scripts/setup.sh) holds a Python 3.12; its base interpreter makes the toolchain venv.
-    if [[ ! -x .venv/bin/python ]]; then
-        log "no .venv: run 'bash scripts/setup.sh' first (it finds the Python 3.12 this uses)"
-        exit 1
-    fi
-    python="$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"
     log "installing $pins into $root (a few GB; minutes on a fresh machine)"
-    rm -rf "$root"
-    mkdir -p "$root"
-    "$python" -m venv "$root/venv"
-    "$root/venv/bin/python" -m pip install --quiet --upgrade pip
+    toolchain_new_venv "$root"
     "$root/venv/bin/python" -m pip install --quiet "jax[cuda12]==$JAX_VERSION" \
         "nvidia-cuda-nvcc-cu12==$NVCC_VERSION" "absl-py==$ABSL_VERSION" numpy
     "$root/venv/bin/python" -m pip install --quiet --target "$root/tools" --no-deps \
@@ -80,7 +71,7 @@ done
 exit $rc
 WRAP
     chmod +x "$cuda/bin/ptxas"
-    echo "$pins" >"$stamp"
+    toolchain_mark_installed "$root" "$pins"
     log "installed"
 fi
 

@@ -6,7 +6,8 @@
 # all-gathers (scripts/compile/tpu_slices.py).
 # The Python: $PROBJAX_TPU_PYTHON, or the TPU toolchain's venv (scripts/compile/tpu_toolchain.sh), to which
 # this adds the examples' packages (pinned below) once.
-# Usage: bash scripts/compile/tpu_slices.sh [scripts/compile/tpu_slices.py run options: --all --out F --doc F]
+# Usage: bash scripts/compile/tpu_slices.sh [--prepare | scripts/compile/tpu_slices.py run options: --all --out F
+#            --doc F]   (--prepare: install the toolchain and the packages, compile nothing)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "tpu_slices.sh: $*" >&2; }
@@ -38,5 +39,8 @@ fi
 if ! "$python" -c "import jax, flax, optax, orbax.checkpoint, equinox, tqdm, yaml; from jax.experimental import topologies" 2>/dev/null; then
     log "FAIL: $python lacks jax[tpu] or the examples' packages ($EXAMPLES)"
     exit 1
+fi
+if [[ "${1:-}" == --prepare ]]; then
+    exit 0
 fi
 exec "$python" scripts/compile/tpu_slices.py run "$@"

@@ -15,26 +15,17 @@ TOKAMAX_VERSION="0.0.17"        # a peer (its TPU attention); optional: the repo
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "tpu_toolchain.sh: $*" >&2; }
+# shellcheck source=scripts/compile/toolchain_common.sh
+source scripts/compile/toolchain_common.sh
 
 pins="jax[tpu]==$JAX_VERSION libtpu==$LIBTPU_VERSION numpy==$NUMPY_VERSION tokamax==$TOKAMAX_VERSION"
-pins_hash="$(echo "$pins" | sha256sum | cut -c1-12)"
-root="${PROBJAX_TPU_TOOLCHAIN:-${XDG_CACHE_HOME:-$HOME/.cache}/probjax-tpu-toolchain/$pins_hash}"
-stamp="$root/.installed"
+root="$(toolchain_root probjax-tpu-toolchain "$pins" "${PROBJAX_TPU_TOOLCHAIN:-}")"
 
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$pins" ]]; then
+if toolchain_installed "$root" "$pins"; then
     log "reusing $root"
 else
-    # The repo's .venv (scripts/setup.sh) holds a Python 3.12; its base interpreter makes the toolchain venv.
-    if [[ ! -x .venv/bin/python ]]; then
-        log "no .venv: run 'bash scripts/setup.sh' first (it finds the Python 3.12 this uses)"
-        exit 1
-    fi
-    python="$(.venv/bin/python -c 'import sys; print(sys._base_executable)')"
     log "installing $pins into $root (about 1 GB; minutes on a fresh machine)"
-    rm -rf "$root"
-    mkdir -p "$root"
-    "$python" -m venv "$root/venv"
-    "$root/venv/bin/python" -m pip install --quiet --upgrade pip
+    toolchain_new_venv "$root"
     "$root/venv/bin/python" -m pip install --quiet "jax[tpu]==$JAX_VERSION" "libtpu==$LIBTPU_VERSION" \
         "numpy==$NUMPY_VERSION"
     # tokamax is a peer, not a dependency: a failed install is recorded (the report says so), not fatal.
@@ -48,7 +39,7 @@ else
         echo "tokamax $TOKAMAX_VERSION did not install: $(tail -1 "$root/tokamax-install.log")" >"$root/.tokamax"
         log "$(cat "$root/.tokamax")"
     fi
-    echo "$pins" >"$stamp"
+    toolchain_mark_installed "$root" "$pins"
     log "installed"
 fi
 

@@ -92,9 +92,9 @@ def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024) -> TpuVariant:
 
 
 # The flex hooks whose captured arrays the kernels read as vectors (a gather, which Mosaic TPU cannot lower):
-# the dispatch sends those calls to the XLA path (`probjax_kernels.tpu.vet`).
+# the dispatch sends those calls to the XLA path (`probjax_kernels.tpu.vet`). The document mask's
+# `doc[b, q_idx] == doc[b, kv_idx]` reads its ids along q_idx / kv_idx exactly: VMEM tiles, in the kernels.
 FLEX_FALLBACK = {
-    "document_mask": "`doc[b, q_idx]` reads the captured ids along q_idx (a vector gather)",
     "relative_bias": "`table[h, q_idx - kv_idx]` reads the captured table along the indices (a vector gather)",
 }
 
