@@ -33,7 +33,7 @@ from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
-from probjax_kernels.mosaic.common import mosaic_hook_shapes
+from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
 from probjax_kernels.tpu import decode as tpu_decode
 from probjax_kernels.triton import backward as triton_backward
@@ -338,8 +338,9 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
     """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
 
     Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
-    tiles, which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed (block_k / 2,
-    block_q) one are then the shape the hooks were vetted and traced at, and the tables' tile."""
+    tiles (the tables' tile), which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed
+    (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
+    were traced."""
     if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
         return None
     f, cfg = problem.features, problem.config
@@ -358,13 +359,13 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 
 def hook_shapes(config: FlashConfig) -> list[tuple]:
     """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
-    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles on that backend; the Mosaic TPU
-    dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
+    Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles (the forward's, the backward's parts)
+    on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
     shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
-        shapes.append(mosaic_hook_shapes(config))
+        shapes += [mosaic_hook_shapes(config), mosaic_backward_hook_shapes(config)]
     if config.backend in tpu.TPU_BACKENDS:
         shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes

@@ -9,7 +9,8 @@ in SMEM in interpret mode). `lse2` is the forward's lse in base 2, +inf for rows
 and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
 Window (causal) tile skipping, lengths masking and the caller's padding contract are those of
-`mosaic.forward`.
+`mosaic.forward`. Both kernels run a step in parts of at most `PART` (64) columns of S (dQ: keys) / S^T
+(dK/dV: queries), so that the forward's 128 x 128 tiles (hooks, block tables) do not spill.
 
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
@@ -39,6 +40,7 @@ from probjax_kernels._scores import backward_delta, base2_lse
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
+    PART,
     _SWIZZLE,
     SMEM_BYTES,
     ScoreRule,
@@ -60,8 +62,8 @@ from probjax_kernels.mosaic.forward import _check
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
                   itemsize: int = 2) -> int:
     """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings, lse2 / delta rows and,
-    with `ds_in_smem`, the dS tiles."""
-    ds_tiles = block_q * block_kv if ds_in_smem else 0
+    with `ds_in_smem`, the dS tiles of one part."""
+    ds_tiles = block_q * min(block_kv, PART) if ds_in_smem else 0
     return itemsize * (head_dim * (2 * block_q + 2 * num_stages * block_kv) + ds_tiles) + 8 * block_q
 
 
@@ -76,6 +78,7 @@ def _dq_kernel(
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
+    part = min(block_kv, PART)  # keys per part of a step
     head_dim = q_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
@@ -119,33 +122,41 @@ def _dq_kernel(
         lse2 = plgpu.load(lse2_own, layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_own, layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def matmul_t(a_smem, b_smem):
+        def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
                 plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
                 return acc_ref[...]
 
-            return pl.run_scoped(body, plgpu.ACC((rows, block_kv), jnp.float32))
+            return pl.run_scoped(body, plgpu.ACC((rows, b_smem.shape[0]), jnp.float32))
 
         def step(kv_step, dq, masked: bool, user_mask: bool):
             slot = lax.rem(kv_step, num_stages)
+            # The resident Q / dO tiles through an opaque copy of wg: see the dK/dV kernel's step.
+            own = lax.optimization_barrier(wg)
+            q_own, do_own = q_smem.at[own], do_smem.at[own]
             plgpu.barrier_wait(k_ready.at[slot])
-            s = matmul_t(q_own, k_smem.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            dp = matmul_t(do_own, v_smem.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            s, s_scale, derivative = rule.scores(
-                s, lambda: tile_indices(s.shape, row0, block_of(kv_step) * block_kv), batch, head, kv_len,
-                masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                with_derivative=True,
-            )
-            p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-            if derivative is not None:  # the chain rule through score_mod
-                ds = ds * derivative
-            dq = _accumulate_pv(
-                dq, ds.astype(k_smem.dtype), k_smem.at[slot], None if ds_smem is None else ds_smem.at[wg],
-                not interpret, lambda: None,
-            )
+            for j in range(block_kv // part):
+                keys = pl.ds(j * part, part)
+                k_part, v_part = k_smem.at[slot, keys], v_smem.at[slot, keys]
+                s = matmul_t(q_own, k_part)
+                if j == 0:
+                    plgpu.barrier_wait(v_ready.at[slot])
+                dp = matmul_t(do_own, v_part)
+                if j == block_kv // part - 1:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                s, s_scale, derivative = rule.scores(
+                    s, lambda: tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part), batch, head,
+                    kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                    with_derivative=True,
+                )
+                p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                if derivative is not None:  # the chain rule through score_mod
+                    ds = ds * derivative
+                dq = _accumulate_pv(
+                    dq, ds.astype(k_smem.dtype), k_part, None if ds_smem is None else ds_smem.at[wg],
+                    not interpret, lambda: None,
+                )
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -242,7 +253,7 @@ def mosaic_backward_dq(
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
                                                 "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
-    rows = block_q // _CONSUMERS
+    rows, part = block_q // _CONSUMERS, min(block_kv, PART)
     return _launch(
         _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
@@ -256,7 +267,7 @@ def mosaic_backward_dq(
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows, block_kv), q.dtype, transforms=transforms) if ds_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
             ),
             tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4)),
             (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages)),
@@ -315,9 +326,9 @@ def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
                    itemsize: int = 2) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
-    the lse2 / delta rows of each slot and, with `p_in_smem`, one staging tile per consumer for P^T and dS^T.
-    Barriers aside."""
-    staging = block_kv * block_q if p_in_smem else 0
+    the lse2 / delta rows of each slot and, with `p_in_smem`, one staging tile per consumer for P^T and dS^T
+    (one part). Barriers aside."""
+    staging = block_kv * min(block_q, PART) if p_in_smem else 0
     return itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
 
 
@@ -354,6 +365,7 @@ def _dkv_kernel(
     q_ready, do_ready, lse2_ready, delta_ready = ready
     q_free, do_free = free
     keys = block_kv // _CONSUMERS
+    part = min(block_q, PART)  # queries per part of a step
     head_dim = q_ref.shape[-1]
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -387,43 +399,52 @@ def _dkv_kernel(
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
 
-        def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, block_q)
+        def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, queries)
             def body(acc_ref):
                 plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
                 return acc_ref[...]
 
-            return pl.run_scoped(body, plgpu.ACC((keys, block_q), jnp.float32))
+            return pl.run_scoped(body, plgpu.ACC((keys, b_smem.shape[0]), jnp.float32))
 
         def step(g, t, carry, head, masked: bool, user_mask: bool):
-            """Step g: query tile t of query head `head`."""
+            """Step g: query tile t of query head `head`, in parts of `part` queries."""
             dk, dv = carry
             slot = lax.rem(g, num_stages)
-            q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+            # The resident K / V tiles' wgmma descriptors, loop-invariant, were hoisted out of the step loops and
+            # held in registers across them (spills, docs/perf-notes.md, Version 6): an opaque copy of wg keeps
+            # them in the step.
+            own = lax.optimization_barrier(wg)
+            k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
-            s_t = transposed_scores(k_own, q_slot)  # S^T = K Q^T, keys x queries
-            lse2 = plgpu.load(lse2_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            s_t, s_scale, derivative = rule.scores(
-                s_t, lambda: tile_indices(s_t.shape, t * block_q, key0, transposed=True), batch, head, kv_len,
-                masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                with_derivative=True,
-            )
-            # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
-            p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
-            # dV before dP^T (FlashAttention-2's order): S^T is dead before the dP^T accumulator is live, and
-            # P^T's bf16 copy before dP^T; S^T and dP^T live together spilled at head dim 128
-            # (docs/compile/index.md).
-            plgpu.barrier_wait(do_ready.at[slot])
-            plgpu.barrier_wait(delta_ready.at[slot])
-            staging = None if p_smem is None else p_smem.at[wg]
-            dv = _accumulate_pv(dv, p_t.astype(do_slot.dtype), do_slot, staging, not interpret, lambda: None)
-            dp_t = transposed_scores(v_own, do_slot)  # dP^T = V dO^T
-            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            plgpu.barrier_arrive(do_free.at[slot])
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-            if derivative is not None:  # the chain rule through score_mod
-                ds_t = ds_t * derivative
-            dk = _accumulate_pv(dk, ds_t.astype(q_slot.dtype), q_slot, staging, not interpret, lambda: None)
+            for j in range(block_q // part):
+                queries = pl.ds(j * part, part)
+                q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
+                s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
+                lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
+                s_t, s_scale, derivative = rule.scores(
+                    s_t, lambda: tile_indices(s_t.shape, t * block_q + j * part, key0, transposed=True), batch,
+                    head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
+                    mask_arrays=mask_arrays, with_derivative=True,
+                )
+                # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
+                p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+                # dV before dP^T (FlashAttention-2's order): S^T and P^T's bf16 copy are dead before the dP^T
+                # accumulator is live (S^T and dP^T live together spilled at head dim 128).
+                if j == 0:
+                    plgpu.barrier_wait(do_ready.at[slot])
+                    plgpu.barrier_wait(delta_ready.at[slot])
+                staging = None if p_smem is None else p_smem.at[wg]
+                p_bf16 = p_t.astype(do_part.dtype)
+                if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
+                    p_t = p_t * derivative  # live: P^T and the derivative held beside dP^T spilled
+                dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
+                dp_t = transposed_scores(v_own, do_part)  # dP^T = V dO^T
+                delta = plgpu.load(delta_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
+                if j == block_q // part - 1:
+                    plgpu.barrier_arrive(do_free.at[slot])
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                dk = _accumulate_pv(dk, ds_t.astype(q_part.dtype), q_part, staging, not interpret, lambda: None)
             plgpu.barrier_arrive(q_free.at[slot])
             return dk, dv
 
@@ -549,7 +570,7 @@ def mosaic_backward_dkv(
     _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
-    keys = block_kv // _CONSUMERS
+    keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, block_q, block_kv,
                                                 "q_tables")
     return _launch(
@@ -565,7 +586,7 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
-                plgpu.SMEM((_CONSUMERS, keys, block_q), q.dtype, transforms=transforms) if p_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, keys, part), q.dtype, transforms=transforms) if p_in_smem else None,
             ),
             (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
             tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),

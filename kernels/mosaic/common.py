@@ -293,3 +293,17 @@ def mosaic_hook_shapes(config: FlashConfig) -> tuple:
     [block_q // 2, block_k] tiles of a consumer warpgroup for the rest."""
     tile = (config.block_q // 2, config.block_k)
     return (), (), tile, tile, tile
+
+
+# The backward kernels split a step into parts of at most PART columns of S (dQ: keys) / S^T (dK/dV: queries):
+# with the forward's 128 x 128 tiles (hooks, block tables) a whole step's S / dP tiles of 128 columns beside the
+# accumulators spilled at head dim 128 (docs/perf-notes.md, Version 6).
+PART = 64
+
+
+def mosaic_backward_hook_shapes(config: FlashConfig) -> tuple:
+    """Shapes of (b, h, q_idx, kv_idx, score) where the Mosaic backward kernels call the hooks, on the forward's
+    square tiles (`_dispatch._mosaic_backward_tiles`): [block_q // 2, min(block_q, PART)] parts (dK/dV's
+    transposed (keys, queries) part has the same shape)."""
+    tile = (config.block_q // 2, min(config.block_q, PART))
+    return (), (), tile, tile, tile
