@@ -445,17 +445,23 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,
-                num_score_consts: int) -> triton_decode.DecodePlan | tpu_decode.TpuDecodePlan:
+                num_score_consts: int) -> triton_decode.DecodePlan | tpu_decode.TpuDecodePlan | None:
     """The decode kernel's static plan. `config.backend=None` is the Triton decode kernel on every GPU
     (Mosaic included: the GPU decode kernel is Triton's alone), the Mosaic TPU one on a TPU and interpret
-    mode elsewhere."""
+    mode elsewhere. None, with a warning naming the op, for a hook the Mosaic TPU decode kernel cannot run
+    (a gather such as `table[q_idx - kv_idx]`): the caller runs the XLA path, as flash calls do."""
     config = config or DecodeConfig()
     if config.backend is None:
         backend = {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "interpret")
         config = dataclasses.replace(config, backend=backend)
     if config.backend in tpu.TPU_BACKENDS:
         generation = "interpret" if config.backend == "tpu_interpret" else tpu_generation()
-        return tpu_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts, generation)
+        try:
+            return tpu_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts, generation)
+        except tpu_decode.HookNotInKernel as reason:
+            warnings.warn(f"DecodeConfig(backend={config.backend!r}): {reason}; this call runs the XLA path "
+                          "(decode_attention_reference, not a Pallas kernel).", stacklevel=3)
+            return None
     return triton_decode.plan_for(inputs, config, score_mod, mask_mod, num_score_consts)
 
 

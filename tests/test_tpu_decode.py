@@ -99,17 +99,28 @@ def test_paged_t16_float16_mha_head_column_mask():
     check("tpu paged f16 mask", out, lse, want_out, want_lse, dtype)
 
 
-@pytest.mark.parametrize("score_mod", [
-    relative_bias(jnp.zeros((2, 63))),
-    # a per-token bias: the flash kernels read it as tiles; the decode kernel holds hook arrays in SMEM only
-    lambda s, b, h, q_idx, kv_idx, bias=jnp.zeros((1, 32)): s + bias[b, kv_idx],
-])
-def test_a_hook_mosaic_tpu_cannot_lower_is_refused_by_name(score_mod):
+@pytest.mark.parametrize("which", ["relative_bias", "kv_bias"])
+def test_a_hook_mosaic_tpu_cannot_lower_runs_the_xla_path_with_a_warning(which):
     """relative_bias reads table[h, q_idx - kv_idx]: a vector gather with or without a scalar h; so is
-    bias[b, kv_idx] in the decode kernel."""
-    q, k = jnp.ones((1, 1, 2, 16)), jnp.ones((1, 32, 2, 16))
-    with pytest.raises(NotImplementedError, match="score_mod cannot run in the Mosaic TPU decode kernel"):
-        decode_attention(q, k, k, kv_lengths=jnp.array([3]), score_mod=score_mod, config=DecodeConfig(backend=TPU))
+    bias[b, kv_idx] in the decode kernel (it holds hook arrays in SMEM only). The call warns, naming the
+    hook, and computes on the XLA path: the float64 reference's numbers."""
+    q = random_q(11, 2, 3, 4, 16, jnp.float32)
+    k, v = make_cache(12, 2, 40, 2, 16, 16, jnp.float32)
+    lengths = np.array([9, 40])
+    if which == "relative_bias":
+        table = jax.random.normal(jax.random.key(13), (4, 79))
+        score_mod = relative_bias(table)
+        q_pos = lengths[:, None, None, None] - 3 + np.arange(3)[None, None, :, None]
+        bias = np.asarray(table)[np.arange(4)[None, :, None, None], np.arange(40)[None, None, None, :] - q_pos + 39]
+    else:
+        kv_bias = jax.random.normal(jax.random.key(13), (2, 40))
+        score_mod = lambda s, b, h, q_idx, kv_idx: s + kv_bias[b, kv_idx]  # noqa: E731
+        bias = np.asarray(kv_bias)[:, None, None, :]
+    with pytest.warns(UserWarning, match="score_mod cannot run in the Mosaic TPU decode kernel.*XLA path"):
+        out, lse = decode_attention(q, k, v, kv_lengths=jnp.asarray(lengths), score_mod=score_mod,
+                                    return_lse=True, config=DecodeConfig(backend=TPU))
+    want_out, want_lse = reference(q, k, v, lengths, bias=bias)
+    check(f"xla path {which}", out, lse, want_out, want_lse, jnp.float32)
 
 
 def test_the_default_on_a_tpu_is_the_tpu_kernel(monkeypatch):

@@ -73,6 +73,10 @@ def _hook_specs(rows: int, tile: int, with_score: bool, scalar_head: bool) -> li
     return [jax.ShapeDtypeStruct((rows, tile), jnp.float32), *specs] if with_score else specs
 
 
+class HookNotInKernel(NotImplementedError):
+    """A hook the Mosaic TPU decode kernel cannot run (`_dispatch.decode_plan` turns it into the XLA path)."""
+
+
 def _vet_hook(name: str, hook: Hook | None, rows: int, tile: int) -> bool:
     """Prepares `hook` at the kernel's shapes; whether it runs per query head (h a scalar). Raises when it
     cannot run in Mosaic TPU either way."""
@@ -88,10 +92,7 @@ def _vet_hook(name: str, hook: Hook | None, rows: int, tile: int) -> bool:
         if reason is None:
             return scalar_head
         reasons.append(reason)
-    raise NotImplementedError(
-        f"decode_attention on the TPU backend: the {name} cannot run in the Mosaic TPU decode kernel "
-        f"({reasons[-1]}); decode_attention_reference takes any hook."
-    )
+    raise HookNotInKernel(f"the {name} cannot run in the Mosaic TPU decode kernel ({reasons[-1]})")
 
 
 def _shapes(specs, with_score: bool) -> tuple:
