@@ -107,11 +107,11 @@ def _impl(*args, maps: _Maps, num_res: int):
 
 
 def _abstract_eval(*avals, maps: _Maps, num_res: int):
+    del num_res
     manual = widest_manual_axis_type(avals)
     sharding = jax_src_core.get_cur_mesh_sharding()  # what pallas_call gives its outputs, too
     outs = [jax.core.ShapedArray(a.shape, a.dtype, sharding=sharding, manual_axis_type=manual)
             for a in maps.out_avals]
-    del num_res
     return outs, _effects(maps, avals)
 
 

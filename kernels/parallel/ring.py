@@ -141,9 +141,14 @@ def _kernel_backend(config: FlashConfig | None) -> str:
     return config.backend if config is not None and config.backend is not None else default_backend()
 
 
-def _interpreted(config: FlashConfig | None) -> bool:
-    """Whether the kernels of this call run in a GPU kernel's CPU interpreter."""
-    return _kernel_backend(config) in ("interpret", "mosaic_interpret")
+def _interpreter_cannot_run(config: FlashConfig | None, varying: bool) -> bool:
+    """Whether this call's kernels run in a CPU interpreter that cannot run as the ring's blocks, which then
+    take the plain-jnp path (the same numbers). Pallas' TPU interpreter simulates one chip per process: its
+    callbacks from several host devices beside the ring's collective-permutes deadlock. jax 0.11.2's GPU
+    interpreters cannot run under shard_map's varying-axes checks (`varying`: they replay the kernel body on
+    varying types, whose loops start from unvarying constants); check_vma=False runs them."""
+    backend = _kernel_backend(config)
+    return backend == "tpu_interpret" or (varying and backend in ("interpret", "mosaic_interpret"))
 
 
 def _with_backend(problem: _Ring, backend: str) -> _Ring:
@@ -234,15 +239,7 @@ def ring_attention(
             f"layout='zigzag' needs even shards (2 chunks per device), got T={shard_q}, S={shard_kv}: the "
             f"sequence length must be a multiple of 2 * the size of axis {axis_name!r}."
         )
-    if _backend == "kernel" and _interpreted(config) and axis_name in jax.typeof(q).manual_axis_type.varying:
-        # jax 0.11.2's Pallas interpreter cannot run under shard_map's varying-axes checks (it replays the
-        # kernel body on varying types, whose loops start from unvarying constants): on the CPU the blocks
-        # then take the plain-jnp path, the same numbers. check_vma=False runs the interpreter.
-        _backend = "reference"
-    if _backend == "kernel" and _kernel_backend(config) == "tpu_interpret":
-        # Pallas' TPU interpreter simulates one chip per process: its callbacks from several host devices
-        # beside the ring's collective-permutes deadlock. The blocks take the plain-jnp path (the same
-        # numbers); on a TPU ("tpu") they run the kernels.
+    if _backend == "kernel" and _interpreter_cannot_run(config, axis_name in jax.typeof(q).manual_axis_type.varying):
         _backend = "reference"
     score_hook, score_consts = _trace("score_mod", score_mod, with_score=True)
     mask_hook, mask_consts = _trace("mask_mod", mask_mod, with_score=False)
