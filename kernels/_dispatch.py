@@ -226,8 +226,8 @@ def tangent_config(
     forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
     the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
-    in `default_config`) takes a query tile of at most 16 too (32 spills 488 B at head dim 128 on sm_86), and
-    at least 2 stages. Where
+    in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
+    128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
     a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
     block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
     captured table (a relative bias). Interpret mode keeps `config`."""
@@ -236,8 +236,10 @@ def tangent_config(
     float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
-    if not tables and (float32 or head_dim > 128):
-        block_q = min(block_q, 16 if float32 else 32)
+    if float32:
+        block_q = min(block_q, 16)
+    elif not tables and head_dim > 128:
+        block_q = min(block_q, 32)
     elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
         block_q = min(block_q, 64)
     # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
@@ -383,6 +385,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
     config = triton_fallback_config(problem.config, max(q.shape[3], v.shape[3]))
+    config = triton_forward_config(problem, config, q.dtype, max(q.shape[3], v.shape[3]))
     return triton_forward.forward(_retiled(problem, config), q, k, v, q_len, kv_len, optional)
 
 
@@ -399,18 +402,81 @@ def triton_fallback_config(config: FlashConfig, head_dim: int) -> FlashConfig:
     return dataclasses.replace(config, block_q=min(config.block_q, block_q), block_k=min(config.block_k, block_k))
 
 
+def _float32_d128(dtype, head_dim: int) -> bool:
+    return jnp.dtype(dtype) == jnp.float32 and 64 < head_dim <= 128
+
+
+def triton_forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int) -> FlashConfig:
+    """The Triton forward's tiles for this call, where `default_config`'s (chosen by dtype and head dim alone)
+    spill with its features (docs/perf-notes.md, Version 7):
+
+    - 16-bit inputs at head dim 128 on a GPU without wgmma (sm_80 / sm_86) with a score_mod that gathers a
+      whole score tile from a captured array (a relative bias's `table[h, q_idx - kv_idx]`: an address and a
+      value per score): a key tile of at most 32; 128 x 64 used 255 registers and spilled 40-56 B, 128 x 32
+      uses 197-225 and does not;
+    - float32 at head dim 128 with a sliding window or dropout on a GPU without wgmma (sm_80 / sm_86): 3
+      stages; ptxas held the 2-stage kernel to 64 registers and spilled 12 B there. Only those: 3 stages
+      for every float32 forward spilled 12 B with a document mask on sm_80 and 8 B with segment ids on sm_90a.
+
+    Halving a power-of-two tile keeps it a divisor of the padded lengths and of every block table's block.
+    Backends other than "triton" / "mosaic" keep `config`."""
+    if config.backend not in ("triton", "mosaic"):
+        return config
+    f = problem.features
+    traced = problem.config  # the hooks were traced at its tiles (`hook_shapes`)
+    if (jnp.dtype(dtype).itemsize == 2 and 64 < head_dim <= 128 and not _is_hopper(target_device())
+            and f.score_mod is not None and _gathers_score_tile(f.score_mod, traced.block_q, traced.block_k)):
+        config = dataclasses.replace(config, block_k=min(config.block_k, 32))
+    local = f.window_left is not None or f.dropout_rate > 0
+    if local and _float32_d128(dtype, head_dim) and not _is_hopper(target_device()):
+        config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
+    return config
+
+
+def triton_backward_configs(problem: _Problem, dtype, head_dim: int) -> tuple[FlashConfig, FlashConfig]:
+    """The configs of the Triton dQ and dK/dV kernels for this call, where `default_config`'s spill with its
+    features (docs/perf-notes.md, Version 7), float32 at head dim 128:
+
+    - dQ runs on 4 warps: on 8 ptxas held it to 64-80 registers and spilled 4-32 B with a window, dropout,
+      ALiBi or a BlockMask; 4 warps hold the same tile in 102-192 without a spill. On sm_90a only with a
+      BlockMask: the others do not spill there on 8, and softcap's 4-warp kernel spilled 652 B;
+    - dK/dV with GQA (a loop over the group's query heads) runs on 1 stage on a GPU without wgmma (sm_80 /
+      sm_86): on 2 it stopped at 128 registers and spilled 12-16 B there, on 1 it takes 80 and less shared
+      memory; sm_90a keeps 2 (103 registers, no spill; 1 stage spilled 20 B there).
+
+    Backends other than "triton" / "mosaic" keep `problem.config`."""
+    config = problem.config
+    if config.backend not in ("triton", "mosaic") or not _float32_d128(dtype, head_dim):
+        return config, config
+    hopper = _is_hopper(target_device())
+    dkv = dataclasses.replace(config, num_stages=1) if problem.group > 1 and not hopper else config
+    dq = dataclasses.replace(config, num_warps=4) if problem.features.block_sizes is not None or not hopper else config
+    return dq, dkv
+
+
+def _gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
+    """Whether a score_mod traced at the (block_q, block_k) tile gathers a value per score from a captured
+    array (an index tile of both axes, such as `table[h, q_idx - kv_idx]`), not a scalar or a row / column."""
+    jaxpr = hook._jaxpr([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((block_q, block_k), jnp.float32), ((), jnp.int32), ((), jnp.int32), ((block_q, 1), jnp.int32),
+        ((1, block_k), jnp.int32))])
+    consts = set(jaxpr.constvars)
+    return any(eqn.primitive.name == "gather" and eqn.invars[0] in consts
+               and sum(size > 1 for size in eqn.outvars[0].aval.shape) >= 2 for eqn in jaxpr.eqns)
+
+
 def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
-    """`problem` on `config`'s tiles, its hooks traced at the new forward tile too (`_chunked._prepare_hooks`
-    traced them at the tiles of `hook_shapes`)."""
+    """`problem` on `config`'s tiles, its hooks traced at every kernel tile of `config` too
+    (`_chunked._prepare_hooks` traced them at the tiles of `hook_shapes(problem.config)`)."""
     if config == problem.config:
         return problem
     f = problem.features
-    rows, cols = (config.block_q, 1), (1, config.block_k)
-    indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((), (), rows, cols)]
-    if f.score_mod is not None:
-        f.score_mod.prepare(jax.ShapeDtypeStruct((config.block_q, config.block_k), jnp.float32), *indices)
-    if f.mask_mod is not None:
-        f.mask_mod.prepare(*indices)
+    for b, h, rows, cols, score in hook_shapes(config):
+        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, rows, cols)]
+        if f.score_mod is not None:
+            f.score_mod.prepare(jax.ShapeDtypeStruct(score, jnp.float32), *indices)
+        if f.mask_mod is not None:
+            f.mask_mod.prepare(*indices)
     return dataclasses.replace(problem, config=config)
 
 
@@ -425,7 +491,10 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
         return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
-    return triton_backward.backward(problem, tangents, res, d_out, d_lse)
+    dq_config, dkv_config = triton_backward_configs(problem, res["q"].dtype,
+                                                    max(res["q"].shape[3], res["v"].shape[3]))
+    return triton_backward.backward(_retiled(problem, dq_config), tangents, res, d_out, d_lse,
+                                    _retiled(problem, dkv_config))
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,

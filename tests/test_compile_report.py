@@ -92,6 +92,9 @@ def test_tangent_tiles_shrink_the_key_tile_only_on_a_gpu(monkeypatch):
     # The dtype as default_config takes it: float32 (FMA dots) shrinks the query tile at head dim 128 too.
     config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
     assert _dispatch.tangent_config(config, 128, dtype=jnp.float32).block_q == 16
+    # with block tables too: the float32 flex tangent with a sliding window spilled 228 B at 32 x 16 on sm_90a
+    f32 = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128, dtype=jnp.float32)
+    assert _dispatch.tangent_config(f32, 128, tables=True, dtype=jnp.float32).block_q == 16 < f32.block_q
     # 16-bit: at most 64 on this 99 KB GPU (test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128).
     assert _dispatch.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == min(config.block_q, 64)
     interpret = default_config(FlashConfig(backend="interpret"), q_len=1024, kv_len=1024, head_dim=256)
@@ -295,3 +298,65 @@ def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):
         tangent = _dispatch.tangent_config(config, 128)
         assert (tangent.block_q, tangent.block_k) == (block_q, 32)
         assert _dispatch.tangent_config(config, 128, tables=True).block_q == config.block_q
+
+
+def test_a_gathered_score_tile_narrows_the_forward_key_tile_without_wgmma(monkeypatch):
+    """A score_mod that gathers a value per score from a captured table (relative bias) spilled 40-56 B in the
+    16-bit Triton forward at 128 x 64 on sm_80 / sm_86: the forward takes 128 x 32 there. sm_90a (wgmma,
+    no spill), a per-head scalar read (ALiBi), float32 and head dim 64 keep their tiles."""
+    from probjax_kernels import alibi, alibi_slopes, relative_bias
+    from probjax_kernels._hooks import trace_score_mod
+    from probjax_kernels._problem import Features, _Problem
+
+    def forward_tiles(target, score_mod, dtype=jnp.bfloat16, head_dim=128):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                dtype=dtype)
+        hook, consts = trace_score_mod(score_mod)
+        for _, _, rows, cols, score in _dispatch.hook_shapes(config):
+            hook.prepare(*(jax.ShapeDtypeStruct(s, t) for s, t in (
+                (score, jnp.float32), ((), jnp.int32), ((), jnp.int32), (rows, jnp.int32), (cols, jnp.int32))))
+        problem = _Problem(Features(scale=1.0, score_mod=hook), 1, 8, None, None, None, False, len(consts), 0,
+                           config, jax.lax.Precision.DEFAULT)
+        picked = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
+        return (config.block_q, config.block_k), (picked.block_q, picked.block_k)
+
+    table = relative_bias(jnp.zeros((8, 2047), jnp.float32))
+    for target in ("sm80_a100", "sm86_rtx3090"):
+        assert forward_tiles(target, table) == ((128, 64), (128, 32))
+        assert forward_tiles(target, alibi(alibi_slopes(8))) == ((128, 64), (128, 64))
+        default, picked = forward_tiles(target, table, dtype=jnp.float32)
+        assert default == picked
+        default, picked = forward_tiles(target, table, head_dim=64)
+        assert default == picked
+    assert forward_tiles("sm90a_h100", table) == ((128, 64), (128, 64))
+
+
+def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
+    """float32 at head dim 128 (FMA dots) on sm_80 / sm_86: the forward with a window or dropout takes 3
+    stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask),
+    dK/dV with GQA 1 stage (12-16 B); on sm_90a only dQ with a BlockMask changes (32 B). 16-bit inputs and
+    head dim 64 keep their tiles."""
+    from probjax_kernels._problem import Features, _Problem
+
+    def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                dtype=dtype)
+        features = Features(scale=1.0, window_left=window, block_sizes=(128, 128) if tables else None)
+        problem = _Problem(features, group, 8, None, None, None, False, 0, 0, config, jax.lax.Precision.HIGHEST)
+        forward = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
+        return config, forward, *_dispatch.triton_backward_configs(problem, dtype, head_dim)
+
+    for target in TARGETS:
+        hopper = target == "sm90a_h100"
+        config, forward, dq, dkv = configs(target, group=4)
+        assert forward == config
+        windowed = configs(target, 4, window=256)[1]
+        assert windowed == (config if hopper else dataclasses.replace(config, num_stages=3))
+        assert dq == (config if hopper else dataclasses.replace(config, num_warps=4))
+        assert dkv.num_stages == (2 if hopper else 1)
+        assert configs(target, group=1)[3] == config
+        assert configs(target, 1, tables=True)[2].num_warps == 4  # a BlockMask: on sm_90a too
+        for kept in (configs(target, 4, dtype=jnp.bfloat16), configs(target, 4, head_dim=64)):
+            assert all(c == kept[0] for c in kept[1:])

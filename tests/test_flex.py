@@ -316,3 +316,22 @@ def test_hooks_with_jax_enable_x64():
         grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, score_mod, block_mask)))(q)
                  for f in (flex_attention, flex_attention_reference)]
         assert_close(grads[0], grads[1], jnp.float32, "dq")
+
+
+def test_kernels_retiled_per_call_stay_exact(monkeypatch):
+    """The dispatch may run the forward, dQ and dK/dV kernels of one call on different tiles
+    (`triton_forward_config`, `triton_backward_configs`: narrower tiles or other warps where a feature
+    spills): each kernel then traces the hooks at its own tile and reads the block tables at it."""
+    from probjax_kernels import _dispatch
+
+    def halved(config, *fields):
+        return dataclasses.replace(config, **{name: getattr(config, name) // 2 for name in fields})
+
+    monkeypatch.setattr(_dispatch, "triton_forward_config", lambda problem, config, *_: halved(config, "block_k"))
+    monkeypatch.setattr(_dispatch, "triton_backward_configs", lambda problem, *_: (
+        halved(problem.config, "block_q_dq"), halved(problem.config, "block_k_dkv")))
+    q, k, v = random_qkv(49, 1, 64, 64, 2, 1, 16)
+    table = 0.3 * jax.random.normal(jax.random.key(50), (2, 127))
+    block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
+    check_flex(q, k, v, relative_bias(table), block_mask, config=FlashConfig(
+        block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32))

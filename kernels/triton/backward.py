@@ -221,7 +221,8 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
     return dk, dv
 
 
-def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse,
+             dkv_problem: _Problem | None = None) -> dict:
     """Gradients of q, k, v and the bias (those flagged in `tangents`) from the residuals `res` of
     `_autodiff`, by the dQ and dK/dV kernels; the score_mod constants' come from `_chunked`."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
@@ -237,6 +238,6 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
             broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
             grads["bias"] = jnp.sum(ds[0], axis=broadcast_axes, keepdims=True).astype(bias.dtype)
     if tangents.k or tangents.v:
-        dk, dv = _backward_dkv(problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
+        dk, dv = _backward_dkv(dkv_problem or problem, q, k, v, q_len, kv_len, d_out, lse2, delta, optional)
         grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
     return grads

@@ -67,8 +67,11 @@ def _tile(config: dict | None, kernel: str) -> str:
 
 
 def _config_of(row: dict, kernel: str) -> dict | None:
-    """The config a kernel of the row ran: the tangent's own (`tangent_config`), the Triton forward's on
-    backend "mosaic" (`triton_fallback_config`), else the row's."""
+    """The config a kernel of the row ran: as traced (`kernel_configs`, where the dispatch retiles a kernel
+    for the call's features), else the tangent's own (`tangent_config`), the Triton forward's on backend
+    "mosaic" (`triton_fallback_config`), else the row's."""
+    if kernel in row.get("kernel_configs", {}):
+        return row["kernel_configs"][kernel]
     if kernel.endswith("_tangent"):
         return row.get("tangent_config")
     if kernel == "probjax_flash_forward" and row.get("fallback_config"):

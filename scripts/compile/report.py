@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -199,7 +200,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                     row["tangent_config"] = _tangent_tiles(config, variant)
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
-                jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
+                with _traced_tiles(row.setdefault("kernel_configs", {})):
+                    jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             message = str(error).strip().splitlines()
@@ -223,6 +225,37 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
               + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
               file=sys.stderr, flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def _traced_tiles(into: dict):
+    """Records, by kernel name, the tiles each Triton kernel is traced at: the dispatch may retile a kernel
+    for a call's features (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`)."""
+    from probjax_kernels.triton import backward, forward, tangent
+
+    saved = forward.forward, backward.backward, tangent.tangent
+
+    def tiles(problem):
+        return {k: v for k, v in vars(problem.config).items() if k != "backend"}
+
+    def fwd(problem, *args):
+        into["probjax_flash_forward"] = tiles(problem)
+        return saved[0](problem, *args)
+
+    def bwd(problem, tangents, res, d_out, d_lse, dkv_problem=None):
+        into["probjax_flash_backward_dq"] = tiles(problem)
+        into["probjax_flash_backward_dkv"] = tiles(dkv_problem or problem)
+        return saved[1](problem, tangents, res, d_out, d_lse, dkv_problem)
+
+    def tan(problem, *args):
+        into["probjax_flash_tangent"] = tiles(problem)
+        return saved[2](problem, *args)
+
+    forward.forward, backward.backward, tangent.tangent = fwd, bwd, tan
+    try:
+        yield
+    finally:
+        forward.forward, backward.backward, tangent.tangent = saved
 
 
 def _tangent_tiles(config, variant) -> dict:
