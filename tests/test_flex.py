@@ -330,8 +330,15 @@ def test_kernels_retiled_per_call_stay_exact(monkeypatch):
     monkeypatch.setattr(_dispatch, "triton_forward_config", lambda problem, config, *_: halved(config, "block_k"))
     monkeypatch.setattr(_dispatch, "triton_backward_configs", lambda problem, *_: (
         halved(problem.config, "block_q_dq"), halved(problem.config, "block_k_dkv")))
+    # the tangent's query tile below the forward's, with block tables (float32 on a GPU)
+    monkeypatch.setattr(_dispatch, "tangent_config", lambda config, *_, **__: halved(config, "block_q"))
     q, k, v = random_qkv(49, 1, 64, 64, 2, 1, 16)
     table = 0.3 * jax.random.normal(jax.random.key(50), (2, 127))
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
-    check_flex(q, k, v, relative_bias(table), block_mask, config=FlashConfig(
-        block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32))
+    config = FlashConfig(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32)
+    check_flex(q, k, v, relative_bias(table), block_mask, config=config)
+    d_q = jax.random.normal(jax.random.key(51), q.shape)
+    calls = ((flex_attention, dict(config=config)), (flex_attention_reference, {}))
+    tangents = [jax.jvp(lambda q: fn(q, k, v, relative_bias(table), block_mask, enable_gqa=True, **extra), (q,),
+                        (d_q,))[1] for fn, extra in calls]
+    assert_close(tangents[0], tangents[1], q.dtype, "d out")
