@@ -6,6 +6,8 @@ Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, 
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
+- `triton_forward_config`, `triton_backward_configs`, `tangent_config`: per call, the Triton kernels' configs
+  where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on `default_config`'s.
 - `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
   on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
   TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,

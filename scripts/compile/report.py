@@ -259,8 +259,9 @@ def _traced_tiles(into: dict):
 
 
 def _tangent_tiles(config, variant) -> dict:
-    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`; a BlockMask's tables keep the
-    forward's query tile). It takes the dtype (`dtype=`) or, in older checkouts, a float32 flag."""
+    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`; with a BlockMask's tables a
+    16-bit tangent keeps the forward's query tile). It takes the dtype (`dtype=`) or, in older checkouts, a
+    float32 flag."""
     import inspect
 
     from probjax_kernels import _dispatch
