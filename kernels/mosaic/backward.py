@@ -333,6 +333,8 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
 
 
 _DKV_HEAD_DIMS = (64, 128)
+# The layouts of a (keys, queries) part's key and query index vectors (S^T's rows and columns).
+_KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
@@ -360,7 +362,7 @@ def _dkv_kernel(
 ):
     tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
-    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
+    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota = smem
     k_ready, v_ready = kv_ready
     q_ready, do_ready, lse2_ready, delta_ready = ready
     q_free, do_free = free
@@ -398,6 +400,19 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
+        # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
+        # in registers across them with hooks (spills, docs/perf-notes.md, Version 7): each thread stores the
+        # entries of its own layout once and loads them back per step, which no loop invariant code motion lifts
+        # over the barriers of the step.
+        for ref, size, layout in ((key_iota, keys, _KEY_VECTOR), (query_iota, part, _QUERY_VECTOR)):
+            ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+        def part_indices(own, shape, row0):
+            """(q_idx, kv_idx) of a (keys, queries) part of S^T whose queries start at row0."""
+            keys_of, queries_of = (plgpu.load(ref.at[own], (), layout=layout)
+                                   for ref, layout in ((key_iota, _KEY_VECTOR), (query_iota, _QUERY_VECTOR)))
+            kv_idx = tile_key0 + own * keys + lax.broadcast_in_dim(keys_of, shape, [0])
+            return row0 + lax.broadcast_in_dim(queries_of, shape, [1]), kv_idx
 
         def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, queries)
             def body(acc_ref):
@@ -423,7 +438,7 @@ def _dkv_kernel(
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 s_t, s_scale, derivative = rule.scores(
-                    s_t, lambda: tile_indices(s_t.shape, t * block_q + j * part, key0, transposed=True), batch,
+                    s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
                     head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, with_derivative=True,
                 )
@@ -587,6 +602,8 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, keys, part), q.dtype, transforms=transforms) if p_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, keys), jnp.int32),
+                plgpu.SMEM((_CONSUMERS, part), jnp.int32),
             ),
             (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
             tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),
