@@ -326,10 +326,13 @@ def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
                    itemsize: int = 2) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
-    the lse2 / delta rows of each slot and, with `p_in_smem`, one staging tile per consumer for P^T and dS^T
-    (one part). Barriers aside."""
-    staging = block_kv * min(block_q, PART) if p_in_smem else 0
-    return itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
+    the lse2 / delta rows of each slot, each consumer's key and query index vectors and, with `p_in_smem`, one
+    staging tile per consumer for P^T and dS^T (one part). Barriers aside."""
+    part = min(block_q, PART)
+    staging = block_kv * part if p_in_smem else 0
+    index_vectors = 4 * (block_kv + _CONSUMERS * part)
+    return (itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
+            + index_vectors)
 
 
 _DKV_HEAD_DIMS = (64, 128)
@@ -373,6 +376,16 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
+    # Where a step waits for its dO / delta tiles: the wait is a spin loop, a branch that the values in flight
+    # live across. Measured with hooks at head dim 128 on sm_90a (docs/perf-notes.md, Version 7): a mask_mod alone
+    # spilled least waiting first, a score_mod (its hook and derivative after S^T) waiting between the S^T wgmma
+    # and the hook; without hooks the kernel keeps the wait it had, before the first part's dV.
+    if rule.score_fn is not None:
+        wait_do = "after_scores"
+    elif rule.mask_fn is not None:
+        wait_do = "first"
+    else:
+        wait_do = "before_dv"
 
     def tile_ranges(key0):
         return q_tile_range(key0, keys, q_len, kv_len, block_q, rule.window, mask_everywhere=rule.mask_everywhere)
@@ -432,10 +445,19 @@ def _dkv_kernel(
             k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
+
+            def wait_for_do(where: str):  # dO / delta's ready barriers, once per step, where `wait_do` says
+                if where == wait_do:
+                    plgpu.barrier_wait(do_ready.at[slot])
+                    plgpu.barrier_wait(delta_ready.at[slot])
+
+            wait_for_do("first")
             for j in range(block_q // part):
                 queries = pl.ds(j * part, part)
                 q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
+                if j == 0:
+                    wait_for_do("after_scores")
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 s_t, s_scale, derivative = rule.scores(
                     s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
@@ -447,8 +469,7 @@ def _dkv_kernel(
                 # dV before dP^T (FlashAttention-2's order): S^T and P^T's bf16 copy are dead before the dP^T
                 # accumulator is live (S^T and dP^T live together spilled at head dim 128).
                 if j == 0:
-                    plgpu.barrier_wait(do_ready.at[slot])
-                    plgpu.barrier_wait(delta_ready.at[slot])
+                    wait_for_do("before_dv")
                 staging = None if p_smem is None else p_smem.at[wg]
                 p_bf16 = p_t.astype(do_part.dtype)
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
