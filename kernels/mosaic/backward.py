@@ -422,7 +422,7 @@ def _dkv_kernel(
 
         def part_indices(own, shape, row0):
             """(q_idx, kv_idx) of a (keys, queries) part of S^T whose queries start at row0."""
-            keys_of, queries_of = (plgpu.load(ref.at[own], (), layout=layout)
+            keys_of, queries_of = (plgpu.load(ref.at[own], layout=layout)
                                    for ref, layout in ((key_iota, _KEY_VECTOR), (query_iota, _QUERY_VECTOR)))
             kv_idx = tile_key0 + own * keys + lax.broadcast_in_dim(keys_of, shape, [0])
             return row0 + lax.broadcast_in_dim(queries_of, shape, [1]), kv_idx

@@ -10,9 +10,10 @@ import variants as registry
 F32_DKV = ("float32 dK/dV with GQA 8 -> 2 on sm_80 / sm_86: ptxas stops at 128 registers over the group's query "
            "heads; the float32 path (K / V read per query step, score dots over 64-wide head-dim slices) does "
            "not spill elsewhere; docs/perf-notes.md, Version 6")
-MOSAIC_HOOKS = ("Mosaic dK/dV with hooks at head dim 128 on the forward's 128 x 128 tiles, run in 64-query parts: "
-                "what the hooks hold beside dK, dV, P^T and dP^T (the index tiles ALiBi and the sliding window's "
-                "mask read, the score_mod's derivative); docs/perf-notes.md, Version 6 (opt-in backend)")
+MOSAIC_HOOKS = ("Mosaic dK/dV with a score_mod at head dim 128 on the forward's 128 x 128 tiles, run in 64-query "
+                "parts: the hook's values and derivative beside dK, dV (128 registers) and lse2 push the step's "
+                "loop state (barrier phases, addresses) out; the index tiles now load per step from shared memory "
+                "(docs/perf-notes.md, Version 7; opt-in backend)")
 RELATIVE_BIAS = ("the relative-bias table's gather in the Triton forward at head dim 128 (128 x 64, 8 warps) on "
                  "sm_80 / sm_86")
 F32_TANGENT = ("float32 flex tangent with a sliding-window BlockMask at head dim 128 on sm_90a (32 x 16 tiles, 8 "
@@ -37,9 +38,8 @@ SPILLS = {
     ("probjax_flash_forward", "sm86_rtx3090", "flex_grad_d128_bf16_relative_bias"): (44, 44, RELATIVE_BIAS),
     ("probjax_flash_forward", "sm86_rtx3090", "flex_jvp_d128_bf16_relative_bias"): (44, 44, RELATIVE_BIAS),
     ("probjax_flash_tangent", "sm90a_h100", "flex_jvp_d128_f32_sliding_window"): (228, 233, F32_TANGENT),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (360, 528, MOSAIC_HOOKS),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_sliding_window"): (39, 57, MOSAIC_HOOKS),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_softcap"): (347, 356, MOSAIC_HOOKS),
+    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (44, 118, MOSAIC_HOOKS),
+    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_softcap"): (255, 294, MOSAIC_HOOKS),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the
