@@ -36,16 +36,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_kernels._scores import backward_delta, base2_lse
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     PART,
-    _SWIZZLE,
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
-    _check_tables,
+    _backward_rule,
+    _launch,
+    _prologue,
     check_layout,
     drain_ring,
     fill_ring_slot,
@@ -54,7 +54,6 @@ from probjax_kernels.mosaic.common import (
     table_walk,
     tile_indices,
     union_of_ranges,
-    window_options,
 )
 from probjax_kernels.mosaic.forward import _check
 
@@ -281,45 +280,6 @@ def mosaic_backward_dq(
     )
 
 
-def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, block_kv: int, tables_name: str):
-    """What both backward kernels take besides the inputs: the checked block tables, and the
-    FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O) and lse in base 2 (+inf where no key attends,
-    and for rows >= `q_lengths` when given, so that those rows give p = 0 without a per-element row mask);
-    with the SMEM tiling / swizzle transforms of q's dtype."""
-    batch, q_len, num_heads, _ = q.shape
-    tables = _check_tables(tables, batch, num_heads, q_len // block_q, k.shape[1] // block_kv, block_q, block_kv,
-                           name=tables_name)
-    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
-    if q_lengths is not None:
-        lse2 = jnp.where(jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None], lse2, jnp.inf)
-    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    return tables, delta, lse2, transforms
-
-
-def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
-            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names):
-    """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays."""
-    q, k = inputs[:2]
-    kernel = functools.partial(
-        body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
-        interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays),
-    )
-    return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
-        num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays)
-
-
-def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
-    if score_fn is not None and score_jvp is None:
-        raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
-    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp)
-
-
 # ------------------------------------------------------------------------------------------------- dK / dV
 
 
@@ -377,7 +337,7 @@ def _dkv_kernel(
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
     # Where a step waits for its dO / delta tiles: the wait is a spin loop, a branch that the values in flight
-    # live across. Measured with hooks at head dim 128 on sm_90a (docs/perf-notes.md, Version 7): a mask_mod alone
+    # live across. Measured with hooks at head dim 128 on sm_90a (docs/perf-notes.md, Version 7m): a mask_mod alone
     # spilled least waiting first, a score_mod (its hook and derivative after S^T) waiting between the S^T wgmma
     # and the hook; without hooks the kernel keeps the wait it had, before the first part's dV.
     if rule.score_fn is not None:
@@ -414,14 +374,15 @@ def _dkv_kernel(
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
-        # in registers across them with hooks (spills, docs/perf-notes.md, Version 7): each thread stores the
+        # in registers across them with hooks (spills, docs/perf-notes.md, Version 7m): each thread stores the
         # entries of its own layout once and loads them back per step, which no loop invariant code motion lifts
         # over the barriers of the step.
         for ref, size, layout in ((key_iota, keys, _KEY_VECTOR), (query_iota, part, _QUERY_VECTOR)):
             ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
 
         def part_indices(own, shape, row0):
-            """(q_idx, kv_idx) of a (keys, queries) part of S^T whose queries start at row0."""
+            """(q_idx, kv_idx) of a (keys, queries) part of S^T whose queries start at row0; `own` is the step's
+            opaque copy of wg, so that the keys' offset is not hoisted either."""
             keys_of, queries_of = (plgpu.load(ref.at[own], layout=layout)
                                    for ref, layout in ((key_iota, _KEY_VECTOR), (query_iota, _QUERY_VECTOR)))
             kv_idx = tile_key0 + own * keys + lax.broadcast_in_dim(keys_of, shape, [0])

@@ -13,7 +13,7 @@ F32_DKV = ("float32 dK/dV with GQA 8 -> 2 on sm_80 / sm_86: ptxas stops at 128 r
 MOSAIC_HOOKS = ("Mosaic dK/dV with a score_mod at head dim 128 on the forward's 128 x 128 tiles, run in 64-query "
                 "parts: the hook's values and derivative beside dK, dV (128 registers) and lse2 push the step's "
                 "loop state (barrier phases, addresses) out; the index tiles now load per step from shared memory "
-                "(docs/perf-notes.md, Version 7; opt-in backend)")
+                "(docs/perf-notes.md, Version 7m; opt-in backend)")
 RELATIVE_BIAS = ("the relative-bias table's gather in the Triton forward at head dim 128 (128 x 64, 8 warps) on "
                  "sm_80 / sm_86")
 F32_TANGENT = ("float32 flex tangent with a sliding-window BlockMask at head dim 128 on sm_90a (32 x 16 tiles, 8 "
