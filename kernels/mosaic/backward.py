@@ -36,16 +36,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_kernels._scores import backward_delta, base2_lse
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
     PART,
-    _SWIZZLE,
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
-    _check_tables,
+    _backward_rule,
+    _launch,
+    _prologue,
     check_layout,
     drain_ring,
     fill_ring_slot,
@@ -54,7 +54,6 @@ from probjax_kernels.mosaic.common import (
     table_walk,
     tile_indices,
     union_of_ranges,
-    window_options,
 )
 from probjax_kernels.mosaic.forward import _check
 
@@ -281,58 +280,24 @@ def mosaic_backward_dq(
     )
 
 
-def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, block_kv: int, tables_name: str):
-    """What both backward kernels take besides the inputs: the checked block tables, and the
-    FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O) and lse in base 2 (+inf where no key attends,
-    and for rows >= `q_lengths` when given, so that those rows give p = 0 without a per-element row mask);
-    with the SMEM tiling / swizzle transforms of q's dtype."""
-    batch, q_len, num_heads, _ = q.shape
-    tables = _check_tables(tables, batch, num_heads, q_len // block_q, k.shape[1] // block_kv, block_q, block_kv,
-                           name=tables_name)
-    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
-    if q_lengths is not None:
-        lse2 = jnp.where(jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None], lse2, jnp.inf)
-    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    return tables, delta, lse2, transforms
-
-
-def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
-            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names):
-    """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays."""
-    q, k = inputs[:2]
-    kernel = functools.partial(
-        body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
-        interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays),
-    )
-    return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
-        num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays)
-
-
-def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
-    if score_fn is not None and score_jvp is None:
-        raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
-    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp)
-
-
 # ------------------------------------------------------------------------------------------------- dK / dV
 
 
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
                    itemsize: int = 2) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
-    the lse2 / delta rows of each slot and, with `p_in_smem`, one staging tile per consumer for P^T and dS^T
-    (one part). Barriers aside."""
-    staging = block_kv * min(block_q, PART) if p_in_smem else 0
-    return itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
+    the lse2 / delta rows of each slot, each consumer's key and query index vectors and, with `p_in_smem`, one
+    staging tile per consumer for P^T and dS^T (one part). Barriers aside."""
+    part = min(block_q, PART)
+    staging = block_kv * part if p_in_smem else 0
+    index_vectors = 4 * (block_kv + _CONSUMERS * part)
+    return (itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
+            + index_vectors)
 
 
 _DKV_HEAD_DIMS = (64, 128)
+# The layouts of a (keys, queries) part's key and query index vectors (S^T's rows and columns).
+_KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
@@ -360,7 +325,7 @@ def _dkv_kernel(
 ):
     tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
-    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem = smem
+    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota = smem
     k_ready, v_ready = kv_ready
     q_ready, do_ready, lse2_ready, delta_ready = ready
     q_free, do_free = free
@@ -371,6 +336,16 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
+    # Where a step waits for its dO / delta tiles: the wait is a spin loop, a branch that the values in flight
+    # live across. Measured with hooks at head dim 128 on sm_90a (docs/perf-notes.md, Version 7m): a mask_mod alone
+    # spilled least waiting first, a score_mod (its hook and derivative after S^T) waiting between the S^T wgmma
+    # and the hook; without hooks the kernel keeps the wait it had, before the first part's dV.
+    if rule.score_fn is not None:
+        wait_do = "after_scores"
+    elif rule.mask_fn is not None:
+        wait_do = "first"
+    else:
+        wait_do = "before_dv"
 
     def tile_ranges(key0):
         return q_tile_range(key0, keys, q_len, kv_len, block_q, rule.window, mask_everywhere=rule.mask_everywhere)
@@ -398,6 +373,20 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
+        # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
+        # in registers across them with hooks (spills, docs/perf-notes.md, Version 7m): each thread stores the
+        # entries of its own layout once and loads them back per step, which no loop invariant code motion lifts
+        # over the barriers of the step.
+        for ref, size, layout in ((key_iota, keys, _KEY_VECTOR), (query_iota, part, _QUERY_VECTOR)):
+            ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+        def part_indices(own, shape, row0):
+            """(q_idx, kv_idx) of a (keys, queries) part of S^T whose queries start at row0; `own` is the step's
+            opaque copy of wg, so that the keys' offset is not hoisted either."""
+            keys_of, queries_of = (plgpu.load(ref.at[own], layout=layout)
+                                   for ref, layout in ((key_iota, _KEY_VECTOR), (query_iota, _QUERY_VECTOR)))
+            kv_idx = tile_key0 + own * keys + lax.broadcast_in_dim(keys_of, shape, [0])
+            return row0 + lax.broadcast_in_dim(queries_of, shape, [1]), kv_idx
 
         def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, queries)
             def body(acc_ref):
@@ -417,13 +406,22 @@ def _dkv_kernel(
             k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse2_ready.at[slot])
+
+            def wait_for_do(where: str):  # dO / delta's ready barriers, once per step, where `wait_do` says
+                if where == wait_do:
+                    plgpu.barrier_wait(do_ready.at[slot])
+                    plgpu.barrier_wait(delta_ready.at[slot])
+
+            wait_for_do("first")
             for j in range(block_q // part):
                 queries = pl.ds(j * part, part)
                 q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
+                if j == 0:
+                    wait_for_do("after_scores")
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 s_t, s_scale, derivative = rule.scores(
-                    s_t, lambda: tile_indices(s_t.shape, t * block_q + j * part, key0, transposed=True), batch,
+                    s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
                     head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, with_derivative=True,
                 )
@@ -432,8 +430,7 @@ def _dkv_kernel(
                 # dV before dP^T (FlashAttention-2's order): S^T and P^T's bf16 copy are dead before the dP^T
                 # accumulator is live (S^T and dP^T live together spilled at head dim 128).
                 if j == 0:
-                    plgpu.barrier_wait(do_ready.at[slot])
-                    plgpu.barrier_wait(delta_ready.at[slot])
+                    wait_for_do("before_dv")
                 staging = None if p_smem is None else p_smem.at[wg]
                 p_bf16 = p_t.astype(do_part.dtype)
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
@@ -587,6 +584,8 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, keys, part), q.dtype, transforms=transforms) if p_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, keys), jnp.int32),
+                plgpu.SMEM((_CONSUMERS, part), jnp.int32),
             ),
             (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
             tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),

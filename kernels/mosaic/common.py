@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._scores import backward_delta, base2_lse
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -307,3 +308,45 @@ def mosaic_backward_hook_shapes(config: FlashConfig) -> tuple:
     transposed (keys, queries) part has the same shape)."""
     tile = (config.block_q // 2, min(config.block_q, PART))
     return (), (), tile, tile, tile
+
+
+# ------------------------------------------------------------------------------- the backward kernels' launch
+
+
+def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, block_kv: int, tables_name: str):
+    """What both backward kernels take besides the inputs: the checked block tables, and the
+    FlashAttention-2 preprocess in XLA: delta = rowsum(dO * O) and lse in base 2 (+inf where no key attends,
+    and for rows >= `q_lengths` when given, so that those rows give p = 0 without a per-element row mask);
+    with the SMEM tiling / swizzle transforms of q's dtype."""
+    batch, q_len, num_heads, _ = q.shape
+    tables = _check_tables(tables, batch, num_heads, q_len // block_q, k.shape[1] // block_kv, block_q, block_kv,
+                           name=tables_name)
+    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
+    if q_lengths is not None:
+        lse2 = jnp.where(jnp.arange(q_len)[None, None, :] < q_lengths[:, None, None], lse2, jnp.inf)
+    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    return tables, delta, lse2, transforms
+
+
+def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
+            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names):
+    """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
+    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays."""
+    q, k = inputs[:2]
+    kernel = functools.partial(
+        body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
+        interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
+        num_mask_arrays=len(mask_arrays),
+    )
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
+        num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays)
+
+
+def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
+    if score_fn is not None and score_jvp is None:
+        raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
+    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp)

@@ -9,14 +9,14 @@ import variants as registry
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried. The
 # Triton kernels have none: where a feature spilled on the default tiles, the dispatch retiles that kernel for
 # it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7).
-MOSAIC_HOOKS = ("Mosaic dK/dV with hooks at head dim 128 on the forward's 128 x 128 tiles, run in 64-query parts: "
-                "what the hooks hold beside dK, dV, P^T and dP^T (the index tiles ALiBi and the sliding window's "
-                "mask read, the score_mod's derivative); docs/perf-notes.md, Version 6 (opt-in backend)")
+MOSAIC_HOOKS = ("Mosaic dK/dV with a score_mod at head dim 128 on the forward's 128 x 128 tiles, run in 64-query "
+                "parts: the hook's values and derivative beside dK, dV (128 registers) and lse2 push the step's "
+                "loop state (barrier phases, addresses) out; the index tiles now load per step from shared memory "
+                "(docs/perf-notes.md, Version 7m; opt-in backend)")
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (360, 528, MOSAIC_HOOKS),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_sliding_window"): (39, 57, MOSAIC_HOOKS),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_softcap"): (347, 356, MOSAIC_HOOKS),
+    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (44, 118, MOSAIC_HOOKS),
+    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_softcap"): (255, 294, MOSAIC_HOOKS),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the
