@@ -18,12 +18,17 @@ RELATIVE_BIAS = ("the relative-bias table's gather in the Triton forward at head
 F32_TANGENT = ("float32 flex tangent with a sliding-window BlockMask at head dim 128 on sm_90a (32 x 16 tiles, 8 "
                "warps, 255 registers): the block tables' loops on top of q, its tangent and two accumulators; "
                "clean on sm_80 / sm_86 (docs/perf-notes.md, Version 6)")
+HOPPER_GQA_DKV = ("16-bit dK/dV with GQA 8 -> 2 at head dim 128 on sm_90a on its all-wgmma 64 x 64 tiles (255 "
+                  "registers): the loop over the group's query heads keeps pointers and bounds in local memory; "
+                  "every spill load / store is outside the query-step loops (the SASS); 32-query steps made S / dP "
+                  "mma.sync; docs/perf-notes.md, Version 7a")
 F32_OTHER = ("float32 (FMA dots at Precision.HIGHEST) forward / dQ with a window, dropout, GQA, a BlockMask or a "
              "table: a few bytes to tens of bytes over the float32 tiles, which were chosen without those features")
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
     ("probjax_flash_backward_dkv", "sm80_a100", "flash_grad_d128_f32_gqa8to2_causal"): (17, 17, F32_DKV),
     ("probjax_flash_backward_dkv", "sm86_rtx3090", "flash_grad_d128_f32_gqa8to2_causal"): (13, 13, F32_DKV),
+    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_bf16_gqa8to2_causal"): (105, 105, HOPPER_GQA_DKV),
     ("probjax_flash_backward_dq", "sm80_a100", "flash_grad_d128_f32_dropout"): (4, 4, F32_OTHER),
     ("probjax_flash_backward_dq", "sm80_a100", "flex_grad_d128_f32_sliding_window"): (13, 17, F32_OTHER),
     ("probjax_flash_backward_dq", "sm86_rtx3090", "flash_grad_d128_f32_window"): (4, 4, F32_OTHER),
@@ -48,10 +53,8 @@ SPILLS = {
 MIN_WGMMA_SHARE = 0.5
 LOW_WGMMA_SHARE = {
     # (kernel, head dim): (least share, why)
-    (registry.DKV, 128): (0.1, "dK/dV's 32-query steps: S^T / dP^T tiles of 32 rows are below wgmma's 64, so "
-                               "Triton emits mma.sync for them; only dV / dK's 64-row products are wgmma"),
-    (registry.DQ, 256): (0.0, "hd256 backward: 32-wide tiles, Triton emits mma.sync"),
-    (registry.DKV, 256): (0.0, "hd256 backward: 32-wide tiles, Triton emits mma.sync"),
+    (registry.DKV, 256): (0.0, "hd256 dK/dV: 32 x 32 tiles, mma.sync; 64 x 64 (all wgmma) spills 272-420 B: dK and "
+                               "dV are 64 x 256 float32 accumulators (docs/perf-notes.md, Version 7a)"),
     (registry.TANGENT, 256): (0.0, "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync"),
 }
 # A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
