@@ -121,7 +121,7 @@ def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tupl
             # with a 96 B spill (outside the query-step loops) with GQA; 32-query steps were mma.sync for S / dP.
             return 128, 64, 64, 64, 64, 64, 8, 2
         if large_smem:
-            # dK/dV at 64 x 64 spills 96 B on sm_90a with GQA 8 -> 2 (255 registers); 32 x 64 does not.
+            # sm_80: dK/dV at 32 x 64 (64 x 64 spilled 96 B on sm_90a with GQA 8 -> 2, before the Hopper tiles).
             return 128, 64, 32, 64, 64, 64, 8, 2
         # 99 KB (sm_86): 64 x 64 backward tiles need 107,008 B; 32-query steps in both backward kernels fit
         # (86,272 B dK/dV, 53,248 B dQ), and unlike 64 x 32 dK/dV tiles do not spill with GQA.
