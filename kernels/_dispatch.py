@@ -107,19 +107,32 @@ def smem_per_block(device=None) -> int:
     return _SMEM_PER_BLOCK.get((major, minor), min(_SMEM_PER_BLOCK.values()))
 
 
-def _triton_tiles(head_dim: int, large_smem: bool) -> tuple[int, ...]:
+def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tuple[int, ...]:
     """(fwd q, fwd k, dK/dV q, dK/dV k, dQ q, dQ k, warps, stages) of the Triton kernels on a GPU, chosen from
     the compile report (docs/compile/index.md; the figures behind each choice are in docs/perf-notes.md):
-    no spill and within shared memory on sm_90a, sm_80 and sm_86."""
+    no spill and within shared memory on sm_90a, sm_80 and sm_86 (but for the capped entries of
+    scripts/compile/rules.py). On Hopper (`hopper`) the backward tiles are the ones whose every dot has at
+    least 64 rows, wgmma's M per warpgroup (Triton emits mma.sync below it): 8 warps at 129-255 registers run
+    one CTA per SM either way (65,536 registers / 256 threads), so the tiles may use up to 255 without
+    spilling."""
     if head_dim <= 64:
         return 128, 64, 64, 64, 64, 64, 4, 2
     if head_dim <= 128:
+        if hopper:
+            # dK/dV at 64 x 64: S, dP (64 queries) and dK, dV (64 keys) all wgmma; 215-253 registers, and 255
+            # with a 96 B spill (outside the query-step loops) with GQA; 32-query steps were mma.sync for S / dP.
+            return 128, 64, 64, 64, 64, 64, 8, 2
         if large_smem:
-            # dK/dV at 64 x 64 spills 96 B on sm_90a with GQA 8 -> 2 (255 registers); 32 x 64 does not.
+            # sm_80: dK/dV at 32 x 64 (64 x 64 spilled 96 B on sm_90a with GQA 8 -> 2, before the Hopper tiles).
             return 128, 64, 32, 64, 64, 64, 8, 2
         # 99 KB (sm_86): 64 x 64 backward tiles need 107,008 B; 32-query steps in both backward kernels fit
         # (86,272 B dK/dV, 53,248 B dQ), and unlike 64 x 32 dK/dV tiles do not spill with GQA.
         return 128, 64, 32, 64, 32, 64, 8, 2
+    if hopper:
+        # Head dim 256 on Hopper: dQ at 64 x 32 is all wgmma (184-186 registers) with 2 stages, and spills
+        # 16-20 B with 1. dK/dV keeps 32 x 32 (mma.sync): 64 x 64 spills 272-420 B (dK and dV are 64 x 256
+        # float32 accumulators, 128 registers of 255).
+        return 64, 32, 32, 32, 64, 32, 8, 2
     # Head dim 256: dQ at 32 x 32 spills on sm_86 (16 x 32 does not).
     return (64, 32, 32, 32, 32, 32, 8, 1) if large_smem else (64, 32, 32, 32, 16, 32, 8, 1)
 
@@ -160,7 +173,9 @@ def default_config(
         fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles_float32(head_dim)
     else:
         large = backend in ("mosaic", "mosaic_interpret") or smem_per_block() >= _LARGE_SMEM
-        fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles(head_dim, large)
+        # The Mosaic backends run their Triton fallbacks on Hopper (the interpreter on the CPU: tests run them).
+        hopper = backend in ("mosaic", "mosaic_interpret") or _is_hopper(target_device())
+        fwd_q, fwd_k, dkv_q, dkv_k, dq_q, dq_k, warps, stages = _triton_tiles(head_dim, large, hopper)
 
     def pick(value: int | None, default: int, seq_len: int) -> int:
         return value if value is not None else _fit_block(default, seq_len)

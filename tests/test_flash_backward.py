@@ -1,12 +1,15 @@
 """Gradients of the Pallas kernel (dQ and dK/dV kernels) against autodiff of the plain-jnp reference."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, random_qkv
 
-from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels import FlashConfig, _dispatch, default_config, flash_attention, flash_attention_reference
 
 SMALL_TILES = FlashConfig(block_q=16, block_k=32, block_q_dq=32, block_k_dq=16, block_q_dkv=16, block_k_dkv=32)
 
@@ -75,6 +78,20 @@ def test_gradients_small_tiles_all_masks():
         kv_lengths=jnp.array([100, 7], jnp.int32), q_segment_ids=segments_q, kv_segment_ids=segments_kv,
         config=SMALL_TILES,
     )
+
+
+@pytest.mark.parametrize("head_dim, q_len, kv_len, num_kv_heads", [(128, 100, 150, 2), (256, 77, 90, 1)])
+def test_gradients_at_the_hopper_default_tiles(head_dim, q_len, kv_len, num_kv_heads, monkeypatch):
+    """The 16-bit backward tiles default_config picks for an sm_90a GPU (64 x 64 dK/dV at head dim 128, 64 x 32
+    dQ at 256), run in interpret mode on lengths that end inside a tile, with GQA 4:2 and causal masking."""
+    monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability="9.0"))
+    hopper = default_config(FlashConfig(backend="triton"), q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                            dtype=jnp.bfloat16)
+    monkeypatch.undo()
+    assert (hopper.block_q_dkv, hopper.block_k_dkv, hopper.block_q_dq) == (
+        (64, 64, 64) if head_dim == 128 else (32, 32, 64))
+    q, k, v = random_qkv(30, 1, q_len, kv_len, 4, num_kv_heads, head_dim, jnp.bfloat16)
+    check_gradients(q, k, v, causal=True, config=dataclasses.replace(hopper, backend="interpret"), factor=1.5)
 
 
 @pytest.mark.parametrize("window", [(8, 4), (None, 3)])
