@@ -20,6 +20,13 @@ def random_qkv(key: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     return q, k, v
 
 
+def output_and_grads(f, args, cotangent):
+    """`f(*args)` and the gradients of `sum(f(*args) * cotangent)` for every arg, from one forward pass
+    (jax.vjp): an interpret-mode forward costs as much as the backward, so tests check both from one run."""
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(jnp.asarray(cotangent, out.dtype))
+
+
 def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):
     actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
     expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from probjax_nn.benchmark import main
+from probjax_nn.benchmark import _timing
 from probjax_nn.benchmark._timing import attention_flops
 
 SEED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "seed" / "gpu_attention_rtx3090.json"
@@ -41,14 +42,24 @@ RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
+def three_samples(monkeypatch):
+    """Three timed samples per row, not seven: quartiles still exist, and interpret-mode calls are slow."""
+    monkeypatch.setattr(_timing, "SAMPLES", 3)
+
+
+# Session scope: a worker builds the report (an interpret-mode benchmark run) once, even when its tests of this
+# file come in several chunks between other files' tests.
+@pytest.fixture(scope="session")
 def report_path(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("benchmark") / "cpu.json"
-    assert main(["--output", str(path), *RUN]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_timing, "SAMPLES", 3)
+        assert main(["--output", str(path), *RUN]) == 0
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def report(report_path) -> dict:
     return json.loads(report_path.read_text())
 

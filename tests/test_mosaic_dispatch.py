@@ -2,13 +2,14 @@
 Triton kernels elsewhere; run here in both interpreters ("mosaic_interpret"), and lowered for CUDA on the
 CPU."""
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, output_and_grads, random_qkv
 from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
@@ -16,6 +17,7 @@ from probjax_kernels import (
     flash_attention, flash_attention_reference, flex_attention, flex_attention_reference, relative_bias,
     sliding_window, softcap,
 )
+from probjax_kernels import _dispatch
 from probjax_kernels._dispatch import MOSAIC_ENV, default_backend
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
@@ -31,6 +33,16 @@ def backward_kernels(loss_of_config, *args) -> str:
     triton = "probjax_flash_backward" in text
     assert triton or "mosaic_gpu" in text
     return "triton" if triton else "mosaic"
+
+
+@contextlib.contextmanager
+def counting_mosaic_backward():
+    """Counts the calls of the Mosaic dQ / dK/dV kernels (the interpreters' choice is the compiled backend's)."""
+    calls = []
+    original = _dispatch.mosaic_glue.backward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_dispatch.mosaic_glue, "backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+        yield calls
 
 
 def runs_triton_forward(fn, *args) -> bool:
@@ -136,36 +148,45 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
     def array_softcap(score, b, h, q_idx, kv_idx):
         return cap * jnp.tanh(score / cap)
 
+    def fixed(score_mod):
+        return lambda: score_mod
+
+    # (score_mod from its differentiable arrays, those arrays, BlockMask, whether the Mosaic kernels run it,
+    # whether to lower its gradient for CUDA: the reads of h and of a 0-d array; softcap and ALiBi with a
+    # BlockMask are lowered in test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda)
     cases = [
-        (softcap(1.5), block_mask, True), (head_alibi, None, True), (alibi(alibi_slopes(2)), block_mask, True),
-        (array_softcap, None, True), (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511)), None, False),
-        (lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s), None, False),
+        (fixed(softcap(1.5)), (), block_mask, True, False), (fixed(head_alibi), (), None, True, True),
+        (alibi, (alibi_slopes(2),), block_mask, True, False), (fixed(array_softcap), (), None, True, True),
+        (fixed(relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511))), (), None, False, False),
+        (fixed(lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s)), (), None, False, False),
     ]
     cotangent = jax.random.normal(jax.random.key(10), q.shape)
-    for score_mod, mask, mosaic in cases:
-        fn = lambda q, k, v, sm=score_mod, bm=mask: flex_attention(q, k, v, sm, bm, enable_gqa=True, config=MOSAIC)  # noqa: E731
-        assert runs_triton_forward(fn, q, k, v) != mosaic
-        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, score_mod, mask, enable_gqa=True), jnp.bfloat16)
-    for score_mod, mask, _ in cases[:4]:
-        def loss_of_config(config, sm=score_mod, bm=mask):
+    for make_score_mod, params, mask, mosaic, lower in cases:
+        def fn(q, k, v, *params, make=make_score_mod, bm=mask):
+            return flex_attention(q, k, v, make(*params), bm, enable_gqa=True, config=MOSAIC)
+
+        def reference(q, k, v, *params, make=make_score_mod, bm=mask):
+            return flex_attention_reference(q, k, v, make(*params), bm, enable_gqa=True)
+
+        args = (q, k, v, *params)
+        assert runs_triton_forward(fn, *args) != mosaic
+        if not mosaic:  # the Triton fallbacks' backward is tested in test_flex.py
+            assert_close(fn(*args), reference(*args), jnp.bfloat16)
+            continue
+
+        def loss_of_config(config, sm=make_score_mod(*params), bm=mask):
             return lambda q, k, v: jnp.sum(flex_attention(q, k, v, sm, bm, enable_gqa=True, config=config).astype(jnp.float32))
 
-        assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
-        grads = [
-            jax.grad(lambda *a, f=f: jnp.sum(f(*a, score_mod, mask).astype(jnp.float32) * cotangent), (0, 1, 2))(
-                q, k, v)
-            for f in (lambda *a: flex_attention(*a, enable_gqa=True, config=MOSAIC),
-                      functools.partial(flex_attention_reference, enable_gqa=True))
-        ]
-        for name, got, expected in zip(("dq", "dk", "dv"), *grads):
+        if lower:
+            assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
+        # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
+        with counting_mosaic_backward() as backward_calls:
+            out, grads = output_and_grads(fn, args, cotangent)
+        assert backward_calls, "the Mosaic backward did not run"
+        expected_out, expected_grads = output_and_grads(reference, args, cotangent)
+        assert_close(out, expected_out, jnp.bfloat16, "out")
+        for name, got, expected in zip(("dq", "dk", "dv", "d_slopes"), grads, expected_grads):
             assert_close(got, expected, jnp.bfloat16, name)
-    slope_grads = [
-        jax.grad(lambda slopes, f=f: jnp.sum(f(q, k, v, alibi(slopes), block_mask).astype(jnp.float32) * cotangent))(
-            alibi_slopes(2))
-        for f in (lambda *a: flex_attention(*a, enable_gqa=True, config=MOSAIC),
-                  functools.partial(flex_attention_reference, enable_gqa=True))
-    ]
-    assert_close(slope_grads[0], slope_grads[1], jnp.bfloat16, "d_slopes")
 
 
 @pytest.mark.parametrize("score_mod", [softcap(30.0), alibi(alibi_slopes(8))], ids=["softcap", "alibi"])
@@ -190,11 +211,11 @@ def test_windows_run_the_mosaic_forward_and_backward(window, causal):
     assert backward_kernels(
         lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
     ) == "mosaic"
-    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), jnp.bfloat16)
     cotangent = jax.random.normal(jax.random.key(12), q.shape)
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * cotangent), (0, 1, 2))(q, k, v)
-             for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs))]
-    for name, got, expected in zip(("dq", "dk", "dv"), *grads):
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(got, expected, jnp.bfloat16, name)
 
 

@@ -52,6 +52,8 @@ TINY = dict(
 LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
 # Bounds for a machine much busier than this one; a slow machine is not a failure.
 WAIT_S = 900
+# Two CPU devices per process; LLVM optimizations off as in conftest.py (tiny shapes: compiling dominates).
+TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 
 # examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs one
 # training per list in the same jax.distributed session (flags added to the command line's), and writes to
@@ -154,7 +156,7 @@ def launch(
     worker.write_text(textwrap.dedent(worker_text).format(examples=str(ROOT / "examples")))
     env = {key: value for key, value in os.environ.items() if not key.startswith("MP_")}
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHON=sys.executable, LAUNCH_SCRIPT=str(worker),
+        XLA_FLAGS=TWO_DEVICE_XLA_FLAGS, PYTHON=sys.executable, LAUNCH_SCRIPT=str(worker),
         LAUNCH_LOG_DIR=str(tmp_path / name), **environment,
     )
     # The launcher bounds its own children's lives; the timeout only keeps a broken launcher from hanging CI.
@@ -264,7 +266,7 @@ def clean_environment(**environment: str) -> dict[str, str]:
     """This process's environment without a cluster's variables or the tests' hooks, plus `environment`."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("MP_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "LAUNCH_"))}
-    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **environment}
+    return {**env, "XLA_FLAGS": TWO_DEVICE_XLA_FLAGS, **environment}
 
 
 def start_processes(tmp_path: Path, commands: list[tuple[list[str], dict, Path]]) -> list[tuple[int, str, str]]:
