@@ -401,8 +401,8 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
         return mosaic_glue.forward(problem, q, k, v, q_len, kv_len, optional)
-    config = triton_fallback_config(problem.config, max(q.shape[3], v.shape[3]))
-    config = triton_forward_config(problem, config, q.dtype, max(q.shape[3], v.shape[3]))
+    head_dim = max(q.shape[3], v.shape[3])
+    config = triton_forward_config(problem, triton_fallback_config(problem.config, head_dim), q.dtype, head_dim)
     return triton_forward.forward(_retiled(problem, config), q, k, v, q_len, kv_len, optional)
 
 
@@ -439,13 +439,15 @@ def triton_forward_config(problem: _Problem, config: FlashConfig, dtype, head_di
     Backends other than "triton" / "mosaic" keep `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
+    if _is_hopper(target_device()):
+        return config
     f = problem.features
     traced = problem.config  # the hooks were traced at its tiles (`hook_shapes`)
-    if (jnp.dtype(dtype).itemsize == 2 and 64 < head_dim <= 128 and not _is_hopper(target_device())
+    if (jnp.dtype(dtype).itemsize == 2 and 64 < head_dim <= 128
             and f.score_mod is not None and _gathers_score_tile(f.score_mod, traced.block_q, traced.block_k)):
         config = dataclasses.replace(config, block_k=min(config.block_k, 32))
     local = f.window_left is not None or f.dropout_rate > 0
-    if local and _float32_d128(dtype, head_dim) and not _is_hopper(target_device()):
+    if local and _float32_d128(dtype, head_dim):
         config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
     return config
 

@@ -42,10 +42,13 @@ RUN = [
 ]
 
 
+SAMPLES = 3
+
+
 @pytest.fixture(autouse=True)
-def three_samples(monkeypatch):
-    """Three timed samples per row, not seven: quartiles still exist, and interpret-mode calls are slow."""
-    monkeypatch.setattr(_timing, "SAMPLES", 3)
+def few_samples(monkeypatch):
+    """SAMPLES timed samples per row, not seven: quartiles still exist, and interpret-mode calls are slow."""
+    monkeypatch.setattr(_timing, "SAMPLES", SAMPLES)
 
 
 # Session scope: a worker builds the report (an interpret-mode benchmark run) once, even when its tests of this
@@ -54,7 +57,7 @@ def three_samples(monkeypatch):
 def report_path(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("benchmark") / "cpu.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_timing, "SAMPLES", 3)
+        patch.setattr(_timing, "SAMPLES", SAMPLES)  # set up before the function fixture above
         assert main(["--output", str(path), *RUN]) == 0
     return path
 
