@@ -327,7 +327,7 @@ def _dkv_kernel(
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota = smem
     k_ready, v_ready = kv_ready
-    q_ready, do_ready, lse2_ready, delta_ready = ready
+    q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
     keys = block_kv // _CONSUMERS
     part = min(block_q, PART)  # queries per part of a step
@@ -405,12 +405,10 @@ def _dkv_kernel(
             own = lax.optimization_barrier(wg)
             k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(lse2_ready.at[slot])
 
-            def wait_for_do(where: str):  # dO / delta's ready barriers, once per step, where `wait_do` says
+            def wait_for_do(where: str):  # dO / delta's ready barrier, once per step, where `wait_do` says
                 if where == wait_do:
                     plgpu.barrier_wait(do_ready.at[slot])
-                    plgpu.barrier_wait(delta_ready.at[slot])
 
             wait_for_do("first")
             for j in range(block_q // part):
@@ -448,7 +446,7 @@ def _dkv_kernel(
         def skip(g, t, carry, head):
             del t, head
             slot = lax.rem(g, num_stages)
-            for barrier in (q_ready, lse2_ready, do_ready, delta_ready):
+            for barrier in (q_ready, do_ready):
                 plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(do_free.at[slot])
             plgpu.barrier_arrive(q_free.at[slot])
@@ -502,8 +500,8 @@ def _dkv_kernel(
                 row_tile = (batch, pl.ds(t * block_q, block_q), head)
                 row_vector = (batch, head, pl.ds(t * block_q, block_q))
                 fill_ring_slot(base + n, num_stages, (q_free, do_free), (
-                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, lse2_ready),
-                    (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, delta_ready),
+                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
+                    (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
                 ))
 
             return base + steps
@@ -588,7 +586,8 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((_CONSUMERS, part), jnp.int32),
             ),
             (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
-            tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),
+            # Q's slot with its lse2 rows, dO's with its delta rows: two copies (arrivals) complete each.
+            tuple(plgpu.Barrier(num_arrivals=2, num_barriers=num_stages) for _ in range(2)),
             (
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
