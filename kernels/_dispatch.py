@@ -360,8 +360,8 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
     Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
     tiles (the tables' tile), which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed
     (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
-    were traced. Without tables dK/dV steps over `PART` queries (one part, the shape the hooks were traced
-    at): its 128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
+    were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
+    128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
     if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
         return None
     f, cfg = problem.features, problem.config
@@ -369,11 +369,11 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
         return {}, {}
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     head_dim, tile = q.shape[3], cfg.block_q
-    dkv_q = tile if f.block_sizes is not None else MOSAIC_PART
     if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
-                                  dkv_smem_bytes(head_dim, dkv_q, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
         return None
-    return {"block_q": tile, "block_kv": tile}, {"block_q": dkv_q, "block_kv": tile}
+    dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
+    return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
 # ------------------------------------------------------------------------------------------------ routing
