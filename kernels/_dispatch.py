@@ -6,8 +6,9 @@ Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, 
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
-- `triton_forward_config`, `triton_backward_configs`, `tangent_config`: per call, the Triton kernels' configs
-  where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on `default_config`'s.
+- `triton_forward_config`, `triton_backward_configs`, `tangent_config`, `tangent_value_splits`: per call, the
+  Triton kernels' configs where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on
+  `default_config`'s.
 - `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
   on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
   TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
@@ -248,7 +249,8 @@ def tangent_config(
     128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
     a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
     block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
-    captured table (a relative bias). Interpret mode keeps `config`."""
+    captured table (a relative bias). Hopper at head dim 256 (`tangent_value_splits` 2): 64 x 16 on 4 warps,
+    2 stages. Interpret mode keeps `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
     float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
@@ -263,8 +265,22 @@ def tangent_config(
     # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
     # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
     stages = max(config.num_stages, 2) if float32 else config.num_stages
+    if tangent_value_splits(config, head_dim, tables, dtype) > 1:  # one warpgroup, wgmma: Version 7u
+        return dataclasses.replace(config, block_q=min(config.block_q, 64), block_k=min(config.block_k, 16),
+                                   num_warps=4, num_stages=2)
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8), num_stages=stages)
+
+
+def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> int:
+    """Programs per query tile of the Triton tangent kernel, each owning a column block of the value head dim
+    (`triton.tangent.tangent`'s `value_splits`): 2 on Hopper above head dim 128, 16-bit, without block tables
+    (a 64-row tile's 64 x 256 float32 accumulator spilled; split, 64 x 16 on 4 warps is wgmma throughout at
+    1.6x the matmul work: docs/perf-notes.md, Version 7u), else 1 (interpret mode too)."""
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
+    if config.backend not in ("triton", "mosaic") or float32 or tables or head_dim <= 128:
+        return 1
+    return 2 if _is_hopper(target_device()) else 1
 
 
 # --------------------------------------------------------------------------------------------- per call
@@ -531,8 +547,11 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
+    splits = tangent_value_splits(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
+    splits = splits if v.shape[3] >= 64 else 1  # each split's columns stay a dot's 32 or more
     problem = _retiled(problem, config)
-    return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+    return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional,
+                                  value_splits=splits)
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,

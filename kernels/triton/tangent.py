@@ -4,6 +4,7 @@ runs it: the Mosaic kernels have no tangent kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -94,9 +95,24 @@ def _tangent_kernel(
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
+def _split_spec(spec: pl.BlockSpec, value_splits: int, value_cols: bool) -> pl.BlockSpec:
+    """`spec` on the grid (q tile, batch, head, value split): the same block, or with `value_cols` the split's
+    columns of the value head dim (its last axis)."""
+    index_map = spec.index_map
+    if not value_cols:
+        return dataclasses.replace(spec, index_map=lambda i, b, h, s: index_map(i, b, h))
+    shape = (*spec.block_shape[:-1], spec.block_shape[-1] // value_splits)
+    return dataclasses.replace(spec, block_shape=shape,
+                               index_map=lambda i, b, h, s: (*index_map(i, b, h)[:-1], s))
+
+
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
-            optional: dict):
-    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
+            optional: dict, value_splits: int = 1):
+    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`).
+
+    `value_splits` > 1 splits the value head dim across that many programs per query tile: each holds a
+    (block_q, Dv / value_splits) accumulator (v, d v, out and d out in column blocks) and recomputes the scores
+    and their tangent, so every split writes the same d lse (Hopper at head dim 256: `_dispatch`)."""
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
     grid = _q_grid(problem, q, k, v, block_q, problem.config.block_k, optional)
@@ -104,16 +120,29 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     for name, spec in (("q", grid.q), ("k", grid.k), ("v", grid.v)):
         if getattr(tangents, name):
             lin.append(linear[name])
-            lin_specs.append(spec)
+            lin_specs.append(_split_spec(spec, value_splits, name == "v") if value_splits > 1 else spec)
     kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents,
                                refs_fn=_refs_fn(problem, tangents))
     varying = (q, k, v, *lin)
+    in_specs = [grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row]
+    out_specs = [grid.out, grid.row]
+    grid_shape = (t_pad // block_q, batch, num_heads)
+    if value_splits > 1:
+        if v.shape[3] % (16 * value_splits):
+            raise ValueError(f"value_splits={value_splits} needs a padded value head dim that splits into "
+                             f"columns of a multiple of 16, got {v.shape[3]}")
+        cols = (grid.v, grid.out)  # the value-dim blocks; q, k, lengths, rows and hook inputs stay whole
+        in_specs = [_split_spec(spec, value_splits, any(spec is c for c in cols)) for spec in in_specs]
+        out_specs = [_split_spec(spec, value_splits, spec is grid.out) for spec in out_specs]
+        grid_shape = (*grid_shape, value_splits)
+        extra_specs = [_split_spec(spec, value_splits, False) for spec in grid.extra_specs]
+    else:
+        extra_specs = list(grid.extra_specs)
     return pl.pallas_call(
         kernel,
-        grid=(t_pad // block_q, batch, num_heads),
-        in_specs=[grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row, *lin_specs,
-                  *grid.extra_specs],
-        out_specs=[grid.out, grid.row],
+        grid=grid_shape,
+        in_specs=[*in_specs, *lin_specs, *extra_specs],
+        out_specs=out_specs,
         out_shape=[
             _output(out.shape, out.dtype, *varying),
             _output((batch, num_heads, t_pad), jnp.float32, *varying),

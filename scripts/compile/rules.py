@@ -27,7 +27,6 @@ LOW_WGMMA_SHARE = {
     # (kernel, head dim): (least share, why)
     (registry.DKV, 256): (0.0, "hd256 dK/dV: 32 x 32 tiles, mma.sync; 64 x 64 (all wgmma) spills 272-420 B: dK and "
                                "dV are 64 x 256 float32 accumulators (docs/perf-notes.md, Version 7a)"),
-    (registry.TANGENT, 256): (0.0, "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync"),
 }
 # A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
 # apply and Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls,
