@@ -376,18 +376,31 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
 # ------------------------------------------------------------------------------------------------ routing
 
 
-def hook_shapes(config: FlashConfig) -> list[tuple]:
+def hook_shapes(config: FlashConfig, dkv_transposed: bool = False) -> list[tuple]:
     """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
     Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles (the forward's, the backward's parts)
-    on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
+    on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends, and the
+    Triton dK/dV kernel's with `dkv_transposed` (`triton_dkv_transposed`)."""
     shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes += [mosaic_hook_shapes(config), mosaic_backward_hook_shapes(config)]
-    if config.backend in tpu.TPU_BACKENDS:
+    if config.backend in tpu.TPU_BACKENDS or dkv_transposed:
         shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
+
+
+def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int) -> bool:
+    """Whether the Triton dK/dV kernel computes the transposed scores K Q^T (`triton/backward.py`): 16-bit
+    inputs at head dim 256 on Hopper (the target device is compute capability 9.x, or the backend is "mosaic"
+    / "mosaic_interpret", whose Triton fallbacks run on Hopper). There every dot's M is then the 64-key tile,
+    so all of them are wgmma with 32-query steps; Q K^T at 32 queries was mma.sync, and 64-query steps spill
+    (docs/perf-notes.md, Version 7x). Other backends and dtypes keep Q K^T."""
+    if config.backend not in ("triton", "mosaic", "mosaic_interpret") or jnp.dtype(dtype).itemsize != 2:
+        return False
+    hopper = config.backend != "triton" or _is_hopper(target_device())
+    return hopper and head_dim > 128
 
 
 
@@ -486,11 +499,11 @@ def _gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
 
 def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
     """`problem` on `config`'s tiles, its hooks traced at every kernel tile of `config` too
-    (`_chunked._prepare_hooks` traced them at the tiles of `hook_shapes(problem.config)`)."""
+    (`_chunked._prepare_hooks` traced them at the tiles of `hook_shapes(problem.config, ...)`)."""
     if config == problem.config:
         return problem
     f = problem.features
-    for b, h, rows, cols, score in hook_shapes(config):
+    for b, h, rows, cols, score in hook_shapes(config, problem.dkv_transposed):
         indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, rows, cols)]
         if f.score_mod is not None:
             f.score_mod.prepare(jax.ShapeDtypeStruct(score, jnp.float32), *indices)
