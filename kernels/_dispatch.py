@@ -119,8 +119,9 @@ def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tupl
         return 128, 64, 64, 64, 64, 64, 4, 2
     if head_dim <= 128:
         if hopper:
-            # dK/dV at 64 x 64: S, dP (64 queries) and dK, dV (64 keys) all wgmma; 215-253 registers, and 255
-            # with a 96 B spill (outside the query-step loops) with GQA; 32-query steps were mma.sync for S / dP.
+            # dK/dV at 64 x 64 on transposed scores (`triton_dkv_transposed`): all four dots wgmma, 208-255
+            # registers, no spill (Q K^T at 64 x 64 spilled 96 B with GQA 8 -> 2; 32-query steps on Q K^T
+            # were mma.sync for S / dP).
             return 128, 64, 64, 64, 64, 64, 8, 2
         if large_smem:
             # sm_80: dK/dV at 32 x 64 (64 x 64 spilled 96 B on sm_90a with GQA 8 -> 2, before the Hopper tiles).
@@ -130,9 +131,10 @@ def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tupl
         return 128, 64, 32, 64, 32, 64, 8, 2
     if hopper:
         # Head dim 256 on Hopper: dQ at 64 x 32 is all wgmma (184-186 registers) with 2 stages, and spills
-        # 16-20 B with 1. dK/dV keeps 32 x 32 (mma.sync): 64 x 64 spills 272-420 B (dK and dV are 64 x 256
-        # float32 accumulators, 128 registers of 255).
-        return 64, 32, 32, 32, 64, 32, 8, 2
+        # 16-20 B with 1. dK/dV at 16 queries x 64 keys on transposed scores (`triton_dkv_transposed`): every
+        # dot's M is the 64-key tile, so all wgmma, 252 registers, no spill; dK and dV are 64 x 256 float32
+        # accumulators (128 registers of 255), so 32-query steps spilled 8-56 B and 64 x 64 272-420 B.
+        return 64, 32, 16, 64, 64, 32, 8, 2
     # Head dim 256: dQ at 32 x 32 spills on sm_86 (16 x 32 does not).
     return (64, 32, 32, 32, 32, 32, 8, 1) if large_smem else (64, 32, 32, 32, 16, 32, 8, 1)
 
@@ -393,14 +395,17 @@ def hook_shapes(config: FlashConfig, dkv_transposed: bool = False) -> list[tuple
 
 def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int) -> bool:
     """Whether the Triton dK/dV kernel computes the transposed scores K Q^T (`triton/backward.py`): 16-bit
-    inputs at head dim 256 on Hopper (the target device is compute capability 9.x, or the backend is "mosaic"
-    / "mosaic_interpret", whose Triton fallbacks run on Hopper). There every dot's M is then the 64-key tile,
-    so all of them are wgmma with 32-query steps; Q K^T at 32 queries was mma.sync, and 64-query steps spill
-    (docs/perf-notes.md, Version 7x). Other backends and dtypes keep Q K^T."""
+    inputs at (padded) head dim 128 and 256 on Hopper (the target device is compute capability 9.x, or the
+    backend is "mosaic" / "mosaic_interpret", whose Triton fallbacks run on Hopper). Every dot's M is then the
+    64-key tile, so all four are wgmma whatever the query step: 16 at head dim 256, where Q K^T at 32 x 32 was
+    mma.sync and 64 x 64 spilled; at 128 the 64 x 64 tile on K Q^T no longer spills with GQA
+    (docs/perf-notes.md, Version 7x). Head dim 64, other backends, float32 (FMA dots) and tiles with fewer keys
+    than queries (explicit, or shrunk to a short key sequence: K Q^T would put the smaller one on M) keep
+    Q K^T."""
     if config.backend not in ("triton", "mosaic", "mosaic_interpret") or jnp.dtype(dtype).itemsize != 2:
         return False
     hopper = config.backend != "triton" or _is_hopper(target_device())
-    return hopper and head_dim > 128
+    return hopper and head_dim > 64 and config.block_k_dkv >= config.block_q_dkv
 
 
 

@@ -2,13 +2,17 @@
 head dim 256 on Hopper), run in interpret mode on small tiles against the reference's gradients: masks,
 lengths that end inside a tile, GQA, a bias, segments, a score_mod reading a captured table and a BlockMask."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_close, output_and_grads, random_qkv
 
 from probjax_kernels import (
-    FlashConfig, _dispatch, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
+    FlashConfig, _dispatch, and_masks, causal_mask, create_block_mask, default_config, document_mask,
+    flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias,
 )
 
@@ -69,3 +73,20 @@ def test_flex_score_mod_block_mask_and_dropout(dtype, transposed):
 
     _check(run(flex_attention, config=TILES), run(flex_attention_reference), (q, k, v), dtype, 1.5)
     assert transposed
+
+
+@pytest.mark.parametrize("capability, backend, dtype, head_dim, expected", [
+    ("9.0", "triton", jnp.bfloat16, 256, True), ("9.0", "triton", jnp.float16, 128, True),
+    ("8.0", "mosaic", jnp.bfloat16, 256, True), ("9.0", "triton", jnp.bfloat16, 64, False),
+    ("9.0", "triton", jnp.float32, 256, False), ("8.0", "triton", jnp.bfloat16, 256, False),
+    ("9.0", "interpret", jnp.bfloat16, 256, False),
+])
+def test_the_dispatch_transposes_on_hopper_for_16_bit_inputs(capability, backend, dtype, head_dim, expected,
+                                                             monkeypatch):
+    """K Q^T on Hopper (a 9.x device, or the Mosaic backends) for 16-bit inputs at head dim 128 / 256 on the
+    default tiles; never where the key tile is smaller than the query tile."""
+    monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability=capability))
+    config = default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim, dtype=dtype)
+    assert _dispatch.triton_dkv_transposed(config, dtype, head_dim) == expected
+    narrow = dataclasses.replace(config, block_q_dkv=64, block_k_dkv=32)
+    assert not _dispatch.triton_dkv_transposed(narrow, dtype, head_dim)
