@@ -196,7 +196,7 @@ def attention(
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
-    dkv_transposed = _dispatch.triton_dkv_transposed(config, q.dtype, max(d_pad, dv_pad))
+    dkv_transposed = _dispatch.triton_dkv_transposed(config, q.dtype, max(d_pad, dv_pad), bias is not None)
     _prepare_hooks(features, _dispatch.hook_shapes(config, dkv_transposed), batch, num_heads, t_pad, s_pad)
     problem = _Problem(
         features=features,

@@ -393,20 +393,20 @@ def hook_shapes(config: FlashConfig, dkv_transposed: bool = False) -> list[tuple
     return shapes
 
 
-def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int) -> bool:
+def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int, bias: bool = False) -> bool:
     """Whether the Triton dK/dV kernel computes the transposed scores K Q^T (`triton/backward.py`): 16-bit
     inputs at (padded) head dim 128 and 256 on Hopper (the target device is compute capability 9.x, or the
     backend is "mosaic" / "mosaic_interpret", whose Triton fallbacks run on Hopper). Every dot's M is then the
     64-key tile, so all four are wgmma whatever the query step: 16 at head dim 256, where Q K^T at 32 x 32 was
     mma.sync and 64 x 64 spilled; at 128 the 64 x 64 tile on K Q^T no longer spills with GQA
-    (docs/perf-notes.md, Version 7x). Head dim 64, other backends, float32 (FMA dots) and tiles with fewer keys
+    (docs/perf-notes.md, Version 7x). Head dim 64, other backends, float32 (FMA dots), calls with a dense
+    `bias` (its float32 tile transposed in the kernel spilled 160 B at head dim 256) and tiles with fewer keys
     than queries (explicit, or shrunk to a short key sequence: K Q^T would put the smaller one on M) keep
     Q K^T."""
     if config.backend not in ("triton", "mosaic", "mosaic_interpret") or jnp.dtype(dtype).itemsize != 2:
         return False
     hopper = config.backend != "triton" or _is_hopper(target_device())
-    return hopper and head_dim > 64 and config.block_k_dkv >= config.block_q_dkv
-
+    return hopper and head_dim > 64 and not bias and config.block_k_dkv >= config.block_q_dkv
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):

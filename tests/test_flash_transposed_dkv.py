@@ -1,6 +1,7 @@
 """The Triton dK/dV kernel on transposed score tiles (S^T = K Q^T, `_dispatch.triton_dkv_transposed`: 16-bit at
-head dim 256 on Hopper), run in interpret mode on small tiles against the reference's gradients: masks,
-lengths that end inside a tile, GQA, a bias, segments, a score_mod reading a captured table and a BlockMask."""
+head dim 128 / 256 on Hopper), run in interpret mode on small tiles against the reference's gradients: masks,
+lengths that end inside a tile, GQA, a bias, segments, a score_mod reading a captured table, a BlockMask and
+dropout; and where the dispatch picks it."""
 
 import dataclasses
 import types
@@ -26,7 +27,7 @@ def transposed(monkeypatch):
     """Every call takes the transposed dK/dV kernel; the calls are counted, so a test sees it was chosen."""
     calls = []
 
-    def choose(config, dtype, head_dim):
+    def choose(config, dtype, head_dim, bias=False):
         calls.append(head_dim)
         return True
 
@@ -84,9 +85,10 @@ def test_flex_score_mod_block_mask_and_dropout(dtype, transposed):
 def test_the_dispatch_transposes_on_hopper_for_16_bit_inputs(capability, backend, dtype, head_dim, expected,
                                                              monkeypatch):
     """K Q^T on Hopper (a 9.x device, or the Mosaic backends) for 16-bit inputs at head dim 128 / 256 on the
-    default tiles; never where the key tile is smaller than the query tile."""
+    default tiles; never with a dense bias, nor where the key tile is smaller than the query tile."""
     monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability=capability))
     config = default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim, dtype=dtype)
     assert _dispatch.triton_dkv_transposed(config, dtype, head_dim) == expected
+    assert not _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias=True)
     narrow = dataclasses.replace(config, block_q_dkv=64, block_k_dkv=32)
     assert not _dispatch.triton_dkv_transposed(narrow, dtype, head_dim)
