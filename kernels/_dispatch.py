@@ -34,6 +34,7 @@ from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
+from probjax_kernels.mosaic.common import PART as MOSAIC_PART
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
@@ -355,24 +356,26 @@ def _lowers_in_mosaic(eqn) -> bool:
     )
 
 
-def _mosaic_backward_tiles(problem: _Problem, q) -> dict | None:
+def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
     """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
 
     Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
     tiles (the tables' tile), which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed
     (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
-    were traced."""
+    were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
+    128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
     if not _fits_mosaic(problem, q) or q.shape[3] not in MOSAIC_BACKWARD_HEAD_DIMS:
         return None
     f, cfg = problem.features, problem.config
     if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
-        return {}
+        return {}, {}
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     head_dim, tile = q.shape[3], cfg.block_q
     if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
-                                  dkv_smem_bytes(head_dim, tile, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
         return None
-    return {"block_q": tile, "block_kv": tile}
+    dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
+    return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
 # ------------------------------------------------------------------------------------------------ routing

@@ -152,6 +152,8 @@ def test_dkv_rejects_what_it_cannot_run():
     with pytest.raises(NotImplementedError, match="head_dim"):
         mosaic_backward_dkv(big, big, big, big, jnp.zeros((1, 1, 128)), big, lengths, lengths, scale=0.1,
                             causal=False)
+    with pytest.raises(ValueError, match="tables_block_q"):  # a table tile must be whole steps
+        mosaic_backward_dkv(*args, scale=0.125, causal=False, tables_block_q=96)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
 
 
@@ -170,7 +172,8 @@ def _head_window(b, h, q_idx, kv_idx):
 
 def test_block_tables_and_hooks_match_the_reference_in_interpreter():
     """dQ over kv_tables and dK/dV over q_tables with a score_mod (and its derivative) and a per-head mask_mod,
-    GQA: against jax.vjp of flex_attention_reference."""
+    GQA: against jax.vjp of flex_attention_reference. dK/dV as the dispatch runs it: 64-query steps, each
+    128-query table tile in two."""
     batch, seq, num_heads, num_kv_heads, head_dim, dtype = 2, 384, 4, 2, 64, jnp.bfloat16
     q, k, v = random_qkv(4, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(5, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
@@ -187,7 +190,8 @@ def test_block_tables_and_hooks_match_the_reference_in_interpreter():
                    score_fn=_hooked_score, score_jvp=_hooked_score_jvp)
     args = (q, k, v, out.astype(dtype), lse, d_out, lengths, lengths)
     dq = mosaic_backward_dq(*args, kv_tables=block_mask.kv_tables, **options)
-    dk, dv = mosaic_backward_dkv(*args, q_tables=block_mask.q_tables, **options)
+    dk, dv = mosaic_backward_dkv(*args, q_tables=block_mask.q_tables, **{**options, "block_q": 64},
+                                 tables_block_q=128)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
         assert_close(got, want, dtype, name)
 
@@ -203,6 +207,8 @@ def test_block_tables_and_hooks_lower_for_cuda(kernel, tables):
     fn = functools.partial(kernel, scale=head_dim**-0.5, causal=False, block_q=128, block_kv=128,
                            mask_fn=_head_window, score_fn=_hooked_score, score_jvp=_hooked_score_jvp,
                            **{tables: getattr(block_mask, tables)})
+    if kernel is mosaic_backward_dkv:  # the dispatch's dK/dV tiles with tables: 64-query steps
+        fn = functools.partial(fn, block_q=64, tables_block_q=128)
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
     with use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(q, kv, kv, q, lse, q, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()

@@ -10,7 +10,9 @@ and their gradient is exactly zero; `delta` = rowsum(dO * O) comes from XLA.
 
 Window (causal) tile skipping, lengths masking and the caller's padding contract are those of
 `mosaic.forward`. Both kernels run a step in parts of at most `PART` (64) columns of S (dQ: keys) / S^T
-(dK/dV: queries), so that the forward's 128 x 128 tiles (hooks, block tables) do not spill.
+(dK/dV: queries), so that the forward's 128 x 128 tiles (hooks, block tables) do not spill; with those the
+dispatch runs dK/dV on one-part 64-query steps (a table tile in two, `tables_block_q`): its two-part steps
+spilled with a score_mod.
 
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
@@ -321,13 +323,13 @@ def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, bl
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int,
+    num_mask_arrays: int, table_split: int,
 ):
     tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota = smem
     k_ready, v_ready = kv_ready
-    q_ready, do_ready, lse2_ready, delta_ready = ready
+    q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
     keys = block_kv // _CONSUMERS
     part = min(block_q, PART)  # queries per part of a step
@@ -336,16 +338,6 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     tile_key0 = kv_tile * block_kv
-    # Where a step waits for its dO / delta tiles: the wait is a spin loop, a branch that the values in flight
-    # live across. Measured with hooks at head dim 128 on sm_90a (docs/perf-notes.md, Version 7m): a mask_mod alone
-    # spilled least waiting first, a score_mod (its hook and derivative after S^T) waiting between the S^T wgmma
-    # and the hook; without hooks the kernel keeps the wait it had, before the first part's dV.
-    if rule.score_fn is not None:
-        wait_do = "after_scores"
-    elif rule.mask_fn is not None:
-        wait_do = "first"
-    else:
-        wait_do = "before_dv"
 
     def tile_ranges(key0):
         return q_tile_range(key0, keys, q_len, kv_len, block_q, rule.window, mask_everywhere=rule.mask_everywhere)
@@ -359,8 +351,12 @@ def _dkv_kernel(
 
     def head_walk(h):
         """(num_partial, steps, tile_of) for query head h of the group."""
-        if has_tables:
-            return table_walk(tables, batch, kv_head * group + h, kv_tile)
+        if has_tables:  # a table tile of table_split * block_q queries is table_split steps
+            num_partial, steps, block_of = table_walk(tables, batch, kv_head * group + h, kv_tile)
+            if table_split == 1:
+                return num_partial, steps, block_of
+            return table_split * num_partial, table_split * steps, lambda n: (
+                block_of(lax.div(n, table_split)) * table_split + lax.rem(n, table_split))
         return None, cta_hi - cta_lo, lambda n: cta_lo + n
 
     @pl.when(wg < _CONSUMERS)
@@ -405,20 +401,10 @@ def _dkv_kernel(
             own = lax.optimization_barrier(wg)
             k_own, v_own = k_smem.at[own], v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(lse2_ready.at[slot])
-
-            def wait_for_do(where: str):  # dO / delta's ready barriers, once per step, where `wait_do` says
-                if where == wait_do:
-                    plgpu.barrier_wait(do_ready.at[slot])
-                    plgpu.barrier_wait(delta_ready.at[slot])
-
-            wait_for_do("first")
             for j in range(block_q // part):
                 queries = pl.ds(j * part, part)
                 q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
-                if j == 0:
-                    wait_for_do("after_scores")
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 s_t, s_scale, derivative = rule.scores(
                     s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
@@ -429,8 +415,8 @@ def _dkv_kernel(
                 p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
                 # dV before dP^T (FlashAttention-2's order): S^T and P^T's bf16 copy are dead before the dP^T
                 # accumulator is live (S^T and dP^T live together spilled at head dim 128).
-                if j == 0:
-                    wait_for_do("before_dv")
+                if j == 0:  # dO / delta's wait: with hooks on 64-query steps its place changed no spill (Version 7y)
+                    plgpu.barrier_wait(do_ready.at[slot])
                 staging = None if p_smem is None else p_smem.at[wg]
                 p_bf16 = p_t.astype(do_part.dtype)
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
@@ -448,7 +434,7 @@ def _dkv_kernel(
         def skip(g, t, carry, head):
             del t, head
             slot = lax.rem(g, num_stages)
-            for barrier in (q_ready, lse2_ready, do_ready, delta_ready):
+            for barrier in (q_ready, do_ready):
                 plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(do_free.at[slot])
             plgpu.barrier_arrive(q_free.at[slot])
@@ -502,8 +488,8 @@ def _dkv_kernel(
                 row_tile = (batch, pl.ds(t * block_q, block_q), head)
                 row_vector = (batch, head, pl.ds(t * block_q, block_q))
                 fill_ring_slot(base + n, num_stages, (q_free, do_free), (
-                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, lse2_ready),
-                    (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, delta_ready),
+                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
+                    (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
                 ))
 
             return base + steps
@@ -514,7 +500,7 @@ def _dkv_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
-                     "mask_fn", "score_fn", "score_jvp"),
+                     "tables_block_q", "mask_fn", "score_fn", "score_jvp"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -536,6 +522,7 @@ def mosaic_backward_dkv(
     interpret: bool = False,
     d_lse: jax.Array | None = None,
     q_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    tables_block_q: int | None = None,
     mask_fn: Callable[..., jax.Array] | None = None,
     score_fn: Callable[..., jax.Array] | None = None,
     score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
@@ -555,9 +542,10 @@ def mosaic_backward_dkv(
       them from registers (always on in interpret mode).
     - `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     - `q_tables`: the transposed block tables (`BlockMask.q_tables`: counts `[B|1, H|1, nk]`, indices
-      `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(block_q, block_kv)`; each CTA walks the rows
-      of its KV block for every query head of its group. `mask_fn`, `score_fn`, `score_jvp`, `mask_arrays`,
-      `score_arrays` as in `mosaic_backward_dq`.
+      `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(tables_block_q, block_kv)`; each CTA walks
+      the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
+      of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
+      `score_jvp`, `mask_arrays`, `score_arrays` as in `mosaic_backward_dq`.
 
     **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
     """
@@ -568,8 +556,11 @@ def mosaic_backward_dkv(
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
-    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, block_q, block_kv,
-                                                "q_tables")
+    tables_block_q = tables_block_q or block_q
+    if tables_block_q % block_q or q_len % tables_block_q:
+        raise ValueError(f"{tables_block_q=} must be a multiple of {block_q=} dividing T={q_len}")
+    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
+                                                block_kv, "q_tables")
     return _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
@@ -588,12 +579,13 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((_CONSUMERS, part), jnp.int32),
             ),
             (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
-            tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(4)),
+            # Q's slot with its lse2 rows, dO's with its delta rows: two copies (arrivals) complete each.
+            tuple(plgpu.Barrier(num_arrivals=2, num_barriers=num_stages) for _ in range(2)),
             (
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
             ),
         ),
         grid=(kv_len // block_kv, num_kv_heads, batch),
-        grid_names=("kv", "heads", "batch"),
+        grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
     )

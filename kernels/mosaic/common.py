@@ -329,14 +329,15 @@ def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, blo
 
 
 def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
-            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names):
+            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names, **static):
     """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays."""
+    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays; `static`: more of `body`'s
+    static options."""
     q, k = inputs[:2]
     kernel = functools.partial(
         body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays),
+        num_mask_arrays=len(mask_arrays), **static,
     )
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,

@@ -52,16 +52,16 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     )
 
 
-def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: dict) -> dict:
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `_dispatch._fits_mosaic`: no bias, dense mask, segments or dropout) on the tiles of
+    `_dispatch._fits_mosaic`: no bias, dense mask, segments or dropout) on the tiles (dQ's, dK/dV's) of
     `_dispatch._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
     Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse)
-    dq_options, dkv_options = dict(tiles), dict(tiles)
+    dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),

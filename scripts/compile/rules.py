@@ -8,15 +8,10 @@ import variants as registry
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried. The
 # Triton kernels have none: where a feature spilled on the default tiles, the dispatch retiles that kernel for
-# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7).
-MOSAIC_HOOKS = ("Mosaic dK/dV with a score_mod at head dim 128 on the forward's 128 x 128 tiles, run in 64-query "
-                "parts: the hook's values and derivative beside dK, dV (128 registers) and lse2 push the step's "
-                "loop state (barrier phases, addresses) out; the index tiles now load per step from shared memory "
-                "(docs/perf-notes.md, Version 7m; opt-in backend)")
+# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7). The Mosaic
+# kernels have none either (dK/dV with a score_mod: Version 7y).
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_alibi"): (44, 118, MOSAIC_HOOKS),
-    ("probjax_mosaic_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d128_bf16_softcap"): (255, 294, MOSAIC_HOOKS),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the
