@@ -44,8 +44,8 @@ def _check(fn, reference, args, dtype, factor=1.0):
         assert_close(a, e, dtype, name, factor)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_flash_masks_lengths_bias_and_gqa(dtype, transposed):
+def test_flash_masks_lengths_bias_and_gqa(transposed):
+    dtype = jnp.float32  # float32's tolerance catches a wrong mask row or contraction that bfloat16's hides
     q, k, v = random_qkv(60, 2, 45, 70, 4, 2, 32, dtype)
     bias = jax.random.normal(jax.random.key(61), (2, 1, 45, 70), jnp.float32)
     seg_q = jnp.array([[0] * 20 + [1] * 25, [2] * 45], jnp.int32)
@@ -60,8 +60,8 @@ def test_flash_masks_lengths_bias_and_gqa(dtype, transposed):
     assert transposed
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_flex_score_mod_block_mask_and_dropout(dtype, transposed):
+def test_flex_score_mod_block_mask_and_dropout(transposed):
+    dtype = jnp.bfloat16  # the inputs the dispatch transposes for (P^T and dS^T cast to bfloat16 before dV, dK)
     t = 64
     q, k, v = random_qkv(62, 2, t, t, 4, 2, 32, dtype)
     docs = jnp.array([[0] * 24 + [1] * 40, [0] * 50 + [1] * 14], jnp.int32)
