@@ -196,7 +196,8 @@ def attention(
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
-    _prepare_hooks(features, _dispatch.hook_shapes(config), batch, num_heads, t_pad, s_pad)
+    dkv_transposed = _dispatch.triton_dkv_transposed(config, q.dtype, max(d_pad, dv_pad), bias is not None)
+    _prepare_hooks(features, _dispatch.hook_shapes(config, dkv_transposed), batch, num_heads, t_pad, s_pad)
     problem = _Problem(
         features=features,
         group=num_heads // num_kv_heads,
@@ -211,6 +212,7 @@ def attention(
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
         kv_broadcast=k.shape[0] == 1 < batch,
         same_value_dim=dv_pad == d_pad,
+        dkv_transposed=dkv_transposed,
     )
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_len, jnp.int32)

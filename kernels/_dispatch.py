@@ -121,8 +121,9 @@ def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tupl
         return 128, 64, 64, 64, 64, 64, 4, 2
     if head_dim <= 128:
         if hopper:
-            # dK/dV at 64 x 64: S, dP (64 queries) and dK, dV (64 keys) all wgmma; 215-253 registers, and 255
-            # with a 96 B spill (outside the query-step loops) with GQA; 32-query steps were mma.sync for S / dP.
+            # dK/dV at 64 x 64 on transposed scores (`triton_dkv_transposed`): all four dots wgmma, 208-255
+            # registers, no spill (Q K^T at 64 x 64 spilled 96 B with GQA 8 -> 2; 32-query steps on Q K^T
+            # were mma.sync for S / dP).
             return 128, 64, 64, 64, 64, 64, 8, 2
         if large_smem:
             # sm_80: dK/dV at 32 x 64 (64 x 64 spilled 96 B on sm_90a with GQA 8 -> 2, before the Hopper tiles).
@@ -132,9 +133,10 @@ def _triton_tiles(head_dim: int, large_smem: bool, hopper: bool = False) -> tupl
         return 128, 64, 32, 64, 32, 64, 8, 2
     if hopper:
         # Head dim 256 on Hopper: dQ at 64 x 32 is all wgmma (184-186 registers) with 2 stages, and spills
-        # 16-20 B with 1. dK/dV keeps 32 x 32 (mma.sync): 64 x 64 spills 272-420 B (dK and dV are 64 x 256
-        # float32 accumulators, 128 registers of 255).
-        return 64, 32, 32, 32, 64, 32, 8, 2
+        # 16-20 B with 1. dK/dV at 16 queries x 64 keys on transposed scores (`triton_dkv_transposed`): every
+        # dot's M is the 64-key tile, so all wgmma, 252 registers, no spill; dK and dV are 64 x 256 float32
+        # accumulators (128 registers of 255), so 32-query steps spilled 8-56 B and 64 x 64 272-420 B.
+        return 64, 32, 16, 64, 64, 32, 8, 2
     # Head dim 256: dQ at 32 x 32 spills on sm_86 (16 x 32 does not).
     return (64, 32, 32, 32, 32, 32, 8, 1) if large_smem else (64, 32, 32, 32, 16, 32, 8, 1)
 
@@ -395,19 +397,35 @@ def _mosaic_backward_tiles(problem: _Problem, q) -> tuple[dict, dict] | None:
 # ------------------------------------------------------------------------------------------------ routing
 
 
-def hook_shapes(config: FlashConfig) -> list[tuple]:
+def hook_shapes(config: FlashConfig, dkv_transposed: bool = False) -> list[tuple]:
     """The (b, h, q_idx, kv_idx, score) shapes at which the kernels of `config.backend` call the hooks: the
     Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles (the forward's, the backward's parts)
-    on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends."""
+    on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends, and the
+    Triton dK/dV kernel's with `dkv_transposed` (`triton_dkv_transposed`)."""
     shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes += [mosaic_hook_shapes(config), mosaic_backward_hook_shapes(config)]
-    if config.backend in tpu.TPU_BACKENDS:
+    if config.backend in tpu.TPU_BACKENDS or dkv_transposed:
         shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
 
+
+def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int, bias: bool = False) -> bool:
+    """Whether the Triton dK/dV kernel computes the transposed scores K Q^T (`triton/backward.py`): 16-bit
+    inputs at (padded) head dim 128 and 256 on Hopper (the target device is compute capability 9.x, or the
+    backend is "mosaic" / "mosaic_interpret", whose Triton fallbacks run on Hopper). Every dot's M is then the
+    64-key tile, so all four are wgmma whatever the query step: 16 at head dim 256, where Q K^T at 32 x 32 was
+    mma.sync and 64 x 64 spilled; at 128 the 64 x 64 tile on K Q^T no longer spills with GQA
+    (docs/perf-notes.md, Version 7x). Head dim 64, other backends, float32 (FMA dots), calls with a dense
+    `bias` (its float32 tile transposed in the kernel spilled 160 B at head dim 256) and tiles with fewer keys
+    than queries (explicit, or shrunk to a short key sequence: K Q^T would put the smaller one on M) keep
+    Q K^T."""
+    if config.backend not in ("triton", "mosaic", "mosaic_interpret") or jnp.dtype(dtype).itemsize != 2:
+        return False
+    hopper = config.backend != "triton" or _is_hopper(target_device())
+    return hopper and head_dim > 64 and not bias and config.block_k_dkv >= config.block_q_dkv
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
@@ -505,11 +523,11 @@ def _gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
 
 def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
     """`problem` on `config`'s tiles, its hooks traced at every kernel tile of `config` too
-    (`_chunked._prepare_hooks` traced them at the tiles of `hook_shapes(problem.config)`)."""
+    (`_chunked._prepare_hooks` traced them at the tiles of `hook_shapes(problem.config, ...)`)."""
     if config == problem.config:
         return problem
     f = problem.features
-    for b, h, rows, cols, score in hook_shapes(config):
+    for b, h, rows, cols, score in hook_shapes(config, problem.dkv_transposed):
         indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, rows, cols)]
         if f.score_mod is not None:
             f.score_mod.prepare(jax.ShapeDtypeStruct(score, jnp.float32), *indices)

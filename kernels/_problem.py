@@ -70,6 +70,7 @@ class _Problem:
     precision: lax.Precision
     kv_broadcast: bool = False  # k / v have batch 1, shared by every query batch (not repeated)
     same_value_dim: bool = True  # v's (padded) head dim is q / k's
+    dkv_transposed: bool = False  # the Triton dK/dV kernel computes K Q^T (`_dispatch.triton_dkv_transposed`)
 
     @property
     def per_element_mask_everywhere(self) -> bool:

@@ -82,14 +82,18 @@ def test_gradients_small_tiles_all_masks():
 
 @pytest.mark.parametrize("head_dim, q_len, kv_len, num_kv_heads", [(128, 100, 150, 2), (256, 77, 90, 1)])
 def test_gradients_at_the_hopper_default_tiles(head_dim, q_len, kv_len, num_kv_heads, monkeypatch):
-    """The 16-bit backward tiles default_config picks for an sm_90a GPU (64 x 64 dK/dV at head dim 128, 64 x 32
-    dQ at 256), run in interpret mode on lengths that end inside a tile, with GQA 4:2 and causal masking."""
+    """The 16-bit backward tiles default_config picks for an sm_90a GPU (64 x 64 dK/dV at head dim 128, 16 x 64
+    dK/dV and 64 x 32 dQ at 256, the dK/dV kernel on transposed scores), run in interpret mode on lengths that
+    end inside a tile, with GQA 4:2 and causal masking."""
     monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability="9.0"))
     hopper = default_config(FlashConfig(backend="triton"), q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                             dtype=jnp.bfloat16)
+    transposed = _dispatch.triton_dkv_transposed(hopper, jnp.bfloat16, head_dim)
     monkeypatch.undo()
+    assert transposed
+    monkeypatch.setattr(_dispatch, "triton_dkv_transposed", lambda *args: transposed)
     assert (hopper.block_q_dkv, hopper.block_k_dkv, hopper.block_q_dq) == (
-        (64, 64, 64) if head_dim == 128 else (32, 32, 64))
+        (64, 64, 64) if head_dim == 128 else (16, 64, 64))
     q, k, v = random_qkv(30, 1, q_len, kv_len, 4, num_kv_heads, head_dim, jnp.bfloat16)
     check_gradients(q, k, v, causal=True, config=dataclasses.replace(hopper, backend="interpret"), factor=1.5)
 

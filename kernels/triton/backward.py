@@ -37,14 +37,15 @@ from probjax_kernels.triton.tiles import (
 
 def _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem: _Problem):
     """p and dS = d loss / d (scaled, biased score) of one tile from its scores s and dP = dO V^T (`dp_fn()`),
-    FlashAttention-2 with dropout and score_mod."""
-    p = jnp.exp2(s - lse2[:, None])
+    FlashAttention-2 with dropout and score_mod. `delta` and `lse2` are shaped to broadcast along the tile's
+    query axis: (bq, 1) columns, or (1, bq) rows for a transposed (keys, queries) tile."""
+    p = jnp.exp2(s - lse2)
     dp = dp_fn()
     p_dropped = p
     if problem.features.dropout_rate > 0:
         scale = _dropout_scale(ctx, problem)
         dp, p_dropped = dp * scale, p * scale
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta)
     if derivative is not None:
         ds = ds * derivative
     return p_dropped, ds
@@ -73,8 +74,8 @@ def _dq_kernel(
         v = v_ref[pl.ds(start, block_k), :]
         ctx = _tile_context(opt, problem, b, h, None, q_tile * block_q, block_q, start, block_k, kv_len, True)
         s, derivative = _scores(_dot(q, k, (1, 1), problem.precision), ctx, problem, masked, with_derivative)
-        _, ds = _tile_gradient(s, lambda: _dot(do, v, (1, 1), problem.precision), delta, lse2, derivative, ctx,
-                               problem)
+        _, ds = _tile_gradient(s, lambda: _dot(do, v, (1, 1), problem.precision), delta[:, None], lse2[:, None],
+                               derivative, ctx, problem)
         if emit_ds:
             ds_ref[:, pl.ds(start, block_k)] = ds
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), problem.precision)
@@ -117,6 +118,14 @@ def _dkv_kernel(
     # dP = dO V^T summed over 64-wide slices of the head dim. Held across the loop, K and V stay in registers
     # in the FMA operand layout and spill (0.3 KB at head dim 128, 2-6 KB at 256; docs/perf-notes.md).
     reload = problem.precision == lax.Precision.HIGHEST
+    # `problem.dkv_transposed` (Hopper, `_dispatch.triton_dkv_transposed`): the kernel computes S^T = K Q^T and
+    # dP^T = V dO^T, (block_k, block_q) tiles, so that every dot's M (rows) is the key tile: dV += P^T dO and
+    # dK += dS^T Q too. wgmma needs M >= 64 per warpgroup, and dK, dV (block_k x D float32) bound the key tile,
+    # so this keeps all four dots on wgmma with small query steps. The score context, lse2 and delta follow.
+    transposed = problem.dkv_transposed
+    orient = (lambda a, b: (b, a)) if transposed else (lambda a, b: (a, b))  # noqa: E731
+    row_of = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])  # noqa: E731  per-query values
+    outer = (1, 0) if transposed else (0, 0)  # contracts the query axis of P / dS with dO / Q's rows
 
     def head_body(head, carry):
         # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
@@ -126,21 +135,23 @@ def _dkv_kernel(
             rows = pl.ds(start, block_q)
             q = q_ref[rows, head, :]
             do = do_ref[rows, head, :]
-            lse2 = lse2_ref[head, rows]
-            delta = delta_ref[head, rows]
+            lse2 = row_of(lse2_ref[head, rows])
+            delta = row_of(delta_ref[head, rows])
             ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q, kv_start,
-                                block_k, kv_len, False)
+                                block_k, kv_len, False, transposed=transposed)
             if reload:
-                qk = _sliced_dot(lambda c: q_ref[rows, head, c], lambda c: k_ref[:, c], q.shape[-1], _F32_SLICE,
-                                 problem.precision)
-                dp_fn = lambda: _sliced_dot(lambda c: do_ref[rows, head, c], lambda c: v_ref[:, c],  # noqa: E731
-                                            do.shape[-1], _F32_SLICE, problem.precision)
+                qk = _sliced_dot(*orient(lambda c: q_ref[rows, head, c], lambda c: k_ref[:, c]), q.shape[-1],
+                                 _F32_SLICE, problem.precision)
+                dp_fn = lambda: _sliced_dot(  # noqa: E731
+                    *orient(lambda c: do_ref[rows, head, c], lambda c: v_ref[:, c]), do.shape[-1], _F32_SLICE,
+                    problem.precision)
             else:
-                qk, dp_fn = _dot(q, k, (1, 1), problem.precision), lambda: _dot(do, v, (1, 1), problem.precision)
+                qk = _dot(*orient(q, k), (1, 1), problem.precision)
+                dp_fn = lambda: _dot(*orient(do, v), (1, 1), problem.precision)  # noqa: E731
             s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
             p, ds = _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem)
-            dv = dv + _dot(p.astype(do.dtype), do, (0, 0), problem.precision)
-            dk = dk + _dot(ds.astype(q.dtype), q, (0, 0), problem.precision)
+            dv = dv + _dot(p.astype(do.dtype), do, outer, problem.precision)
+            dk = dk + _dot(ds.astype(q.dtype), q, outer, problem.precision)
             return dk, dv
 
         if opt.tables is not None:

@@ -121,33 +121,44 @@ def _load_2d(ref, row_start, rows, col_start, cols, head=None):
 
 
 def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, block_q, kv_start, block_k,
-                  kv_len, q_is_tile: bool, tangents: _Tangents | None = None) -> _ScoreContext:
+                  kv_len, q_is_tile: bool, tangents: _Tangents | None = None,
+                  transposed: bool = False) -> _ScoreContext:
     """The score context of tile (q_start:+block_q, kv_start:+block_k) read from a kernel's refs.
 
     `q_is_tile`: the query axis of the bias / mask / segment refs is already the tile (forward, dQ) rather
-    than the whole sequence (dK/dV, where the key axis is the tile instead).
+    than the whole sequence (dK/dV, where the key axis is the tile instead). `transposed`: the context of the
+    transposed (block_k, block_q) score tile K Q^T (the dK/dV kernel's on Hopper): q_idx a (1, block_q) row,
+    kv_idx a (block_k, 1) column, the bias / mask tiles transposed.
     """
     q_off, kv_off = (0, kv_start) if q_is_tile else (q_start, 0)
     f = problem.features
+    # Query vectors run along the score tile's rows, key vectors along its columns (the other way transposed).
+    along_q, along_kv = (lambda x: x[:, None]), (lambda x: x[None, :])
+    if transposed:
+        along_q, along_kv = along_kv, along_q
+
+    def tile(ref):
+        loaded = _load_2d(ref, q_off, block_q, kv_off, block_k, head_in_block)
+        return loaded.T if transposed else loaded
+
     return _ScoreContext(
         b=b,
         h=h,
-        q_idx=q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None],  # int32 under jax_enable_x64 too: the
-        kv_idx=kv_start + jnp.arange(block_k, dtype=jnp.int32)[None, :],  # hooks were traced with int32
+        q_idx=q_start + along_q(jnp.arange(block_q, dtype=jnp.int32)),  # int32 under jax_enable_x64 too: the
+        kv_idx=kv_start + along_kv(jnp.arange(block_k, dtype=jnp.int32)),  # hooks were traced with int32
         kv_len=kv_len,
-        bias=None if refs.bias is None else _load_2d(refs.bias, q_off, block_q, kv_off, block_k, head_in_block),
-        mask=None if refs.mask is None else _load_2d(refs.mask, q_off, block_q, kv_off, block_k, head_in_block),
-        q_seg=None if refs.q_segment_ids is None else (
-            refs.q_segment_ids[...] if q_is_tile else refs.q_segment_ids[pl.ds(q_start, block_q)])[:, None],
-        kv_seg=None if refs.kv_segment_ids is None else (
-            refs.kv_segment_ids[pl.ds(kv_start, block_k)] if q_is_tile else refs.kv_segment_ids[...])[None, :],
+        bias=None if refs.bias is None else tile(refs.bias),
+        mask=None if refs.mask is None else tile(refs.mask),
+        q_seg=None if refs.q_segment_ids is None else along_q(
+            refs.q_segment_ids[...] if q_is_tile else refs.q_segment_ids[pl.ds(q_start, block_q)]),
+        kv_seg=None if refs.kv_segment_ids is None else along_kv(
+            refs.kv_segment_ids[pl.ds(kv_start, block_k)] if q_is_tile else refs.kv_segment_ids[...]),
         dropout_seed=None if refs.dropout_seed is None else (
             refs.dropout_seed[...] if f.dropout_positions is None  # else scalars: no value indexing in Triton
             else tuple(refs.dropout_seed[i] for i in range(refs.dropout_seed.shape[0]))),
         score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
         mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
-        d_bias=None if refs.d_bias is None else _load_2d(refs.d_bias, q_off, block_q, kv_off, block_k,
-                                                         head_in_block),
+        d_bias=None if refs.d_bias is None else tile(refs.d_bias),
         score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
             f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
     )

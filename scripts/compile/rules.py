@@ -10,13 +10,8 @@ import variants as registry
 # Triton kernels have none: where a feature spilled on the default tiles, the dispatch retiles that kernel for
 # it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7). The Mosaic
 # kernels have none either (dK/dV with a score_mod: Version 7y).
-HOPPER_GQA_DKV = ("16-bit dK/dV with GQA 8 -> 2 at head dim 128 on sm_90a on its all-wgmma 64 x 64 tiles (255 "
-                  "registers): the loop over the group's query heads keeps pointers and bounds in local memory; "
-                  "every spill load / store is outside the query-step loops (the SASS); 32-query steps made S / dP "
-                  "mma.sync; docs/perf-notes.md, Version 7a")
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
-    ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d128_bf16_gqa8to2_causal"): (105, 105, HOPPER_GQA_DKV),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the
@@ -25,8 +20,6 @@ SPILLS = {
 MIN_WGMMA_SHARE = 0.5
 LOW_WGMMA_SHARE = {
     # (kernel, head dim): (least share, why)
-    (registry.DKV, 256): (0.0, "hd256 dK/dV: 32 x 32 tiles, mma.sync; 64 x 64 (all wgmma) spills 272-420 B: dK and "
-                               "dV are 64 x 256 float32 accumulators (docs/perf-notes.md, Version 7a)"),
 }
 # A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
 # apply and Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls,
