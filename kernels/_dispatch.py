@@ -238,51 +238,26 @@ def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> F
     return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2, backend=backend)
 
 
-def tangent_config(
-    config: FlashConfig, head_dim: int, tables: bool = False, dtype=None
-) -> FlashConfig:
-    """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
-    at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
-    query tile of at most 32. It holds q, its tangent and two accumulators, so the
-    forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
-    131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
-    in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
-    128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
-    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
-    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
-    captured table (a relative bias). Hopper at head dim 256 (`tangent_value_splits` 2): 64 x 16 on 4 warps,
-    2 stages. Interpret mode keeps `config`."""
-    if config.backend not in ("triton", "mosaic"):
-        return config
-    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
-    cap = 32 if head_dim <= 128 else 16
-    block_q = config.block_q
-    if float32:
-        block_q = min(block_q, 16)
-    elif not tables and head_dim > 128:
-        block_q = min(block_q, 32)
-    elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
-        block_q = min(block_q, 64)
-    # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
-    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
-    stages = max(config.num_stages, 2) if float32 else config.num_stages
-    if tangent_value_splits(config, head_dim, tables, dtype) > 1:  # one warpgroup, wgmma: Version 7u
-        return dataclasses.replace(config, block_q=min(config.block_q, 64), block_k=min(config.block_k, 16),
-                                   num_warps=4, num_stages=2)
-    return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
-                               num_warps=max(config.num_warps, 8), num_stages=stages)
+def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> FlashConfig:
+    """The Triton tangent kernel's tiles on the target GPU (`triton.tangent.tangent_tiles`, whose docstring
+    has the figures behind them); interpret mode keeps `config`."""
+    return _tangent_tiles(config, head_dim, tables, dtype)[0]
 
 
 def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> int:
     """Programs per query tile of the Triton tangent kernel, each owning a column block of the value head dim
-    (`triton.tangent.tangent`'s `value_splits`): 2 on Hopper above head dim 128, 16-bit, without block tables
-    (a 64-row tile's 64 x 256 float32 accumulator spilled; split, 64 x 16 on 4 warps is wgmma throughout at
-    1.6x the matmul work: docs/perf-notes.md, Version 7u), else 1 (interpret mode too)."""
-    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
-    if config.backend not in ("triton", "mosaic") or float32 or tables or head_dim <= 128:
-        return 1
-    return 2 if _is_hopper(target_device()) else 1
+    (`triton.tangent.tangent`'s `value_splits`): 2 on Hopper above head dim 128 for 16-bit inputs without
+    block tables (docs/perf-notes.md, Version 7u), else 1."""
+    return _tangent_tiles(config, head_dim, tables, dtype)[1]
+
+
+def _tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype) -> tuple[FlashConfig, int]:
+    if config.backend not in ("triton", "mosaic"):
+        return config, 1
+    # backend "mosaic" is Hopper-only: its tangent runs on Triton there (as `triton_dkv_transposed` reads it)
+    hopper = config.backend == "mosaic" or _is_hopper(target_device())
+    return triton_tangent.tangent_tiles(config, head_dim, tables, dtype, hopper=hopper,
+                                        large_smem=smem_per_block() >= _LARGE_SMEM)
 
 
 # --------------------------------------------------------------------------------------------- per call

@@ -11,12 +11,49 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from probjax_kernels._config import FlashConfig
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _score_tangents
 from probjax_kernels.triton.specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
 from probjax_kernels.triton.tiles import (
     _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _sliced_dot, _tile_context,
 )
+
+
+def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, hopper: bool,
+                  large_smem: bool) -> tuple[FlashConfig, int]:
+    """(tiles, value splits) of the tangent kernel on a GPU (`_dispatch.tangent_config` passes the target's
+    `hopper` and `large_smem`: over 160 KB of shared memory per CTA): 8 warps, a key tile of at most 32 (16
+    at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
+    query tile of at most 32. It holds q, its tangent and two accumulators, so the
+    forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
+    131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
+    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
+    in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
+    128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
+    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
+    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
+    captured table (a relative bias). On Hopper at head dim 256, 16-bit, without block tables: 64 x 16 on 4
+    warps, 2 stages, the value head dim split across 2 programs (`tangent`'s `value_splits`): a 64-row tile
+    (wgmma's M) with the whole 64 x 256 float32 accumulator spilled; split, it is wgmma throughout (198
+    registers, no spill) at 1.6x the matmul work (each split recomputes the scores; Version 7u)."""
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
+    if hopper and head_dim > 128 and not float32 and not tables:
+        return dataclasses.replace(config, block_q=min(config.block_q, 64), block_k=min(config.block_k, 16),
+                                   num_warps=4, num_stages=2), 2
+    cap = 32 if head_dim <= 128 else 16
+    block_q = config.block_q
+    if float32:
+        block_q = min(block_q, 16)
+    elif not tables and head_dim > 128:
+        block_q = min(block_q, 32)
+    elif not tables and head_dim > 64 and not large_smem:
+        block_q = min(block_q, 64)
+    # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
+    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
+    stages = max(config.num_stages, 2) if float32 else config.num_stages
+    return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
+                               num_warps=max(config.num_warps, 8), num_stages=stages), 1
 
 
 def _tangent_kernel(
