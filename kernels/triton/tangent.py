@@ -25,8 +25,8 @@ def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, ho
     """(tiles, value splits) of the tangent kernel on a GPU (`_dispatch.tangent_config` passes the target's
     `hopper` and `large_smem`: over 160 KB of shared memory per CTA): 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
-    query tile of at most 32. It holds q, its tangent and two accumulators, so the
-    forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
+    query tile of at most 32. It holds q, its tangent and a (block_q, Dv) float32 accumulator, so the forward's
+    tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
     131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
     the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
     in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
