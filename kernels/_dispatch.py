@@ -6,8 +6,9 @@ Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, 
 - `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`: per call, whether the Mosaic GPU kernels take
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
-- `triton_forward_config`, `triton_backward_configs`, `tangent_config`: per call, the Triton kernels' configs
-  where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on `default_config`'s.
+- `triton_forward_config`, `triton_backward_configs`, `tangent_config`, `tangent_value_splits`: per call, the
+  Triton kernels' configs where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on
+  `default_config`'s.
 - `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
   on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
   TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
@@ -237,36 +238,26 @@ def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> F
     return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2, backend=backend)
 
 
-def tangent_config(
-    config: FlashConfig, head_dim: int, tables: bool = False, dtype=None
-) -> FlashConfig:
-    """The tiles of the Triton tangent kernel (forward mode) on a GPU: 8 warps, a key tile of at most 32 (16
-    at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
-    query tile of at most 32. It holds q, its tangent and two accumulators, so the
-    forward's tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
-    131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
-    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
-    in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
-    128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
-    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
-    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
-    captured table (a relative bias). Interpret mode keeps `config`."""
+def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> FlashConfig:
+    """The Triton tangent kernel's tiles on the target GPU (`triton.tangent.tangent_tiles`, whose docstring
+    has the figures behind them); interpret mode keeps `config`."""
+    return _tangent_tiles(config, head_dim, tables, dtype)[0]
+
+
+def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> int:
+    """Programs per query tile of the Triton tangent kernel, each owning a column block of the value head dim
+    (`triton.tangent.tangent`'s `value_splits`): 2 on Hopper above head dim 128 for 16-bit inputs without
+    block tables (docs/perf-notes.md, Version 7u), else 1."""
+    return _tangent_tiles(config, head_dim, tables, dtype)[1]
+
+
+def _tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype) -> tuple[FlashConfig, int]:
     if config.backend not in ("triton", "mosaic"):
-        return config
-    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
-    cap = 32 if head_dim <= 128 else 16
-    block_q = config.block_q
-    if float32:
-        block_q = min(block_q, 16)
-    elif not tables and head_dim > 128:
-        block_q = min(block_q, 32)
-    elif not tables and head_dim > 64 and smem_per_block() < _LARGE_SMEM:
-        block_q = min(block_q, 64)
-    # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
-    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
-    stages = max(config.num_stages, 2) if float32 else config.num_stages
-    return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
-                               num_warps=max(config.num_warps, 8), num_stages=stages)
+        return config, 1
+    # backend "mosaic" is Hopper-only: its tangent runs on Triton there (as `triton_dkv_transposed` reads it)
+    hopper = config.backend == "mosaic" or _is_hopper(target_device())
+    return triton_tangent.tangent_tiles(config, head_dim, tables, dtype, hopper=hopper,
+                                        large_smem=smem_per_block() >= _LARGE_SMEM)
 
 
 # --------------------------------------------------------------------------------------------- per call
@@ -549,8 +540,11 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
     config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
+    splits = tangent_value_splits(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
+    splits = splits if v.shape[3] >= 64 else 1  # each split's columns stay a dot's 32 or more
     problem = _retiled(problem, config)
-    return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
+    return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional,
+                                  value_splits=splits)
 
 
 def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Hook | None, mask_mod: Hook | None,

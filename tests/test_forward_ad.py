@@ -1,8 +1,10 @@
 """Forward-mode autodiff (jvp, linearize, jacfwd, grad of jvp, hessian) through the kernels, against the
 plain-jnp references differentiated by JAX."""
 
+import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from helpers import assert_close, random_qkv
 from module_helpers import FEATURES, HEADS, SEQ, assert_trees_close, inputs, padding_mask
 
 from probjax_kernels import (
-    FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
+    FlashConfig, _dispatch, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window,
 )
 
@@ -96,6 +98,39 @@ def test_flash_jvp_bfloat16():
     fn = lambda attention, **extra: lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, **extra)  # noqa: E731
     check_jvp(fn(flash_attention, config=TILES), fn(flash_attention_reference), (q, k, v), tangents_like(8, q, k, v),
               jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mask", [{"causal": True}, {"window": (20, 5)}], ids=["causal", "window"])
+def test_flash_jvp_at_the_hopper_head_dim_256_tiles(mask, monkeypatch):
+    """On sm_90a at head dim 256 the 16-bit tangent kernel runs 64 x 16 on 4 warps with the value head dim split
+    across two programs (`tangent_value_splits`), each recomputing the scores and writing the same d lse; run
+    in interpret mode on lengths that end inside a tile, against a float32 reference's jvp."""
+    hopper = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(_dispatch, "target_device", lambda: hopper)
+    config = _dispatch.default_config(FlashConfig(backend="triton"), q_len=77, kv_len=90, head_dim=256,
+                                      dtype=jnp.bfloat16)
+    tiles = _dispatch.tangent_config(config, 256, dtype=jnp.bfloat16)
+    splits = _dispatch.tangent_value_splits(config, 256, dtype=jnp.bfloat16)
+    assert (tiles.block_q, tiles.block_k, tiles.num_warps, splits) == (64, 16, 4, 2)
+    hopper.compute_capability = "8.0"  # sm_80 keeps one program per query tile
+    assert _dispatch.tangent_value_splits(config, 256, dtype=jnp.bfloat16) == 1
+    monkeypatch.setattr(_dispatch, "tangent_config", lambda *_, **__: dataclasses.replace(tiles, backend="interpret"))
+    monkeypatch.setattr(_dispatch, "tangent_value_splits", lambda *_, **__: splits)
+    seen, kernel = [], _dispatch.triton_tangent.tangent
+    monkeypatch.setattr(_dispatch.triton_tangent, "tangent",
+                        lambda *a, **kw: seen.append(kw["value_splits"]) or kernel(*a, **kw))
+    q, k, v = random_qkv(11, 1, 77, 90, 2, 1, 256, jnp.bfloat16)
+    run = dataclasses.replace(config, backend="interpret")
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, return_lse=True, config=run, **mask)
+
+    def reference(q, k, v):
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        return flash_attention_reference(q, k, v, return_lse=True, **mask)
+
+    check_jvp(fn, reference, (q, k, v), tangents_like(12, q, k, v), jnp.bfloat16)
+    assert seen == [2]
 
 
 def test_linearize_and_jacfwd():

@@ -4,18 +4,56 @@ runs it: the Mosaic kernels have no tangent kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from probjax_kernels._config import FlashConfig
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _dropout_scale, _score_tangents
 from probjax_kernels.triton.specs import _compiler_params, _length_spec, _output, _q_grid, _refs_fn
 from probjax_kernels.triton.tiles import (
     _dot, _kv_tile_range, _Refs, _run_ranges, _run_table, _sliced_dot, _tile_context,
 )
+
+
+def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, hopper: bool,
+                  large_smem: bool) -> tuple[FlashConfig, int]:
+    """(tiles, value splits) of the tangent kernel on a GPU (`_dispatch.tangent_config` passes the target's
+    `hopper` and `large_smem`: over 160 KB of shared memory per CTA): 8 warps, a key tile of at most 32 (16
+    at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
+    query tile of at most 32. It holds q, its tangent and a (block_q, Dv) float32 accumulator, so the forward's
+    tiles spill at every head dim (255 registers; 1,080 B at head dim 256 on sm_90a) and need
+    131,072 B of shared memory at head dim 128 (docs/perf-notes.md). Halving a tile keeps it a divisor of
+    the padded length and of every block table's block. A float32 `dtype` (FMA dots; None: a 16-bit one, as
+    in `default_config`) takes a query tile of at most 16, with block tables too (32 spilled 488 B at head dim
+    128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
+    a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
+    block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
+    captured table (a relative bias). On Hopper at head dim 256, 16-bit, without block tables: 64 x 16 on 4
+    warps, 2 stages, the value head dim split across 2 programs (`tangent`'s `value_splits`): a 64-row tile
+    (wgmma's M) with the whole 64 x 256 float32 accumulator spilled; split, it is wgmma throughout (198
+    registers, no spill) at 1.6x the matmul work (each split recomputes the scores; Version 7u)."""
+    float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
+    if hopper and head_dim > 128 and not float32 and not tables:
+        return dataclasses.replace(config, block_q=min(config.block_q, 64), block_k=min(config.block_k, 16),
+                                   num_warps=4, num_stages=2), 2
+    cap = 32 if head_dim <= 128 else 16
+    block_q = config.block_q
+    if float32:
+        block_q = min(block_q, 16)
+    elif not tables and head_dim > 128:
+        block_q = min(block_q, 32)
+    elif not tables and head_dim > 64 and not large_smem:
+        block_q = min(block_q, 64)
+    # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
+    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
+    stages = max(config.num_stages, 2) if float32 else config.num_stages
+    return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
+                               num_warps=max(config.num_warps, 8), num_stages=stages), 1
 
 
 def _tangent_kernel(
@@ -94,9 +132,24 @@ def _tangent_kernel(
 # ------------------------------------------------------------------------------------------- pallas_call glue
 
 
+def _split_spec(spec: pl.BlockSpec, value_splits: int, value_cols: bool) -> pl.BlockSpec:
+    """`spec` on the grid (q tile, batch, head, value split): the same block, or with `value_cols` the split's
+    columns of the value head dim (its last axis)."""
+    index_map = spec.index_map
+    if not value_cols:
+        return dataclasses.replace(spec, index_map=lambda i, b, h, s: index_map(i, b, h))
+    shape = (*spec.block_shape[:-1], spec.block_shape[-1] // value_splits)
+    return dataclasses.replace(spec, block_shape=shape,
+                               index_map=lambda i, b, h, s: (*index_map(i, b, h)[:-1], s))
+
+
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
-            optional: dict):
-    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`)."""
+            optional: dict, value_splits: int = 1):
+    """(d out, d lse) for the tangents in `linear` (dq, dk, dv; d_bias and d_score_consts go in `optional`).
+
+    `value_splits` > 1 splits the value head dim across that many programs per query tile: each holds a
+    (block_q, Dv / value_splits) accumulator (v, d v, out and d out in column blocks) and recomputes the scores
+    and their tangent, so every split writes the same d lse (Hopper at head dim 256: `_dispatch`)."""
     batch, t_pad, num_heads, _ = q.shape
     block_q = problem.config.block_q
     grid = _q_grid(problem, q, k, v, block_q, problem.config.block_k, optional)
@@ -104,16 +157,29 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     for name, spec in (("q", grid.q), ("k", grid.k), ("v", grid.v)):
         if getattr(tangents, name):
             lin.append(linear[name])
-            lin_specs.append(spec)
+            lin_specs.append(_split_spec(spec, value_splits, name == "v") if value_splits > 1 else spec)
     kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents,
                                refs_fn=_refs_fn(problem, tangents))
     varying = (q, k, v, *lin)
+    in_specs = [grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row]
+    out_specs = [grid.out, grid.row]
+    grid_shape = (t_pad // block_q, batch, num_heads)
+    if value_splits > 1:
+        if v.shape[3] % (16 * value_splits):
+            raise ValueError(f"value_splits={value_splits} needs a padded value head dim that splits into "
+                             f"columns of a multiple of 16, got {v.shape[3]}")
+        cols = (grid.v, grid.out)  # the value-dim blocks; q, k, lengths, rows and hook inputs stay whole
+        in_specs = [_split_spec(spec, value_splits, any(spec is c for c in cols)) for spec in in_specs]
+        out_specs = [_split_spec(spec, value_splits, spec is grid.out) for spec in out_specs]
+        grid_shape = (*grid_shape, value_splits)
+        extra_specs = [_split_spec(spec, value_splits, False) for spec in grid.extra_specs]
+    else:
+        extra_specs = list(grid.extra_specs)
     return pl.pallas_call(
         kernel,
-        grid=(t_pad // block_q, batch, num_heads),
-        in_specs=[grid.q, grid.k, grid.v, _length_spec(), _length_spec(), grid.out, grid.row, *lin_specs,
-                  *grid.extra_specs],
-        out_specs=[grid.out, grid.row],
+        grid=grid_shape,
+        in_specs=[*in_specs, *lin_specs, *extra_specs],
+        out_specs=out_specs,
         out_shape=[
             _output(out.shape, out.dtype, *varying),
             _output((batch, num_heads, t_pad), jnp.float32, *varying),

@@ -247,9 +247,9 @@ def _traced_tiles(into: dict):
         into["probjax_flash_backward_dkv"] = tiles(dkv_problem or problem)
         return saved[1](problem, tangents, res, d_out, d_lse, dkv_problem)
 
-    def tan(problem, *args):
+    def tan(problem, *args, **kwargs):  # kwargs: value_splits (`_dispatch.tangent_value_splits`)
         into["probjax_flash_tangent"] = tiles(problem)
-        return saved[2](problem, *args)
+        return saved[2](problem, *args, **kwargs)
 
     forward.forward, backward.backward, tangent.tangent = fwd, bwd, tan
     try:

@@ -20,7 +20,6 @@ SPILLS = {
 MIN_WGMMA_SHARE = 0.5
 LOW_WGMMA_SHARE = {
     # (kernel, head dim): (least share, why)
-    (registry.TANGENT, 256): (0.0, "hd256 tangent: 32 x 16 tiles (wgmma's spill 1,080 B), mma.sync"),
 }
 # A decode tile holds T x (N / K) query rows, padded to 16: under 64 rows wgmma (M = 64 per warpgroup) does not
 # apply and Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls,
