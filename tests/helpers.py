@@ -20,11 +20,16 @@ def random_qkv(key: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     return q, k, v
 
 
-def output_and_grads(f, args, cotangent):
+def output_and_grads(f, args, cotangent, *, has_aux=False):
     """`f(*args)` and the gradients of `sum(f(*args) * cotangent)` for every arg, from one forward pass
-    (jax.vjp): an interpret-mode forward costs as much as the backward, so tests check both from one run."""
-    out, vjp = jax.vjp(f, *args)
-    return out, vjp(jnp.asarray(cotangent, out.dtype))
+    (jax.vjp): an interpret-mode forward costs as much as the backward, so tests check both from one run.
+    With `has_aux`, f returns (out, aux) (such as lse), aux is not differentiated, and the first result is
+    (out, aux)."""
+    if not has_aux:
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(jnp.asarray(cotangent, out.dtype))
+    out, vjp, aux = jax.vjp(f, *args, has_aux=True)
+    return (out, aux), vjp(jnp.asarray(cotangent, out.dtype))
 
 
 def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):

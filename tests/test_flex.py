@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, numpy_allowed, numpy_attention, output_and_grads, random_qkv
 
 from probjax_kernels import (
     BlockMask, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, dropout_keep_mask,
@@ -25,18 +25,25 @@ def flex_gradients(fn, q, k, v, score_mod, block_mask, **kwargs):
 
 
 def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
+    """out and lse, and with `grads` the gradients of sum(out * cotangent) in q, k, v (lse undifferentiated),
+    kernel against reference; out, lse and the gradients come from one forward pass."""
     kwargs = dict(kwargs, enable_gqa=True)
-    out, lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
-    expected, expected_lse = flex_attention_reference(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
+    cotangent = jax.random.normal(jax.random.key(77), q.shape, jnp.float32)
+
+    def run(attention):
+        fn = lambda q, k, v: attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)  # noqa: E731
+        if grads:
+            return output_and_grads(fn, (q, k, v), cotangent, has_aux=True)
+        return fn(q, k, v), ()
+
+    (out, lse), actual = run(flex_attention)
+    (expected, expected_lse), reference = run(flex_attention_reference)
     assert_close(out, expected, q.dtype, "out")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
     finite = np.isfinite(np.asarray(expected_lse))
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(expected_lse)[finite], atol=1e-4)
-    if grads:
-        actual = flex_gradients(flex_attention, q, k, v, score_mod, block_mask, **kwargs)
-        reference = flex_gradients(flex_attention_reference, q, k, v, score_mod, block_mask, **kwargs)
-        for name, a, e in zip(("dq", "dk", "dv"), actual, reference):
-            assert_close(a, e, q.dtype, name)
+    for name, a, e in zip(("dq", "dk", "dv"), actual, reference):
+        assert_close(a, e, q.dtype, name)
     return out
 
 

@@ -112,9 +112,9 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     """A BlockMask of a pure index mask_mod (causal and a sliding window) at the kernel's 128 x 128 tiles runs
     the Mosaic kernels with the block tables; a mask_mod gathering an array per element (documents) falls
     back to Triton."""
-    q, k, v = random_qkv(7, 2, 384, 384, 2, 2, 64, jnp.bfloat16)
+    q, k, v = random_qkv(7, 1, 384, 384, 1, 1, 64, jnp.bfloat16)  # one sequence and head: the grid is 3 x 3 tiles
     window = create_block_mask(and_masks(causal_mask, sliding_window(150)), None, None, 384, 384)
-    documents = create_block_mask(document_mask(jnp.array([[0] * 200 + [1] * 184] * 2)), 2, None, 384, 384)
+    documents = create_block_mask(document_mask(jnp.array([[0] * 200 + [1] * 184])), 1, None, 384, 384)
     for block_mask, mosaic in ((window, True), (documents, False)):
         fn = lambda q, k, v, bm=block_mask: flex_attention(q, k, v, None, bm, config=MOSAIC)  # noqa: E731
         assert runs_triton_forward(fn, q, k, v) != mosaic
@@ -129,64 +129,76 @@ def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's
     return (kv_idx <= q_idx) & (q_idx - kv_idx < 100 + 100 * h)
 
 
-def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can():
+def _head_alibi(score, b, h, q_idx, kv_idx):
+    slope = jnp.exp2(-(h + 1).astype(jnp.float32))
+    return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+
+_CAP = jnp.array(1.5)  # a 0-d array, as a learnable soft cap: a scalar load wherever the hook reads it
+
+
+def _array_softcap(score, b, h, q_idx, kv_idx):
+    return _CAP * jnp.tanh(score / _CAP)
+
+
+def _fixed(score_mod):
+    return lambda: score_mod
+
+
+# name: (score_mod from its differentiable arrays, those arrays, whether it takes the BlockMask, whether the
+# Mosaic kernels run it, whether to lower its gradient for CUDA: the reads of h and of a 0-d array; softcap
+# and ALiBi with a BlockMask are lowered in test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda)
+_SCORE_MOD_CASES = {
+    "softcap_block_mask": (_fixed(softcap(1.5)), lambda: (), True, True, False),
+    "alibi_from_h": (_fixed(_head_alibi), lambda: (), False, True, True),
+    "alibi_slope_table_block_mask": (alibi, lambda: (alibi_slopes(2),), True, True, False),
+    "softcap_0d_array": (_fixed(_array_softcap), lambda: (), False, True, True),
+    "relative_bias_gather": (_fixed(relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511))), lambda: (),
+                             False, False, False),
+    "relu_custom_jvp": (_fixed(lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s)), lambda: (), False, False, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SCORE_MOD_CASES))
+def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
     """score_mods of elementwise ops and scalar reads of captured arrays (soft-capping with a float or a 0-d
-    array cap, ALiBi with slopes from h or from a slope table) run inside the Mosaic forward and the Mosaic dQ / dK/dV kernels (with the score_mod's
-    derivative), with or without a BlockMask (its mask_mod reading h; the backward walks kv_tables and
-    q_tables); the slope gradient comes from XLA. score_mods that gather a captured array per element (a
-    relative-position table) or use an op without a Mosaic GPU lowering (a custom_jvp such as relu) run the
-    Triton kernels."""
+    array cap, ALiBi with slopes from h or from a slope table) run inside the Mosaic forward and the Mosaic
+    dQ / dK/dV kernels (with the score_mod's derivative), with or without a BlockMask (its mask_mod reading h;
+    the backward walks kv_tables and q_tables); the slope gradient comes from XLA. score_mods that gather a
+    captured array per element (a relative-position table) or use an op without a Mosaic GPU lowering (a
+    custom_jvp such as relu) run the Triton kernels."""
+    make_score_mod, make_params, with_mask, mosaic, lower = _SCORE_MOD_CASES[case]
     q, k, v = random_qkv(9, 1, 256, 256, 2, 1, 64, jnp.bfloat16)
-    block_mask = create_block_mask(_head_window, None, 2, 256, 256)
+    mask = create_block_mask(_head_window, None, 2, 256, 256) if with_mask else None
+    params = make_params()
 
-    def head_alibi(score, b, h, q_idx, kv_idx):
-        slope = jnp.exp2(-(h + 1).astype(jnp.float32))
-        return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+    def fn(q, k, v, *params):
+        return flex_attention(q, k, v, make_score_mod(*params), mask, enable_gqa=True, config=MOSAIC)
 
-    cap = jnp.array(1.5)  # a 0-d array, as a learnable soft cap: a scalar load wherever the hook reads it
+    def reference(q, k, v, *params):
+        return flex_attention_reference(q, k, v, make_score_mod(*params), mask, enable_gqa=True)
 
-    def array_softcap(score, b, h, q_idx, kv_idx):
-        return cap * jnp.tanh(score / cap)
+    args = (q, k, v, *params)
+    assert runs_triton_forward(fn, *args) != mosaic
+    if not mosaic:  # the Triton fallbacks' backward is tested in test_flex.py
+        assert_close(fn(*args), reference(*args), jnp.bfloat16)
+        return
 
-    def fixed(score_mod):
-        return lambda: score_mod
+    def loss_of_config(config, score_mod=make_score_mod(*params)):
+        return lambda q, k, v: jnp.sum(
+            flex_attention(q, k, v, score_mod, mask, enable_gqa=True, config=config).astype(jnp.float32))
 
-    # (score_mod from its differentiable arrays, those arrays, BlockMask, whether the Mosaic kernels run it,
-    # whether to lower its gradient for CUDA: the reads of h and of a 0-d array; softcap and ALiBi with a
-    # BlockMask are lowered in test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda)
-    cases = [
-        (fixed(softcap(1.5)), (), block_mask, True, False), (fixed(head_alibi), (), None, True, True),
-        (alibi, (alibi_slopes(2),), block_mask, True, False), (fixed(array_softcap), (), None, True, True),
-        (fixed(relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511))), (), None, False, False),
-        (fixed(lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s)), (), None, False, False),
-    ]
+    if lower:
+        assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
+    # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
     cotangent = jax.random.normal(jax.random.key(10), q.shape)
-    for make_score_mod, params, mask, mosaic, lower in cases:
-        def fn(q, k, v, *params, make=make_score_mod, bm=mask):
-            return flex_attention(q, k, v, make(*params), bm, enable_gqa=True, config=MOSAIC)
-
-        def reference(q, k, v, *params, make=make_score_mod, bm=mask):
-            return flex_attention_reference(q, k, v, make(*params), bm, enable_gqa=True)
-
-        args = (q, k, v, *params)
-        assert runs_triton_forward(fn, *args) != mosaic
-        if not mosaic:  # the Triton fallbacks' backward is tested in test_flex.py
-            assert_close(fn(*args), reference(*args), jnp.bfloat16)
-            continue
-
-        def loss_of_config(config, sm=make_score_mod(*params), bm=mask):
-            return lambda q, k, v: jnp.sum(flex_attention(q, k, v, sm, bm, enable_gqa=True, config=config).astype(jnp.float32))
-
-        if lower:
-            assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
-        # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
-        with counting_mosaic_backward() as backward_calls:
-            out, grads = output_and_grads(fn, args, cotangent)
-        assert backward_calls, "the Mosaic backward did not run"
-        expected_out, expected_grads = output_and_grads(reference, args, cotangent)
-        assert_close(out, expected_out, jnp.bfloat16, "out")
-        for name, got, expected in zip(("dq", "dk", "dv", "d_slopes"), grads, expected_grads):
-            assert_close(got, expected, jnp.bfloat16, name)
+    with counting_mosaic_backward() as backward_calls:
+        out, grads = output_and_grads(fn, args, cotangent)
+    assert backward_calls, "the Mosaic backward did not run"
+    expected_out, expected_grads = output_and_grads(reference, args, cotangent)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv", "d_slopes"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
 
 
 @pytest.mark.parametrize("score_mod", [softcap(30.0), alibi(alibi_slopes(8))], ids=["softcap", "alibi"])
@@ -204,7 +216,8 @@ def test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda(score_mod):
 
 @pytest.mark.parametrize("window, causal", [((40, 70), False), (100, True)])
 def test_windows_run_the_mosaic_forward_and_backward(window, causal):
-    q, k, v = random_qkv(11, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
+    # One head: the Mosaic interpreter's time grows with the grid, and GQA is covered above.
+    q, k, v = random_qkv(11, 2, 384, 384, 1, 1, 64, jnp.bfloat16)
     kwargs = {"window": window, "causal": causal, "kv_lengths": jnp.array([384, 290])}
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
