@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 # Must be set before jax starts, and reach the processes tests start (examples, launchers):
 # - eight CPU devices for the context-parallel tests (tests/test_ring.py);
@@ -14,6 +16,17 @@ _flags += [f"{name}={value}" for name, value in TEST_XLA_FLAGS.items()
            if not any(flag.startswith(name + "=") for flag in _flags)]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
+# One compilation cache for the run, shared by pytest-xdist's workers and the processes tests start: a
+# computation compiled by one (the same reference or kernel at the same shapes) is read back by the others
+# instead of compiled again. A fresh folder per run (this process makes it; workers and children inherit the
+# variable), removed at the end, so no run reads another's entries.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="probjax-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+else:
+    _OWN_CACHE = None
+
 import jax
 
 # Strict promotion catches silent rank broadcasting and dtype upcasts in kernels, wrappers and tests alike.
@@ -26,3 +39,8 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # never started). Inline execution gives every thread its own. Must be set before the CPU client exists.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):  # the run's own process, not a worker
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
