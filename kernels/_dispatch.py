@@ -31,7 +31,7 @@ from jax.extend import core as jex_core
 from probjax_kernels import _chunked, tpu
 from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
-from probjax_kernels._hooks import Hook
+from probjax_kernels._hooks import Hook, tile_hook_shapes
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
@@ -377,13 +377,13 @@ def hook_shapes(config: FlashConfig, dkv_transposed: bool = False) -> list[tuple
     Triton forward, dQ and dK/dV tiles, and the Mosaic GPU consumer tiles (the forward's, the backward's parts)
     on that backend; the Mosaic TPU dK/dV kernel's transposed (keys, queries) tiles on the TPU backends, and the
     Triton dK/dV kernel's with `dkv_transposed` (`triton_dkv_transposed`)."""
-    shapes = [((), (), (bq, 1), (1, bk), (bq, bk)) for bq, bk in (
+    shapes = [tile_hook_shapes(bq, bk) for bq, bk in (
         (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
         (config.block_q_dkv, config.block_k_dkv))]
     if config.backend in ("mosaic", "mosaic_interpret"):
         shapes += [mosaic_hook_shapes(config), mosaic_backward_hook_shapes(config)]
     if config.backend in tpu.TPU_BACKENDS or dkv_transposed:
-        shapes.append(tpu.hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
+        shapes.append(tile_hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
 
 

@@ -531,3 +531,11 @@ def _kernel_tile_reads(jaxpr, const_vars, const_refs) -> dict | None:
     if not tiled:
         return None
     return {n: read for n, read in tile_reads(jaxpr, const_vars).items() if read.const in tiled}
+
+
+def tile_hook_shapes(block_q: int, block_k: int, transposed: bool = False) -> tuple:
+    """(b, h, q_idx, kv_idx, score) shapes a hook sees on a (block_q, block_k) score tile, or on the transposed
+    (block_k, block_q) tile K Q^T of a dK/dV kernel that computes it so (Mosaic TPU; Triton on Hopper)."""
+    if transposed:
+        return (), (), (1, block_q), (block_k, 1), (block_k, block_q)
+    return (), (), (block_q, 1), (1, block_k), (block_q, block_k)

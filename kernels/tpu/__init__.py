@@ -7,5 +7,4 @@ from probjax_kernels.tpu.backward import backward as backward
 from probjax_kernels.tpu.common import TPU_BACKENDS as TPU_BACKENDS
 from probjax_kernels.tpu.forward import forward as forward
 from probjax_kernels.tpu.tangent import tangent as tangent
-from probjax_kernels.tpu.vet import hook_shapes as hook_shapes
 from probjax_kernels.tpu.vet import unsupported as unsupported

@@ -21,17 +21,10 @@ from jax._src.pallas.mosaic import lowering as tpu_lowering
 from jax.extend import core as jex_core
 
 from probjax_kernels._hooks import Hook, live_equations, tile_reads
+from probjax_kernels._hooks import tile_hook_shapes as hook_shapes
 from probjax_kernels._problem import _Problem
 
 _SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
-
-
-def hook_shapes(block_q: int, block_k: int, transposed: bool) -> tuple:
-    """(b, h, q_idx, kv_idx, score) shapes a hook sees in a query-tile kernel, or in the key-tile (dK/dV)
-    kernel, whose scores are transposed."""
-    if transposed:
-        return (), (), (1, block_q), (block_k, 1), (block_k, block_q)
-    return (), (), (block_q, 1), (1, block_k), (block_q, block_k)
 
 
 def _specs(shapes, with_score: bool) -> list:
