@@ -40,7 +40,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None and not hasattr(config, "workerinput"):  # the run's own process, not a worker
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -146,8 +146,8 @@ def test_tile_reads_are_taken_and_real_gathers_refused(score_mod, refused, smem)
     table = jnp.ones((2, 255), jnp.float32)
     hook, _ = _hooks.trace_score_mod(score_mod(table))
     for transposed in (False, True):
-        hook.prepare(*vet._specs(vet.hook_shapes(128, 128, transposed), True))
-    reasons = [vet.hook_problem(hook, vet.hook_shapes(128, 128, transposed), True, derivative=True)
+        hook.prepare(*vet._specs(_hooks.tile_hook_shapes(128, 128, transposed), True))
+    reasons = [vet.hook_problem(hook, _hooks.tile_hook_shapes(128, 128, transposed), True, derivative=True)
                for transposed in (False, True)]
     if refused is None:
         assert reasons == [None, None]
@@ -163,7 +163,7 @@ def test_document_mask_reads_one_array_as_two_tiles():
     ids = jnp.zeros((2, 300), jnp.int32)
     hook, _, _ = _hooks.trace_hook("mask_mod", document_mask(ids), _hooks.example_indices())
     for transposed in (False, True):
-        hook.prepare(*vet._specs(vet.hook_shapes(128, 128, transposed), False))
-        assert vet.hook_problem(hook, vet.hook_shapes(128, 128, transposed), False, derivative=False) is None
+        hook.prepare(*vet._specs(_hooks.tile_hook_shapes(128, 128, transposed), False))
+        assert vet.hook_problem(hook, _hooks.tile_hook_shapes(128, 128, transposed), False, derivative=False) is None
     assert vet.const_layouts(hook, TILES, False) == (
         vet.ConstLayout(smem=False, tiles=(("kv", ("b",), None), ("q", ("b",), None))),)

@@ -20,8 +20,7 @@ from jax._src.pallas.mosaic import core as tpu_core  # the Mosaic TPU lowering r
 from jax._src.pallas.mosaic import lowering as tpu_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels._hooks import Hook, live_equations, tile_reads
-from probjax_kernels._hooks import tile_hook_shapes as hook_shapes
+from probjax_kernels._hooks import Hook, live_equations, tile_hook_shapes, tile_reads
 from probjax_kernels._problem import _Problem
 
 _SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
@@ -108,8 +107,8 @@ def const_layouts(hook: Hook | None, config, with_score: bool) -> tuple[ConstLay
         return ()
     tiles = {(config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
              (config.block_q_dkv, config.block_k_dkv)}
-    all_shapes = sorted({hook_shapes(*t, False) for t in tiles} | {hook_shapes(config.block_q_dkv,
-                                                                                config.block_k_dkv, True)})
+    transposed = tile_hook_shapes(config.block_q_dkv, config.block_k_dkv, True)
+    all_shapes = sorted({tile_hook_shapes(*t, False) for t in tiles} | {transposed})
     key = ("tpu_layouts", with_score, tuple(all_shapes))
     if key in hook.jaxprs:
         return hook.jaxprs[key]
@@ -174,7 +173,7 @@ def unsupported(problem: _Problem, tangent: bool = False) -> str | None:
             continue
         for (block_q, block_k), transposed in [(t, False) for t in tiles] + [((cfg.block_q_dkv, cfg.block_k_dkv),
                                                                              True)]:
-            reason = hook_problem(hook, hook_shapes(block_q, block_k, transposed), kind == "score_mod",
+            reason = hook_problem(hook, tile_hook_shapes(block_q, block_k, transposed), kind == "score_mod",
                                   derivative=kind == "score_mod")
             if reason is not None:
                 return f"the {kind} ({reason})"
