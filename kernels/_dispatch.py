@@ -7,8 +7,9 @@ Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, 
   its forward and its backward (dtype, head dim, tiles, features, shared memory), with `_is_mosaic_hook` /
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
 - `triton_forward_config`, `triton_backward_configs`, `tangent_config`, `tangent_value_splits`: per call, the
-  Triton kernels' configs where a feature (a gathered table, a window, dropout, GQA, a BlockMask) spills on
-  `default_config`'s.
+  Triton kernels' configs where a feature (a gathered table, a window, dropout, GQA, a BlockMask, a dense bias)
+  spills on `default_config`'s; `triton_dkv_transposed` and `triton_dkv_per_query_head`: the dK/dV kernel's
+  orientation and program grid.
 - `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
   on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
   TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
@@ -43,6 +44,7 @@ from probjax_kernels.tpu import decode as tpu_decode
 from probjax_kernels.triton import backward as triton_backward
 from probjax_kernels.triton import decode as triton_decode
 from probjax_kernels.triton import forward as triton_forward
+from probjax_kernels.triton import retile as triton_retile
 from probjax_kernels.triton import tangent as triton_tangent
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
@@ -394,13 +396,14 @@ def triton_dkv_transposed(config: FlashConfig, dtype, head_dim: int, bias: bool 
     64-key tile, so all four are wgmma whatever the query step: 16 at head dim 256, where Q K^T at 32 x 32 was
     mma.sync and 64 x 64 spilled; at 128 the 64 x 64 tile on K Q^T no longer spills with GQA
     (docs/perf-notes.md, Version 7x). Head dim 64, other backends, float32 (FMA dots), calls with a dense
-    `bias` (its float32 tile transposed in the kernel spilled 160 B at head dim 256) and tiles with fewer keys
-    than queries (explicit, or shrunk to a short key sequence: K Q^T would put the smaller one on M) keep
-    Q K^T."""
+    `bias` at head dim 128 (Q K^T at 64 x 64 holds its bias tile in 232-253 registers without a spill, K Q^T
+    spilled 16 B with a float32 one; Version 7b) and tiles with fewer keys than queries (explicit, or shrunk to
+    a short key sequence: K Q^T would put the smaller one on M) keep Q K^T."""
     if config.backend not in ("triton", "mosaic", "mosaic_interpret") or jnp.dtype(dtype).itemsize != 2:
         return False
     hopper = config.backend != "triton" or _is_hopper(target_device())
-    return hopper and head_dim > 64 and not bias and config.block_k_dkv >= config.block_q_dkv
+    return (hopper and head_dim > 64 and not (bias and head_dim <= 128)
+            and config.block_k_dkv >= config.block_q_dkv)
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
@@ -431,69 +434,25 @@ def triton_fallback_config(config: FlashConfig, head_dim: int) -> FlashConfig:
     return dataclasses.replace(config, block_q=min(config.block_q, block_q), block_k=min(config.block_k, block_k))
 
 
-def _float32_d128(dtype, head_dim: int) -> bool:
-    return jnp.dtype(dtype) == jnp.float32 and 64 < head_dim <= 128
-
-
 def triton_forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int) -> FlashConfig:
-    """The Triton forward's tiles for this call, where `default_config`'s (chosen by dtype and head dim alone)
-    spill with its features (docs/perf-notes.md, Version 7):
-
-    - 16-bit inputs at head dim 128 on a GPU without wgmma (sm_80 / sm_86) with a score_mod that gathers a
-      whole score tile from a captured array (a relative bias's `table[h, q_idx - kv_idx]`: an address and a
-      value per score): a key tile of at most 32; 128 x 64 used 255 registers and spilled 40-56 B, 128 x 32
-      uses 197-225 and does not;
-    - float32 at head dim 128 with a sliding window or dropout on a GPU without wgmma (sm_80 / sm_86): 3
-      stages; ptxas held the 2-stage kernel to 64 registers and spilled 12 B there. Only those: 3 stages
-      for every float32 forward spilled 12 B with a document mask on sm_80 and 8 B with segment ids on sm_90a.
-
-    Halving a power-of-two tile keeps it a divisor of the padded lengths and of every block table's block.
-    Backends other than "triton" / "mosaic" keep `config`."""
+    """The Triton forward's tiles for this call on the target GPU (`triton.retile.forward_config`, whose
+    docstring has the figures behind them); backends other than "triton" / "mosaic" keep `config`."""
     if config.backend not in ("triton", "mosaic"):
         return config
-    if _is_hopper(target_device()):
-        return config
-    f = problem.features
-    traced = problem.config  # the hooks were traced at its tiles (`hook_shapes`)
-    if (jnp.dtype(dtype).itemsize == 2 and 64 < head_dim <= 128
-            and f.score_mod is not None and _gathers_score_tile(f.score_mod, traced.block_q, traced.block_k)):
-        config = dataclasses.replace(config, block_k=min(config.block_k, 32))
-    local = f.window_left is not None or f.dropout_rate > 0
-    if local and _float32_d128(dtype, head_dim):
-        config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
-    return config
+    return triton_retile.forward_config(problem, config, dtype, head_dim, hopper=_is_hopper(target_device()))
 
 
 def triton_backward_configs(problem: _Problem, dtype, head_dim: int) -> tuple[FlashConfig, FlashConfig]:
-    """The configs of the Triton dQ and dK/dV kernels for this call, where `default_config`'s spill with its
-    features (docs/perf-notes.md, Version 7), float32 at head dim 128:
-
-    - dQ runs on 4 warps: on 8 ptxas held it to 64-80 registers and spilled 4-32 B with a window, dropout,
-      ALiBi or a BlockMask; 4 warps hold the same tile in 102-192 without a spill. On sm_90a only with a
-      BlockMask: the others do not spill there on 8, and softcap's 4-warp kernel spilled 652 B;
-    - dK/dV with GQA (a loop over the group's query heads) runs on 1 stage on a GPU without wgmma (sm_80 /
-      sm_86): on 2 it stopped at 128 registers and spilled 12-16 B there, on 1 it takes 80 and less shared
-      memory; sm_90a keeps 2 (103 registers, no spill; 1 stage spilled 20 B there).
-
-    Backends other than "triton" / "mosaic" keep `problem.config`."""
-    config = problem.config
-    if config.backend not in ("triton", "mosaic") or not _float32_d128(dtype, head_dim):
-        return config, config
-    hopper = _is_hopper(target_device())
-    dkv = dataclasses.replace(config, num_stages=1) if problem.group > 1 and not hopper else config
-    dq = dataclasses.replace(config, num_warps=4) if problem.features.block_sizes is not None or not hopper else config
-    return dq, dkv
+    """The configs of the Triton dQ and dK/dV kernels for this call on the target GPU
+    (`triton.retile.backward_configs`); backends other than "triton" / "mosaic" keep `problem.config`."""
+    if problem.config.backend not in ("triton", "mosaic"):
+        return problem.config, problem.config
+    return triton_retile.backward_configs(problem, dtype, head_dim, hopper=_is_hopper(target_device()),
+                                          large_smem=smem_per_block() >= _LARGE_SMEM)
 
 
-def _gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
-    """Whether a score_mod traced at the (block_q, block_k) tile gathers a value per score from a captured
-    array (an index tile of both axes, such as `table[h, q_idx - kv_idx]`), not a scalar or a row / column."""
-    jaxpr = hook._jaxpr([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
-        ((block_q, block_k), jnp.float32), ((), jnp.int32), ((), jnp.int32), ((block_q, 1), jnp.int32),
-        ((1, block_k), jnp.int32))])
-    consts = set(jaxpr.constvars)
-    return any(eqn.primitive.name == "gather" and eqn.invars[0] in consts
-               and sum(size > 1 for size in eqn.outvars[0].aval.shape) >= 2 for eqn in jaxpr.eqns)
+# Whether the Triton dK/dV kernel runs one program per query head (`triton.retile.dkv_per_query_head`).
+triton_dkv_per_query_head = triton_retile.dkv_per_query_head
 
 
 def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
@@ -524,8 +483,9 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
         return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
     dq_config, dkv_config = triton_backward_configs(problem, res["q"].dtype,
                                                     max(res["q"].shape[3], res["v"].shape[3]))
-    return triton_backward.backward(_retiled(problem, dq_config), tangents, res, d_out, d_lse,
-                                    _retiled(problem, dkv_config))
+    dkv_problem = dataclasses.replace(_retiled(problem, dkv_config),
+                                      dkv_per_query_head=triton_dkv_per_query_head(problem))
+    return triton_backward.backward(_retiled(problem, dq_config), tangents, res, d_out, d_lse, dkv_problem)
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,

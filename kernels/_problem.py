@@ -71,6 +71,9 @@ class _Problem:
     kv_broadcast: bool = False  # k / v have batch 1, shared by every query batch (not repeated)
     same_value_dim: bool = True  # v's (padded) head dim is q / k's
     dkv_transposed: bool = False  # the Triton dK/dV kernel computes K Q^T (`_dispatch.triton_dkv_transposed`)
+    # The Triton dK/dV kernel runs one program per query head, not per KV head, and XLA sums dK / dV over the
+    # group (`_dispatch.triton_dkv_per_query_head`).
+    dkv_per_query_head: bool = False
 
     @property
     def per_element_mask_everywhere(self) -> bool:

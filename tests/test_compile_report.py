@@ -335,8 +335,8 @@ def test_a_gathered_score_tile_narrows_the_forward_key_tile_without_wgmma(monkey
 def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
     """float32 at head dim 128 (FMA dots) on sm_80 / sm_86: the forward with a window or dropout takes 3
     stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask),
-    dK/dV with GQA 1 stage (12-16 B); on sm_90a only dQ with a BlockMask changes (32 B). 16-bit inputs and
-    head dim 64 keep their tiles."""
+    dK/dV with GQA 1 stage (12-16 B); on sm_90a dQ takes 3 stages (4-32 B with a dense mask or a BlockMask;
+    4 warps spilled 676 B with a soft cap on a BlockMask). 16-bit inputs and head dim 64 keep their tiles."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
@@ -354,9 +354,49 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         assert forward == config
         windowed = configs(target, 4, window=256)[1]
         assert windowed == (config if hopper else dataclasses.replace(config, num_stages=3))
-        assert dq == (config if hopper else dataclasses.replace(config, num_warps=4))
+        assert dq == dataclasses.replace(config, **({"num_stages": 3} if hopper else {"num_warps": 4}))
         assert dkv.num_stages == (2 if hopper else 1)
         assert configs(target, group=1)[3] == config
-        assert configs(target, 1, tables=True)[2].num_warps == 4  # a BlockMask: on sm_90a too
+        assert configs(target, 1, tables=True)[2] == dq
         for kept in (configs(target, 4, dtype=jnp.bfloat16), configs(target, 4, head_dim=64)):
             assert all(c == kept[0] for c in kept[1:])
+
+
+def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypatch):
+    """A bias or mask tile (Version 7b): at head dim 64 the 16-bit forward takes 8 warps on every GPU and, with
+    a bias, dK/dV 32-query steps on sm_80 / sm_86; at head dim 256 a bias takes 16-query dK/dV steps on sm_86
+    (shared memory) and K Q^T on sm_90a (Q K^T at 128); float32 at 256 with a mask, dK/dV on 4 warps on sm_80
+    / sm_86. With GQA, a bias or mask that varies along queries and keys runs dK/dV per query head; a
+    key-padding mask does not. Calls without them keep `default_config`'s tiles."""
+    from probjax_kernels._problem import Features, _Problem
+
+    def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                dtype=dtype)
+        problem = _Problem(Features(scale=1.0), group, 8, bias, mask, None, False, 0, 0, config,
+                           jax.lax.Precision.DEFAULT)
+        forward = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
+        transposed = _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias is not None)
+        return (config, forward, *_dispatch.triton_backward_configs(problem, dtype, head_dim), transposed,
+                _dispatch.triton_dkv_per_query_head(problem))
+
+    tile, keys = (4, 8, 1024, 1024), (4, 1, 1, 1024)
+    for target in TARGETS:
+        hopper, small = target == "sm90a_h100", target == "sm86_rtx3090"
+        for head_dim in (64, 128, 256):
+            config, forward, dq, dkv, transposed, per_head = configs(target, head_dim)
+            assert forward == dq == dkv == config and not per_head
+            assert transposed == (hopper and head_dim > 64)
+        config, forward, dq, dkv, _, _ = configs(target, 64, bias=tile)
+        assert forward == dataclasses.replace(config, num_warps=8) and dq == config
+        assert dkv == (config if hopper else dataclasses.replace(config, block_q_dkv=32))
+        assert configs(target, 64, mask=(4, 1, 1024, 1024))[1].num_warps == 8
+        assert configs(target, 128, bias=tile)[4] is False
+        config, _, _, dkv, transposed, _ = configs(target, 256, bias=tile)
+        assert transposed == hopper
+        assert dkv == (dataclasses.replace(config, block_q_dkv=16) if small else config)
+        config, _, _, dkv, _, _ = configs(target, 256, jnp.float32, mask=tile)
+        assert dkv == (config if hopper else dataclasses.replace(config, num_warps=4))
+        assert configs(target, 128, bias=tile, group=4)[5] and configs(target, 128, mask=tile, group=4)[5]
+        assert not configs(target, 128, mask=keys, group=4)[5] and not configs(target, 128, bias=tile)[5]

@@ -85,10 +85,11 @@ def test_flex_score_mod_block_mask_and_dropout(transposed):
 def test_the_dispatch_transposes_on_hopper_for_16_bit_inputs(capability, backend, dtype, head_dim, expected,
                                                              monkeypatch):
     """K Q^T on Hopper (a 9.x device, or the Mosaic backends) for 16-bit inputs at head dim 128 / 256 on the
-    default tiles; never with a dense bias, nor where the key tile is smaller than the query tile."""
+    default tiles; with a dense bias at head dim 256 only, never where the key tile is smaller than the query
+    tile."""
     monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability=capability))
     config = default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim, dtype=dtype)
     assert _dispatch.triton_dkv_transposed(config, dtype, head_dim) == expected
-    assert not _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias=True)
+    assert _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias=True) == (expected and head_dim > 128)
     narrow = dataclasses.replace(config, block_q_dkv=64, block_k_dkv=32)
     assert not _dispatch.triton_dkv_transposed(narrow, dtype, head_dim)

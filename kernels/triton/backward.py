@@ -4,6 +4,7 @@ dK/dV kernel (one program per KV tile and KV head, summing its GQA group's query
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -195,40 +196,53 @@ def _backward_dq(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, opt
 
 
 def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, optional: dict):
+    """dK, dV by the dK/dV kernel: one program per (key tile, batch, KV head) walking the query tiles of the
+    group's query heads, or with `problem.dkv_per_query_head` one per query head (the kernel on a group of 1),
+    its float32 dK / dV summed over the group here."""
     batch, t_pad, num_heads, d_pad = q.shape
     s_pad, num_kv_heads, dv_pad = k.shape[1], k.shape[2], v.shape[3]
     block_k = problem.config.block_k_dkv
-    group = problem.group
-    extra, extra_specs = _optional_inputs(optional, problem, "kv", problem.config.block_q_dkv, block_k)
+    per_query_head = problem.dkv_per_query_head and problem.group > 1
+    kernel_problem = dataclasses.replace(problem, group=1) if per_query_head else problem
+    group, program_heads = kernel_problem.group, num_heads if per_query_head else num_kv_heads
+    extra, extra_specs = _optional_inputs(optional, kernel_problem, "kv", problem.config.block_q_dkv, block_k)
 
     def q_side(dim):
         return pl.BlockSpec((None, t_pad, group, dim), lambda j, b, h: (b, 0, h, 0))
 
-    def kv_side(dim, shared: bool):
-        return pl.BlockSpec((None, block_k, None, dim),
-                            lambda j, b, h: (_kv_batch(problem, b) if shared else b, j, h, 0))
+    def kv_input(dim):
+        kv_head = (lambda h: h // problem.group) if per_query_head else (lambda h: h)  # noqa: E731
+        return pl.BlockSpec((None, block_k, None, dim), lambda j, b, h: (_kv_batch(problem, b), j, kv_head(h), 0))
+
+    def kv_output(dim):
+        return pl.BlockSpec((None, block_k, None, dim), lambda j, b, h: (b, j, h, 0))
 
     row_spec = pl.BlockSpec((None, group, t_pad), lambda j, b, h: (b, h, 0))
-    # Shared (batch-1) k / v get their gradient per query batch in float32, summed over the batch below.
-    if problem.kv_broadcast:
-        out_shape = [_output((batch, *x.shape[1:]), jnp.float32, q, k, v, do) for x in (k, v)]
-    else:
-        out_shape = [_output(x.shape, x.dtype, q, k, v, do) for x in (k, v)]
-    kernel = functools.partial(_dkv_kernel, problem=problem, refs_fn=_refs_fn(problem))
+    # Shared (batch-1) k / v, and per-query-head programs, get their gradient in float32, summed below.
+    summed = problem.kv_broadcast or per_query_head
+    out_shape = [_output((batch, s_pad, program_heads, x.shape[3]), jnp.float32 if summed else x.dtype, q, k, v, do)
+                 for x in (k, v)]
+    kernel = functools.partial(_dkv_kernel, problem=kernel_problem, refs_fn=_refs_fn(kernel_problem))
     dk, dv = pl.pallas_call(
         kernel,
-        grid=(s_pad // block_k, batch, num_kv_heads),
+        grid=(s_pad // block_k, batch, program_heads),
         in_specs=[
-            q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), _length_spec(), _length_spec(),
+            q_side(d_pad), kv_input(d_pad), kv_input(dv_pad), _length_spec(), _length_spec(),
             q_side(dv_pad), row_spec, row_spec, *extra_specs
         ],
-        out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False)],
+        out_specs=[kv_output(d_pad), kv_output(dv_pad)],
         out_shape=out_shape,
         name="probjax_flash_backward_dkv",
-        **_compiler_params(problem),
+        **_compiler_params(kernel_problem),
     )(q, k, v, q_len, kv_len, do, lse2, delta, *extra)
-    if problem.kv_broadcast:
-        dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
+    if summed:
+        def reduce(g, x):
+            if per_query_head:
+                g = jnp.sum(g.reshape(batch, s_pad, num_kv_heads, problem.group, g.shape[3]), axis=3)
+            if problem.kv_broadcast:
+                g = jnp.sum(g, axis=0, keepdims=True)
+            return g.astype(x.dtype)
+        dk, dv = reduce(dk, k), reduce(dv, v)
     return dk, dv
 
 

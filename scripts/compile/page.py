@@ -21,8 +21,9 @@ call a user reaches through `auto` or a default `FlashConfig` (the Triton kernel
 `FlashConfig(backend="mosaic")` / `PROBJAX_MOSAIC=1` (Hopper: the Mosaic GPU kernels where they take the
 call, the Triton ones where they do not), as dtype (bfloat16, float32; float16 once per backend) x head dim
 (64 / 128 / 256) x mode (fwd+bwd, jvp) x feature (causal, a window, GQA, Dv != D, dropout, segment ids with
-lengths, the flex hooks: soft cap, ALiBi, a document mask and a sliding window as BlockMasks, a relative-bias
-table), ragged lengths, seq 8192 beside the peers, and the decode kernel. Each variant names the kernels its
+lengths, a dense bias (of the inputs' dtype, and float32) and a dense mask at every head dim and with GQA, the
+flex hooks: soft cap, ALiBi, a document mask and a sliding window as BlockMasks, a soft cap on that BlockMask,
+a relative-bias table), ragged lengths, seq 8192 beside the peers, and the decode kernel. Each variant names the kernels its
 compile must hold (forward, dQ, dK/dV, tangent, decode; `probjax_mosaic_*` where the Mosaic kernels take the
 call).
 

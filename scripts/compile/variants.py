@@ -58,8 +58,8 @@ def dtype_of(name: str):
 
 
 def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
-    """The compiled function of a mode: the forward, the gradient of a sum (forward + backward kernels), or
-    a jvp (the tangent kernel)."""
+    """The compiled function of a mode: the forward, the gradient of a sum in the `grad_args` (forward +
+    backward kernels), or a jvp in the same arguments (the tangent kernel)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,7 +71,13 @@ def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
         return jax.grad(loss, grad_args)
     if mode == "jvp":
         def jvp(*args):
-            return jax.jvp(lambda *a: attend(*a, *args[len(a):]), args[:3], args[:3])[1]
+            def moved(*primals):
+                args_now = list(args)
+                for i, value in zip(grad_args, primals):
+                    args_now[i] = value
+                return attend(*args_now)
+            primals = tuple(args[i] for i in grad_args)
+            return jax.jvp(moved, primals, primals)[1]
         return jvp
     raise ValueError(mode)
 
@@ -80,11 +86,15 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
           kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, requires=(), targets=GPU_TARGETS,
           **options) -> Variant:
     """A `flash_attention` call; `options` go to it (dropout_rate, window, ...). Segment ids and lengths are
-    arguments when options has segments=True / lengths=True. `tiles`: FlashConfig fields to set rather than
-    leave to `default_config` (for exploring candidates: `--explore`)."""
+    arguments when options has segments=True / lengths=True; a dense `[B, N, T, S]` bias that gets a gradient
+    (and a tangent) with bias="same" (the inputs' dtype) or bias="f32", a dense `[B, 1, T, S]` bool mask with
+    mask=True.
+    `tiles`: FlashConfig fields to set rather than leave to `default_config` (for exploring candidates:
+    `--explore`)."""
     kv_len = kv_len or q_len
     value_dim = value_dim or head_dim
     segments, lengths = options.pop("segments", False), options.pop("lengths", False)
+    bias, mask = options.pop("bias", False), options.pop("mask", False)
 
     def build():  # imports the kernels here: the registry is listed without them (the driver's process)
         import jax.numpy as jnp
@@ -99,6 +109,12 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
             specs += [_spec((B, q_len), jnp.int32), _spec((B, kv_len), jnp.int32)]
         if lengths:
             specs += [_spec((B,), jnp.int32), _spec((B,), jnp.int32)]
+        grad_args = (0, 1, 2)
+        if bias:
+            grad_args += (len(specs),)
+            specs += [_spec((B, N, q_len, kv_len), dt if bias == "same" else dtype_of(bias))]
+        if mask:
+            specs += [_spec((B, 1, q_len, kv_len), jnp.bool_)]
 
         def attend(q, k, v, *rest):
             extra = dict(options)
@@ -107,18 +123,24 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
                 extra.update(q_segment_ids=rest.pop(0), kv_segment_ids=rest.pop(0))
             if lengths:
                 extra.update(q_lengths=rest.pop(0), kv_lengths=rest.pop(0))
+            if bias:
+                extra.update(bias=rest.pop(0))
+            if mask:
+                extra.update(mask=rest.pop(0))
             return flash_attention(q, k, v, causal=causal, config=config, **extra)
 
-        return _wrap(mode, attend, len(specs), (0, 1, 2)), specs
+        return _wrap(mode, attend, len(specs), grad_args), specs
 
     return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, kv_len,
                    value_dim if value_dim != head_dim else None, tiles, tuple(requires), tuple(targets))
 
 
 def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_len=1024, backend="triton",
-         block=128, group=None, requires=(), targets=GPU_TARGETS) -> Variant:
+         block=128, group=None, tiles=None, requires=(), targets=GPU_TARGETS) -> Variant:
     """A `flex_attention` call with one representative hook: softcap, ALiBi (captured slopes), a document
-    mask, a sliding window (as a BlockMask), or a relative-bias table that gets a gradient."""
+    mask, a sliding window (as a BlockMask), a soft cap on a sliding-window BlockMask (a score_mod and block
+    tables in one kernel), or a relative-bias table that gets a gradient (and a tangent). `tiles` as in
+    `flash`."""
 
     def build():
         import jax.numpy as jnp
@@ -129,7 +151,7 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 
         dt = dtype_of(dtype)
 
-        config = FlashConfig(backend=backend)
+        config = FlashConfig(backend=backend, **(tiles or {}))
         specs = [_spec((B, q_len, N, head_dim), dt)] * 3
         grad_args = (0, 1, 2)
         if hook == "relative_bias":
@@ -148,16 +170,17 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
                 ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), q_len // 4)[None].repeat(B, 0)
                 block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, q_len, q_len,
                                                block_size=(block, block))
-            elif hook == "sliding_window":
+            elif hook in ("sliding_window", "softcap_sliding_window"):
                 block_mask = create_block_mask(and_masks(causal_mask, sliding_window(256)), None, None, q_len,
                                                q_len, block_size=(block, block))
+                score_mod = softcap(30.0) if hook == "softcap_sliding_window" else None
             else:
                 raise ValueError(hook)
             return flex_attention(q, k, v, score_mod, block_mask, config=config)
 
         return _wrap(mode, attend, len(specs), grad_args), specs
 
-    return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, q_len,
+    return Variant(name, group or backend, build, head_dim, dtype, mode, backend, q_len, q_len, tiles=tiles,
                    requires=tuple(requires), targets=tuple(targets))
 
 
@@ -177,8 +200,10 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head di
 # Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout,
 # segment ids, a value head dim other than q / k's, hooks that read a captured array other than one element
 # at a time (a relative-bias table, a document mask's ids). float32 inputs too (the Mosaic kernels take 16-bit).
-MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask"})
-FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias")
+# A dense bias or mask too.
+MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask", "dense_bias",
+                          "dense_bias_f32", "dense_mask"})
+FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str) -> tuple[str, ...]:
@@ -205,6 +230,7 @@ def _flash_options(feature: str) -> dict:
         "full": {}, "causal": dict(causal=True), "window": dict(window=(256, 0)),
         "gqa8to2_causal": dict(kv_heads=2, causal=True), "dv64": dict(value_dim=64),
         "dropout": dict(dropout_rate=0.1, dropout_seed=7), "segments_lengths": dict(segments=True, lengths=True),
+        "dense_bias": dict(bias="same"), "dense_bias_f32": dict(bias="f32"), "dense_mask": dict(mask=True),
     }[feature]
 
 
@@ -233,8 +259,11 @@ def _grid_variants() -> list[Variant]:
     - head dim 64 / 128 / 256 (the tiles change with it), full and causal, fwd+bwd (the forward kernel of a
       forward-only call is the fwd+bwd one: it always writes the lse) and jvp (the tangent kernel);
     - at head dim 128, each feature that changes a kernel's code (a window, GQA, Dv != D, dropout, segment ids
-      with lengths, the flex hooks: a soft cap, ALiBi, a document mask and a sliding window as BlockMasks, a
-      relative-bias table with a gradient) in fwd+bwd, and the flex hooks in jvp;
+      with lengths, a dense bias with a gradient (of the inputs' dtype, and float32 with 16-bit inputs: a
+      bias keeps its dtype in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document
+      mask and a sliding window as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a
+      gradient) in fwd+bwd, and the dense biases and the flex hooks in jvp; the dense biases at head dim 64
+      and 256 too (the dK/dV kernel's orientation depends on it and the head dim);
     - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
       falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
       128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
@@ -254,10 +283,23 @@ def _grid_variants() -> list[Variant]:
                     out.append(_call(backend, dtype, d, "jvp", "causal"))
             if not whole:
                 continue
-            for feature in ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *FLEX_HOOKS):
+            biases = ("dense_bias",) if dtype == "f32" else ("dense_bias", "dense_bias_f32")
+            for feature in ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *biases,
+                            "dense_mask", *FLEX_HOOKS):
                 out.append(_call(backend, dtype, 128, "fwd+bwd", feature))
-            for hook in ("softcap", "sliding_window", "relative_bias"):
-                out.append(_call(backend, dtype, 128, "jvp", hook))
+            for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
+                out.append(_call(backend, dtype, 128, "jvp", feature))
+    # A dense bias / mask changes the dispatch with the head dim (`triton_dkv_transposed`, the forward's warps
+    # at head dim 64, the dK/dV tiles on sm_80 / sm_86), so they are compiled at every head dim; with GQA the
+    # dK/dV kernel runs per query head (`triton_dkv_per_query_head`).
+    for d in (64, 256):
+        for dtype, features in (("bf16", ("dense_bias", "dense_bias_f32", "dense_mask")),
+                                ("f32", ("dense_bias", "dense_mask"))):
+            for feature in features:
+                out.append(_call("triton", dtype, d, "fwd+bwd", feature))
+    for feature in ("dense_bias_f32", "dense_mask"):
+        out.append(_call("triton", "bf16", 128, "fwd+bwd", feature, kv_heads=2, causal=True,
+                         suffix="_gqa8to2_causal"))
     out.append(_call("triton", "f16", 64, "fwd+bwd", "causal"))
     out.append(_call("mosaic", "f16", 128, "fwd+bwd", "causal"))
     # Ragged tails (the padded tail changes the kernel) and the short 77, whose tiles shrink to the sequence.

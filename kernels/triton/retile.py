@@ -1,0 +1,112 @@
+"""Per-call configs of the Triton kernels: where a call's features (a gathered table, a window, dropout, GQA, a
+BlockMask, a dense bias or mask) spill on `default_config`'s tiles, which are chosen by dtype and head dim
+alone, the kernel that spilled takes other tiles, warps or stages, or (dK/dV) another program grid. Each rule
+states the figures it rests on (deviceless compiles: docs/compile/index.md, docs/perf-notes.md Versions 7 and
+7b). `_dispatch` passes the target GPU's facts (`hopper`, `large_smem`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from probjax_kernels._config import FlashConfig
+from probjax_kernels._hooks import Hook
+from probjax_kernels._problem import _Problem
+
+
+def _float32_d128(dtype, head_dim: int) -> bool:
+    return jnp.dtype(dtype) == jnp.float32 and 64 < head_dim <= 128
+
+
+def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int, *, hopper: bool) -> FlashConfig:
+    """The forward's tiles for this call on a GPU (`hopper`: compute capability 9.x), where `default_config`'s
+    (chosen by dtype and head dim alone) spill with its features (docs/perf-notes.md, Versions 7 and 7b):
+
+    - 16-bit inputs at head dim 64 with a `bias` or `mask`: 8 warps (every GPU). On 4 the 128 x 64 tile
+      spilled 28 B on sm_90a and 8 B on sm_80 with a float32 bias tile, 32 B on sm_86 with a mask tile; on 8
+      a bias holds 173-182 registers;
+    - 16-bit inputs at head dim 128 on a GPU without wgmma (sm_80 / sm_86) with a score_mod that gathers a
+      whole score tile from a captured array (a relative bias's `table[h, q_idx - kv_idx]`: an address and a
+      value per score): a key tile of at most 32; 128 x 64 used 255 registers and spilled 40-56 B, 128 x 32
+      uses 197-225 and does not;
+    - float32 at head dim 128 with a sliding window, dropout or a dense bias on a GPU without wgmma (sm_80 /
+      sm_86): 3 stages; ptxas held the 2-stage kernel to 64 registers and spilled 8-12 B there. Only those: 3
+      stages for every float32 forward spilled 12 B with a document mask on sm_80 and 8 B with segment ids on
+      sm_90a.
+
+    Halving a power-of-two tile keeps it a divisor of the padded lengths and of every block table's block."""
+    sixteen_bit = jnp.dtype(dtype).itemsize == 2
+    if sixteen_bit and head_dim <= 64 and (problem.bias_shape is not None or problem.mask_shape is not None):
+        config = dataclasses.replace(config, num_warps=max(config.num_warps, 8))
+    if hopper:
+        return config
+    f = problem.features
+    traced = problem.config  # the hooks were traced at its tiles (`hook_shapes`)
+    if (sixteen_bit and 64 < head_dim <= 128
+            and f.score_mod is not None and gathers_score_tile(f.score_mod, traced.block_q, traced.block_k)):
+        config = dataclasses.replace(config, block_k=min(config.block_k, 32))
+    local = f.window_left is not None or f.dropout_rate > 0 or problem.bias_shape is not None
+    if local and _float32_d128(dtype, head_dim):
+        config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
+    return config
+
+
+def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
+                     large_smem: bool) -> tuple[FlashConfig, FlashConfig]:
+    """The configs of the dQ and dK/dV kernels for this call on a GPU (`hopper`; `large_smem`: over 160 KB of
+    shared memory per CTA), where `default_config`'s spill with its features (docs/perf-notes.md, Versions 7
+    and 7b):
+
+    - 16-bit inputs with a dense `bias` on a GPU without wgmma (sm_80 / sm_86): dK/dV steps over 32 queries
+      at head dim 64 (64 x 64 spilled 16-28 B there with a float32 bias tile), and over 16 at head dim 256
+      on a 99 KB GPU (sm_86: 32 x 32 with a float32 bias tile needed 102,400 B of shared memory);
+    - float32 at head dim 128, dQ: on sm_90a 3 stages, on sm_80 / sm_86 4 warps. On 8 warps and 2 stages
+      ptxas held it to 64 registers and spilled 4-32 B with a window, dropout, ALiBi, a dense mask or a
+      BlockMask; 3 stages hold every feature's dQ in 64-126 registers on sm_90a without a spill (4 warps
+      spilled 676 B there with a soft cap on a BlockMask), 4 warps in 102-192 on sm_80 / sm_86;
+    - float32 at head dim 128, dK/dV with GQA (a loop over the group's query heads) runs on 1 stage on a GPU
+      without wgmma (sm_80 / sm_86): on 2 it stopped at 128 registers and spilled 12-16 B there, on 1 it takes
+      80 and less shared memory; sm_90a keeps 2 (103 registers, no spill; 1 stage spilled 20 B there);
+    - float32 at head dim 256 with a dense `mask`, dK/dV on 4 warps on sm_80 / sm_86: on 8 (16 x 16, 1 stage)
+      it spilled 8 B there, on 4 it holds 142-184 registers and 69,632 B of shared memory."""
+    config = problem.config
+    dq = dkv = config
+    if jnp.dtype(dtype).itemsize == 2 and problem.bias_shape is not None and not hopper:
+        if head_dim <= 64:
+            dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
+        elif head_dim > 128 and not large_smem:
+            dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
+    if _float32_d128(dtype, head_dim):
+        dq = dataclasses.replace(config, num_stages=3) if hopper else dataclasses.replace(config, num_warps=4)
+        if problem.group > 1 and not hopper:
+            dkv = dataclasses.replace(config, num_stages=1)
+    if jnp.dtype(dtype) == jnp.float32 and head_dim > 128 and problem.mask_shape is not None and not hopper:
+        dkv = dataclasses.replace(config, num_warps=4)
+    return dq, dkv
+
+
+def gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
+    """Whether a score_mod traced at the (block_q, block_k) tile gathers a value per score from a captured
+    array (an index tile of both axes, such as `table[h, q_idx - kv_idx]`), not a scalar or a row / column."""
+    jaxpr = hook._jaxpr([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((block_q, block_k), jnp.float32), ((), jnp.int32), ((), jnp.int32), ((block_q, 1), jnp.int32),
+        ((1, block_k), jnp.int32))])
+    consts = set(jaxpr.constvars)
+    return any(eqn.primitive.name == "gather" and eqn.invars[0] in consts
+               and sum(size > 1 for size in eqn.outvars[0].aval.shape) >= 2 for eqn in jaxpr.eqns)
+
+
+def dkv_per_query_head(problem: _Problem) -> bool:
+    """Whether the dK/dV kernel runs one program per query head rather than per KV head (its dK / dV
+    summed over the group by XLA, in float32): with GQA / MQA and a `bias` or `mask` that varies along both
+    the query and the key axis (a key-padding mask `[B, 1, 1, S]` keeps the loop). The loop over the group's
+    query heads around the query loop, with a bias / mask tile read per head, spilled on every GPU (a bias at
+    head dim 64: 20-36 B; 128: 76-204 B on sm_90a; 256: 160 B on K Q^T; a mask at 256: 32 B on sm_90a, float32
+    4-8 B on sm_80 / sm_86; docs/perf-notes.md, Version 7b); per query head the kernel is the one without
+    GQA, whose tiles the compile report checks. K and V are then read once per query head instead of once per
+    KV head, and dK / dV written once per query head in float32: small beside the dense bias / mask every
+    kernel reads."""
+    return problem.group > 1 and any(shape is not None and shape[2] > 1 and shape[3] > 1
+                                     for shape in (problem.bias_shape, problem.mask_shape))
