@@ -1,6 +1,7 @@
 """The flash-attention backward in Pallas Triton (FlashAttention-2, Alg. 2), split so that nothing needs
 atomics: the dQ kernel (one program per query tile, which can also write dS for the bias gradient) and the
-dK/dV kernel (one program per KV tile and KV head, summing its GQA group's query heads)."""
+dK/dV kernel (one program per KV tile and KV head, summing its GQA group's query heads; per query head, summed
+by XLA, where the dispatch asks: `_Problem.dkv_per_query_head`)."""
 
 from __future__ import annotations
 
