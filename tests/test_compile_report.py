@@ -334,9 +334,10 @@ def test_a_gathered_score_tile_narrows_the_forward_key_tile_without_wgmma(monkey
 
 def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
     """float32 at head dim 128 (FMA dots) on sm_80 / sm_86: the forward with a window or dropout takes 3
-    stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask),
-    dK/dV with GQA 1 stage (12-16 B); on sm_90a dQ takes 3 stages (4-32 B with a dense mask or a BlockMask;
-    4 warps spilled 676 B with a soft cap on a BlockMask). 16-bit inputs and head dim 64 keep their tiles."""
+    stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask);
+    on sm_90a dQ takes 3 stages (4-32 B with a dense mask or a BlockMask; 4 warps spilled 676 B with a soft
+    cap on a BlockMask). dK/dV keeps its tiles (with GQA it runs per query head). 16-bit inputs and head dim
+    64 keep their tiles."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
@@ -355,10 +356,10 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         windowed = configs(target, 4, window=256)[1]
         assert windowed == (config if hopper else dataclasses.replace(config, num_stages=3))
         assert dq == dataclasses.replace(config, **({"num_stages": 3} if hopper else {"num_warps": 4}))
-        assert dkv.num_stages == (2 if hopper else 1)
+        assert dkv == config
         assert configs(target, group=1)[3] == config
         assert configs(target, 1, tables=True)[2] == dq
-        for kept in (configs(target, 4, dtype=jnp.bfloat16), configs(target, 4, head_dim=64)):
+        for kept in (configs(target, 1, dtype=jnp.bfloat16, window=256), configs(target, 1, head_dim=64, window=256)):
             assert all(c == kept[0] for c in kept[1:])
 
 
@@ -366,8 +367,9 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
     """A bias or mask tile (Version 7b): at head dim 64 the 16-bit forward takes 8 warps on every GPU and, with
     a bias, dK/dV 32-query steps on sm_80 / sm_86; at head dim 256 a bias takes 16-query dK/dV steps on sm_86
     (shared memory) and K Q^T on sm_90a (Q K^T at 128); float32 at 256 with a mask, dK/dV on 4 warps on sm_80
-    / sm_86. With GQA, a bias or mask that varies along queries and keys runs dK/dV per query head; a
-    key-padding mask does not. Calls without them keep `default_config`'s tiles."""
+    / sm_86. With GQA, dK/dV runs per query head whatever the call, on the bias's dK/dV steps on sm_80 / sm_86
+    (16-bit) and on 4 warps at head dim 64 / 256 on sm_90a (float32). Calls without them keep
+    `default_config`'s tiles."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1):
@@ -398,5 +400,15 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
         assert dkv == (dataclasses.replace(config, block_q_dkv=16) if small else config)
         config, _, _, dkv, _, _ = configs(target, 256, jnp.float32, mask=tile)
         assert dkv == (config if hopper else dataclasses.replace(config, num_warps=4))
-        assert configs(target, 128, bias=tile, group=4)[5] and configs(target, 128, mask=tile, group=4)[5]
-        assert not configs(target, 128, mask=keys, group=4)[5] and not configs(target, 128, bias=tile)[5]
+        assert configs(target, 128, group=4)[5] and configs(target, 128, mask=keys, group=4)[5]
+        assert not configs(target, 128, bias=tile)[5]
+        # GQA (its dK / dV per query head, written in float32): the bias's dK/dV steps on sm_80 / sm_86, float32
+        # dK/dV on 4 warps at head dim 64 / 256 on sm_90a.
+        config, _, _, dkv, _, _ = configs(target, 64, group=4)
+        assert dkv == (config if hopper else dataclasses.replace(config, block_q_dkv=32))
+        config, _, _, dkv, _, _ = configs(target, 256, group=4)
+        assert dkv == (dataclasses.replace(config, block_q_dkv=16) if small else config)
+        for head_dim in (64, 256):
+            config, _, _, dkv, _, _ = configs(target, head_dim, jnp.float32, group=4)
+            assert dkv == (dataclasses.replace(config, num_warps=4) if hopper else config)
+        assert configs(target, 128, jnp.float32, group=4)[3].num_warps == 8

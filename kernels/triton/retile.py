@@ -59,30 +59,29 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     shared memory per CTA), where `default_config`'s spill with its features (docs/perf-notes.md, Versions 7
     and 7b):
 
-    - 16-bit inputs with a dense `bias` on a GPU without wgmma (sm_80 / sm_86): dK/dV steps over 32 queries
-      at head dim 64 (64 x 64 spilled 16-28 B there with a float32 bias tile), and over 16 at head dim 256
-      on a 99 KB GPU (sm_86: 32 x 32 with a float32 bias tile needed 102,400 B of shared memory);
+    - 16-bit inputs with a dense `bias` or GQA on a GPU without wgmma (sm_80 / sm_86): dK/dV steps over 32
+      queries at head dim 64 (64 x 64 spilled 16-28 B there with a float32 bias tile, 16 B per query head of
+      GQA: its float32 dK / dV outputs, `dkv_per_query_head`), and over 16 at head dim 256 on a 99 KB GPU
+      (sm_86: 32 x 32 with a float32 bias tile needed 102,400 B of shared memory, and spilled 8 B with GQA);
+    - float32 at head dim 64 and 256 with GQA on sm_90a: dK/dV on 4 warps (4-8 B spilled on 8);
     - float32 at head dim 128, dQ: on sm_90a 3 stages, on sm_80 / sm_86 4 warps. On 8 warps and 2 stages
       ptxas held it to 64 registers and spilled 4-32 B with a window, dropout, ALiBi, a dense mask or a
       BlockMask; 3 stages hold every feature's dQ in 64-126 registers on sm_90a without a spill (4 warps
       spilled 676 B there with a soft cap on a BlockMask), 4 warps in 102-192 on sm_80 / sm_86;
-    - float32 at head dim 128, dK/dV with GQA (a loop over the group's query heads) runs on 1 stage on a GPU
-      without wgmma (sm_80 / sm_86): on 2 it stopped at 128 registers and spilled 12-16 B there, on 1 it takes
-      80 and less shared memory; sm_90a keeps 2 (103 registers, no spill; 1 stage spilled 20 B there);
     - float32 at head dim 256 with a dense `mask`, dK/dV on 4 warps on sm_80 / sm_86: on 8 (16 x 16, 1 stage)
       it spilled 8 B there, on 4 it holds 142-184 registers and 69,632 B of shared memory."""
     config = problem.config
     dq = dkv = config
-    if jnp.dtype(dtype).itemsize == 2 and problem.bias_shape is not None and not hopper:
+    if jnp.dtype(dtype).itemsize == 2 and (problem.bias_shape is not None or problem.group > 1) and not hopper:
         if head_dim <= 64:
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
         elif head_dim > 128 and not large_smem:
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
     if _float32_d128(dtype, head_dim):
         dq = dataclasses.replace(config, num_stages=3) if hopper else dataclasses.replace(config, num_warps=4)
-        if problem.group > 1 and not hopper:
-            dkv = dataclasses.replace(config, num_stages=1)
     if jnp.dtype(dtype) == jnp.float32 and head_dim > 128 and problem.mask_shape is not None and not hopper:
+        dkv = dataclasses.replace(config, num_warps=4)
+    if jnp.dtype(dtype) == jnp.float32 and not 64 < head_dim <= 128 and problem.group > 1 and hopper:
         dkv = dataclasses.replace(config, num_warps=4)
     return dq, dkv
 
@@ -100,13 +99,13 @@ def gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:
 
 def dkv_per_query_head(problem: _Problem) -> bool:
     """Whether the dK/dV kernel runs one program per query head rather than per KV head (its dK / dV
-    summed over the group by XLA, in float32): with GQA / MQA and a `bias` or `mask` that varies along both
-    the query and the key axis (a key-padding mask `[B, 1, 1, S]` keeps the loop). The loop over the group's
-    query heads around the query loop, with a bias / mask tile read per head, spilled on every GPU (a bias at
-    head dim 64: 20-36 B; 128: 76-204 B on sm_90a; 256: 160 B on K Q^T; a mask at 256: 32 B on sm_90a, float32
-    4-8 B on sm_80 / sm_86; docs/perf-notes.md, Version 7b); per query head the kernel is the one without
-    GQA, whose tiles the compile report checks. K and V are then read once per query head instead of once per
-    KV head, and dK / dV written once per query head in float32: small beside the dense bias / mask every
-    kernel reads."""
-    return problem.group > 1 and any(shape is not None and shape[2] > 1 and shape[3] > 1
-                                     for shape in (problem.bias_shape, problem.mask_shape))
+    summed over the group by XLA, in float32): with GQA / MQA, as FlashAttention-2's backward does. The loop
+    over the group's query heads around the query loop spilled on every GPU with every feature tried
+    (docs/perf-notes.md, Version 7b: plain causal GQA 8 -> 2 at head dim 64 72-76 B on sm_80 / sm_86, 256 76 B
+    on sm_90a, float32 256 over sm_86's shared memory; with a bias 20-204 B, a window, dropout or segment ids
+    8-112 B); per query head the kernel is the one without GQA, whose tiles the compile report checks. K and V
+    are then read once per query head instead of once per KV head, and dK / dV written once per query head in
+    float32 and summed: next to the query tiles each program streams, a few percent of the memory traffic at
+    long sequences, and group x more programs for the GPU to spread. The loop stays for a GPU run to time
+    against (forced through `_dispatch.triton_dkv_per_query_head`)."""
+    return problem.group > 1

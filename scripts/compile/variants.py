@@ -262,8 +262,8 @@ def _grid_variants() -> list[Variant]:
       with lengths, a dense bias with a gradient (of the inputs' dtype, and float32 with 16-bit inputs: a
       bias keeps its dtype in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document
       mask and a sliding window as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a
-      gradient) in fwd+bwd, and the dense biases and the flex hooks in jvp; the dense biases at head dim 64
-      and 256 too (the dK/dV kernel's orientation depends on it and the head dim);
+      gradient) in fwd+bwd, and the dense biases and the flex hooks in jvp; GQA, the dense biases and the
+      dense mask at head dim 64 and 256 too (the dK/dV kernel's orientation depends on it and the head dim);
     - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
       falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
       128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
@@ -289,12 +289,12 @@ def _grid_variants() -> list[Variant]:
                 out.append(_call(backend, dtype, 128, "fwd+bwd", feature))
             for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
                 out.append(_call(backend, dtype, 128, "jvp", feature))
-    # A dense bias / mask changes the dispatch with the head dim (`triton_dkv_transposed`, the forward's warps
-    # at head dim 64, the dK/dV tiles on sm_80 / sm_86), so they are compiled at every head dim; with GQA the
-    # dK/dV kernel runs per query head (`triton_dkv_per_query_head`).
+    # GQA (the dK/dV kernel's program grid: `triton_dkv_per_query_head`) and a dense bias / mask (the dK/dV
+    # orientation, `triton_dkv_transposed`; the forward's warps at head dim 64, the dK/dV tiles on sm_80 /
+    # sm_86) change the dispatch with the head dim, so they are compiled at every head dim.
     for d in (64, 256):
-        for dtype, features in (("bf16", ("dense_bias", "dense_bias_f32", "dense_mask")),
-                                ("f32", ("dense_bias", "dense_mask"))):
+        for dtype, features in (("bf16", ("gqa8to2_causal", "dense_bias", "dense_bias_f32", "dense_mask")),
+                                ("f32", ("gqa8to2_causal", "dense_bias", "dense_mask"))):
             for feature in features:
                 out.append(_call("triton", dtype, d, "fwd+bwd", feature))
     for feature in ("dense_bias_f32", "dense_mask"):
