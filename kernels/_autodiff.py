@@ -214,6 +214,8 @@ def attention(
         same_value_dim=dv_pad == d_pad,
         dkv_transposed=dkv_transposed,
     )
+    _prepare_hooks(features, _dispatch.backward_hook_shapes(problem, q.dtype, max(d_pad, dv_pad)), batch,
+                   num_heads, t_pad, s_pad)
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_len, jnp.int32)
     if kv_lengths is None:

@@ -451,6 +451,17 @@ def triton_backward_configs(problem: _Problem, dtype, head_dim: int) -> tuple[Fl
                                           large_smem=smem_per_block() >= _LARGE_SMEM)
 
 
+def backward_hook_shapes(problem: _Problem, dtype, head_dim: int) -> list[tuple]:
+    """The hook shapes of the Triton backward's per-call tiles (`triton_backward_configs`) where they are not
+    `problem.config`'s. `_autodiff` traces the hooks at them with the forward's: in the backward pass the
+    hooks' captured arrays may be tracers of a transformation that has finished (a linearize)."""
+    f = problem.features
+    if problem.config.backend not in ("triton", "mosaic") or (f.score_mod is None and f.mask_mod is None):
+        return []
+    return [shape for config in triton_backward_configs(problem, dtype, head_dim) if config != problem.config
+            for shape in hook_shapes(config, problem.dkv_transposed)]
+
+
 # Whether the Triton dK/dV kernel runs one program per query head (`triton.retile.dkv_per_query_head`).
 triton_dkv_per_query_head = triton_retile.dkv_per_query_head
 
