@@ -250,6 +250,33 @@ def _call(backend: str, dtype: str, head_dim: int, mode: str, feature: str, **ex
                  targets=targets, **_flash_options(feature), **extra)
 
 
+# The calls of the grid that still spill (or, one, exceed sm_86's shared memory) on `default_config`'s tiles
+# and have no per-call rule yet (`triton.retile`): left out of the registry until they do, each with the
+# kernels and figures of its last compile (ptxas 12.9.86, spill store bytes), so that the gap is one list here
+# and not a silent one. docs/perf-notes.md (Version 7c) has the candidates tried. tests/test_compile_report.py
+# checks that the registry holds every other call of the product.
+NOT_YET_CLEAN = {
+    "flash_grad_d64_bf16_window": "dK/dV 24 B sm_80, 16 B sm_86",
+    "flash_grad_d64_bf16_dropout": "forward 52 B sm_80, 48 B sm_86, 24 B sm_90a",
+    "flex_grad_d64_bf16_document_mask": "dK/dV 40 B sm_80 and sm_86",
+    "flex_grad_d64_bf16_sliding_window": "dK/dV 40 B sm_80",
+    "flex_grad_d64_bf16_softcap_sliding_window": "dK/dV 16 B sm_80",
+    "flex_grad_d256_bf16_relative_bias": "dK/dV 8 B sm_90a; over sm_86's 99 KB of shared memory",
+    "flash_grad_d64_f32_window": "forward 8 B sm_80",
+    "flash_grad_d64_f32_dropout": "dK/dV 4 B sm_80 and sm_86",
+    "flex_grad_d64_f32_document_mask": "forward 4 B sm_80; dK/dV 12 B sm_80, 4 B sm_86, 16 B sm_90a",
+    "flex_grad_d64_f32_sliding_window": "forward 4 B sm_80; dK/dV 20 B sm_80, 12 B sm_86, 16 B sm_90a",
+    "flex_grad_d64_f32_softcap_sliding_window": "dQ 8 B sm_80, 60 B sm_86; dK/dV 8 B sm_80",
+    "flash_grad_d256_f32_window": "dK/dV 16 B sm_90a",
+    "flash_grad_d256_f32_dropout": "dQ 24 B sm_90a",
+    "flash_grad_d256_f32_dv64": "dK/dV 12 B sm_80 and sm_86",
+    "flex_grad_d256_f32_document_mask": "dQ 16 B sm_80; dK/dV 20 B sm_80, 52 B sm_86, 24 B sm_90a",
+    "flex_grad_d256_f32_sliding_window": "dQ 20 B sm_80, 4 B sm_86; dK/dV 32 B sm_80, 52 B sm_86, 36 B sm_90a",
+    "flex_grad_d256_f32_softcap_sliding_window": "dQ 20 B sm_80, 16 B sm_86; dK/dV 48 B sm_80 and sm_86, "
+                                                 "28 B sm_90a",
+}
+
+
 def _grid_variants() -> list[Variant]:
     """Every call a user reaches through `auto` / a default config (backend "triton" on a GPU) and through
     backend "mosaic" (Hopper), as the product of what changes the compiled kernels:
@@ -258,12 +285,12 @@ def _grid_variants() -> list[Variant]:
       shares bfloat16's tiles and kernels and is compiled once per backend;
     - head dim 64 / 128 / 256 (the tiles change with it), full and causal, fwd+bwd (the forward kernel of a
       forward-only call is the fwd+bwd one: it always writes the lse) and jvp (the tangent kernel);
-    - at head dim 128, each feature that changes a kernel's code (a window, GQA, Dv != D, dropout, segment ids
-      with lengths, a dense bias with a gradient (of the inputs' dtype, and float32 with 16-bit inputs: a
-      bias keeps its dtype in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document
-      mask and a sliding window as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a
-      gradient) in fwd+bwd, and the dense biases and the flex hooks in jvp; GQA, the dense biases and the
-      dense mask at head dim 64 and 256 too (the dK/dV kernel's orientation depends on it and the head dim);
+    - each feature that changes a kernel's code (a window, GQA, Dv != D, dropout, segment ids with lengths, a
+      dense bias with a gradient (of the inputs' dtype, and float32 with 16-bit inputs: a bias keeps its dtype
+      in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document mask and a sliding window
+      as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a gradient) in fwd+bwd at every
+      head dim (the per-call rules of `triton.retile` depend on the head dim), but for the calls of
+      `NOT_YET_CLEAN`; the dense biases and the flex hooks in jvp at head dim 128;
     - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
       falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
       128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
@@ -284,19 +311,16 @@ def _grid_variants() -> list[Variant]:
             if not whole:
                 continue
             biases = ("dense_bias",) if dtype == "f32" else ("dense_bias", "dense_bias_f32")
-            for feature in ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *biases,
-                            "dense_mask", *FLEX_HOOKS):
-                out.append(_call(backend, dtype, 128, "fwd+bwd", feature))
+            features = ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *biases, "dense_mask",
+                        *FLEX_HOOKS)
+            for d in (64, 128, 256) if backend == "triton" else (128,):
+                for feature in features:
+                    variant = _call(backend, dtype, d, "fwd+bwd", feature)
+                    # Dv 64 at head dim 64 is the plain call.
+                    if not (feature == "dv64" and d == 64) and variant.name not in NOT_YET_CLEAN:
+                        out.append(variant)
             for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
                 out.append(_call(backend, dtype, 128, "jvp", feature))
-    # GQA (the dK/dV kernel's program grid: `triton_dkv_per_query_head`) and a dense bias / mask (the dK/dV
-    # orientation, `triton_dkv_transposed`; the forward's warps at head dim 64, the dK/dV tiles on sm_80 /
-    # sm_86) change the dispatch with the head dim, so they are compiled at every head dim.
-    for d in (64, 256):
-        for dtype, features in (("bf16", ("gqa8to2_causal", "dense_bias", "dense_bias_f32", "dense_mask")),
-                                ("f32", ("gqa8to2_causal", "dense_bias", "dense_mask"))):
-            for feature in features:
-                out.append(_call("triton", dtype, d, "fwd+bwd", feature))
     for feature in ("dense_bias_f32", "dense_mask"):
         out.append(_call("triton", "bf16", 128, "fwd+bwd", feature, kv_heads=2, causal=True,
                          suffix="_gqa8to2_causal"))
@@ -473,3 +497,4 @@ def variants() -> list[Variant]:
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
+
