@@ -346,8 +346,8 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
     """float32 at head dim 128 (FMA dots) on sm_80 / sm_86: the forward with a window or dropout takes 3
     stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask);
     on sm_90a dQ takes 3 stages (4-32 B with a dense mask or a BlockMask; 4 warps spilled 676 B with a soft
-    cap on a BlockMask). dK/dV keeps its tiles (with GQA it runs per query head). 16-bit inputs and head dim
-    64 keep their tiles."""
+    cap on a BlockMask). dK/dV keeps its tiles (with GQA it runs per query head). 16-bit inputs keep their
+    tiles. At head dim 64 and 256 (Version 7c) the float32 rules of `triton.retile._float32_local`."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
@@ -369,8 +369,17 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         assert dkv == config
         assert configs(target, group=1)[3] == config
         assert configs(target, 1, tables=True)[2] == dq
-        for kept in (configs(target, 1, dtype=jnp.bfloat16, window=256), configs(target, 1, head_dim=64, window=256)):
-            assert all(c == kept[0] for c in kept[1:])
+        kept = configs(target, 1, dtype=jnp.bfloat16, window=256)
+        assert all(c == kept[0] for c in kept[1:])
+        # Version 7c: float32 at head dim 64 with a window or a BlockMask, forward and dK/dV on 3 stages; at 256
+        # with a window, 4 warps in every kernel (a BlockMask there keeps the tiles).
+        for local in (dict(window=256), dict(tables=True)):
+            config, forward, dq, dkv = configs(target, 1, head_dim=64, **local)
+            assert forward == dkv == dataclasses.replace(config, num_stages=3) and dq == config
+        config, *kernels = configs(target, 1, head_dim=256, window=256)
+        assert kernels == [dataclasses.replace(config, num_warps=4)] * 3
+        config, *kernels = configs(target, 1, head_dim=256, tables=True)
+        assert kernels == [config] * 3
 
 
 def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypatch):

@@ -1,8 +1,8 @@
 """Per-call configs of the Triton kernels: where a call's features (a gathered table, a window, dropout, GQA, a
 BlockMask, a dense bias or mask) spill on `default_config`'s tiles, which are chosen by dtype and head dim
 alone, the kernel that spilled takes other tiles, warps or stages, or (dK/dV) another program grid. Each rule
-states the figures it rests on (deviceless compiles: docs/compile/index.md, docs/perf-notes.md Versions 7 and
-7b). `_dispatch` passes the target GPU's facts (`hopper`, `large_smem`)."""
+states the figures it rests on (deviceless compiles: docs/compile/index.md, docs/perf-notes.md Versions 7, 7b
+and 7c). `_dispatch` passes the target GPU's facts (`hopper`, `large_smem`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,27 @@ from probjax_kernels._problem import _interpreted, _Problem
 
 def _float32_d128(dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and 64 < head_dim <= 128
+
+
+def _float32_local(problem: _Problem, dtype, head_dim: int) -> tuple[dict, bool]:
+    """The float32 retile at head dim 64 and 256 for the calls that spilled on `default_config`'s tiles there
+    (docs/perf-notes.md, Version 7c): the FlashConfig fields to set in the forward and dK/dV kernels, and
+    whether in dQ too ({} where no rule applies):
+
+    - head dim 64 with a local window, dropout or a BlockMask: 3 stages (1 by default), forward and dK/dV
+      only. On 1 stage the forward spilled 4-8 B on sm_80, dK/dV 4-20 B on every GPU; on 3 both hold 58-80
+      registers without a spill. dQ keeps 1 stage (3 spilled 8 B on sm_80 with a document mask);
+    - head dim 256 with a local window, dropout or Dv != D (and no BlockMask): 4 warps (8 by default) in
+      every kernel. On 8 dK/dV spilled 12-16 B, dQ 24 B with dropout on sm_90a; on 4 they hold 108-185."""
+    f = problem.features
+    if jnp.dtype(dtype) != jnp.float32:
+        return {}, False
+    local = f.window_left is not None or f.dropout_rate > 0
+    if head_dim <= 64 and (local or f.block_sizes is not None):
+        return dict(num_stages=max(problem.config.num_stages, 3)), False
+    if head_dim > 128 and (local or not problem.same_value_dim) and f.block_sizes is None:
+        return dict(num_warps=4), True
+    return {}, False
 
 
 def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int, *, hopper: bool) -> FlashConfig:
@@ -40,6 +61,7 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
     if sixteen_bit and head_dim <= 64 and (problem.bias_shape is not None or problem.mask_shape is not None):
         config = dataclasses.replace(config, num_warps=max(config.num_warps, 8))
+    config = dataclasses.replace(config, **_float32_local(problem, dtype, head_dim)[0])
     if hopper:
         return config
     f = problem.features
@@ -83,6 +105,9 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
         dkv = dataclasses.replace(config, num_warps=4)
     if jnp.dtype(dtype) == jnp.float32 and not 64 < head_dim <= 128 and problem.group > 1 and hopper:
         dkv = dataclasses.replace(config, num_warps=4)
+    fields, in_dq = _float32_local(problem, dtype, head_dim)
+    dkv = dataclasses.replace(dkv, **fields)
+    dq = dataclasses.replace(dq, **fields) if in_dq else dq
     return dq, dkv
 
 
