@@ -387,15 +387,15 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
     a bias, dK/dV 32-query steps on sm_80 / sm_86; at head dim 256 a bias takes 16-query dK/dV steps on sm_86
     (shared memory) and K Q^T on sm_90a (Q K^T at 128); float32 at 256 with a mask, dK/dV on 4 warps on sm_80
     / sm_86. With GQA, dK/dV runs per query head whatever the call, on the bias's dK/dV steps on sm_80 / sm_86
-    (16-bit) and on 4 warps at head dim 64 / 256 on sm_90a (float32). Calls without them keep
-    `default_config`'s tiles."""
+    (16-bit) and on 4 warps at head dim 64 / 256 on sm_90a (float32). Dropout and a window at head dim 64 as
+    a bias there (Version 7c). Calls without them keep `default_config`'s tiles."""
     from probjax_kernels._problem import Features, _Problem
 
-    def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1):
+    def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1, **features):
         monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
                                 dtype=dtype)
-        problem = _Problem(Features(scale=1.0), group, 8, bias, mask, None, False, 0, 0, config,
+        problem = _Problem(Features(scale=1.0, **features), group, 8, bias, mask, None, False, 0, 0, config,
                            jax.lax.Precision.DEFAULT)
         forward = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
         transposed = _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias is not None)
@@ -431,3 +431,11 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
             config, _, _, dkv, _, _ = configs(target, head_dim, jnp.float32, group=4)
             assert dkv == (dataclasses.replace(config, num_warps=4) if hopper else config)
         assert configs(target, 128, jnp.float32, group=4)[3].num_warps == 8
+        # Version 7c, 16-bit at head dim 64: dropout's forward on 8 warps too, a window's dK/dV on the bias's
+        # 32-query steps on sm_80 / sm_86.
+        config, forward, dq, dkv, _, _ = configs(target, 64, dropout_rate=0.1)
+        assert forward == dataclasses.replace(config, num_warps=8) and dq == dkv == config
+        config, forward, dq, dkv, _, _ = configs(target, 64, window_left=256, window_right=0)
+        assert forward == dq == config
+        assert dkv == (config if hopper else dataclasses.replace(config, block_q_dkv=32))
+        assert configs(target, 128, window_left=256, window_right=0)[3] == configs(target, 128)[0]

@@ -47,7 +47,7 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
 
     - 16-bit inputs at head dim 64 with a `bias` or `mask`: 8 warps (every GPU). On 4 the 128 x 64 tile
       spilled 28 B on sm_90a and 8 B on sm_80 with a float32 bias tile, 32 B on sm_86 with a mask tile; on 8
-      a bias holds 173-182 registers;
+      a bias holds 173-182 registers. Dropout too: on 4 it spilled 24-52 B, on 8 it holds 163-172 (7c);
     - 16-bit inputs at head dim 128 on a GPU without wgmma (sm_80 / sm_86) with a score_mod that gathers a
       whole score tile from a captured array (a relative bias's `table[h, q_idx - kv_idx]`: an address and a
       value per score): a key tile of at most 32; 128 x 64 used 255 registers and spilled 40-56 B, 128 x 32
@@ -59,7 +59,8 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
 
     Halving a power-of-two tile keeps it a divisor of the padded lengths and of every block table's block."""
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
-    if sixteen_bit and head_dim <= 64 and (problem.bias_shape is not None or problem.mask_shape is not None):
+    if sixteen_bit and head_dim <= 64 and (problem.bias_shape is not None or problem.mask_shape is not None
+                                           or problem.features.dropout_rate > 0):
         config = dataclasses.replace(config, num_warps=max(config.num_warps, 8))
     config = dataclasses.replace(config, **_float32_local(problem, dtype, head_dim)[0])
     if hopper:
@@ -83,7 +84,8 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
 
     - 16-bit inputs with a dense `bias` or GQA on a GPU without wgmma (sm_80 / sm_86): dK/dV steps over 32
       queries at head dim 64 (64 x 64 spilled 16-28 B there with a float32 bias tile, 16 B per query head of
-      GQA: its float32 dK / dV outputs, `dkv_per_query_head`), and over 16 at head dim 256 on a 99 KB GPU
+      GQA: its float32 dK / dV outputs, `dkv_per_query_head`; 16-24 B with a local window, which 32 holds in
+      241-242 registers, Version 7c), and over 16 at head dim 256 on a 99 KB GPU
       (sm_86: 32 x 32 with a float32 bias tile needed 102,400 B of shared memory, and spilled 8 B with GQA);
     - float32 at head dim 64 and 256 with GQA on sm_90a: dK/dV on 4 warps (4-8 B spilled on 8);
     - float32 at head dim 128, dQ: on sm_90a 3 stages, on sm_80 / sm_86 4 warps. On 8 warps and 2 stages
@@ -94,10 +96,11 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
       it spilled 8 B there, on 4 it holds 142-184 registers and 69,632 B of shared memory."""
     config = problem.config
     dq = dkv = config
-    if jnp.dtype(dtype).itemsize == 2 and (problem.bias_shape is not None or problem.group > 1) and not hopper:
-        if head_dim <= 64:
+    tiled = problem.bias_shape is not None or problem.group > 1  # a bias tile, or float32 dK / dV per head
+    if jnp.dtype(dtype).itemsize == 2 and not hopper:
+        if head_dim <= 64 and (tiled or problem.features.window_left is not None):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
-        elif head_dim > 128 and not large_smem:
+        elif head_dim > 128 and not large_smem and tiled:
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
     if _float32_d128(dtype, head_dim):
         dq = dataclasses.replace(config, num_stages=3) if hopper else dataclasses.replace(config, num_warps=4)

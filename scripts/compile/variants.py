@@ -256,8 +256,6 @@ def _call(backend: str, dtype: str, head_dim: int, mode: str, feature: str, **ex
 # and not a silent one. docs/perf-notes.md (Version 7c) has the candidates tried. tests/test_compile_report.py
 # checks that the registry holds every other call of the product.
 NOT_YET_CLEAN = {
-    "flash_grad_d64_bf16_window": "dK/dV 24 B sm_80, 16 B sm_86",
-    "flash_grad_d64_bf16_dropout": "forward 52 B sm_80, 48 B sm_86, 24 B sm_90a",
     "flex_grad_d64_bf16_document_mask": "dK/dV 40 B sm_80 and sm_86",
     "flex_grad_d64_bf16_sliding_window": "dK/dV 40 B sm_80",
     "flex_grad_d64_bf16_softcap_sliding_window": "dK/dV 16 B sm_80",
