@@ -84,9 +84,10 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
 
     - 16-bit inputs with a dense `bias` or GQA on a GPU without wgmma (sm_80 / sm_86): dK/dV steps over 32
       queries at head dim 64 (64 x 64 spilled 16-28 B there with a float32 bias tile, 16 B per query head of
-      GQA: its float32 dK / dV outputs, `dkv_per_query_head`; 16-24 B with a local window, which 32 holds in
-      241-242 registers, Version 7c), and over 16 at head dim 256 on a 99 KB GPU
-      (sm_86: 32 x 32 with a float32 bias tile needed 102,400 B of shared memory, and spilled 8 B with GQA);
+      GQA: its float32 dK / dV outputs, `dkv_per_query_head`; a local window too: 16-24 B, 241-242 registers
+      on 32, Version 7c), and over 16 at head dim 256 on a 99 KB GPU (sm_86: 32 x 32 with a float32 bias
+      tile needed 102,400 B of shared memory, and spilled 8 B with GQA; a score_mod that gathers a score
+      tile, a relative-bias table, needed 102,400 B too, Version 7c);
     - float32 at head dim 64 and 256 with GQA on sm_90a: dK/dV on 4 warps (4-8 B spilled on 8);
     - float32 at head dim 128, dQ: on sm_90a 3 stages, on sm_80 / sm_86 4 warps. On 8 warps and 2 stages
       ptxas held it to 64 registers and spilled 4-32 B with a window, dropout, ALiBi, a dense mask or a
@@ -100,7 +101,7 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     if jnp.dtype(dtype).itemsize == 2 and not hopper:
         if head_dim <= 64 and (tiled or problem.features.window_left is not None):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
-        elif head_dim > 128 and not large_smem and tiled:
+        elif head_dim > 128 and not large_smem and (tiled or _gathers(problem)):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
     if _float32_d128(dtype, head_dim):
         dq = dataclasses.replace(config, num_stages=3) if hopper else dataclasses.replace(config, num_warps=4)
@@ -112,6 +113,12 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     dkv = dataclasses.replace(dkv, **fields)
     dq = dataclasses.replace(dq, **fields) if in_dq else dq
     return dq, dkv
+
+
+def _gathers(problem: _Problem) -> bool:
+    """Whether the call's score_mod gathers a score tile (`gathers_score_tile`) at the tiles it was traced at."""
+    hook, traced = problem.features.score_mod, problem.config
+    return hook is not None and gathers_score_tile(hook, traced.block_q, traced.block_k)
 
 
 def gathers_score_tile(hook: Hook, block_q: int, block_k: int) -> bool:

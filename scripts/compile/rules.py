@@ -8,8 +8,8 @@ import variants as registry
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried. The
 # Triton kernels have none: where a feature spilled on the default tiles, the dispatch retiles that kernel for
-# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7), but for the one
-# entry below (Version 7b). The Mosaic kernels have none (dK/dV with a score_mod: Version 7y).
+# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7), but for the two
+# entries below (Versions 7b, 7c). The Mosaic kernels have none (dK/dV with a score_mod: Version 7y).
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
     ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d256_bf16_dense_bias_f32"): (
@@ -17,6 +17,10 @@ SPILLS = {
               "and the float32 bias tile two more than a 16-bit one (which does not spill). Q K^T at 16 x 64 does "
               "not spill but is mma.sync (wgmma share 0.06); 32 x 64 spilled 148 B, 1 stage 36 B, 3 stages 8 B, "
               "4 warps 2,560 B"),
+    ("probjax_flash_backward_dkv", "sm90a_h100", "flex_grad_d256_bf16_relative_bias"): (
+        8, 8, "head dim 256 dK/dV on K Q^T at 16 x 64 with a relative-bias table gathered per score (an address "
+              "and a value per element beside the 64 x 256 float32 dK and dV): 255 registers. 1 stage spilled "
+              "52 B, 3 stages 8 B, 4 warps 2,560 B (Version 7c); the dense-bias entry above has the rest"),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the

@@ -259,7 +259,6 @@ NOT_YET_CLEAN = {
     "flex_grad_d64_bf16_document_mask": "dK/dV 40 B sm_80 and sm_86",
     "flex_grad_d64_bf16_sliding_window": "dK/dV 40 B sm_80",
     "flex_grad_d64_bf16_softcap_sliding_window": "dK/dV 16 B sm_80",
-    "flex_grad_d256_bf16_relative_bias": "dK/dV 8 B sm_90a; over sm_86's 99 KB of shared memory",
     "flex_grad_d64_f32_softcap_sliding_window": "dQ 8 B sm_80, 60 B sm_86",
     "flex_grad_d256_f32_document_mask": "dQ 16 B sm_80; dK/dV 20 B sm_80, 52 B sm_86, 24 B sm_90a",
     "flex_grad_d256_f32_sliding_window": "dQ 20 B sm_80, 4 B sm_86; dK/dV 32 B sm_80, 52 B sm_86, 36 B sm_90a",
@@ -488,4 +487,5 @@ def variants() -> list[Variant]:
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
+
 
