@@ -24,17 +24,29 @@ def output_and_grads(f, args, cotangent, *, has_aux=False):
     """`f(*args)` and the gradients of `sum(f(*args) * cotangent)` for every arg, from one forward pass
     (jax.vjp): an interpret-mode forward costs as much as the backward, so tests check both from one run.
     With `has_aux`, f returns (out, aux) (such as lse), aux is not differentiated, and the first result is
-    (out, aux)."""
-    if not has_aux:
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(cotangent, out.dtype))
-    out, vjp, aux = jax.vjp(f, *args, has_aux=True)
-    return (out, aux), vjp(jnp.asarray(cotangent, out.dtype))
+    (out, aux). Runs under one jax.jit: eagerly, every op of the forward and of the backward is an XLA
+    compile of its own, which costs far more than running the tests' tiny shapes."""
+
+    @jax.jit
+    def run(args, cotangent):
+        if not has_aux:
+            out, vjp = jax.vjp(f, *args)
+            return out, vjp(jnp.asarray(cotangent, out.dtype))
+        out, vjp, aux = jax.vjp(f, *args, has_aux=True)
+        return (out, aux), vjp(jnp.asarray(cotangent, out.dtype))
+
+    return run(tuple(args), cotangent)
+
+
+def to_float32(x) -> np.ndarray:
+    """`x` (a jax or NumPy array of any float dtype, bfloat16 included) as a float32 NumPy array: the values of
+    `jnp.asarray(x, jnp.float32)`, converted on the host instead of by an eager XLA compile per shape."""
+    return np.asarray(x).astype(np.float32)
 
 
 def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    actual = to_float32(actual).astype(np.float64)
+    expected = to_float32(expected).astype(np.float64)
     assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
     assert np.isfinite(actual).all(), f"{name}: non-finite values"
     denominator = max(np.abs(expected).max(), 1.0)
@@ -45,7 +57,7 @@ def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):
 def numpy_attention(q, k, v, *, allowed=None, bias=None, scale=None):
     """Float64 softmax attention from first principles; `allowed` is a bool array broadcastable to
     [B, N, T, S]. Returns (out [B, T, N, D], lse [B, N, T]); rows with no allowed key give 0 and -inf."""
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    q, k, v = (to_float32(x).astype(np.float64) for x in (q, k, v))
     batch, q_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     k = np.repeat(k, group, axis=2)
@@ -53,7 +65,7 @@ def numpy_attention(q, k, v, *, allowed=None, bias=None, scale=None):
     scale = head_dim**-0.5 if scale is None else scale
     scores = np.einsum("btnd,bsnd->bnts", q, k) * scale
     if bias is not None:
-        scores = scores + np.asarray(jnp.asarray(bias, jnp.float32), np.float64)
+        scores = scores + to_float32(bias).astype(np.float64)
     allowed = np.ones(scores.shape, bool) if allowed is None else np.broadcast_to(allowed, scores.shape)
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)

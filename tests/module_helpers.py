@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import TOLERANCE
+from helpers import TOLERANCE, to_float32
 
 # Tiny shapes: Pallas runs in interpret mode on the CPU. Head dim = FEATURES / HEADS = 8.
 BATCH, SEQ, FEATURES, HEADS = 2, 12, 32, 4
@@ -33,9 +33,9 @@ def assert_trees_close(actual, expected, dtype=jnp.float32, name: str = "", fact
     actual_leaves, actual_def = jax.tree.flatten(actual)
     expected_leaves, expected_def = jax.tree.flatten(expected)
     assert actual_def == expected_def, (name, actual_def, expected_def)
-    scale = max(float(jnp.max(jnp.abs(jnp.asarray(e, jnp.float32)))) for e in expected_leaves)
+    scale = max(float(np.max(np.abs(to_float32(e)))) for e in expected_leaves)
     for index, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
-        a, e = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, e))
+        a, e = (to_float32(x).astype(np.float64) for x in (a, e))
         assert a.shape == e.shape, (f"{name}[{index}]", a.shape, e.shape)
         assert np.isfinite(a).all(), f"{name}[{index}]: non-finite values"
         error = np.abs(a - e).max() / max(scale, 1e-6)

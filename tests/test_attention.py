@@ -74,8 +74,9 @@ def _assert_close(actual, expected, tol=TOL):
 @pytest.mark.parametrize("case", AGREEING_CASES)
 def test_matches_jax(case, impl):
     (q, k, v), kwargs = _split_case(case)
-    expected = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
-    out = attention(q, k, v, impl=impl, **kwargs)
+    # Under jit: eagerly, every op of either is an XLA compile of its own.
+    expected = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs))(q, k, v)
+    out = jax.jit(lambda q, k, v: attention(q, k, v, impl=impl, **kwargs))(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, expected)
 
@@ -89,8 +90,8 @@ def test_rank3_matches_jax(impl):
         "key_value_seq_lengths": jnp.array([31], jnp.int32),
         "local_window_size": (7, 2),
     }
-    expected = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
-    out = attention(q, k, v, impl=impl, **kwargs)
+    expected = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs))(q, k, v)
+    out = jax.jit(lambda q, k, v: attention(q, k, v, impl=impl, **kwargs))(q, k, v)
     assert out.shape == (Q_LEN, HEADS, HEAD_DIM)
     _assert_close(out, expected)
 
@@ -102,10 +103,10 @@ def test_return_residual_matches_jax(rank, impl):
     kwargs = {"bias": _normal(4, (1, HEADS, Q_LEN, KV_LEN)), "is_causal": True}
     if rank == 3:
         q, k, v = q[0], k[0], v[0]
-    expected_out, expected_lse = jax.nn.dot_product_attention(
+    expected_out, expected_lse = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, implementation="xla", return_residual=True, **kwargs
-    )
-    out, lse = attention(q, k, v, impl=impl, return_residual=True, **kwargs)
+    ))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: attention(q, k, v, impl=impl, return_residual=True, **kwargs))(q, k, v)
     assert lse.shape == expected_lse.shape == q.shape[:-1]  # [B, T, N] or [T, N]
     assert lse.dtype == jnp.float32
     _assert_close(out, expected_out)
@@ -123,15 +124,17 @@ def test_fully_masked_rows_match_reference(impl):
     q, k, v = _qkv()
     mask = _mask_with_empty_rows()
     kv_lengths = jnp.array([KV_LEN, 0], jnp.int32)  # batch 1: every row is empty
-    out, lse = attention(q, k, v, mask=mask, key_value_seq_lengths=kv_lengths, impl=impl, return_residual=True)
-    expected_out, expected_lse = flash_attention_reference(
+    out, lse = jax.jit(lambda q, k, v: attention(q, k, v, mask=mask, key_value_seq_lengths=kv_lengths, impl=impl,
+                                                 return_residual=True))(q, k, v)
+    expected_out, expected_lse = jax.jit(lambda q, k, v: flash_attention_reference(
         q, k, v, mask=mask, kv_lengths=kv_lengths, return_lse=True
-    )
+    ))(q, k, v)
     _assert_close(out, expected_out)
-    _assert_close(lse, jnp.swapaxes(expected_lse, 1, 2))
-    empty = (out[0, jnp.array([3, 10])], out[1])
-    assert all(float(jnp.abs(rows).max()) == 0.0 for rows in empty)
-    assert np.all(np.asarray(lse[0, jnp.array([3, 10])]) == -np.inf)
+    _assert_close(lse, np.swapaxes(np.asarray(expected_lse), 1, 2))
+    out = np.asarray(out)
+    empty = (out[0, np.array([3, 10])], out[1])
+    assert all(float(np.abs(rows).max()) == 0.0 for rows in empty)
+    assert np.all(np.asarray(lse)[0, np.array([3, 10])] == -np.inf)
     assert np.all(np.asarray(lse[1]) == -np.inf)
     assert np.isfinite(np.asarray(lse[0, :3])).all()
 
@@ -145,7 +148,7 @@ def _loss_and_grads(impl: str, q, k, v, bias, **kwargs):
         lse_cotangent = _normal(7, lse.shape)
         return jnp.sum(out * out_cotangent) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * lse_cotangent)
 
-    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)  # one compile, not one per eager op
 
 
 @pytest.mark.parametrize(
@@ -312,16 +315,24 @@ def _even_keys_hook(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("impl", ["flex", "xla", "auto"])
 def test_hooks_with_every_jax_argument(impl):
     (q, k, v), kwargs = _split_case("everything")
-    out, lse = attention(q, k, v, impl=impl, score_mod=_alibi_hook, mask_mod=_even_keys_hook, return_residual=True,
-                         **kwargs)
-    # Independent expectation: the hooks as an additive bias and a bool mask through jax.nn.
-    b, h, q_idx, kv_idx = (jnp.arange(n).reshape(shape) for n, shape in (
-        (BATCH, (BATCH, 1, 1, 1)), (HEADS, (1, HEADS, 1, 1)), (Q_LEN, (1, 1, Q_LEN, 1)), (KV_LEN, (1, 1, 1, KV_LEN))))
-    extra_bias = _alibi_hook(jnp.zeros((BATCH, HEADS, Q_LEN, KV_LEN)), b, h, q_idx, kv_idx)
-    expected, expected_lse = jax.nn.dot_product_attention(
-        q, k, v, implementation="xla", return_residual=True,
-        **dict(kwargs, bias=kwargs["bias"] + extra_bias, mask=kwargs["mask"] & _even_keys_hook(b, h, q_idx, kv_idx)),
-    )
+    # Both under jit: eagerly, every op is an XLA compile of its own.
+    out, lse = jax.jit(lambda q, k, v: attention(q, k, v, impl=impl, score_mod=_alibi_hook, mask_mod=_even_keys_hook,
+                                                 return_residual=True, **kwargs))(q, k, v)
+
+    @jax.jit
+    def expectation(q, k, v):
+        # Independent expectation: the hooks as an additive bias and a bool mask through jax.nn.
+        b, h, q_idx, kv_idx = (jnp.arange(n).reshape(shape) for n, shape in (
+            (BATCH, (BATCH, 1, 1, 1)), (HEADS, (1, HEADS, 1, 1)), (Q_LEN, (1, 1, Q_LEN, 1)),
+            (KV_LEN, (1, 1, 1, KV_LEN))))
+        extra_bias = _alibi_hook(jnp.zeros((BATCH, HEADS, Q_LEN, KV_LEN)), b, h, q_idx, kv_idx)
+        return jax.nn.dot_product_attention(
+            q, k, v, implementation="xla", return_residual=True,
+            **dict(kwargs, bias=kwargs["bias"] + extra_bias,
+                   mask=kwargs["mask"] & _even_keys_hook(b, h, q_idx, kv_idx)),
+        )
+
+    expected, expected_lse = expectation(q, k, v)
     _assert_close(out, expected)
     defined = np.arange(Q_LEN)[None, :] < np.asarray(kwargs["query_seq_lengths"])[:, None]  # jax: -2e38 past it
     _assert_close(np.asarray(lse)[defined], np.asarray(expected_lse)[defined])

@@ -17,11 +17,12 @@ def test_vmap_over_an_extra_axis_forward_and_grad():
     def loss(attention_fn, q, k, v):
         return jnp.sum(jnp.sin(attention_fn(q, k, v, causal=True, config=TILES)))
 
-    out = jax.vmap(lambda q, k, v: flash_attention(q, k, v, causal=True, config=TILES))(qs, ks, vs)
-    expected = jax.vmap(lambda q, k, v: flash_attention_reference(q, k, v, causal=True))(qs, ks, vs)
+    # Each under jit: eagerly, every op is an XLA compile of its own.
+    out = jax.jit(jax.vmap(lambda q, k, v: flash_attention(q, k, v, causal=True, config=TILES)))(qs, ks, vs)
+    expected = jax.jit(jax.vmap(lambda q, k, v: flash_attention_reference(q, k, v, causal=True)))(qs, ks, vs)
     assert_close(out, expected, jnp.float32)
-    grads = jax.vmap(jax.grad(lambda *a: loss(flash_attention, *a), (0, 1, 2)))(qs, ks, vs)
-    expected = jax.vmap(jax.grad(lambda *a: loss(flash_attention_reference, *a), (0, 1, 2)))(qs, ks, vs)
+    grads = jax.jit(jax.vmap(jax.grad(lambda *a: loss(flash_attention, *a), (0, 1, 2))))(qs, ks, vs)
+    expected = jax.jit(jax.vmap(jax.grad(lambda *a: loss(flash_attention_reference, *a), (0, 1, 2))))(qs, ks, vs)
     for a, e in zip(grads, expected):
         assert_close(a, e, jnp.float32)
 

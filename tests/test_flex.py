@@ -21,7 +21,7 @@ DOCS = jnp.array([[0] * 40 + [1] * 60, [0] * 10 + [1] * 85 + [2] * 5], jnp.int32
 def flex_gradients(fn, q, k, v, score_mod, block_mask, **kwargs):
     cotangent = jax.random.normal(jax.random.key(77), q.shape, jnp.float32)
     loss = lambda q, k, v: jnp.sum(fn(q, k, v, score_mod, block_mask, **kwargs).astype(jnp.float32) * cotangent)  # noqa: E731
-    return jax.grad(loss, (0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
 
 def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
@@ -34,7 +34,7 @@ def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
         fn = lambda q, k, v: attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)  # noqa: E731
         if grads:
             return output_and_grads(fn, (q, k, v), cotangent, has_aux=True)
-        return fn(q, k, v), ()
+        return jax.jit(fn)(q, k, v), ()
 
     (out, lse), actual = run(flex_attention)
     (expected, expected_lse), reference = run(flex_attention_reference)
@@ -71,7 +71,8 @@ def test_block_mask_matches_numpy_mask():
     block_mask = MASKS["documents_causal"]()
     allowed = numpy_allowed(2, T, T, causal=True, q_segment_ids=DOCS, kv_segment_ids=DOCS)
     expected, _ = numpy_attention(q, k, v, allowed=allowed)
-    assert_close(flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), expected, jnp.float32)
+    actual = jax.jit(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))(q, k, v)
+    assert_close(actual, expected, jnp.float32)
 
 
 def test_sliding_window_keeps_distances_up_to_and_including_w():
@@ -84,7 +85,8 @@ def test_sliding_window_keeps_distances_up_to_and_including_w():
     q, k, v = random_qkv(43, 1, 12, 12, 2, 2, 16)
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(3)), None, None, 12, 12)
     expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 12, 12, causal=True, window=(3, 3)))
-    assert_close(flex_attention_reference(q, k, v, None, block_mask), expected, jnp.float32)
+    actual = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask))(q, k, v)
+    assert_close(actual, expected, jnp.float32)
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match=r"window must be an int >= 0"):
             sliding_window(bad)
@@ -120,8 +122,9 @@ def test_decoding_one_query_against_a_cache():
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= offset[b] + q_idx, 2, None, 1, 300,
                                    block_size=(16, 64))
     out = check_flex(q, k, v, alibi(alibi_slopes(4)), block_mask, grads=False)
-    expected = flash_attention(q, k, v, kv_lengths=offset + 1, bias=None)
-    assert_close(flex_attention(q, k, v, None, block_mask, enable_gqa=True), expected, jnp.float32)
+    expected = jax.jit(lambda q, k, v: flash_attention(q, k, v, kv_lengths=offset + 1, bias=None))(q, k, v)
+    actual = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True))(q, k, v)
+    assert_close(actual, expected, jnp.float32)
     assert out.shape == q.shape
 
 
@@ -140,7 +143,7 @@ def test_captured_array_gradients_are_exact_and_deterministic():
 
     grad = jax.jit(jax.grad(lambda s, t: loss(flex_attention, s, t), (0, 1)))
     actual = grad(slopes, table)
-    expected = jax.grad(lambda s, t: loss(flex_attention_reference, s, t), (0, 1))(slopes, table)
+    expected = jax.jit(jax.grad(lambda s, t: loss(flex_attention_reference, s, t), (0, 1)))(slopes, table)
     for a, e in zip(actual, expected):
         assert_close(a, e, jnp.float32)
     again = grad(slopes, table)
@@ -162,14 +165,16 @@ class LearnedAlibi:
 def test_module_hook_trains_through_the_kernel():
     q, k, v = random_qkv(49, 1, 64, 64, 2, 2, 32)
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
-    causal_target = flex_attention_reference(q, k, v, alibi(jnp.array([0.5, 0.05])), block_mask)
+    causal_target = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, alibi(jnp.array([0.5, 0.05])),
+                                                                     block_mask))(q, k, v)
 
     def loss(module):
         return jnp.mean((flex_attention(q, k, v, module, block_mask) - causal_target) ** 2)
 
     module = LearnedAlibi(jnp.zeros(2))
     grad = jax.jit(jax.grad(loss))
-    expected = jax.grad(lambda m: jnp.mean((flex_attention_reference(q, k, v, m, block_mask) - causal_target) ** 2))
+    expected = jax.jit(jax.grad(
+        lambda m: jnp.mean((flex_attention_reference(q, k, v, m, block_mask) - causal_target) ** 2)))
     assert_close(grad(module).slopes, expected(module).slopes, jnp.float32)
     losses, jitted_loss = [], jax.jit(loss)
     for _ in range(20):
@@ -193,11 +198,11 @@ def test_empty_tiles_are_really_skipped():
     q, k, v = random_qkv(50, 1, 128, 128, 2, 2, 32)
     poison = jnp.zeros((1, 128, 2, 32)).at[:, 96:].set(jnp.nan)
     block_mask = create_block_mask(causal_mask, None, None, 128, 128, block_size=32)
-    out = flex_attention(q, k + poison, v + poison, None, block_mask)
-    expected = flex_attention_reference(q, k, v, None, block_mask)
+    out = jax.jit(lambda q, k, v: flex_attention(q, k + poison, v + poison, None, block_mask))(q, k, v)
+    expected = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask))(q, k, v)
     assert_close(out[:, :96], expected[:, :96], jnp.float32)
     tiles = FlashConfig(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32)
-    out = flash_attention(q, k + poison, v + poison, causal=True, config=tiles)
+    out = jax.jit(lambda q, k, v: flash_attention(q, k + poison, v + poison, causal=True, config=tiles))(q, k, v)
     assert_close(out[:, :96], expected[:, :96], jnp.float32)
 
 
@@ -218,8 +223,9 @@ def test_per_batch_documents_under_jit_do_not_retrace():
 
     for split in (10, 50):
         ids = jnp.concatenate([jnp.zeros((2, split), jnp.int32), jnp.ones((2, 64 - split), jnp.int32)], axis=1)
-        expected = flex_attention_reference(
-            q, k, v, None, create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64))
+        expected = jax.jit(lambda q, k, v, ids: flex_attention_reference(
+            q, k, v, None, create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64)))(
+            q, k, v, ids)
         assert_close(run(q, k, v, ids), expected, jnp.float32)
         block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 64, 64, block_size=32)
         assert_close(run_with_mask(q, k, v, block_mask), expected, jnp.float32)
@@ -231,11 +237,14 @@ def test_dropout_matches_reference_and_is_reproducible():
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
     kwargs = dict(dropout_rate=0.3, dropout_seed=jnp.uint32(11), enable_gqa=True)
     out = check_flex(q, k, v, softcap(4.0), block_mask, **kwargs)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(flex_attention(q, k, v, softcap(4.0), block_mask, **kwargs)))
-    other = flex_attention(q, k, v, softcap(4.0), block_mask, dropout_rate=0.3, dropout_seed=12, enable_gqa=True)
-    assert float(jnp.abs(other - out).max()) > 1e-2
-    flash = flash_attention(q, k, v, causal=True, dropout_rate=0.3, dropout_seed=11)
-    assert_close(flash, flex_attention_reference(q, k, v, None, block_mask, **kwargs), jnp.float32)
+    again = jax.jit(lambda q, k, v: flex_attention(q, k, v, softcap(4.0), block_mask, **kwargs))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+    other = jax.jit(lambda q, k, v: flex_attention(q, k, v, softcap(4.0), block_mask, dropout_rate=0.3,
+                                                   dropout_seed=12, enable_gqa=True))(q, k, v)
+    assert float(np.abs(np.asarray(other) - np.asarray(out)).max()) > 1e-2
+    flash = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, dropout_rate=0.3, dropout_seed=11))(q, k, v)
+    expected = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask, **kwargs))(q, k, v)
+    assert_close(flash, expected, jnp.float32)
 
 
 def test_dropout_keep_mask_statistics():
@@ -306,8 +315,8 @@ def test_vmap_over_inputs_and_captured_arrays():
     def loss(fn, slopes, q):
         return jnp.sum(fn(q, q, q, alibi(slopes), block_mask) ** 2)
 
-    grads = jax.vmap(jax.grad(lambda s, q: loss(flex_attention, s, q), (0, 1)))(slopes, q)
-    expected = jax.vmap(jax.grad(lambda s, q: loss(flex_attention_reference, s, q), (0, 1)))(slopes, q)
+    grads = jax.jit(jax.vmap(jax.grad(lambda s, q: loss(flex_attention, s, q), (0, 1))))(slopes, q)
+    expected = jax.jit(jax.vmap(jax.grad(lambda s, q: loss(flex_attention_reference, s, q), (0, 1))))(slopes, q)
     for a, e in zip(grads, expected):
         assert_close(a, e, jnp.float32)
 
@@ -318,9 +327,10 @@ def test_hooks_with_jax_enable_x64():
     with jax.enable_x64(True):
         block_mask = create_block_mask(causal_mask, None, None, 40, 40)
         score_mod = softcap(2.0)
-        out = flex_attention(q, k, v, score_mod, block_mask)
-        assert_close(out, flex_attention_reference(q, k, v, score_mod, block_mask), jnp.float32)
-        grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, score_mod, block_mask)))(q)
+        out = jax.jit(lambda q, k, v: flex_attention(q, k, v, score_mod, block_mask))(q, k, v)
+        expected = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, score_mod, block_mask))(q, k, v)
+        assert_close(out, expected, jnp.float32)
+        grads = [jax.jit(jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, score_mod, block_mask))))(q)
                  for f in (flex_attention, flex_attention_reference)]
         assert_close(grads[0], grads[1], jnp.float32, "dq")
 
@@ -346,6 +356,7 @@ def test_kernels_retiled_per_call_stay_exact(monkeypatch):
     check_flex(q, k, v, relative_bias(table), block_mask, config=config)
     d_q = jax.random.normal(jax.random.key(51), q.shape)
     calls = ((flex_attention, dict(config=config)), (flex_attention_reference, {}))
-    tangents = [jax.jvp(lambda q: fn(q, k, v, relative_bias(table), block_mask, enable_gqa=True, **extra), (q,),
-                        (d_q,))[1] for fn, extra in calls]
+    tangents = [jax.jit(lambda q, d_q, fn=fn, extra=extra: jax.jvp(
+        lambda q: fn(q, k, v, relative_bias(table), block_mask, enable_gqa=True, **extra), (q,), (d_q,))[1])(q, d_q)
+                for fn, extra in calls]
     assert_close(tangents[0], tangents[1], q.dtype, "d out")

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_attention, random_qkv
+from helpers import assert_close, numpy_attention, output_and_grads, random_qkv
 
 import probjax_kernels
 from probjax_kernels import (
@@ -49,9 +49,11 @@ def test_return_aux_lse_and_max_scores():
                                    BLOCK_SIZE=32)
     cap = softcap(3.0)
     both = AuxRequest(lse=True, max_scores=True)
-    out, aux = flex_attention(q, k, v, cap, block_mask, return_aux=both)
+    # Under jit: eagerly, every op is an XLA compile of its own.
+    out, aux = jax.jit(lambda q, k, v: flex_attention(q, k, v, cap, block_mask, return_aux=both))(q, k, v)
     assert isinstance(aux, AuxOutput)
-    ref_out, ref_aux = flex_attention_reference(q, k, v, cap, block_mask, return_aux=both)
+    ref_out, ref_aux = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, cap, block_mask,
+                                                                        return_aux=both))(q, k, v)
     assert_close(out, ref_out, jnp.float32)
     # max_scores: float64 NumPy, independent of the library
     qn, kn = (np.asarray(x, np.float64) for x in (q, k))
@@ -160,7 +162,8 @@ def test_block_mask_indexing_keeps_the_attention_of_those_rows():
     assert block_mask[::2].shape == (2, 1, T, T) and block_mask[-1].shape == (1, 1, T, T)
     np.testing.assert_array_equal(block_mask[::2].kv_indices, block_mask.kv_indices[::2])
     sliced = block_mask[1:]
-    out = flex_attention(q[1:], k[1:], v[1:], None, sliced)  # its mask_mod still reads the documents of 1, 2
+    # its mask_mod still reads the documents of 1, 2
+    out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, sliced))(q[1:], k[1:], v[1:])
     for row, b in enumerate((1, 2)):
         allowed = CAUSAL & (np.asarray(ids[b])[:, None] == np.asarray(ids[b])[None, :])
         expected, _ = numpy_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], allowed=allowed)
@@ -186,7 +189,8 @@ def test_from_kv_blocks_derives_the_q_tables_and_runs():
     np.testing.assert_array_equal(block_causal.q_num_blocks[0, 0], [3, 2, 1])
     q, k, v = random_qkv(4, 1, 96, 96, 2, 2, 16)
     allowed = np.kron(np.tril(np.ones((3, 3), bool)), np.ones((32, 32), bool))
-    assert_close(flex_attention(q, k, v, None, block_causal), numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
+    out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_causal))(q, k, v)
+    assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
     with pytest.raises(ValueError, match="kv_num_blocks must lie in \\[0, 3\\]"):
         BlockMask.from_kv_blocks(kv_num_blocks + 1, kv_indices, BLOCK_SIZE=32)
     with pytest.raises(ValueError, match="must have ceil\\(q_len / block_q\\)"):
@@ -207,7 +211,7 @@ def test_as_tuple_and_adjust():
         assert adjusted.shape == (1, 1, q_len, kv_len)
     assert block_mask._adjust(70, 50).seq_lengths == (70, 50)
     q, k, v = random_qkv(5, 1, 70, 50, 2, 2, 16)
-    assert_close(flex_attention(q, k, v, None, block_mask.adjust(70, 50)),
+    assert_close(jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_mask.adjust(70, 50)))(q, k, v),
                  numpy_attention(q, k, v, allowed=np.tril(np.ones((70, 50), bool)))[0], jnp.float32)
     with pytest.raises(ValueError, match="crop it with block_mask.adjust\\(70, 50\\)"):
         flex_attention(q, k, v, None, block_mask)
@@ -227,7 +231,8 @@ def test_broadcast_block_mask_whose_mask_mod_reads_b_or_h_is_refused():
     per_batch = lambda b, h, q_idx, kv_idx: kv_idx < lengths[b]  # noqa: E731
     with pytest.raises(ValueError, match="built for B=1 \\(or None\\) but its mask_mod reads b.*pass B=2"):
         flex_attention(q, k, v, None, create_block_mask(per_batch, None, 2, T, T, BLOCK_SIZE=16))
-    out = flex_attention(q, k, v, None, create_block_mask(per_head, None, 2, T, T, BLOCK_SIZE=16))
+    per_head_mask = create_block_mask(per_head, None, 2, T, T, BLOCK_SIZE=16)
+    out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, per_head_mask))(q, k, v)
     rows, cols = np.arange(T)[:, None], np.arange(T)[None, :]
     allowed = np.stack([(rows >= cols) & (rows - cols <= w) for w in (40, 5)])[None]
     assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
@@ -301,14 +306,14 @@ def test_odd_block_sizes_run_exactly():
                                           BLOCK_SIZE=8, compute_q_blocks=False)
     allowed = np.kron(pattern, np.ones((8, 8), bool))
     cotangent = jnp.cos(jnp.arange(40 * 2 * 16.0)).reshape(1, 40, 2, 16)
-    out, vjp = jax.vjp(lambda q, k, v: flex_attention(q, k, v, None, block_mask), q, k, v)
+    out, grads = output_and_grads(lambda q, k, v: flex_attention(q, k, v, None, block_mask), (q, k, v), cotangent)
     assert_close(out, numpy_attention(q, k, v, allowed=allowed)[0], jnp.float32)
     with jax.enable_x64(True):
         wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, cotangent)]
-        _, dense_vjp = jax.vjp(lambda q, k, v: probjax_kernels.flash_attention_reference(
-            q, k, v, mask=jnp.asarray(allowed)), *wide[:3])
-        expected = dense_vjp(wide[3])
-    for name, got, want in zip("qkv", vjp(cotangent), expected):
+        _, expected = output_and_grads(lambda q, k, v: probjax_kernels.flash_attention_reference(
+            q, k, v, mask=jnp.asarray(allowed)), wide[:3], wide[3])
+        assert all(x.dtype == jnp.float64 for x in expected)
+    for name, got, want in zip("qkv", grads, expected):
         assert_close(got, want, jnp.float32, name)
 
 
@@ -325,7 +330,7 @@ def test_block_mask_indexing_by_query_block_and_integer_arrays():
     np.testing.assert_array_equal(picked.full_kv_num_blocks, np.asarray(block_mask.full_kv_num_blocks)[[2, 0]][:, :, [2, 0]])
     q, k, v = random_qkv(9, 3, 96, 96, 2, 2, 16)
     rows, batches = np.r_[64:96, 0:32], np.array([2, 0])
-    out = flex_attention(q[batches][:, rows], k[batches], v[batches], None, picked)
+    out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, picked))(q[batches][:, rows], k[batches], v[batches])
     for i, b in enumerate((2, 0)):
         allowed = (rows[:, None] >= np.arange(96)) & (np.asarray(ids[b])[rows][:, None] == np.asarray(ids[b]))
         assert_close(out[i:i + 1], numpy_attention(q[b:b + 1, rows], k[b:b + 1], v[b:b + 1], allowed=allowed)[0],
@@ -385,12 +390,13 @@ def test_block_mask_query_block_selection_rebuilds_the_key_block_tables():
     rows = np.r_[32:48, 0:16]
     q, k, v = random_qkv(3, 1, 64, 64, 1, 1, 16)
     cotangent = jnp.sin(jnp.arange(32 * 16.0)).reshape(1, 32, 1, 16)
-    _, vjp = jax.vjp(lambda q, k, v: flex_attention(q, k, v, None, picked), q[:, rows], k, v)
+    _, grads = output_and_grads(lambda q, k, v: flex_attention(q, k, v, None, picked), (q[:, rows], k, v),
+                                cotangent)
     allowed = rows[:, None] >= np.arange(64)
     with jax.enable_x64(True):
         wide = [jnp.asarray(x, jnp.float64) for x in (q[:, rows], k, v, cotangent)]
-        _, dense_vjp = jax.vjp(lambda q, k, v: probjax_kernels.flash_attention_reference(
-            q, k, v, mask=jnp.asarray(allowed)), *wide[:3])
-        expected = dense_vjp(wide[3])
-    for name, got, want in zip("qkv", vjp(cotangent), expected):
+        _, expected = output_and_grads(lambda q, k, v: probjax_kernels.flash_attention_reference(
+            q, k, v, mask=jnp.asarray(allowed)), wide[:3], wide[3])
+        assert all(x.dtype == jnp.float64 for x in expected)
+    for name, got, want in zip("qkv", grads, expected):
         assert_close(got, want, jnp.float32, name)

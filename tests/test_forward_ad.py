@@ -29,7 +29,7 @@ def tangents_like(seed: int, *arrays):
 def check_jvp(fn, reference, primals, tangents, dtype, factor: float = 1.0):
     """jax.jvp of `fn` against jax.jvp of `reference`; both return (out, lse)."""
     (out, lse), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(fn, p, t))(primals, tangents)
-    (e_out, e_lse), (e_d_out, e_d_lse) = jax.jvp(reference, primals, tangents)
+    (e_out, e_lse), (e_d_out, e_d_lse) = jax.jit(lambda p, t: jax.jvp(reference, p, t))(primals, tangents)
     assert_close(out, e_out, dtype, "out")
     assert_close(d_out, e_d_out, dtype, "d_out", factor)
     finite = np.isfinite(np.asarray(e_lse))
@@ -140,14 +140,23 @@ def test_linearize_and_jacfwd():
         return lambda q, k: attention(q, k, v, causal=True, **extra)
 
     ours, reference = fn(flash_attention, config=TILES), fn(flash_attention_reference)
-    out, linear = jax.linearize(ours, q, k)
-    expected_out, expected_linear = jax.linearize(reference, q, k)
+    tangent_sets = [tangents_like(seed, q, k) for seed in (10, 11)]
+
+    # Each linearization and its linear map applied to both tangent sets in one jit: eagerly, every op of
+    # the primal and of the linear map is an XLA compile of its own.
+    @functools.partial(jax.jit, static_argnums=0)
+    def linearized(f, q, k, tangent_sets):
+        out, linear = jax.linearize(f, q, k)
+        return out, [linear(dq, dk) for dq, dk in tangent_sets]
+
+    out, linear_outs = linearized(ours, q, k, tangent_sets)
+    expected_out, expected_linear_outs = linearized(reference, q, k, tangent_sets)
     assert_close(out, expected_out, jnp.float32)
-    for seed in (10, 11):
-        dq, dk = tangents_like(seed, q, k)
-        assert_close(linear(dq, dk), expected_linear(dq, dk), jnp.float32)
+    for linear_out, expected_linear_out in zip(linear_outs, expected_linear_outs):
+        assert_close(linear_out, expected_linear_out, jnp.float32)
     for argnum in (0, 1):
-        assert_close(jax.jacfwd(ours, argnum)(q, k), jax.jacfwd(reference, argnum)(q, k), jnp.float32)
+        assert_close(jax.jit(jax.jacfwd(ours, argnum))(q, k), jax.jit(jax.jacfwd(reference, argnum))(q, k),
+                     jnp.float32)
 
 
 def test_grad_of_jvp_and_hessian():
@@ -166,14 +175,14 @@ def test_grad_of_jvp_and_hessian():
         return jnp.sum(weights * tangent) + jnp.sum(attention(q, k, v) ** 2)
 
     actual = jax.jit(jax.grad(functools.partial(jvp_loss, ours), (0, 1, 2)))(q, k, v)
-    expected = jax.grad(functools.partial(jvp_loss, reference), (0, 1, 2))(q, k, v)
+    expected = jax.jit(jax.grad(functools.partial(jvp_loss, reference), (0, 1, 2)))(q, k, v)
     for name, a, e in zip(("q", "k", "v"), actual, expected):
         assert_close(a, e, jnp.float32, name)
 
     small_q, small_k, small_v = random_qkv(15, 1, 4, 4, 1, 1, 4)
     scalar = lambda attention: lambda k: jnp.sum(jnp.sin(attention(small_q, k, small_v)))  # noqa: E731
-    hessian = jax.hessian(scalar(functools.partial(flash_attention, causal=True, config=TILES)))(small_k)
-    expected = jax.hessian(scalar(functools.partial(flash_attention_reference, causal=True)))(small_k)
+    hessian = jax.jit(jax.hessian(scalar(functools.partial(flash_attention, causal=True, config=TILES))))(small_k)
+    expected = jax.jit(jax.hessian(scalar(functools.partial(flash_attention_reference, causal=True))))(small_k)
     assert_close(hessian, expected, jnp.float32)
 
 
@@ -252,8 +261,8 @@ def test_flex_jvp_with_an_integer_capture_and_a_sliding_window():
     check_jvp(fn(flex_attention), fn(flex_attention_reference), primals, tangents_like(22, *primals), jnp.float32)
     # and the gradient of the table, which now holds an int neighbour
     loss = lambda attention: lambda k, table: jnp.sum(fn(attention)(k, table)[0] ** 2)  # noqa: E731
-    for a, e in zip(jax.grad(loss(flex_attention), (0, 1))(*primals),
-                    jax.grad(loss(flex_attention_reference), (0, 1))(*primals)):
+    for a, e in zip(jax.jit(jax.grad(loss(flex_attention), (0, 1)))(*primals),
+                    jax.jit(jax.grad(loss(flex_attention_reference), (0, 1)))(*primals)):
         assert_close(a, e, jnp.float32)
 
 
@@ -272,12 +281,16 @@ def test_nnx_module_jvp_in_inputs_and_parameters():
 
     def jvp(module):
         graphdef, params = nnx.split(module)
-        d_params = jax.tree.map(lambda p: 0.1 * jnp.cos(p), params)
 
         def call(params, x):
             return nnx.merge(graphdef, params)(x, mask=padding_mask(), is_causal=True)
 
-        return jax.jvp(call, (params, x), (d_params, dx))
+        @jax.jit  # one compile instead of one per eager op
+        def run(params, x, dx):
+            d_params = jax.tree.map(lambda p: 0.1 * jnp.cos(p), params)
+            return jax.jvp(call, (params, x), (d_params, dx))
+
+        return run(params, x, dx)
 
     (out, tangent), (expected_out, expected_tangent) = jvp(build("pallas")), jvp(build("xla"))
     assert_trees_close(out, expected_out, name="out")
@@ -293,16 +306,18 @@ def test_linen_module_jvp_and_grad_of_jvp():
     def module(impl):
         return plinen.MultiHeadDotProductAttention(num_heads=HEADS, attention_impl=impl)
 
-    params = module("xla").init(jax.random.key(0), x)
+    params = jax.jit(module("xla").init)(jax.random.key(0), x)
     del nn
 
     def jvp_loss(impl, params):
         _, tangent = jax.jvp(lambda x: module(impl).apply(params, x, mask=padding_mask()), (x,), (dx,))
         return jnp.sum(tangent**2)
 
-    assert_trees_close(jvp_loss("pallas", params), jvp_loss("xla", params), name="value")
-    assert_trees_close(jax.grad(functools.partial(jvp_loss, "pallas"))(params),
-                       jax.grad(functools.partial(jvp_loss, "xla"))(params), name="grads")
+    value_and_grad = {impl: jax.jit(jax.value_and_grad(functools.partial(jvp_loss, impl)))
+                      for impl in ("pallas", "xla")}
+    (value, grads), (expected_value, expected_grads) = value_and_grad["pallas"](params), value_and_grad["xla"](params)
+    assert_trees_close(value, expected_value, name="value")
+    assert_trees_close(grads, expected_grads, name="grads")
 
 
 def test_equinox_flex_module_jvp():
@@ -321,6 +336,7 @@ def test_equinox_flex_module_jvp():
         call = lambda params, x: eqx.combine(params, static)(x, x, x)  # noqa: E731
         return jax.jvp(call, (params, x), (d_module, dx))
 
+    jvp = eqx.filter_jit(jvp)  # one compile instead of one per eager op
     (out, tangent), (expected_out, expected_tangent) = jvp(build("flex")), jvp(build("xla"))
     assert out.shape == (SEQ, FEATURES)
     assert_trees_close(out, expected_out, name="out")

@@ -8,8 +8,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import assert_close, output_and_grads, random_qkv
+from helpers import assert_close, output_and_grads, random_qkv, to_float32
 from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
@@ -52,11 +53,14 @@ def runs_triton_forward(fn, *args) -> bool:
 def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     q, k, v = random_qkv(0, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
-    out, lse = flash_attention(q, k, v, return_lse=True, config=MOSAIC, **kwargs)
-    expected, expected_lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
+    # Each computation under one jit: eagerly, every op is an XLA compile of its own.
+    out, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, return_lse=True, config=MOSAIC, **kwargs))(q, k, v)
+    expected, expected_lse = jax.jit(
+        lambda q, k, v: flash_attention_reference(q, k, v, return_lse=True, **kwargs))(q, k, v)
     assert_close(out, expected, jnp.bfloat16, "out")
-    assert_close(jnp.where(jnp.isfinite(expected_lse), lse, 0), jnp.where(jnp.isfinite(expected_lse), expected_lse, 0),
-                 jnp.bfloat16, "lse")
+    finite = np.isfinite(to_float32(expected_lse))
+    assert_close(np.where(finite, to_float32(lse), 0), np.where(finite, to_float32(expected_lse), 0), jnp.bfloat16,
+                 "lse")
     assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
 
     cotangent = jax.random.normal(jax.random.key(1), q.shape)
@@ -69,14 +73,16 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
         return value
 
     assert backward_kernels(lambda config: loss(flash_attention, config=config), q, k, v) == "mosaic"
-    grads = jax.grad(loss(flash_attention, config=MOSAIC), (0, 1, 2))(q, k, v)
-    expected_grads = jax.grad(loss(flash_attention_reference), (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss(flash_attention, config=MOSAIC), (0, 1, 2)))(q, k, v)
+    expected_grads = jax.jit(jax.grad(loss(flash_attention_reference), (0, 1, 2)))(q, k, v)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(a, e, jnp.bfloat16, name)
 
     tangents = (0.5 * q, 0.5 * k, -v)
-    _, d_out = jax.jvp(lambda *a: flash_attention(*a, config=MOSAIC, **kwargs), (q, k, v), tangents)
-    _, expected_d_out = jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), (q, k, v), tangents)
+    _, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention(*a, config=MOSAIC, **kwargs), p, t))(
+        (q, k, v), tangents)
+    _, expected_d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), p, t))(
+        (q, k, v), tangents)
     assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
 
 
@@ -90,7 +96,8 @@ def test_calls_that_do_not_fit_fall_back_to_triton(case):
               "segments": {"q_segment_ids": segments, "kv_segment_ids": segments},
               "negative_scale": {"scale": -0.2}}.get(case, {})
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, **kwargs), dtype)
+    expected = jax.jit(lambda q, k, v: flash_attention_reference(q, k, v, **kwargs))(q, k, v)
+    assert_close(jax.jit(fn)(q, k, v), expected, dtype)
     assert runs_triton_forward(fn, q, k, v)
 
 
@@ -118,9 +125,10 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     for block_mask, mosaic in ((window, True), (documents, False)):
         fn = lambda q, k, v, bm=block_mask: flex_attention(q, k, v, None, bm, config=MOSAIC)  # noqa: E731
         assert runs_triton_forward(fn, q, k, v) != mosaic
-        assert_close(fn(q, k, v), flex_attention_reference(q, k, v, None, block_mask), jnp.bfloat16)
+        expected = jax.jit(lambda q, k, v, bm=block_mask: flex_attention_reference(q, k, v, None, bm))(q, k, v)
+        assert_close(jax.jit(fn)(q, k, v), expected, jnp.bfloat16)
     cotangent = jax.random.normal(jax.random.key(8), q.shape)
-    grads = [jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, None, window).astype(jnp.float32) * cotangent))(q)
+    grads = [jax.jit(jax.grad(lambda q, f=f: jnp.sum(f(q, k, v, None, window).astype(jnp.float32) * cotangent)))(q)
              for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference)]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
 
@@ -181,7 +189,7 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
     args = (q, k, v, *params)
     assert runs_triton_forward(fn, *args) != mosaic
     if not mosaic:  # the Triton fallbacks' backward is tested in test_flex.py
-        assert_close(fn(*args), reference(*args), jnp.bfloat16)
+        assert_close(jax.jit(fn)(*args), jax.jit(reference)(*args), jnp.bfloat16)
         return
 
     def loss_of_config(config, score_mod=make_score_mod(*params)):
@@ -247,7 +255,7 @@ def test_hooks_on_non_square_tiles_run_the_triton_backward():
                                           .astype(jnp.float32)), q, k, v
     ) == "triton"
     cotangent = jax.random.normal(jax.random.key(14), q.shape)
-    grads = [jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent))(q)
+    grads = [jax.jit(jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent)))(q)
              for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod, enable_gqa=True))]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")
 

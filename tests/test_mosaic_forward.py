@@ -35,10 +35,10 @@ def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     k_in, v_in = k, v
     if poison_from is not None:
         k_in, v_in = (x.at[:, poison_from:].set(jnp.nan) for x in (k, v))
-    out, lse = mosaic_forward(
-        q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), scale=scale,
-        causal=causal, window=window, interpret=True, **tiles,
-    )
+    # Under jit: eagerly, every op around the kernel is an XLA compile of its own.
+    out, lse = jax.jit(functools.partial(mosaic_forward, scale=scale, causal=causal, window=window, interpret=True,
+                                         **tiles))(
+        q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32))
     allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
                             kv_lengths=kv_lengths)
     expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
@@ -184,8 +184,9 @@ def test_score_fn_matches_numpy_in_interpreter(name):
     q_lengths, kv_lengths = [256, 190], [256, 130]
     q, k, v = random_qkv(3, batch, seq, seq, num_heads, num_kv_heads, head_dim, jnp.bfloat16)
     scale = 0.5  # scores of a few units, so that the soft cap bends them
-    out, lse = mosaic_forward(q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
-                              scale=scale, causal=True, block_kv=64, interpret=True, score_fn=score_fn)
+    out, lse = jax.jit(functools.partial(mosaic_forward, scale=scale, causal=True, block_kv=64, interpret=True,
+                                         score_fn=score_fn))(
+        q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32))
 
     q64, k64, v64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
     k64, v64 = (np.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k64, v64))
@@ -222,7 +223,7 @@ def test_score_fn_lowers_for_cuda(name):
 def test_nan_keys_give_nan_rows_as_in_numpy():
     q, k, v = random_qkv(5, 1, 128, 256, 2, 1, 64, jnp.bfloat16)
     k = k.at[0, 200, 0, 7].set(jnp.nan)  # seen by every row (non-causal), by none past kv_lengths=150 (below)
+    run = jax.jit(functools.partial(mosaic_forward, scale=0.125, causal=False, interpret=True))  # one compile
     for kv_length, rows_nan in ((256, True), (150, False)):
-        out, _ = mosaic_forward(q, k, v, jnp.array([128], jnp.int32), jnp.array([kv_length], jnp.int32),
-                                scale=0.125, causal=False, interpret=True)
+        out, _ = run(q, k, v, jnp.array([128], jnp.int32), jnp.array([kv_length], jnp.int32))
         assert bool(jnp.isnan(out).all()) if rows_nan else not bool(jnp.isnan(out).any())

@@ -47,16 +47,19 @@ def test_references_and_attention():
 def kernel_and_reference_agree(kernel, reference, q, k, v, jvp=True):
     """Forward, gradients in q, k, v (k / v of batch 1 get the sum over the batch) and the jvp, against the
     plain-jnp reference."""
-    assert_close(kernel(q, k, v), reference(q, k, v), jnp.float32, "out")
+    # Each under jit: eagerly, every op is an XLA compile of its own.
+    assert_close(jax.jit(kernel)(q, k, v), jax.jit(reference)(q, k, v), jnp.float32, "out")
     cotangent = jax.random.normal(jax.random.key(9), (*q.shape[:-1], v.shape[-1]))
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), (0, 1, 2))(q, k, v) for f in (kernel, reference)]
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), (0, 1, 2)))(q, k, v)
+             for f in (kernel, reference)]
     for name, got, want in zip(("dq", "dk", "dv"), *grads):
         assert got.shape == want.shape
         assert_close(got, want, jnp.float32, name)
     if not jvp:
         return
     tangents = tuple(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((q, k, v)))
-    assert_close(jax.jvp(kernel, (q, k, v), tangents)[1], jax.jvp(reference, (q, k, v), tangents)[1], jnp.float32,
+    tangent_of = jax.jit(lambda f, primals, tangents: jax.jvp(f, primals, tangents)[1], static_argnums=0)
+    assert_close(tangent_of(kernel, (q, k, v), tangents), tangent_of(reference, (q, k, v), tangents), jnp.float32,
                  "jvp")
 
 
