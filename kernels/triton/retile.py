@@ -65,11 +65,9 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
     config = dataclasses.replace(config, **_float32_local(problem, dtype, head_dim)[0])
     if hopper:
         return config
-    f = problem.features
-    traced = problem.config  # the hooks were traced at its tiles (`hook_shapes`)
-    if (sixteen_bit and 64 < head_dim <= 128
-            and f.score_mod is not None and gathers_score_tile(f.score_mod, traced.block_q, traced.block_k)):
+    if sixteen_bit and 64 < head_dim <= 128 and _gathers(problem):
         config = dataclasses.replace(config, block_k=min(config.block_k, 32))
+    f = problem.features
     local = f.window_left is not None or f.dropout_rate > 0 or problem.bias_shape is not None
     if local and _float32_d128(dtype, head_dim):
         config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
@@ -117,7 +115,7 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
 
 def _gathers(problem: _Problem) -> bool:
     """Whether the call's score_mod gathers a score tile (`gathers_score_tile`) at the tiles it was traced at."""
-    hook, traced = problem.features.score_mod, problem.config
+    hook, traced = problem.features.score_mod, problem.config  # the hooks were traced at its tiles (`hook_shapes`)
     return hook is not None and gathers_score_tile(hook, traced.block_q, traced.block_k)
 
 

@@ -4,6 +4,7 @@ and list on the page is read from the report, so the page cannot drift from it."
 from __future__ import annotations
 
 import re
+
 import variants as registry
 
 _INTRO = """# Compile report: every kernel, compiled for each GPU without one
@@ -142,8 +143,8 @@ def markdown(report: dict, problems: list[str]) -> str:
                  f"full run of commit {', '.join(carried)}, whose kernels and tiles for them are unchanged since; the "
                  "others were compiled for this report, and CI compiles every one afresh")
     pending = ", ".join(f"`{name}` ({why})" for name, why in registry.NOT_YET_CLEAN.items()) or "none"
-    out = [_INTRO.format(toolchain=toolchain, pending=pending, rows=len(rows), expected=report.get("expected", len(rows)),
-                         kernels=kernels, wall=wall,
+    out = [_INTRO.format(toolchain=toolchain, pending=pending, rows=len(rows),
+                         expected=report.get("expected", len(rows)), kernels=kernels, wall=wall,
                          min_share=report.get("min_wgmma_share", 0.5), low_share=low_share or "none",
                          seq_note=seq_note(rows), peers=_peers(rows))]
     out.append("## Targets\n")

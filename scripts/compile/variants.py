@@ -487,5 +487,3 @@ def variants() -> list[Variant]:
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
-
-
