@@ -44,14 +44,16 @@ def reference_vjp(reference, primals, d_out):
 @pytest.mark.parametrize(
     "causal, q_lengths, kv_lengths, num_kv_heads, window",
     [
-        (False, [256, 256], [256, 256], 1, (None, None)), (True, [200, 256], [77, 256], 2, (None, None)),
+        # One sequence where both lengths are full (the interpreter's time grows with the grid); two where they
+        # differ per sequence.
+        (False, [256], [256], 1, (None, None)), (True, [200, 256], [77, 256], 2, (None, None)),
         (False, [256, 100], [0, 130], 2, (None, None)),
         (False, [256, 200], [256, 100], 2, (70, 30)),  # two-sided window: tiles skipped on both edges
-        (True, [256, 256], [256, 256], 1, (100, None)),  # causal sliding window
+        (True, [256], [256], 1, (100, None)),  # causal sliding window
     ],
 )
 def test_dq_matches_reference_in_interpreter(causal, q_lengths, kv_lengths, num_kv_heads, window):
-    batch, seq, num_heads, head_dim, dtype = 2, 256, 2, 64, jnp.bfloat16
+    batch, seq, num_heads, head_dim, dtype = len(q_lengths), 256, 2, 64, jnp.bfloat16
     q, k, v = random_qkv(0, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(1, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
     q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
@@ -90,18 +92,19 @@ def test_dq_lowers_for_cuda(head_dim, causal, window):
 @pytest.mark.parametrize(
     "causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q, window",
     [
-        (False, 256, 256, [256, 256], [256, 256], 1, 64, (None, None)),  # MQA, group of 2 summed in the kernel
+        (False, 256, 256, [256], [256], 1, 64, (None, None)),  # MQA, group of 2 summed in the kernel
         (True, 256, 256, [200, 256], [77, 256], 2, 64, (None, None)),  # ragged, GQA
         (False, 256, 256, [256, 100], [0, 130], 2, 64, (None, None)),  # batch 0 fully masked: zero grads
         (True, 128, 384, [128, 90], [384, 300], 1, 128, (None, None)),  # T < S: the last KV tile sees no row
         (False, 256, 384, [256, 200], [384, 100], 2, 64, (70, 30)),  # two-sided window, ragged
-        (True, 384, 256, [384, 384], [256, 256], 1, 64, (100, None)),  # causal sliding window, T > S
+        (True, 384, 256, [384], [256], 1, 64, (100, None)),  # causal sliding window, T > S
     ],
 )
 def test_dkv_matches_reference_in_interpreter(causal, q_seq, kv_seq, q_lengths, kv_lengths, num_kv_heads, block_q,
                                                window):
-    # Two query heads (one or two KV heads): the Mosaic interpreter's time grows with the grid.
-    batch, num_heads, head_dim, dtype = 2, 2, 64, jnp.bfloat16
+    # Two query heads (one or two KV heads), and one sequence where both lengths are full: the Mosaic
+    # interpreter's time grows with the grid.
+    batch, num_heads, head_dim, dtype = len(q_lengths), 2, 64, jnp.bfloat16
     q, k, v = random_qkv(2, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(3, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
     q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
@@ -184,10 +187,13 @@ def test_block_tables_and_hooks_match_the_reference_in_interpreter():
     """dQ over kv_tables and dK/dV over q_tables with a score_mod (and its derivative) and a per-head mask_mod,
     GQA: against jax.vjp of flex_attention_reference. dK/dV as the dispatch runs it: 64-query steps, each
     128-query table tile in two."""
-    batch, seq, num_heads, num_kv_heads, head_dim, dtype = 1, 384, 4, 2, 64, jnp.bfloat16  # the tables: per head
+    batch, seq, num_heads, num_kv_heads, head_dim, dtype = 1, 256, 4, 2, 64, jnp.bfloat16  # the tables: per head
     q, k, v = random_qkv(4, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(5, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
     block_mask = create_block_mask(_head_window, None, num_heads, seq, seq, block_size=(128, 128))
+    # 2 x 2 tiles: an empty one above the diagonal, partial ones, and a full one below it for heads 2 and 3.
+    kinds = np.asarray(block_mask.to_dense())
+    assert (kinds[:, :, 0, 1] == 0).all() and (kinds == 1).any() and (kinds[:, 2:, 1, 0] == 2).all()
     lengths = jnp.full((batch,), seq, jnp.int32)
 
     def reference(q, k, v):

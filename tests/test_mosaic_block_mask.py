@@ -68,7 +68,7 @@ def _rows_cols(q_len, kv_len):
 
 
 def test_sliding_window_causal_tables():
-    seq = 512
+    seq = 384  # 3 x 3 tiles: query block 1 has a full, a partial (the diagonal) and an empty one
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(WINDOW)), None, None, seq, seq,
                                    block_size=(BLOCK, BLOCK))
     kinds = np.asarray(block_mask.to_dense())[0, 0]
@@ -78,7 +78,7 @@ def test_sliding_window_causal_tables():
     # The diagonal's tiles are partial, so the causal flag (query tiles in reverse) changes nothing else.
     for causal in (False, True):
         _run_and_compare(block_mask.kv_tables, _window_fn, dense, batch=1, q_len=seq, kv_len=seq, num_heads=2,
-                         num_kv_heads=1, q_lengths=[500], kv_lengths=[450], causal=causal)
+                         num_kv_heads=1, q_lengths=[370], kv_lengths=[330], causal=causal)
 
 
 def test_per_batch_and_head_tables_skip_unlisted_tiles():
@@ -126,7 +126,8 @@ def test_query_block_with_no_listed_blocks():
 
 
 def test_mask_fn_without_tables_masks_every_tile():
-    # No tables: every visited tile is masked with mask_fn, here a per-(batch, head) window, GQA and causal.
+    # No tables: every visited tile is masked with mask_fn, here a per-(batch, head) window, GQA and causal. With
+    # 3 x 3 tiles, mask_fn masks all of query block 2's first tile for (b, h) = (0, 0) and part of it elsewhere.
     seq = 384
 
     def mask_fn(b, h, q_idx, kv_idx):
@@ -134,9 +135,9 @@ def test_mask_fn_without_tables_masks_every_tile():
 
     rows, cols = _rows_cols(seq, seq)
     b = np.arange(2)[:, None, None, None]
-    h = np.arange(4)[None, :, None, None]
+    h = np.arange(2)[None, :, None, None]
     dense = (np.abs(rows - cols) < 100 + 50 * h + 20 * b) & (cols <= rows)
-    _run_and_compare(None, mask_fn, dense, batch=2, q_len=seq, kv_len=seq, num_heads=4, num_kv_heads=2,
+    _run_and_compare(None, mask_fn, dense, batch=2, q_len=seq, kv_len=seq, num_heads=2, num_kv_heads=1,
                      q_lengths=[384, 300], kv_lengths=[384, 250], causal=True)
 
 

@@ -180,7 +180,9 @@ SCORE_FNS = {
 @pytest.mark.parametrize("name", SCORE_FNS)
 def test_score_fn_matches_numpy_in_interpreter(name):
     score_fn, numpy_fn = SCORE_FNS[name]
-    batch, seq, num_heads, num_kv_heads, head_dim = 2, 256, 4, 2, 64
+    # Two query heads on one KV head (the interpreter's time grows with the grid; GQA with several KV heads is
+    # right_only_gqa's): score_fn gets the query head.
+    batch, seq, num_heads, num_kv_heads, head_dim = 2, 256, 2, 1, 64
     q_lengths, kv_lengths = [256, 190], [256, 130]
     q, k, v = random_qkv(3, batch, seq, seq, num_heads, num_kv_heads, head_dim, jnp.bfloat16)
     scale = 0.5  # scores of a few units, so that the soft cap bends them

@@ -26,18 +26,25 @@ def finite(x):
 
 def check_gradients(kernel, reference, args, dtype, factor=1.0):
     """Gradients in every argument of sum(out * cotangent) + sum(lse) (the finite entries), kernel against
-    reference, from one pass of the kernels (`jax.vjp`, whose primal outputs (out, lse, ...) it returns, for
-    the caller to check too: each interpret-mode kernel call costs a compile)."""
-    outputs, kernel_vjp = jax.vjp(kernel, *args)
-    expected_outputs, reference_vjp = jax.vjp(reference, *args)
-    cotangent = jax.random.normal(jax.random.key(7), outputs[0].shape, jnp.float32).astype(outputs[0].dtype)
-    lse_cotangent = jnp.isfinite(expected_outputs[1]).astype(jnp.float32)
-    rest = [jnp.zeros_like(x) for x in outputs[2:]]
-    grads = kernel_vjp((cotangent, lse_cotangent, *rest))
-    expected = reference_vjp((cotangent.astype(expected_outputs[0].dtype), lse_cotangent, *rest))
+    reference, from one pass of the kernels (`jax.vjp`, whose primal outputs (out, lse, ...) it returns with the
+    reference's, for the caller to check too: each interpret-mode kernel call costs a compile). Under one jit:
+    eagerly, every op around the kernels is an XLA compile of its own."""
+
+    @jax.jit
+    def run(args):
+        outputs, kernel_vjp = jax.vjp(kernel, *args)
+        expected_outputs, reference_vjp = jax.vjp(reference, *args)
+        cotangent = jax.random.normal(jax.random.key(7), outputs[0].shape, jnp.float32).astype(outputs[0].dtype)
+        lse_cotangent = jnp.isfinite(expected_outputs[1]).astype(jnp.float32)
+        rest = [jnp.zeros_like(x) for x in outputs[2:]]
+        grads = kernel_vjp((cotangent, lse_cotangent, *rest))
+        expected = reference_vjp((cotangent.astype(expected_outputs[0].dtype), lse_cotangent, *rest))
+        return outputs, expected_outputs, grads, expected
+
+    outputs, expected_outputs, grads, expected = run(tuple(args))
     for i, (got, want) in enumerate(zip(grads, expected)):
         assert_close(got, want, dtype, f"grad {i}", factor)
-    return outputs
+    return outputs, expected_outputs
 
 
 def test_causal_gqa_lengths_bias_mask_against_float64_and_gradients():
@@ -48,7 +55,7 @@ def test_causal_gqa_lengths_bias_mask_against_float64_and_gradients():
     bias = jax.random.normal(jax.random.key(4), (1, 2, 77, 200))
     mask = jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 77, 200))
     kwargs = dict(causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
-    out, lse = check_gradients(
+    (out, lse), _ = check_gradients(
         lambda q, k, v, b: flash_attention(q, k, v, bias=b, return_lse=True, config=TPU, **kwargs),
         lambda q, k, v, b: flash_attention_reference(q, k, v, bias=b, return_lse=True, **kwargs),
         (q, k, v, bias), jnp.float32)
@@ -93,9 +100,8 @@ def test_flex_hooks_block_mask_and_captured_array_gradient():
         return call
 
     slopes = jnp.array([0.5, 0.25])
-    got = check_gradients(attend(flex_attention), attend(flex_attention_reference), (q, k, v, slopes),
-                          jnp.float32)
-    want = attend(flex_attention_reference)(q, k, v, slopes)
+    got, want = check_gradients(attend(flex_attention), attend(flex_attention_reference), (q, k, v, slopes),
+                                jnp.float32)
     for name, x, y in zip(("out", "lse", "max_scores"), got, want):
         assert_close(finite(x), finite(y), jnp.float32, name)
 
@@ -112,7 +118,8 @@ def test_jvp_against_reference():
     # Under jit: the interpreter's ordered callbacks must thread through custom_linear's lowering.
     jvp = jax.jit(lambda p, t: jax.jvp(of(flash_attention, config=TPU), p, t))
     (out, lse), (d_out, d_lse) = jvp((q, k, v, bias), tangents)
-    (_, _), (want_out, want_lse) = jax.jvp(of(flash_attention_reference), (q, k, v, bias), tangents)
+    (_, _), (want_out, want_lse) = jax.jit(lambda p, t: jax.jvp(of(flash_attention_reference), p, t))(
+        (q, k, v, bias), tangents)
     assert_close(d_out, want_out, jnp.float32, "d out")
     assert_close(d_lse, want_lse, jnp.float32, "d lse")
 
@@ -126,7 +133,7 @@ def test_gradient_under_jit():
         return lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, **extra) * cotangent)
 
     grads = jax.jit(jax.grad(loss(flash_attention, config=TPU), argnums=(0, 1, 2)))(q, k, v)
-    expected = jax.grad(loss(flash_attention_reference), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.jit(jax.grad(loss(flash_attention_reference), argnums=(0, 1, 2)))(q, k, v)
     for name, got, want in zip("qkv", grads, expected):
         assert_close(got, want, jnp.float32, f"d{name}")
 
@@ -135,7 +142,7 @@ def test_long_ragged_float16_forward():
     """T = S = 600 (five 128-row tiles and three 256-key tiles after padding), causal, float16 (computed in
     float32 inside the kernels)."""
     q, k, v = random_qkv(12, 1, 600, 600, 1, 1, 32, jnp.float16)
-    out = flash_attention(q, k, v, causal=True, config=TPU)
+    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, config=TPU))(q, k, v)
     expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 600, 600, causal=True))
     assert out.dtype == jnp.float16
     assert_close(out, expected, jnp.float16, "out")
@@ -151,13 +158,13 @@ def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
     def of(attention, **extra):
         return lambda q, k, v, table: attention(q, k, v, score_mod=relative_bias(table), return_lse=True, **extra)
 
+    tangents = tuple(jax.random.normal(jax.random.key(30 + i), x.shape) for i, x in enumerate((q, k, v, table)))
+    jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
     with pytest.warns(UserWarning, match="score_mod .op `gather`"):
-        out, lse = check_gradients(of(flex_attention, config=TPU), of(flex_attention_reference), (q, k, v, table),
-                                   jnp.float32)
-        tangents = tuple(jax.random.normal(jax.random.key(30 + i), x.shape) for i, x in enumerate((q, k, v, table)))
-        _, (d_out, d_lse) = jax.jvp(of(flex_attention, config=TPU), (q, k, v, table), tangents)
-    expected, expected_lse = flex_attention_reference(q, k, v, score_mod=relative_bias(table), return_lse=True)
-    _, (want_out, want_lse) = jax.jvp(of(flex_attention_reference), (q, k, v, table), tangents)
+        (out, lse), (expected, expected_lse) = check_gradients(
+            of(flex_attention, config=TPU), of(flex_attention_reference), (q, k, v, table), jnp.float32)
+        _, (d_out, d_lse) = jvp(of(flex_attention, config=TPU), (q, k, v, table), tangents)
+    _, (want_out, want_lse) = jvp(of(flex_attention_reference), (q, k, v, table), tangents)
     for name, got, want in (("out", out, expected), ("lse", lse, expected_lse), ("d out", d_out, want_out),
                             ("d lse", d_lse, want_lse)):
         assert_close(got, want, jnp.float32, name)
