@@ -240,26 +240,30 @@ def _tpu_config(config: FlashConfig, backend: str, q_len: int, kv_len: int) -> F
     return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2, backend=backend)
 
 
-def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> FlashConfig:
+def tangent_config(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None,
+                   score_tile: bool = False) -> FlashConfig:
     """The Triton tangent kernel's tiles on the target GPU (`triton.tangent.tangent_tiles`, whose docstring
-    has the figures behind them); interpret mode keeps `config`."""
-    return _tangent_tiles(config, head_dim, tables, dtype)[0]
+    has the figures behind them; `score_tile`: the call reads a bias tile or gathers a score tile from a
+    captured table); interpret mode keeps `config`."""
+    return _tangent_tiles(config, head_dim, tables, dtype, score_tile)[0]
 
 
-def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None) -> int:
+def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = False, dtype=None,
+                         score_tile: bool = False) -> int:
     """Programs per query tile of the Triton tangent kernel, each owning a column block of the value head dim
-    (`triton.tangent.tangent`'s `value_splits`): 2 on Hopper above head dim 128 for 16-bit inputs without
-    block tables (docs/perf-notes.md, Version 7u), else 1."""
-    return _tangent_tiles(config, head_dim, tables, dtype)[1]
+    (`triton.tangent.tangent`'s `value_splits`): 2 above head dim 128 for 16-bit inputs on Hopper (Version
+    7u), and for a `score_tile` on a 99 KB GPU (Version 7d; docs/perf-notes.md), else 1."""
+    return _tangent_tiles(config, head_dim, tables, dtype, score_tile)[1]
 
 
-def _tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype) -> tuple[FlashConfig, int]:
+def _tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype,
+                   score_tile: bool) -> tuple[FlashConfig, int]:
     if config.backend not in ("triton", "mosaic"):
         return config, 1
     # backend "mosaic" is Hopper-only: its tangent runs on Triton there (as `triton_dkv_transposed` reads it)
     hopper = config.backend == "mosaic" or _is_hopper(target_device())
     return triton_tangent.tangent_tiles(config, head_dim, tables, dtype, hopper=hopper,
-                                        large_smem=smem_per_block() >= _LARGE_SMEM)
+                                        large_smem=smem_per_block() >= _LARGE_SMEM, score_tile=score_tile)
 
 
 # --------------------------------------------------------------------------------------------- per call
@@ -510,8 +514,10 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
     f = problem.features
-    config = tangent_config(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
-    splits = tangent_value_splits(problem.config, head_dim, f.block_sizes is not None, dtype=q.dtype)
+    tables = f.block_sizes is not None
+    score_tile = problem.bias_shape is not None or triton_retile.gathers_score_tile_of(problem)
+    config = tangent_config(problem.config, head_dim, tables, dtype=q.dtype, score_tile=score_tile)
+    splits = tangent_value_splits(problem.config, head_dim, tables, dtype=q.dtype, score_tile=score_tile)
     splits = splits if v.shape[3] >= 64 else 1  # each split's columns stay a dot's 32 or more
     problem = _retiled(problem, config)
     return triton_tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional,

@@ -252,8 +252,8 @@ def test_check_cli_exit_status(clean, tmp_path):
 
 
 def test_the_registry_covers_the_dispatch_grid():
-    """Each backend x dtype x head dim x mode, and each feature (at every head dim on backend "triton"), is a
-    variant but for `NOT_YET_CLEAN`; a Mosaic call requires the Mosaic kernels exactly where the dispatch rules
+    """Each backend x dtype x head dim x mode, and each feature at every head dim, is a variant but for
+    `NOT_YET_CLEAN`; a Mosaic call requires the Mosaic kernels exactly where the dispatch rules
     send it to them."""
     names = {v.name: v for v in registry.variants()}
     for prefix, backend in (("flash", "triton"), ("mosaic", "mosaic")):
@@ -268,12 +268,18 @@ def test_the_registry_covers_the_dispatch_grid():
             for hook in registry.FLEX_HOOKS:
                 assert f"{prefix.replace('flash', '')}{'_' if backend == 'mosaic' else ''}flex_grad_d128_{dtype}_{hook}" \
                     in names
-    # Backend "triton": every feature at every head dim, but for the calls still listed as not clean.
+    # Every feature at every head dim on both backends (16-bit on "mosaic"), but for the calls still listed as
+    # not clean; the biases and three hooks in jvp at every head dim on backend "triton".
     features = ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", "dense_bias", "dense_mask",
                 *registry.FLEX_HOOKS)
     grid = {f"{'flex' if feature in registry.FLEX_HOOKS else 'flash'}_grad_d{d}_{dtype}_{feature}"
             for dtype in ("bf16", "f32") for d in (64, 128, 256) for feature in features
             if not (feature == "dv64" and d == 64)}
+    grid |= {f"{'mosaic_flex_grad' if feature in registry.FLEX_HOOKS else 'mosaic_grad'}_d{d}_bf16_{feature}"
+             for d in (64, 128, 256) for feature in features if not (feature == "dv64" and d == 64)}
+    grid |= {f"{'flex' if feature in registry.FLEX_HOOKS else 'flash'}_jvp_d{d}_{dtype}_{feature}"
+             for dtype in ("bf16", "f32") for d in (64, 128, 256)
+             for feature in ("dense_bias", "softcap", "sliding_window", "relative_bias")}
     assert grid - set(registry.NOT_YET_CLEAN) <= set(names)
     assert set(registry.NOT_YET_CLEAN) <= grid and not set(registry.NOT_YET_CLEAN) & set(names)
     assert len(registry.NOT_YET_CLEAN) < len(grid) // 4
@@ -297,6 +303,27 @@ def test_float32_on_the_mosaic_backend_keeps_the_float32_triton_tiles(monkeypatc
         assert _tiles(mosaic) == _tiles(triton)
     bf16 = default_config(FlashConfig(backend="mosaic"), q_len=1024, kv_len=1024, head_dim=128, dtype=jnp.bfloat16)
     assert (bf16.block_q, bf16.block_k) == (128, 128)
+
+
+def test_tangent_splits_the_value_head_dim_where_256_spilled(monkeypatch):
+    """Version 7d: at head dim 256 the 16-bit tangent on sm_90a splits the value head dim across two programs
+    with block tables too (64 x 16, 4 warps); on sm_86 a bias tile or a gathered score tile (`score_tile`)
+    splits it on the usual tiles, 16-bit and float32 (the unsplit float32 one needed 102,400 B); sm_80 and
+    calls without them keep one program."""
+    def tangent(target, dtype, **kwargs):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=256, dtype=dtype)
+        tiles = _dispatch.tangent_config(config, 256, dtype=dtype, **kwargs)
+        return config, tiles, _dispatch.tangent_value_splits(config, 256, dtype=dtype, **kwargs)
+
+    _, tiles, splits = tangent("sm90a_h100", jnp.bfloat16, tables=True)
+    assert (tiles.block_q, tiles.block_k, tiles.num_warps, splits) == (64, 16, 4, 2)
+    assert tangent("sm90a_h100", jnp.float32, tables=True)[2] == 1
+    for dtype in (jnp.bfloat16, jnp.float32):
+        plain = tangent("sm86_rtx3090", dtype)
+        config, tiles, splits = tangent("sm86_rtx3090", dtype, score_tile=True)
+        assert (tiles, splits, plain[2]) == (plain[1], 2, 1)
+        assert tangent("sm80_a100", dtype, score_tile=True)[2] == 1
 
 
 def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):
@@ -347,7 +374,7 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
     stages (12 B), dQ 4 warps (the default tiles spilled 4-20 B with a window, dropout, ALiBi or a BlockMask);
     on sm_90a dQ takes 3 stages (4-32 B with a dense mask or a BlockMask; 4 warps spilled 676 B with a soft
     cap on a BlockMask). dK/dV keeps its tiles (with GQA it runs per query head). 16-bit inputs keep their
-    tiles. At head dim 64 and 256 (Version 7c) the float32 rules of `triton.retile._float32_local`."""
+    tiles. At head dim 64 and 256 (Versions 7c, 7d) the float32 rules of `triton.retile._float32_local`."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
@@ -372,14 +399,18 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         kept = configs(target, 1, dtype=jnp.bfloat16, window=256)
         assert all(c == kept[0] for c in kept[1:])
         # Version 7c: float32 at head dim 64 with a window or a BlockMask, forward and dK/dV on 3 stages; at 256
-        # with a window, 4 warps in every kernel (a BlockMask there keeps the tiles).
-        for local in (dict(window=256), dict(tables=True)):
-            config, forward, dq, dkv = configs(target, 1, head_dim=64, **local)
-            assert forward == dkv == dataclasses.replace(config, num_stages=3) and dq == config
+        # with a window, 4 warps in every kernel. Version 7d: a BlockMask's dQ on 16-key steps at 64 on sm_80 / sm_86; at 256 a
+        # BlockMask's forward and dK/dV on 4 warps, its dQ on 2.
+        config, forward, dq, dkv = configs(target, 1, head_dim=64, window=256)
+        assert forward == dkv == dataclasses.replace(config, num_stages=3) and dq == config
+        config, forward, dq, dkv = configs(target, 1, head_dim=64, tables=True)
+        assert forward == dkv == dataclasses.replace(config, num_stages=3)
+        assert config.block_k_dq == 32 and dq == (config if hopper else dataclasses.replace(config, block_k_dq=16))
         config, *kernels = configs(target, 1, head_dim=256, window=256)
         assert kernels == [dataclasses.replace(config, num_warps=4)] * 3
-        config, *kernels = configs(target, 1, head_dim=256, tables=True)
-        assert kernels == [config] * 3
+        config, forward, dq, dkv = configs(target, 1, head_dim=256, tables=True)
+        assert forward == dkv == dataclasses.replace(config, num_warps=4)
+        assert dq == dataclasses.replace(config, num_warps=2)
 
 
 def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypatch):
@@ -388,7 +419,8 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
     (shared memory) and K Q^T on sm_90a (Q K^T at 128); float32 at 256 with a mask, dK/dV on 4 warps on sm_80
     / sm_86. With GQA, dK/dV runs per query head whatever the call, on the bias's dK/dV steps on sm_80 / sm_86
     (16-bit) and on 4 warps at head dim 64 / 256 on sm_90a (float32). Dropout and a window at head dim 64 as
-    a bias there (Version 7c). Calls without them keep `default_config`'s tiles."""
+    a bias there (Version 7c). A BlockMask at 64 on sm_80 / sm_86: 32-key dK/dV tiles (Version 7d). Calls
+    without them keep `default_config`'s tiles."""
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1, **features):
@@ -439,3 +471,8 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
         assert forward == dq == config
         assert dkv == (config if hopper else dataclasses.replace(config, block_q_dkv=32))
         assert configs(target, 128, window_left=256, window_right=0)[3] == configs(target, 128)[0]
+        # Version 7d, 16-bit at head dim 64 with a BlockMask: dK/dV on 32-key tiles on sm_80 / sm_86.
+        config, forward, dq, dkv, _, _ = configs(target, 64, block_sizes=(128, 128))
+        assert forward == dq == config
+        assert dkv == (config if hopper else dataclasses.replace(config, block_k_dkv=32))
+        assert configs(target, 128, block_sizes=(128, 128))[3] == configs(target, 128)[0]

@@ -133,6 +133,36 @@ def test_flash_jvp_at_the_hopper_head_dim_256_tiles(monkeypatch):
     assert seen == [2]
 
 
+def test_split_tangent_with_block_tables_a_gathered_table_and_a_dense_bias(monkeypatch):
+    """The tangent kernel with the value head dim split across two programs (as on sm_90a with a BlockMask, and
+    on sm_86 with a bias or a relative-bias table at head dim 256, Version 7d): each program reads the block
+    tables, gathers the table's scores and adds the bias tangent on its own. Interpret mode, against the
+    references' jvp; tangents of q, k, v, the table and the bias."""
+    seen, kernel = [], _dispatch.triton_tangent.tangent
+    monkeypatch.setattr(_dispatch, "tangent_value_splits", lambda *_, **__: 2)
+    monkeypatch.setattr(_dispatch.triton_tangent, "tangent",
+                        lambda *a, **kw: seen.append(kw["value_splits"]) or kernel(*a, **kw))
+    q, k, v = random_qkv(23, 1, FLEX_T, FLEX_T, 2, 2, 64)
+    table = 0.3 * jax.random.normal(jax.random.key(24), (2, 2 * FLEX_T - 1))
+    block_mask = create_block_mask(and_masks(causal_mask, sliding_window(20)), None, None, FLEX_T, FLEX_T,
+                                   block_size=16)
+
+    def flex(attention, **extra):
+        return lambda q, k, v, table: attention(q, k, v, relative_bias(table), block_mask, return_lse=True, **extra)
+
+    primals = (q, k, v, table)
+    check_jvp(flex(flex_attention, config=TILES), flex(flex_attention_reference), primals,
+              tangents_like(25, *primals), jnp.float32)
+    bias = 0.5 * jax.random.normal(jax.random.key(26), (1, 2, FLEX_T, FLEX_T))
+
+    def dense(attention, **extra):
+        return lambda q, bias: attention(q, k, v, bias=bias, causal=True, return_lse=True, **extra)
+
+    check_jvp(dense(flash_attention, config=TILES), dense(flash_attention_reference), (q, bias),
+              tangents_like(27, q, bias), jnp.float32)
+    assert seen == [2, 2]
+
+
 def test_linearize_and_jacfwd():
     q, k, v = random_qkv(9, 1, 6, 5, 2, 1, 4)
 

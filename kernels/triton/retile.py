@@ -20,25 +20,35 @@ def _float32_d128(dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and 64 < head_dim <= 128
 
 
-def _float32_local(problem: _Problem, dtype, head_dim: int) -> tuple[dict, bool]:
+def _float32_local(problem: _Problem, dtype, head_dim: int, hopper: bool) -> tuple[dict, dict]:
     """The float32 retile at head dim 64 and 256 for the calls that spilled on `default_config`'s tiles there
-    (docs/perf-notes.md, Version 7c): the FlashConfig fields to set in the forward and dK/dV kernels, and
-    whether in dQ too ({} where no rule applies):
+    (docs/perf-notes.md, Versions 7c and 7d): the FlashConfig fields to set in the forward and dK/dV kernels,
+    and those to set in dQ ({} where no rule applies):
 
     - head dim 64 with a local window, dropout or a BlockMask: 3 stages (1 by default), forward and dK/dV
       only. On 1 stage the forward spilled 4-8 B on sm_80, dK/dV 4-20 B on every GPU; on 3 both hold 58-80
-      registers without a spill. dQ keeps 1 stage (3 spilled 8 B on sm_80 with a document mask);
-    - head dim 256 with a local window, dropout or Dv != D (and no BlockMask): 4 warps (8 by default) in
-      every kernel. On 8 dK/dV spilled 12-16 B, dQ 24 B with dropout on sm_90a; on 4 they hold 108-185."""
+      registers without a spill. dQ keeps 1 stage (3 spilled 8 B on sm_80 with a document mask); with a
+      BlockMask on sm_80 / sm_86 (not `hopper`) it steps over 16 keys: 32 spilled 8-60 B there with a soft cap
+      on a sliding window, 16 holds 104-180 registers with every BlockMask; on sm_90a 16 spilled 8-20 B with a
+      document mask or a sliding window, 32 does not;
+    - head dim 256 with a BlockMask: 4 warps (8 by default) in the forward and dK/dV, 2 in dQ. On 8 dQ spilled
+      16-20 B and dK/dV 20-52 B on sm_80 / sm_86 (24-36 B on sm_90a); on 4 dK/dV holds 144-185 registers,
+      dQ still spilled 8 B with a document mask on sm_80; on 2 dQ holds 228-240 (dK/dV spilled 1.8 KB there);
+    - head dim 256 with a local window, dropout or Dv != D: 4 warps in every kernel. On 8 dK/dV spilled
+      12-16 B, dQ 24 B with dropout on sm_90a; on 4 they hold 108-185."""
     f = problem.features
     if jnp.dtype(dtype) != jnp.float32:
-        return {}, False
+        return {}, {}
     local = f.window_left is not None or f.dropout_rate > 0
-    if head_dim <= 64 and (local or f.block_sizes is not None):
-        return dict(num_stages=max(problem.config.num_stages, 3)), False
-    if head_dim > 128 and (local or not problem.same_value_dim) and f.block_sizes is None:
-        return dict(num_warps=4), True
-    return {}, False
+    masked = f.block_sizes is not None
+    if head_dim <= 64 and (local or masked):
+        dq = dict(block_k_dq=min(problem.config.block_k_dq, 16)) if masked and not hopper else {}
+        return dict(num_stages=max(problem.config.num_stages, 3)), dq
+    if head_dim > 128 and masked:
+        return dict(num_warps=4), dict(num_warps=2)
+    if head_dim > 128 and (local or not problem.same_value_dim):
+        return dict(num_warps=4), dict(num_warps=4)
+    return {}, {}
 
 
 def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int, *, hopper: bool) -> FlashConfig:
@@ -62,10 +72,10 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
     if sixteen_bit and head_dim <= 64 and (problem.bias_shape is not None or problem.mask_shape is not None
                                            or problem.features.dropout_rate > 0):
         config = dataclasses.replace(config, num_warps=max(config.num_warps, 8))
-    config = dataclasses.replace(config, **_float32_local(problem, dtype, head_dim)[0])
+    config = dataclasses.replace(config, **_float32_local(problem, dtype, head_dim, hopper)[0])
     if hopper:
         return config
-    if sixteen_bit and 64 < head_dim <= 128 and _gathers(problem):
+    if sixteen_bit and 64 < head_dim <= 128 and gathers_score_tile_of(problem):
         config = dataclasses.replace(config, block_k=min(config.block_k, 32))
     f = problem.features
     local = f.window_left is not None or f.dropout_rate > 0 or problem.bias_shape is not None
@@ -86,6 +96,9 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
       on 32, Version 7c), and over 16 at head dim 256 on a 99 KB GPU (sm_86: 32 x 32 with a float32 bias
       tile needed 102,400 B of shared memory, and spilled 8 B with GQA; a score_mod that gathers a score
       tile, a relative-bias table, needed 102,400 B too, Version 7c);
+    - 16-bit inputs at head dim 64 with a BlockMask on sm_80 / sm_86: dK/dV on 32-key tiles. 64 x 64 spilled
+      16-40 B with a document mask or a sliding window (a soft cap on it too), 32 x 64 still 8-24 B; 64 x 32
+      holds 128-154 registers (Version 7d);
     - float32 at head dim 64 and 256 with GQA on sm_90a: dK/dV on 4 warps (4-8 B spilled on 8);
     - float32 at head dim 128, dQ: on sm_90a 3 stages, on sm_80 / sm_86 4 warps. On 8 warps and 2 stages
       ptxas held it to 64 registers and spilled 4-32 B with a window, dropout, ALiBi, a dense mask or a
@@ -99,7 +112,9 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     if jnp.dtype(dtype).itemsize == 2 and not hopper:
         if head_dim <= 64 and (tiled or problem.features.window_left is not None):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
-        elif head_dim > 128 and not large_smem and (tiled or _gathers(problem)):
+        if head_dim <= 64 and problem.features.block_sizes is not None:
+            dkv = dataclasses.replace(dkv, block_k_dkv=min(dkv.block_k_dkv, 32))
+        elif head_dim > 128 and not large_smem and (tiled or gathers_score_tile_of(problem)):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
     if _float32_d128(dtype, head_dim):
         dq = dataclasses.replace(config, num_stages=3) if hopper else dataclasses.replace(config, num_warps=4)
@@ -107,13 +122,13 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
         dkv = dataclasses.replace(config, num_warps=4)
     if jnp.dtype(dtype) == jnp.float32 and not 64 < head_dim <= 128 and problem.group > 1 and hopper:
         dkv = dataclasses.replace(config, num_warps=4)
-    fields, in_dq = _float32_local(problem, dtype, head_dim)
+    fields, dq_fields = _float32_local(problem, dtype, head_dim, hopper)
     dkv = dataclasses.replace(dkv, **fields)
-    dq = dataclasses.replace(dq, **fields) if in_dq else dq
+    dq = dataclasses.replace(dq, **dq_fields)
     return dq, dkv
 
 
-def _gathers(problem: _Problem) -> bool:
+def gathers_score_tile_of(problem: _Problem) -> bool:
     """Whether the call's score_mod gathers a score tile (`gathers_score_tile`) at the tiles it was traced at."""
     hook, traced = problem.features.score_mod, problem.config  # the hooks were traced at its tiles (`hook_shapes`)
     return hook is not None and gathers_score_tile(hook, traced.block_q, traced.block_k)

@@ -21,7 +21,7 @@ from probjax_kernels.triton.tiles import (
 
 
 def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, hopper: bool,
-                  large_smem: bool) -> tuple[FlashConfig, int]:
+                  large_smem: bool, score_tile: bool = False) -> tuple[FlashConfig, int]:
     """(tiles, value splits) of the tangent kernel on a GPU (`_dispatch.tangent_config` passes the target's
     `hopper` and `large_smem`: over 160 KB of shared memory per CTA): 8 warps, a key tile of at most 32 (16
     at head dim 256) and, at head dim 256 without block tables (which index the forward's query tile), a
@@ -33,14 +33,19 @@ def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, ho
     128 on sm_86, and 208-228 B with a sliding-window BlockMask on sm_90a), and at least 2 stages. Where
     a CTA gets 99 KB of shared memory (sm_86 / sm_89) the query tile is at most 64 at head dim 128 without
     block tables: 128 x 32 needs 98,304 B there, and 114,688 B (over 101,376) with a score_mod that reads a
-    captured table (a relative bias). On Hopper at head dim 256, 16-bit, without block tables: 64 x 16 on 4
-    warps, 2 stages, the value head dim split across 2 programs (`tangent`'s `value_splits`): a 64-row tile
-    (wgmma's M) with the whole 64 x 256 float32 accumulator spilled; split, it is wgmma throughout (198
-    registers, no spill) at 1.6x the matmul work (each split recomputes the scores; Version 7u)."""
+    captured table (a relative bias). On Hopper at head dim 256, 16-bit: 64 x 16 on 4 warps, 2 stages, the
+    value head dim split across 2 programs (`tangent`'s `value_splits`): a 64-row tile (wgmma's M) with the
+    whole 64 x 256 float32 accumulator spilled; split, it is wgmma throughout (198 registers, no spill) at 1.6x
+    the matmul work (each split recomputes the scores; Version 7u); with block tables too (the forward's 64
+    x 32 spilled 188 B with a sliding-window BlockMask, split 212 registers; Version 7d). On a 99 KB GPU at
+    head dim 256, a `score_tile` (a bias tile, or a score_mod that gathers one from a captured table) splits
+    the value head dim in two as well, on the tiles above: unsplit it spilled 4-36 B with 16-bit inputs and
+    float32 needed 102,400 B of shared memory; split, 126-166 registers in 16-bit and float32 (Version 7d)."""
     float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
-    if hopper and head_dim > 128 and not float32 and not tables:
+    if hopper and head_dim > 128 and not float32:
         return dataclasses.replace(config, block_q=min(config.block_q, 64), block_k=min(config.block_k, 16),
                                    num_warps=4, num_stages=2), 2
+    splits = 2 if head_dim > 128 and score_tile and not large_smem and not hopper else 1
     cap = 32 if head_dim <= 128 else 16
     block_q = config.block_q
     if float32:
@@ -53,7 +58,7 @@ def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, ho
     # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
     stages = max(config.num_stages, 2) if float32 else config.num_stages
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
-                               num_warps=max(config.num_warps, 8), num_stages=stages), 1
+                               num_warps=max(config.num_warps, 8), num_stages=stages), splits
 
 
 def _tangent_kernel(

@@ -25,7 +25,7 @@ call, the Triton ones where they do not), as dtype (bfloat16, float32; float16 o
 (64 / 128 / 256) x mode (fwd+bwd, jvp) x feature (causal, a window, GQA, Dv != D, dropout, segment ids with
 lengths, a dense bias (of the inputs' dtype, and float32) and a dense mask, also with GQA, the flex hooks: soft
 cap, ALiBi, a document mask and a sliding window as BlockMasks, a soft cap on that BlockMask, a relative-bias
-table; each at every head dim on backend "triton"), ragged lengths, seq 8192 beside the peers, and the decode
+table; each at every head dim on both backends), ragged lengths, seq 8192 beside the peers, and the decode
 kernel. Each variant names the kernels its compile must hold (forward, dQ, dK/dV, tangent, decode;
 `probjax_mosaic_*` where the Mosaic kernels take the call). Left out until a per-call rule makes them clean
 (`NOT_YET_CLEAN`, with the figures of their last compile; docs/perf-notes.md, Version 7c): {pending}.

@@ -259,9 +259,8 @@ def _traced_tiles(into: dict):
 
 
 def _tangent_tiles(config, variant) -> dict:
-    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`; with a BlockMask's tables a
-    16-bit tangent keeps the forward's query tile). It takes the dtype (`dtype=`) or, in older checkouts, a
-    float32 flag."""
+    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`, told whether the call has a
+    BlockMask's tables). It takes the dtype (`dtype=`) or, in older checkouts, a float32 flag."""
     import inspect
 
     from probjax_kernels import _dispatch

@@ -8,8 +8,8 @@ import variants as registry
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried. The
 # Triton kernels have none: where a feature spilled on the default tiles, the dispatch retiles that kernel for
-# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7), but for the two
-# entries below (Versions 7b, 7c). The Mosaic kernels have none (dK/dV with a score_mod: Version 7y).
+# it (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Version 7), but for the
+# entries below (Versions 7b, 7c, 7d). The Mosaic kernels have none (dK/dV with a score_mod: Version 7y).
 SPILLS = {
     # (kernel, target, variant): (max spill store bytes, max spill load bytes, why)
     ("probjax_flash_backward_dkv", "sm90a_h100", "flash_grad_d256_bf16_dense_bias_f32"): (
@@ -21,6 +21,12 @@ SPILLS = {
         8, 8, "head dim 256 dK/dV on K Q^T at 16 x 64 with a relative-bias table gathered per score (an address "
               "and a value per element beside the 64 x 256 float32 dK and dV): 255 registers. 1 stage spilled "
               "52 B, 3 stages 8 B, 4 warps 2,560 B (Version 7c); the dense-bias entry above has the rest"),
+    # Backend "mosaic" runs these two calls on the Triton kernels (the Mosaic ones take neither a bias nor a
+    # gathered table), whose dK/dV at head dim 256 has backend "triton"'s tiles: the same kernel, the same 8 B.
+    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_grad_d256_bf16_dense_bias_f32"): (
+        8, 8, "the Triton dK/dV of flash_grad_d256_bf16_dense_bias_f32 (above), reached through backend mosaic"),
+    ("probjax_flash_backward_dkv", "sm90a_h100", "mosaic_flex_grad_d256_bf16_relative_bias"): (
+        8, 8, "the Triton dK/dV of flex_grad_d256_bf16_relative_bias (above), reached through backend mosaic"),
 }
 
 # Hopper: the share of a kernel's matmul instructions that are wgmma, HGMMA / (HGMMA + HMMA), counted in the

@@ -204,6 +204,10 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head di
 MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask", "dense_bias",
                           "dense_bias_f32", "dense_mask"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
+# The Mosaic forward reads a BlockMask's tables per tile, so it takes one whose blocks are its tiles: the
+# registry's 128 x 128 blocks (create_block_mask's default) at head dim 64 / 128, not at 256, where its key
+# tile is 64 (shared memory); those calls run on Triton.
+BLOCK_MASK_HOOKS = frozenset({"document_mask", "sliding_window", "softcap_sliding_window"})
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str) -> tuple[str, ...]:
@@ -211,10 +215,10 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     backend "triton" (what `auto`, a default FlashConfig and `FlashConfig(backend="triton")` pick on every
     GPU) runs the Triton kernels; backend "mosaic" (FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1, Hopper
     only) runs the Mosaic GPU forward on 16-bit inputs at head dim 64 / 128 / 256 without a feature of
-    `MOSAIC_LACKS`, its dQ and dK/dV kernels too at head dim 64 / 128, and Triton for the rest; the tangent
-    (forward mode) is Triton's on every backend."""
+    `MOSAIC_LACKS` (nor a 128 x 128 BlockMask at 256: `BLOCK_MASK_HOOKS`), its dQ and dK/dV kernels too at
+    head dim 64 / 128, and Triton for the rest; the tangent (forward mode) is Triton's on every backend."""
     mosaic = (backend == "mosaic" and dtype != "f32" and head_dim in MOSAIC_HEAD_DIMS
-              and feature not in MOSAIC_LACKS)
+              and feature not in MOSAIC_LACKS and not (feature in BLOCK_MASK_HOOKS and head_dim > 128))
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode == "fwd":
         return (forward,)
@@ -255,16 +259,7 @@ def _call(backend: str, dtype: str, head_dim: int, mode: str, feature: str, **ex
 # kernels and figures of its last compile (ptxas 12.9.86, spill store bytes), so that the gap is one list here
 # and not a silent one. docs/perf-notes.md (Version 7c) has the candidates tried. tests/test_compile_report.py
 # checks that the registry holds every other call of the product.
-NOT_YET_CLEAN = {
-    "flex_grad_d64_bf16_document_mask": "dK/dV 40 B sm_80 and sm_86",
-    "flex_grad_d64_bf16_sliding_window": "dK/dV 40 B sm_80",
-    "flex_grad_d64_bf16_softcap_sliding_window": "dK/dV 16 B sm_80",
-    "flex_grad_d64_f32_softcap_sliding_window": "dQ 8 B sm_80, 60 B sm_86",
-    "flex_grad_d256_f32_document_mask": "dQ 16 B sm_80; dK/dV 20 B sm_80, 52 B sm_86, 24 B sm_90a",
-    "flex_grad_d256_f32_sliding_window": "dQ 20 B sm_80, 4 B sm_86; dK/dV 32 B sm_80, 52 B sm_86, 36 B sm_90a",
-    "flex_grad_d256_f32_softcap_sliding_window": "dQ 20 B sm_80, 16 B sm_86; dK/dV 48 B sm_80 and sm_86, "
-                                                 "28 B sm_90a",
-}
+NOT_YET_CLEAN: dict[str, str] = {}
 
 
 def _grid_variants() -> list[Variant]:
@@ -280,8 +275,9 @@ def _grid_variants() -> list[Variant]:
       in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document mask and a sliding window
       as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a gradient) in fwd+bwd at every
       head dim (the per-call rules of `triton.retile` depend on the head dim), but for the calls of
-      `NOT_YET_CLEAN`; the dense biases and the flex hooks in jvp at head dim 128;
-    - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
+      `NOT_YET_CLEAN`; the dense biases and the flex hooks (a soft cap, a sliding-window BlockMask, a
+      relative-bias table) in jvp at every head dim too;
+    - on backend "mosaic" the same grid for 16-bit inputs, at every head dim: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
       falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
       128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
       every head dim's jvp as in its fwd+bwd, so the Mosaic jvp is compiled at head dim 128 and with the flex
@@ -303,14 +299,15 @@ def _grid_variants() -> list[Variant]:
             biases = ("dense_bias",) if dtype == "f32" else ("dense_bias", "dense_bias_f32")
             features = ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *biases, "dense_mask",
                         *FLEX_HOOKS)
-            for d in (64, 128, 256) if backend == "triton" else (128,):
+            for d in (64, 128, 256):
                 for feature in features:
                     variant = _call(backend, dtype, d, "fwd+bwd", feature)
                     # Dv 64 at head dim 64 is the plain call.
                     if not (feature == "dv64" and d == 64) and variant.name not in NOT_YET_CLEAN:
                         out.append(variant)
-            for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
-                out.append(_call(backend, dtype, 128, "jvp", feature))
+            for d in (64, 128, 256) if backend == "triton" else (128,):
+                for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
+                    out.append(_call(backend, dtype, d, "jvp", feature))
     for feature in ("dense_bias_f32", "dense_mask"):
         out.append(_call("triton", "bf16", 128, "fwd+bwd", feature, kv_heads=2, causal=True,
                          suffix="_gqa8to2_causal"))
@@ -487,3 +484,4 @@ def variants() -> list[Variant]:
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
+
