@@ -139,9 +139,9 @@ def markdown(report: dict, problems: list[str]) -> str:
             f"compile time per worker over {report['jobs']} workers, on a loaded machine")
     carried = sorted({r["carried_from"] for r in rows if r.get("carried_from")})
     if carried:
-        wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from the "
-                 f"full run of commit {', '.join(carried)}, whose kernels and tiles for them are unchanged since; the "
-                 "others were compiled for this report, and CI compiles every one afresh")
+        wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from "
+                 f"earlier compiles (at {' and '.join(carried)}), whose kernels and tiles for them are unchanged since; "
+                 "the others were compiled for this report, and CI compiles every one afresh")
     pending = ", ".join(f"`{name}` ({why})" for name, why in registry.NOT_YET_CLEAN.items()) or "none"
     out = [_INTRO.format(toolchain=toolchain, pending=pending, rows=len(rows),
                          expected=report.get("expected", len(rows)), kernels=kernels, wall=wall,
