@@ -9,7 +9,9 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 import jax
@@ -31,10 +33,15 @@ from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
 from lm.sampling import generate  # noqa: E402
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
+# The runs' corpus: asyncio's sources (33 files, 0.5 MB). The default corpus, the whole standard library, is
+# listed and stat-ed file by file on every run (about a second of CPU each): one test,
+# test_sample_takes_explicit_zeros_and_names_bad_flags, trains on it.
+SMALL_CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "asyncio")
 # Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
 MICRO = dict(
     num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=4, attention="xla", learning_rate=1e-2,
     warmup_steps=2, log_every=5, eval_every=10, eval_batches=2, checkpoint_every=10, num_samples=1, sample_tokens=8,
+    data=SMALL_CORPUS,
 )
 
 
@@ -55,28 +62,46 @@ def micro(data_cache: str, out: Path, **overrides) -> Config:
     return make_config("tiny", {**MICRO, "data_cache": data_cache, "out": str(out), **overrides})
 
 
+@pytest.fixture(scope="module")
+def thirty_steps(data_cache, tmp_path_factory):
+    """`thirty_steps(framework)`: (out folder, metrics rows) of MICRO's 30-step run of `framework`, trained once
+    per module, on first use, for the test that checks it and the resume tests that compare with it (where a
+    run checkpoints does not change its losses). Its folder is read, never written."""
+    runs = {}
+
+    def run(framework: str) -> tuple[Path, list[dict]]:
+        if framework not in runs:
+            out = tmp_path_factory.mktemp(f"thirty_steps_{framework}")
+            with jax.numpy_dtype_promotion("standard"):
+                runs[framework] = out, train.run(micro(data_cache, out, framework=framework, steps=30))
+        return runs[framework]
+
+    return run
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_thirty_steps_loss_falls_and_samples(framework, data_cache, tmp_path, capsys):
-    rows = train.run(micro(data_cache, tmp_path, framework=framework, steps=30))
+def test_thirty_steps_loss_falls_and_samples(framework, thirty_steps, capsys):
+    out, rows = thirty_steps(framework)
     assert [row["step"] for row in rows] == [5, 10, 15, 20, 25, 30]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] - 1.0
     validation = [row["val_loss"] for row in rows if row["val_loss"] is not None]
     assert len(validation) == 3 and validation[-1] < validation[0]
     assert all(row["tokens_per_s"] > 0 and row["mfu"] is None for row in rows)  # MFU: n/a on the CPU
-    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows
-    assert (tmp_path / "loss.png").stat().st_size > 0
-    assert (tmp_path / "samples.txt").read_text().startswith("--- sample 0 ---\ndef ")
+    assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == rows
+    assert (out / "loss.png").stat().st_size > 0
+    assert (out / "samples.txt").read_text().startswith("--- sample 0 ---\ndef ")
 
     sample = _load_script("sample")
     capsys.readouterr()
-    sample.main(["--out", str(tmp_path), "--prompt", "import", "--tokens", "5", "--temperature", "0",
+    sample.main(["--out", str(out), "--prompt", "import", "--tokens", "5", "--temperature", "0",
                  "--num-samples", "2"])
     printed = capsys.readouterr().out
     assert f"{framework} model, step 30" in printed and "--- sample 1 ---\nimport" in printed
 
 
 def test_sample_takes_explicit_zeros_and_names_bad_flags(data_cache, tmp_path, capsys):
-    rows = train.run(micro(data_cache, tmp_path, steps=1, num_samples=0, sample_tokens=8))  # checkpoint of step 1
+    # A checkpoint of step 1, trained on the default corpus (data None: the standard library's sources).
+    rows = train.run(micro(data_cache, tmp_path, steps=1, num_samples=0, sample_tokens=8, data=None))
     assert [row["step"] for row in rows] == [1]
     # An untrained model (NNX, the default) is close to uniform over 256 bytes.
     assert abs(rows[0]["train_loss"] - math.log(256)) < 0.3
@@ -108,14 +133,14 @@ def _load_script(name: str):
 
 
 @pytest.mark.parametrize("framework", ["nnx", "equinox"])
-def test_resume_after_interruption_matches_an_unbroken_run(framework, data_cache, tmp_path):
-    config = dict(framework=framework, steps=20, num_samples=0)
-    unbroken = train.run(micro(data_cache, tmp_path / "unbroken", **config))
+def test_resume_after_interruption_matches_an_unbroken_run(framework, data_cache, tmp_path, thirty_steps):
+    _, unbroken = thirty_steps(framework)
+    config = dict(framework=framework, steps=30, num_samples=0)
     interrupted = micro(data_cache, tmp_path / "interrupted", **config)
     first = train.run(interrupted, stop_after=13)  # "killed" after step 13; the last checkpoint is step 10
     assert [row["step"] for row in first] == [5, 10]
     resumed = train.run(micro(data_cache, tmp_path / "interrupted", resume=True, **config))
-    assert [row["step"] for row in resumed] == [5, 10, 15, 20]
+    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 15, 20, 25, 30]
     for got, want in zip(resumed, unbroken):
         assert got["step"] == want["step"]
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
@@ -123,14 +148,14 @@ def test_resume_after_interruption_matches_an_unbroken_run(framework, data_cache
             np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)
 
 
-def test_resume_from_a_checkpoint_between_metrics_rows(data_cache, tmp_path):
+def test_resume_from_a_checkpoint_between_metrics_rows(data_cache, tmp_path, thirty_steps):
     """A checkpoint at step 7 with a metrics row every 5 steps: the resumed row of step 10 averages the losses
     of steps 6..10, as the unbroken run's does (steps 6 and 7 come from the checkpoint)."""
-    config = dict(framework="linen", steps=12, checkpoint_every=7, num_samples=0)
-    unbroken = train.run(micro(data_cache, tmp_path / "unbroken", **config))
-    train.run(micro(data_cache, tmp_path / "interrupted", **config), stop_after=9)
-    resumed = train.run(micro(data_cache, tmp_path / "interrupted", resume=True, **config))
-    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 12]
+    _, unbroken = thirty_steps("linen")  # checkpoints every 10 steps, none of them read
+    config = dict(framework="linen", steps=30, checkpoint_every=7, num_samples=0)
+    train.run(micro(data_cache, tmp_path, **config), stop_after=9)
+    resumed = train.run(micro(data_cache, tmp_path, resume=True, **config))
+    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 15, 20, 25, 30]
     for got, want in zip(resumed, unbroken):
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
     # Steps 1..7 of the interrupted run are the unbroken run's: the row's mean includes them exactly.
@@ -227,15 +252,18 @@ def test_cudnn_without_a_gpu_is_refused_before_anything_is_written(data_cache, t
     assert not (tmp_path / "run").exists()
 
 
-def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(data_cache, tmp_path, capsys, monkeypatch):
+def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(
+    data_cache, tmp_path, capsys, monkeypatch, thirty_steps
+):
     """A TERM (SLURM preemption, scancel, a time limit) killed the run, losing the steps since its last
     checkpoint; now it stops after the step it arrives in, saves that step and exits 0 (checkpoint_every none:
-    no other checkpoint), and --resume reaches the losses of an unbroken run."""
+    no other checkpoint), and --resume reaches the losses of an unbroken run (NNX's, which checkpointed every
+    10 steps: that does not change its losses)."""
     import signal
 
     train_lm = _load_script("train_lm")
-    config = dict(steps=8, log_every=2, eval_every=4, checkpoint_every="none", num_samples=0)
-    unbroken = train.run(micro(data_cache, tmp_path / "unbroken", **config))
+    config = dict(steps=30, checkpoint_every="none", num_samples=0)
+    _, unbroken = thirty_steps("nnx")
     train_starts = data.train_starts
 
     def terminate_at_step_3(tokens, config, step):
@@ -255,7 +283,7 @@ def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(data_cach
     assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler lasts as long as its loop
     monkeypatch.setattr(data, "train_starts", train_starts)
     resumed = train.run(micro(data_cache, out, resume=True, **config))
-    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [2, 4, 6, 8]
+    assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 15, 20, 25, 30]
     for got, want in zip(resumed, unbroken):
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
 
@@ -281,18 +309,41 @@ def test_resume_needs_a_checkpoint_and_says_what_is_there(data_cache, tmp_path, 
     assert _snapshot(used) == before
 
 
-def test_resume_passes_over_a_cut_short_metrics_row_and_a_damaged_checkpoint(data_cache, tmp_path, capsys):
+# A metrics row every step and a checkpoint every 2: a run to break and resume in several ways.
+KILLED = dict(steps=6, log_every=1, checkpoint_every=2, eval_every=100, num_samples=0, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def killed_run(data_cache, tmp_path_factory):
+    """`killed_run(out)`: copies into `out` a run of KILLED "killed" after step 5 (checkpoints 2 and 4, rows
+    1..5), trained once per module on first use; returns its rows."""
+    trained = []
+
+    def copy(out: Path) -> list[dict]:
+        if not trained:
+            folder = tmp_path_factory.mktemp("killed") / "run"
+            with jax.numpy_dtype_promotion("standard"):
+                trained.append((folder, train.run(micro(data_cache, folder, **KILLED), stop_after=5)))
+        folder, rows = trained[0]
+        shutil.copytree(folder, out)
+        return rows
+
+    return copy
+
+
+def test_resume_passes_over_a_cut_short_metrics_row_and_a_damaged_checkpoint(data_cache, tmp_path, capsys,
+                                                                             killed_run):
     """A last metrics row cut short by a kill was a JSONDecodeError after config.json was rewritten; a damaged
     newest checkpoint was an orbax traceback in --resume and sample.py although an older one restored."""
     out = tmp_path / "run"
-    config = dict(steps=6, log_every=1, checkpoint_every=2, eval_every=100, num_samples=0, num_layers=1)
-    train.run(micro(data_cache, out, **config), stop_after=3)  # checkpoint 2; rows 1..3
+    config = KILLED
+    killed_run(out)  # checkpoints 2 and 4; rows 1..5
     with (out / "metrics.jsonl").open("a") as file:
-        file.write('{"step": 4, "train_lo')
+        file.write('{"step": 6, "train_lo')
     capsys.readouterr()
     resumed = train.run(micro(data_cache, out, resume=True, **config))
     printed = capsys.readouterr().out
-    assert "resumed from step 2" in printed and "dropped the last line" in printed, printed
+    assert "resumed from step 4" in printed and "dropped the last line" in printed, printed
     assert [row["step"] for row in resumed] == list(range(1, 7))
     assert resumed == train.Metrics.read(out / "metrics.jsonl")
 
@@ -324,13 +375,14 @@ def test_resume_passes_over_a_cut_short_metrics_row_and_a_damaged_checkpoint(dat
     assert _snapshot(out) == before
 
 
-def test_resume_restores_lost_metrics_rows_and_passes_over_a_damaged_losses_item(data_cache, tmp_path, capsys):
+def test_resume_restores_lost_metrics_rows_and_passes_over_a_damaged_losses_item(data_cache, tmp_path, capsys,
+                                                                                killed_run):
     """metrics.jsonl that lost rows resumed with a silent gap (steps 1, 2, then 5, 6); a damaged item of the
     losses in the newest checkpoint (named "metrics", as orbax names its own metrics item, which its
     CheckpointManager read on opening the folder) was a JSONDecodeError there, before any fallback."""
     out = tmp_path / "run"
-    config = dict(steps=6, log_every=1, checkpoint_every=2, eval_every=100, num_samples=0, num_layers=1)
-    first = train.run(micro(data_cache, out, **config), stop_after=5)  # checkpoints 2 and 4; rows 1..5
+    config = KILLED
+    first = killed_run(out)  # checkpoints 2 and 4; rows 1..5
     kept = [row for row in first if row["step"] not in (3, 4)]
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
     capsys.readouterr()
@@ -594,7 +646,10 @@ def test_context_parallel_steps_match_the_unsharded_ones(framework):
     batches = np.random.default_rng(0).integers(0, 256, (3, 4, 33), dtype=np.int32)
     losses = {}
     for mesh_flag in (None, "data=2,seq=2"):
-        config = make_config("tiny", {**MICRO, "framework": framework, "num_layers": 1, "mesh": mesh_flag})
+        # Unsharded, test_sharded_run_matches_the_unsharded_one's step, compiled once for both (steps=2 as there:
+        # the three losses see the warmup's rates alone, which every schedule shares).
+        config = make_config("tiny", {**MICRO, "framework": framework, "num_layers": 1, "steps": 2,
+                                      "mesh": mesh_flag})
         mesh, model = train.make_mesh(config), train.build_model(config, jax.random.key(0))
         optimizer = train.make_optimizer(config)
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

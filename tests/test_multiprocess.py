@@ -2,10 +2,12 @@
 each, against the one-process run over the same four-device mesh (in this process: conftest gives it 8).
 
 What the three launches cover (each starts two processes that import jax and compile, so they are few):
-- `seq=2,data=2` (Linen: the ring attention's K/V blocks pass between the processes) and `data=2,model=2`
-  (Equinox: the batch split between the processes, the heads within each), one launch that runs both:
-  every train and validation loss equals the one-process run's (rtol 1e-5); each process read only the
-  batch rows of its own devices; only process 0 prints and writes the run's files.
+- Start-up checks that fail on one process, or that need two to find, then `seq=2,data=2` (Linen: the ring
+  attention's K/V blocks pass between the processes) and `data=2,model=2` (Equinox: the batch split between
+  the processes, the heads within each), one launch that runs them all: every check ends both processes'
+  run with the same usage error; every train and validation loss of the two trainings equals the
+  one-process run's (rtol 1e-5); each process read only the batch rows of its own devices; only process 0
+  prints and writes the run's files.
 - `data=4` (NNX), one launch whose process 1 SIGKILLs itself right after it starts the checkpoint of step 4:
   the launcher stops process 0 (no hang on the dead peer) and exits with the signal's status, naming the
   process; the step being saved is not taken as complete. A second launch `--resume`s: it continues from
@@ -24,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -44,9 +47,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 from lm import train  # noqa: E402
 from lm.config import make_config  # noqa: E402
 
+# The corpus is asyncio's sources (0.5 MB), as in tests/test_examples.py: the default one, the whole standard
+# library, is listed and stat-ed file by file on every run, about a second of CPU in every process.
 TINY = dict(
     num_layers=1, d_model=32, num_heads=4, seq_len=32, batch_size=4, attention="xla", learning_rate=1e-2,
     warmup_steps=2, log_every=1, eval_batches=1, num_samples=0, checkpoint_every="none",
+    data=str(Path(sysconfig.get_paths()["stdlib"]) / "asyncio"),
 )
 # The mesh axis named first is the outermost, which spans the processes: seq=2,data=2 runs the ring between them.
 LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
@@ -55,9 +61,12 @@ WAIT_S = 900
 # Two CPU devices per process; LLVM optimizations off as in conftest.py (tiny shapes: compiling dominates).
 TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 
-# examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of flag lists, runs one
-# training per list in the same jax.distributed session (flags added to the command line's), and writes to
-# MP_ROWS.<process id> the batch rows (start, stop) this process read for each run's devices; MP_KILL,
+# examples/train_lm.py with test hooks from the environment: MP_RUNS, a JSON list of runs, runs one training
+# per entry in the same jax.distributed session, with flags added to the command line's and a working folder
+# of each process's own ({"flags": [...], "0": [...], "1": [...], "cwd": {"1": ...}}: the flags of all, then
+# those of process 0 or 1); MP_ROWS: writes to MP_ROWS.<process id> the batch rows (start, stop) this process
+# read for each run's devices; MP_OUT: writes to MP_OUT.<process id> each run's ConfigError (flag, message)
+# or None (without MP_OUT a ConfigError ends the process); MP_KILL,
 # "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint;
 # MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step;
 # MP_PIDS: each process writes its pid to MP_PIDS.<process id>; MP_FETCHED: each process writes to
@@ -68,7 +77,7 @@ _WORKER = """
     import jax
     import numpy as np
     from lm import checkpoint, data, train
-    from lm.config import parse_args, parse_command
+    from lm.config import ConfigError, parse_args, parse_command
 
     fetched = [0]
     device_get = jax.device_get
@@ -118,16 +127,28 @@ _WORKER = """
                 os.kill(os.getpid(), signal.SIGKILL)
 
         checkpoint.Checkpoints.save = save_then_die
-    read = []
-    for flags in json.loads(os.environ.get("MP_RUNS", "[[]]")):
+    me, home, read, results = str(launch.process_id), os.getcwd(), [], []
+    for run in json.loads(os.environ.get("MP_RUNS", '[{{"flags": []}}]')):
         rows.clear()
-        train.run(parse_args(argv + flags))
+        os.chdir(run.get("cwd", {{}}).get(me, home))
+        try:
+            train.run(parse_args(argv + run["flags"] + run.get(me, [])))
+            results.append(None)
+        except ConfigError as error:
+            if not os.environ.get("MP_OUT"):
+                raise
+            results.append([error.flag, str(error)])
+        finally:
+            os.chdir(home)
         read.append(sorted(rows))
     if os.environ.get("MP_ROWS"):
-        with open(os.environ["MP_ROWS"] + f".{{launch.process_id}}", "w") as file:
+        with open(os.environ["MP_ROWS"] + f".{{me}}", "w") as file:
             json.dump(read, file)
+    if os.environ.get("MP_OUT"):
+        with open(os.environ["MP_OUT"] + f".{{me}}", "w") as file:
+            json.dump(results, file)
     if os.environ.get("MP_FETCHED"):
-        with open(os.environ["MP_FETCHED"] + f".{{launch.process_id}}", "w") as file:
+        with open(os.environ["MP_FETCHED"] + f".{{me}}", "w") as file:
             file.write(str(fetched[0]))
 """
 
@@ -182,14 +203,48 @@ def read_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_match_one_with_sequence_and_tensor_parallelism(data_cache, tmp_path):
+def test_processes_agree_on_their_start_up_checks_then_match_one_with_sequence_and_tensor_parallelism(
+    data_cache, tmp_path
+):
+    """One launch (two processes' start-ups are the cost here). First, each start-up failure that one process
+    found alone (or that needed two to find) ends every process's run with the same usage error, naming the
+    process and the flag. Before: a flag on one process only trained with other losses, a different --mesh or
+    an --out that one process cannot write hung, an --out the processes do not share hung in the first save, a
+    mesh of 2 of 4 devices crashed process 1 while process 0 trained alone. Then the same processes train
+    `seq=2,data=2` and `data=2,model=2` to the one-process run's losses."""
     base = {**TINY, "data_cache": data_cache, "steps": 3, "eval_every": 3}
-    runs = [["--mesh", mesh, "--framework", framework, "--out", str(tmp_path / framework)]
-            for mesh, framework in LAYOUTS.items()]
-    result = launch(tmp_path, "logs", flags(base), MP_RUNS=json.dumps(runs), MP_ROWS=str(tmp_path / "rows"))
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir()
+    other.mkdir()
+    checks = [
+        {"flags": ["--out", str(tmp_path / "lr"), "--mesh", "data=4"], "1": ["--learning-rate", "0.02"]},
+        {"flags": ["--out", str(tmp_path / "mesh"), "--mesh", "data=4"], "0": ["--mesh", "data=2,model=2"]},
+        # Relative --out: process 1 resolves it in /proc (cannot be written), or in a folder of its own.
+        {"flags": ["--out", "run", "--mesh", "data=4"], "cwd": {"0": str(home), "1": "/proc"}},
+        {"flags": ["--out", "run", "--mesh", "data=4"], "cwd": {"0": str(home), "1": str(other)}},
+        {"flags": ["--out", str(tmp_path / "small"), "--mesh", "data=2"]},
+    ]
+    trainings = [{"flags": ["--mesh", mesh, "--framework", framework, "--out", str(tmp_path / framework)]}
+                 for mesh, framework in LAYOUTS.items()]
+    result = launch(tmp_path, "logs", flags(base), MP_RUNS=json.dumps(checks + trainings),
+                    MP_ROWS=str(tmp_path / "rows"), MP_OUT=str(tmp_path / "out"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    got = [json.loads((tmp_path / f"out.{process}").read_text()) for process in (0, 1)]
+    print(json.dumps(got, indent=1))
+    lr, mesh, unwritable, unshared, small, *trained = zip(*got)
+    assert lr[0] == lr[1] and lr[0][0] == "--learning-rate", lr
+    assert "0.01 on process 0, 0.02 on process 1" in lr[0][1]
+    assert mesh[0] == mesh[1] and mesh[0][0] == "--mesh" and "'data=2,model=2' on process 0" in mesh[0][1], mesh
+    assert unwritable[0][0] == unwritable[1][0] == "--out"
+    assert unwritable[0][1].startswith("on process 1: cannot write to run"), unwritable  # process 0 names it
+    assert unshared[0] == unshared[1] and "process 1 does not see" in unshared[0][1], unshared
+    assert small[0] == small[1] and small[0][0] == "--mesh" and "needs all 4" in small[0][1], small
+    assert trained == [(None, None)] * len(trainings)
+    assert sorted(p.name for p in home.iterdir()) == [] and sorted(p.name for p in other.iterdir()) == []
+    assert not (tmp_path / "lr").exists() and not (tmp_path / "small").exists()
+
     # Each process read the rows of its own devices only: with data between the processes, half the batch.
-    read = [json.loads((tmp_path / f"rows.{process}").read_text()) for process in (0, 1)]
+    read = [json.loads((tmp_path / f"rows.{process}").read_text())[len(checks):] for process in (0, 1)]
     assert read[0][0] == read[1][0] == [[0, 2], [2, 4]]  # seq=2,data=2: data within each process
     assert (read[0][1], read[1][1]) == ([[0, 2]], [[2, 4]])  # data=2,model=2: data between the processes
     log = (tmp_path / "logs" / "process_1.log").read_text()
@@ -311,70 +366,6 @@ def test_two_tasks_of_one_slurm_step_join_one_run_without_flags(data_cache, tmp_
     assert "cpu x 4 in 2 processes" in results[0][1] + results[0][2]
     assert [row["step"] for row in read_rows(tmp_path / "run")] == [1, 2]  # once, not twice
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
-
-
-# A worker that runs one training per entry of MP_RUNS in one jax.distributed session, with flags and a
-# working folder of each process's own ({"flags": [...], "0": [...], "1": [...], "cwd": {"1": ...}}), and
-# writes each run's ConfigError (flag, message) or None to MP_OUT.<process id>.
-_AGREE_WORKER = """
-    import json, os, sys
-    sys.path.insert(0, {examples!r})
-    from lm import train
-    from lm.config import ConfigError, parse_args, parse_command
-    from lm.distributed import start_distributed
-
-    argv = sys.argv[1:]
-    _, launch = parse_command(argv)
-    start_distributed(launch)
-    me, home, results = str(launch.process_id), os.getcwd(), []
-    for run in json.loads(os.environ["MP_RUNS"]):
-        os.chdir(run.get("cwd", {{}}).get(me, home))
-        try:
-            train.run(parse_args(argv + run["flags"] + run.get(me, [])))
-            results.append(None)
-        except ConfigError as error:
-            results.append([error.flag, str(error)])
-        os.chdir(home)
-    with open(os.environ["MP_OUT"] + "." + me, "w") as file:
-        json.dump(results, file)
-"""
-
-
-def test_processes_agree_on_their_start_up_checks(data_cache, tmp_path):
-    """Each start-up failure that one process found alone (or that needed two to find) ends every process with
-    the same usage error, naming the process and the flag; then a good run still trains. Before: a flag on
-    one process only trained with other losses, a different --mesh or an --out that one process cannot write
-    hung, an --out the processes do not share hung in the first save, a mesh of 2 of 4 devices crashed
-    process 1 while process 0 trained alone."""
-    base = flags({**TINY, "data_cache": data_cache, "steps": 1, "eval_every": 1, "mesh": "data=4"})
-    home, other = tmp_path / "home", tmp_path / "other"
-    home.mkdir()
-    other.mkdir()
-    runs = [
-        {"flags": ["--out", str(tmp_path / "lr")], "1": ["--learning-rate", "0.02"]},
-        {"flags": ["--out", str(tmp_path / "mesh")], "0": ["--mesh", "data=2,model=2"]},
-        # Relative --out: process 1 resolves it in /proc (cannot be written), or in a folder of its own.
-        {"flags": ["--out", "run"], "cwd": {"0": str(home), "1": "/proc"}},
-        {"flags": ["--out", "run"], "cwd": {"0": str(home), "1": str(other)}},
-        {"flags": ["--out", str(tmp_path / "small"), "--mesh", "data=2"]},
-        {"flags": ["--out", str(tmp_path / "good")]},
-    ]
-    result = launch(tmp_path, "logs", base, _AGREE_WORKER, MP_RUNS=json.dumps(runs), MP_OUT=str(tmp_path / "out"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    got = [json.loads((tmp_path / f"out.{process}").read_text()) for process in (0, 1)]
-    print(json.dumps(got, indent=1))
-    lr, mesh, unwritable, unshared, small, good = zip(*got)
-    assert lr[0] == lr[1] and lr[0][0] == "--learning-rate", lr
-    assert "0.01 on process 0, 0.02 on process 1" in lr[0][1]
-    assert mesh[0] == mesh[1] and mesh[0][0] == "--mesh" and "'data=2,model=2' on process 0" in mesh[0][1], mesh
-    assert unwritable[0][0] == unwritable[1][0] == "--out"
-    assert unwritable[0][1].startswith("on process 1: cannot write to run"), unwritable  # process 0 names it
-    assert unshared[0] == unshared[1] and "process 1 does not see" in unshared[0][1], unshared
-    assert small[0] == small[1] and small[0][0] == "--mesh" and "needs all 4" in small[0][1], small
-    assert good == (None, None)
-    assert sorted(p.name for p in home.iterdir()) == [] and sorted(p.name for p in other.iterdir()) == []
-    assert not (tmp_path / "lr").exists() and not (tmp_path / "small").exists()
-    assert [row["step"] for row in read_rows(tmp_path / "good")] == [1]
 
 
 def test_a_check_that_fails_on_one_process_exits_every_process_with_a_usage_error(data_cache, tmp_path):

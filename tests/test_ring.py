@@ -3,7 +3,8 @@
 conftest.py gives the CPU 8 host devices. The kernels run in Pallas interpret mode, whose lowering does not
 carry shard_map's varying-axes types through control flow, so the kernel tests use `check_vma=False` (under
 the default checks ring_attention runs its blocks in plain jnp on the CPU); the plain-jnp block path runs
-with the default checks.
+with the default checks. The unsharded references run under jax.jit: eagerly, every op of them and of their
+gradients was an XLA compile of its own.
 """
 
 import functools
@@ -79,7 +80,7 @@ def _reference_grads(q, k, v, allowed, d_out, d_lse):
         out, lse = flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True, return_lse=True)
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
 
-    return jax.grad(loss, (0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
 
 def _check(out, lse, expected, expected_lse, dtype=jnp.float32):
@@ -169,7 +170,8 @@ def test_kernels_allgather_hooks_see_global_positions():
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(ring_loss, (0, 1, 2, 3), has_aux=True))(table, q, k, v)
-    expected_grads, (expected, expected_lse) = jax.grad(reference_loss, (0, 1, 2, 3), has_aux=True)(table, q, k, v)
+    expected_grads, (expected, expected_lse) = jax.jit(jax.grad(reference_loss, (0, 1, 2, 3), has_aux=True))(
+        table, q, k, v)
     _check(np.asarray(out), np.asarray(lse), np.asarray(expected), np.asarray(expected_lse))
     for name, actual, wanted in zip(("dtable", "dq", "dk", "dv"), grads, expected_grads):
         assert_close(actual, wanted, jnp.float32, name)
@@ -236,7 +238,7 @@ def test_modules_context_parallel():
 
     for name in plain:
         value_and_grad = lambda entry: eqx.filter_value_and_grad(functools.partial(loss, entry[1]))  # noqa: E731
-        expected, expected_grads = value_and_grad(plain[name])(plain[name][0], x)
+        expected, expected_grads = eqx.filter_jit(value_and_grad(plain[name]))(plain[name][0], x)
         with jax.set_mesh(mesh):
             step = eqx.filter_jit(value_and_grad(sharded[name]))
             placed = jax.device_put(x, P("data"))
@@ -291,7 +293,7 @@ def test_attention_context_parallel_dropout_zigzag():
     q, k, v = random_qkv(8, 2, 64, 64, 4, 2, 16)
     order = zigzag_permutation(64, 4)
     kwargs = dict(is_causal=True, dropout_rate=0.2, dropout_seed=5)
-    expected = probjax_nn.attention(q, k, v, impl="xla", **kwargs)
+    expected = jax.jit(functools.partial(probjax_nn.attention, impl="xla", **kwargs))(q, k, v)
     config = probjax_nn.AttentionConfig(impl="xla", context_axis="sp", context_layout="zigzag")
     mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
@@ -405,7 +407,7 @@ def test_context_parallel_query_and_key_sharded_differently(impl, mesh_axes, q_s
     import probjax_nn
 
     q, k, v = random_qkv(17, 2, 16, 16, 8, 2, 16)
-    expected = probjax_nn.attention(q, k, v, is_causal=True, impl="xla")
+    expected = jax.jit(functools.partial(probjax_nn.attention, is_causal=True, impl="xla"))(q, k, v)
     names, sizes = zip(*mesh_axes)
     mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     config = probjax_nn.AttentionConfig(impl=impl, context_axis="sp")
