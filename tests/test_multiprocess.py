@@ -543,8 +543,15 @@ def test_the_launcher_passes_a_hang_up_on_and_splits_the_gpus(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTHON=sys.executable, LAUNCH_SCRIPT=str(script), LAUNCH_LOG_DIR=str(tmp_path / "logs"),
                STAND_IN_DIR=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
-    launcher = subprocess.Popen(["bash", str(LAUNCHER), "2", "--", "--steps", "3"], env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell cannot trap a signal ignored when it started, and a HUP ignored here (pytest run under nohup) would
+    # be inherited: the launcher would never see the HUP and the test would wait out WAIT_S. It starts with
+    # HUP's default disposition, as from a terminal.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        launcher = subprocess.Popen(["bash", str(LAUNCHER), "2", "--", "--steps", "3"], env=env,
+                                    start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     try:
         for _ in range(WAIT_S * 10):
             if all((tmp_path / f"started.{process}").exists() for process in (0, 1)):
