@@ -399,8 +399,8 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         kept = configs(target, 1, dtype=jnp.bfloat16, window=256)
         assert all(c == kept[0] for c in kept[1:])
         # Version 7c: float32 at head dim 64 with a window or a BlockMask, forward and dK/dV on 3 stages; at 256
-        # with a window, 4 warps in every kernel. Version 7d: a BlockMask's dQ on 16-key steps at 64 on sm_80 / sm_86; at 256 a
-        # BlockMask's forward and dK/dV on 4 warps, its dQ on 2.
+        # with a window, 4 warps in every kernel. Version 7d: a BlockMask's dQ on 16-key steps at 64 on sm_80 /
+        # sm_86; at 256 a BlockMask's forward and dK/dV on 4 warps, its dQ on 2.
         config, forward, dq, dkv = configs(target, 1, head_dim=64, window=256)
         assert forward == dkv == dataclasses.replace(config, num_stages=3) and dq == config
         config, forward, dq, dkv = configs(target, 1, head_dim=64, tables=True)

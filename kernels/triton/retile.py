@@ -110,10 +110,11 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     dq = dkv = config
     tiled = problem.bias_shape is not None or problem.group > 1  # a bias tile, or float32 dK / dV per head
     if jnp.dtype(dtype).itemsize == 2 and not hopper:
-        if head_dim <= 64 and (tiled or problem.features.window_left is not None):
-            dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 32))
-        if head_dim <= 64 and problem.features.block_sizes is not None:
-            dkv = dataclasses.replace(dkv, block_k_dkv=min(dkv.block_k_dkv, 32))
+        if head_dim <= 64:
+            if tiled or problem.features.window_left is not None:
+                dkv = dataclasses.replace(dkv, block_q_dkv=min(dkv.block_q_dkv, 32))
+            if problem.features.block_sizes is not None:
+                dkv = dataclasses.replace(dkv, block_k_dkv=min(dkv.block_k_dkv, 32))
         elif head_dim > 128 and not large_smem and (tiled or gathers_score_tile_of(problem)):
             dkv = dataclasses.replace(config, block_q_dkv=min(config.block_q_dkv, 16))
     if _float32_d128(dtype, head_dim):

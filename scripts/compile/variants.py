@@ -277,9 +277,9 @@ def _grid_variants() -> list[Variant]:
       head dim (the per-call rules of `triton.retile` depend on the head dim), but for the calls of
       `NOT_YET_CLEAN`; the dense biases and the flex hooks (a soft cap, a sliding-window BlockMask, a
       relative-bias table) in jvp at every head dim too;
-    - on backend "mosaic" the same grid for 16-bit inputs, at every head dim: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
-      falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
-      128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
+    - on backend "mosaic" the same grid for 16-bit inputs, at every head dim: what the Mosaic GPU kernels lack
+      (`MOSAIC_LACKS`) falls back to Triton there, at the tiles `default_config` picks for that backend (the
+      Mosaic forward's 128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
       every head dim's jvp as in its fwd+bwd, so the Mosaic jvp is compiled at head dim 128 and with the flex
       hooks. float32 on backend "mosaic" falls back as a whole, at the float32 Triton tiles of backend
       "triton" (tests/test_compile_report.py checks that they are the same): it is compiled at the base
@@ -484,4 +484,3 @@ def variants() -> list[Variant]:
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
-
