@@ -155,9 +155,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
         # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
         PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-        PROBJAX_PTXAS_LOG=str(ptxas_dir), MOSAIC_GPU_DUMP_TO=str(mosaic_dir), MOSAIC_GPU_DUMP_PTX="1",
-        MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1",
-        XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
+        PROBJAX_PTXAS_LOG=str(ptxas_dir), XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
+        **MOSAIC_DUMPS,
     )
     _import_kernels()
     sys.path.append(str(toolchain / "peers"))  # tokamax (a peer), after the venv: gpu_toolchain.sh
@@ -170,6 +169,12 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
 
     from probjax_kernels import default_config
 
+    from jax.experimental.mosaic.gpu import utils as mosaic_utils
+
+    def dump_resources(content: str, name: str, path: str):  # Pallas' dump of a kernel's shared memory
+        (mosaic_dir / name).write_text(content + "\n")
+
+    mosaic_utils.dump_to_file_or_stdout = dump_resources
     limits = target_limits(target)
     device = topologies.get_topology_desc(
         platform="cuda", topology_name=target, target_config=(TARGETS_DIR / f"{target}.txtpb").read_text(),
@@ -188,9 +193,16 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
                    mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
                    requires=list(variant.requires))
+        # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
+        # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
+        # PTX / ptxas / SASS dumps come on stdout, told apart by the kernel's name (`_split_mosaic_stdout`).
+        if variant.group == "peer":
+            os.environ["MOSAIC_GPU_DUMP_TO"] = str(mosaic_dir)
+        else:
+            os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
         start = time.perf_counter()
         try:
-            with jax.default_device(device):
+            with jax.default_device(device), _stdout_to(scratch / "stdout.txt"):
                 from probjax_kernels import FlashConfig
 
                 config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
@@ -214,6 +226,10 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
             if smem:
                 row["error_smem"] = [int(smem.group(1)), int(smem.group(2))]
         row["compile_s"] = round(time.perf_counter() - start, 2)
+        try:
+            _split_mosaic_stdout((scratch / "stdout.txt").read_text(errors="replace"), mosaic_dir)
+        except ValueError as error:
+            row.update(status="error", error=str(error))
         mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
         row["kernels"] = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]),
                                   _new_files(xla_dir, seen[xla_dir]), mosaic_files, cuda_root)
@@ -228,6 +244,51 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
               + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
               file=sys.stderr, flush=True)
     return rows
+
+
+# Mosaic GPU's dumps (jaxlib's mosaic/gpu/dump.cc) without MOSAIC_GPU_DUMP_TO: each on stdout.
+MOSAIC_DUMPS = dict(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS_CTRL="1",
+                    MOSAIC_GPU_DUMP_RESOURCES="1")
+
+
+@contextlib.contextmanager
+def _stdout_to(path: Path):
+    """File descriptor 1 (where Mosaic GPU's C++ dumps go) redirected to `path` for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with path.open("wb") as file:
+        os.dup2(file.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _split_mosaic_stdout(text: str, mosaic_dir: Path):
+    """Writes the PTX, ptxas and SASS that Mosaic GPU printed on stdout for each kernel it compiled as
+    `{stem}.ptx` / `.ptxas` / `.sass_ctrl` beside the kernel's `{stem}.resources.txt` (stem: the kernel's
+    name and Mosaic's count, `probjax_mosaic_forward_3`), as MOSAIC_GPU_DUMP_TO would. Each kernel prints its
+    PTX (from LLVM's header on), then ptxas' report, then nvdisasm's listing."""
+    stems = {}
+    for path in mosaic_dir.glob("*.resources.txt"):
+        stem = path.name.removesuffix(".resources.txt")
+        if not (mosaic_dir / f"{stem}.ptxas").exists():
+            stems.setdefault(re.sub(r"_\d+$", "", stem), []).append(stem)
+    for chunk in re.split(r"^(?=//\n// Generated by LLVM NVPTX Back-End$)", text, flags=re.M)[1:]:
+        entry = re.search(r"^\.(?:visible \.)?entry (\w+)_mosaic_gpu_kernel\(", chunk, re.M)
+        ptxas_at, sass_at = chunk.find("ptxas info"), chunk.find("\t.headerflags")
+        if not entry or ptxas_at < 0 or sass_at < ptxas_at:
+            raise ValueError("Mosaic GPU's stdout dump: a kernel without its PTX entry, ptxas report or SASS")
+        name = entry.group(1)
+        if len(stems.get(name, [])) != 1:
+            raise ValueError(f"Mosaic GPU's stdout dump: {len(stems.get(name, []))} kernels named {name} in one "
+                             "compile (their dumps need MOSAIC_GPU_DUMP_TO)")
+        stem = stems.pop(name)[0]
+        (mosaic_dir / f"{stem}.ptx").write_text(chunk[:ptxas_at])
+        (mosaic_dir / f"{stem}.ptxas").write_text(chunk[ptxas_at:sass_at])
+        (mosaic_dir / f"{stem}.sass_ctrl").write_text(chunk[sass_at:])
 
 
 @contextlib.contextmanager
@@ -479,7 +540,7 @@ def run(args) -> int:
         journaled = {(r["target"], r["variant"]): r for r in map(json.loads, args.journal.read_text().splitlines())}
         rows = [row for key, row in journaled.items() if key in want]
         shards = []
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    with _removing_sass_scratch(), concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first)
                    for t, g in shards]
         for future in futures:
@@ -501,6 +562,19 @@ def run(args) -> int:
     _write_pages(report, found, Path(args.page))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
     return check(out, targets, args.only)
+
+
+@contextlib.contextmanager
+def _removing_sass_scratch():
+    """Removes, once the workers are done, the folders Mosaic GPU's SASS dump leaves behind (dump.cc:
+    /tmp/mosaic-gpu-XXXXXX/kernel.bin per kernel, whatever TMPDIR says) that appeared during the run."""
+    before = set(Path("/tmp").glob("mosaic-gpu-*"))
+    try:
+        yield
+    finally:
+        for folder in set(Path("/tmp").glob("mosaic-gpu-*")) - before:
+            if {p.name for p in folder.iterdir()} <= {"kernel.bin"}:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _shard(target, group, toolchain, only, journal=None, first=None) -> list[dict]:
