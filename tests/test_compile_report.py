@@ -303,18 +303,16 @@ def test_the_registry_covers_the_dispatch_grid():
             for hook in registry.FLEX_HOOKS:
                 assert f"{prefix.replace('flash', '')}{'_' if backend == 'mosaic' else ''}flex_grad_d128_{dtype}_{hook}" \
                     in names
-    # Every feature at every head dim on both backends (16-bit on "mosaic"), but for the calls still listed as
-    # not clean; the biases and three hooks in jvp at every head dim on backend "triton".
-    features = ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", "dense_bias", "dense_mask",
-                *registry.FLEX_HOOKS)
-    grid = {f"{'flex' if feature in registry.FLEX_HOOKS else 'flash'}_grad_d{d}_{dtype}_{feature}"
-            for dtype in ("bf16", "f32") for d in (64, 128, 256) for feature in features
+    # Every feature at every head dim in fwd+bwd and in jvp on both backends (16-bit on "mosaic"), but for the
+    # calls still listed as not clean.
+    features = ("full", "causal", "window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", "dense_bias",
+                "dense_mask", *registry.FLEX_HOOKS)
+    grid = {f"{prefix}{'flex' if feature in registry.FLEX_HOOKS else 'flash'}_{mode}_d{d}_{dtype}_{feature}"
+            .replace("mosaic_flash", "mosaic")
+            for prefix, dtypes in (("", ("bf16", "f32")), ("mosaic_", ("bf16",))) for dtype in dtypes
+            for mode in ("grad", "jvp") for d in (64, 128, 256) for feature in features
             if not (feature == "dv64" and d == 64)}
-    grid |= {f"{'mosaic_flex_grad' if feature in registry.FLEX_HOOKS else 'mosaic_grad'}_d{d}_bf16_{feature}"
-             for d in (64, 128, 256) for feature in features if not (feature == "dv64" and d == 64)}
-    grid |= {f"{'flex' if feature in registry.FLEX_HOOKS else 'flash'}_jvp_d{d}_{dtype}_{feature}"
-             for dtype in ("bf16", "f32") for d in (64, 128, 256)
-             for feature in ("dense_bias", "softcap", "sliding_window", "relative_bias")}
+    assert {"mosaic_jvp_d64_bf16_dropout", "mosaic_flex_jvp_d256_bf16_alibi", "flash_jvp_d64_f32_window"} <= grid
     assert grid - set(registry.NOT_YET_CLEAN) <= set(names)
     assert set(registry.NOT_YET_CLEAN) <= grid and not set(registry.NOT_YET_CLEAN) & set(names)
     assert len(registry.NOT_YET_CLEAN) < len(grid) // 4
@@ -359,6 +357,18 @@ def test_tangent_splits_the_value_head_dim_where_256_spilled(monkeypatch):
         config, tiles, splits = tangent("sm86_rtx3090", dtype, score_tile=True)
         assert (tiles, splits, plain[2]) == (plain[1], 2, 1)
         assert tangent("sm80_a100", dtype, score_tile=True)[2] == 1
+
+
+def test_tangent_takes_two_stages_at_head_dim_256_on_a_99_kb_gpu(monkeypatch):
+    """Version 7e: the 16-bit tangent at head dim 256 on sm_86 (32 x 16 on 1 stage by default there) spilled
+    8-12 B with a window or ALiBi; it takes 2 stages without block tables (whose 64 x 16 tile would not fit
+    twice), sm_80 keeps `default_config`'s stage."""
+    for target, tables, stages in (("sm86_rtx3090", False, 2), ("sm86_rtx3090", True, 1), ("sm80_a100", False, 1)):
+        monkeypatch.setattr(_dispatch, "target_device", lambda target=target: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=256)
+        assert config.num_stages == 1
+        tiles = _dispatch.tangent_config(config, 256, tables, dtype=jnp.bfloat16)
+        assert (tiles.block_k, tiles.num_stages) == (16, stages)
 
 
 def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):

@@ -55,8 +55,12 @@ def tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, *, ho
     elif not tables and head_dim > 64 and not large_smem:
         block_q = min(block_q, 64)
     # float32 takes at least 2 stages (the float32 tiles have 1 at head dim 256): with 1 the tangent spilled
-    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6).
-    stages = max(config.num_stages, 2) if float32 else config.num_stages
+    # 6-16 KB at head dim 256 on sm_86, 368 B at 128 on sm_90a (docs/perf-notes.md, Version 6). So does 16-bit
+    # at head dim 256 on a 99 KB GPU without block tables: on 1 the 32 x 16 tile spilled 8-12 B with a window
+    # or ALiBi on sm_86, on 2 every feature holds 95-128 registers (Version 7e; the 64 x 16 tile of block
+    # tables would not fit twice).
+    two_stages = float32 or (head_dim > 128 and not large_smem and not tables)
+    stages = max(config.num_stages, 2) if two_stages else config.num_stages
     return dataclasses.replace(config, block_q=block_q, block_k=min(config.block_k, cap),
                                num_warps=max(config.num_warps, 8), num_stages=stages), splits
 

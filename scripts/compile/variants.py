@@ -268,46 +268,40 @@ def _grid_variants() -> list[Variant]:
 
     - dtype: bfloat16 and float32 (which has tiles of its own: FMA dots at Precision.HIGHEST); float16
       shares bfloat16's tiles and kernels and is compiled once per backend;
-    - head dim 64 / 128 / 256 (the tiles change with it), full and causal, fwd+bwd (the forward kernel of a
-      forward-only call is the fwd+bwd one: it always writes the lse) and jvp (the tangent kernel);
-    - each feature that changes a kernel's code (a window, GQA, Dv != D, dropout, segment ids with lengths, a
-      dense bias with a gradient (of the inputs' dtype, and float32 with 16-bit inputs: a bias keeps its dtype
-      in the kernels), a dense mask, the flex hooks: a soft cap, ALiBi, a document mask and a sliding window
-      as BlockMasks, a soft cap on that BlockMask, a relative-bias table with a gradient) in fwd+bwd at every
-      head dim (the per-call rules of `triton.retile` depend on the head dim), but for the calls of
-      `NOT_YET_CLEAN`; the dense biases and the flex hooks (a soft cap, a sliding-window BlockMask, a
-      relative-bias table) in jvp at every head dim too;
-    - on backend "mosaic" the same grid for 16-bit inputs, at every head dim: what the Mosaic GPU kernels lack
-      (`MOSAIC_LACKS`) falls back to Triton there, at the tiles `default_config` picks for that backend (the
-      Mosaic forward's 128 x 128), and is compiled as such. The tangent kernel's tiles and the Mosaic forward are the same on
-      every head dim's jvp as in its fwd+bwd, so the Mosaic jvp is compiled at head dim 128 and with the flex
-      hooks. float32 on backend "mosaic" falls back as a whole, at the float32 Triton tiles of backend
-      "triton" (tests/test_compile_report.py checks that they are the same): it is compiled at the base
-      shapes (every head dim, full and causal, jvp at 128) rather than the whole float32 feature grid again.
+    - head dim 64 / 128 / 256 (the tiles change with it), in fwd+bwd (the forward kernel of a forward-only
+      call is the fwd+bwd one: it always writes the lse) and in jvp (the forward and the tangent kernel);
+    - full and causal, and each feature that changes a kernel's code: a window, GQA, Dv != D, dropout, segment
+      ids with lengths, a dense bias with a gradient and a tangent (of the inputs' dtype, and float32 with
+      16-bit inputs: a bias keeps its dtype in the kernels), a dense mask, the flex hooks (a soft cap, ALiBi, a
+      document mask and a sliding window as BlockMasks, a soft cap on that BlockMask, a relative-bias table
+      with a gradient and a tangent), at every head dim and in both modes (the per-call rules of
+      `triton.retile` and `triton.tangent.tangent_tiles` depend on the head dim and the features), but for
+      the calls of `NOT_YET_CLEAN`;
+    - on backend "mosaic" the same grid for 16-bit inputs: what the Mosaic GPU kernels lack (`MOSAIC_LACKS`)
+      falls back to Triton there, at the tiles `default_config` picks for that backend (the Mosaic forward's
+      128 x 128), and the tangent kernel's tiles derive from those, so each is compiled as such. float32 on
+      backend "mosaic" falls back as a whole, at the float32 Triton tiles of backend "triton"
+      (tests/test_compile_report.py checks that they are the same): it is compiled at the base shapes (every
+      head dim, full and causal, jvp at 128) rather than the whole float32 feature grid again.
     """
     out = []
     for backend in ("triton", "mosaic"):
         for dtype in ("bf16", "f32"):
-            whole = backend == "triton" or dtype != "f32"
-            for d in (64, 128, 256):
-                for feature in ("full", "causal"):
-                    out.append(_call(backend, dtype, d, "fwd+bwd", feature))
-                if backend == "triton" or d == 128:
-                    out.append(_call(backend, dtype, d, "jvp", "causal"))
-            if not whole:
+            if backend == "mosaic" and dtype == "f32":
+                out += [_call(backend, dtype, d, "fwd+bwd", feature) for d in (64, 128, 256)
+                        for feature in ("full", "causal")]
+                out.append(_call(backend, dtype, 128, "jvp", "causal"))
                 continue
             biases = ("dense_bias",) if dtype == "f32" else ("dense_bias", "dense_bias_f32")
-            features = ("window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths", *biases, "dense_mask",
-                        *FLEX_HOOKS)
+            features = ("full", "causal", "window", "gqa8to2_causal", "dv64", "dropout", "segments_lengths",
+                        *biases, "dense_mask", *FLEX_HOOKS)
             for d in (64, 128, 256):
-                for feature in features:
-                    variant = _call(backend, dtype, d, "fwd+bwd", feature)
-                    # Dv 64 at head dim 64 is the plain call.
-                    if not (feature == "dv64" and d == 64) and variant.name not in NOT_YET_CLEAN:
-                        out.append(variant)
-            for d in (64, 128, 256) if backend == "triton" else (128,):
-                for feature in (*biases, "softcap", "sliding_window", "relative_bias"):
-                    out.append(_call(backend, dtype, d, "jvp", feature))
+                for mode in ("fwd+bwd", "jvp"):
+                    for feature in features:
+                        variant = _call(backend, dtype, d, mode, feature)
+                        # Dv 64 at head dim 64 is the plain call.
+                        if not (feature == "dv64" and d == 64) and variant.name not in NOT_YET_CLEAN:
+                            out.append(variant)
     for feature in ("dense_bias_f32", "dense_mask"):
         out.append(_call("triton", "bf16", 128, "fwd+bwd", feature, kv_heads=2, causal=True,
                          suffix="_gqa8to2_causal"))
