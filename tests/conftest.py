@@ -28,6 +28,7 @@ else:
     _OWN_CACHE = None
 
 import jax
+import pytest
 
 # Strict promotion catches silent rank broadcasting and dtype upcasts in kernels, wrappers and tests alike.
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -38,6 +39,14 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # warpgroups can fill: a deadlock seen about one run in ten on 2 cores (faulthandler showed the last thread
 # never started). Inline execution gives every thread its own. Must be set before the CPU client exists.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """The LM example's token cache folder (`--data-cache`), shared by the tests that train it in this process
+    or in processes they start (tests/test_examples.py, tests/test_multiprocess.py): each corpus is read and
+    split once per worker. A cache is keyed by its corpus and written whole before use (examples/lm/data.py)."""
+    return str(tmp_path_factory.mktemp("lm_data"))
 
 
 def pytest_unconfigure(config):

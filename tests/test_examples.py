@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import sys
-import sysconfig
 from pathlib import Path
 
 import jax
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from lm_helpers import SMALL_CORPUS
 
 pytest.importorskip("optax")
 pytest.importorskip("orbax.checkpoint")
@@ -33,10 +33,6 @@ from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
 from lm.sampling import generate  # noqa: E402
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
-# The runs' corpus: asyncio's sources (33 files, 0.5 MB). The default corpus, the whole standard library, is
-# listed and stat-ed file by file on every run (about a second of CPU each): one test,
-# test_sample_takes_explicit_zeros_and_names_bad_flags, trains on it.
-SMALL_CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "asyncio")
 # Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
 MICRO = dict(
     num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=4, attention="xla", learning_rate=1e-2,
@@ -51,11 +47,6 @@ def standard_promotion():
     int32 count), so the example runs under jax's standard promotion."""
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("lm_data"))
 
 
 def micro(data_cache: str, out: Path, **overrides) -> Config:

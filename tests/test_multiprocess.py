@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from lm_helpers import SMALL_CORPUS
 
 pytest.importorskip("optax")
 pytest.importorskip("orbax.checkpoint")
@@ -47,12 +47,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 from lm import train  # noqa: E402
 from lm.config import make_config  # noqa: E402
 
-# The corpus is asyncio's sources (0.5 MB), as in tests/test_examples.py: the default one, the whole standard
-# library, is listed and stat-ed file by file on every run, about a second of CPU in every process.
 TINY = dict(
     num_layers=1, d_model=32, num_heads=4, seq_len=32, batch_size=4, attention="xla", learning_rate=1e-2,
-    warmup_steps=2, log_every=1, eval_batches=1, num_samples=0, checkpoint_every="none",
-    data=str(Path(sysconfig.get_paths()["stdlib"]) / "asyncio"),
+    warmup_steps=2, log_every=1, eval_batches=1, num_samples=0, checkpoint_every="none", data=SMALL_CORPUS,
 )
 # The mesh axis named first is the outermost, which spans the processes: seq=2,data=2 runs the ring between them.
 LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
@@ -158,11 +155,6 @@ def standard_promotion():
     """optax's Adam is not written for conftest's strict promotion; the example runs under the standard one."""
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("lm_data"))
 
 
 def flags(values: dict) -> list[str]:
