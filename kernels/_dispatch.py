@@ -282,7 +282,8 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
         and problem.mask_shape is None and not problem.has_segments
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
-        and (f.block_sizes is None or f.block_sizes == (cfg.block_q, cfg.block_k))
+        # A BlockMask's tables on the kernel's tiles or coarser ones (`mosaic.glue.refined_tables`).
+        and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(q.shape[3], cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES

@@ -139,6 +139,45 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     assert_close(dq, expected_dq, jnp.bfloat16, "dq")
 
 
+def test_refined_tables_list_each_block_as_its_kernel_tiles():
+    """`mosaic.glue.refined_tables`: tables of (128, 256) blocks as tables of 128 x 64 tiles (and the
+    transposed q_tables of (256, 128) blocks as 64 x 128 ones) list exactly the tiles of the listed blocks, in
+    the same class (partial / full)."""
+    from probjax_kernels.flex.block_tables import tiles_of
+    from probjax_kernels.mosaic.glue import refined_tables
+
+    block_mask = create_block_mask(and_masks(causal_mask, sliding_window(300)), 2, 1, 512, 1024, block_size=(128, 256))
+    for tables, block, tile, repeat in ((block_mask.kv_tables, (128, 256), (128, 64), (1, 4)),
+                                        (block_mask.q_tables, (256, 128), (64, 128), (4, 1))):
+        fine = refined_tables(tables, block, tile)
+        for num, listed in ((0, 1), (2, 3)):  # partial, then full
+            coarse = np.asarray(tiles_of(tables[num], tables[listed]))
+            expected = np.repeat(np.repeat(coarse, repeat[0], axis=2), repeat[1], axis=3)
+            np.testing.assert_array_equal(np.asarray(tiles_of(fine[num], fine[listed])), expected)
+            assert (np.diff(np.where(np.arange(fine[listed].shape[-1]) < np.asarray(fine[num])[..., None],
+                                     np.asarray(fine[listed]), 10**6), axis=-1) >= 0).all()  # ascending
+
+
+def test_a_block_mask_coarser_than_the_tiles_runs_the_mosaic_kernels():
+    """A BlockMask of 128 x 256 blocks (coarser than the Mosaic kernels' 128 x 128 tiles) runs the Mosaic
+    forward and backward on its tables refined to the tiles, and matches the reference; it ran the Triton
+    forward before (at head dim 256 the default 128 x 128 BlockMask is coarser than the forward's 64-key tile)."""
+    q, k, v = random_qkv(9, 1, 512, 512, 1, 1, 64, jnp.bfloat16)
+    block_mask = create_block_mask(and_masks(causal_mask, sliding_window(200)), None, None, 512, 512,
+                                   block_size=(128, 256))
+    fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, config=MOSAIC)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    cotangent = jax.random.normal(jax.random.key(10), q.shape)
+    with counting_mosaic_backward() as calls:
+        out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert calls
+    expected_out, expected_grads = output_and_grads(
+        lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask), (q, k, v), cotangent)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, want in zip("qkv", grads, expected_grads):
+        assert_close(got, want, jnp.bfloat16, f"d{name}")
+
+
 def _head_window(b, h, q_idx, kv_idx):  # a per-head window: the Mosaic kernel's mask_fn reads h
     return (kv_idx <= q_idx) & (q_idx - kv_idx < 100 + 100 * h)
 

@@ -40,13 +40,39 @@ def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
 
 
+def refined_tables(tables: tuple, block_size: tuple[int, int], tile: tuple[int, int]) -> tuple:
+    """Block tables `(num_partial, partial_indices, num_full, full_indices)` of `block_size` tiles (rows,
+    columns: a BlockMask's (q, kv) for `kv_tables`, (kv, q) for `q_tables`) as tables of the kernel's `tile`,
+    each side of which divides the block's: a row of blocks repeats for each row of tiles it covers, and a
+    listed block becomes its tiles, in order (a partial block's tiles are partial: the kernel applies the
+    mask_mod there; a full block's are full). Counts `[B|1, H|1, rows]`, indices `[B|1, H|1, rows, listed]`."""
+    (rows, cols), (tile_rows, tile_cols) = block_size, tile
+    row_split, col_split = rows // tile_rows, cols // tile_cols
+    if (row_split, col_split) == (1, 1):
+        return tuple(tables)
+    num_partial, partial, num_full, full = tables
+
+    def counts(num):
+        return jnp.repeat(num * col_split, row_split, axis=2)
+
+    def indices(listed):
+        split = listed[..., None] * col_split + jnp.arange(col_split, dtype=listed.dtype).reshape(1, 1, 1, 1, -1)
+        return jnp.repeat(split.reshape(*listed.shape[:-1], -1), row_split, axis=2)
+
+    return counts(num_partial), indices(partial), counts(num_full), indices(full)
+
+
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `_dispatch._mosaic_takes`)."""
+    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `_dispatch._mosaic_takes`); a
+    BlockMask's tables coarser than the kernel's tiles are refined to them (`refined_tables`)."""
     f, cfg = problem.features, problem.config
+    kv_tables = None
+    if f.block_sizes is not None:
+        kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (cfg.block_q, cfg.block_k))
     return mosaic_forward(
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
         block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
-        kv_tables=optional["kv_tables"] if f.block_sizes is not None else None,
+        kv_tables=kv_tables,
         mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
     )
@@ -68,8 +94,11 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
             score_arrays=res["score_consts"],
         )
-    if f.block_sizes is not None:
-        dq_options["kv_tables"], dkv_options["q_tables"] = others["kv_tables"], others["q_tables"]
+    if f.block_sizes is not None:  # both kernels read the tables on the forward's square tile
+        table_q, table_k = f.block_sizes
+        tile = (problem.config.block_q, problem.config.block_k)
+        dq_options["kv_tables"] = refined_tables(others["kv_tables"], (table_q, table_k), tile)
+        dkv_options["q_tables"] = refined_tables(others["q_tables"], (table_k, table_q), tile[::-1])
     args = (q, k, v, out, lse, d_out, q_len, kv_len)
     grads = {}
     if tangents.q:

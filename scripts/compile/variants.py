@@ -204,10 +204,6 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head di
 MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask", "dense_bias",
                           "dense_bias_f32", "dense_mask"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
-# The Mosaic forward reads a BlockMask's tables per tile, so it takes one whose blocks are its tiles: the
-# registry's 128 x 128 blocks (create_block_mask's default) at head dim 64 / 128, not at 256, where its key
-# tile is 64 (shared memory); those calls run on Triton.
-BLOCK_MASK_HOOKS = frozenset({"document_mask", "sliding_window", "softcap_sliding_window"})
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str) -> tuple[str, ...]:
@@ -215,10 +211,10 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     backend "triton" (what `auto`, a default FlashConfig and `FlashConfig(backend="triton")` pick on every
     GPU) runs the Triton kernels; backend "mosaic" (FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1, Hopper
     only) runs the Mosaic GPU forward on 16-bit inputs at head dim 64 / 128 / 256 without a feature of
-    `MOSAIC_LACKS` (nor a 128 x 128 BlockMask at 256: `BLOCK_MASK_HOOKS`), its dQ and dK/dV kernels too at
+    `MOSAIC_LACKS` (a BlockMask's tables on its tiles or coarser ones), its dQ and dK/dV kernels too at
     head dim 64 / 128, and Triton for the rest; the tangent (forward mode) is Triton's on every backend."""
     mosaic = (backend == "mosaic" and dtype != "f32" and head_dim in MOSAIC_HEAD_DIMS
-              and feature not in MOSAIC_LACKS and not (feature in BLOCK_MASK_HOOKS and head_dim > 128))
+              and feature not in MOSAIC_LACKS)
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode == "fwd":
         return (forward,)
