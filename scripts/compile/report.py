@@ -566,8 +566,9 @@ def run(args) -> int:
 
 @contextlib.contextmanager
 def _removing_sass_scratch():
-    """Removes, once the workers are done, the folders Mosaic GPU's SASS dump leaves behind (dump.cc:
-    /tmp/mosaic-gpu-XXXXXX/kernel.bin per kernel, whatever TMPDIR says) that appeared during the run."""
+    """Removes, once the workers are done, the folders Mosaic GPU's SASS dump leaves behind (dump.cc: a
+    `mosaic-gpu-XXXXXX` folder holding kernel.bin per kernel, in the root temp folder whatever TMPDIR says)
+    that appeared during the run."""
     before = set(Path("/tmp").glob("mosaic-gpu-*"))
     try:
         yield
