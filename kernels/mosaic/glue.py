@@ -95,10 +95,9 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             score_arrays=res["score_consts"],
         )
     if f.block_sizes is not None:  # both kernels read the tables on the forward's square tile
-        table_q, table_k = f.block_sizes
         tile = (problem.config.block_q, problem.config.block_k)
-        dq_options["kv_tables"] = refined_tables(others["kv_tables"], (table_q, table_k), tile)
-        dkv_options["q_tables"] = refined_tables(others["q_tables"], (table_k, table_q), tile[::-1])
+        dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, tile)
+        dkv_options["q_tables"] = refined_tables(others["q_tables"], f.block_sizes[::-1], tile[::-1])
     args = (q, k, v, out, lse, d_out, q_len, kv_len)
     grads = {}
     if tangents.q:
