@@ -142,6 +142,11 @@ def markdown(report: dict, problems: list[str]) -> str:
         wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from "
                  f"earlier compiles (at {' and '.join(carried)}), whose kernels and tiles for them are unchanged since; "
                  "the others were compiled for this report, and CI compiles every one afresh")
+    joint = sum(bool(r.get("compiled_with")) for r in rows)
+    if joint:
+        wall += (f". {joint} rows are a call's fwd+bwd and its jvp compiled as one program (the forward kernel both "
+                 "run is compiled once; each row lists the kernels its own function lowers to); their seconds "
+                 "(marked *) are that program's")
     pending = ", ".join(f"`{name}` ({why})" for name, why in registry.NOT_YET_CLEAN.items()) or "none"
     out = [_INTRO.format(toolchain=toolchain, pending=pending, rows=len(rows),
                          expected=report.get("expected", len(rows)), kernels=kernels, wall=wall,
@@ -201,7 +206,8 @@ def markdown(report: dict, problems: list[str]) -> str:
                 out.append(
                     f"| {r['variant']}{' \u2020' if r.get('carried_from') else ''} | {tiles} | {k['kernel'].removeprefix('probjax_')} | {k['registers']} | "
                     f"{spill} | {k['smem'] if k['smem'] is not None else '?'} | {k['threads']} | {occ} | "
-                    f"{k['HGMMA']} | {k['HMMA']} | {k['UTMALDG']} | {k['LDGSTS']} | {r['compile_s']} |")
+                    f"{k['HGMMA']} | {k['HMMA']} | {k['UTMALDG']} | {k['LDGSTS']} | {r['compile_s']}"
+                    f"{' *' if r.get('compiled_with') else ''} |")
     return "\n".join(out) + "\n"
 
 

@@ -135,7 +135,8 @@ def _new_files(folder: Path, seen: set) -> list[Path]:
 
 def worker(target: str, group: str, toolchain: Path, only: str | None, journal: Path | None = None,
            first: str | None = None) -> list[dict]:
-    """Compile the group's variants for one target in this process; return one row per variant. With a
+    """Compile the group's variants for one target in this process; return one row per variant (a call's
+    fwd+bwd and jvp variants compiled as one program: `_compile_units`, `compile_together`). With a
     `journal` (JSON lines), each row is appended to it as it is made and the pairs it already holds are not
     compiled again (their rows are returned from it); `first`: a regex of the variants to compile first."""
 
@@ -181,18 +182,48 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         topology="1x1x1").devices[0]
     sharding = SingleDeviceSharding(device)
     seen = {dirname: set() for dirname in (ptxas_dir, xla_dir, mosaic_dir)}
-    rows = []
-    todo = [v for _, v in expected([target], only) if v.group == group]
-    todo.sort(key=lambda v: not (first and re.search(first, v.name)))
-    for variant in todo:
-        journaled = done().get(variant.name)
-        if journaled:
-            rows.append(journaled)
-            continue
-        row = dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
-                   head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
-                   mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
-                   requires=list(variant.requires))
+
+    def new_row(variant) -> dict:
+        return dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
+                    head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
+                    mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
+                    requires=list(variant.requires))
+
+    def built(variant, row):
+        """The variant's function and argument specs, its row given the config it runs at."""
+        from probjax_kernels import FlashConfig
+
+        config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
+                                q_len=variant.q_len, kv_len=variant.kv_len,
+                                head_dim=max(variant.head_dim, variant.value_dim or 0),
+                                dtype=registry.dtype_of(variant.dtype))
+        if variant.group not in ("decode", "peer"):  # those have configs of their own
+            row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
+        if variant.mode == "jvp":
+            row["tangent_config"] = _tangent_tiles(config, variant)
+        fn, specs = variant.build()
+        return fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+
+    def compiled_kernels() -> list[dict]:
+        """The kernels of the last compile (its dumps, which are then marked as read)."""
+        _split_mosaic_stdout((scratch / "stdout.txt").read_text(errors="replace"), mosaic_dir)
+        mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
+        kernels = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]), _new_files(xla_dir, seen[xla_dir]),
+                           mosaic_files, cuda_root)
+        for path in mosaic_files:  # a later kernel dumped under the same name (a peer's "entry") is new again
+            path.unlink()
+            seen[mosaic_dir].discard(path)
+        return kernels
+
+    def discard_dumps():
+        for folder in (ptxas_dir, xla_dir):
+            _new_files(folder, seen[folder])
+        for path in mosaic_dir.iterdir():
+            path.unlink()
+        seen[mosaic_dir].clear()
+
+    def compile_alone(variant) -> dict:
+        row = new_row(variant)
         # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
         # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
         # PTX / ptxas / SASS dumps come on stdout, told apart by the kernel's name (`_split_mosaic_stdout`).
@@ -203,47 +234,149 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         start = time.perf_counter()
         try:
             with jax.default_device(device), _stdout_to(scratch / "stdout.txt"):
-                from probjax_kernels import FlashConfig
-
-                config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
-                                        q_len=variant.q_len, kv_len=variant.kv_len,
-                                        head_dim=max(variant.head_dim, variant.value_dim or 0),
-                                        dtype=registry.dtype_of(variant.dtype))
-                if variant.group not in ("decode", "peer"):  # those have configs of their own
-                    row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
-                if variant.mode == "jvp":
-                    row["tangent_config"] = _tangent_tiles(config, variant)
-                fn, specs = variant.build()
-                specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+                fn, specs = built(variant, row)
                 with _traced_tiles(row.setdefault("kernel_configs", {})):
                     jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
-            message = str(error).strip().splitlines()
-            row["status"] = "error"
-            row["error"] = f"{type(error).__name__}: {message[0][:300] if message else ''}"
-            smem = re.search(r"requested (\d+), available: (\d+)", str(error))
-            if smem:
-                row["error_smem"] = [int(smem.group(1)), int(smem.group(2))]
+            row.update(_error_fields(error))
         row["compile_s"] = round(time.perf_counter() - start, 2)
         try:
-            _split_mosaic_stdout((scratch / "stdout.txt").read_text(errors="replace"), mosaic_dir)
+            row["kernels"] = compiled_kernels()
         except ValueError as error:
-            row.update(status="error", error=str(error))
-        mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
-        row["kernels"] = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]),
-                                  _new_files(xla_dir, seen[xla_dir]), mosaic_files, cuda_root)
-        for path in mosaic_files:  # a later kernel dumped under the same name (a peer's "entry") is new again
-            path.unlink()
-            seen[mosaic_dir].discard(path)
-        rows.append(row)
-        if journal is not None:
-            with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
-                file.write(json.dumps(row) + "\n")
-        print(f"[{target}] {variant.name}: {row['status']} {row['compile_s']} s "
-              + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
-              file=sys.stderr, flush=True)
+            row.update(status="error", error=str(error), kernels=[])
+            discard_dumps()
+        return row
+
+    def compile_together(pair) -> list[dict] | None:
+        """The two variants (fwd+bwd and jvp of one call: the same arguments) compiled as one program, so that
+        the forward kernel both run is compiled once (XLA merges the identical kernel calls); each row holds
+        the kernels its own function lowers to (`_kernels_by_function`). None, the dumps discarded, when they
+        must be compiled one by one: the joint compile failed, or a compiled kernel is not one function's
+        alone or both's shared (a name twice: the two did not share it)."""
+        os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
+        rows = [new_row(v) for v in pair]
+        traced = {}
+        start = time.perf_counter()
+        try:
+            with jax.default_device(device), _stdout_to(scratch / "stdout.txt"):
+                functions, arguments = [], []
+                for variant, row in zip(pair, rows):
+                    fn, specs = built(variant, row)
+                    functions.append(jax.jit(_named(fn, variant.name)))
+                    arguments.append([(s.shape, s.dtype) for s in specs])
+                if arguments[0] != arguments[1]:
+                    raise ValueError("the two variants take different arguments")
+                with _traced_tiles(traced):
+                    lowered = jax.jit(lambda *args: tuple(f(*args) for f in functions)).trace(*specs).lower(
+                        lowering_platforms=("cuda",))
+                own = _kernels_by_function(lowered.as_text(), [v.name for v in pair])
+                lowered.compile()
+            elapsed = round(time.perf_counter() - start, 2)
+            kernels = compiled_kernels()
+        except Exception:  # noqa: BLE001 - compiled one by one, each error in its own row
+            discard_dumps()
+            return None
+        found = [k["kernel"] for k in kernels]
+        if len(set(found)) != len(found) or set(found) != set().union(*own):
+            return None
+        for row, names in zip(rows, own):
+            partner = next(r["variant"] for r in rows if r is not row)
+            row.update(status="ok", compile_s=elapsed, compiled_with=partner,
+                       kernel_configs={k: v for k, v in traced.items() if k in names},
+                       kernels=[k for k in kernels if k["kernel"] in names])
+        return rows
+
+    rows = []
+    todo = [v for _, v in expected([target], only) if v.group == group]
+    todo.sort(key=lambda v: not (first and re.search(first, v.name)))
+    for unit in _compile_units(todo):
+        journaled = done()
+        pending = [v for v in unit if v.name not in journaled]
+        rows += [journaled[v.name] for v in unit if v.name in journaled]
+        made = (compile_together(pending) if len(pending) == 2 else None) or [compile_alone(v) for v in pending]
+        for row in made:
+            rows.append(row)
+            if journal is not None:
+                with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
+                    file.write(json.dumps(row) + "\n")
+            print(f"[{target}] {row['variant']}: {row['status']} {row['compile_s']} s "
+                  + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
+                  file=sys.stderr, flush=True)
     return rows
+
+
+def _compile_units(variants: list) -> list[tuple]:
+    """`variants` in compile units, in their order (a pair where its first member is): a fwd+bwd variant and
+    the jvp of the same call (its name with `_jvp_` for `_grad_`, same group) are compiled together, as one
+    program (`worker`'s `compile_together`); every other variant alone."""
+    by_name = {v.name: v for v in variants}
+    units, placed = [], set()
+    for variant in variants:
+        if variant.name in placed:
+            continue
+        swap = {"fwd+bwd": ("_grad_", "_jvp_"), "jvp": ("_jvp_", "_grad_")}.get(variant.mode)
+        partner = by_name.get(variant.name.replace(*swap, 1)) if swap else None
+        if partner is None or partner.name in placed or partner.group != variant.group or partner.mode == variant.mode:
+            units.append((variant,))
+            placed.add(variant.name)
+            continue
+        units.append((variant, partner) if variant.mode == "fwd+bwd" else (partner, variant))
+        placed |= {variant.name, partner.name}
+    return units
+
+
+def _named(fn, name: str):
+    """`fn` under `name`: the name of its function in the lowered module."""
+    def named(*args):
+        return fn(*args)
+
+    named.__name__ = named.__qualname__ = name
+    return named
+
+
+def _kernels_by_function(module: str, functions: list[str]) -> list[set[str]]:
+    """The names of the Pallas kernels each of `functions` (its `func.func` in the lowered StableHLO text
+    `module`) calls, through the functions it calls: Triton's custom calls name theirs, Mosaic GPU's carry
+    theirs in the serialized module (`{name}_mosaic_gpu_kernel`)."""
+    bodies, name = {}, None
+    for line in module.splitlines():
+        header = re.match(r"\s*func\.func (?:public |private )?@([\w.$-]+)\(", line)
+        if header:
+            name = header.group(1)
+            bodies[name] = []
+        elif name:
+            bodies[name].append(line)
+    kernels, calls = {}, {}
+    for fn, lines in bodies.items():
+        kernels[fn], calls[fn] = set(), set()
+        for line in lines:
+            if "custom_call @__gpu$xla.gpu.triton(" in line:
+                kernels[fn].update(re.findall(r', name = "([\w.-]+)", num_stages', line))
+            elif "custom_call @mosaic_gpu_v2(" in line:
+                kernels[fn].update(re.findall(r"(probjax_\w+?)_mosaic_gpu", line))
+            calls[fn].update(re.findall(r"(?<!custom_)call @([\w.$-]+)\(", line))
+
+    def reach(fn, seen) -> set[str]:
+        if fn in seen or fn not in kernels:
+            return set()
+        seen.add(fn)
+        return kernels[fn].union(*(reach(callee, seen) for callee in calls[fn]))
+
+    missing = [fn for fn in functions if fn not in bodies]
+    if missing:
+        raise ValueError(f"the lowered module has no function {', '.join(missing)}")
+    return [reach(fn, set()) for fn in functions]
+
+
+def _error_fields(error: Exception) -> dict:
+    """A failed compile's row fields: the error's first line, and the shared memory asked for when that is why."""
+    message = str(error).strip().splitlines()
+    out = dict(status="error", error=f"{type(error).__name__}: {message[0][:300] if message else ''}")
+    smem = re.search(r"requested (\d+), available: (\d+)", str(error))
+    if smem:
+        out["error_smem"] = [int(smem.group(1)), int(smem.group(2))]
+    return out
 
 
 # Mosaic GPU's dumps (jaxlib's mosaic/gpu/dump.cc) without MOSAIC_GPU_DUMP_TO: each on stdout.
@@ -549,7 +682,7 @@ def run(args) -> int:
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
-        wall_s=round(sum(r["compile_s"] for r in rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
+        wall_s=round(_compile_seconds(rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
         jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
         rows=rows,
     ))
@@ -562,6 +695,11 @@ def run(args) -> int:
     _write_pages(report, found, Path(args.page))
     print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
     return check(out, targets, args.only)
+
+
+def _compile_seconds(rows: list[dict]) -> float:
+    """The compile time of `rows`, a compile two rows shared (`compiled_with`) counted once."""
+    return sum(r["compile_s"] / (2 if r.get("compiled_with") else 1) for r in rows)
 
 
 @contextlib.contextmanager
