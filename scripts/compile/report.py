@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -504,6 +505,7 @@ def _kernels(limits: dict, ptxas_files, xla_files, mosaic_files, cuda_root: Path
                     r"\] (\S+) grid: \[[^\]]*\] threads: \[(\d+), 1, 1\]\s+shared_memory: (\d+) bytes",
                     path.read_text()):
                 launches[name] = (int(threads), int(smem))
+    triton = []  # (ptxas entry, threads, smem, machine code)
     for log in (p for p in ptxas_files if p.suffix == ".log"):
         for entry in parse_ptxas(log.read_text()):
             if not entry["name"].startswith(KERNEL_PREFIXES) or entry["name"].endswith("_mosaic_gpu_kernel"):
@@ -512,10 +514,10 @@ def _kernels(limits: dict, ptxas_files, xla_files, mosaic_files, cuda_root: Path
             ptx = log.with_suffix(".ptx")
             threads = threads or (ptx_threads(ptx.read_text()) if ptx.exists() else None)
             cubin = log.with_suffix(".cubin")
-            # code sections only, no dataflow analysis: the opcode counts are the same, about 30% less CPU
-            sass = subprocess.run([str(cuda_root / "bin" / "nvdisasm"), "--print-code", "--no-dataflow",
-                                   str(cubin)], capture_output=True, text=True).stdout if cubin.exists() else ""
-            out.append(_kernel_row(limits, entry, "triton", threads, smem, sass))
+            triton.append((entry, threads, smem, elf_code(cubin.read_bytes()) if cubin.exists() else b""))
+    for (entry, threads, smem, _), sass in zip(triton, _disassembled([t[3] for t in triton], limits["arch"],
+                                                                     cuda_root)):
+        out.append(_kernel_row(limits, entry, "triton", threads, smem, sass))
     by_stem = {}
     for path in mosaic_files:
         by_stem.setdefault(path.name.split(".")[0], {})[path.name.split(".", 1)[1]] = path
@@ -530,6 +532,44 @@ def _kernels(limits: dict, ptxas_files, xla_files, mosaic_files, cuda_root: Path
             entry["name"] = re.sub(r"_\d+$", "", stem)
             out.append(_kernel_row(limits, entry, "mosaic", threads, int(smem.group(1)) if smem else None, sass))
     return out
+
+
+def elf_code(cubin: bytes) -> bytes:
+    """The machine code of a cubin: its `.text.*` sections (a kernel and the functions it calls), in order."""
+    section_table, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<I4xQQQQ", cubin, section_table + i * entry_size) for i in range(count)]
+    names_at = sections[names_index][3]
+
+    def name(offset: int) -> bytes:
+        start = names_at + offset
+        return cubin[start:cubin.index(b"\0", start)]
+
+    return b"".join(cubin[at:at + size] for name_at, _, _, at, size in sections if name(name_at).startswith(b".text."))
+
+
+def _disassembled(codes: list[bytes], arch: str, cuda_root: Path) -> list[str]:
+    """The SASS of each machine code in `codes` (`elf_code`'s), from one nvdisasm call over them all as a raw
+    instruction stream (each call costs ~0.5 s of CPU before it reads a byte): the listing split back by
+    instruction offset."""
+    if not any(codes):
+        return ["" for _ in codes]
+    with tempfile.NamedTemporaryFile(suffix=".bin") as raw:
+        raw.write(b"".join(codes))
+        raw.flush()
+        listing = subprocess.run([str(cuda_root / "bin" / "nvdisasm"), "--binary", arch.replace("sm_", "SM"),
+                                  "--print-code", "--no-dataflow", raw.name],
+                                 capture_output=True, text=True, check=True).stdout
+    ends, total = [], 0
+    for code in codes:
+        total += len(code)
+        ends.append(total)
+    pieces = [[] for _ in codes]
+    for line in listing.splitlines():
+        at = re.match(r"\s*/\*([0-9a-f]+)\*/", line)
+        if at:
+            pieces[next(i for i, end in enumerate(ends) if int(at.group(1), 16) < end)].append(line)
+    return ["\n".join(lines) for lines in pieces]
 
 
 def _kernel_row(limits, entry, lowering, threads, smem, sass) -> dict:
