@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -327,6 +328,56 @@ def test_a_joint_compile_gives_each_function_its_own_kernels():
     assert jvp == {"probjax_mosaic_forward", "probjax_flash_tangent"}
     with pytest.raises(ValueError, match="no function flash_jvp_d64_bf16_full"):
         compile_report._kernels_by_function(module, ["flash_jvp_d64_bf16_full"])
+
+
+def _elf(sections: list[tuple[str, bytes]]) -> bytes:
+    """A minimal ELF64 image holding `sections` (name, bytes) and its section-name table."""
+    import struct
+
+    names = b"\0" + b"".join(name.encode() + b"\0" for name, _ in sections) + b".shstrtab\0"
+    body, placed = b"", []
+    for _, data in sections:
+        placed.append((64 + len(body), len(data)))
+        body += data
+    table_at = 64 + len(body) + len(names)
+    headers = [bytes(64)]
+    name_at = 1
+    for (name, _), (at, size) in zip(sections, placed):
+        headers.append(struct.pack("<IIQQQQIIQQ", name_at, 1, 6, 0, at, size, 0, 0, 16, 0))
+        name_at += len(name) + 1
+    headers.append(struct.pack("<IIQQQQIIQQ", name_at, 3, 0, 0, 64 + len(body), len(names), 0, 0, 1, 0))
+    header = bytearray(64)
+    header[:4] = b"\x7fELF"
+    struct.pack_into("<Q", header, 0x28, table_at)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(headers), len(headers) - 1)
+    return bytes(header) + body + names + b"".join(headers)
+
+
+def test_the_machine_code_of_a_cubin_is_its_text_sections():
+    kernel, helper = bytes(range(32)), bytes(range(100, 116))
+    image = _elf([(".text.probjax_flash_forward", kernel), (".nv.info", b"\x01" * 8), (".text.helper", helper)])
+    assert compile_report.elf_code(image) == kernel + helper
+
+
+def test_one_disassembly_is_split_back_by_instruction_offset(monkeypatch, tmp_path):
+    """Kernels disassembled in one nvdisasm call get the instructions at their own offsets: 32 bytes (two
+    16-byte instructions) for the first, none for an empty one, one for the last."""
+    calls = []
+
+    def fake_nvdisasm(command, **kwargs):
+        calls.append(command)
+        assert "--binary" in command and command[command.index("--binary") + 1] == "SM90a"
+        listing = ("\t.headerflags\t@\"EF_CUDA_SM90\"\n"
+                   "        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+                   "        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n"
+                   "        /*0020*/                   LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;\n")
+        return types.SimpleNamespace(stdout=listing)
+
+    monkeypatch.setattr(compile_report.subprocess, "run", fake_nvdisasm)
+    first, empty, last = compile_report._disassembled([bytes(32), b"", bytes(16)], "sm_90a", tmp_path)
+    assert len(calls) == 1
+    assert compile_report.sass_counts(first) == dict(HGMMA=1, HMMA=1, UTMALDG=0, LDGSTS=0)
+    assert empty == "" and compile_report.sass_counts(last)["LDGSTS"] == 1
 
 
 def test_check_cli_exit_status(clean, tmp_path):
