@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -560,15 +562,12 @@ def _disassembled(codes: list[bytes], arch: str, cuda_root: Path) -> list[str]:
         listing = subprocess.run([str(cuda_root / "bin" / "nvdisasm"), "--binary", arch.replace("sm_", "SM"),
                                   "--print-code", "--no-dataflow", raw.name],
                                  capture_output=True, text=True, check=True).stdout
-    ends, total = [], 0
-    for code in codes:
-        total += len(code)
-        ends.append(total)
+    ends = list(itertools.accumulate(len(code) for code in codes))
     pieces = [[] for _ in codes]
     for line in listing.splitlines():
         at = re.match(r"\s*/\*([0-9a-f]+)\*/", line)
         if at:
-            pieces[next(i for i, end in enumerate(ends) if int(at.group(1), 16) < end)].append(line)
+            pieces[bisect.bisect_right(ends, int(at.group(1), 16))].append(line)
     return ["\n".join(lines) for lines in pieces]
 
 
