@@ -380,6 +380,94 @@ def test_one_disassembly_is_split_back_by_instruction_offset(monkeypatch, tmp_pa
     assert empty == "" and compile_report.sass_counts(last)["LDGSTS"] == 1
 
 
+_TRITON_CALL = ('%0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {{mhlo.backend_config = {{ir = "ML\\EFR{root}'
+                '/kernels/triton/forward.py\\00mul\\00{ir}", name = "probjax_flash_forward", num_stages = 2}}}}')
+_MOSAIC_CALL = ('%1 = stablehlo.custom_call @mosaic_gpu_v2(%a) {{mhlo.backend_config = {{kernel_hash = "{hash}", '
+                'module = "{toolchain}/peers/x.py\\00probjax_mosaic_forward_mosaic_gpu"}}}}')
+
+
+def _module(root="/a/repo", toolchain="/home/a/.cache/tc", ir="add", kernel_hash="\\CF\\FD\\22z") -> str:
+    return "\n".join([_TRITON_CALL.format(root=root, ir=ir), _MOSAIC_CALL.format(hash=kernel_hash,
+                                                                               toolchain=toolchain)])
+
+
+def test_a_fingerprint_is_the_lowered_module_not_the_machine():
+    """A compile's fingerprint is the same for the same lowered module in another checkout, toolchain folder or
+    Mosaic `kernel_hash` (a hash of those paths), and new for one changed byte of a kernel's IR or another key
+    (toolchain, target, figure code)."""
+    key = "k" * 64
+    first = compile_report._fingerprint(_module(), key, ("/a/repo", "/home/a/.cache/tc"))
+    moved = compile_report._fingerprint(_module("/b/clone", "/root/.cache/tc2", kernel_hash="\\00Q"), key,
+                                        ("/b/clone", "/root/.cache/tc2"))
+    assert first == moved
+    assert compile_report._fingerprint(_module(ir="adf"), key, ("/a/repo", "/home/a/.cache/tc")) != first
+    assert compile_report._fingerprint(_module(), "j" * 64, ("/a/repo", "/home/a/.cache/tc")) != first
+    assert compile_report._fingerprint(_module(), key) != first  # the machine's folders are not left out
+
+
+def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monkeypatch):
+    """`_compile_key` changes with the target, the toolchain's versions, its ptxas wrapper and the source of
+    the code that reads the figures."""
+    wrapper = tmp_path / "cuda_root" / "bin" / "ptxas"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
+    versions = dict(jax="0.11.2", ptxas="12.9.86")
+    monkeypatch.setattr(compile_report, "_versions", lambda toolchain: dict(versions))
+    key = compile_report._compile_key("sm90a_h100", tmp_path)
+    assert compile_report._compile_key("sm90a_h100", tmp_path) == key
+    assert compile_report._compile_key("sm80_a100", tmp_path) != key
+    versions["ptxas"] = "12.9.87"
+    assert compile_report._compile_key("sm90a_h100", tmp_path) != key
+    versions["ptxas"] = "12.9.86"
+    wrapper.write_text("#!/bin/sh\nexec ptxas.real \"$@\"\n")
+    assert compile_report._compile_key("sm90a_h100", tmp_path) != key
+    wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
+    monkeypatch.setattr(compile_report, "FIGURE_CODE", compile_report.FIGURE_CODE[1:])
+    assert compile_report._compile_key("sm90a_h100", tmp_path) != key
+
+
+def test_only_clean_fingerprinted_rows_of_the_target_are_reused():
+    rows = [dict(target="sm90a_h100", variant="a", status="ok", fingerprint="f", kernels=[]),
+            dict(target="sm90a_h100", variant="b", status="error", fingerprint="f", kernels=[]),
+            dict(target="sm90a_h100", variant="c", status="ok", kernels=[]),
+            dict(target="sm80_a100", variant="d", status="ok", fingerprint="f", kernels=[])]
+    assert list(compile_report._reusable_rows(dict(rows=rows), "sm90a_h100")) == ["a"]
+
+
+def test_the_units_compiled_again_are_picked_by_the_seed():
+    """`--verify` picks that many units among those the earlier report holds whole, the same ones for one
+    seed, others for another."""
+    units = compile_report._compile_units(registry.variants())
+    earlier = {v.name: {} for unit in units[:-5] for v in unit}
+    picked = compile_report._verify_units(units, earlier, 3, "a")
+    assert len(picked) == 3 and all(unit in units[:-5] for unit in picked)
+    assert compile_report._verify_units(units, earlier, 3, "a") == picked
+    assert any(compile_report._verify_units(units, earlier, 3, seed) != picked for seed in "bcd")
+    assert compile_report._verify_units(units, {}, 3, "a") == []
+
+
+def test_a_reused_figure_that_does_not_reproduce_fails(clean):
+    """A unit compiled again whose module has the earlier row's fingerprint must give its figures: equal, it is
+    marked reproduced; different, the row is an error the check fails; a changed module is a plain compile."""
+    row = _row(clean, "sm90a_h100", "flash_grad_d128_bf16_causal")
+    row["fingerprint"] = "f"
+    earlier = copy.deepcopy(row)
+    assert compile_report._reproduces(row, earlier) == dict(reproduced=True)
+    assert compile_report._reproduces(row, dict(earlier, fingerprint="g")) == {}
+    assert compile_report._reproduces(row, None) == {}
+    earlier["kernels"][0]["registers"] += 8
+    row.update(compile_report._reproduces(row, earlier))
+    assert row["status"] == "error" and not row["reproduced"]
+    assert any("compile error: the same lowered module" in p for p in compile_report.problems(clean))
+
+
+def test_ci_reuses_the_committed_reports_unchanged_compiles():
+    """CI's GPU compile takes the committed report's rows whose fingerprint is unchanged (every row has one) and
+    compiles the rest, and a sample of the reused ones again."""
+    assert "--reuse docs/compile/report.json" in (ROOT / ".ci" / "run").read_text()
+    assert all(r.get("fingerprint") for r in REPORT["rows"])
+
+
 def test_check_cli_exit_status(clean, tmp_path):
     """`report.py check FILE` exits 1 on an empty report and 0 on a clean one."""
     path = tmp_path / "report.json"

@@ -141,7 +141,13 @@ def markdown(report: dict, problems: list[str]) -> str:
     if carried:
         wall += (f". {sum(bool(r.get('carried_from')) for r in rows)} rows (marked \u2020) are carried over from "
                  f"earlier compiles (at {' and '.join(carried)}), whose kernels and tiles for them are unchanged since; "
-                 "the others were compiled for this report, and CI compiles every one afresh")
+                 "the others were compiled for this report")
+    reused = sum(bool(r.get("reused")) for r in rows)
+    if report.get("reused_from"):
+        wall += (f". {reused} rows took their figures from `{report['reused_from']}`, whose rows have the same "
+                 "fingerprint (the lowered module with its kernels' IR, the toolchain, the target and the code that "
+                 f"reads the figures); {sum('reproduced' in r for r in rows)} more that could have, picked by the "
+                 "commit, were compiled again and had to equal them; the others were compiled for this report")
     joint = sum(bool(r.get("compiled_with")) for r in rows)
     if joint:
         wall += (f". {joint} rows are a call's fwd+bwd and its jvp compiled as one program (the forward kernel both "

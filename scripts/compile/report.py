@@ -23,6 +23,8 @@ import atexit
 import bisect
 import concurrent.futures
 import contextlib
+import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -137,11 +139,15 @@ def _new_files(folder: Path, seen: set) -> list[Path]:
 
 
 def worker(target: str, group: str, toolchain: Path, only: str | None, journal: Path | None = None,
-           first: str | None = None) -> list[dict]:
+           first: str | None = None, reuse: Path | None = None, verify: int = 0, seed: str = "") -> list[dict]:
     """Compile the group's variants for one target in this process; return one row per variant (a call's
     fwd+bwd and jvp variants compiled as one program: `_compile_units`, `compile_together`). With a
     `journal` (JSON lines), each row is appended to it as it is made and the pairs it already holds are not
-    compiled again (their rows are returned from it); `first`: a regex of the variants to compile first."""
+    compiled again (their rows are returned from it); `first`: a regex of the variants to compile first.
+    With `reuse` (an earlier report), a compile unit whose lowered module has the fingerprint of that report's
+    row (`_fingerprint`) takes that row's kernels instead of compiling; `verify` of those units (chosen by
+    `seed`: `_verify_units`) are compiled all the same, and a kernel figure that differs from the earlier
+    row's fails the row."""
 
     def done() -> dict:  # read before each variant: another run may share the journal
         if journal is None or not journal.exists():
@@ -155,13 +161,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
     for folder in (ptxas_dir, xla_dir, mosaic_dir):
         folder.mkdir()
     cuda_root = toolchain / "cuda_root"
-    os.environ.update(
-        JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
-        # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
-        PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-        PROBJAX_PTXAS_LOG=str(ptxas_dir), XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
-        **MOSAIC_DUMPS,
-    )
+    os.environ.update(_compile_environment(cuda_root, ptxas_dir, xla_dir))
     _import_kernels()
     sys.path.append(str(toolchain / "peers"))  # tokamax (a peer), after the venv: gpu_toolchain.sh
     import warnings
@@ -185,6 +185,22 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         topology="1x1x1").devices[0]
     sharding = SingleDeviceSharding(device)
     seen = {dirname: set() for dirname in (ptxas_dir, xla_dir, mosaic_dir)}
+    key = _compile_key(target, toolchain)
+    earlier = _reusable_rows(json.loads(reuse.read_text()), target) if reuse else {}
+
+    def fingerprint(lowered) -> str:
+        return _fingerprint(lowered.as_text(), key, (REPO, toolchain))
+
+    def reused(variants, rows, fingerprint) -> bool:
+        """Fill `rows` from the earlier report's when each has `fingerprint` (then nothing is compiled)."""
+        old = [earlier.get(v.name) for v in variants]
+        if not all(o and o["fingerprint"] == fingerprint for o in old):
+            return False
+        discard_dumps()
+        for row, o in zip(rows, old):
+            row.update(status="ok", fingerprint=fingerprint, reused=True, compile_s=o["compile_s"],
+                       kernels=o["kernels"], **({"compiled_with": o["compiled_with"]} if o.get("compiled_with") else {}))
+        return True
 
     def new_row(variant) -> dict:
         return dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
@@ -225,7 +241,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
             path.unlink()
         seen[mosaic_dir].clear()
 
-    def compile_alone(variant) -> dict:
+    def compile_alone(variant, may_reuse=True) -> dict:
         row = new_row(variant)
         # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
         # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
@@ -239,7 +255,11 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
             with jax.default_device(device), _stdout_to(scratch / "stdout.txt"):
                 fn, specs = built(variant, row)
                 with _traced_tiles(row.setdefault("kernel_configs", {})):
-                    jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
+                    lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+                row["fingerprint"] = fingerprint(lowered)
+                if may_reuse and reused([variant], [row], row["fingerprint"]):
+                    return row
+                lowered.compile()
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             row.update(_error_fields(error))
@@ -251,15 +271,18 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
             discard_dumps()
         return row
 
-    def compile_together(pair) -> list[dict] | None:
+    def compile_together(pair, may_reuse=True) -> tuple[list[dict] | None, str | None]:
         """The two variants (fwd+bwd and jvp of one call: the same arguments) compiled as one program, so that
         the forward kernel both run is compiled once (XLA merges the identical kernel calls); each row holds
         the kernels its own function lowers to (`_kernels_by_function`). None, the dumps discarded, when they
         must be compiled one by one: the joint compile failed, or a compiled kernel is not one function's
-        alone or both's shared (a name twice: the two did not share it)."""
+        alone or both's shared (a name twice: the two did not share it); the earlier report's rows say so
+        for the same joint module (`joint_fingerprint`) and then it is not tried again. Second: the joint
+        module's fingerprint."""
         os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
         rows = [new_row(v) for v in pair]
         traced = {}
+        joint = None
         start = time.perf_counter()
         try:
             with jax.default_device(device), _stdout_to(scratch / "stdout.txt"):
@@ -274,39 +297,123 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                     lowered = jax.jit(lambda *args: tuple(f(*args) for f in functions)).trace(*specs).lower(
                         lowering_platforms=("cuda",))
                 own = _kernels_by_function(lowered.as_text(), [v.name for v in pair])
+                joint = fingerprint(lowered)
+                for row, names in zip(rows, own):
+                    row["kernel_configs"] = {k: v for k, v in traced.items() if k in names}
+                if may_reuse and reused(pair, rows, joint):
+                    return rows, joint
+                if may_reuse and all((earlier.get(v.name) or {}).get("joint_fingerprint") == joint for v in pair):
+                    return None, joint
                 lowered.compile()
             elapsed = round(time.perf_counter() - start, 2)
             kernels = compiled_kernels()
         except Exception:  # noqa: BLE001 - compiled one by one, each error in its own row
             discard_dumps()
-            return None
+            return None, joint
         found = [k["kernel"] for k in kernels]
         if len(set(found)) != len(found) or set(found) != set().union(*own):
-            return None
+            return None, joint
         for row, names in zip(rows, own):
             partner = next(r["variant"] for r in rows if r is not row)
-            row.update(status="ok", compile_s=elapsed, compiled_with=partner,
-                       kernel_configs={k: v for k, v in traced.items() if k in names},
+            row.update(status="ok", compile_s=elapsed, compiled_with=partner, fingerprint=joint,
                        kernels=[k for k in kernels if k["kernel"] in names])
-        return rows
+        return rows, joint
+
+    def compile_unit(variants, may_reuse=True) -> list[dict]:
+        made, joint = compile_together(variants, may_reuse) if len(variants) == 2 else (None, None)
+        if made is None:
+            made = [compile_alone(v, may_reuse) for v in variants]
+            for row in made if joint else ():
+                row["joint_fingerprint"] = joint
+        return made
 
     rows = []
     todo = [v for _, v in expected([target], only) if v.group == group]
     todo.sort(key=lambda v: not (first and re.search(first, v.name)))
-    for unit in _compile_units(todo):
+    units = _compile_units(todo)
+    checked = _verify_units(units, earlier, verify, seed)
+    for unit in units:
         journaled = done()
         pending = [v for v in unit if v.name not in journaled]
         rows += [journaled[v.name] for v in unit if v.name in journaled]
-        made = (compile_together(pending) if len(pending) == 2 else None) or [compile_alone(v) for v in pending]
+        made = compile_unit(pending, may_reuse=unit not in checked)
+        if unit in checked:
+            for row in made:
+                row.update(_reproduces(row, earlier.get(row["variant"])))
         for row in made:
             rows.append(row)
             if journal is not None:
                 with journal.open("a") as file:  # one line per write: shards appending at once do not interleave
                     file.write(json.dumps(row) + "\n")
-            print(f"[{target}] {row['variant']}: {row['status']} {row['compile_s']} s "
+            print(f"[{target}] {row['variant']}: {row['status']} {row['compile_s']} s"
+                  f"{' (reused)' if row.get('reused') else ''} "
                   + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
                   file=sys.stderr, flush=True)
     return rows
+
+
+def _compile_environment(cuda_root: Path, ptxas_dir: Path, xla_dir: Path) -> dict:
+    """The worker's environment: a deviceless CUDA compile with the pinned ptxas, its logs and XLA's dumps kept."""
+    return dict(
+        JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
+        # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
+        PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        PROBJAX_PTXAS_LOG=str(ptxas_dir), XLA_FLAGS=f"--xla_gpu_enable_libnvptxcompiler=false --xla_dump_to={xla_dir}",
+        **MOSAIC_DUMPS,
+    )
+
+
+def _compile_key(target: str, toolchain: Path) -> str:
+    """What a compile's figures depend on besides its lowered module: the target's description, the toolchain's
+    versions and ptxas wrapper, and the source of the code that compiles and reads the figures
+    (`FIGURE_CODE`). A change to any of them makes every fingerprint new."""
+    parts = [target, (TARGETS_DIR / f"{target}.txtpb").read_text(), json.dumps(_versions(toolchain), sort_keys=True),
+             (Path(toolchain) / "cuda_root" / "bin" / "ptxas").read_text(), json.dumps(MOSAIC_DUMPS, sort_keys=True)]
+    parts += [inspect.getsource(fn) for fn in FIGURE_CODE]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _fingerprint(module: str, key: str, roots=()) -> str:
+    """The identity of one compile: its lowered StableHLO text (the Pallas kernels' Triton / Mosaic GPU IR
+    inside it, with their source locations) under `key` (`_compile_key`). The folders in `roots` (the
+    checkout, the toolchain: they differ between machines) are left out of the text, and so is Mosaic GPU's
+    `kernel_hash`, a hash of its serialized module, those paths included."""
+    for index, root in enumerate(roots):
+        for spelling in {str(root), str(Path(root).resolve())}:
+            module = module.replace(spelling, f"<root {index}>")
+    module = re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "kernel_hash", module)
+    return hashlib.sha256(f"{key}\n{module}".encode()).hexdigest()[:32]
+
+
+def _reusable_rows(report: dict, target: str) -> dict[str, dict]:
+    """An earlier report's rows for `target` that a compile may take over: compiled without error, with a
+    fingerprint, and not themselves failed as a re-check (`_reproduces`)."""
+    return {r["variant"]: r for r in report.get("rows", [])
+            if r["target"] == target and r.get("status") == "ok" and r.get("fingerprint")}
+
+
+def _verify_units(units: list[tuple], earlier: dict, count: int, seed: str) -> list[tuple]:
+    """`count` of the units the earlier report holds every row of, picked by a hash of `seed` and their
+    names: compiled although they may be reused, to show the reused figures reproduce (`_reproduces`)."""
+    candidates = [u for u in units if all(v.name in earlier for v in u)]
+    candidates.sort(key=lambda u: hashlib.sha256(f"{seed}:{u[0].name}".encode()).hexdigest())
+    return candidates[:count]
+
+
+def _reproduces(row: dict, earlier: dict | None) -> dict:
+    """A re-compiled row's fields against the earlier report's row of the same variant: `reproduced` when both
+    have one fingerprint and the same kernels and figures; an error when they have one fingerprint and
+    differ (the fingerprint would not stand for the figures); nothing when the module changed."""
+    if earlier is None or earlier.get("fingerprint") != row.get("fingerprint"):
+        return {}
+    def figures(r):
+        return sorted(json.dumps(k, sort_keys=True) for k in r.get("kernels", []))
+
+    if row["status"] == "ok" and figures(row) == figures(earlier):
+        return dict(reproduced=True)
+    return dict(status="error", reproduced=False,
+                error=f"the same lowered module as the earlier report's row compiled to other figures "
+                      f"(status {row['status']}, kernels {figures(row)} vs {figures(earlier)})"[:600])
 
 
 def _compile_units(variants: list) -> list[tuple]:
@@ -580,6 +687,11 @@ def _kernel_row(limits, entry, lowering, threads, smem, sass) -> dict:
     return row
 
 
+# The code between a lowered module and a row's figures: its source is part of every fingerprint.
+FIGURE_CODE = (_compile_environment, _kernels, elf_code, _disassembled, _kernel_row, parse_ptxas, sass_counts,
+               ptx_threads, occupancy, target_limits, _split_mosaic_stdout, _kernels_by_function)
+
+
 # ------------------------------------------------------------------------------------------------- check
 
 
@@ -712,8 +824,12 @@ def run(args) -> int:
         journaled = {(r["target"], r["variant"]): r for r in map(json.loads, args.journal.read_text().splitlines())}
         rows = [row for key, row in journaled.items() if key in want]
         shards = []
+    if args.reuse and not args.reuse.exists():
+        raise SystemExit(f"compile_report: --reuse {args.reuse}: no such report")
+    seed = args.seed if args.seed is not None else _head_commit()
     with _removing_sass_scratch(), concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first)
+        futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first,
+                               args.reuse, args.verify, seed)
                    for t, g in shards]
         for future in futures:
             rows += future.result()
@@ -723,7 +839,7 @@ def run(args) -> int:
         targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
         wall_s=round(_compile_seconds(rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
         jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
-        rows=rows,
+        reused_from=_shown_path(args.reuse) if args.reuse else None, rows=rows,
     ))
     out = Path(args.out)
     if out.exists() and "tpu" in json.loads(out.read_text()):  # the TPU part's section (tpu_report.py) stays
@@ -732,7 +848,10 @@ def run(args) -> int:
     out.write_text(json.dumps(report, indent=1) + "\n")
     found = problems(report, targets, args.only)
     _write_pages(report, found, Path(args.page))
-    print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s")
+    print(f"compile_report: wrote {out} and {args.page} in {report['wall_s']} s"
+          + (f"; {sum(bool(r.get('reused')) for r in rows)} of {len(rows)} rows reused from {args.reuse} (their "
+             f"lowered module unchanged), {sum('reproduced' in r for r in rows)} re-compiled to check they "
+             f"reproduce it" if args.reuse else ""))
     return check(out, targets, args.only)
 
 
@@ -755,7 +874,21 @@ def _removing_sass_scratch():
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def _shard(target, group, toolchain, only, journal=None, first=None) -> list[dict]:
+def _head_commit() -> str:
+    """The checkout's commit (the seed of the units `--verify` re-compiles), "" outside a git checkout."""
+    result = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def _shown_path(path: Path) -> str:
+    """`path` relative to the checkout when it lies in it (a report names no machine's folders)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return Path(path).name
+
+
+def _shard(target, group, toolchain, only, journal=None, first=None, reuse=None, verify=0, seed="") -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         command = [sys.executable, __file__, "worker", target, group, "--toolchain", str(toolchain),
@@ -766,6 +899,8 @@ def _shard(target, group, toolchain, only, journal=None, first=None) -> list[dic
             command += ["--journal", str(journal)]
         if first:
             command += ["--first", first]
+        if reuse:
+            command += ["--reuse", str(Path(reuse).resolve()), "--verify", str(verify), "--seed", seed]
         result = subprocess.run(command, stdout=subprocess.DEVNULL)  # Mosaic GPU prints its IR on stdout
         if result.returncode:
             raise SystemExit(f"compile_report: the worker for {target} / {group} failed (exit {result.returncode})")
@@ -795,6 +930,11 @@ def main() -> int:
                    "with the same file resumes, compiling only the pairs it lacks (same checkout and toolchain)")
     p.add_argument("--first", help="a regex: compile the variants whose name matches first")
     p.add_argument("--assemble", action="store_true", help="compile nothing: write the report from --journal's rows")
+    p.add_argument("--reuse", type=Path, help="an earlier report (docs/compile/report.json): a compile unit whose "
+                   "lowered module has the fingerprint of its row there takes that row's figures, uncompiled")
+    p.add_argument("--verify", type=int, default=1, help="with --reuse: how many reusable units per (target, "
+                   "group) shard are compiled all the same, their figures required equal to the reused ones")
+    p.add_argument("--seed", help="with --reuse: picks the --verify units (default: the checkout's commit)")
     p.add_argument("--out", default=str(REPORT))
     p.add_argument("--page", default=str(PAGE))
     w = sub.add_parser("worker")
@@ -804,6 +944,9 @@ def main() -> int:
     w.add_argument("--only")
     w.add_argument("--journal", type=Path)
     w.add_argument("--first")
+    w.add_argument("--reuse", type=Path)
+    w.add_argument("--verify", type=int, default=0)
+    w.add_argument("--seed", default="")
     w.add_argument("--json", type=Path, required=True)
     c = sub.add_parser("check", help="check a report against the whole registry (or --targets / --only of it)")
     c.add_argument("report", nargs="?", default=str(REPORT))
@@ -818,7 +961,7 @@ def main() -> int:
         return run(args)
     if args.command == "worker":
         args.json.write_text(json.dumps(worker(args.target, args.group, args.toolchain, args.only, args.journal,
-                                               args.first)))
+                                               args.first, args.reuse, args.verify, args.seed)))
         return 0
     if args.command == "check":
         return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
