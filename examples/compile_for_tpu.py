@@ -21,7 +21,10 @@ off a GPU). For each (slice, mesh, head dim, sequence length) it compiles
 and records per chip the HBM that XLA plans (arguments, outputs, temporaries) against the chip's capacity,
 the collectives of the step, the Mosaic TPU kernels (`tpu_custom_call`) and the compile time (wall seconds
 of tracing, lowering and XLA's compile, and the CPU seconds of the three). `--shard I/N` compiles every N-th
-case only, so that N processes share them.
+case only, so that N processes share them. `--reuse FILE` (an earlier `--json`) skips XLA's compile of a
+program whose lowered module is the one FILE's row compiled (the same fingerprint: the module with its
+kernels, jax, jaxlib and libtpu) and takes that row's figures; `--verify K` compiles K of those programs all
+the same and fails one whose figures differ.
 `scripts/compile/tpu_slices.py` runs it for the compile check and checks the figures; docs/tpu.md ("Pod
 slices") shows them. What it proves: the programs compile for the slice and fit its chips' HBM as XLA plans
 them. What it does not: that they run, or how fast.
@@ -30,7 +33,10 @@ them. What it does not: that they run, or how fast.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import hashlib
+import inspect
 import json
 import re
 import sys
@@ -94,19 +100,46 @@ def _specs(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _compile(function, *args):
-    """`function` (a jitted function) traced, lowered for TPU and compiled by XLA for `args`' shardings; also
-    returns the wall seconds of each stage and the CPU seconds of the whole (all threads): where the check's
-    time goes, and how much of it a busy machine stretches."""
+def _compile(function, args, capacity: int, earlier: dict | None = None) -> dict:
+    """The figures (`_figures`) of `function` (a jitted function) traced, lowered for TPU and compiled by XLA
+    for `args`' shardings, with the wall seconds of each stage and the CPU seconds of the whole (all threads):
+    where the check's time goes, and how much of it a busy machine stretches. When `earlier` (the same
+    program's figures from an earlier run) has the lowered module's fingerprint, those figures, uncompiled."""
     times, cpu = [time.perf_counter()], time.process_time()
     traced = function.trace(*args)
     times.append(time.perf_counter())
     lowered = traced.lower(lowering_platforms=("tpu",))
     times.append(time.perf_counter())
+    fingerprint = _fingerprint(lowered.as_text())
+    if earlier and earlier.get("fingerprint") == fingerprint and "error" not in earlier:
+        return dict(earlier, reused=True)
     compiled = lowered.compile()
     times.append(time.perf_counter())
     stages = dict(zip(("trace", "lower", "compile"), (round(b - a, 1) for a, b in zip(times, times[1:]))))
-    return compiled, dict(stages, cpu=round(time.process_time() - cpu, 1))
+    return dict(_figures(compiled, dict(stages, cpu=round(time.process_time() - cpu, 1)), capacity),
+                fingerprint=fingerprint)
+
+
+def _fingerprint(module: str) -> str:
+    """The identity of a compile: the lowered StableHLO text (the Mosaic TPU kernels' IR inside it, in base64,
+    with their source locations) under jax's, jaxlib's and libtpu's versions and the code that reads the
+    figures; the checkout's and the Python environment's folders (they differ between machines) left out."""
+    from importlib import metadata
+
+    roots = {str(Path(__file__).resolve().parents[1]), sys.prefix, str(Path(sys.prefix).resolve())}
+
+    def without_roots(text: str) -> str:
+        for root in roots:
+            text = text.replace(root, "<root>")
+        return text
+
+    def kernel(match) -> str:  # a tpu_custom_call's body: the Mosaic module, base64-encoded
+        body = without_roots(base64.b64decode(match.group(1)).decode("latin-1"))
+        return f"body {hashlib.sha256(body.encode('latin-1')).hexdigest()}"
+
+    module = without_roots(re.sub(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", kernel, module))
+    versions = [metadata.version(name) for name in ("jax", "jaxlib", "libtpu")]
+    return hashlib.sha256("\n".join([*versions, inspect.getsource(_figures), module]).encode()).hexdigest()[:32]
 
 
 def _figures(compiled, stages: dict, capacity: int) -> dict:
@@ -136,8 +169,10 @@ def _figures(compiled, stages: dict, capacity: int) -> dict:
 
 
 def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int,
-                 programs=("train", "generate")) -> dict:
-    """One row of the report: the training step and the batched generation (`programs`) of one slice and shape."""
+                 programs=("train", "generate"), earlier: dict | None = None) -> dict:
+    """One row of the report: the training step and the batched generation (`programs`) of one slice and shape;
+    `earlier`: this case's row of an earlier run, whose programs' figures stand where their fingerprint does."""
+    earlier = earlier or {}
     start = time.perf_counter()
     axes = parse_mesh(mesh_flag)
     config = make_config(f"bench-hd{head_dim}", dict(
@@ -153,13 +188,14 @@ def compile_case(topology: str, mesh_flag: str, head_dim: int, seq_len: int,
     optimizer = make_optimizer(config)
     row["setup_s"] = round(time.perf_counter() - start, 1)  # the config, the slice's mesh, the abstract model
     if "train" in programs:
-        row["train"] = _compile_train(config, mesh, model, optimizer, capacity)
+        row["train"] = _compile_train(config, mesh, model, optimizer, capacity, earlier.get("train"))
     if "generate" in programs:
-        row["generate"] = _compile_generation(config, mesh.devices.flat[0], model, capacity)
+        row["generate"] = _compile_generation(config, mesh.devices.flat[0], model, capacity,
+                                              earlier.get("generate"))
     return row
 
 
-def _compile_train(config, mesh: Mesh, model, optimizer, capacity: int) -> dict:
+def _compile_train(config, mesh: Mesh, model, optimizer, capacity: int, earlier: dict | None = None) -> dict:
     """train.make_steps' step on the slice's mesh, params and optimiser state sharded as train.run shards them."""
     seq_len = config.seq_len
     try:
@@ -172,13 +208,12 @@ def _compile_train(config, mesh: Mesh, model, optimizer, capacity: int) -> dict:
         # The slice's device as the default: the kernels' dispatch then picks the Mosaic TPU backend.
         with jax.default_device(mesh.devices.flat[0]), jax.set_mesh(mesh):
             train_step, _ = make_steps(model, optimizer, config, shardings)
-            compiled, stages = _compile(train_step, params, opt_state, batch)
-        return _figures(compiled, stages, capacity)
+            return _compile(train_step, (params, opt_state, batch), capacity, earlier)
     except Exception as error:  # noqa: BLE001 - a failed compile is a row of the report
         return dict(error=f"{type(error).__name__}: {str(error)[:800]}")
 
 
-def _compile_generation(config, device, model, capacity: int) -> dict:
+def _compile_generation(config, device, model, capacity: int, earlier: dict | None = None) -> dict:
     """sampling.batch_generator's program on one chip, its params in the compute dtype as train.run samples."""
     try:
         sharding = SingleDeviceSharding(device)
@@ -194,12 +229,23 @@ def _compile_generation(config, device, model, capacity: int) -> dict:
         with jax.default_device(device):
             run = batch_generator(model, config.seq_len + GENERATE_TOKENS, GENERATE_TOKENS,
                                   temperature=config.temperature)
-            compiled, stages = _compile(run, params, tokens, lengths, key)
-        figures = _figures(compiled, stages, capacity)
+            figures = _compile(run, (params, tokens, lengths, key), capacity, earlier)
         figures.update(batch=GENERATE_BATCH, prompt=config.seq_len, new_tokens=GENERATE_TOKENS)
         return figures
     except Exception as error:  # noqa: BLE001
         return dict(error=f"{type(error).__name__}: {str(error)[:800]}")
+
+
+def _check_reproduced(figures: dict, earlier: dict) -> None:
+    """A program compiled again although `earlier` had its fingerprint: the same figures, or an error in it."""
+    if "error" in figures or figures.get("fingerprint") != earlier.get("fingerprint"):
+        return
+    same = ("hbm", "collectives", "collective_shapes", "tpu_kernels")
+    if all(figures.get(name) == earlier.get(name) for name in same):
+        figures["reproduced"] = True
+    else:
+        figures["error"] = (f"the lowered module of the earlier run's figures compiled to others: "
+                            f"{ {n: figures.get(n) for n in same} } vs { {n: earlier.get(n) for n in same} }")[:800]
 
 
 def _slice(text: str) -> tuple[str, str]:
@@ -242,13 +288,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
                         help="compile only every N-th (slice, head dim, seq) case from the I-th (0-based): N "
                         "processes with I = 0..N-1 share the cases")
+    parser.add_argument("--reuse", type=Path, help="an earlier --json report: a program whose lowered module has "
+                        "the fingerprint of its row there takes that row's figures, uncompiled")
+    parser.add_argument("--verify", type=int, default=0, help="with --reuse: compile this many of the programs "
+                        "it could reuse (all shards together, picked by --seed) and fail one whose figures differ")
+    parser.add_argument("--seed", default="", help="picks the --verify programs")
     args = parser.parse_args(argv)
     cases = [(topology, mesh, head_dim, seq_len) for topology, mesh in args.slices for head_dim in args.head_dims
              for seq_len in args.seq_lens]
+    earlier = {(r["topology"], r["mesh"], r["head_dim"], r["seq_len"]): r
+               for r in json.loads(args.reuse.read_text())["rows"]} if args.reuse else {}
+    verified = sorted(((case, program) for case in cases for program in args.programs
+                       if "fingerprint" in earlier.get(case, {}).get(program, {})),
+                      key=lambda item: hashlib.sha256(f"{args.seed}:{item}".encode()).hexdigest())[:args.verify]
     index, count = args.shard
     rows = []
     for case in cases[index::count]:
-        rows.append(compile_case(*case, programs=args.programs))
+        old = {program: figures for program, figures in earlier.get(case, {}).items()
+               if (case, program) not in verified}
+        rows.append(compile_case(*case, programs=args.programs, earlier=old))
+        for program in (p for c, p in verified if c == case):
+            _check_reproduced(rows[-1].get(program, {}), earlier[case][program])
         print(_describe(rows[-1]), flush=True)
         if args.json:  # after every row: a long run that is stopped keeps what it compiled
             Path(args.json).write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1) + "\n")

@@ -12,10 +12,13 @@
 #   fallback that became one), superlinear HBM growth, or a missing (generation, variant) pair; then compile
 #   the LM example for TPU pod slices (scripts/compile/tpu_slices.sh) and fail on a compile error, HBM over a
 #   chip's capacity, superlinear temporaries or a ring that all-gathers.
+# --reuse FILE (an earlier report, e.g. the committed docs/compile/report.json): both parts lower every variant
+# and compile only those whose lowered module's fingerprint is not FILE's, plus a sample of those that are,
+# whose figures must equal FILE's (report.py / tpu_report.py `--reuse`, `--verify`).
 # --prepare installs (or reuses) the toolchains and the pod-slice step's packages and compiles nothing: .ci/run
 # downloads them while the tests hold the CPUs.
 # Usage: bash scripts/compile_check.sh [--prepare] [--part gpu|tpu|all] [--out FILE] [--page FILE]
-#            [--tpu-only REGEX] [--tpu-targets tpu_v5e,...] [other scripts/compile/report.py run options,
+#            [--tpu-only REGEX] [--tpu-targets tpu_v5e,...] [--reuse FILE] [other scripts/compile/report.py run options,
 #            e.g. --only REGEX --targets sm86_rtx3090, which go to the GPU part]
 # --page names the GPU page; the TPU page is tpu.md beside it.
 set -euo pipefail
@@ -32,6 +35,7 @@ while [[ $# -gt 0 ]]; do
         --page) gpu_args+=(--page "$2"); tpu_args+=(--page "$(dirname "$2")/tpu.md"); shift 2 ;;
         --tpu-only) tpu_args+=(--only "$2"); shift 2 ;;
         --tpu-targets) tpu_args+=(--targets "$2"); shift 2 ;;
+        --reuse) gpu_args+=(--reuse "$2"); tpu_args+=(--reuse "$2"); shift 2 ;;
         *) gpu_args+=("$1"); shift ;;
     esac
 done

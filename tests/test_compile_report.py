@@ -405,6 +405,29 @@ def test_a_fingerprint_is_the_lowered_module_not_the_machine():
     assert compile_report._fingerprint(_module(), key) != first  # the machine's folders are not left out
 
 
+def test_a_tpu_kernels_encoded_module_is_read_without_the_machines_folders():
+    """Mosaic TPU's module is base64 in the custom call's config: the folders are left out of it as well."""
+    import base64
+
+    def module(root: str, op: str = "mul") -> str:
+        body = base64.b64encode(f"ML\xefR\x05{root}/kernels/tpu/forward.py\x00{op}".encode("latin-1")).decode()
+        return f'custom_call @tpu_custom_call(%0) {{backend_config = "{{\\22custom_call_config\\22: {{\\22body\\22: \\22{body}\\22}}}}"}}'
+
+    first = compile_report._fingerprint(module("/a/repo"), "k", ("/a/repo",))
+    assert compile_report._fingerprint(module("/b/longer/clone"), "k", ("/b/longer/clone",)) == first
+    assert compile_report._fingerprint(module("/a/repo", "add"), "k", ("/a/repo",)) != first
+
+
+def test_source_file_names_lose_the_machines_folders():
+    """The regex the workers give JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX strips the checkout, the toolchain
+    and any site-packages from a kernel's source file names, and nothing else."""
+    regex = compile_report.source_paths_regex(Path("/a/repo"), Path("/home/x/.cache/tc"))
+    assert re.sub(regex, "", "/a/repo/kernels/triton/forward.py") == "kernels/triton/forward.py"
+    assert re.sub(regex, "", "/home/x/.cache/tc/peers/tokamax/ops.py") == "peers/tokamax/ops.py"
+    assert re.sub(regex, "", "/opt/v/lib/python3.12/site-packages/jax/_src/x.py") == "jax/_src/x.py"
+    assert re.sub(regex, "", "/a/repository/x.py") == "/a/repository/x.py"
+
+
 def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monkeypatch):
     """`_compile_key` changes with the target, the toolchain's versions, its ptxas wrapper and the source of
     the code that reads the figures."""
@@ -449,7 +472,8 @@ def test_the_units_compiled_again_are_picked_by_the_seed():
 def test_a_reused_figure_that_does_not_reproduce_fails(clean):
     """A unit compiled again whose module has the earlier row's fingerprint must give its figures: equal, it is
     marked reproduced; different, the row is an error the check fails; a changed module is a plain compile."""
-    row = _row(clean, "sm90a_h100", "flash_grad_d128_bf16_causal")
+    report = copy.deepcopy(clean)
+    row = _row(report, "sm90a_h100", "flash_grad_d128_bf16_causal")
     row["fingerprint"] = "f"
     earlier = copy.deepcopy(row)
     assert compile_report._reproduces(row, earlier) == dict(reproduced=True)
@@ -458,7 +482,7 @@ def test_a_reused_figure_that_does_not_reproduce_fails(clean):
     earlier["kernels"][0]["registers"] += 8
     row.update(compile_report._reproduces(row, earlier))
     assert row["status"] == "error" and not row["reproduced"]
-    assert any("compile error: the same lowered module" in p for p in compile_report.problems(clean))
+    assert any("compile error: the same lowered module" in p for p in compile_report.problems(report))
 
 
 def test_ci_reuses_the_committed_reports_unchanged_compiles():

@@ -173,3 +173,42 @@ def test_a_decode_variant_without_its_kernel_fails():
     section = _good()
     _find(section, "tpu_v5e", name)["kernels"] = []
     assert any(name in line for line in tpu_check.problems(section))
+
+
+def test_the_tpu_compile_key_follows_generation_versions_and_figure_code(monkeypatch):
+    versions = dict(jax="0.11.2", jaxlib="0.11.2", libtpu="0.0.48.1")
+    monkeypatch.setattr(tpu_report, "_versions", lambda toolchain: dict(versions))
+    key = tpu_report._compile_key("tpu_v5e")
+    assert tpu_report._compile_key("tpu_v5e") == key != tpu_report._compile_key("tpu_v6e")
+    versions["libtpu"] = "0.0.49"
+    assert tpu_report._compile_key("tpu_v5e") != key
+    versions["libtpu"] = "0.0.48.1"
+    monkeypatch.setattr(tpu_report, "custom_calls", lambda hlo: [])
+    assert tpu_report._compile_key("tpu_v5e") != key
+
+
+def test_a_reused_tpu_row_that_does_not_reproduce_fails():
+    """A variant compiled again under `--reuse --verify` whose scoped VMEM or HBM differs from the earlier row of
+    the same fingerprint becomes an error, which the gate fails."""
+    import report as gpu_report
+
+    section = _good()
+    row = _find(section, "tpu_v5e", KERNEL_VARIANT)
+    row["fingerprint"] = "f"
+    earlier = copy.deepcopy(row)
+    assert gpu_report._reproduces(row, earlier, ("kernels", "hbm")) == dict(reproduced=True)
+    earlier["hbm"]["temp"] += 1
+    row.update(gpu_report._reproduces(row, earlier, ("kernels", "hbm")))
+    assert row["status"] == "error"
+    assert any(f"{KERNEL_VARIANT}: compile error: the same lowered module" in p for p in tpu_check.problems(section))
+
+
+def test_ci_reuses_the_committed_tpu_compiles():
+    """CI's TPU part takes the committed TPU rows and pod-slice programs whose fingerprint is unchanged (each
+    gated one has one) and compiles the rest, and a sample of the reused ones again."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "--reuse docs/compile/report.json" in ci and "--reuse docs/compile/tpu_slices.json" in ci
+    committed = json.loads((ROOT / "docs" / "compile" / "report.json").read_text())["tpu"]
+    assert all(r.get("fingerprint") for r in committed["rows"] if r["target"] in tpu_check.GATED_TARGETS)
+    slices = json.loads((ROOT / "docs" / "compile" / "tpu_slices.json").read_text())
+    assert all(row[p].get("fingerprint") for row in slices["rows"] for p in ("train", "generate"))

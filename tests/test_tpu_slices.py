@@ -171,3 +171,23 @@ def test_run_shares_the_cases_among_its_jobs(tmp_path, monkeypatch):
     assert [tpu_slices._key(row) for row in report["rows"]] == tpu_slices.expected(tpu_slices.ALL_HEAD_DIMS)
     assert len({row["pid"] for row in report["rows"]}) == 2 and report["jobs"] == 2
     assert json.loads(out.read_text()) == report
+
+
+def test_a_reused_program_compiled_again_must_give_its_figures(monkeypatch):
+    """examples/compile_for_tpu.py `--reuse --verify`: a program compiled again whose lowered module has the
+    earlier run's fingerprint is marked reproduced when its figures are the same, and fails (an error, which
+    the gate reports) when they differ; a changed module is a plain compile."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import compile_for_tpu
+
+    earlier = dict(_figures(1.0), fingerprint="f")
+    same = copy.deepcopy(earlier)
+    compile_for_tpu._check_reproduced(same, earlier)
+    assert same["reproduced"] and "error" not in same
+    changed = dict(copy.deepcopy(earlier), fingerprint="g", tpu_kernels=3)
+    compile_for_tpu._check_reproduced(changed, earlier)
+    assert "error" not in changed and "reproduced" not in changed
+    report = healthy()
+    report["rows"][0]["train"].update(fingerprint="f", tpu_kernels=3)
+    compile_for_tpu._check_reproduced(report["rows"][0]["train"], earlier)
+    assert any("compiled to others" in problem for problem in tpu_slices.check(report))

@@ -15,7 +15,13 @@ for each target below through XLA, Pallas (Triton and Mosaic GPU) and ptxas, wit
 ahead-of-time compilation: `jax.experimental.topologies` with an XLA target config), writes this page and
 `docs/compile/report.json` (the Mosaic TPU kernels have a page of their own: [tpu.md](tpu.md)), and checks them. Every kernel here, Triton and Mosaic GPU alike, went through that
 pinned ptxas (Mosaic GPU runs the first ptxas on PATH, so the driver puts the toolchain's first). CI
-(`.ci/run`) runs it after the test suite. Last run: {rows} compiles ({expected} expected), {kernels} kernels,
+(`.ci/run`) runs it after the test suite with `--reuse docs/compile/report.json`: it lowers every variant and
+compiles those whose fingerprint (the lowered module with its kernels' Triton / Mosaic GPU IR and their
+source lines, the toolchain's versions and ptxas wrapper, the target, the code that reads the figures) is not
+this report's, takes this report's figures for the others, and compiles one of those per (target, group)
+again, picked by the commit, whose figures must equal them. A change to a kernel, a moved source line
+included, recompiles every variant that traces through it: run this with `--reuse` after such a change to
+keep CI's compile short. Last run: {rows} compiles ({expected} expected), {kernels} kernels,
 {wall}.
 
 **The registry is the expected set.** It is derived from the dispatch rules (`required_kernels`): every

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import base64
 import bisect
 import concurrent.futures
 import contextlib
@@ -352,9 +353,20 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
     return rows
 
 
+def source_paths_regex(*roots: Path) -> str:
+    """A regex of the folders that differ between machines (the checkout, a toolchain, any site-packages), which
+    `JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX` strips from the file names of the lowered kernels' source
+    locations: the same kernel then lowers to the same module wherever it is compiled (`_fingerprint`)."""
+    spellings = sorted({re.escape(str(s)) for root in roots for s in (root, Path(root).resolve())}, key=len,
+                       reverse=True)
+    return f"^(?:{'|'.join(spellings)}|.*/site-packages)/"
+
+
 def _compile_environment(cuda_root: Path, ptxas_dir: Path, xla_dir: Path) -> dict:
-    """The worker's environment: a deviceless CUDA compile with the pinned ptxas, its logs and XLA's dumps kept."""
+    """The worker's environment: a deviceless CUDA compile with the pinned ptxas, its logs and XLA's dumps kept,
+    and source file names relative to the checkout or the toolchain."""
     return dict(
+        JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=source_paths_regex(REPO, cuda_root.parent),
         JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
         # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
         PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -375,13 +387,23 @@ def _compile_key(target: str, toolchain: Path) -> str:
 
 def _fingerprint(module: str, key: str, roots=()) -> str:
     """The identity of one compile: its lowered StableHLO text (the Pallas kernels' Triton / Mosaic GPU IR
-    inside it, with their source locations) under `key` (`_compile_key`). The folders in `roots` (the
-    checkout, the toolchain: they differ between machines) are left out of the text, and so is Mosaic GPU's
-    `kernel_hash`, a hash of its serialized module, those paths included."""
-    for index, root in enumerate(roots):
-        for spelling in {str(root), str(Path(root).resolve())}:
-            module = module.replace(spelling, f"<root {index}>")
-    module = re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "kernel_hash", module)
+    inside it, Mosaic TPU's base64-encoded, with their source locations) under `key` (`_compile_key`). The
+    folders in `roots` (the checkout, the toolchain: they differ between machines) are left out of the text and
+    of the encoded kernels, and so is Mosaic GPU's `kernel_hash`, a hash of its serialized module, those paths
+    included."""
+    spellings = [(s, f"<root {i}>") for i, root in enumerate(roots) for s in {str(root), str(Path(root).resolve())}]
+
+    def without_roots(text):
+        for spelling, placeholder in spellings:
+            text = text.replace(spelling, placeholder)
+        return text
+
+    def decoded(match):  # a Mosaic TPU kernel: its module in base64
+        body = without_roots(base64.b64decode(match.group(1)).decode("latin-1")).encode("latin-1")
+        return f"body {hashlib.sha256(body).hexdigest()}"
+
+    module = re.sub(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", decoded, module)
+    module = re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "kernel_hash", without_roots(module))
     return hashlib.sha256(f"{key}\n{module}".encode()).hexdigest()[:32]
 
 
@@ -400,14 +422,15 @@ def _verify_units(units: list[tuple], earlier: dict, count: int, seed: str) -> l
     return candidates[:count]
 
 
-def _reproduces(row: dict, earlier: dict | None) -> dict:
-    """A re-compiled row's fields against the earlier report's row of the same variant: `reproduced` when both
-    have one fingerprint and the same kernels and figures; an error when they have one fingerprint and
-    differ (the fingerprint would not stand for the figures); nothing when the module changed."""
+def _reproduces(row: dict, earlier: dict | None, fields=("kernels",)) -> dict:
+    """A re-compiled row against the earlier report's row of the same variant: `reproduced` when both have one
+    fingerprint and the same `fields` (a list field compared as a multiset); an error when they have one
+    fingerprint and differ (the fingerprint would not stand for the figures); nothing when the module changed."""
     if earlier is None or earlier.get("fingerprint") != row.get("fingerprint"):
         return {}
     def figures(r):
-        return sorted(json.dumps(k, sort_keys=True) for k in r.get("kernels", []))
+        return [sorted(json.dumps(x, sort_keys=True) for x in r.get(f) or []) if isinstance(r.get(f), list)
+                else json.dumps(r.get(f), sort_keys=True) for f in fields]
 
     if row["status"] == "ok" and figures(row) == figures(earlier):
         return dict(reproduced=True)

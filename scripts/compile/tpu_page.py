@@ -16,7 +16,10 @@ compile error, a kernel over its generation's scoped VMEM limit, a variant that 
 kernels without its `tpu_custom_call`s, a variant that should fall back to the XLA path compiling a kernel (or
 the reverse), fwd+bwd HBM temp memory growing more than {growth}x from T to 2T (a T x S buffer would), or an expected (generation,
 variant) pair missing from the report (`scripts/compile/tpu_check.py`). CI (`.ci/run`) runs it after the GPU
-part. Last run: {rows} compiles, {kernels} tpu_custom_calls, {wall} s wall with {jobs} worker processes (on a
+part for v5e, v5p and v6e with `--reuse docs/compile/report.json`: a variant whose lowered module (with its
+kernels' Mosaic TPU IR) has this report's fingerprint under the same jax, jaxlib and libtpu takes these
+figures, the others compile, and one reusable variant per (generation, group), picked by the commit, is
+compiled again and must give the same figures. Last run: {rows} compiles, {kernels} tpu_custom_calls, {wall} s wall with {jobs} worker processes (on a
 2-core machine shared with other jobs; the compile times below are wall times under that load).
 
 **What it proves:** each kernel lowers through Mosaic TPU and compiles for the generation at the tiles the

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
+import inspect
 import json
 import os
 import re
@@ -102,11 +104,17 @@ def _block(spec) -> list | None:
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(target: str, group: str, only: str | None) -> list[dict]:
-    """Compile the group's variants for one generation in this process; one row per variant."""
-    os.environ.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+def worker(target: str, group: str, only: str | None, reuse: Path | None = None, verify: int = 0,
+           seed: str = "") -> list[dict]:
+    """Compile the group's variants for one generation in this process; one row per variant. With `reuse` (an
+    earlier report), a variant whose lowered module has the fingerprint of that report's row takes that row's
+    kernels and HBM figures instead of compiling (`report.py`'s `_fingerprint`); `verify` of them, chosen by
+    `seed`, are compiled all the same and must give the same figures."""
     sys.path.insert(0, str(HERE))
     import report as gpu_report
+
+    os.environ.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # file names without the machine's folders
+                      JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=gpu_report.source_paths_regex(REPO, Path(sys.prefix)))
 
     gpu_report._import_kernels()
     import warnings
@@ -125,10 +133,12 @@ def worker(target: str, group: str, only: str | None) -> list[dict]:
     sharding = SingleDeviceSharding(device)
     calls = []
     record_pallas_calls(calls)
+    key = _compile_key(target)
+    earlier = gpu_report._reusable_rows(json.loads(reuse.read_text()).get("tpu", {}), target) if reuse else {}
+    todo = [v for v in tpu_variants.variants() if v.group == group and not (only and not re.search(only, v.name))]
+    checked = {unit[0].name for unit in gpu_report._verify_units([(v,) for v in todo], earlier, verify, seed)}
     rows = []
-    for variant in tpu_variants.variants():
-        if variant.group != group or (only and not re.search(only, variant.name)):
-            continue
+    for variant in todo:
         row = dict(target=target, device_kind=device.device_kind, variant=variant.name, group=variant.group,
                    mode=variant.mode, dtype=variant.dtype, head_dim=variant.head_dim, q_len=variant.q_len,
                    path=variant.path, required=list(variant.required_kernels))
@@ -146,27 +156,48 @@ def worker(target: str, group: str, only: str | None) -> list[dict]:
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 calls.clear()
-                compiled = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).compile()
+                lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",))
+                row["fingerprint"] = gpu_report._fingerprint(lowered.as_text(), key, (REPO, Path(sys.prefix)))
+                old = earlier.get(variant.name)
+                if variant.name not in checked and old and old["fingerprint"] == row["fingerprint"]:
+                    compiled = None
+                    row.update(reused=True, kernels=[dict(kernel=k["kernel"], scoped_vmem=k["scoped_vmem"])
+                                                     for k in old["kernels"]], hbm=old["hbm"])
+                else:
+                    compiled = lowered.compile()
             fallbacks = [str(w.message) for w in caught if "XLA path" in str(w.message)]
             row["dispatch"] = "fallback" if fallbacks else "kernel"
             if fallbacks:
                 row["fallback_warning"] = fallbacks[0][:400]
-            row["kernels"] = custom_calls(compiled.as_text())
-            memory = compiled.memory_analysis()
-            row["hbm"] = {name: getattr(memory, f"{name}_size_in_bytes", None)
-                          for name in ("temp", "argument", "output")}
+            if compiled is not None:
+                row["kernels"] = custom_calls(compiled.as_text())
+                memory = compiled.memory_analysis()
+                row["hbm"] = {name: getattr(memory, f"{name}_size_in_bytes", None)
+                              for name in ("temp", "argument", "output")}
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             message = str(error).strip().splitlines()
             row.update(status="error", kernels=[],
                        error=f"{type(error).__name__}: {message[0][:400] if message else ''}")
-        row["compile_s"] = round(time.perf_counter() - start, 2)
+        row["compile_s"] = earlier[variant.name]["compile_s"] if row.get("reused") else round(
+            time.perf_counter() - start, 2)
         _attach_grids(row, calls)
+        if variant.name in checked:
+            row.update(gpu_report._reproduces(row, earlier.get(variant.name), ("kernels", "hbm")))
         rows.append(row)
-        print(f"[{target}] {variant.name}: {row['status']} {row['compile_s']} s {row.get('dispatch', '')} "
+        print(f"[{target}] {variant.name}: {row['status']} {row['compile_s']} s{' (reused)' * bool(row.get('reused'))} "
+              f"{row.get('dispatch', '')} "
               + " ".join(f"{k['kernel']}:{(k['scoped_vmem'] or 0) / 2**20:.2f}MiB" for k in row["kernels"]),
               file=sys.stderr, flush=True)
     return rows
+
+
+def _compile_key(target: str) -> str:
+    """What a compile's figures depend on besides its lowered module: the generation, the toolchain's versions and
+    the source of the code that reads the figures."""
+    parts = [target, json.dumps(_versions(None), sort_keys=True),
+             *(inspect.getsource(fn) for fn in (custom_calls, _attach_grids, record_pallas_calls, _block))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _attach_grids(row: dict, calls: list) -> None:
@@ -195,15 +226,21 @@ def run(args) -> int:
     # The peers compile for the gated generations only (shown beside ours, not checked).
     shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm", "decode") for t in targets
               if g in wanted and (g != "peer" or t in tpu_check.GATED_TARGETS)]
+    if args.reuse and not args.reuse.exists():
+        raise SystemExit(f"tpu_report: --reuse {args.reuse}: no such report")
+    import report as gpu_report
+
+    reuse = (args.reuse, args.verify, args.seed if args.seed is not None else gpu_report._head_commit())
     start = time.perf_counter()
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for future in [pool.submit(_shard, t, g, args.only) for t, g in shards]:
+        for future in [pool.submit(_shard, t, g, args.only, *reuse) for t, g in shards]:
             rows += future.result()
     order = {name: i for i, name in enumerate(targets)}
     rows.sort(key=lambda r: (order[r["target"]], GROUPS.index(r["group"]), r["variant"]))
     section = dict(targets=targets, toolchain=_versions(args.toolchain), wall_s=round(time.perf_counter() - start, 1),
-                   jobs=args.jobs, only=args.only, rows=rows)
+                   jobs=args.jobs, only=args.only, reused_from=gpu_report._shown_path(args.reuse) if args.reuse else None,
+                   rows=rows)
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     if args.keep_others and report.get("tpu"):  # a partial rerun: the other rows of the last run stay
@@ -217,16 +254,20 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     Path(args.page).write_text(tpu_page.markdown(report["tpu"]))
-    print(f"tpu_report: wrote the tpu section of {out} and {args.page} in {section['wall_s']} s")
+    print(f"tpu_report: wrote the tpu section of {out} and {args.page} in {section['wall_s']} s"
+          + (f"; {sum(bool(r.get('reused')) for r in rows)} of {len(rows)} rows reused from {args.reuse}, "
+             f"{sum('reproduced' in r for r in rows)} re-compiled to check they reproduce it" if args.reuse else ""))
     return tpu_check.check(report)
 
 
-def _shard(target, group, only) -> list[dict]:
+def _shard(target, group, only, reuse=None, verify=0, seed="") -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         command = [sys.executable, __file__, "worker", target, group, "--json", str(out)]
         if only:
             command += ["--only", only]
+        if reuse:
+            command += ["--reuse", str(Path(reuse).resolve()), "--verify", str(verify), "--seed", seed]
         result = subprocess.run(command, stdout=subprocess.DEVNULL)
         if result.returncode:  # the rows stay missing: the check reports each expected one as absent
             print(f"tpu_report: the worker for {target} / {group} failed (exit {result.returncode})", file=sys.stderr)
@@ -259,10 +300,18 @@ def main() -> int:
     p.add_argument("--page", default=str(PAGE))
     p.add_argument("--keep-others", action="store_true",
                    help="replace only the rows this run compiles in the report's tpu section, keep the others")
+    p.add_argument("--reuse", type=Path, help="an earlier report (docs/compile/report.json): a variant whose lowered "
+                   "module has the fingerprint of its tpu row there takes that row's figures, uncompiled")
+    p.add_argument("--verify", type=int, default=1, help="with --reuse: how many reusable variants per (target, "
+                   "group) shard are compiled all the same, their figures required equal to the reused ones")
+    p.add_argument("--seed", help="with --reuse: picks the --verify variants (default: the checkout's commit)")
     w = sub.add_parser("worker")
     w.add_argument("target")
     w.add_argument("group")
     w.add_argument("--only")
+    w.add_argument("--reuse", type=Path)
+    w.add_argument("--verify", type=int, default=0)
+    w.add_argument("--seed", default="")
     w.add_argument("--json", type=Path, required=True)
     for name in ("check", "markdown"):
         c = sub.add_parser(name)
@@ -272,7 +321,8 @@ def main() -> int:
     if args.command == "run":
         return run(args)
     if args.command == "worker":
-        args.json.write_text(json.dumps(worker(args.target, args.group, args.only)))
+        args.json.write_text(json.dumps(worker(args.target, args.group, args.only, args.reuse, args.verify,
+                                               args.seed)))
         return 0
     sys.path.insert(0, str(HERE))
     import tpu_check

@@ -4,14 +4,16 @@ docs/tpu.md ("Pod slices"), and the gate over them. Run it through scripts/compi
 finds the TPU toolchain and adds the examples' packages to it.
 
     python scripts/compile/tpu_slices.py run [--out docs/compile/tpu_slices.json] [--doc docs/tpu.md] [--gated]
-                                             [--jobs 2]
+                                             [--jobs 2] [--reuse docs/compile/tpu_slices.json [--verify 1]]
     python scripts/compile/tpu_slices.py check [--gated] [docs/compile/tpu_slices.json]
     python scripts/compile/tpu_slices.py markdown [docs/compile/tpu_slices.json]
     python scripts/compile/tpu_slices.py doc [--gated] [docs/compile/tpu_slices.json]   # docs/tpu.md's table, check
 
 `run` compiles head dims 64 and 128 at seq 2048 and 8192 on each slice (12 slice shapes: the committed
 record), or with `--gated` head dim 128 only (6: what CI compiles, to keep its time), in `--jobs` processes
-side by side; writes the JSON and the docs section, then checks. `check` exits 1 when a (slice, mesh, head
+side by side; writes the JSON and the docs section, then checks. With `--reuse`, a program whose lowered
+module is unchanged since that record takes its figures uncompiled, and `--verify` of them are compiled again
+and must give the same figures (examples/compile_for_tpu.py). `check` exits 1 when a (slice, mesh, head
 dim, seq) row is missing (of head dims 64 and 128; 128 only with `--gated`), a program failed to compile, a
 chip's planned HBM exceeds its capacity, the training step's or the generation's temporaries grow faster
 than linearly from seq 2048 to 8192, a ring step (a "seq" mesh axis) all-gathers or sends no block by
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -177,18 +180,24 @@ def _report_problems(report: dict, head_dims) -> int:
     return 1 if problems else 0
 
 
-def _compile(head_dims, jobs: int, out: Path) -> dict:
+def _compile(head_dims, jobs: int, out: Path, reuse: list[str] = ()) -> dict:
     """examples/compile_for_tpu.py over the slices at `head_dims` x SEQ_LENS, its cases shared by `jobs`
-    processes (`--shard i/jobs`) run side by side; their rows merged in the order of `expected`."""
+    processes (`--shard i/jobs`) run side by side; their rows merged in the order of `expected`. `reuse`: the
+    script's --reuse / --verify / --seed options."""
     command = [sys.executable, str(SCRIPT), "--head-dims", *map(str, head_dims), "--seq-lens", *map(str, SEQ_LENS),
-               "--slices", *(f"{t}={m}" for t, m in SLICES)]
+               "--slices", *(f"{t}={m}" for t, m in SLICES), *reuse]
     with tempfile.TemporaryDirectory() as folder:
         # The toolchain venv does not install the project: kernels/ is imported as probjax_kernels through a link,
         # probjax_nn from the repo root. No TPU is used (JAX_PLATFORMS=cpu); the other libtpu processes (the jobs,
         # a second compile check) must not lock one another out.
         (Path(folder) / "probjax_kernels").symlink_to(REPO / "kernels", target_is_directory=True)
+        # Source file names in the lowered kernels lose the machine's folders: the same program lowers to the same
+        # module wherever it is compiled (the fingerprint --reuse compares).
+        roots = sorted({re.escape(str(p)) for p in (REPO, Path(folder), Path(sys.prefix), Path(folder).resolve())},
+                       key=len, reverse=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO)]), JAX_PLATFORMS="cpu",
-                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                   JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=f"^(?:{'|'.join(roots)}|.*/site-packages)/")
         parts = [Path(folder) / f"part{i}.json" for i in range(jobs)]
         # Each process compiles one program at a time, mostly on one core (tracing and lowering are Python, much
         # of XLA's compile one thread): `jobs` of them keep that many cores busy. Their exit statuses say
@@ -216,6 +225,12 @@ def _compile(head_dims, jobs: int, out: Path) -> dict:
     return report
 
 
+def _head_commit() -> str:
+    """The checkout's commit (the seed of the programs --verify compiles again), "" outside a git checkout."""
+    result = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -223,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", type=Path, default=REPORT)
     run.add_argument("--doc", type=Path, default=DOC, help="the page with the pod-slices markers; 'none': no page")
     run.add_argument("--jobs", type=int, default=2, help="compile processes side by side (default 2)")
+    run.add_argument("--reuse", type=Path, help="an earlier record (docs/compile/tpu_slices.json): a program whose "
+                     "lowered module has the fingerprint of its row there takes that row's figures, uncompiled")
+    run.add_argument("--verify", type=int, default=1, help="with --reuse: how many of the reusable programs are "
+                     "compiled all the same, their figures required equal (default 1)")
     readers = {name: commands.add_parser(name) for name in ("check", "markdown", "doc")}
     for command in readers.values():
         command.add_argument("report", nargs="?", type=Path, default=REPORT)
@@ -242,11 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     start = time.perf_counter()
-    report = _compile(head_dims, args.jobs, args.out)
+    reuse = []
+    if args.reuse:
+        if not args.reuse.exists():
+            parser.error(f"--reuse {args.reuse}: no such record")
+        reuse = ["--reuse", str(args.reuse.resolve()), "--verify", str(args.verify), "--seed", _head_commit()]
+    report = _compile(head_dims, args.jobs, args.out, reuse)
     if not report:
         print(f"tpu_slices: FAIL: {SCRIPT.name} wrote no report", file=sys.stderr)
         return 1
     report["wall_s"] = round(time.perf_counter() - start)
+    if args.reuse:
+        programs = [row[p] for row in report["rows"] for p in PROGRAMS if p in row]
+        report.update(reused_from=args.reuse.name, reused=sum(bool(p.get("reused")) for p in programs),
+                      reproduced=sum(bool(p.get("reproduced")) for p in programs))
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     if str(args.doc) != "none":
         write_doc(report, args.doc)
