@@ -51,6 +51,7 @@ SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
 # their own dumps.
 KERNEL_PREFIXES = ("probjax_", "mha_", "pallas_flash_attention")
 
+from sources import head_commit, source_paths_regex  # noqa: E402 - jax-free, shared with tpu_slices.py
 from rules import (  # noqa: E402 - the exceptions the check allows, each with its figure and why
     LOW_WGMMA_SHARE, MIN_WGMMA_SHARE, NO_WGMMA_VARIANTS, SPILLS,
 )
@@ -351,15 +352,6 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                   + " ".join(f"{k['kernel']}:{k['registers']}r/{k['spill_stores']}s" for k in row["kernels"]),
                   file=sys.stderr, flush=True)
     return rows
-
-
-def source_paths_regex(*roots: Path) -> str:
-    """A regex of the folders that differ between machines (the checkout, a toolchain, any site-packages), which
-    `JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX` strips from the file names of the lowered kernels' source
-    locations: the same kernel then lowers to the same module wherever it is compiled (`_fingerprint`)."""
-    spellings = sorted({re.escape(str(s)) for root in roots for s in (root, Path(root).resolve())}, key=len,
-                       reverse=True)
-    return f"^(?:{'|'.join(spellings)}|.*/site-packages)/"
 
 
 def _compile_environment(cuda_root: Path, ptxas_dir: Path, xla_dir: Path) -> dict:
@@ -849,7 +841,7 @@ def run(args) -> int:
         shards = []
     if args.reuse and not args.reuse.exists():
         raise SystemExit(f"compile_report: --reuse {args.reuse}: no such report")
-    seed = args.seed if args.seed is not None else _head_commit()
+    seed = args.seed if args.seed is not None else head_commit(REPO)
     with _removing_sass_scratch(), concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(_shard, t, g, args.toolchain, args.only, args.journal, args.first,
                                args.reuse, args.verify, seed)
@@ -895,12 +887,6 @@ def _removing_sass_scratch():
         for folder in set(Path("/tmp").glob("mosaic-gpu-*")) - before:
             if {p.name for p in folder.iterdir()} <= {"kernel.bin"}:
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _head_commit() -> str:
-    """The checkout's commit (the seed of the units `--verify` re-compiles), "" outside a git checkout."""
-    result = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def _shown_path(path: Path) -> str:

@@ -230,7 +230,7 @@ def run(args) -> int:
         raise SystemExit(f"tpu_report: --reuse {args.reuse}: no such report")
     import report as gpu_report
 
-    reuse = (args.reuse, args.verify, args.seed if args.seed is not None else gpu_report._head_commit())
+    reuse = (args.reuse, args.verify, args.seed if args.seed is not None else gpu_report.head_commit(REPO))
     start = time.perf_counter()
     rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:

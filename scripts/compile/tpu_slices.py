@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sources import head_commit, source_paths_regex  # noqa: E402 - jax-free, shared with report.py
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "docs" / "compile" / "tpu_slices.json"
@@ -193,11 +195,9 @@ def _compile(head_dims, jobs: int, out: Path, reuse: list[str] = ()) -> dict:
         (Path(folder) / "probjax_kernels").symlink_to(REPO / "kernels", target_is_directory=True)
         # Source file names in the lowered kernels lose the machine's folders: the same program lowers to the same
         # module wherever it is compiled (the fingerprint --reuse compares).
-        roots = sorted({re.escape(str(p)) for p in (REPO, Path(folder), Path(sys.prefix), Path(folder).resolve())},
-                       key=len, reverse=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO)]), JAX_PLATFORMS="cpu",
                    ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-                   JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=f"^(?:{'|'.join(roots)}|.*/site-packages)/")
+                   JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=source_paths_regex(REPO, Path(folder), Path(sys.prefix)))
         parts = [Path(folder) / f"part{i}.json" for i in range(jobs)]
         # Each process compiles one program at a time, mostly on one core (tracing and lowering are Python, much
         # of XLA's compile one thread): `jobs` of them keep that many cores busy. Their exit statuses say
@@ -223,12 +223,6 @@ def _compile(head_dims, jobs: int, out: Path, reuse: list[str] = ()) -> dict:
     report = dict(reports[0], rows=rows, jobs=jobs)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report
-
-
-def _head_commit() -> str:
-    """The checkout's commit (the seed of the programs --verify compiles again), "" outside a git checkout."""
-    result = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse:
         if not args.reuse.exists():
             parser.error(f"--reuse {args.reuse}: no such record")
-        reuse = ["--reuse", str(args.reuse.resolve()), "--verify", str(args.verify), "--seed", _head_commit()]
+        reuse = ["--reuse", str(args.reuse.resolve()), "--verify", str(args.verify), "--seed", head_commit(REPO)]
     report = _compile(head_dims, args.jobs, args.out, reuse)
     if not report:
         print(f"tpu_slices: FAIL: {SCRIPT.name} wrote no report", file=sys.stderr)
