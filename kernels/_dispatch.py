@@ -34,6 +34,7 @@ from probjax_kernels._config import _MIN_BLOCK, Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook, tile_hook_shapes
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
@@ -282,7 +283,7 @@ def _mosaic_takes(problem: _Problem, q) -> bool:
         and problem.mask_shape is None and not problem.has_segments
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
-        # A BlockMask's tables on the kernel's tiles or coarser ones (`mosaic.glue.refined_tables`).
+        # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
         and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
@@ -417,6 +418,8 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     forward, or the XLA path where it cannot take the call."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
+            cfg = problem.config
+            optional = _tpu_tables(problem, optional, (cfg.block_q, cfg.block_k), (cfg.block_q_dkv, cfg.block_k_dkv))
             return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
         return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
@@ -492,7 +495,10 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     or the XLA path."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
-            return tpu.backward(problem, tangents, res, d_out, d_lse)
+            cfg = problem.config
+            others = _tpu_tables(problem, res["others"], (cfg.block_q_dq, cfg.block_k_dq),
+                                 (cfg.block_q_dkv, cfg.block_k_dkv))
+            return tpu.backward(problem, tangents, dict(res, others=others), d_out, d_lse)
         return _chunked.dense_backward(problem, tangents, res, d_out, d_lse)
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
@@ -511,6 +517,8 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     the XLA path."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
+            cfg = problem.config
+            optional = _tpu_tables(problem, optional, (cfg.block_q, cfg.block_k), (cfg.block_q_dkv, cfg.block_k_dkv))
             return tpu.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
         return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
@@ -560,6 +568,17 @@ def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeSt
 
 
 # ------------------------------------------------------------------------------------------ TPU and XLA
+
+
+def _tpu_tables(problem: _Problem, arrays: dict, kv_tile: tuple[int, int], q_tile: tuple[int, int]) -> dict:
+    """`arrays` with a BlockMask's tables on the TPU kernels' tiles, which divide its blocks
+    (`tpu.unsupported`): "kv_tables" on the query-tile kernel's (block_q, block_k) `kv_tile` (forward, dQ,
+    tangent), "q_tables" on the dK/dV kernel's (block_q, block_k) `q_tile` (`_tiles.refined_tables`)."""
+    block_sizes = problem.features.block_sizes
+    if block_sizes is None:
+        return arrays
+    return dict(arrays, kv_tables=refined_tables(arrays["kv_tables"], block_sizes, kv_tile),
+                q_tables=refined_tables(arrays["q_tables"], block_sizes[::-1], q_tile[::-1]))
 
 
 def _tpu_takes(problem: _Problem) -> bool:

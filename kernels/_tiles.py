@@ -1,9 +1,9 @@
-"""Which tiles a block of query rows (or keys) visits under a local window and the sequence lengths.
-
-Shared by the Triton kernels (`triton/tiles.py`) and the Mosaic GPU kernels. A query at row r sees the keys in
-[r - left, r + right] below kv_len (`window = (left, right)`, None = unbounded; causal is right = 0). The
-ranges are traced int32 scalars (lo, full_lo, full_hi, hi): tiles [lo, hi) are visited, of which
-[full_lo, full_hi) need no per-element mask and the others do; lo = hi when nothing is visited.
+"""Which tiles a block of query rows (or keys) visits under a local window and the sequence lengths, and a
+BlockMask's tables on finer tiles (`refined_tables`); shared by the Triton, Mosaic GPU and Mosaic TPU kernels.
+A query at row r sees the keys in [r - left, r + right] below kv_len (`window = (left, right)`, None =
+unbounded; causal is right = 0). The ranges are traced int32 scalars (lo, full_lo, full_hi, hi): tiles
+[lo, hi) are visited, of which [full_lo, full_hi) need no per-element mask and the others do; lo = hi when
+nothing is visited.
 """
 
 from __future__ import annotations
@@ -66,3 +66,25 @@ def q_tile_range(key0, keys: int, q_len, kv_len, block_q: int, window: Window, n
     if left is not None:
         full_hi = jnp.minimum(full_hi, (key0 + left + 1) // block_q)
     return _clamp(lo, full_lo, full_hi, hi, num_tiles, mask_everywhere)
+
+
+def refined_tables(tables: tuple, block_size: tuple[int, int], tile: tuple[int, int]) -> tuple:
+    """Block tables `(num_partial, partial_indices, num_full, full_indices)` of `block_size` tiles (rows,
+    columns: a BlockMask's (q, kv) for `kv_tables`, (kv, q) for `q_tables`) as tables of the kernel's `tile`,
+    each side of which divides the block's: a row of blocks repeats for each row of tiles it covers, and a
+    listed block becomes its tiles, in order (a partial block's tiles are partial: the kernel applies the
+    mask_mod there; a full block's are full). Counts `[B|1, H|1, rows]`, indices `[B|1, H|1, rows, listed]`."""
+    (rows, cols), (tile_rows, tile_cols) = block_size, tile
+    row_split, col_split = rows // tile_rows, cols // tile_cols
+    if (row_split, col_split) == (1, 1):
+        return tuple(tables)
+    num_partial, partial, num_full, full = tables
+
+    def counts(num):
+        return jnp.repeat(num * col_split, row_split, axis=2)
+
+    def indices(listed):
+        split = listed[..., None] * col_split + jnp.arange(col_split, dtype=listed.dtype).reshape(1, 1, 1, 1, -1)
+        return jnp.repeat(split.reshape(*listed.shape[:-1], -1), row_split, axis=2)
+
+    return counts(num_partial), indices(partial), counts(num_full), indices(full)

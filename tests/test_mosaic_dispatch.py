@@ -140,11 +140,11 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
 
 
 def test_refined_tables_list_each_block_as_its_kernel_tiles():
-    """`mosaic.glue.refined_tables`: tables of (128, 256) blocks as tables of 128 x 64 tiles (and the
+    """`_tiles.refined_tables`: tables of (128, 256) blocks as tables of 128 x 64 tiles (and the
     transposed q_tables of (256, 128) blocks as 64 x 128 ones) list exactly the tiles of the listed blocks, in
     the same class (partial / full)."""
     from probjax_kernels.flex.block_tables import tiles_of
-    from probjax_kernels.mosaic.glue import refined_tables
+    from probjax_kernels._tiles import refined_tables
 
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(300)), 2, 1, 512, 1024, block_size=(128, 256))
     for tables, block, tile, repeat in ((block_mask.kv_tables, (128, 256), (128, 64), (1, 4)),

@@ -4,6 +4,7 @@ float64 NumPy references; and the XLA path, with a warning naming the op, for a 
 Shapes are tiny and configs few: each one costs an interpret-mode compile."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,49 @@ def test_flex_hooks_block_mask_and_captured_array_gradient():
                                 jnp.float32)
     for name, x, y in zip(("out", "lse", "max_scores"), got, want):
         assert_close(finite(x), finite(y), jnp.float32, name)
+
+
+def test_block_mask_coarser_than_the_tiles_runs_in_the_kernels():
+    """A BlockMask of 512 x 512 blocks against interpret mode's (v5e's) tiles: forward and tangent 256 x 512,
+    dQ and dK/dV 256 x 256, each walking the tables refined to its tile (two or four tiles per block), with no
+    XLA fallback. A per-head window (the tables differ per query head, GQA 2:1) over ragged tiles (T = 520,
+    S = 700): out, lse, the gradients of q, k, v and the jvp against the plain-jnp reference, float32."""
+    q, k, v = random_qkv(21, 1, 520, 700, 2, 1, 32)
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 400 * h) & (kv_idx >= q_idx - 100)
+
+    block_mask = create_block_mask(per_head_window, None, 2, 520, 700, BLOCK_SIZE=512)
+    skipped = np.asarray(block_mask.tile_sparsity())[0]
+    assert skipped[0] > 0 and skipped[1] == 0  # head 0 skips a block, head 1 visits every one
+
+    def attend(attention, **extra):
+        return lambda q, k, v: attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                         **extra)
+
+    tangents = tuple(jax.random.normal(jax.random.key(40 + i), x.shape) for i, x in enumerate((q, k, v)))
+    jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the XLA fallback warns
+        (out, lse), (expected, expected_lse) = check_gradients(
+            attend(flex_attention, config=TPU), attend(flex_attention_reference), (q, k, v), jnp.float32)
+        _, (d_out, _) = jvp(attend(flex_attention, config=TPU), (q, k, v), tangents)
+    _, (want_out, _) = jvp(attend(flex_attention_reference), (q, k, v), tangents)
+    assert_close(out, expected, jnp.float32, "out")
+    assert_close(finite(lse), finite(expected_lse), jnp.float32, "lse")
+    assert_close(d_out, want_out, jnp.float32, "d out")
+
+
+def test_a_block_mask_finer_than_128_falls_back_naming_its_tiles():
+    """TPU tiles are multiples of 128 and divide a BlockMask's blocks: 64 x 64 blocks run on XLA, with a
+    warning that names the mask's tiles; the result is still exact."""
+    q, k, v = random_qkv(22, 1, 130, 130, 1, 1, 32)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 130, 130,
+                                   BLOCK_SIZE=64)
+    with pytest.warns(UserWarning, match=r"not multiples of 128 \(kernel tiles divide a BlockMask's \(64, 64\)"):
+        out = flex_attention(q, k, v, block_mask=block_mask, config=TPU)
+    expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 130, 130, causal=True))
+    assert_close(out, expected, jnp.float32, "out")
 
 
 def test_jvp_against_reference():

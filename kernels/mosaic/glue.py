@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
+from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
 from probjax_kernels.mosaic.forward import mosaic_forward
 
@@ -38,28 +39,6 @@ def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
 def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     num_args = len(args_and_refs) - len(hook.const_avals)
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
-
-
-def refined_tables(tables: tuple, block_size: tuple[int, int], tile: tuple[int, int]) -> tuple:
-    """Block tables `(num_partial, partial_indices, num_full, full_indices)` of `block_size` tiles (rows,
-    columns: a BlockMask's (q, kv) for `kv_tables`, (kv, q) for `q_tables`) as tables of the kernel's `tile`,
-    each side of which divides the block's: a row of blocks repeats for each row of tiles it covers, and a
-    listed block becomes its tiles, in order (a partial block's tiles are partial: the kernel applies the
-    mask_mod there; a full block's are full). Counts `[B|1, H|1, rows]`, indices `[B|1, H|1, rows, listed]`."""
-    (rows, cols), (tile_rows, tile_cols) = block_size, tile
-    row_split, col_split = rows // tile_rows, cols // tile_cols
-    if (row_split, col_split) == (1, 1):
-        return tuple(tables)
-    num_partial, partial, num_full, full = tables
-
-    def counts(num):
-        return jnp.repeat(num * col_split, row_split, axis=2)
-
-    def indices(listed):
-        split = listed[..., None] * col_split + jnp.arange(col_split, dtype=listed.dtype).reshape(1, 1, 1, 1, -1)
-        return jnp.repeat(split.reshape(*listed.shape[:-1], -1), row_split, axis=2)
-
-    return counts(num_partial), indices(partial), counts(num_full), indices(full)
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):

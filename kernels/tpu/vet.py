@@ -158,16 +158,16 @@ def unsupported(problem: _Problem, tangent: bool = False) -> str | None:
     """The first feature of this call the Mosaic TPU kernels cannot run, as words for a warning; None when
     they run it all. `tangent`: the forward-mode kernel (which evaluates a score_mod's jvp in its arrays)."""
     f, cfg = problem.features, problem.config
-    if f.block_sizes is not None and f.block_sizes != (cfg.block_q, cfg.block_k):
-        return (f"a BlockMask of {f.block_sizes} tiles against kernel tiles ({cfg.block_q}, {cfg.block_k}) "
-                "(the TPU kernels walk the tables at their own tile)")
-    if f.block_sizes is not None and (cfg.block_q_dq, cfg.block_k_dq, cfg.block_q_dkv, cfg.block_k_dkv) != (
-            cfg.block_q, cfg.block_k, cfg.block_q, cfg.block_k):
-        return "a BlockMask with backward tiles other than the forward's"
     tiles = {(cfg.block_q, cfg.block_k), (cfg.block_q_dq, cfg.block_k_dq), (cfg.block_q_dkv, cfg.block_k_dkv)}
+    if f.block_sizes is not None:  # each kernel walks the tables refined to its tile (`_tiles.refined_tables`)
+        for block_q, block_k in sorted(tiles):
+            if f.block_sizes[0] % block_q or f.block_sizes[1] % block_k:
+                return (f"a BlockMask of {f.block_sizes} tiles, which kernel tiles ({block_q}, {block_k}) do "
+                        "not divide (the TPU kernels walk the tables on their own tiles)")
     for block_q, block_k in tiles:
         if block_q % 128 or block_k % 128:
-            return f"tiles ({block_q}, {block_k}) that are not multiples of 128"
+            bound = f" (kernel tiles divide a BlockMask's {f.block_sizes} tiles)" if f.block_sizes else ""
+            return f"tiles ({block_q}, {block_k}) that are not multiples of 128{bound}"
     for kind, hook in (("score_mod", f.score_mod), ("mask_mod", f.mask_mod)):
         if hook is None:
             continue
