@@ -244,6 +244,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         seen[mosaic_dir].clear()
 
     def compile_alone(variant, may_reuse=True) -> dict:
+        jax.clear_caches()  # see compile_unit
         row = new_row(variant)
         # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
         # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
@@ -281,6 +282,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         alone or both's shared (a name twice: the two did not share it); the earlier report's rows say so
         for the same joint module (`joint_fingerprint`) and then it is not tried again. Second: the joint
         module's fingerprint."""
+        jax.clear_caches()  # see compile_unit
         os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
         rows = [new_row(v) for v in pair]
         traced = {}
@@ -322,6 +324,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         return rows, joint
 
     def compile_unit(variants, may_reuse=True) -> list[dict]:
+        """The rows of one unit. Each compile starts from empty JAX caches: a jaxpr cached by an earlier unit
+        keeps the source locations of the call that traced it first, so without this a unit's lowered module
+        (and its fingerprint) would depend on which units this worker compiled before it."""
         made, joint = compile_together(variants, may_reuse) if len(variants) == 2 else (None, None)
         if made is None:
             made = [compile_alone(v, may_reuse) for v in variants]
