@@ -102,7 +102,7 @@ FLEX_FALLBACK = {
 def tpu_variants() -> list[TpuVariant]:
     """The gated variants: dtype bf16 / f32 x head dim 64 / 128 / 256 x causal / full, a jvp per dtype,
     then window, GQA 8:2, ragged lengths with segments, a dense bias, dropout, float16 (run as float32), the
-    five flex hooks, and the HBM pair."""
+    five flex hooks, a BlockMask coarser than the tiles, and the HBM pair."""
     out = []
     for dtype in ("bf16", "f32"):
         for d in (64, 128, 256):
@@ -128,6 +128,10 @@ def tpu_variants() -> list[TpuVariant]:
                                  backend="tpu", q_len=256 if fallback else 1024)
         out.append(_from_gpu(base, "flex", "fallback" if fallback else "kernel",
                              FLEX_FALLBACK.get(hook, "")))
+    # A BlockMask of 512 x 512 blocks: coarser than every generation's dQ or dK/dV tile, so each kernel walks
+    # the mask's tables refined onto its own tile (`_dispatch._tpu_tables`).
+    out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_sliding_window_block512", "sliding_window",
+                                           backend="tpu", block=512), "flex"))
     for t in HBM_LENGTHS:
         out.append(flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t,
                          mode="fwd+bwd"))
