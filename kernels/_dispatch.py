@@ -418,8 +418,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     forward, or the XLA path where it cannot take the call."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
-            cfg = problem.config
-            optional = _tpu_tables(problem, optional, (cfg.block_q, cfg.block_k), (cfg.block_q_dkv, cfg.block_k_dkv))
+            optional = _tpu_tables(problem, optional)
             return tpu.forward(problem, q, k, v, q_len, kv_len, optional)
         return _chunked.dense_forward(problem, q, k, v, q_len, kv_len, optional)
     if _mosaic_takes(problem, q):
@@ -495,9 +494,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     or the XLA path."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
-            cfg = problem.config
-            others = _tpu_tables(problem, res["others"], (cfg.block_q_dq, cfg.block_k_dq),
-                                 (cfg.block_q_dkv, cfg.block_k_dkv))
+            others = _tpu_tables(problem, res["others"], backward=True)
             return tpu.backward(problem, tangents, dict(res, others=others), d_out, d_lse)
         return _chunked.dense_backward(problem, tangents, res, d_out, d_lse)
     tiles = _mosaic_backward_tiles(problem, res["q"])
@@ -517,8 +514,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     the XLA path."""
     if problem.config.backend in tpu.TPU_BACKENDS:
         if _tpu_takes(problem):
-            cfg = problem.config
-            optional = _tpu_tables(problem, optional, (cfg.block_q, cfg.block_k), (cfg.block_q_dkv, cfg.block_k_dkv))
+            optional = _tpu_tables(problem, optional)
             return tpu.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear, optional)
         return _chunked.dense_tangent(problem, tangents, q, k, v, q_len, kv_len, linear, optional)
     head_dim = max(q.shape[3], v.shape[3])
@@ -570,15 +566,16 @@ def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeSt
 # ------------------------------------------------------------------------------------------ TPU and XLA
 
 
-def _tpu_tables(problem: _Problem, arrays: dict, kv_tile: tuple[int, int], q_tile: tuple[int, int]) -> dict:
-    """`arrays` with a BlockMask's tables on the TPU kernels' tiles, which divide its blocks
-    (`tpu.unsupported`): "kv_tables" on the query-tile kernel's (block_q, block_k) `kv_tile` (forward, dQ,
-    tangent), "q_tables" on the dK/dV kernel's (block_q, block_k) `q_tile` (`_tiles.refined_tables`)."""
-    block_sizes = problem.features.block_sizes
+def _tpu_tables(problem: _Problem, arrays: dict, backward: bool = False) -> dict:
+    """`arrays` with a BlockMask's tables on the tiles of the TPU kernels that walk them, which divide its blocks
+    (`tpu.unsupported`; `_tiles.refined_tables`): "kv_tables" on the forward's tile (forward, tangent) or, in
+    the `backward` pass, dQ's; "q_tables" on dK/dV's."""
+    block_sizes, cfg = problem.features.block_sizes, problem.config
     if block_sizes is None:
         return arrays
+    kv_tile = (cfg.block_q_dq, cfg.block_k_dq) if backward else (cfg.block_q, cfg.block_k)
     return dict(arrays, kv_tables=refined_tables(arrays["kv_tables"], block_sizes, kv_tile),
-                q_tables=refined_tables(arrays["q_tables"], block_sizes[::-1], q_tile[::-1]))
+                q_tables=refined_tables(arrays["q_tables"], block_sizes[::-1], (cfg.block_k_dkv, cfg.block_q_dkv)))
 
 
 def _tpu_takes(problem: _Problem) -> bool:
