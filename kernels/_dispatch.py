@@ -8,8 +8,8 @@ Mosaic GPU ones and the Mosaic TPU ones, and that routes `_autodiff`'s forward, 
   `_runs_in_mosaic` vetting a score_mod / mask_mod for a Mosaic GPU lowering.
 - `triton_forward_config`, `triton_backward_configs`, `tangent_config`, `tangent_value_splits`: per call, the
   Triton kernels' configs where a feature (a gathered table, a window, dropout, GQA, a BlockMask, a dense bias)
-  spills on `default_config`'s; `triton_dkv_transposed` and `triton_dkv_per_query_head`: the dK/dV kernel's
-  orientation and program grid.
+  spills on `default_config`'s; `triton_dkv_transposed`, `triton_dkv_per_query_head` and `triton_dkv_split`:
+  the dK/dV kernel's orientation and program grid.
 - `forward`, `backward`, `tangent`: run the chosen kernels. Whatever the Mosaic GPU kernels cannot take runs
   on Triton (Pallas interpret mode on the CPU); the tangent always does. On the TPU backends ("tpu" on a
   TPU device, "tpu_interpret") the Mosaic TPU kernels (`kernels/tpu/`) run forward, backward and tangent,
@@ -471,6 +471,8 @@ def backward_hook_shapes(problem: _Problem, dtype, head_dim: int) -> list[tuple]
 
 # Whether the Triton dK/dV kernel runs one program per query head (`triton.retile.dkv_per_query_head`).
 triton_dkv_per_query_head = triton_retile.dkv_per_query_head
+# Whether it computes dV and dK in two programs per key tile (`triton.retile.dkv_split`).
+triton_dkv_split = triton_retile.dkv_split
 
 
 def _retiled(problem: _Problem, config: FlashConfig) -> _Problem:
@@ -500,10 +502,11 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     tiles = _mosaic_backward_tiles(problem, res["q"])
     if tiles is not None:
         return mosaic_glue.backward(problem, tangents, res, d_out, d_lse, tiles)
-    dq_config, dkv_config = triton_backward_configs(problem, res["q"].dtype,
-                                                    max(res["q"].shape[3], res["v"].shape[3]))
+    head_dim = max(res["q"].shape[3], res["v"].shape[3])
+    dq_config, dkv_config = triton_backward_configs(problem, res["q"].dtype, head_dim)
     dkv_problem = dataclasses.replace(_retiled(problem, dkv_config),
-                                      dkv_per_query_head=triton_dkv_per_query_head(problem))
+                                      dkv_per_query_head=triton_dkv_per_query_head(problem),
+                                      dkv_split=triton_dkv_split(problem, head_dim))
     return triton_backward.backward(_retiled(problem, dq_config), tangents, res, d_out, d_lse, dkv_problem)
 
 

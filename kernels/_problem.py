@@ -74,6 +74,9 @@ class _Problem:
     # The Triton dK/dV kernel runs one program per query head, not per KV head, and XLA sums dK / dV over the
     # group (`_dispatch.triton_dkv_per_query_head`).
     dkv_per_query_head: bool = False
+    # The Triton dK/dV kernel runs two programs per key tile, one for dV and one for dK, each recomputing the
+    # scores (`_dispatch.triton_dkv_split`).
+    dkv_split: bool = False
 
     @property
     def per_element_mask_everywhere(self) -> bool:

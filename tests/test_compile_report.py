@@ -674,6 +674,45 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
         assert dq == dataclasses.replace(config, num_warps=2)
 
 
+def test_dk_and_dv_run_in_two_programs_at_head_dim_256_with_a_score_tile(monkeypatch):
+    """Version 7f: on sm_90a at head dim 256 (16-bit, K Q^T), a dense bias or a score_mod gathering a score tile
+    (a relative-bias table) runs dV and dK in two programs per key tile, on 32-query steps (the one-program
+    kernel spilled 8 B with a float32 tile on 16); without one, at head dim 128, in float32 (Q K^T) and on
+    sm_80 / sm_86, one program on the usual tiles."""
+    from probjax_kernels import alibi, alibi_slopes, relative_bias
+    from probjax_kernels._hooks import trace_score_mod
+    from probjax_kernels._problem import Features, _Problem
+
+    def dkv(target, head_dim=256, dtype=jnp.bfloat16, bias=None, score_mod=None):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                dtype=dtype)
+        transposed = _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias is not None)
+        hook = num_consts = None
+        if score_mod is not None:
+            hook, consts = trace_score_mod(score_mod)
+            num_consts = len(consts)
+            for _, _, rows, cols, score in _dispatch.hook_shapes(config, transposed):
+                hook.prepare(*(jax.ShapeDtypeStruct(s, t) for s, t in (
+                    (score, jnp.float32), ((), jnp.int32), ((), jnp.int32), (rows, jnp.int32), (cols, jnp.int32))))
+        problem = _Problem(Features(scale=1.0, score_mod=hook), 1, 8, bias, None, None, False, num_consts or 0, 0,
+                           config, jax.lax.Precision.DEFAULT, dkv_transposed=transposed)
+        dkv_config = _dispatch.triton_backward_configs(problem, dtype, head_dim)[1]
+        return config, dkv_config, _dispatch.triton_dkv_split(problem, head_dim)
+
+    bias, table = (4, 8, 1024, 1024), relative_bias(jnp.zeros((8, 2047), jnp.float32))
+    for kwargs in (dict(bias=bias), dict(bias=(1, 8, 1, 1024)), dict(score_mod=table)):
+        config, dkv_config, split = dkv("sm90a_h100", **kwargs)
+        assert split and (config.block_q_dkv, config.block_k_dkv) == (16, 64)
+        assert dkv_config == dataclasses.replace(config, block_q_dkv=32)
+    for target, kwargs in (("sm90a_h100", {}), ("sm90a_h100", dict(score_mod=alibi(alibi_slopes(8)))),
+                           ("sm90a_h100", dict(head_dim=128, score_mod=table)),
+                           ("sm90a_h100", dict(dtype=jnp.float32, bias=bias)),
+                           ("sm80_a100", dict(bias=bias)), ("sm86_rtx3090", dict(score_mod=table))):
+        config, dkv_config, split = dkv(target, **kwargs)
+        assert not split and dkv_config.block_q_dkv <= config.block_q_dkv, (target, kwargs)  # never wider
+
+
 def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypatch):
     """A bias or mask tile (Version 7b): at head dim 64 the 16-bit forward takes 8 warps on every GPU and, with
     a bias, dK/dV 32-query steps on sm_80 / sm_86; at head dim 256 a bias takes 16-query dK/dV steps on sm_86

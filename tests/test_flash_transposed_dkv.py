@@ -22,9 +22,10 @@ TILES = FlashConfig(block_q=16, block_k=32, block_q_dq=16, block_k_dq=32, block_
                     backend="interpret")
 
 
-@pytest.fixture
-def transposed(monkeypatch):
-    """Every call takes the transposed dK/dV kernel; the calls are counted, so a test sees it was chosen."""
+@pytest.fixture(params=[False, True], ids=["one_program", "dv_and_dk_programs"])
+def transposed(request, monkeypatch):
+    """Every call takes the transposed dK/dV kernel, in one program per key tile or in two (dV's and dK's,
+    `_dispatch.triton_dkv_split`); the calls are counted, so a test sees it was chosen."""
     calls = []
 
     def choose(config, dtype, head_dim, bias=False):
@@ -32,7 +33,10 @@ def transposed(monkeypatch):
         return True
 
     monkeypatch.setattr(_dispatch, "triton_dkv_transposed", choose)
-    return calls
+    splits = []
+    monkeypatch.setattr(_dispatch, "triton_dkv_split", lambda *_: splits.append(request.param) or request.param)
+    yield calls
+    assert splits and all(split == request.param for split in splits)
 
 
 def _check(fn, reference, args, dtype, factor=1.0):

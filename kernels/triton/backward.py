@@ -1,7 +1,8 @@
 """The flash-attention backward in Pallas Triton (FlashAttention-2, Alg. 2), split so that nothing needs
 atomics: the dQ kernel (one program per query tile, which can also write dS for the bias gradient) and the
 dK/dV kernel (one program per KV tile and KV head, summing its GQA group's query heads; per query head, summed
-by XLA, where the dispatch asks: `_Problem.dkv_per_query_head`)."""
+by XLA, where the dispatch asks: `_Problem.dkv_per_query_head`; two per KV tile, dV's and dK's, each recomputing
+the scores, where it asks `_Problem.dkv_split`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ from probjax_kernels.triton.tiles import (
 )
 
 # --------------------------------------------------------------------------------------------- backward: dQ
+
+
+def _tile_probabilities(s, lse2, ctx, problem: _Problem):
+    """p of one tile from its scores, with dropout's keep mask and scale: what dV sums (`_tile_gradient`'s
+    first output, without dP)."""
+    p = jnp.exp2(s - lse2)
+    if problem.features.dropout_rate > 0:
+        p = p * _dropout_scale(ctx, problem)
+    return p
 
 
 def _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem: _Problem):
@@ -114,7 +124,6 @@ def _dkv_kernel(
     kv_tile, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[...], kv_len_ref[...]
     k, v = k_ref[...], v_ref[...]
-    with_derivative = problem.features.score_mod is not None
     kv_start = kv_tile * block_k
     # float32 (FMA dots at Precision.HIGHEST): K and V are read again at every query step, and S = Q K^T and
     # dP = dO V^T summed over 64-wide slices of the head dim. Held across the loop, K and V stay in registers
@@ -129,44 +138,74 @@ def _dkv_kernel(
     row_of = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])  # noqa: E731  per-query values
     outer = (1, 0) if transposed else (0, 0)  # contracts the query axis of P / dS with dO / Q's rows
 
-    def head_body(head, carry):
-        # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
-        def body(q_tile, carry, masked: bool):
-            dk, dv = carry
-            start = q_tile * block_q
-            rows = pl.ds(start, block_q)
-            q = q_ref[rows, head, :]
-            do = do_ref[rows, head, :]
-            lse2 = row_of(lse2_ref[head, rows])
-            delta = row_of(delta_ref[head, rows])
-            ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q, kv_start,
-                                block_k, kv_len, False, transposed=transposed)
-            if reload:
-                qk = _sliced_dot(*orient(lambda c: q_ref[rows, head, c], lambda c: k_ref[:, c]), q.shape[-1],
-                                 _F32_SLICE, problem.precision)
-                dp_fn = lambda: _sliced_dot(  # noqa: E731
-                    *orient(lambda c: do_ref[rows, head, c], lambda c: v_ref[:, c]), do.shape[-1], _F32_SLICE,
-                    problem.precision)
-            else:
-                qk = _dot(*orient(q, k), (1, 1), problem.precision)
-                dp_fn = lambda: _dot(*orient(do, v), (1, 1), problem.precision)  # noqa: E731
-            s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
-            p, ds = _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem)
-            dv = dv + _dot(p.astype(do.dtype), do, outer, problem.precision)
-            dk = dk + _dot(ds.astype(q.dtype), q, outer, problem.precision)
-            return dk, dv
+    def accumulate(want_dk: bool, want_dv: bool):
+        """dK (unscaled) and dV of this key tile, each None where not wanted; the dV-only pass needs no dP."""
+        with_derivative = problem.features.score_mod is not None and want_dk
 
-        if opt.tables is not None:
-            table_head = head if problem.table_shape[1] > 1 else None
-            return _run_table(opt.tables, table_head, problem.features.block_sizes[0] // block_q, body, carry,
-                              problem)
-        tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem, q_ref.shape[0] // block_q)
-        return _run_ranges(tile_range, body, carry)
+        def head_body(head, carry):
+            # K/V stay resident while the loop walks the query tiles of every query head of this KV head (GQA).
+            def body(q_tile, carry, masked: bool):
+                dk, dv = carry
+                start = q_tile * block_q
+                rows = pl.ds(start, block_q)
+                q = q_ref[rows, head, :]
+                do = do_ref[rows, head, :]
+                lse2 = row_of(lse2_ref[head, rows])
+                delta = row_of(delta_ref[head, rows]) if want_dk else None
+                ctx = _tile_context(opt, problem, b, kv_head * problem.group + head, head, start, block_q,
+                                    kv_start, block_k, kv_len, False, transposed=transposed)
+                if reload:
+                    qk = _sliced_dot(*orient(lambda c: q_ref[rows, head, c], lambda c: k_ref[:, c]), q.shape[-1],
+                                     _F32_SLICE, problem.precision)
+                    dp_fn = lambda: _sliced_dot(  # noqa: E731
+                        *orient(lambda c: do_ref[rows, head, c], lambda c: v_ref[:, c]), do.shape[-1],
+                        _F32_SLICE, problem.precision)
+                else:
+                    qk = _dot(*orient(q, k), (1, 1), problem.precision)
+                    dp_fn = lambda: _dot(*orient(do, v), (1, 1), problem.precision)  # noqa: E731
+                s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
+                if want_dk:
+                    p, ds = _tile_gradient(s, dp_fn, delta, lse2, derivative, ctx, problem)
+                else:
+                    p, ds = _tile_probabilities(s, lse2, ctx, problem), None
+                if want_dv:
+                    dv = dv + _dot(p.astype(do.dtype), do, outer, problem.precision)
+                if want_dk:
+                    dk = dk + _dot(ds.astype(q.dtype), q, outer, problem.precision)
+                return dk, dv
 
-    dk, dv = lax.fori_loop(0, problem.group, head_body,
-                           (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
-    dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+            if opt.tables is not None:
+                table_head = head if problem.table_shape[1] > 1 else None
+                return _run_table(opt.tables, table_head, problem.features.block_sizes[0] // block_q, body,
+                                  carry, problem)
+            tile_range = _q_tile_range(kv_tile, q_len, kv_len, block_q, block_k, problem,
+                                       q_ref.shape[0] // block_q)
+            return _run_ranges(tile_range, body, carry)
+
+        zeros = (jnp.zeros(k.shape, jnp.float32) if want_dk else None,
+                 jnp.zeros(v.shape, jnp.float32) if want_dv else None)
+        return lax.fori_loop(0, problem.group, head_body, zeros)
+
+    def store_dk(dk):
+        dk_ref[...] = (dk * problem.features.scale).astype(dk_ref.dtype)
+
+    def store_dv(dv):
+        dv_ref[...] = dv.astype(dv_ref.dtype)
+
+    if problem.dkv_split:
+        # Two programs per key tile (`_dispatch.triton_dkv_split`): the last grid axis picks dV (0) or dK (1),
+        # each holding one block_k x D float32 accumulator and recomputing the scores.
+        @pl.when(pl.program_id(3) == 0)
+        def _():
+            store_dv(accumulate(want_dk=False, want_dv=True)[1])
+
+        @pl.when(pl.program_id(3) == 1)
+        def _():
+            store_dk(accumulate(want_dk=True, want_dv=False)[0])
+    else:
+        dk, dv = accumulate(want_dk=True, want_dv=True)
+        store_dk(dk)
+        store_dv(dv)
 
 
 # ------------------------------------------------------------------------------------------- pallas_call glue
@@ -224,14 +263,23 @@ def _backward_dkv(problem: _Problem, q, k, v, q_len, kv_len, do, lse2, delta, op
     out_shape = [_output((batch, s_pad, program_heads, x.shape[3]), jnp.float32 if summed else x.dtype, q, k, v, do)
                  for x in (k, v)]
     kernel = functools.partial(_dkv_kernel, problem=kernel_problem, refs_fn=_refs_fn(kernel_problem))
+    in_specs = [q_side(d_pad), kv_input(d_pad), kv_input(dv_pad), _length_spec(), _length_spec(), q_side(dv_pad),
+                row_spec, row_spec, *extra_specs]
+    grid = (s_pad // block_k, batch, program_heads)
+    if problem.dkv_split:  # a fourth grid axis of 2, dV's program and dK's, which the blocks do not depend on
+        grid = (*grid, 2)
+
+    def split(spec: pl.BlockSpec) -> pl.BlockSpec:
+        if not problem.dkv_split:
+            return spec
+        index_map = spec.index_map
+        return dataclasses.replace(spec, index_map=lambda j, b, h, _: index_map(j, b, h))
+
     dk, dv = pl.pallas_call(
         kernel,
-        grid=(s_pad // block_k, batch, program_heads),
-        in_specs=[
-            q_side(d_pad), kv_input(d_pad), kv_input(dv_pad), _length_spec(), _length_spec(),
-            q_side(dv_pad), row_spec, row_spec, *extra_specs
-        ],
-        out_specs=[kv_output(d_pad), kv_output(dv_pad)],
+        grid=grid,
+        in_specs=[split(spec) for spec in in_specs],
+        out_specs=[split(kv_output(d_pad)), split(kv_output(dv_pad))],
         out_shape=out_shape,
         name="probjax_flash_backward_dkv",
         **_compiler_params(kernel_problem),

@@ -108,6 +108,8 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
       it spilled 8 B there, on 4 it holds 142-184 registers and 69,632 B of shared memory."""
     config = problem.config
     dq = dkv = config
+    if dkv_split(problem, head_dim):  # 32-query steps (16 unsplit); 64 spilled 84 B (Version 7f)
+        dkv = dataclasses.replace(dkv, block_q_dkv=min(max(dkv.block_q_dkv, 32), dkv.block_k_dkv))
     tiled = problem.bias_shape is not None or problem.group > 1  # a bias tile, or float32 dK / dV per head
     if jnp.dtype(dtype).itemsize == 2 and not hopper:
         if head_dim <= 64:
@@ -160,3 +162,15 @@ def dkv_per_query_head(problem: _Problem) -> bool:
     pays per grid step (the test suite took a third longer on per-head grids): tests force the per-head grid
     where they check it."""
     return problem.group > 1 and not _interpreted(problem)
+
+
+def dkv_split(problem: _Problem, head_dim: int) -> bool:
+    """Whether the dK/dV kernel computes dV and dK in two programs per key tile, each holding one block_k x D
+    float32 accumulator and recomputing the scores (5 dots per query step in all, against 4): on transposed
+    scores (`problem.dkv_transposed`, Hopper) at head dim 256 with a score tile read per element, a dense bias
+    or a score_mod that gathers one from a captured array (a relative-bias table), as the tangent splits its
+    value head dim for them (`triton.tangent.tangent_tiles`). Unsplit, dK and dV (64 x 256 float32) held 128
+    of the 255 registers, and a float32 tile spilled 8 B on every tile, stage and warp count tried; split, the
+    32-query steps of `backward_configs` hold 239 registers, all wgmma (docs/perf-notes.md, Version 7f)."""
+    score_tile = problem.bias_shape is not None or gathers_score_tile_of(problem)
+    return problem.dkv_transposed and head_dim > 128 and score_tile
