@@ -56,11 +56,12 @@ def _outputs_and_grads(kernel, q, k, v, bias, cotangent, **kwargs):
 
 
 def check_against_reference(
-    dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, *, bias_shape=None, **kwargs
+    dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, *, bias_shape=None, bias_dtype=None, **kwargs
 ) -> tuple[jax.Array, ...]:
-    """Kernel vs reference on random inputs; kwargs go to both. Returns the kernel's (out, lse, dq, ...)."""
+    """Kernel vs reference on random inputs (a bias in `bias_dtype`, by default `dtype`); kwargs go to both.
+    Returns the kernel's (out, lse, dq, ...)."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
-    bias = None if bias_shape is None else _normal(3, bias_shape, dtype)
+    bias = None if bias_shape is None else _normal(3, bias_shape, bias_dtype or dtype)
     cotangent = _normal(4, q.shape)
     actual = _outputs_and_grads(flash_attention, q, k, v, bias, cotangent, **kwargs)
     expected = _outputs_and_grads(flash_attention_reference, q, k, v, bias, cotangent, **kwargs)
@@ -114,6 +115,14 @@ def test_value_head_dims_and_shared_kv(head_dim, value_dim, kv_batch):
 )
 def test_bias_and_its_gradient(dtype, bias_shape):
     check_against_reference(dtype, 2, 600, 600, 4, 2, 64, bias_shape=bias_shape, causal=True)
+
+
+@pytest.mark.parametrize("bias_dtype", [BF16, F32])
+def test_head_dim_256_bias_on_the_split_dkv_grid(bias_dtype):
+    """On Hopper, head dim 256 with a bias runs dV and dK in two programs per key tile
+    (`_dispatch.triton_dkv_split`, docs/perf-notes.md Version 7f), a grid that never ran on a GPU before."""
+    check_against_reference(BF16, 2, 600, 600, 4, 2, 256, bias_shape=(2, 4, 600, 600), bias_dtype=bias_dtype,
+                            causal=True)
 
 
 def _mask(seed: int, shape) -> jax.Array:
