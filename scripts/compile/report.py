@@ -181,6 +181,31 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         (mosaic_dir / name).write_text(content + "\n")
 
     mosaic_utils.dump_to_file_or_stdout = dump_resources
+
+    # With its dumps on, Mosaic GPU names each kernel's module `mosaic_gpu.dump_basename` = its name and a count
+    # kept per process in jaxlib, and that attribute is in the lowered module; a count per compile unit (reset by
+    # `fresh_unit`) makes a unit's module, and its fingerprint, the same whatever the worker lowered before it.
+    from jax._src.lib import mosaic_gpu_dialect
+    from jax._src.lib.mlir import ir
+
+    dump_options_of = mosaic_gpu_dialect.get_or_set_dump_options
+    kernels_named = itertools.count()
+
+    def named_per_unit(module):
+        attributes = module.operation.attributes
+        if "mosaic_gpu.dump_basename" not in attributes:
+            name = ir.StringAttr(attributes["sym_name"]).value
+            attributes["mosaic_gpu.dump_basename"] = ir.StringAttr.get(f"{name}_{next(kernels_named)}")
+        return dump_options_of(module)
+
+    mosaic_gpu_dialect.get_or_set_dump_options = named_per_unit
+
+    def fresh_unit():
+        """Empty JAX caches and a new Mosaic GPU dump count, before each compile (see `compile_unit`)."""
+        nonlocal kernels_named
+        jax.clear_caches()
+        kernels_named = itertools.count()
+
     limits = target_limits(target)
     device = topologies.get_topology_desc(
         platform="cuda", topology_name=target, target_config=(TARGETS_DIR / f"{target}.txtpb").read_text(),
@@ -244,7 +269,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         seen[mosaic_dir].clear()
 
     def compile_alone(variant, may_reuse=True) -> dict:
-        jax.clear_caches()  # see compile_unit
+        fresh_unit()
         row = new_row(variant)
         # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
         # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
@@ -282,7 +307,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         alone or both's shared (a name twice: the two did not share it); the earlier report's rows say so
         for the same joint module (`joint_fingerprint`) and then it is not tried again. Second: the joint
         module's fingerprint."""
-        jax.clear_caches()  # see compile_unit
+        fresh_unit()
         os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
         rows = [new_row(v) for v in pair]
         traced = {}
@@ -324,9 +349,10 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         return rows, joint
 
     def compile_unit(variants, may_reuse=True) -> list[dict]:
-        """The rows of one unit. Each compile starts from empty JAX caches: a jaxpr cached by an earlier unit
-        keeps the source locations of the call that traced it first, so without this a unit's lowered module
-        (and its fingerprint) would depend on which units this worker compiled before it."""
+        """The rows of one unit. Each compile starts from empty JAX caches (a jaxpr cached by an earlier unit
+        keeps the source locations of the call that traced it first) and from a Mosaic GPU dump count of 0
+        (`named_per_unit`): without them a unit's lowered module (and its fingerprint) would depend on which
+        units this worker compiled before it."""
         made, joint = compile_together(variants, may_reuse) if len(variants) == 2 else (None, None)
         if made is None:
             made = [compile_alone(v, may_reuse) for v in variants]
