@@ -39,8 +39,9 @@ def transposed(request, monkeypatch):
     assert splits and all(split == request.param for split in splits)
 
 
-def _check(fn, reference, args, dtype, factor=1.0):
-    cotangent = jax.random.normal(jax.random.key(5), args[0].shape, jnp.float32)
+def _check(fn, reference, args, dtype, factor=1.0, value_dim=None):
+    cotangent = jax.random.normal(jax.random.key(5), (*args[0].shape[:3], value_dim or args[0].shape[3]),
+                                  jnp.float32)
     out, grads = output_and_grads(fn, args, cotangent)
     expected_out, expected = output_and_grads(reference, args, cotangent)
     assert_close(out, expected_out, dtype, "out")
@@ -77,6 +78,25 @@ def test_flex_score_mod_block_mask_and_dropout(transposed):
         return lambda q, k, v: attention(q, k, v, score_mod, block_mask, **kwargs, **extra)
 
     _check(run(flex_attention, config=TILES), run(flex_attention_reference), (q, k, v), dtype, 1.5)
+    assert transposed
+
+
+def test_split_grid_per_query_head_with_shared_kv_and_another_value_dim(transposed, monkeypatch):
+    """The split grid's fourth axis beside the per-query-head grid (GQA on a GPU), k / v of batch 1 shared by
+    the batch (their float32 gradients summed by XLA) and a value head dim other than q / k's."""
+    monkeypatch.setattr(_dispatch, "triton_dkv_per_query_head", lambda problem: True)
+    dtype = jnp.float32
+    q = jax.random.normal(jax.random.key(64), (2, 40, 4, 32), dtype)
+    k = jax.random.normal(jax.random.key(65), (1, 50, 2, 32), dtype)
+    v = jax.random.normal(jax.random.key(66), (1, 50, 2, 16), dtype)
+    bias = jax.random.normal(jax.random.key(67), (2, 4, 40, 50), jnp.float32)
+    kwargs = dict(causal=True, kv_lengths=jnp.array([50, 33], jnp.int32))
+
+    def run(attention, **extra):
+        return lambda q, k, v, bias: attention(q, k, v, bias=bias, **kwargs, **extra)
+
+    _check(run(flash_attention, config=TILES), run(flash_attention_reference), (q, k, v, bias), dtype, 1.5,
+           value_dim=16)
     assert transposed
 
 

@@ -387,9 +387,13 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
 
 def _compile_environment(cuda_root: Path, ptxas_dir: Path, xla_dir: Path) -> dict:
     """The worker's environment: a deviceless CUDA compile with the pinned ptxas, its logs and XLA's dumps kept,
-    and source file names relative to the checkout or the toolchain."""
+    and source file names relative to the checkout or the toolchain. A kernel's IR locates each op by the line
+    that made it, without the calls around it: with the whole traceback, the lines of this script and of the
+    registry that lead to a kernel were in every kernel's module, so an edit of either made every fingerprint
+    new."""
     return dict(
         JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=source_paths_regex(REPO, cuda_root.parent),
+        JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS="0",
         JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_ROOT=str(cuda_root),
         # Mosaic GPU runs the first ptxas on PATH, not CUDA_ROOT's: put the pinned one first.
         PATH=f"{cuda_root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
