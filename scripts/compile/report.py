@@ -183,28 +183,34 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
     mosaic_utils.dump_to_file_or_stdout = dump_resources
 
     # With its dumps on, Mosaic GPU names each kernel's module `mosaic_gpu.dump_basename` = its name and a count
-    # kept per process in jaxlib, and that attribute is in the lowered module; a count per compile unit (reset by
-    # `fresh_unit`) makes a unit's module, and its fingerprint, the same whatever the worker lowered before it.
+    # kept per process in jaxlib, and that attribute is in the lowered module. `named_per_unit` sets it first,
+    # from the compile's variants and a count per compile (`fresh_unit`), so that a unit's module, and its
+    # fingerprint, are the same whatever the worker lowered before it. The name stays unique in the process:
+    # jaxlib caches a compiled Mosaic kernel by its module, and a second compile of the same name would print no
+    # PTX / ptxas / SASS to read the figures from (the jvp's forward after the grad's, a pair compiled alone
+    # after its joint compile failed).
     from jax._src.lib import mosaic_gpu_dialect
     from jax._src.lib.mlir import ir
 
     dump_options_of = mosaic_gpu_dialect.get_or_set_dump_options
-    kernels_named = itertools.count()
+    dump_names = iter(())
 
     def named_per_unit(module):
         attributes = module.operation.attributes
-        if "mosaic_gpu.dump_basename" not in attributes:
+        if "mosaic_gpu.dump_basename" not in attributes and "sym_name" in attributes:
             name = ir.StringAttr(attributes["sym_name"]).value
-            attributes["mosaic_gpu.dump_basename"] = ir.StringAttr.get(f"{name}_{next(kernels_named)}")
+            attributes["mosaic_gpu.dump_basename"] = ir.StringAttr.get(f"{name}_{next(dump_names)}")
         return dump_options_of(module)
 
     mosaic_gpu_dialect.get_or_set_dump_options = named_per_unit
 
-    def fresh_unit():
-        """Empty JAX caches and a new Mosaic GPU dump count, before each compile (see `compile_unit`)."""
-        nonlocal kernels_named
+    def fresh_unit(variants):
+        """Before each compile (see `compile_unit`): empty JAX caches, and Mosaic GPU dump names numbered from
+        the variants' names (a count: `_split_mosaic_stdout` reads the kernel's name before it)."""
+        nonlocal dump_names
         jax.clear_caches()
-        kernels_named = itertools.count()
+        tag = int(hashlib.sha256(" ".join(v.name for v in variants).encode()).hexdigest()[:12], 16) % 10**9
+        dump_names = (f"{tag:09d}{count:03d}" for count in itertools.count())
 
     limits = target_limits(target)
     device = topologies.get_topology_desc(
@@ -269,7 +275,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         seen[mosaic_dir].clear()
 
     def compile_alone(variant, may_reuse=True) -> dict:
-        fresh_unit()
+        fresh_unit([variant])
         row = new_row(variant)
         # The peers name several Mosaic kernels alike: their dumps go to files named per kernel (MOSAIC_GPU_DUMP_TO,
         # which also dumps the IR before every MLIR pass, ~180 MB a call); ours have distinct names, and their
@@ -307,7 +313,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         alone or both's shared (a name twice: the two did not share it); the earlier report's rows say so
         for the same joint module (`joint_fingerprint`) and then it is not tried again. Second: the joint
         module's fingerprint."""
-        fresh_unit()
+        fresh_unit(pair)
         os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
         rows = [new_row(v) for v in pair]
         traced = {}
@@ -350,9 +356,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
 
     def compile_unit(variants, may_reuse=True) -> list[dict]:
         """The rows of one unit. Each compile starts from empty JAX caches (a jaxpr cached by an earlier unit
-        keeps the source locations of the call that traced it first) and from a Mosaic GPU dump count of 0
-        (`named_per_unit`): without them a unit's lowered module (and its fingerprint) would depend on which
-        units this worker compiled before it."""
+        keeps the source locations of the call that traced it first) and names its Mosaic GPU dumps from its
+        own variants (`named_per_unit`): without them a unit's lowered module (and its fingerprint) would depend
+        on which units this worker compiled before it."""
         made, joint = compile_together(variants, may_reuse) if len(variants) == 2 else (None, None)
         if made is None:
             made = [compile_alone(v, may_reuse) for v in variants]
