@@ -59,7 +59,8 @@ Columns: **regs** registers per thread; **spill** bytes stored / loaded to local
 shared memory per CTA (XLA's launch for Triton, Mosaic GPU's scratch); **CTA/SM r / s** resident CTAs per SM
 that the registers / shared memory allow; **HGMMA** wgmma, **HMMA** mma.sync, **UTMALDG** TMA loads,
 **LDGSTS** cp.async copies, counted in the SASS; **tiles** the kernel's own tile (q x k, warps, stages: the
-forward's, dQ's, dK/dV's or the tangent's); **s** the whole variant's compile time.
+forward's, dQ's, dK/dV's or the tangent's; `/2`: its work split across two programs per tile, dV's and dK's,
+or the two halves of the tangent's value head dim); **s** the whole variant's compile time.
 
 Peers, side by side, compiled by the same toolchain and shown but not checked (group `peer`): {peers}.
 
@@ -73,7 +74,8 @@ def _tile(config: dict | None, kernel: str) -> str:
         return ""
     q, k = {"backward_dq": ("block_q_dq", "block_k_dq"), "backward_dkv": ("block_q_dkv", "block_k_dkv")}.get(
         kernel.removeprefix("probjax_flash_"), ("block_q", "block_k"))
-    return f"{config[q]}x{config[k]} w{config['num_warps']} s{config['num_stages']}"
+    split = f" /{config['splits']}" if config.get("splits", 1) > 1 else ""
+    return f"{config[q]}x{config[k]} w{config['num_warps']} s{config['num_stages']}{split}"
 
 
 def _config_of(row: dict, kernel: str) -> dict | None:

@@ -607,11 +607,13 @@ def _traced_tiles(into: dict):
 
     def bwd(problem, tangents, res, d_out, d_lse, dkv_problem=None):
         into["probjax_flash_backward_dq"] = tiles(problem)
-        into["probjax_flash_backward_dkv"] = tiles(dkv_problem or problem)
+        split = dkv_problem is not None and dkv_problem.dkv_split  # dV's and dK's programs (`_dispatch`)
+        into["probjax_flash_backward_dkv"] = dict(tiles(dkv_problem or problem), **({"splits": 2} if split else {}))
         return saved[1](problem, tangents, res, d_out, d_lse, dkv_problem)
 
     def tan(problem, *args, **kwargs):  # kwargs: value_splits (`_dispatch.tangent_value_splits`)
-        into["probjax_flash_tangent"] = tiles(problem)
+        splits = kwargs.get("value_splits", 1)
+        into["probjax_flash_tangent"] = dict(tiles(problem), **({"splits": splits} if splits > 1 else {}))
         return saved[2](problem, *args, **kwargs)
 
     forward.forward, backward.backward, tangent.tangent = fwd, bwd, tan
