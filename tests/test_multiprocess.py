@@ -65,11 +65,12 @@ TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_o
 # read for each run's devices; MP_OUT: writes to MP_OUT.<process id> each run's ConfigError (flag, message)
 # or None (without MP_OUT a ConfigError ends the process); MP_KILL,
 # "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint;
-# MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step;
+# MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step, and
+# every process take at least 0.25 s per later step (so that the run cannot end before the signal reaches it);
 # MP_PIDS: each process writes its pid to MP_PIDS.<process id>; MP_FETCHED: each process writes to
 # MP_FETCHED.<process id> the most bytes one `jax.device_get` fetched.
 _WORKER = """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     sys.path.insert(0, {examples!r})
     import jax
     import numpy as np
@@ -111,6 +112,8 @@ _WORKER = """
         def signalling(tokens, config, at):
             if at == int(step) and launch.process_id == int(process):
                 os.kill(os.getppid(), getattr(signal, name))
+            elif at > int(step):  # the steps after it outlast the launcher watch's poll (1 s) on a fast machine
+                time.sleep(0.25)
             return train_starts(tokens, config, at)
 
         data.train_starts = signalling
