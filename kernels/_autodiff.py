@@ -2,8 +2,9 @@
 
 `_attention` is a custom_jvp whose tangent is `custom_linear`: applied, it is the tangent kernel (jax.jvp);
 transposed, it is the backward kernels (jax.grad, through jax.linearize); differentiated in its residuals
-(second order: grad of jvp, hessian), it is `_dense_attention` under jax.jvp. `attention` pads the inputs,
-builds the static `_Problem` and calls it.
+(second order: grad of jvp, hessian), it is `_dense_attention` under jax.jvp. `attention` asks `_dispatch` for
+the call's frozen `Plan` once, pads the inputs to its sizes and calls it; the rules below run the plan's
+passes and ask nothing more.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels import _dispatch
-from probjax_kernels._chunked import _dense_attention, _prepare_hooks, _score_const_gradients, _with_moving
+from probjax_kernels._backend import Plan
+from probjax_kernels._chunked import _dense_attention, _score_const_gradients, _with_moving
 from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dropout import SEED_PARTS
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._problem import Features, _Problem, _Tangents
+from probjax_kernels._problem import Features, _Tangents
 from probjax_kernels._scores import backward_delta, base2_lse
 
 
-def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the backward kernels
-    that `_dispatch` picks, and those of a score_mod's arrays by an XLA pass (the same on every backend),
-    except the arrays the TPU kernels read as tiles, whose gradients those kernels accumulate."""
-    grads = _dispatch.backward(problem, tangents, res, d_out, d_lse)
+def _backward(plan: Plan, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The transpose of the tangent map: gradients of the inputs flagged in `tangents`, by the plan's backward
+    kernels, and those of a score_mod's arrays by an XLA pass (the same on every backend), except the arrays
+    the TPU kernels read as tiles, whose gradients those kernels accumulate."""
+    kernels = plan.backward
+    grads = kernels.run(kernels.problem, tangents, res, d_out, d_lse, **dict(kernels.options))
+    problem = plan.problem
     # The TPU kernels accumulate the gradients of arrays read as tiles (`tpu/hook_grads.py`), by position.
     from_kernels = grads.pop("score_consts_by_index", {})
     rest = tuple(m and i not in from_kernels for i, m in enumerate(tangents.score_consts))
@@ -45,11 +49,11 @@ def _backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
+def _attention(plan: Plan, q, k, v, bias, score_consts, q_len, kv_len, others: dict):
     """Padded inputs in, (out, lse) padded out, and the row max with `features.return_max` (no derivative).
     `others` holds the inputs without derivatives."""
-    return tuple(_dispatch.forward(problem, q, k, v, q_len, kv_len, dict(others, bias=bias,
-                                                                             score_consts=score_consts)))
+    kernels, optional = plan.forward, dict(others, bias=bias, score_consts=score_consts)
+    return tuple(kernels.run(kernels.problem, q, k, v, q_len, kv_len, optional, **dict(kernels.options)))
 
 
 def _is_zero(t) -> bool:
@@ -57,11 +61,11 @@ def _is_zero(t) -> bool:
 
 
 @functools.partial(_attention.defjvp, symbolic_zeros=True)
-def _attention_jvp(problem: _Problem, primals, tangents_in):
+def _attention_jvp(plan: Plan, primals, tangents_in):
     q, k, v, bias, score_consts, q_len, kv_len, others = primals
     dq, dk, dv, d_bias, d_consts = tangents_in[:5]
     # The primal through `_attention` itself, so that an outer derivative of this rule (second order) finds it.
-    primal_out = _attention(problem, q, k, v, bias, score_consts, q_len, kv_len, others)
+    primal_out = _attention(plan, q, k, v, bias, score_consts, q_len, kv_len, others)
     out, lse = primal_out[:2]
     no_max = tuple(jnp.zeros_like(x) for x in primal_out[2:])  # max_scores is not differentiated
     linear = {name: t for name, t in (("q", dq), ("k", dk), ("v", dv), ("bias", d_bias)) if not _is_zero(t)}
@@ -83,11 +87,12 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
         res, lin = unflatten_res(res_flat), unflatten_lin(lin_flat)
         optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"],
                         d_bias=lin.get("bias"), d_score_consts=lin.get("score_consts", ()))
-        return _dispatch.tangent(problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"],
-                                 res["out"], base2_lse(res["lse"]), lin, optional)
+        kernels = plan.tangent
+        return kernels.run(kernels.problem, tangents, res["q"], res["k"], res["v"], res["q_len"], res["kv_len"],
+                           res["out"], base2_lse(res["lse"]), lin, optional, **dict(kernels.options))
 
     def transpose(res_flat, cts):
-        grads = _backward(problem, tangents, unflatten_res(res_flat), *cts)
+        grads = _backward(plan, tangents, unflatten_res(res_flat), *cts)
         return jax.tree.leaves({name: grads[name] for name in linear})
 
     def reference(res_flat, lin_flat):
@@ -96,7 +101,8 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
 
         def dense(q, k, v, bias, moving):
             consts = _with_moving(res["score_consts"], tangents.score_consts, moving)
-            return _dense_attention(problem, q, k, v, bias, consts, res["q_len"], res["kv_len"], res["others"])
+            return _dense_attention(plan.problem, q, k, v, bias, consts, res["q_len"], res["kv_len"],
+                                    res["others"])
 
         zero = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
         primal = (res["q"], res["k"], res["v"], res["bias"], moving)
@@ -106,15 +112,11 @@ def _attention_jvp(problem: _Problem, primals, tangents_in):
 
     out_specs = [jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     d_out, d_lse = custom_linear(apply, transpose, reference, res_flat, lin_flat, out_specs,
-                                 interpreted=problem.config.backend in CALLBACK_INTERPRETERS)
+                                 interpreted=plan.problem.config.backend in CALLBACK_INTERPRETERS)
     return primal_out, (d_out, d_lse, *no_max)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -158,19 +160,17 @@ def attention(
     (`ring_attention`'s blocks: the probabilities exp(s - lse) are the whole sequence's). No bias or hooks.
     """
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    kv_len, value_dim = k.shape[1], v.shape[3]
     if bias is not None and kv_tables is not None:
         # The dQ kernel zero-fills the bias gradient outside its index ranges; block tables have none.
         raise NotImplementedError("a dense bias with block tables: pass the bias through a score_mod instead.")
-    d_pad, dv_pad = (max(16, 1 << (dim - 1).bit_length()) for dim in (head_dim, value_dim))
-    config = _dispatch.default_config(config, q_len=q_len, kv_len=kv_len, head_dim=max(d_pad, dv_pad),
-                                      dtype=q.dtype)
-    q_multiple = max(config.block_q, config.block_q_dq, config.block_q_dkv)
-    kv_multiple = max(config.block_k, config.block_k_dq, config.block_k_dkv)
-    if features.block_sizes is not None:
-        table_q, table_k = features.block_sizes
-        q_multiple, kv_multiple = max(q_multiple, table_q), max(kv_multiple, table_k)
-    t_pad, s_pad = _round_up(q_len, q_multiple), _round_up(kv_len, kv_multiple)
+    plan = _dispatch.plan(
+        features, config, q_shape=q.shape, k_shape=k.shape, value_dim=value_dim, dtype=q.dtype,
+        bias_shape=None if bias is None else bias.shape, mask_shape=None if mask is None else mask.shape,
+        table_shape=None if kv_tables is None else kv_tables[0].shape[:2], has_segments=q_segment_ids is not None,
+        num_score_consts=len(score_consts), num_mask_consts=len(mask_consts),
+    )
+    t_pad, s_pad, d_pad, dv_pad = plan.t_pad, plan.s_pad, plan.d_pad, plan.dv_pad
 
     def pad_4d(x, seq_size, dim_size=d_pad):
         return _pad_axis(_pad_axis(x, 1, seq_size), 3, dim_size)
@@ -196,26 +196,6 @@ def attention(
     if kv_tables is not None:
         others["kv_tables"], others["q_tables"] = tuple(kv_tables), tuple(q_tables)
     bias = None if bias is None else pad_broadcastable(bias)
-    dkv_transposed = _dispatch.triton_dkv_transposed(config, q.dtype, max(d_pad, dv_pad), bias is not None)
-    _prepare_hooks(features, _dispatch.hook_shapes(config, dkv_transposed), batch, num_heads, t_pad, s_pad)
-    problem = _Problem(
-        features=features,
-        group=num_heads // num_kv_heads,
-        num_heads=num_heads,
-        bias_shape=None if bias is None else bias.shape,
-        mask_shape=None if mask is None else others["mask"].shape,
-        table_shape=None if kv_tables is None else kv_tables[0].shape[:2],
-        has_segments=q_segment_ids is not None,
-        num_score_consts=len(score_consts),
-        num_mask_consts=len(mask_consts),
-        config=config,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
-        kv_broadcast=k.shape[0] == 1 < batch,
-        same_value_dim=dv_pad == d_pad,
-        dkv_transposed=dkv_transposed,
-    )
-    _prepare_hooks(features, _dispatch.backward_hook_shapes(problem, q.dtype, max(d_pad, dv_pad)), batch,
-                   num_heads, t_pad, s_pad)
     if q_lengths is None:
         q_lengths = jnp.full((batch,), q_len, jnp.int32)
     if kv_lengths is None:
@@ -227,11 +207,11 @@ def attention(
                    lse=jnp.pad(lse, ((0, 0), (0, 0), (0, t_pad - q_len)), constant_values=-jnp.inf), bias=None,
                    score_consts=(), q_len=q_lengths, kv_len=kv_lengths, others=others)
         tangents = _Tangents(q=True, k=True, v=True, bias=False, score_consts=())
-        grads = _backward(problem, tangents, res, pad_4d(d_out, t_pad, dv_pad), _pad_axis(d_lse, 2, t_pad))
+        grads = _backward(plan, tangents, res, pad_4d(d_out, t_pad, dv_pad), _pad_axis(d_lse, 2, t_pad))
         return (grads["q"][:, :q_len, :, :head_dim], grads["k"][:, :kv_len, :, :head_dim],
                 grads["v"][:, :kv_len, :, :value_dim])
     out, *rows = _attention(
-        problem, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad, dv_pad), bias, tuple(score_consts),
+        plan, pad_4d(q, t_pad), pad_4d(k, s_pad), pad_4d(v, s_pad, dv_pad), bias, tuple(score_consts),
         q_lengths, kv_lengths, others,
     )
     return (out[:, :q_len, :, :value_dim], *(row[:, :, :q_len] for row in rows))

@@ -68,3 +68,8 @@ class FlashConfig:
                 f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret', 'mosaic', "
                 "'mosaic_interpret', 'tpu', 'tpu_interpret' or None."
             )
+
+
+def fit_block(block: int, seq_len: int) -> int:
+    """Shrink a block to the sequence (rounded up to a power of two, at least 16) so short inputs pad little."""
+    return max(_MIN_BLOCK, min(block, 1 << max(seq_len - 1, 0).bit_length()))

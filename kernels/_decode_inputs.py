@@ -245,3 +245,16 @@ def _check_tables(block_tables: jax.Array, kv_lengths: jax.Array, num_pages: int
             f"pages: 0..{num_pages - 1}), and sequence {b} reads it (kv_lengths[{b}] = {int(lengths[b])})."
         )
     return None
+
+
+def decode_hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
+    """(score, b, h, q_idx, kv_idx) as the decode kernels pass them to a hook: a float32 (rows, cols) tile, b a
+    scalar, h and q_idx (rows, 1) columns (a tile's rows pack several query heads), kv_idx a (1, cols) row;
+    without `score` for a mask_mod. (The TPU kernel passes h as a scalar to a hook that reads a captured array
+    at h: `tpu/decode.py`.)"""
+    i32 = jnp.int32
+    args = [
+        jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((rows, 1), i32),
+        jax.ShapeDtypeStruct((rows, 1), i32), jax.ShapeDtypeStruct((1, cols), i32),
+    ]
+    return [jax.ShapeDtypeStruct((rows, cols), jnp.float32), *args] if score else args

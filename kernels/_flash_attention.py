@@ -6,9 +6,8 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._dropout import positional_seed
 from probjax_kernels._hooks import trace_score_mod, affine_score_mod
-from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs, sharded_dropout
 from probjax_kernels._problem import Features
 
 
@@ -79,11 +78,12 @@ def flash_attention(
     if inputs.traced_scale:
         score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
         scale, bias = 1.0, None
+    dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
+                                                   inputs.q, inputs.k)
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
-        **_positional_dropout(_dropout_positions, _dropout_shard, dropout_rate),
+        **dropout_fields,
     )
-    dropout_seed = _shard_seed(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate, inputs.q, inputs.k)
     result = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
@@ -94,25 +94,3 @@ def flash_attention(
         return result
     out, lse = result
     return (out, lse) if return_lse else out
-
-
-def _positional_dropout(positions, shard, dropout_rate) -> dict:
-    """`Features` fields for a keep mask on the whole attention's indices when this call holds a shard of it
-    (`_dropout.positional_seed`): `positions` as there (`ring_attention`'s sequence shards), `shard` =
-    (batch offset, head offset, the whole attention's head count) for a shard of the batch / heads. Both
-    are private to probjax_kernels."""
-    if (positions is None and shard is None) or not dropout_rate:
-        return {}
-    if positions is None:  # the whole sequence: local indices are positions
-        return {"dropout_positions": (2**30, 2**30), "dropout_heads": shard[2]}
-    return {"dropout_positions": (positions[0][0], positions[1][0]),
-            "dropout_heads": None if shard is None else shard[2]}
-
-
-def _shard_seed(seed, positions, shard, dropout_rate, q, k):
-    """The dropout seed input of a call that holds a shard (see `_positional_dropout`)."""
-    if (positions is None and shard is None) or not dropout_rate:
-        return seed
-    if positions is None:
-        positions = ((q.shape[1], 0, 0), (k.shape[1], 0, 0))
-    return positional_seed(seed, positions, (0, 0) if shard is None else shard[:2])

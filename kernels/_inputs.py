@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dropout import positional_seed
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -262,3 +263,19 @@ def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:
 def check_config(config) -> None:
     if config is not None and not isinstance(config, FlashConfig):
         raise TypeError(f"config must be a FlashConfig or None, got {type(config).__name__}.")
+
+
+def sharded_dropout(seed, positions, shard, dropout_rate, q, k) -> tuple[dict, jax.Array | None]:
+    """(`Features` fields, the dropout seed input) of a call, for a keep mask on the whole attention's indices
+    when this call holds a shard of it (`_dropout.positional_seed`): `positions` as there (`ring_attention`'s
+    sequence shards), `shard` = (batch offset, head offset, the whole attention's head count) for a shard of
+    the batch / heads. Both are private to probjax_kernels; without them the seed is returned as it is."""
+    if (positions is None and shard is None) or not dropout_rate:
+        return {}, seed
+    heads = None if shard is None else shard[2]
+    if positions is None:  # the whole sequence: local indices are positions
+        fields = {"dropout_positions": (2**30, 2**30), "dropout_heads": heads}
+        positions = ((q.shape[1], 0, 0), (k.shape[1], 0, 0))
+    else:
+        fields = {"dropout_positions": (positions[0][0], positions[1][0]), "dropout_heads": heads}
+    return fields, positional_seed(seed, positions, (0, 0) if shard is None else shard[:2])

@@ -19,10 +19,14 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   kv_idx])`, how a traced scale or a dense bias reaches `flex_attention`; `broadcast_lookup(array, b, h,
   q_idx, kv_idx)`: `array[b, h, q_idx, kv_idx]` of a `[B|1, N|1, T|1, S|1]` array (a dense mask as a
   mask_mod).
+- `target_device()`, `target_platform()`: the device a call compiles for (`jax.default_device`'s when set, as in a deviceless
+  compile; else the default backend's first): the kernels' choice of backend and `impl="auto"` both read it.
 - `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take. `LAYOUTS`, `STRATEGIES`: the sequence
   layouts ("contiguous", "zigzag") and schedules ("ring", "allgather") that `ring_attention` takes.
 """
 
+from probjax_kernels._backend import target_device as target_device
+from probjax_kernels._backend import target_platform as target_platform
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
 from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
 from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM

@@ -21,7 +21,7 @@ from jax.tree_util import Partial
 from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
-    check_dropout, check_dropout_rate, check_flag, check_inputs,
+    check_dropout, check_dropout_rate, check_flag, check_inputs, target_platform,
 )
 from probjax_nn._sharding import context_parallel, per_shard
 
@@ -229,8 +229,13 @@ class _Request:
     gpu: bool
 
 
+def _platform() -> str:
+    """The platform of the device a call compiles for, as the kernels see it ("gpu", "tpu", "cpu")."""
+    return target_platform()
+
+
 def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    return _platform() == "gpu"
 
 
 def _check(name: str, request: _Request) -> None:
@@ -238,7 +243,7 @@ def _check(name: str, request: _Request) -> None:
     spec = _IMPLEMENTATIONS[name]
     if spec.needs_gpu and not request.gpu:
         raise NotImplementedError(
-            f"impl={name!r} needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}. "
+            f"impl={name!r} needs an NVIDIA GPU; the target device's platform is {_platform()!r}. "
             "Use impl='auto', 'pallas' or 'xla'."
         )
     for feature, wanted in (("score_mod", request.score_mod), ("mask_mod", request.mask_mod)):
@@ -276,7 +281,7 @@ def _choose(impl: str, request: _Request) -> str:
         _check(impl, request)
         return impl
     reasons = []
-    for name in _AUTO_ORDER["gpu" if request.gpu else "tpu" if jax.default_backend() == "tpu" else "other"]:
+    for name in _AUTO_ORDER["gpu" if request.gpu else "tpu" if _platform() == "tpu" else "other"]:
         try:
             _check(name, request)
         except NotImplementedError as error:

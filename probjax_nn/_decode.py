@@ -19,7 +19,7 @@ from jax.tree_util import Partial
 
 import probjax_kernels
 from probjax_kernels import and_masks
-from probjax_kernels.layer_api import MAX_HEAD_DIM, broadcast_lookup
+from probjax_kernels.layer_api import MAX_HEAD_DIM, broadcast_lookup, target_platform
 from probjax_nn._attention import AttentionConfig, Impl, as_config, check_impl
 
 _KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -34,7 +34,7 @@ def decode_runs_kernel(impl: Impl | AttentionConfig, dtype, head_dim: int, *, ho
     if config.context_axis is not None:
         return False
     wanted = config.impl == "flex" or (config.impl == "pallas" and not hooks) or (
-        config.impl == "auto" and jax.default_backend() == "gpu")
+        config.impl == "auto" and target_platform() == "gpu")
     return wanted and jnp.dtype(dtype).name in _KERNEL_DTYPES and head_dim <= MAX_HEAD_DIM
 
 

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from probjax_kernels import FlashConfig, _dispatch, default_config
+from probjax_kernels import _backend, FlashConfig, _dispatch, default_config
+from probjax_kernels.triton import plan as triton_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "compile"))
@@ -52,7 +53,7 @@ def _failures(row: dict) -> list[str]:
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_reported_variant_is_the_default_and_passes(target, monkeypatch):
     """Each compiled variant's tiles are what default_config picks for that target, and none failed."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+    monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
     rows = [r for r in REPORT["rows"] if r["target"] == target and r["group"] in ("triton", "mosaic", "control")]
     assert rows
     for row in rows:
@@ -68,7 +69,7 @@ def test_every_reported_variant_is_the_default_and_passes(target, monkeypatch):
 def test_default_tiles_on_the_seed_grid_are_reported_passing(target, head_dim, monkeypatch):
     """At every seed sequence length, default_config picks Triton tiles the report compiled without failing
     at that head dim (tiles do not depend on the length beyond shrinking to short sequences)."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+    monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
     passing = [r["config"] for r in REPORT["rows"] if r["target"] == target and r["head_dim"] == head_dim
                and r["group"] in ("triton", "control") and r["value_dim"] is None and not _failures(r)]
     assert passing
@@ -80,26 +81,26 @@ def test_default_tiles_on_the_seed_grid_are_reported_passing(target, head_dim, m
 def test_target_device_follows_jax_default_device():
     """On the CPU the default device is the CPU, and default_config picks interpret mode's tiles."""
     with jax.default_device(jax.devices("cpu")[0]):
-        assert _dispatch.target_device().platform == "cpu"
+        assert _backend.target_device().platform == "cpu"
         assert default_config(None, q_len=1024, kv_len=1024, head_dim=128).backend == "interpret"
 
 
 def test_tangent_tiles_shrink_the_key_tile_only_on_a_gpu(monkeypatch):
-    monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu("sm86_rtx3090"))
+    monkeypatch.setattr(_backend, "target_device", lambda: _gpu("sm86_rtx3090"))
     config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=256)
-    tangent = _dispatch.tangent_config(config, 256)
+    tangent = triton_plan.tangent_config(config, 256)
     assert (tangent.block_q, tangent.block_k, tangent.num_warps) == (32, 16, 8)
-    assert _dispatch.tangent_config(config, 256, tables=True).block_q == config.block_q
+    assert triton_plan.tangent_config(config, 256, tables=True).block_q == config.block_q
     # The dtype as default_config takes it: float32 (FMA dots) shrinks the query tile at head dim 128 too.
     config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
-    assert _dispatch.tangent_config(config, 128, dtype=jnp.float32).block_q == 16
+    assert triton_plan.tangent_config(config, 128, dtype=jnp.float32).block_q == 16
     # with block tables too: the float32 flex tangent with a sliding window spilled 228 B at 32 x 16 on sm_90a
     f32 = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128, dtype=jnp.float32)
-    assert _dispatch.tangent_config(f32, 128, tables=True, dtype=jnp.float32).block_q == 16 < f32.block_q
+    assert triton_plan.tangent_config(f32, 128, tables=True, dtype=jnp.float32).block_q == 16 < f32.block_q
     # 16-bit: at most 64 on this 99 KB GPU (test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128).
-    assert _dispatch.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == min(config.block_q, 64)
+    assert triton_plan.tangent_config(config, 128, dtype=jnp.bfloat16).block_q == min(config.block_q, 64)
     interpret = default_config(FlashConfig(backend="interpret"), q_len=1024, kv_len=1024, head_dim=256)
-    assert _dispatch.tangent_config(interpret, 256) == interpret
+    assert triton_plan.tangent_config(interpret, 256) == interpret
 
 
 # ------------------------------------------------------------------------------------- the check, fail-closed
@@ -545,7 +546,7 @@ def test_the_registry_covers_the_dispatch_grid():
 def test_float32_on_the_mosaic_backend_keeps_the_float32_triton_tiles(monkeypatch):
     """float32 runs on the Triton kernels on backend "mosaic" too: it gets the float32 Triton tiles, not the
     Mosaic forward's 128 x 128 (which needed 262,144 B of shared memory on sm_90a's 232,448)."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu("sm90a_h100"))
+    monkeypatch.setattr(_backend, "target_device", lambda: _gpu("sm90a_h100"))
     for head_dim in (64, 128, 256):
         mosaic, triton = (default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim,
                                          dtype=jnp.float32) for backend in ("mosaic", "triton"))
@@ -560,10 +561,10 @@ def test_tangent_splits_the_value_head_dim_where_256_spilled(monkeypatch):
     splits it on the usual tiles, 16-bit and float32 (the unsplit float32 one needed 102,400 B); sm_80 and
     calls without them keep one program."""
     def tangent(target, dtype, **kwargs):
-        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=256, dtype=dtype)
-        tiles = _dispatch.tangent_config(config, 256, dtype=dtype, **kwargs)
-        return config, tiles, _dispatch.tangent_value_splits(config, 256, dtype=dtype, **kwargs)
+        tiles = triton_plan.tangent_config(config, 256, dtype=dtype, **kwargs)
+        return config, tiles, triton_plan.tangent_value_splits(config, 256, dtype=dtype, **kwargs)
 
     _, tiles, splits = tangent("sm90a_h100", jnp.bfloat16, tables=True)
     assert (tiles.block_q, tiles.block_k, tiles.num_warps, splits) == (64, 16, 4, 2)
@@ -580,10 +581,10 @@ def test_tangent_takes_two_stages_at_head_dim_256_on_a_99_kb_gpu(monkeypatch):
     8-12 B with a window or ALiBi; it takes 2 stages without block tables (whose 64 x 16 tile would not fit
     twice), sm_80 keeps `default_config`'s stage."""
     for target, tables, stages in (("sm86_rtx3090", False, 2), ("sm86_rtx3090", True, 1), ("sm80_a100", False, 1)):
-        monkeypatch.setattr(_dispatch, "target_device", lambda target=target: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda target=target: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=256)
         assert config.num_stages == 1
-        tiles = _dispatch.tangent_config(config, 256, tables, dtype=jnp.bfloat16)
+        tiles = triton_plan.tangent_config(config, 256, tables, dtype=jnp.bfloat16)
         assert (tiles.block_k, tiles.num_stages) == (16, stages)
 
 
@@ -591,11 +592,11 @@ def test_tangent_query_tile_fits_a_99_kb_gpu_at_head_dim_128(monkeypatch):
     """sm_86: the tangent's 128 x 32 tile with a relative-bias table needed 114,688 B of shared memory (101,376
     available): the query tile is 64 there without block tables; sm_90a keeps 128."""
     for target, block_q in (("sm86_rtx3090", 64), ("sm90a_h100", 128)):
-        monkeypatch.setattr(_dispatch, "target_device", lambda target=target: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda target=target: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=128)
-        tangent = _dispatch.tangent_config(config, 128)
+        tangent = triton_plan.tangent_config(config, 128)
         assert (tangent.block_q, tangent.block_k) == (block_q, 32)
-        assert _dispatch.tangent_config(config, 128, tables=True).block_q == config.block_q
+        assert triton_plan.tangent_config(config, 128, tables=True).block_q == config.block_q
 
 
 def test_a_gathered_score_tile_narrows_the_forward_key_tile_without_wgmma(monkeypatch):
@@ -607,16 +608,16 @@ def test_a_gathered_score_tile_narrows_the_forward_key_tile_without_wgmma(monkey
     from probjax_kernels._problem import Features, _Problem
 
     def forward_tiles(target, score_mod, dtype=jnp.bfloat16, head_dim=128):
-        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
                                 dtype=dtype)
         hook, consts = trace_score_mod(score_mod)
-        for _, _, rows, cols, score in _dispatch.hook_shapes(config):
+        for _, _, rows, cols, score in triton_plan.hook_shapes(config):
             hook.prepare(*(jax.ShapeDtypeStruct(s, t) for s, t in (
                 (score, jnp.float32), ((), jnp.int32), ((), jnp.int32), (rows, jnp.int32), (cols, jnp.int32))))
         problem = _Problem(Features(scale=1.0, score_mod=hook), 1, 8, None, None, None, False, len(consts), 0,
                            config, jax.lax.Precision.DEFAULT)
-        picked = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
+        picked = triton_plan.forward_config(problem, config, dtype, head_dim)
         return (config.block_q, config.block_k), (picked.block_q, picked.block_k)
 
     table = relative_bias(jnp.zeros((8, 2047), jnp.float32))
@@ -639,13 +640,13 @@ def test_float32_kernels_are_retiled_where_features_spilled(monkeypatch):
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, group, dtype=jnp.float32, head_dim=128, tables=False, window=None):
-        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
                                 dtype=dtype)
         features = Features(scale=1.0, window_left=window, block_sizes=(128, 128) if tables else None)
         problem = _Problem(features, group, 8, None, None, None, False, 0, 0, config, jax.lax.Precision.HIGHEST)
-        forward = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
-        return config, forward, *_dispatch.triton_backward_configs(problem, dtype, head_dim)
+        forward = triton_plan.forward_config(problem, config, dtype, head_dim)
+        return config, forward, *triton_plan.backward_configs(problem, dtype, head_dim)
 
     for target in TARGETS:
         hopper = target == "sm90a_h100"
@@ -684,21 +685,21 @@ def test_dk_and_dv_run_in_two_programs_at_head_dim_256_with_a_score_tile(monkeyp
     from probjax_kernels._problem import Features, _Problem
 
     def dkv(target, head_dim=256, dtype=jnp.bfloat16, bias=None, score_mod=None):
-        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
                                 dtype=dtype)
-        transposed = _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias is not None)
+        transposed = triton_plan.dkv_transposed(config, dtype, head_dim, bias is not None)
         hook = num_consts = None
         if score_mod is not None:
             hook, consts = trace_score_mod(score_mod)
             num_consts = len(consts)
-            for _, _, rows, cols, score in _dispatch.hook_shapes(config, transposed):
+            for _, _, rows, cols, score in triton_plan.hook_shapes(config, transposed):
                 hook.prepare(*(jax.ShapeDtypeStruct(s, t) for s, t in (
                     (score, jnp.float32), ((), jnp.int32), ((), jnp.int32), (rows, jnp.int32), (cols, jnp.int32))))
         problem = _Problem(Features(scale=1.0, score_mod=hook), 1, 8, bias, None, None, False, num_consts or 0, 0,
                            config, jax.lax.Precision.DEFAULT, dkv_transposed=transposed)
-        dkv_config = _dispatch.triton_backward_configs(problem, dtype, head_dim)[1]
-        return config, dkv_config, _dispatch.triton_dkv_split(problem, head_dim)
+        dkv_config = triton_plan.backward_configs(problem, dtype, head_dim)[1]
+        return config, dkv_config, triton_plan.retile.dkv_split(problem, head_dim)
 
     bias, table = (4, 8, 1024, 1024), relative_bias(jnp.zeros((8, 2047), jnp.float32))
     for kwargs in (dict(bias=bias), dict(bias=(1, 8, 1, 1024)), dict(score_mod=table)):
@@ -724,15 +725,15 @@ def test_a_dense_bias_or_mask_retiles_the_kernels_that_spilled_with_it(monkeypat
     from probjax_kernels._problem import Features, _Problem
 
     def configs(target, head_dim, dtype=jnp.bfloat16, bias=None, mask=None, group=1, **features):
-        monkeypatch.setattr(_dispatch, "target_device", lambda: _gpu(target))
+        monkeypatch.setattr(_backend, "target_device", lambda: _gpu(target))
         config = default_config(FlashConfig(backend="triton"), q_len=1024, kv_len=1024, head_dim=head_dim,
                                 dtype=dtype)
         problem = _Problem(Features(scale=1.0, **features), group, 8, bias, mask, None, False, 0, 0, config,
                            jax.lax.Precision.DEFAULT)
-        forward = _dispatch.triton_forward_config(problem, config, dtype, head_dim)
-        transposed = _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias is not None)
-        return (config, forward, *_dispatch.triton_backward_configs(problem, dtype, head_dim), transposed,
-                _dispatch.triton_dkv_per_query_head(problem))
+        forward = triton_plan.forward_config(problem, config, dtype, head_dim)
+        transposed = triton_plan.dkv_transposed(config, dtype, head_dim, bias is not None)
+        return (config, forward, *triton_plan.backward_configs(problem, dtype, head_dim), transposed,
+                triton_plan.retile.dkv_per_query_head(problem))
 
     tile, keys = (4, 8, 1024, 1024), (4, 1, 1, 1024)
     for target in TARGETS:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers import assert_close, random_qkv
 
-from probjax_kernels import FlashConfig, _dispatch, default_config, flash_attention, flash_attention_reference
+from probjax_kernels import _backend, FlashConfig, _dispatch, default_config, flash_attention, flash_attention_reference
+from probjax_kernels.triton import plan as triton_plan
 
 SMALL_TILES = FlashConfig(block_q=16, block_k=32, block_q_dq=32, block_k_dq=16, block_q_dkv=16, block_k_dkv=32)
 
@@ -85,13 +86,14 @@ def test_gradients_at_the_hopper_default_tiles(head_dim, q_len, kv_len, num_kv_h
     """The 16-bit backward tiles default_config picks for an sm_90a GPU (64 x 64 dK/dV at head dim 128, 16 x 64
     dK/dV and 64 x 32 dQ at 256, the dK/dV kernel on transposed scores), run in interpret mode on lengths that
     end inside a tile, with GQA 4:2 and causal masking."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability="9.0"))
+    sm90 = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(_backend, "target_device", lambda: sm90)
     hopper = default_config(FlashConfig(backend="triton"), q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                             dtype=jnp.bfloat16)
-    transposed = _dispatch.triton_dkv_transposed(hopper, jnp.bfloat16, head_dim)
+    transposed = triton_plan.dkv_transposed(hopper, jnp.bfloat16, head_dim, device=sm90)
     monkeypatch.undo()
     assert transposed
-    monkeypatch.setattr(_dispatch, "triton_dkv_transposed", lambda *args: transposed)
+    monkeypatch.setattr(triton_plan, "dkv_transposed", lambda *args, **kwargs: transposed)
     assert (hopper.block_q_dkv, hopper.block_k_dkv, hopper.block_q_dq) == (
         (64, 64, 64) if head_dim == 128 else (16, 64, 64))
     q, k, v = random_qkv(30, 1, q_len, kv_len, 4, num_kv_heads, head_dim, jnp.bfloat16)
@@ -115,12 +117,12 @@ def test_bias_gradient(bias_shape):
 @pytest.mark.parametrize("per_query_head", [True, False])
 def test_gqa_dkv_per_query_head_and_over_the_group(per_query_head, monkeypatch):
     """With GQA the dK/dV kernel runs one program per query head and dK / dV are summed over the group
-    (`_dispatch.triton_dkv_per_query_head`: the default on a GPU, forced here), or loops over the group's query
+    (`triton_plan.retile.dkv_per_query_head`: the default on a GPU, forced here), or loops over the group's query
     heads in one program (interpret mode's default). Both exact against the reference with k / v of batch 1
     shared by the query batch, a bias and a mask tile, causal masking and lengths inside a tile."""
     chosen = []
-    choose = _dispatch.triton_dkv_per_query_head
-    monkeypatch.setattr(_dispatch, "triton_dkv_per_query_head",
+    choose = triton_plan.retile.dkv_per_query_head
+    monkeypatch.setattr(triton_plan.retile, "dkv_per_query_head",
                         lambda problem: chosen.append(choose(problem)) or per_query_head)
     q, k, v = random_qkv(29, 2, 50, 70, 4, 2, 32)
     k, v = k[:1], v[:1]

@@ -1,4 +1,4 @@
-"""The Triton dK/dV kernel on transposed score tiles (S^T = K Q^T, `_dispatch.triton_dkv_transposed`: 16-bit at
+"""The Triton dK/dV kernel on transposed score tiles (S^T = K Q^T, `triton_plan.dkv_transposed`: 16-bit at
 head dim 128 / 256 on Hopper), run in interpret mode on small tiles against the reference's gradients: masks,
 lengths that end inside a tile, GQA, a bias, segments, a score_mod reading a captured table, a BlockMask and
 dropout; and where the dispatch picks it."""
@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_close, output_and_grads, random_qkv
 
+from probjax_kernels import _backend
 from probjax_kernels import (
     FlashConfig, _dispatch, and_masks, causal_mask, create_block_mask, default_config, document_mask,
     flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias,
 )
+from probjax_kernels.triton import plan as triton_plan
 
 # Key tiles twice the query step, as on Hopper (64 keys, 32 queries); a query step of 16 cuts the lengths.
 TILES = FlashConfig(block_q=16, block_k=32, block_q_dq=16, block_k_dq=32, block_q_dkv=16, block_k_dkv=32,
@@ -25,16 +27,16 @@ TILES = FlashConfig(block_q=16, block_k=32, block_q_dq=16, block_k_dq=32, block_
 @pytest.fixture(params=[False, True], ids=["one_program", "dv_and_dk_programs"])
 def transposed(request, monkeypatch):
     """Every call takes the transposed dK/dV kernel, in one program per key tile or in two (dV's and dK's,
-    `_dispatch.triton_dkv_split`); the calls are counted, so a test sees it was chosen."""
+    `triton_plan.retile.dkv_split`); the calls are counted, so a test sees it was chosen."""
     calls = []
 
-    def choose(config, dtype, head_dim, bias=False):
+    def choose(config, dtype, head_dim, bias=False, device=None):
         calls.append(head_dim)
         return True
 
-    monkeypatch.setattr(_dispatch, "triton_dkv_transposed", choose)
+    monkeypatch.setattr(triton_plan, "dkv_transposed", choose)
     splits = []
-    monkeypatch.setattr(_dispatch, "triton_dkv_split", lambda *_: splits.append(request.param) or request.param)
+    monkeypatch.setattr(triton_plan.retile, "dkv_split", lambda *_: splits.append(request.param) or request.param)
     yield calls
     assert splits and all(split == request.param for split in splits)
 
@@ -84,7 +86,7 @@ def test_flex_score_mod_block_mask_and_dropout(transposed):
 def test_split_grid_per_query_head_with_shared_kv_and_another_value_dim(transposed, monkeypatch):
     """The split grid's fourth axis beside the per-query-head grid (GQA on a GPU), k / v of batch 1 shared by
     the batch (their float32 gradients summed by XLA) and a value head dim other than q / k's."""
-    monkeypatch.setattr(_dispatch, "triton_dkv_per_query_head", lambda problem: True)
+    monkeypatch.setattr(triton_plan.retile, "dkv_per_query_head", lambda problem: True)
     dtype = jnp.float32
     q = jax.random.normal(jax.random.key(64), (2, 40, 4, 32), dtype)
     k = jax.random.normal(jax.random.key(65), (1, 50, 2, 32), dtype)
@@ -111,9 +113,9 @@ def test_the_dispatch_transposes_on_hopper_for_16_bit_inputs(capability, backend
     """K Q^T on Hopper (a 9.x device, or the Mosaic backends) for 16-bit inputs at head dim 128 / 256 on the
     default tiles; with a dense bias at head dim 256 only, never where the key tile is smaller than the query
     tile."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(compute_capability=capability))
+    monkeypatch.setattr(_backend, "target_device", lambda: types.SimpleNamespace(compute_capability=capability))
     config = default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim, dtype=dtype)
-    assert _dispatch.triton_dkv_transposed(config, dtype, head_dim) == expected
-    assert _dispatch.triton_dkv_transposed(config, dtype, head_dim, bias=True) == (expected and head_dim > 128)
+    assert triton_plan.dkv_transposed(config, dtype, head_dim) == expected
+    assert triton_plan.dkv_transposed(config, dtype, head_dim, bias=True) == (expected and head_dim > 128)
     narrow = dataclasses.replace(config, block_q_dkv=64, block_k_dkv=32)
-    assert not _dispatch.triton_dkv_transposed(narrow, dtype, head_dim)
+    assert not triton_plan.dkv_transposed(narrow, dtype, head_dim)

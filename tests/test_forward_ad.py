@@ -13,10 +13,12 @@ import pytest
 from helpers import assert_close, random_qkv
 from module_helpers import FEATURES, HEADS, SEQ, assert_trees_close, inputs, padding_mask
 
+from probjax_kernels import _backend
 from probjax_kernels import (
     FlashConfig, _dispatch, alibi, and_masks, causal_mask, create_block_mask, document_mask, flash_attention,
     flash_attention_reference, flex_attention, flex_attention_reference, relative_bias, sliding_window,
 )
+from probjax_kernels.triton import plan as triton_plan
 
 TILES = FlashConfig(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16, block_k_dkv=16)
 
@@ -105,18 +107,18 @@ def test_flash_jvp_at_the_hopper_head_dim_256_tiles(monkeypatch):
     across two programs (`tangent_value_splits`), each recomputing the scores and writing the same d lse; run
     in interpret mode on lengths that end inside a tile, against a float32 reference's jvp."""
     hopper = types.SimpleNamespace(compute_capability="9.0")
-    monkeypatch.setattr(_dispatch, "target_device", lambda: hopper)
+    monkeypatch.setattr(_backend, "target_device", lambda: hopper)
     config = _dispatch.default_config(FlashConfig(backend="triton"), q_len=77, kv_len=90, head_dim=256,
                                       dtype=jnp.bfloat16)
-    tiles = _dispatch.tangent_config(config, 256, dtype=jnp.bfloat16)
-    splits = _dispatch.tangent_value_splits(config, 256, dtype=jnp.bfloat16)
+    tiles = triton_plan.tangent_config(config, 256, dtype=jnp.bfloat16)
+    splits = triton_plan.tangent_value_splits(config, 256, dtype=jnp.bfloat16)
     assert (tiles.block_q, tiles.block_k, tiles.num_warps, splits) == (64, 16, 4, 2)
     hopper.compute_capability = "8.0"  # sm_80 keeps one program per query tile
-    assert _dispatch.tangent_value_splits(config, 256, dtype=jnp.bfloat16) == 1
-    monkeypatch.setattr(_dispatch, "tangent_config", lambda *_, **__: dataclasses.replace(tiles, backend="interpret"))
-    monkeypatch.setattr(_dispatch, "tangent_value_splits", lambda *_, **__: splits)
-    seen, kernel = [], _dispatch.triton_tangent.tangent
-    monkeypatch.setattr(_dispatch.triton_tangent, "tangent",
+    assert triton_plan.tangent_value_splits(config, 256, dtype=jnp.bfloat16) == 1
+    monkeypatch.setattr(triton_plan, "tangent_config", lambda *_, **__: dataclasses.replace(tiles, backend="interpret"))
+    monkeypatch.setattr(triton_plan, "tangent_value_splits", lambda *_, **__: splits)
+    seen, kernel = [], triton_plan.tangent.tangent
+    monkeypatch.setattr(triton_plan.tangent, "tangent",
                         lambda *a, **kw: seen.append(kw["value_splits"]) or kernel(*a, **kw))
     q, k, v = random_qkv(11, 1, 77, 90, 2, 1, 256, jnp.bfloat16)
     run = dataclasses.replace(config, backend="interpret")
@@ -138,9 +140,9 @@ def test_split_tangent_with_block_tables_a_gathered_table_and_a_dense_bias(monke
     on sm_86 with a bias or a relative-bias table at head dim 256, Version 7d): each program reads the block
     tables, gathers the table's scores and adds the bias tangent on its own. Interpret mode, against the
     references' jvp; tangents of q, k, v, the table and the bias."""
-    seen, kernel = [], _dispatch.triton_tangent.tangent
-    monkeypatch.setattr(_dispatch, "tangent_value_splits", lambda *_, **__: 2)
-    monkeypatch.setattr(_dispatch.triton_tangent, "tangent",
+    seen, kernel = [], triton_plan.tangent.tangent
+    monkeypatch.setattr(triton_plan, "tangent_value_splits", lambda *_, **__: 2)
+    monkeypatch.setattr(triton_plan.tangent, "tangent",
                         lambda *a, **kw: seen.append(kw["value_splits"]) or kernel(*a, **kw))
     q, k, v = random_qkv(23, 1, FLEX_T, FLEX_T, 2, 2, 64)
     table = 0.3 * jax.random.normal(jax.random.key(24), (2, 2 * FLEX_T - 1))

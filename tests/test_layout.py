@@ -72,7 +72,7 @@ def test_no_module_over_the_size_limit(package):
 
 # kernels/ in folders (docs/contributing.md): a folder per backend, a folder per operation front-end, and the
 # core that every backend shares at the top.
-BACKENDS = ("triton", "mosaic", "tpu")
+BACKENDS = ("triton", "mosaic", "tpu", "xla")
 FRONT_ENDS = ("flex", "decode", "parallel")
 DISPATCHER = "probjax_kernels._dispatch"
 

@@ -20,6 +20,7 @@ from probjax_kernels import (
 )
 from probjax_kernels import _dispatch
 from probjax_kernels._dispatch import MOSAIC_ENV, default_backend
+from probjax_kernels.mosaic import plan as mosaic_plan
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
 
@@ -40,9 +41,9 @@ def backward_kernels(loss_of_config, *args) -> str:
 def counting_mosaic_backward():
     """Counts the calls of the Mosaic dQ / dK/dV kernels (the interpreters' choice is the compiled backend's)."""
     calls = []
-    original = _dispatch.mosaic_glue.backward
+    original = mosaic_plan.glue.backward
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_dispatch.mosaic_glue, "backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+        patch.setattr(mosaic_plan.glue, "backward", lambda *a, **k: calls.append(1) or original(*a, **k))
         yield calls
 
 
@@ -354,7 +355,7 @@ def test_the_triton_fallback_of_the_mosaic_backend_takes_the_triton_forward_tile
     """What backend "mosaic" runs on Triton gets at most the Triton forward's tiles, not the Mosaic forward's
     128 x 128 (229,376 B of shared memory at head dim 128, and a spill with a relative-bias table); the
     exactness of those calls is checked above (relative bias, float32, bias, segments, ...)."""
-    from probjax_kernels._dispatch import triton_fallback_config
+    from probjax_kernels.triton.plan import fallback_config as triton_fallback_config
 
     mosaic = FlashConfig(block_q=128, block_k=128, block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
                          num_warps=8, num_stages=2, backend="mosaic")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from probjax_kernels import FlashConfig, _dispatch, default_config
+from probjax_kernels import _backend, FlashConfig, _dispatch, default_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "compile"))
@@ -158,7 +158,7 @@ def test_the_committed_tpu_section_passes_the_gate():
 @pytest.mark.parametrize("target", tpu_check.GATED_TARGETS)
 def test_committed_tiles_are_what_default_config_picks(target, monkeypatch):
     """The tiles each plain variant compiled with are default_config's for that generation."""
-    monkeypatch.setattr(_dispatch, "target_device", lambda: FakeTPU(KINDS[target]))
+    monkeypatch.setattr(_backend, "target_device", lambda: FakeTPU(KINDS[target]))
     rows = [r for r in SECTION["rows"] if r["target"] == target and r["group"] in ("tpu", "hbm")]
     assert rows
     for row in rows:

@@ -131,6 +131,6 @@ def test_the_default_on_a_tpu_is_the_tpu_kernel(monkeypatch):
         jnp.ones((2, 1, 8, 64)), jnp.ones((40, 16, 2, 64)), jnp.ones((40, 16, 2, 64)), kv_lengths=jnp.array([5, 300]),
         block_tables=jnp.zeros((2, 20), jnp.int32), score_mod=None, mask_mod=None, num_splits=None, scale=None,
         return_lse=False)
-    plan = _dispatch.decode_plan(inputs, None, None, None, 0)
+    plan = _dispatch.decode_plan(inputs, None, None, None, 0).plan
     assert (plan.backend, plan.tiles_per_step, plan.splits, plan.steps, plan.rows) == ("tpu", 8, 1, 3, 8)
     assert DecodeConfig(backend="tpu_interpret", block_k=64).backend == "tpu_interpret"

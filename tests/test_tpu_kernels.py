@@ -17,6 +17,7 @@ from probjax_kernels import (
     flex_attention, flex_attention_reference, relative_bias, sliding_window, softcap,
 )
 from probjax_kernels import _dispatch
+from probjax_kernels.tpu import plan as tpu_plan
 
 TPU = FlashConfig(backend="tpu_interpret")
 
@@ -220,7 +221,7 @@ def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
 ])
 def test_tpu_generation_and_tiles(kind, generation):
     device = type("Device", (), {"device_kind": kind})()
-    assert _dispatch.tpu_generation(device) == generation
+    assert tpu_plan.tpu_generation(device) == generation
     config = _dispatch.default_config(TPU, q_len=77, kv_len=5000, head_dim=64)
     assert (config.block_q, config.block_k, config.backend) == (128, 512, "tpu_interpret")
 

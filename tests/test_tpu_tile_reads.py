@@ -16,6 +16,7 @@ from probjax_kernels import (
     FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, flex_attention, relative_bias,
 )
 from probjax_kernels import _autodiff, _dispatch, _hooks
+from probjax_kernels.tpu import plan as tpu_plan
 from probjax_kernels.tpu import vet
 
 TPU = FlashConfig(backend="tpu_interpret")
@@ -32,13 +33,13 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(_autodiff, "_score_const_gradients", no_xla_pass)
     for name in calls:
-        original = getattr(_dispatch.tpu, name)
+        original = getattr(tpu_plan, f"run_{name}")
 
         def counted(*args, _original=original, _name=name):
             calls[_name] += 1
             return _original(*args)
 
-        monkeypatch.setattr(_dispatch.tpu, name, counted)
+        monkeypatch.setattr(tpu_plan, f"run_{name}", counted)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*XLA path.*")
         yield calls

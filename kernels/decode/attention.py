@@ -13,8 +13,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels._decode_inputs import DecodeConfig, check_decode_inputs, empty_outputs, poison_rows
-from probjax_kernels._dispatch import decode, decode_hook_args, decode_plan
+from probjax_kernels._decode_inputs import (
+    DecodeConfig, check_decode_inputs, decode_hook_args, empty_outputs, poison_rows,
+)
+from probjax_kernels._dispatch import decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
 from probjax_kernels.decode.reference import decode_attention_reference
 from probjax_kernels.flex.mods import mask_lookback
@@ -121,13 +123,13 @@ def decode_attention(
     inputs = dataclasses.replace(inputs, lookback=mask_lookback(mask_mod))
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
-    plan = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))
-    if plan is None:  # a hook the TPU decode kernel cannot run (warned): the XLA path
+    kernel = decode_plan(inputs, config, score_hook, mask_hook, len(score_consts))
+    if kernel is None:  # a hook the TPU decode kernel cannot run (warned): the XLA path
         return decode_attention_reference(
             q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
             num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
         )
-    run = functools.partial(decode, plan)
+    run = functools.partial(kernel.run, kernel.plan)
     out, lse = _forward_only(
         run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
     )

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._dispatch import default_config
-from probjax_kernels._flash_attention import _positional_dropout, _shard_seed
 from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs, sharded_dropout
 from probjax_kernels._problem import Features
 from probjax_kernels.flex.block_mask import BlockMask
 from probjax_kernels.flex.mods import ScoreMod
@@ -49,22 +47,6 @@ def _check_block_mask(block_mask: BlockMask, batch: int, num_heads: int, q_len: 
                 f"block_mask was built for {name}={mask_size} (or None) but its mask_mod reads {what}, and q has "
                 f"{name}={size}: pass {name}={size} to create_block_mask so that every {what} gets its own tables."
             )
-
-
-def _fit_config(config: FlashConfig | None, block_sizes: tuple[int, int], q_len, kv_len, head_dim, dtype):
-    """Kernel tiles must divide the block mask's tiles: defaults shrink to them, explicit ones must fit."""
-    filled = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype)
-    table_q, table_k = block_sizes
-    fields = {}
-    for name, limit in (("block_q", table_q), ("block_q_dq", table_q), ("block_q_dkv", table_q),
-                        ("block_k", table_k), ("block_k_dq", table_k), ("block_k_dkv", table_k)):
-        value = getattr(filled, name)
-        if value > limit:
-            if config is not None and getattr(config, name) is not None:
-                raise ValueError(f"config.{name}={value} is larger than the block mask's tile {block_sizes}.")
-            value = limit
-        fields[name] = value
-    return dataclasses.replace(filled, **fields)
 
 
 def flex_attention(
@@ -147,15 +129,14 @@ def flex_attention(
             mask_hook, mask_consts, _ = trace_hook("mask_mod", fitted.mask_mod, indices)
         block_mask = fitted
         block_sizes = block_mask.block_size
-        config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()),
-                             q.dtype)
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
+    dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
+                                                   inputs.q, inputs.k)
     features = Features(
         scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
-        **_positional_dropout(_dropout_positions, _dropout_shard, dropout_rate),
+        **dropout_fields,
     )
-    dropout_seed = _shard_seed(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate, inputs.q, inputs.k)
     out, lse, *max_scores = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,

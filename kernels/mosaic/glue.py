@@ -1,6 +1,6 @@
 """The Mosaic GPU kernels as the autodiff core calls them: a `_Problem` and its padded arrays turned into the
 arguments of `mosaic_forward`, `mosaic_backward_dq` and `mosaic_backward_dkv`, with the hooks called from their
-jaxprs prepared at the kernels' shapes. Which calls come here is `_dispatch`'s choice.
+jaxprs prepared at the kernels' shapes. Which calls come here is `mosaic.plan`'s choice.
 """
 
 from __future__ import annotations
@@ -41,26 +41,27 @@ def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
 
 
-def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `_dispatch._mosaic_takes`); a
-    BlockMask's tables coarser than the kernel's tiles are refined to them (`refined_tables`)."""
+def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
+    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `mosaic.plan` takes; `interpret`:
+    in the Mosaic GPU interpreter); a BlockMask's tables coarser than the kernel's tiles are refined to them
+    (`refined_tables`)."""
     f, cfg = problem.features, problem.config
+    mask_fn, score_fn = _mosaic_hook_fn(f.mask_mod), _mosaic_hook_fn(f.score_mod)
     kv_tables = None
     if f.block_sizes is not None:
         kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (cfg.block_q, cfg.block_k))
     return mosaic_forward(
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
-        block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=_interpreted(problem),
-        kv_tables=kv_tables,
-        mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+        block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret,
+        kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
     )
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `_dispatch._fits_mosaic`: no bias, dense mask, segments or dropout) on the tiles (dQ's, dK/dV's) of
-    `_dispatch._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
+    `mosaic.plan._fits_mosaic`: no bias, dense mask, segments or dropout) on the tiles (dQ's, dK/dV's) of
+    `mosaic.plan._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
     Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see _triton_specs: avoids a retrace)
 
 from probjax_kernels._config import _MIN_BLOCK
-from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
+from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs, decode_hook_args
 from probjax_kernels._decode_merge import merge_splits
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
@@ -324,23 +324,12 @@ def decode(plan: DecodePlan, q, k, v, kv_lengths, block_tables, consts):
     k_pages, v_pages, tables = paged_view(checked)
     packed = pack_queries(q, plan, _pow2(head_dim))
     if plan.score_mod is not None:
-        plan.score_mod.prepare(*hook_args(True, plan.rows, plan.tile))
+        plan.score_mod.prepare(*decode_hook_args(True, plan.rows, plan.tile))
     if plan.mask_mod is not None:
-        plan.mask_mod.prepare(*hook_args(False, plan.rows, plan.tile))
+        plan.mask_mod.prepare(*decode_hook_args(False, plan.rows, plan.tile))
     out, lse = decode_partials(plan, packed, k_pages, v_pages, tables, kv_lengths, consts)
     out, lse = merge_splits(out, lse)
     out = unpack_rows(out[..., :value_dim], plan, batch, num_heads).astype(q.dtype)
     lse = unpack_rows(lse[..., None], plan, batch, num_heads)[..., 0]  # [B, T, N]
     return out, jnp.transpose(lse, (0, 2, 1))
 
-
-def hook_args(score: bool, rows: int, cols: int) -> list[jax.ShapeDtypeStruct]:
-    """(score, b, h, q_idx, kv_idx) as the kernel passes them to a hook: a float32 (rows, cols) tile, b a
-    scalar, h and q_idx (rows, 1) columns (a tile's rows pack several query heads), kv_idx a (1, cols) row;
-    without `score` for a mask_mod."""
-    i32 = jnp.int32
-    args = [
-        jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((rows, 1), i32),
-        jax.ShapeDtypeStruct((rows, 1), i32), jax.ShapeDtypeStruct((1, cols), i32),
-    ]
-    return [jax.ShapeDtypeStruct((rows, cols), jnp.float32), *args] if score else args

@@ -592,8 +592,8 @@ def _split_mosaic_stdout(text: str, mosaic_dir: Path):
 
 @contextlib.contextmanager
 def _traced_tiles(into: dict):
-    """Records, by kernel name, the tiles each Triton kernel is traced at: the dispatch may retile a kernel
-    for a call's features (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`)."""
+    """Records, by kernel name, the tiles each Triton kernel is traced at: the Triton backend's plan may retile a
+    kernel for a call's features (`triton.plan.forward_config`, `backward_configs`, `tangent_config`)."""
     from probjax_kernels.triton import backward, forward, tangent
 
     saved = forward.forward, backward.backward, tangent.tangent
@@ -607,11 +607,11 @@ def _traced_tiles(into: dict):
 
     def bwd(problem, tangents, res, d_out, d_lse, dkv_problem=None):
         into["probjax_flash_backward_dq"] = tiles(problem)
-        split = dkv_problem is not None and dkv_problem.dkv_split  # dV's and dK's programs (`_dispatch`)
+        split = dkv_problem is not None and dkv_problem.dkv_split  # dV's and dK's programs (`triton.plan`)
         into["probjax_flash_backward_dkv"] = dict(tiles(dkv_problem or problem), **({"splits": 2} if split else {}))
         return saved[1](problem, tangents, res, d_out, d_lse, dkv_problem)
 
-    def tan(problem, *args, **kwargs):  # kwargs: value_splits (`_dispatch.tangent_value_splits`)
+    def tan(problem, *args, **kwargs):  # kwargs: value_splits (`triton.plan.tangent_value_splits`)
         splits = kwargs.get("value_splits", 1)
         into["probjax_flash_tangent"] = dict(tiles(problem), **({"splits": splits} if splits > 1 else {}))
         return saved[2](problem, *args, **kwargs)
@@ -624,30 +624,27 @@ def _traced_tiles(into: dict):
 
 
 def _tangent_tiles(config, variant) -> dict:
-    """The tangent kernel's tiles for a jvp variant (`_dispatch.tangent_config`, told whether the call has a
-    BlockMask's tables). It takes the dtype (`dtype=`) or, in older checkouts, a float32 flag."""
-    import inspect
+    """The tangent kernel's tiles for a jvp variant (`triton.plan.tangent_config`, told whether the call has a
+    BlockMask's tables)."""
+    from probjax_kernels.triton import plan as triton_plan
 
-    from probjax_kernels import _dispatch
-
-    dtype = registry.dtype_of(variant.dtype)
-    extra = ({"dtype": dtype} if "dtype" in inspect.signature(_dispatch.tangent_config).parameters
-             else {"float32": variant.dtype == "f32"})
     tables = variant.name.endswith(("_sliding_window", "_document_mask"))
-    tangent = _dispatch.tangent_config(config, max(variant.head_dim, variant.value_dim or 0), tables, **extra)
+    tangent = triton_plan.tangent_config(config, max(variant.head_dim, variant.value_dim or 0), tables,
+                                         dtype=registry.dtype_of(variant.dtype))
     return {k: v for k, v in vars(tangent).items() if k != "backend"}
 
 
 def _fallback_tiles(row: dict) -> dict:
     """The tiles the Triton forward runs at when backend "mosaic" falls back to it
-    (`_dispatch.triton_fallback_config`), for the page's tiles column."""
+    (`triton.plan.fallback_config`), for the page's tiles column."""
     if "probjax_kernels" not in sys.modules:
         _import_kernels()
-    from probjax_kernels import FlashConfig, _dispatch
+    from probjax_kernels import FlashConfig
+    from probjax_kernels.triton import plan as triton_plan
 
     config = FlashConfig(**row["config"], backend="mosaic")
     head_dim = max(row["head_dim"], row["value_dim"] or 0)
-    return {k: v for k, v in vars(_dispatch.triton_fallback_config(config, head_dim)).items() if k != "backend"}
+    return {k: v for k, v in vars(triton_plan.fallback_config(config, head_dim)).items() if k != "backend"}
 
 
 def _import_kernels():

@@ -28,6 +28,7 @@ from probjax_kernels import (
     relative_bias,
 )
 from probjax_kernels.triton import retile
+from probjax_kernels.triton import plan as triton_plan
 from probjax_nn.benchmark._timing import time_steps
 
 HEAD_DIM, HEADS = 256, 8
@@ -38,17 +39,17 @@ TOLERANCE = 4e-2  # normalised max error of a bfloat16 gradient (tests/gpu/test_
 def grid(split: bool, interpret: bool):
     """The dK/dV grid for the calls inside: the dispatch's (`split`) or one program per key tile. Interpret
     mode also forces the transposed kernel, which the dispatch picks on Hopper only."""
-    saved = retile.dkv_split, _dispatch.triton_dkv_split, _dispatch.triton_dkv_transposed
+    saved = retile.dkv_split, triton_plan.retile.dkv_split, triton_plan.dkv_transposed
     if not split:
-        retile.dkv_split = _dispatch.triton_dkv_split = lambda *args, **kwargs: False
+        retile.dkv_split = triton_plan.retile.dkv_split = lambda *args, **kwargs: False
     elif interpret:
-        _dispatch.triton_dkv_split = lambda *args, **kwargs: True
+        triton_plan.retile.dkv_split = lambda *args, **kwargs: True
     if interpret:
-        _dispatch.triton_dkv_transposed = lambda *args, **kwargs: True
+        triton_plan.dkv_transposed = lambda *args, **kwargs: True
     try:
         yield
     finally:
-        retile.dkv_split, _dispatch.triton_dkv_split, _dispatch.triton_dkv_transposed = saved
+        retile.dkv_split, triton_plan.retile.dkv_split, triton_plan.dkv_transposed = saved
 
 
 def calls(config: FlashConfig | None):

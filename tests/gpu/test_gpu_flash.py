@@ -14,6 +14,7 @@ import pytest
 from helpers import random_qkv
 
 from probjax_kernels import flash_attention, flash_attention_reference
+from probjax_kernels.triton import plan as triton_plan
 from probjax_nn import attention
 
 pytestmark = [
@@ -120,7 +121,7 @@ def test_bias_and_its_gradient(dtype, bias_shape):
 @pytest.mark.parametrize("bias_dtype", [BF16, F32])
 def test_head_dim_256_bias_on_the_split_dkv_grid(bias_dtype):
     """On Hopper, head dim 256 with a bias runs dV and dK in two programs per key tile
-    (`_dispatch.triton_dkv_split`, docs/perf-notes.md Version 7f), a grid that never ran on a GPU before."""
+    (`triton_plan.retile.dkv_split`, docs/perf-notes.md Version 7f), a grid that never ran on a GPU before."""
     check_against_reference(BF16, 2, 600, 600, 4, 2, 256, bias_shape=(2, 4, 600, 600), bias_dtype=bias_dtype,
                             causal=True)
 

@@ -1,0 +1,115 @@
+"""The one protocol every backend keeps (Triton, Mosaic GPU, Mosaic TPU, the XLA path), and the frozen plan of
+one call that `_dispatch.plan` assembles from them.
+
+A backend is one object (`triton.BACKEND`, `mosaic.BACKEND`, `tpu.BACKEND`, `xla.BACKEND`) that answers, for a
+call's static `_Problem` on a target device:
+
+- `defaults`: its tiles for the `None` fields of a `FlashConfig` (before the problem exists: the tiles set the
+  padding), over those of the backends after it in the order;
+- `hook_shapes`: the (b, h, q_idx, kv_idx, score) shapes at which its kernels call the hooks, traced before it
+  vets them;
+- `unsupported`: why it runs no pass of this call (None: it runs some);
+- `plan`: which passes it runs and how (`Passes`: each pass a kernel entry of its folder, the `_Problem` on
+  that kernel's tiles and the entry's options), and any further hook shapes of kernels it retiles for the call.
+
+`_autodiff` then runs `Plan.forward` / `backward` / `tangent` and asks nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import jax
+
+from probjax_kernels._config import FlashConfig
+from probjax_kernels._problem import _Problem
+
+
+def target_device():
+    """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
+    compilation sets it to a topology device: scripts/compile/report.py), else the first device of the default
+    backend. The one answer to "which device" in probjax_kernels and probjax_nn (`_dispatch.target_device`)."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
+def target_platform() -> str:
+    """The platform of `target_device()` ("gpu", "tpu", "cpu"): the default backend's when no default device
+    is set."""
+    return jax.default_backend() if jax.config.jax_default_device is None else target_device().platform
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device's compute capability; None for other devices."""
+    try:
+        major, minor = (int(x) for x in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        return None
+    return major, minor
+
+
+def is_hopper(device) -> bool:
+    """Compute capability 9.x (H100 / H200)."""
+    capability = compute_capability(device)
+    return capability is not None and capability[0] == 9
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPass:
+    """One pass of a call as a backend plans it: `run(problem, *arrays, **dict(options))`.
+
+    `run` is a kernel entry of the backend's folder (forward: `(problem, q, k, v, q_len, kv_len, optional)`;
+    backward: `(problem, tangents, res, d_out, d_lse)`; tangent: `(problem, tangents, q, k, v, q_len, kv_len,
+    out, lse2, linear, optional)`), `problem` the call on that kernel's tiles, `options` hashable keyword
+    arguments of the entry (a split count, a second kernel's problem)."""
+
+    run: Callable
+    problem: _Problem
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """What one backend runs of a call: a pass it leaves to the next backend in order is None. `hook_shapes`:
+    the (b, h, q_idx, kv_idx, score) shapes at which the kernels of its passes call score_mod / mask_mod."""
+
+    forward: KernelPass | None = None
+    backward: KernelPass | None = None
+    tangent: KernelPass | None = None
+    hook_shapes: tuple[tuple, ...] = ()
+
+
+class Backend(Protocol):
+    """The protocol of a backend object (see the module docstring)."""
+
+    name: str  # for messages: "Triton", "Mosaic GPU", "Mosaic TPU", "XLA"
+    configs: tuple[str, ...]  # the `FlashConfig.backend` values it serves first
+    warns_when_declining: bool  # a call it cannot take runs elsewhere with a warning (Mosaic TPU -> XLA)
+
+    def defaults(self, config: FlashConfig, filled: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int,
+                 dtype, device) -> FlashConfig | None: ...
+
+    def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]: ...
+
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None: ...
+
+    def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The frozen plan of one call (the static argument of `_autodiff`'s custom_jvp): the padded sizes, the
+    call's `_Problem` (the XLA passes beside the kernels read it), and the kernel pass run for each of forward,
+    backward and tangent, each chosen from the first backend in the device's order that runs it."""
+
+    problem: _Problem
+    t_pad: int
+    s_pad: int
+    d_pad: int
+    dv_pad: int
+    forward: KernelPass
+    backward: KernelPass
+    tangent: KernelPass

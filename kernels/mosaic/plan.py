@@ -1,0 +1,183 @@
+"""The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
+features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
+plan: the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim 64 / 128 where a score_mod's
+derivative lowers too. It serves `FlashConfig.backend` "mosaic" (Hopper) and "mosaic_interpret" (the Mosaic
+GPU interpreter); what it leaves of a call runs on the next backend of the chooser's order (Triton).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
+from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
+from jax.extend import core as jex_core
+
+from probjax_kernels._backend import KernelPass, Passes
+from probjax_kernels._config import FlashConfig, fit_block
+from probjax_kernels._hooks import Hook
+from probjax_kernels._problem import _interpreted, _Problem
+from probjax_kernels.mosaic import glue
+from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
+from probjax_kernels.mosaic.common import PART as MOSAIC_PART
+from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
+from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
+from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
+
+
+def _mosaic_takes(problem: _Problem, dtype, head_dim: int) -> bool:
+    """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
+    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, segments, hooks that read
+    captured arrays other than as scalars or use an op Mosaic GPU cannot lower)."""
+    f, cfg = problem.features, problem.config
+    return (
+        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
+        and f.scale > 0  # the Mosaic kernels take the row max before scaling
+        # Mosaic has no max_scores output, no shared (batch-1) k / v and one head dim for q, k and v.
+        and not f.return_max and not problem.kv_broadcast and problem.same_value_dim
+        and problem.mask_shape is None and not problem.has_segments
+        and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
+        and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
+        # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
+        and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
+        and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
+        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
+    )
+
+
+def _fits_mosaic(problem: _Problem, dtype, head_dim: int) -> bool:
+    """Whether the Mosaic GPU kernels run the backward of this call too (at head dim 64 / 128): when they run
+    its forward and a score_mod's derivative also runs in Mosaic GPU."""
+    f = problem.features
+    return _mosaic_takes(problem, dtype, head_dim) and (
+        f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
+    )
+
+
+def _hook_specs(config: FlashConfig, with_score: bool) -> list[jax.ShapeDtypeStruct]:
+    b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
+    specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
+    if with_score:
+        specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
+    return specs
+
+
+def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
+    """Whether a hook can run inside the Mosaic GPU kernels (see `_runs_in_mosaic`), at their tile shapes."""
+    jaxpr = hook._jaxpr(_hook_specs(config, with_score))
+    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
+
+
+def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
+    """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU."""
+    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *_hook_specs(config, with_score=True))
+    captured = closed.jaxpr.invars[: len(hook.const_avals)]  # the refs of the hook's arrays
+    return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
+
+
+def _runs_in_mosaic(jaxpr, consts: set) -> bool:
+    """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
+    only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
+    global memory), never as arrays; 0-d arrays (a learnable soft cap) are scalar loads wherever used."""
+    elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
+    consts = {var for var in consts if var.aval.shape}
+    for eqn in jaxpr.eqns:
+        reads_element = (
+            eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in consts
+            and all(size == 1 for size in eqn.params["slice_sizes"])
+        )
+        if reads_element:  # a scalar load in the kernel (`_hooks._Element`), not a lowered dynamic_slice
+            elements.add(eqn.outvars[0])
+        elif not _lowers_in_mosaic(eqn):
+            return False
+        for position, var in enumerate(eqn.invars):
+            if isinstance(var, jex_core.Literal):
+                continue
+            if var in consts and not (reads_element and position == 0):
+                return False
+            if var in elements and not (eqn.primitive.name == "squeeze" and not eqn.outvars[0].aval.shape):
+                return False
+    outputs = {var for var in jaxpr.outvars if not isinstance(var, jex_core.Literal)}
+    return not outputs & (consts | elements)
+
+
+def _lowers_in_mosaic(eqn) -> bool:
+    """Whether Mosaic GPU has a lowering rule for the equation's primitive and those of its sub-jaxprs."""
+    rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
+    return eqn.primitive in rules and all(
+        _lowers_in_mosaic(inner) for sub in jex_core.jaxprs_in_params(eqn.params) for inner in sub.eqns
+    )
+
+
+def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dict, dict] | None:
+    """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
+
+    Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
+    tiles (the tables' tile), which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed
+    (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
+    were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
+    128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
+    if not _fits_mosaic(problem, dtype, head_dim) or head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
+        return None
+    f, cfg = problem.features, problem.config
+    if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
+        return {}, {}
+    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
+    tile = cfg.block_q
+    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
+                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+        return None
+    dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
+    return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
+
+
+class _MosaicGpu:
+    """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper."""
+
+    name = "Mosaic GPU"
+    configs = ("mosaic", "mosaic_interpret")
+    warns_when_declining = False
+
+    def defaults(self, config: FlashConfig, filled: FlashConfig, *, q_len: int, kv_len: int, head_dim: int,
+                 dtype, device) -> FlashConfig:
+        """`filled` (the Triton tiles, which its fallbacks and the backward keep) with the Mosaic forward's CTA
+        where `config` leaves it open: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
+        dim 256, for shared memory), a 2-slot K/V ring. float32 inputs run on the Triton kernels (the Mosaic
+        ones take 16-bit), so on a GPU they keep the float32 Triton tiles: the Mosaic forward's 128 x 128
+        needed 262,144 B of shared memory there (sm_90a has 232,448)."""
+        float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
+        if config.backend != "mosaic_interpret" and float32:
+            return filled
+        block_k = 128 if head_dim <= 128 else 64
+        return dataclasses.replace(
+            filled,
+            block_q=config.block_q if config.block_q is not None else fit_block(128, q_len),
+            block_k=config.block_k if config.block_k is not None else fit_block(block_k, kv_len),
+            num_stages=config.num_stages if config.num_stages is not None else 2,
+        )
+
+    def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
+        """The forward's consumer tiles and the backward's parts, where its kernels call the hooks."""
+        return [mosaic_hook_shapes(problem.config), mosaic_backward_hook_shapes(problem.config)]
+
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+        if not _mosaic_takes(problem, dtype, head_dims[0]):
+            return "a feature, dtype, head dim or tile the Mosaic GPU forward lacks"
+        return None
+
+    def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
+        """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles."""
+        tiles = _mosaic_backward_tiles(problem, dtype, head_dims[0])
+        interpret = (("interpret", _interpreted(problem)),)
+        backward = None
+        if tiles is not None:
+            backward = KernelPass(glue.backward, problem, (("tiles", tuple(tuple(t.items()) for t in tiles)),))
+        return Passes(forward=KernelPass(glue.forward, problem, interpret), backward=backward)
+
+
+BACKEND = _MosaicGpu()

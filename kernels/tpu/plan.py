@@ -1,0 +1,103 @@
+"""The Mosaic TPU backend as one object (`BACKEND`): its tiles per TPU generation, which calls its kernels take
+(`vet.unsupported`; what they cannot take runs the XLA path, with a warning), and its plan: the forward, dQ +
+dK/dV and tangent kernels, each walking a BlockMask's tables refined onto its own tile. It serves
+`FlashConfig.backend` "tpu" (a TPU device) and "tpu_interpret" (Pallas' TPU interpret mode, any machine)."""
+
+from __future__ import annotations
+
+from probjax_kernels._backend import KernelPass, Passes
+from probjax_kernels._config import FlashConfig, fit_block
+from probjax_kernels._hooks import tile_hook_shapes
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._tiles import refined_tables
+from probjax_kernels.tpu import backward, forward, tangent, vet
+
+# The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
+# `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
+# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of the
+# TPU compile report (docs/compile/tpu.md) fits the default scoped VMEM. Interpret mode takes the v5e tiles.
+TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
+         "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
+
+
+def tpu_generation(device) -> str:
+    """"v4", "v5e", "v5p" or "v6e" from a TPU device's kind ("TPU v5 lite", "TPU v6 lite", ...); "v5e" for
+    anything else (the interpreter, unknown kinds)."""
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "v6" in kind:
+        return "v6e"
+    if "v5" in kind:
+        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+    return "v4" if "v4" in kind else "v5e"
+
+
+def _tables(problem: _Problem, arrays: dict, is_backward: bool = False) -> dict:
+    """`arrays` with a BlockMask's tables on the tiles of the TPU kernels that walk them, which divide its blocks
+    (`vet.unsupported`; `_tiles.refined_tables`): "kv_tables" on the forward's tile (forward, tangent) or, in
+    the backward pass (`is_backward`), dQ's; "q_tables" on dK/dV's."""
+    block_sizes, cfg = problem.features.block_sizes, problem.config
+    if block_sizes is None:
+        return arrays
+    kv_tile = (cfg.block_q_dq, cfg.block_k_dq) if is_backward else (cfg.block_q, cfg.block_k)
+    return dict(arrays, kv_tables=refined_tables(arrays["kv_tables"], block_sizes, kv_tile),
+                q_tables=refined_tables(arrays["q_tables"], block_sizes[::-1], (cfg.block_k_dkv, cfg.block_q_dkv)))
+
+
+def run_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
+    """The forward pass: `forward.forward` on the call's tables refined to its tile."""
+    return forward.forward(problem, q, k, v, q_len, kv_len, _tables(problem, optional))
+
+
+def run_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The backward pass: `backward.backward` (dQ, dK/dV) on the tables refined to their tiles."""
+    return backward.backward(problem, tangents, dict(res, others=_tables(problem, res["others"], True)), d_out,
+                             d_lse)
+
+
+def run_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
+                optional: dict):
+    """The forward-mode pass: `tangent.tangent` on the tables refined to the forward's tile."""
+    return tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear,
+                           _tables(problem, optional))
+
+
+class _MosaicTpu:
+    """The Pallas Mosaic TPU kernels (`kernels/tpu/`): forward, dQ, dK/dV and tangent."""
+
+    name = "Mosaic TPU"
+    configs = ("tpu", "tpu_interpret")
+    warns_when_declining = True
+
+    def defaults(self, config: FlashConfig, filled: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int,
+                 dtype, device) -> FlashConfig:
+        """The generation's tiles (`TILES`), shrunk to the sequence but never below 128 (lse rows are lane
+        vectors); explicit fields are kept (`vet.unsupported` sends tiles that are not multiples of 128 to the
+        XLA path)."""
+        generation = "v5e" if config.backend == "tpu_interpret" else tpu_generation(device)
+        tiles = dict(zip(("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv"),
+                         TILES[generation]))
+        fields = {}
+        for name, default in tiles.items():
+            seq_len = q_len if name.startswith("block_q") else kv_len
+            value = getattr(config, name)
+            fields[name] = value if value is not None else max(128, fit_block(default, seq_len))
+        return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2,
+                           backend=config.backend)
+
+    def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
+        """The three kernels' tiles and dK/dV's transposed (keys, queries) one."""
+        cfg = problem.config
+        shapes = [tile_hook_shapes(bq, bk) for bq, bk in (
+            (cfg.block_q, cfg.block_k), (cfg.block_q_dq, cfg.block_k_dq), (cfg.block_q_dkv, cfg.block_k_dkv))]
+        return [*shapes, tile_hook_shapes(cfg.block_q_dkv, cfg.block_k_dkv, transposed=True)]
+
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+        return vet.unsupported(problem)
+
+    def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
+        """Every pass in its kernels, on the call's tiles."""
+        return Passes(forward=KernelPass(run_forward, problem), backward=KernelPass(run_backward, problem),
+                      tangent=KernelPass(run_tangent, problem))
+
+
+BACKEND = _MosaicTpu()
