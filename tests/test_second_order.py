@@ -156,3 +156,21 @@ def test_attention_impl_pallas_gradient_penalty():
     actual = jax.jit(derivative("pallas"))(q, k, v, bias)
     expected = in_float64(derivative("xla"), q, k, v, bias)
     assert_close64(actual, expected, "attention")
+
+
+def test_gradient_penalty_memory_is_linear_in_sequence_length():
+    """XLA's temp memory for the compiled gradient of a gradient penalty: the kernels store nothing of size
+    T x S, and the XLA pass over query chunks holds one [B, N, chunk, S] block, so once the chunk is below T
+    (B N T S above 16 M scores) it grows linearly, where dense attention's quadruples with T."""
+
+    def temp_mb(attention_fn, seq_len):
+        spec = jax.ShapeDtypeStruct((1, seq_len, 2, 64), jnp.float32)
+        loss = loss_of(lambda q, k, v: attention_fn(q, k, v, causal=True))
+        compiled = jax.jit(jax.grad(penalty_of(loss), (0, 1, 2))).lower(spec, spec, spec).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    flash = [temp_mb(flash_attention, seq_len) for seq_len in (4096, 8192)]
+    dense = [temp_mb(flash_attention_reference, seq_len) for seq_len in (4096, 8192)]
+    assert flash[1] / flash[0] < 2.2, flash
+    assert dense[1] / dense[0] > 3.5, dense
+    assert flash[1] < dense[1] / 4, (flash, dense)
