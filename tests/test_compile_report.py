@@ -19,6 +19,7 @@ from probjax_kernels import FlashConfig, _dispatch, default_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "compile"))
+import fingerprints  # noqa: E402 - scripts/compile/fingerprints.py: what `_compile_key` reads
 import report as compile_report  # noqa: E402 - scripts/compile/report.py: the check and its registry
 import variants as registry  # noqa: E402
 
@@ -435,7 +436,7 @@ def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monk
     wrapper.parent.mkdir(parents=True)
     wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
     versions = dict(jax="0.11.2", ptxas="12.9.86")
-    monkeypatch.setattr(compile_report, "_versions", lambda toolchain: dict(versions))
+    monkeypatch.setattr(fingerprints, "_versions", lambda toolchain: dict(versions))
     key = compile_report._compile_key("sm90a_h100", tmp_path)
     assert compile_report._compile_key("sm90a_h100", tmp_path) == key
     assert compile_report._compile_key("sm80_a100", tmp_path) != key
@@ -445,7 +446,7 @@ def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monk
     wrapper.write_text("#!/bin/sh\nexec ptxas.real \"$@\"\n")
     assert compile_report._compile_key("sm90a_h100", tmp_path) != key
     wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
-    monkeypatch.setattr(compile_report, "FIGURE_CODE", compile_report.FIGURE_CODE[1:])
+    monkeypatch.setattr(fingerprints, "FIGURE_CODE", fingerprints.FIGURE_CODE[1:])
     assert compile_report._compile_key("sm90a_h100", tmp_path) != key
 
 
