@@ -226,6 +226,18 @@ def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monk
     assert compile_report._compile_key("sm90a_h100", tmp_path) != key
 
 
+def test_the_figure_code_is_every_function_of_figures_py():
+    """`_compile_key` hashes the source of `FIGURE_CODE`, which must be every function of figures.py (the code
+    between a lowered module and a row's figures) and nothing else: a function added there and left out of
+    it would change figures without changing a fingerprint, and `--reuse` would keep the old figures."""
+    import inspect
+
+    import figures
+
+    defined = {fn for fn in vars(figures).values() if inspect.isfunction(fn) and fn.__module__ == "figures"}
+    assert set(fingerprints.FIGURE_CODE) == defined
+    assert len(fingerprints.FIGURE_CODE) == len(defined)
+
 def test_only_clean_fingerprinted_rows_of_the_target_are_reused():
     rows = [dict(target="sm90a_h100", variant="a", status="ok", fingerprint="f", kernels=[]),
             dict(target="sm90a_h100", variant="b", status="error", fingerprint="f", kernels=[]),
