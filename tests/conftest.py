@@ -44,7 +44,7 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> str:
     """The LM example's token cache folder (`--data-cache`), shared by the tests that train it in this process
-    or in processes they start (tests/test_examples.py, tests/test_multiprocess.py): each corpus is read and
+    or in processes they start (tests/test_examples*.py, tests/test_multiprocess.py): each corpus is read and
     split once per worker. A cache is keyed by its corpus and written whole before use (examples/lm/data.py)."""
     return str(tmp_path_factory.mktemp("lm_data"))
 

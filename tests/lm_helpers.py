@@ -1,4 +1,4 @@
-"""Shared by the LM example's tests (tests/test_examples.py, tests/test_multiprocess.py)."""
+"""Shared by the LM example's tests (tests/test_examples*.py, tests/test_multiprocess.py)."""
 
 from __future__ import annotations
 

@@ -1,56 +1,28 @@
-"""The LM training example (examples/train_lm.py, examples/lm/, examples/sample.py) on a micro config."""
+"""The LM training example (examples/train_lm.py, examples/lm/, examples/sample.py) on a micro config: a run's
+losses and samples, resuming after an interruption, a TERM signal, damaged files or a diverging loss."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import json
 import math
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from lm_helpers import SMALL_CORPUS
 
 pytest.importorskip("optax")
 pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("flax")
 pytest.importorskip("equinox")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from lm import data, train  # noqa: E402
-from lm.config import Config, make_config, parse_args, to_json  # noqa: E402
-from lm.sampling import generate  # noqa: E402
-
-FRAMEWORKS = ("nnx", "linen", "equinox")
-# Small enough for two CPU cores; "xla" keeps Pallas interpret mode out of all but one test.
-MICRO = dict(
-    num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=4, attention="xla", learning_rate=1e-2,
-    warmup_steps=2, log_every=5, eval_every=10, eval_batches=2, checkpoint_every=10, num_samples=1, sample_tokens=8,
-    data=SMALL_CORPUS,
+from lm_micro import (  # noqa: E402, F401 - puts examples/ on sys.path; standard_promotion: autouse
+    FRAMEWORKS, _load_script, _snapshot, _usage_error, micro, micro_flags, standard_promotion,
 )
-
-
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    """conftest.py makes dtype promotion strict; optax's Adam is not written for it (`b1 ** count` with an
-    int32 count), so the example runs under jax's standard promotion."""
-    with jax.numpy_dtype_promotion("standard"):
-        yield
-
-
-def micro(data_cache: str, out: Path, **overrides) -> Config:
-    return make_config("tiny", {**MICRO, "data_cache": data_cache, "out": str(out), **overrides})
+from lm import data, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +86,6 @@ def test_sample_takes_explicit_zeros_and_names_bad_flags(data_cache, tmp_path, c
         assert "argument --out: " in line and str(out) in line
 
 
-def _load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("framework", ["nnx", "equinox"])
 def test_resume_after_interruption_matches_an_unbroken_run(framework, data_cache, tmp_path, thirty_steps):
     _, unbroken = thirty_steps(framework)
@@ -151,96 +114,6 @@ def test_resume_from_a_checkpoint_between_metrics_rows(data_cache, tmp_path, thi
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
     # Steps 1..7 of the interrupted run are the unbroken run's: the row's mean includes them exactly.
     assert resumed[1]["train_loss"] == unbroken[1]["train_loss"]
-
-
-def micro_flags(data_cache: str, out: Path, **overrides) -> list[str]:
-    """`micro`'s config as train_lm.py flags."""
-    values = {**MICRO, "data_cache": data_cache, "out": str(out), **overrides}
-    return [word for name, value in values.items() for word in ("--" + name.replace("_", "-"), str(value))]
-
-
-def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under `folder`: its bytes and modification time."""
-    files = [f for f in folder.rglob("*") if f.is_file()]
-    return {str(f.relative_to(folder)): (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
-
-
-def _fake_run(out: Path, config: Config) -> None:
-    """A finished run's files (checkpoints of a later step than any new run here would reach)."""
-    (out / "checkpoints" / "50").mkdir(parents=True)
-    (out / "checkpoints" / "50" / "params").write_text("old weights")
-    (out / "config.json").write_text(to_json(config))
-    (out / "metrics.jsonl").write_text('{"step": 50, "train_loss": 1.0}\n')
-    (out / "notes.txt").write_text("the user's own file")
-
-
-def _usage_error(capsys, run) -> str:
-    """The one error line of a usage error (exit 2, no traceback)."""
-    with pytest.raises(SystemExit) as exit:
-        run()
-    lines = capsys.readouterr().err.splitlines()
-    assert exit.value.code == 2 and len(lines) == 2 and lines[0].startswith("usage:"), lines
-    return lines[1]
-
-
-def test_a_used_out_folder_needs_resume_or_overwrite(data_cache, tmp_path, capsys):
-    """Training into an old run's folder kept its checkpoints (orbax skips steps at or below its latest) next to
-    new metrics; sample.py and --resume then loaded the old weights."""
-    train_lm = _load_script("train_lm")
-    _fake_run(tmp_path, micro(data_cache, tmp_path))
-    before = _snapshot(tmp_path)
-    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, tmp_path, steps=1, num_samples=0)))
-    assert "argument --out: " in line and "--resume" in line and "--overwrite" in line
-    assert _snapshot(tmp_path) == before
-
-    # --overwrite starts the folder afresh: only the run's own files go.
-    train_lm.main([*micro_flags(data_cache, tmp_path, steps=1, num_samples=0, checkpoint_every=1), "--overwrite"])
-    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1]
-    assert [row["step"] for row in train.Metrics.read(tmp_path / "metrics.jsonl")] == [1]
-    saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["steps"] == 1 and saved["overwrite"] is False  # a --config of it must not delete the folder
-    assert (tmp_path / "notes.txt").read_text() == "the user's own file"
-
-
-def test_failed_checks_write_nothing(data_cache, tmp_path, capsys):
-    """A missing --data, or --resume with another architecture, rewrote config.json before failing."""
-    train_lm = _load_script("train_lm")
-    fresh = tmp_path / "fresh"
-    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, fresh, data=str(tmp_path / "none"))))
-    assert "argument --data: " in line and "none" in line
-    assert not fresh.exists()
-
-    _fake_run(tmp_path, micro(data_cache, tmp_path))
-    before = _snapshot(tmp_path)
-    line = _usage_error(capsys, lambda: train_lm.main(
-        [*micro_flags(data_cache, tmp_path, data=str(tmp_path / "none")), "--resume"]))
-    assert "argument --data: " in line
-    changed = micro_flags(data_cache, tmp_path, num_layers=3, d_model=64, framework="linen", steps=99)
-    line = _usage_error(capsys, lambda: train_lm.main([*changed, "--resume"]))
-    assert "argument --resume: " in line and "--overwrite" in line
-    assert "num_layers 2 -> 3" in line and "d_model 32 -> 64" in line and "framework 'nnx' -> 'linen'" in line
-    assert "steps" not in line  # a longer schedule is a fine thing to resume with
-    assert _snapshot(tmp_path) == before
-
-
-def test_an_out_folder_that_cannot_be_written_is_refused_before_the_data_loads(data_cache, tmp_path, capsys):
-    """A missing --data is reported later than --out: the --out error shows the data was not loaded first."""
-    train_lm = _load_script("train_lm")
-    (tmp_path / "file").write_text("not a folder")
-    outs = [tmp_path / "file" / "run"] + ([Path("/proc/probjax_nn_run")] if sys.platform == "linux" else [])
-    for out in outs:
-        line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, out, data=str(tmp_path / "none"))))
-        assert "error: argument --out: cannot " in line and str(out) in line, line
-    assert not Path("/proc/probjax_nn_run").exists()
-
-
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs on a GPU")
-def test_cudnn_without_a_gpu_is_refused_before_anything_is_written(data_cache, tmp_path, capsys):
-    """Was a traceback after config.json and metrics.jsonl were written."""
-    train_lm = _load_script("train_lm")
-    line = _usage_error(capsys, lambda: train_lm.main(micro_flags(data_cache, tmp_path / "run", attention="cudnn")))
-    assert "argument --attention: attention='cudnn' needs an NVIDIA GPU; this run's devices are cpu" in line, line
-    assert not (tmp_path / "run").exists()
 
 
 def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(
@@ -277,27 +150,6 @@ def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(
     assert [row["step"] for row in resumed] == [row["step"] for row in unbroken] == [5, 10, 15, 20, 25, 30]
     for got, want in zip(resumed, unbroken):
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
-
-
-def test_resume_needs_a_checkpoint_and_says_what_is_there(data_cache, tmp_path, capsys):
-    """--resume into a folder without a checkpoint started from step 0 and overwrote metrics.jsonl."""
-    train_lm = _load_script("train_lm")
-    line = _usage_error(capsys, lambda: train_lm.main([*micro_flags(data_cache, tmp_path / "new"), "--resume"]))
-    assert "argument --resume: " in line and "holds no checkpoint" in line and "does not exist" in line, line
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "empty").mkdir()
-    line = _usage_error(capsys, lambda: train_lm.main([*micro_flags(data_cache, tmp_path / "empty"), "--resume"]))
-    assert "is empty" in line, line
-    # A run killed before its first checkpoint, with orbax's unfinished folder of step 10.
-    used = tmp_path / "used"
-    (used / "checkpoints" / "10.orbax-checkpoint-tmp-1733").mkdir(parents=True)
-    (used / "config.json").write_text(to_json(micro(data_cache, used)))
-    (used / "metrics.jsonl").write_text('{"step": 5, "train_loss": 5.0}\n')
-    before = _snapshot(used)
-    line = _usage_error(capsys, lambda: train_lm.main([*micro_flags(data_cache, used), "--resume"]))
-    assert "holds config.json, metrics.jsonl, checkpoints, an unfinished checkpoint 10.orbax-checkpoint-tmp" in line
-    assert "--overwrite" in line, line
-    assert _snapshot(used) == before
 
 
 # A metrics row every step and a checkpoint every 2: a run to break and resume in several ways.
@@ -417,245 +269,3 @@ def test_a_diverging_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
     assert kept and max(kept) == first - 2, (kept, message)
     assert f"checkpoint of step {first - 2}" in message
-
-
-def test_pallas_and_xla_give_the_same_losses(data_cache, tmp_path):
-    losses = {}
-    for impl in ("pallas", "xla"):
-        config = micro(data_cache, tmp_path / impl, steps=2, log_every=1, eval_every=2, eval_batches=1, num_samples=0)
-        losses[impl] = [row["train_loss"] for row in train.run(config)]
-    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=2e-5)
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_bfloat16_models_hand_attention_bfloat16(framework, monkeypatch):
-    """dtype="bfloat16" keeps float32 params and computes in bfloat16: q, k and v reach attention as bfloat16 in
-    training and in the prefill (NNX's Embed once cast its output back to its float32 param_dtype, so the NNX
-    model ran float32 attention kernels)."""
-    import lm.common
-    import lm.model_nnx
-
-    seen = []
-    shard_heads = lm.common.shard_heads
-
-    def spy(attend):
-        def run(query, key, value):
-            seen.append((query.dtype, key.dtype, value.dtype))
-            return shard_heads(attend)(query, key, value)
-        return run
-
-    # Every model's attention passes through shard_heads (NNX's RotaryAttention imports it by name).
-    monkeypatch.setattr(lm.common, "shard_heads", spy)
-    monkeypatch.setattr(lm.model_nnx, "shard_heads", spy)
-    config = make_config("tiny", {**MICRO, "framework": framework, "dtype": "bfloat16"})
-    model = train.build_model(config, jax.random.key(0))
-    assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.float32)}
-    params = train.compute_params(model.params, config)
-    tokens = jnp.zeros((2, 8), jnp.int32)
-    seen.clear()  # Linen's init ran the float32 model
-    assert jax.eval_shape(model.apply, params, tokens).dtype == jnp.float32  # the logits
-    jax.eval_shape(model.prefill, params, tokens)
-    assert len(seen) == 2 * config.num_layers
-    assert set(seen) == {(jnp.dtype(jnp.bfloat16),) * 3}
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_decode_with_the_cache_matches_the_full_forward(framework):
-    config = make_config("tiny", {**MICRO, "framework": framework, "num_kv_heads": 1, "tie_embeddings": False})
-    model = train.build_model(config, jax.random.key(1))
-    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, 256, jnp.int32)
-    full = jax.jit(model.apply)(model.params, tokens)
-    step, cache = model.decoder(model.params, 2, 12)
-    step = jax.jit(step)
-    for position in range(tokens.shape[1]):
-        logits, cache = step(model.params, cache, tokens[:, position], jnp.int32(position))
-        np.testing.assert_allclose(logits, full[:, position], atol=2e-4, rtol=2e-4)
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_sharded_run_matches_the_unsharded_one(framework, data_cache, tmp_path):
-    """`--mesh data=2,model=2` over 4 of conftest's 8 CPU devices (this ran in a subprocess, to get 4)."""
-    base = {**MICRO, "data_cache": data_cache, "num_layers": 1, "steps": 2, "log_every": 1, "eval_every": 2,
-            "eval_batches": 1, "checkpoint_every": 2, "num_samples": 0}
-    # The run samples at the end, on the params as they are sharded (the decode is not split by shard_heads).
-    config = make_config("tiny", dict(base, framework=framework, mesh="data=2,model=2", out=str(tmp_path),
-                                      num_samples=1, sample_tokens=6, temperature=0))
-    sharded = [row["train_loss"] for row in train.run(config)]
-    # The same steps on one device, without the run's evaluation, checkpoints and plot.
-    config = dataclasses.replace(config, mesh=None)
-    model, optimizer = train.build_model(config, jax.random.key(config.seed)), train.make_optimizer(config)
-    train_step, _ = train.make_steps(model, optimizer, config, train.Shardings())
-    params, opt_state, unsharded = model.params, optimizer.init(model.params), []
-    tokens, _ = data.load_tokens(config)
-    for step in range(1, config.steps + 1):
-        params, opt_state, loss = train_step(params, opt_state, jnp.asarray(data.train_batch(tokens, config, step)))
-        unsharded.append(float(loss))
-    np.testing.assert_allclose(sharded, unsharded, rtol=1e-5)
-    samples = generate(model, params, b"def ", 6, num_samples=1, temperature=0.0, key=jax.random.key(config.seed))
-    assert (tmp_path / "samples.txt").read_text() == f"--- sample 0 ---\n{samples[0].decode(errors='replace')}\n"
-
-    # The sharded gradient step, with the Pallas kernel: attention runs per shard, nothing is gathered.
-    config = make_config("tiny", dict(base, framework=framework, attention="pallas", mesh="data=2,model=2"))
-    mesh = train.make_mesh(config)
-    model = train.build_model(config, jax.random.key(0))
-    with jax.set_mesh(mesh):
-        shardings = train.Shardings.on(mesh, model, train.make_optimizer(config))
-        params = jax.device_put(model.params, shardings.params)
-        step = jax.jit(jax.value_and_grad(functools.partial(train.loss_fn, model, config)))
-        hlo = step.lower(params, shardings.place(np.zeros((4, 33), np.int32))).compile().as_text()
-    gathers = re.findall(r" (all-gather|all-to-all)\(", hlo)
-    assert not gathers, gathers
-    assert sum(leaf.sharding.spec != P() for leaf in jax.tree.leaves(params)) == 6 * config.num_layers
-
-
-def test_config_precedence_preset_file_cli(tmp_path):
-    (tmp_path / "a.yaml").write_text("steps: 7\nseq_len: 2048\nnum_kv_heads: 2\n")
-    (tmp_path / "b.json").write_text(json.dumps({"steps": 9, "grad_clip": None}))
-    config = parse_args(["--preset", "bench-hd128", "--config", str(tmp_path / "a.yaml"), "--seq-len", "8192"])
-    assert (config.head_dim, config.batch_size, config.num_heads) == (128, 4, 8)
-    assert (config.steps, config.seq_len, config.kv_heads) == (7, 8192, 2)
-    config = parse_args(["--config", str(tmp_path / "b.json"), "--no-tie-embeddings", "--mesh", "data=2"])
-    assert (config.steps, config.grad_clip, config.tie_embeddings, config.mesh) == (9, None, False, "data=2")
-    assert parse_args(["--preset", "bench-hd64"]).head_dim == 64
-    with pytest.raises(ValueError, match="attention='flash'"):
-        make_config("tiny", {"attention": "flash"})
-    with pytest.raises(ValueError, match="unknown config field"):
-        make_config("tiny", {"sequence_length": 3})
-    with pytest.raises(ValueError, match="mesh"):
-        make_config("tiny", {"mesh": "data=two"})
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--steps", "abc"], "argument --steps: steps='abc' must be of type int"),
-        (["--learning-rate", "fast"], "argument --learning-rate: learning_rate='fast' must be of type float"),
-        # NaN passed every bound (nan < 0 is False) and reached metrics.jsonl as invalid JSON.
-        (["--learning-rate", "nan"], "argument --learning-rate: learning_rate=nan must be a finite number"),
-        (["--learning-rate", "inf"], "argument --learning-rate: learning_rate=inf must be a finite number"),
-        (["--temperature", "nan"], "argument --temperature: temperature=nan must be a finite number"),
-        (["--grad-clip=-inf"], "argument --grad-clip: grad_clip=-inf must be a finite number"),
-        (["--sample-prompt", ""], "argument --sample-prompt: sample_prompt='' must hold at least one character"),
-        (["--framework", "torch"], "argument --framework: invalid choice: 'torch'"),
-        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
-        (["--mesh", "foo"], "argument --mesh: mesh='foo'"),
-        (["--num-kv-heads", "3"], "argument --num-kv-heads: num_heads=4 must be a multiple of num_kv_heads=3"),
-        # Was a ZeroDivisionError at step 1, and a NaN validation loss.
-        (["--checkpoint-every", "0"], "argument --checkpoint-every: checkpoint_every=0 must be at least 1"),
-        (["--eval-batches", "0"], "argument --eval-batches: eval_batches=0 must be at least 1"),
-        (["--num-heads", "0"], "argument --num-heads: num_heads=0 must be at least 1"),  # was a ZeroDivisionError
-        (["--num-kv-heads", "0"], "argument --num-kv-heads: num_kv_heads=0 must be at least 1"),
-        (["--temperature", "-1"], "argument --temperature: temperature=-1.0 must be at least 0"),
-        (["--warmup-steps", "-5"], "argument --warmup-steps: warmup_steps=-5 must be at least 0"),
-        # Bytes past the table read garbage.
-        (["--vocab-size", "100"], "argument --vocab-size: vocab_size=100 must be at least 256"),
-        (["--resume", "--overwrite"], "argument --overwrite: "),
-        (["--config", "missing.yaml"], "argument --config: can't read 'missing.yaml'"),
-        # numpy's generator raised a ValueError for -1 and jax an OverflowError past 2**32, after the data loaded.
-        (["--seed", "-1"], "argument --seed: seed=-1 must be in [0, 2**32)"),
-        (["--seed", str(2**32)], "argument --seed: seed=4294967296 must be in [0, 2**32)"),
-        # Adam divides by 1 - beta**t = 0: NaN from the first step.
-        (["--beta1", "1.0"], "argument --beta1: beta1=1.0 must be in [0, 1)"),
-        (["--beta2", "1"], "argument --beta2: beta2=1.0 must be in [0, 1)"),
-        (["--grad-clip", "0"], "argument --grad-clip: grad_clip=0.0 must be positive"),  # froze the weights
-        (["--mesh", "data=2,data=4"], "argument --mesh: mesh='data=2,data=4' names the data axis twice"),
-        (["--sample-prompt", "caf\udce9"], "argument --sample-prompt: sample_prompt='caf\\udce9' cannot be encoded"),
-        (["--num-processes", "2"], "argument --coordinator-address: give all of --coordinator-address"),
-        (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
-         "argument --process-id: process_id=2 must be in [0, num_processes=2)"),
-        (["--coordinator-address", "h", "--num-processes", "2", "--process-id", "0"],
-         "argument --coordinator-address: coordinator_address='h' must be HOST:PORT"),
-        # A ZeroDivisionError after the first metrics row (the folder then held a run), and a negative MFU.
-        (["--peak-tflops", "0"], "argument --peak-tflops: peak_tflops=0.0 must be positive"),
-        (["--peak-tflops", "-1"], "argument --peak-tflops: peak_tflops=-1.0 must be positive"),
-        # Infinite RoPE frequencies: NaN at step 1, reported as a learning rate too high.
-        (["--rope-theta", "0"], "argument --rope-theta: rope_theta=0.0 must be greater than 1"),
-        (["--rope-theta", "1"], "argument --rope-theta: rope_theta=1.0 must be greater than 1"),
-    ],
-)
-def test_invalid_flags_are_usage_errors_that_name_the_flag(flags, message, capsys):
-    """argparse's way: exit 2, a short usage line and one error line; no traceback (all were tracebacks)."""
-    with pytest.raises(SystemExit) as exit:
-        parse_args(flags)
-    assert exit.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("usage:"), lines
-    assert ": error: " + message in lines[1], lines
-
-
-def test_config_file_errors_name_the_file(tmp_path, capsys):
-    files = {"bad.yaml": "steps: [1,\n", "bad.json": "{", "list.json": "[1]", "field.json": '{"sequence_length": 3}',
-             "type.yaml": "steps: many\n"}
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-        with pytest.raises(SystemExit) as exit:
-            parse_args(["--config", str(tmp_path / name)])
-        lines = capsys.readouterr().err.splitlines()
-        assert exit.value.code == 2 and len(lines) == 2 and "error: argument --config: " in lines[1], (name, lines)
-        assert name in lines[1] or "sequence_length" in lines[1] or "steps='many'" in lines[1], lines
-
-
-def test_valid_edge_values_are_accepted():
-    config = parse_args(["--checkpoint-every", "none", "--grad-clip", "none", "--temperature", "0", "--warmup-steps",
-                         "0", "--num-samples", "0", "--num-kv-heads", "1"])
-    assert (config.checkpoint_every, config.grad_clip, config.temperature, config.kv_heads) == (None, None, 0.0, 1)
-
-
-def test_data_split_is_deterministic_and_cached(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"file{i:02d}.py").write_text(f"x = {i}\n" * 50)
-    config = make_config("tiny", dict(data=str(corpus), data_cache=str(tmp_path / "cache"), seq_len=16, batch_size=3))
-    train_tokens, val_tokens = data.load_tokens(config)
-    assert len(train_tokens) + len(val_tokens) == sum(f.stat().st_size for f in corpus.iterdir())
-    assert 0 < len(val_tokens) < len(train_tokens)
-    assert len(list((tmp_path / "cache").iterdir())) == 1
-    again = data.load_tokens(config)  # from the cache
-    np.testing.assert_array_equal(again[1], val_tokens)
-    batch = data.train_batch(train_tokens, config, step=5)
-    assert batch.shape == (3, 17) and batch.dtype == np.int32
-    np.testing.assert_array_equal(batch, data.train_batch(train_tokens, config, step=5))
-    assert not np.array_equal(batch, data.train_batch(train_tokens, config, step=6))
-    # One file: the last val_fraction of its bytes is the validation split.
-    single = make_config("tiny", dict(data=str(corpus / "file00.py"), data_cache=str(tmp_path / "cache")))
-    train_tokens, val_tokens = data.load_tokens(single)
-    assert len(val_tokens) == 300 - int(300 * 0.95)
-
-
-def test_mfu_counts_six_flops_per_parameter_and_half_of_attention():
-    config = make_config("bench-hd64", {"peak_tflops": 100.0})
-    assert train.flops_per_token(config, 1000) == 6 * 1000 + 12 * 8 * 8 * 64 * 4096 / 2
-    assert train.peak_flops(config, num_devices=2) == 2e14
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_context_parallel_steps_match_the_unsharded_ones(framework):
-    """`--mesh data=2,seq=2` (conftest gives this process 8 CPU devices): the sequence split over two devices,
-    attention as a ring, trains to the unsharded losses; the compiled step moves the K/V blocks
-    `[B / data, T / seq, K, D]` by collective-permute and all-gathers nothing."""
-    batches = np.random.default_rng(0).integers(0, 256, (3, 4, 33), dtype=np.int32)
-    losses = {}
-    for mesh_flag in (None, "data=2,seq=2"):
-        # Unsharded, test_sharded_run_matches_the_unsharded_one's step, compiled once for both (steps=2 as there:
-        # the three losses see the warmup's rates alone, which every schedule shares).
-        config = make_config("tiny", {**MICRO, "framework": framework, "num_layers": 1, "steps": 2,
-                                      "mesh": mesh_flag})
-        mesh, model = train.make_mesh(config), train.build_model(config, jax.random.key(0))
-        optimizer = train.make_optimizer(config)
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            shardings = train.Shardings.on(mesh, model, optimizer)
-            params = model.params if mesh is None else jax.device_put(model.params, shardings.params)
-            opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-            train_step, _ = train.make_steps(model, optimizer, config, shardings)
-            compiled = train_step.lower(params, opt_state, shardings.place(batches[0])).compile()
-            losses[mesh_flag] = []
-            for batch in batches:
-                params, opt_state, loss = compiled(params, opt_state, shardings.place(batch))
-                losses[mesh_flag].append(float(loss))
-    hlo = compiled.as_text()
-    np.testing.assert_allclose(losses["data=2,seq=2"], losses[None], rtol=1e-5)
-    assert " all-gather(" not in hlo
-    kv_block = ",16,%d,%d]" % (config.kv_heads, config.head_dim)
-    permutes = [line for line in hlo.splitlines() if " collective-permute(" in line and kv_block in line]
-    assert len(permutes) >= 4, permutes

@@ -70,6 +70,15 @@ def test_no_module_over_the_size_limit(package):
     assert not {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
 
 
+@pytest.mark.parametrize("folder", ["scripts", "examples", "tests"])
+def test_no_script_example_or_test_file_over_the_size_limit(folder):
+    """The limit holds outside the packages too: every .py file of the tooling, the examples and the tests."""
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in files}
+    assert not {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+
+
 # kernels/ in folders (docs/contributing.md): a folder per backend, a folder per operation front-end, and the
 # core that every backend shares at the top.
 BACKENDS = ("triton", "mosaic", "tpu", "xla")

@@ -211,7 +211,7 @@ def test_bad_arguments():
 def _modules(config):
     """(params, apply(params, inputs)) of NNX's FlexAttention with learnable ALiBi (slopes' gradients too);
     the same weights for any config. Every module reaches `attention` through the same AttentionFunction;
-    tests/test_examples.py trains NNX, Linen and Equinox models context parallel."""
+    tests/test_examples_models.py trains NNX, Linen and Equinox models context parallel."""
     from flax import nnx
 
     from probjax_nn import nnx as pn

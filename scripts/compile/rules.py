@@ -1,4 +1,4 @@
-"""The exceptions the compile report's check (scripts/compile/report.py) allows, each with its figure and why:
+"""The exceptions the compile report's check (scripts/compile/check.py) allows, each with its figure and why:
 the spills that remain (one entry per kernel, target and variant, capped within 10 % of its figure) and the
 Hopper kernels whose matmuls are allowed a wgmma share under `MIN_WGMMA_SHARE`. Everything not listed here is
 held to no spill and the full share. docs/perf-notes.md has the tiles tried."""

@@ -1,11 +1,14 @@
-"""What the compile checks' `--reuse` needs of the checkout and the machine, with no jax: the regex that takes the
-machine's folders out of the kernels' source file names, and the commit that picks the units compiled again."""
+"""What the compile checks' `--reuse` needs of the checkout and the machine, with no jax: the checkout's folder, the
+regex that takes the machine's folders out of the kernels' source file names, and the commit that picks the units
+compiled again."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout: this file is scripts/compile/sources.py
 
 
 def source_paths_regex(*roots: Path) -> str:

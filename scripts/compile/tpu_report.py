@@ -108,7 +108,7 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
            seed: str = "") -> list[dict]:
     """Compile the group's variants for one generation in this process; one row per variant. With `reuse` (an
     earlier report), a variant whose lowered module has the fingerprint of that report's row takes that row's
-    kernels and HBM figures instead of compiling (`report.py`'s `_fingerprint`); `verify` of them, chosen by
+    kernels and HBM figures instead of compiling (`_fingerprint`, fingerprints.py); `verify` of them, chosen by
     `seed`, are compiled all the same and must give the same figures."""
     sys.path.insert(0, str(HERE))
     import report as gpu_report

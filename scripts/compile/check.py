@@ -1,0 +1,160 @@
+"""The compile report's check (`report.py check`), fail-closed: the registry (variants.py) is the expected set, and
+a missing (target, variant) pair, a row the registry lacks, a missing or unexpected kernel, a compile error, a
+spill outside `SPILLS`, shared memory over the target's limit or a kernel without the instructions its target
+should use each fail; and the verdicts a report carries beside its figures (`_with_verdicts`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import variants as registry  # the expected set: scripts/compile/variants.py
+from figures import target_limits
+from kernel_tiles import _fallback_tiles
+from rules import (  # the exceptions the check allows, each with its figure and why
+    LOW_WGMMA_SHARE, MIN_WGMMA_SHARE, NO_WGMMA_VARIANTS, SPILLS,
+)
+
+TARGETS = registry.GPU_TARGETS
+
+
+def spill_cap(kernel: str, target: str, variant: str) -> tuple | None:
+    return SPILLS.get((kernel, target, variant))
+
+
+def expected(targets=None, only: str | None = None) -> list[tuple[str, registry.Variant]]:
+    """The (target, variant) pairs a report must hold: every variant of the registry on each target it applies
+    to, among `targets` (all the registry's by default) and the variants whose name matches `only`."""
+    targets = targets or TARGETS
+    return [(t, v) for v in registry.variants() for t in targets
+            if t in v.targets and not (only and not re.search(only, v.name))]
+
+
+def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> list[str]:
+    """Every reason one compile fails CI, one line each (`limits`: its target's, from `target_limits`;
+    `variant`: the registry's entry of the row, None when the registry has none)."""
+    where = f"{row['target']} {row['variant']}"
+    if variant is None:
+        return [f"{where}: not in the registry (scripts/compile/variants.py): a stale report"]
+    if row["group"] == "peer":
+        return []  # peers (JAX's own kernels) are shown side by side, not held to our checks
+    if row["status"] != "ok":
+        return [f"{where}: compile error: {row.get('error')}"]
+    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
+    for kernel in row["kernels"]:
+        out += gpu_kernel_problems(row, kernel, limits)
+    return out
+
+
+def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
+    """A compile must hold exactly the kernels the registry requires of it (`Variant.requires`): one missing
+    (a backward kernel gone, a Mosaic call that ran on Triton) or one it does not expect fails."""
+    ours = {name for name in found if name.startswith("probjax_")}
+    out = []
+    if not requires:
+        out.append(f"{where}: the registry requires no kernel of it (it would prove nothing)")
+    missing = sorted(set(requires) - ours)
+    if missing:
+        out.append(f"{where}: missing kernel(s) {', '.join(missing)} (found: {', '.join(sorted(ours)) or 'none'})")
+    extra = sorted(ours - set(requires))
+    if extra:
+        out.append(f"{where}: kernel(s) the registry does not expect: {', '.join(extra)}")
+    return out
+
+
+def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
+    """An NVIDIA kernel's figures against the rules: no spill (outside `SPILLS`' capped entries), shared
+    memory within the target's limit; on Hopper, Mosaic kernels with TMA and wgmma and 16-bit kernels whose
+    matmuls are mostly wgmma (`MIN_WGMMA_SHARE`, `LOW_WGMMA_SHARE`); on sm_80 / sm_86, 16-bit kernels with
+    mma.sync (HMMA) and cp.async (LDGSTS) where the kernel pipelines (num_stages >= 2, and decode)."""
+    name = f"{row['target']} {row['variant']} {kernel['kernel']}"
+    out = []
+    cap = spill_cap(kernel["kernel"], row["target"], row["variant"])
+    if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
+            cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
+        out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
+    if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
+        out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
+    sixteen_bit = row["dtype"] != "f32"  # float32 dots run at Precision.HIGHEST: FMA, no tensor cores
+    if limits["arch"].startswith("sm_90"):
+        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
+            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
+                       f"(HGMMA {kernel['HGMMA']})")
+        if sixteen_bit and not any(re.search(p, row["variant"]) for p in NO_WGMMA_VARIANTS):
+            share = wgmma_share(kernel)
+            least, _ = LOW_WGMMA_SHARE.get((kernel["kernel"], max(row["head_dim"], row["value_dim"] or 0)),
+                                           (MIN_WGMMA_SHARE, ""))
+            if share is None or share < least:
+                out.append(f"{name}: wgmma share {share if share is None else round(share, 2)} (HGMMA "
+                           f"{kernel['HGMMA']}, HMMA {kernel['HMMA']}) under {least}")
+    elif sixteen_bit:
+        if not kernel["HMMA"]:
+            out.append(f"{name}: 16-bit matmuls without mma.sync (HMMA 0)")
+        pipelined = row["group"] == "decode" or (row.get("config") or {}).get("num_stages", 1) >= 2
+        if pipelined and not kernel["LDGSTS"]:
+            out.append(f"{name}: a pipelined kernel without cp.async (LDGSTS 0)")
+    return out
+
+
+def wgmma_share(kernel: dict) -> float | None:
+    """HGMMA / (HGMMA + HMMA) of a kernel's SASS; None when it has neither (no tensor-core matmul)."""
+    total = kernel["HGMMA"] + kernel["HMMA"]
+    return kernel["HGMMA"] / total if total else None
+
+
+def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
+    """Every reason the report fails CI, one line each: the registry's expected (target, variant) pairs
+    (`expected(targets, only)`) each present exactly once and passing `row_problems`, and nothing else. An
+    empty expected set fails: a check of nothing proves nothing."""
+    pairs = expected(targets, only)
+    whole = not only and set(targets or TARGETS) == set(TARGETS)  # then a row the registry lacks is stale
+    if not pairs:
+        return [f"no variant of the registry matches (targets {targets or 'all'}, only {only!r}): nothing checked"]
+    want = {(t, v.name): v for t, v in pairs}
+    limits = {t: target_limits(t) for t in {t for t, _ in pairs}}
+    out, seen = [], set()
+    for row in report.get("rows", []):
+        key = (row["target"], row["variant"])
+        if key in seen:
+            out.append(f"{key[0]} {key[1]}: compiled twice in the report")
+            continue
+        seen.add(key)
+        if key in want:
+            out += row_problems(row, limits[row["target"]], want[key])
+        elif whole:
+            out += row_problems(row, {}, None)
+    out += [f"{t} {name}: missing from the report (the registry expects it on {t})"
+            for (t, name) in want if (t, name) not in seen]
+    return out
+
+
+def check(path: Path, targets=None, only: str | None = None) -> int:
+    report = json.loads(path.read_text())
+    found = problems(report, targets, only)
+    for line in found:
+        print(f"compile_report: FAIL {line}")
+    kernels = sum(len(r["kernels"]) for r in report.get("rows", []))
+    print(f"compile_report: {len(report.get('rows', []))} compiles, {kernels} kernels, "
+          f"{len(expected(targets, only))} expected, {len(found)} problems")
+    return 1 if found else 0
+
+
+def _with_verdicts(report: dict) -> dict:
+    """The report with this script's verdicts (each row's problems, the rules' lists), recomputed from the
+    figures: `markdown` refreshes a committed report after a rule changes, without compiling."""
+    by_name = {v.name: v for v in registry.variants()}
+    for row in report["rows"]:  # the verdict travels with the row (tests/test_compile_report.py reads it)
+        row["problems"] = row_problems(row, target_limits(row["target"]), by_name.get(row["variant"]))
+        if row.get("backend") == "mosaic" and row.get("config") and "fallback_config" not in row:
+            row["fallback_config"] = _fallback_tiles(row)
+    report.update(
+        min_wgmma_share=MIN_WGMMA_SHARE,
+        low_wgmma_share=[dict(kernel=k, head_dim=d, least=c[0], why=c[1]) for (k, d), c in LOW_WGMMA_SHARE.items()],
+        no_wgmma_variants=[dict(variants=k, why=v) for k, v in NO_WGMMA_VARIANTS.items()],
+        spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
+                for (k, t, v), c in SPILLS.items()],
+    )
+    return report
+
