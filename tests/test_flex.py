@@ -340,18 +340,18 @@ def test_hooks_with_jax_enable_x64():
 
 def test_kernels_retiled_per_call_stay_exact(monkeypatch):
     """The dispatch may run the forward, dQ and dK/dV kernels of one call on different tiles
-    (`triton_forward_config`, `triton_backward_configs`: narrower tiles or other warps where a feature
+    (`triton.plan.forward_config`, `backward_configs`: narrower tiles or other warps where a feature
     spills): each kernel then traces the hooks at its own tile and reads the block tables at it."""
-    from probjax_kernels import _dispatch
+    from probjax_kernels.triton import plan as triton_plan
 
     def halved(config, *fields):
         return dataclasses.replace(config, **{name: getattr(config, name) // 2 for name in fields})
 
-    monkeypatch.setattr(_dispatch, "triton_forward_config", lambda problem, config, *_: halved(config, "block_k"))
-    monkeypatch.setattr(_dispatch, "triton_backward_configs", lambda problem, *_: (
+    monkeypatch.setattr(triton_plan, "forward_config", lambda problem, config, *_: halved(config, "block_k"))
+    monkeypatch.setattr(triton_plan, "backward_configs", lambda problem, *_: (
         halved(problem.config, "block_q_dq"), halved(problem.config, "block_k_dkv")))
     # the tangent's query tile below the forward's, with block tables (float32 on a GPU)
-    monkeypatch.setattr(_dispatch, "tangent_config", lambda config, *_, **__: halved(config, "block_q"))
+    monkeypatch.setattr(triton_plan, "tangent_config", lambda config, *_, **__: halved(config, "block_q"))
     q, k, v = random_qkv(49, 1, 64, 64, 2, 1, 16)
     table = 0.3 * jax.random.normal(jax.random.key(50), (2, 127))
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)

@@ -7,7 +7,7 @@ held to no spill and the full share. docs/perf-notes.md has the tiles tried."""
 # Spills that remain, one entry per (kernel, target, variant), each capped within 10 % of its figure (a larger
 # spill, or one anywhere else, fails), with why it is not zero; docs/perf-notes.md has the tiles tried. None
 # remain: where a feature spilled on the default tiles, the dispatch retiles that kernel for it
-# (`_dispatch.triton_forward_config`, `triton_backward_configs`, `tangent_config`; Versions 7, 7b-7e) or splits
+# (`triton.plan.forward_config`, `backward_configs`, `tangent_config`; Versions 7, 7b-7e) or splits
 # its work across programs (the tangent's value head dim, Version 7u; dV and dK at head dim 256 with a score
 # tile on sm_90a, Version 7f). The Mosaic kernels have none (dK/dV with a score_mod: Version 7y).
 SPILLS: dict[tuple[str, str, str], tuple[int, int, str]] = {
