@@ -7,8 +7,8 @@
 Needs `jax[tpu]` (libtpu) beside the examples' packages; no chip: XLA compiles the whole multi-chip program
 for the slice's topology (`jax.experimental.topologies`, deviceless ahead-of-time compilation). The shapes
 are the benchmark presets' (`--preset bench-hd64` / `bench-hd128`: 8 layers, 8 heads, head dim 64 / 128,
-bfloat16) with batch 4 per data shard and `--attention pallas` (the Mosaic TPU kernels; "auto" picks XLA
-off a GPU). For each (slice, mesh, head dim, sequence length) it compiles
+bfloat16) with batch 4 per data shard and `--attention pallas` (the Mosaic TPU kernels, which "auto" picks
+too on a TPU, deviceless compiles included). For each (slice, mesh, head dim, sequence length) it compiles
 
 - the training step of train.py (`make_steps`: loss, gradient and AdamW update, donated params and optimiser
   state) on the slice's mesh, params and optimiser state sharded as a run shards them, the batch split over

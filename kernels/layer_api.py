@@ -25,8 +25,7 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   layouts ("contiguous", "zigzag") and schedules ("ring", "allgather") that `ring_attention` takes.
 """
 
-from probjax_kernels._backend import target_device as target_device
-from probjax_kernels._backend import target_platform as target_platform
+from probjax_kernels import _backend
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
 from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
 from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
@@ -42,4 +41,15 @@ from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
     "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs",
+    "target_device", "target_platform",
 ]
+
+
+def target_device():
+    """The device a call compiles for, as the kernels see it (`_backend.target_device`)."""
+    return _backend.target_device()
+
+
+def target_platform() -> str:
+    """The platform of that device ("gpu", "tpu", "cpu"), as the kernels' choice of backend reads it."""
+    return _backend.target_platform()

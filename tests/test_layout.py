@@ -128,6 +128,69 @@ def test_the_core_imports_no_front_end():
     assert not {m: targets for m, targets in upward.items() if targets}
 
 
+def test_a_backend_imports_only_its_own_folder_and_the_core():
+    """A backend's modules import the core at the top of kernels/ (not `_dispatch`, which chooses among them)
+    and their own folder: never a front-end, never another backend."""
+    graph = _graph("probjax_kernels")
+    outside = {
+        module: sorted(t for t in imports if t == DISPATCHER or _folder(t) not in (None, _folder(module)))
+        for module, imports in graph.items() if _folder(module) in BACKENDS
+    }
+    assert not {module: targets for module, targets in outside.items() if targets}
+
+
+def test_the_dispatcher_only_chooses():
+    """`_dispatch` stays small: the order of the backends per device and the plan of a call, nothing of a
+    backend's own rules (docs/contributing.md)."""
+    assert len((PACKAGES["probjax_kernels"] / "_dispatch.py").read_text().splitlines()) <= 200
+
+
+def test_every_backend_config_has_an_order_of_backend_objects():
+    """Each `FlashConfig.backend` value names the backends that run it, each one object that keeps the
+    protocol of `_backend.Backend`, and each serving its values first where it leads the order."""
+    import typing
+
+    from probjax_kernels import _backend, _dispatch
+    from probjax_kernels._config import Backend
+
+    assert set(_dispatch.ORDER) == set(typing.get_args(Backend))
+    for name, order in _dispatch.ORDER.items():
+        assert name in order[0].configs
+        for backend in order:
+            for method in ("defaults", "hook_shapes", "unsupported", "plan"):
+                assert callable(getattr(backend, method)), (backend, method)
+            assert isinstance(backend.name, str) and isinstance(backend.warns_when_declining, bool)
+    assert {f.name for f in __import__("dataclasses").fields(_backend.Plan)} >= {"forward", "backward", "tangent"}
+
+
+@pytest.mark.parametrize("backend, modules, returns", [("interpret", 8, 2), ("tpu_interpret", 8, 2),
+                                                        ("mosaic_interpret", 8, 2)])
+def test_the_way_from_flash_attention_to_a_kernel_is_short(backend, modules, returns):
+    """Following `q` from `flash_attention` to the forward's pallas_call (scripts/call_route.py, as
+    docs/contributing.md counts it): at most 8 modules and at most 2 returns to a module already left."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import call_route
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    steps = call_route.route(backend, "forward")
+    figures = call_route.figures(steps)
+    assert steps[0] == ("probjax_kernels._flash_attention", "flash_attention")
+    assert steps[-1] == ("jax.pallas_call", "pallas_call")
+    assert figures["modules"] <= modules and figures["returns"] <= returns, call_route.stays(steps)
+
+
+def test_the_way_counts_a_return(monkeypatch):
+    """The count is not blind: a step back into a module the way had left is a return."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import call_route
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    steps = [("a", "f"), ("b", "g"), ("a", "h"), ("a", "i"), ("c", "j"), ("b", "k")]
+    assert call_route.figures(steps) == {"stays": 5, "modules": 0, "returns": 2}
+
+
 def test_the_layout_checks_see_a_backend_import(tmp_path):
     """The folder rules above read imports through `_imports`: a crossing written either way is seen."""
     known = {"probjax_kernels.triton.forward", "probjax_kernels.mosaic.common", "probjax_kernels.mosaic"}

@@ -1,6 +1,6 @@
 """The TPU variants the compile report compiles (scripts/compile/tpu_report.py): every Mosaic TPU kernel build
 that `auto` (a TPU device's default backend, "tpu") or a default `FlashConfig` can pick, each with the path
-the TPU dispatch (`probjax_kernels._dispatch._tpu_takes`, `probjax_kernels.tpu.unsupported`) takes for it:
+the TPU dispatch (`probjax_kernels.tpu.vet.unsupported`, through `_dispatch.plan`) takes for it:
 "kernel" (the Mosaic TPU kernels: one `tpu_custom_call` per kernel) or "fallback" (the XLA path, with a
 warning; no `tpu_custom_call`). The gate holds every generation's compile to that expectation.
 
@@ -129,7 +129,7 @@ def tpu_variants() -> list[TpuVariant]:
         out.append(_from_gpu(base, "flex", "fallback" if fallback else "kernel",
                              FLEX_FALLBACK.get(hook, "")))
     # A BlockMask of 512 x 512 blocks: coarser than every generation's dQ or dK/dV tile, so each kernel walks
-    # the mask's tables refined onto its own tile (`_dispatch._tpu_tables`).
+    # the mask's tables refined onto its own tile (`tpu.plan._tables`).
     out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_sliding_window_block512", "sliding_window",
                                            backend="tpu", block=512), "flex"))
     for t in HBM_LENGTHS:

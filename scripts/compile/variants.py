@@ -186,8 +186,8 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 
 # ------------------------------------------------------------------------------ the dispatch rules, restated
 
-# Which kernels a call compiles to is decided in `probjax_kernels._dispatch` (`default_backend`,
-# `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`). The rules are restated here on purpose, from the
+# Which kernels a call compiles to is decided by the backends' plans (`probjax_kernels.mosaic.plan`:
+# `_mosaic_takes`, `_fits_mosaic`, `_mosaic_backward_tiles`; `_dispatch.ORDER` and `default_backend`). The rules are restated here on purpose, from the
 # API contract rather than from those functions: a change in the dispatch that drops a kernel (a Mosaic call
 # running on Triton, a backward kernel gone) then shows up as a missing kernel in the report and fails it,
 # instead of moving the expectation along with it.
