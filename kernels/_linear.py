@@ -8,10 +8,6 @@ Forward-mode autodiff of the attention kernels needs a tangent map `t -> T(r, t)
 `jax.custom_derivatives.linear_call` has the first two but neither a batching rule nor a derivative in its
 residuals, so this module defines a primitive that has all four. Derivatives in r (second order) come from
 `reference`, a plain-jnp function equal to `apply`; they are the only place it runs.
-
-The transpose is a `custom_linear` too, with the roles swapped, so reverse mode over reverse mode (`jax.grad`
-of a function of `jax.grad`, `jax.jacrev` of `jax.grad`) differentiates the backward kernels the same way: in
-their cotangents by the tangent kernel, in r by the reference.
 """
 
 from __future__ import annotations
@@ -167,9 +163,6 @@ def _transpose(cotangents, *args, maps: _Maps, num_res: int):
     res, lin = args[:num_res], args[num_res:]
     if any(ad.is_undefined_primal(x) for x in res):
         raise NotImplementedError("custom_linear is transposed in its linear arguments only.")
-    # A linear argument may be known: the zeros that `_jvp` instantiates for an input without a tangent (the
-    # d lse cotangent of a gradient, when reverse mode runs over the backward kernels). The map is then
-    # affine in the others, and its transpose in them is A^T's rows for them: the known ones get no cotangent.
     cotangents = [
         jnp.zeros(a.shape, a.dtype) if type(ct) is ad.Zero else ct for ct, a in zip(cotangents, maps.out_avals)
     ]
