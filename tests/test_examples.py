@@ -396,6 +396,20 @@ def test_resume_restores_lost_metrics_rows_and_passes_over_a_damaged_losses_item
     assert [row["step"] for row in resumed] == list(range(1, 9))
 
 
+def test_resume_with_fewer_steps_than_the_run_has_leaves_it_as_it_was(data_cache, tmp_path, capsys, killed_run):
+    """`--resume --steps 3` on a run at step 4 exited 0 without a word, after rewriting config.json to 3 steps,
+    cutting metrics.jsonl back to step 4 and plotting it; now it says so and changes nothing."""
+    out = tmp_path / "run"
+    killed_run(out)  # checkpoints 2 and 4; rows 1..5
+    before = _snapshot(out)
+    train_lm = _load_script("train_lm")
+    capsys.readouterr()
+    train_lm.main([*micro_flags(data_cache, out, **{**KILLED, "steps": 3}), "--resume"])  # returns: exit status 0
+    printed = capsys.readouterr().out
+    assert f"the run in {out} is already at step 4, past --steps 3: nothing to do, left as it was" in printed, printed
+    assert _snapshot(out) == before
+
+
 def test_a_diverging_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_cache, tmp_path):
     """A learning rate of 1e12 turns the loss to NaN within a few steps (step 1 has rate 0: warmup). The run
     wrote NaN into metrics.jsonl (invalid JSON) and checkpointed the weights that produced it."""

@@ -412,6 +412,11 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     "with --overwrite.",
                 )
             start, params, opt_state = restored
+            if start > config.steps:  # nothing to train; the run (config.json, its checkpoints) stays as it is
+                checkpoints.close()
+                say(f"the run in {out} is already at step {start}, past --steps {config.steps}: nothing to do, left "
+                    f"as it was (resume with --steps above {start} to train on)")
+                return rows
             pending_losses, saved_rows = checkpoints.progress(start)
             rows, restored_note = _restore_rows(rows, saved_rows, start)
             if skipped:  # orbax saves no step at or below its latest: the broken ones must go
