@@ -289,31 +289,54 @@ def check_shared_out(out: Path, tries: int = 10, interval: float = 0.5) -> None:
 
 
 class Preemption:
-    """Whether a TERM (SLURM preemption, `scancel`, a time limit, a launcher stopping) asks the run to stop.
+    """Whether a TERM (SLURM preemption, `scancel`, a time limit, a launcher stopping) or an INT (Ctrl-C) asks
+    the run to stop.
 
-    In a multi-process run jax's preemption service catches the TERM of any process and
-    `multihost_utils.reached_preemption_sync_point` names one step at which every process sees it; in one
-    process a handler notes the signal, from `install` to `restore`. Every process calls `reached(step)` after
-    every step.
+    In one process a handler notes the first TERM or INT, from `install` to `restore`. In a multi-process run
+    jax's preemption service catches the TERM of any process and `multihost_utils.reached_preemption_sync_point`
+    names one step at which every process sees it; an INT is passed on to it as a TERM to this process. Every
+    process calls `reached(step)` after every step.
+
+    The stop's checkpoint must not be lost to the signals that often follow the first (`scancel` and a batch
+    script that passes the TERM on, a launcher's TERM and a Ctrl-C): further TERMs and INTs are noted with a
+    line on stderr and ignored until `restore`, which the run calls once the checkpoint is committed. (In a
+    multi-process run jax's own handler ignores the TERMs after the first, without a line.)
     """
 
     def __init__(self):
-        self.signalled = False
-        self.previous = None
+        self.signalled: str | None = None  # "TERM" or "INT": the signal that stops the run
+        self.previous: dict[int, object] = {}
 
     def install(self) -> Preemption:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._note)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else (signal.SIGINT,):
+            if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # started with INT ignored (nohup, a background job): it stays so
+            self.previous[signum] = signal.signal(signum, self._note)
         return self
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        self.previous = {}
 
     def _note(self, signum, frame) -> None:
-        self.signalled = True
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        if self.signalled is None:
+            self.signalled = name
+            if jax.process_count() > 1:  # jax's preemption service stops every process after one step
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        # os.write, not print: the handler may run while the main thread is inside a write to sys.stderr.
+        line = (f"got {name} while stopping (after {self.signalled}): ignored until the checkpoint of the stop is "
+                "saved\n")
+        try:
+            os.write(2, line.encode())
+        except OSError:
+            pass
 
     def reached(self, step: int) -> bool:
         if jax.process_count() > 1:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self.signalled
+        return self.signalled is not None
