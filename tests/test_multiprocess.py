@@ -65,8 +65,9 @@ TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_o
 # read for each run's devices; MP_OUT: writes to MP_OUT.<process id> each run's ConfigError (flag, message)
 # or None (without MP_OUT a ConfigError ends the process); MP_KILL,
 # "PROCESS:STEP", makes that process SIGKILL itself right after it starts saving that step's checkpoint;
-# MP_SIGNAL, "PROCESS:STEP:SIGNAL", makes that process send SIGNAL to the launcher as it starts that step, and
-# every process take at least 0.25 s per later step (so that the run cannot end before the signal reaches it);
+# MP_SIGNAL, "PROCESS:STEP:SIGNAL" (or "PROCESS:STEP:SIGNAL:self"), makes that process send SIGNAL to the
+# launcher (or to itself) as it starts that step, and every process take at least 0.25 s per later step (so
+# that the run cannot end before the signal reaches it);
 # MP_PIDS: each process writes its pid to MP_PIDS.<process id>; MP_FETCHED: each process writes to
 # MP_FETCHED.<process id> the most bytes one `jax.device_get` fetched.
 _WORKER = """
@@ -106,12 +107,12 @@ _WORKER = """
         with open(os.environ["MP_PIDS"] + f".{{launch.process_id}}", "w") as file:
             file.write(str(os.getpid()))
     if os.environ.get("MP_SIGNAL"):
-        process, step, name = os.environ["MP_SIGNAL"].split(":")
+        process, step, name, *to = os.environ["MP_SIGNAL"].split(":")
         train_starts = data.train_starts
 
         def signalling(tokens, config, at):
             if at == int(step) and launch.process_id == int(process):
-                os.kill(os.getppid(), getattr(signal, name))
+                os.kill(os.getpid() if to == ["self"] else os.getppid(), getattr(signal, name))
             elif at > int(step):  # the steps after it outlast the launcher watch's poll (1 s) on a fast machine
                 time.sleep(0.25)
             return train_starts(tokens, config, at)
@@ -438,6 +439,22 @@ def test_a_term_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoin
     assert 3 <= stopped < 40
     committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert committed == [stopped]  # checkpoint_every none: the TERM's save alone
+    assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
+    assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
+
+
+def test_an_int_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(data_cache, tmp_path):
+    """An INT that reaches one process (a Ctrl-C, srun passing it on) raised KeyboardInterrupt there: the launcher
+    stopped the others and exited 1 with its traceback, losing the steps since the last checkpoint. Now it is
+    passed on to jax's preemption service as a TERM: every process stops after one step and saves it."""
+    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
+              "out": str(tmp_path / "run")}
+    result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="1:3:SIGINT:self")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    stopped = _stopped_step(result.stdout)
+    assert 3 <= stopped < 40
+    committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert committed == [stopped]
     assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
     assert "Traceback" not in (tmp_path / "logs" / "process_1.log").read_text()
 
