@@ -80,7 +80,8 @@ def gpu_share(environ: Mapping[str, str] = os.environ) -> tuple[list[int] | None
     visible = _visible_gpus(environ)
     if not all(name in environ for name in _SLURM):
         return (None if visible is None else list(range(len(visible)))), None
-    counts = _expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "")))
+    layout = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
+    counts = _expand_counts(environ.get(layout, ""))
     node = int(environ.get("SLURM_NODEID", "0"))
     tasks = counts[node] if node < len(counts) else None
     on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
@@ -97,7 +98,7 @@ def gpu_share(environ: Mapping[str, str] = os.environ) -> tuple[list[int] | None
         return None, None
     if tasks > len(shared):
         raise ValueError(
-            f"{tasks} tasks on node {node} (SLURM_STEP_TASKS_PER_NODE) share its {len(shared)} GPUs ({where}): "
+            f"{tasks} tasks on node {node} ({layout}) share its {len(shared)} GPUs ({where}): "
             f"each task needs a GPU of its own; run at most {len(shared)} tasks per node (--ntasks-per-node) or "
             "ask for more GPUs."
         )
