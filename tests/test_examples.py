@@ -8,6 +8,11 @@ import math
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -20,7 +25,7 @@ pytest.importorskip("flax")
 pytest.importorskip("equinox")
 
 from lm_micro import (  # noqa: E402, F401 - puts examples/ on sys.path; standard_promotion: autouse
-    FRAMEWORKS, _load_script, _snapshot, _usage_error, micro, micro_flags, standard_promotion,
+    EXAMPLES, FRAMEWORKS, _load_script, _snapshot, _usage_error, micro, micro_flags, standard_promotion,
 )
 from lm import data, train  # noqa: E402
 
@@ -152,6 +157,136 @@ def test_a_term_signal_saves_a_checkpoint_and_resume_continues_the_run(
         np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
 
 
+def test_the_first_term_or_int_stops_and_the_later_ones_are_noted_and_ignored(monkeypatch, capfd):
+    """A Ctrl-C raised KeyboardInterrupt wherever the run was (the steps since its last checkpoint lost); now
+    the first TERM or INT asks for the stop and the later ones are noted. Several processes: jax's preemption
+    service keeps the TERM; an INT is passed on to it as a TERM."""
+    from lm.distributed import Preemption
+
+    term = signal.getsignal(signal.SIGTERM)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal
+    try:
+        preemption = Preemption().install()
+        try:
+            assert not preemption.reached(1)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:  # would end the whole test session
+                pytest.fail("an INT raised KeyboardInterrupt instead of asking the run to stop")
+            assert preemption.reached(1) and preemption.signalled == "INT"
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+        finally:
+            preemption.restore()
+        assert signal.getsignal(signal.SIGTERM) is term
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        err = capfd.readouterr().err
+        for name in ("TERM", "INT"):
+            assert f"got {name} while stopping (after INT): ignored until the checkpoint of the stop is saved" in err
+
+        with monkeypatch.context() as patch:
+            patch.setattr(jax, "process_count", lambda: 2)
+            sent = []
+            patch.setattr(os, "kill", lambda pid, signum: sent.append((pid, signum)))
+            preemption = Preemption().install()
+            try:
+                assert signal.getsignal(signal.SIGTERM) is term  # jax's handler stays
+                signal.raise_signal(signal.SIGINT)
+            finally:
+                preemption.restore()
+        assert sent == [(os.getpid(), signal.SIGTERM)] and preemption.signalled == "INT"
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # started with INT ignored (nohup, a background job)
+        Preemption().install().restore()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+
+
+# Bounds for a machine much busier than this one; a slow machine is not a failure.
+WAIT_S = 600
+# train_lm.py with orbax's commit of each checkpoint held until the file GATE.go exists (GATE.saving says that
+# a commit has begun): the save lasts as long as the test needs, on a fast machine as on a slow one.
+_HELD_SAVE = """
+    import os, runpy, sys, time
+    from orbax.checkpoint._src.path import atomicity
+
+    gate, wait_s = sys.argv.pop(1), float(sys.argv.pop(1))
+
+    def hold(finalize):
+        async def held(self):
+            open(gate + ".saving", "w").close()
+            deadline = time.monotonic() + wait_s
+            while not os.path.exists(gate + ".go") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            await finalize(self)
+        return held
+
+    for kind in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+        kind.finalize = hold(kind.finalize)
+    sys.argv[0] = {script!r}
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_signals_during_the_save_of_a_stop_are_ignored_until_it_is_committed(data_cache, tmp_path, capsys):
+    """A second TERM 0.3 s after the first (`scancel` and a batch script that passes the TERM on, a launcher's
+    TERM and a Ctrl-C) killed the run while it saved the first one's checkpoint: status 143, only
+    `S.orbax-checkpoint-tmp-*` left, the steps since the last checkpoint lost. Now the TERMs and INTs that come
+    during the save are noted and ignored; the run commits the checkpoint, exits 0, and --resume continues."""
+    worker = tmp_path / "held_save.py"
+    worker.write_text(textwrap.dedent(_HELD_SAVE).format(script=str(EXAMPLES / "train_lm.py")))
+    out, gate, stdout, stderr = tmp_path / "run", tmp_path / "gate", tmp_path / "stdout", tmp_path / "stderr"
+    config = dict(steps=100_000, log_every=1, eval_every=100_000, checkpoint_every="none", num_samples=0,
+                  num_layers=1)
+    argv = [sys.executable, str(worker), str(gate), str(WAIT_S), *micro_flags(data_cache, out, **config)]
+    # The run starts with INT's default disposition, as from a terminal (not SIG_IGN, were pytest run in the
+    # background): a handler installed here is reset to the default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with stdout.open("w") as out_file, stderr.open("w") as err_file:
+            process = subprocess.Popen(argv, stdout=out_file, stderr=err_file, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    def wait_for(condition) -> bool:
+        """Whether `condition()` came true within WAIT_S seconds, while the run ran."""
+        for _ in range(WAIT_S * 10):
+            if condition() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        return condition()
+
+    metrics = out / "metrics.jsonl"
+    try:
+        # The first TERM once a step is done: its metrics row is written inside the loop's signal handling.
+        assert wait_for(lambda: metrics.exists() and metrics.read_text().strip()), stderr.read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: Path(f"{gate}.saving").exists()), stderr.read_text()[-3000:]
+        unfinished = list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+        assert len(unfinished) == 1, unfinished  # the stop's save has begun and is not committed
+        step = int(unfinished[0].name.split(".")[0])
+        for signum, name in ((signal.SIGTERM, "TERM"), (signal.SIGINT, "INT")):
+            process.send_signal(signum)
+            line = f"got {name} while stopping (after TERM): ignored until the checkpoint of the stop is saved"
+            assert wait_for(lambda: line in stderr.read_text()), (process.returncode, stderr.read_text()[-3000:])
+        Path(f"{gate}.go").touch()
+        process.wait(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=WAIT_S)
+    assert process.returncode == 0, stderr.read_text()[-3000:]
+    assert f"stopped by a TERM signal after step {step}, saved in {out / 'checkpoints' / str(step)}: run the " \
+        "same command with --resume to continue" in stdout.read_text(), stdout.read_text()[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [str(step)]
+
+    capsys.readouterr()
+    resumed = train.run(micro(data_cache, out, resume=True, **{**config, "steps": step + 2}))
+    assert f"resumed from step {step}\n" in capsys.readouterr().out
+    assert [row["step"] for row in resumed] == list(range(1, step + 3))
+
+
 # A metrics row every step and a checkpoint every 2: a run to break and resume in several ways.
 KILLED = dict(steps=6, log_every=1, checkpoint_every=2, eval_every=100, num_samples=0, num_layers=1)
 
@@ -246,6 +381,20 @@ def test_resume_restores_lost_metrics_rows_and_passes_over_a_damaged_losses_item
     assert "cannot restore the checkpoint of step 6: JSONDecodeError" in printed, printed
     assert "resumed from step 4, the newest checkpoint that restores" in printed, printed
     assert [row["step"] for row in resumed] == list(range(1, 9))
+
+
+def test_resume_with_fewer_steps_than_the_run_has_leaves_it_as_it_was(data_cache, tmp_path, capsys, killed_run):
+    """`--resume --steps 3` on a run at step 4 exited 0 without a word, after rewriting config.json to 3 steps,
+    cutting metrics.jsonl back to step 4 and plotting it; now it says so and changes nothing."""
+    out = tmp_path / "run"
+    killed_run(out)  # checkpoints 2 and 4; rows 1..5
+    before = _snapshot(out)
+    train_lm = _load_script("train_lm")
+    capsys.readouterr()
+    train_lm.main([*micro_flags(data_cache, out, **{**KILLED, "steps": 3}), "--resume"])  # returns: exit status 0
+    printed = capsys.readouterr().out
+    assert f"the run in {out} is already at step 4, past --steps 3: nothing to do, left as it was" in printed, printed
+    assert _snapshot(out) == before
 
 
 def test_a_diverging_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_cache, tmp_path):

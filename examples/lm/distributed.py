@@ -55,30 +55,60 @@ def _expand_counts(text: str) -> list[int]:
     return counts
 
 
-def local_device_ids(environ: Mapping[str, str] = os.environ) -> list[int] | None:
-    """The GPUs (CUDA ordinals) this process should drive, for `jax.distributed.initialize(local_device_ids=)`.
+def _visible_gpus(environ: Mapping[str, str]) -> list[str] | None:
+    """The entries of `CUDA_VISIBLE_DEVICES`, or None when it leaves the choice open (unset, empty, NoDevFiles)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return None if not visible or visible == "NoDevFiles" else [entry.strip() for entry in visible.split(",")]
+
+
+def gpu_share(environ: Mapping[str, str] = os.environ) -> tuple[list[int] | None, str | None]:
+    """`(local_device_ids, note)`: the GPUs (CUDA ordinals) this process should drive, for
+    `jax.distributed.initialize(local_device_ids=)`, and a line to print when some of the node's GPUs sit idle.
 
     Without it, jax gives each SLURM or Open MPI task the one GPU of its local rank (jax#16788), so one task
-    per node with 8 GPUs would use one. Here: the GPUs that `CUDA_VISIBLE_DEVICES` leaves visible, all of them
-    (SLURM's `--gpus-per-task`, a launcher that splits the GPUs, or a node's GPUs with one task); failing that,
-    on SLURM, the node's GPUs (`SLURM_GPUS_ON_NODE`) split evenly between its tasks, in local-rank order;
-    `[]` (every GPU the process sees) for one task on its node; None (jax's default) when nothing says.
+    per node with 8 GPUs would use one. Here:
+    - a `CUDA_VISIBLE_DEVICES` of the task's own (SLURM's `--gpus-per-task`, a launcher that splits the GPUs,
+      a Kubernetes pod, Open MPI with a per-rank wrapper): all of it;
+    - on SLURM, one list of every GPU of the node shared by its L > 1 tasks (`--ntasks-per-node=8
+      --gres=gpu:8` gives each task `0,...,7`; a list is shared when it holds `SLURM_GPUS_ON_NODE` GPUs), or
+      no list and `SLURM_GPUS_ON_NODE`: split by local rank (`SLURM_LOCALID`), G // L consecutive GPUs each;
+      when L does not divide G the last G % L sit idle (said in `note`);
+    - `[]` (every GPU the process sees) for one task on its node; None (jax's default) when nothing says.
+
+    Raises ValueError, naming the variables, when a node's tasks outnumber its GPUs.
     """
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() and visible.strip() != "NoDevFiles":
-        return list(range(len(visible.split(","))))
+    visible = _visible_gpus(environ)
     if not all(name in environ for name in _SLURM):
-        return None
-    counts = _expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "")))
+        return (None if visible is None else list(range(len(visible)))), None
+    layout = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
+    counts = _expand_counts(environ.get(layout, ""))
     node = int(environ.get("SLURM_NODEID", "0"))
-    tasks_here = counts[node] if node < len(counts) else None
-    if tasks_here == 1:
-        return []  # an empty list restricts nothing: the task drives every GPU of its node
-    gpus = environ.get("SLURM_GPUS_ON_NODE", "")
-    if tasks_here and gpus.isdigit() and int(gpus) >= tasks_here:
-        per_task, local = int(gpus) // tasks_here, int(environ["SLURM_LOCALID"])
-        return list(range(local * per_task, (local + 1) * per_task))
-    return None
+    tasks = counts[node] if node < len(counts) else None
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    on_node = int(on_node) if on_node.isdigit() else None
+    if visible is not None:
+        if tasks is None or tasks == 1 or on_node is None or len(visible) != on_node:
+            return list(range(len(visible))), None  # the task's own GPUs
+        shared, where = visible, f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+    elif tasks == 1:
+        return [], None  # an empty list restricts nothing: the task drives every GPU of its node
+    elif tasks and on_node:
+        shared, where = [str(gpu) for gpu in range(on_node)], f"SLURM_GPUS_ON_NODE={on_node}"
+    else:
+        return None, None
+    if tasks > len(shared):
+        raise ValueError(
+            f"{tasks} tasks on node {node} ({layout}) share its {len(shared)} GPUs ({where}): "
+            f"each task needs a GPU of its own; run at most {len(shared)} tasks per node (--ntasks-per-node) or "
+            "ask for more GPUs."
+        )
+    per_task, local = len(shared) // tasks, int(environ["SLURM_LOCALID"])
+    note = None
+    if len(shared) % tasks and local == 0:  # one line per node, not one per task
+        idle = ", ".join(shared[tasks * per_task:])
+        note = (f"{tasks} tasks on node {node} share its {len(shared)} GPUs ({where}): each drives {per_task}, "
+                f"GPUs {idle} sit idle (a task count that divides {len(shared)} uses them all).")
+    return list(range(local * per_task, (local + 1) * per_task)), note
 
 
 def _port_in_use(port: int) -> bool:
@@ -118,6 +148,12 @@ def start_distributed(launch: Launch, environ: Mapping[str, str] = os.environ) -
         where, processes, process = f"the {cluster[0]} job's coordinator", cluster[1], cluster[2]
     else:  # left to jax's other detectors (Kubernetes, cloud TPUs)
         where, processes, process = "the detected cluster's coordinator", "all", "?"
+    try:
+        device_ids, note = gpu_share(environ)
+    except ValueError as error:
+        raise ConfigError("distributed", f"the GPUs of this node cannot be shared out: {error}") from None
+    if note is not None:
+        print(f"process {process}: {note}", file=sys.stderr, flush=True)
     print(f"process {process}: waiting for {processes} processes at {where} (up to {launch.startup_timeout} s, "
           "--startup-timeout)", file=sys.stderr, flush=True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -135,7 +171,7 @@ def start_distributed(launch: Launch, environ: Mapping[str, str] = os.environ) -
     try:
         jax.distributed.initialize(
             launch.coordinator_address, launch.num_processes, launch.process_id,
-            local_device_ids=local_device_ids(environ), initialization_timeout=launch.startup_timeout + 30,
+            local_device_ids=device_ids, initialization_timeout=launch.startup_timeout + 30,
         )
     except ValueError as error:  # "coordinator_address should be defined.": no cluster was detected
         raise ConfigError(
@@ -254,31 +290,54 @@ def check_shared_out(out: Path, tries: int = 10, interval: float = 0.5) -> None:
 
 
 class Preemption:
-    """Whether a TERM (SLURM preemption, `scancel`, a time limit, a launcher stopping) asks the run to stop.
+    """Whether a TERM (SLURM preemption, `scancel`, a time limit, a launcher stopping) or an INT (Ctrl-C) asks
+    the run to stop.
 
-    In a multi-process run jax's preemption service catches the TERM of any process and
-    `multihost_utils.reached_preemption_sync_point` names one step at which every process sees it; in one
-    process a handler notes the signal, from `install` to `restore`. Every process calls `reached(step)` after
-    every step.
+    In one process a handler notes the first TERM or INT, from `install` to `restore`. In a multi-process run
+    jax's preemption service catches the TERM of any process and `multihost_utils.reached_preemption_sync_point`
+    names one step at which every process sees it; an INT is passed on to it as a TERM to this process. Every
+    process calls `reached(step)` after every step.
+
+    The stop's checkpoint must not be lost to the signals that often follow the first (`scancel` and a batch
+    script that passes the TERM on, a launcher's TERM and a Ctrl-C): further TERMs and INTs are noted with a
+    line on stderr and ignored until `restore`, which the run calls once the checkpoint is committed. (In a
+    multi-process run jax's own handler ignores the TERMs after the first, without a line.)
     """
 
     def __init__(self):
-        self.signalled = False
-        self.previous = None
+        self.signalled: str | None = None  # "TERM" or "INT": the signal that stops the run
+        self.previous: dict[int, object] = {}
 
     def install(self) -> Preemption:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._note)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else (signal.SIGINT,):
+            if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # started with INT ignored (nohup, a background job): it stays so
+            self.previous[signum] = signal.signal(signum, self._note)
         return self
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        self.previous = {}
 
     def _note(self, signum, frame) -> None:
-        self.signalled = True
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        if self.signalled is None:
+            self.signalled = name
+            if jax.process_count() > 1:  # jax's preemption service stops every process after one step
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        # os.write, not print: the handler may run while the main thread is inside a write to sys.stderr.
+        line = (f"got {name} while stopping (after {self.signalled}): ignored until the checkpoint of the stop is "
+                "saved\n")
+        try:
+            os.write(2, line.encode())
+        except OSError:
+            pass
 
     def reached(self, step: int) -> bool:
         if jax.process_count() > 1:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self.signalled
+        return self.signalled is not None

@@ -349,8 +349,9 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
     `stop_after` ends the run after that step as a kill would (no final checkpoint, plot or samples), for
     testing `resume`. In a multi-process run every process calls this with the same config (checked: a
     ConfigError names the flag that differs); a check that fails on any process raises on every process,
-    and the out folder must be one that all of them share. A TERM signal stops the run after a step that
-    every process agrees on, with a checkpoint of that step (`Preemption`); it then returns the rows so far.
+    and the out folder must be one that all of them share. A TERM or INT signal stops the run after a step
+    that every process agrees on, with a checkpoint of that step (`Preemption`; more of them during the save
+    are ignored); it then returns the rows so far.
     """
     # Every process checks, then all agree: one that fails alone would leave the others waiting for it.
     same_config(config)
@@ -412,6 +413,11 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     "with --overwrite.",
                 )
             start, params, opt_state = restored
+            if start > config.steps:  # nothing to train; the run (config.json, its checkpoints) stays as it is
+                checkpoints.close()
+                say(f"the run in {out} is already at step {start}, past --steps {config.steps}: nothing to do, left "
+                    f"as it was (resume with --steps above {start} to train on)")
+                return rows
             pending_losses, saved_rows = checkpoints.progress(start)
             rows, restored_note = _restore_rows(rows, saved_rows, start)
             if skipped:  # orbax saves no step at or below its latest: the broken ones must go
@@ -500,12 +506,17 @@ def run(config: Config, *, stop_after: int | None = None) -> list[dict]:
                     stopped = step
                     break
         finally:
-            preemption.restore()
+            if stopped is None:  # a TERM from here on ends the process: there is no stop to save
+                preemption.restore()
             bar.close()
-            checkpoints.close()  # waits for the saves in flight
+            try:
+                checkpoints.close()  # waits for the saves in flight; further TERMs and INTs are ignored meanwhile
+            finally:
+                preemption.restore()
         if stopped is not None:
-            say(f"stopped by a TERM signal after step {stopped}, saved in {out / 'checkpoints' / str(stopped)}: run "
-                "the same command with --resume to continue")
+            kind = preemption.signalled or "TERM"  # None: jax's service caught the TERM (several processes)
+            say(f"stopped by {'an' if kind == 'INT' else 'a'} {kind} signal after step {stopped}, saved in "
+                f"{out / 'checkpoints' / str(stopped)}: run the same command with --resume to continue")
             return metrics.rows
 
 
