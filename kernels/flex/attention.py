@@ -11,7 +11,9 @@ from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
 from probjax_kernels._flash_attention import _positional_dropout, _shard_seed
-from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
+from probjax_kernels._hooks import (
+    affine_score_mod, example_indices, hook_hint, reads_argument, trace_hook, trace_score_mod,
+)
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._problem import Features
 from probjax_kernels.flex.block_mask import BlockMask
@@ -129,7 +131,8 @@ def flex_attention(
     indices = example_indices()
     scale, score_hook, score_consts = inputs.scale, None, []
     if score_mod is not None:
-        score_hook, score_consts = trace_score_mod(score_mod)
+        with hook_hint("score_mod"):
+            score_hook, score_consts = trace_score_mod(score_mod)
     if inputs.traced_scale:  # after the user's score_mod was checked on its own, so its errors name it
         score_hook, score_consts = trace_score_mod(affine_score_mod(scale, score_mod=score_mod))
         scale = 1.0
@@ -138,7 +141,8 @@ def flex_attention(
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
-        mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
+        with hook_hint("mask_mod"):
+            mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
         if out.dtype != jnp.bool_:
             raise TypeError(f"mask_mod must return bool (True = attend), got {out.dtype}.")
         _check_block_mask(block_mask, batch, num_heads, q_len, kv_len, mask_hook)
