@@ -7,8 +7,8 @@ import jax
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dropout import positional_seed
-from probjax_kernels._hooks import trace_score_mod, affine_score_mod
-from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs
+from probjax_kernels._hooks import affine_score_mod, soft_capped, trace_score_mod
+from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap
 from probjax_kernels._problem import Features
 
 
@@ -30,6 +30,7 @@ def flash_attention(
     return_lse: bool = False,
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    logits_soft_cap: float | None = None,
     _dropout_positions=None,
     _dropout_shard=None,
     _cotangents=None,
@@ -62,6 +63,9 @@ def flash_attention(
     - `config`: a `FlashConfig` of block sizes, warps, stages and backend; None picks device defaults.
     - `window`: local attention, an int w or a pair (left, right): query i sees keys in [i - left, i + right]
       (a None side is unbounded). Combined with `causal`, right is 0.
+    - `logits_soft_cap`: None (off) or a positive float `cap`: each score becomes `cap * tanh(score / cap)`
+      (Gemma 2's soft-capping, the `softcap(cap)` score_mod) after scale and bias, before masking; in every
+      kernel, forward, backward and tangent.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
     to attend gives out 0, lse -inf and zero gradients.
@@ -71,14 +75,17 @@ def flash_attention(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
     left, right = inputs.window
     if check_flag("causal", causal):
         right = 0 if right is None else min(right, 0)
     scale, bias, score_hook, score_consts = inputs.scale, inputs.bias, None, ()
     if inputs.traced_scale:
-        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias, soft_capped(None, logits_soft_cap)))
         scale, bias = 1.0, None
+    elif logits_soft_cap is not None:  # after the kernels' own scale and bias
+        score_hook, score_consts = trace_score_mod(soft_capped(None, logits_soft_cap))
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
         **_positional_dropout(_dropout_positions, _dropout_shard, dropout_rate),

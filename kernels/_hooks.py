@@ -559,3 +559,16 @@ def hook_hint(name: str):
             "against each other), not Python scalars; write it with jnp.where, &, | and ~. The error was: "
             f"{error}"
         ) from error
+
+
+def _soft_capped(cap, score_mod, score, b, h, q_idx, kv_idx):
+    if score_mod is not None:
+        score = score_mod(score, b, h, q_idx, kv_idx)
+    return cap * jnp.tanh(score / cap)  # probjax_kernels.softcap's
+
+
+def soft_capped(score_mod: Callable | None, cap: float | None) -> Callable | None:
+    """`score_mod` followed by the soft cap `cap * tanh(score / cap)` (a checked `logits_soft_cap`), as one
+    score_mod: how `flash_attention` and `probjax_nn.attention` run `logits_soft_cap` in the kernels.
+    `score_mod` itself without a cap."""
+    return score_mod if cap is None else Partial(_soft_capped, cap, score_mod)

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 from probjax_kernels import ring_attention
+from probjax_kernels.layer_api import soft_capped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,8 @@ def context_parallel(config, name: str, call):
     def attend(call, q, k, v):
         out, lse = ring_attention(
             q, k, v, axis_name=axis, layout=config.context_layout, strategy=config.context_strategy,
-            causal=call.causal, scale=i.scale, window=i.window, score_mod=call.score_mod, mask_mod=call.mask_mod,
+            causal=call.causal, scale=i.scale, window=i.window, mask_mod=call.mask_mod,
+            score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
             return_lse=True, config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
             _backend="reference" if name == "xla" else "kernel", _dropout_shard=call.dropout_shard,
         )
