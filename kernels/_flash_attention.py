@@ -6,10 +6,12 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dispatch import default_backend
 from probjax_kernels._dropout import positional_seed
 from probjax_kernels._hooks import affine_score_mod, soft_capped, trace_score_mod
 from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap
 from probjax_kernels._problem import Features
+from probjax_kernels._reference import attention_from_inputs, compute_dtype
 
 
 def flash_attention(
@@ -77,8 +79,16 @@ def flash_attention(
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
+    causal = check_flag("causal", causal)
+    if _cotangents is None and runs_reference(config, inputs):
+        out, lse = attention_from_inputs(
+            inputs, causal, compute_dtype(inputs), score_mod=soft_capped(None, logits_soft_cap),
+            dropout_rate=float(dropout_rate), dropout_seed=dropout_seed, dropout_positions=_dropout_positions,
+            dropout_shard=_dropout_shard,
+        )
+        return (out, lse) if return_lse else out
     left, right = inputs.window
-    if check_flag("causal", causal):
+    if causal:
         right = 0 if right is None else min(right, 0)
     scale, bias, score_hook, score_consts = inputs.scale, inputs.bias, None, ()
     if inputs.traced_scale:
@@ -101,6 +111,20 @@ def flash_attention(
         return result
     out, lse = result
     return (out, lse) if return_lse else out
+
+
+def runs_reference(config: FlashConfig | None, inputs) -> bool:
+    """Whether a call runs the plain-jnp reference (`attention_from_inputs`, the same numbers) instead of the
+    kernels: inside a `jax.shard_map` that checks varying manual axes (check_vma=True, its default), when its
+    inputs vary over a manual axis and the kernels would run in a CPU interpreter of the GPU kernels. jax
+    0.11.2's interpreters replay the kernel body on varying types, whose loops start from unvarying
+    constants, and fail ("Scan carry input and output got mismatched varying manual axes" in the backward,
+    a while_loop carry TypeError in a partly-manual shard_map); `ring_attention` takes its plain-jnp path
+    there too. On a GPU or TPU, and with check_vma=False, the kernels run."""
+    backend = config.backend if config is not None and config.backend is not None else default_backend()
+    arrays = (inputs.q, inputs.k, inputs.v)
+    return backend in ("interpret", "mosaic_interpret") and any(
+        jax.typeof(x).manual_axis_type.varying for x in arrays)
 
 
 def _positional_dropout(positions, shard, dropout_rate) -> dict:

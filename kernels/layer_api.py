@@ -14,6 +14,10 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   `ValueError` naming `logits_soft_cap`; a traced cap is a `TypeError`). `soft_capped(score_mod, cap)`: the
   score_mod that applies `score_mod` and then `softcap(cap)` (`score_mod` itself when cap is None), the soft
   cap of `flash_attention(logits_soft_cap=...)` as a hook for the paths that take hooks.
+- `runs_reference(config, inputs)`: whether `flash_attention` / `flex_attention` with `config` on these
+  checked inputs run their plain-jnp path instead of the kernels (inside a `jax.shard_map` that checks varying
+  manual axes, where the CPU's interpreters of the GPU kernels cannot run); a layer then needs no per-shard
+  `shard_map` of its own.
 - `AttentionInputs`: the checked inputs, with `.shape = (B, T, S, N, K, D)`.
 - `attention_from_inputs(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate,
   dropout_seed) -> (out, lse)`: dense softmax attention in plain jnp on checked inputs (out `[B, T, N, D]` in
@@ -29,6 +33,7 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
 
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
 from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
+from probjax_kernels._flash_attention import runs_reference as runs_reference
 from probjax_kernels._hooks import soft_capped as soft_capped
 from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from probjax_kernels._inputs import AttentionInputs as AttentionInputs
@@ -44,5 +49,5 @@ from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
     "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs", "check_logits_soft_cap",
-    "soft_capped",
+    "runs_reference", "soft_capped",
 ]

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 from probjax_kernels import ring_attention
-from probjax_kernels.layer_api import soft_capped
+from probjax_kernels.layer_api import runs_reference, soft_capped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,9 @@ def per_shard(call, run):
     mesh = jax.sharding.get_abstract_mesh()
     i = call.inputs
     layout = _layout(mesh, i)
-    if layout is None:
+    # Inside a caller's shard_map that checks varying axes, the CPU runs the plain-jnp path, which XLA
+    # partitions itself (and a nested shard_map without those checks could not be transposed there).
+    if layout is None or runs_reference(call.flash, i):
         return run(call)
     arrays = (i.q, i.k, i.v, i.bias, i.mask, i.q_lengths, i.kv_lengths)
 

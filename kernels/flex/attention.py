@@ -10,12 +10,13 @@ import jax.numpy as jnp
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._dispatch import default_config
-from probjax_kernels._flash_attention import _positional_dropout, _shard_seed
+from probjax_kernels._flash_attention import _positional_dropout, _shard_seed, runs_reference
 from probjax_kernels._hooks import (
     affine_score_mod, example_indices, hook_hint, reads_argument, trace_hook, trace_score_mod,
 )
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._problem import Features
+from probjax_kernels._reference import attention_from_inputs, compute_dtype
 from probjax_kernels.flex.block_mask import BlockMask
 from probjax_kernels.flex.mods import ScoreMod
 from probjax_kernels.flex.options import (
@@ -154,6 +155,14 @@ def flex_attention(
         config = _fit_config(config, block_sizes, q_len, kv_len, max(16, 1 << (head_dim - 1).bit_length()),
                              q.dtype)
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
+    if runs_reference(config, inputs):  # as flex_attention_reference: the block mask's mask_mod
+        out, lse, max_scores = attention_from_inputs(
+            inputs, False, compute_dtype(inputs), score_mod=score_mod,
+            mask_mod=None if block_mask is None else block_mask.mask_mod, dropout_rate=float(dropout_rate),
+            dropout_seed=dropout_seed, dropout_positions=_dropout_positions, dropout_shard=_dropout_shard,
+            return_max=True,
+        )
+        return results(out, lse, max_scores, return_lse, aux)
     features = Features(
         scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
         dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
