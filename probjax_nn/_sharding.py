@@ -243,7 +243,7 @@ def context_parallel(config, name: str, call):
     def attend(call, q, k, v):
         out, lse = ring_attention(
             q, k, v, axis_name=axis, layout=config.context_layout, strategy=config.context_strategy,
-            causal=call.causal, scale=i.scale, window=i.window, mask_mod=call.mask_mod,
+            causal=call.causal, scale=call.inputs.scale, window=i.window, mask_mod=call.mask_mod,
             score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
             return_lse=True, config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
             _backend="reference" if name == "xla" else "kernel", _dropout_shard=call.dropout_shard,
