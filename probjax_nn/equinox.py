@@ -1,8 +1,9 @@
 """Equinox attention modules over the probjax kernels: a drop-in `MultiheadAttention`, `FlexAttention`, hooks.
 
 `MultiheadAttention` has the fields of `equinox.nn.MultiheadAttention`, in the same order, plus two static
-fields (`attention_impl`, `logits_soft_cap`), so a stock module's leaves (`eqx.tree_serialise_leaves`) load into it unchanged. Calls are unbatched,
-as in Equinox: `jax.vmap` the module over a batch, and the kernels' batching rules batch the kernel.
+fields (`attention_impl`, `logits_soft_cap`), so a stock module's leaves (`eqx.tree_serialise_leaves`) load
+into it unchanged. Calls are unbatched, as in Equinox: `jax.vmap` the module over a batch, and the kernels'
+batching rules batch the kernel.
 """
 
 from __future__ import annotations

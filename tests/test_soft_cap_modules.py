@@ -46,8 +46,8 @@ def test_nnx_soft_cap_keeps_the_stock_state():
     with pytest.raises(ValueError, match="logits_soft_cap must be a positive, finite float or None, got -1"):
         probjax_nn.nnx.MultiHeadAttention(HEADS, FEATURES, logits_soft_cap=-1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="pass logits_soft_cap or attention_fn, not both"):
-        probjax_nn.nnx.MultiHeadAttention(HEADS, FEATURES, logits_soft_cap=CAP, attention_fn=probjax_nn.nnx.attention_fn(),
-                                          rngs=nnx.Rngs(0))
+        probjax_nn.nnx.MultiHeadAttention(HEADS, FEATURES, logits_soft_cap=CAP,
+                                          attention_fn=probjax_nn.nnx.attention_fn(), rngs=nnx.Rngs(0))
 
 
 def test_nnx_soft_cap_decode_matches_the_causal_sequence():
