@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from probjax_kernels import _dispatch
 from probjax_kernels._backend import Plan

@@ -6,9 +6,13 @@ import jax
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._hooks import trace_score_mod, affine_score_mod
-from probjax_kernels._inputs import check_config, check_dropout, check_flag, check_inputs, sharded_dropout
+from probjax_kernels._dispatch import default_backend
+from probjax_kernels._hooks import affine_score_mod, soft_capped, trace_score_mod
+from probjax_kernels._inputs import (
+    check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap, sharded_dropout,
+)
 from probjax_kernels._problem import Features
+from probjax_kernels._reference import attention_from_inputs, compute_dtype
 
 
 def flash_attention(
@@ -29,6 +33,7 @@ def flash_attention(
     return_lse: bool = False,
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    logits_soft_cap: float | None = None,
     _dropout_positions=None,
     _dropout_shard=None,
     _cotangents=None,
@@ -61,6 +66,9 @@ def flash_attention(
     - `config`: a `FlashConfig` of block sizes, warps, stages and backend; None picks device defaults.
     - `window`: local attention, an int w or a pair (left, right): query i sees keys in [i - left, i + right]
       (a None side is unbounded). Combined with `causal`, right is 0.
+    - `logits_soft_cap`: None (off) or a positive float `cap`: each score becomes `cap * tanh(score / cap)`
+      (Gemma 2's soft-capping, the `softcap(cap)` score_mod) after scale and bias, before masking; in every
+      kernel, forward, backward and tangent.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
     to attend gives out 0, lse -inf and zero gradients.
@@ -70,14 +78,25 @@ def flash_attention(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
+    causal = check_flag("causal", causal)
+    if _cotangents is None and runs_reference(config, inputs):
+        out, lse = attention_from_inputs(
+            inputs, causal, compute_dtype(inputs), score_mod=soft_capped(None, logits_soft_cap),
+            dropout_rate=float(dropout_rate), dropout_seed=dropout_seed, dropout_positions=_dropout_positions,
+            dropout_shard=_dropout_shard,
+        )
+        return (out, lse) if return_lse else out
     left, right = inputs.window
-    if check_flag("causal", causal):
+    if causal:
         right = 0 if right is None else min(right, 0)
     scale, bias, score_hook, score_consts = inputs.scale, inputs.bias, None, ()
     if inputs.traced_scale:
-        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias))
+        score_hook, score_consts = trace_score_mod(affine_score_mod(scale, bias, soft_capped(None, logits_soft_cap)))
         scale, bias = 1.0, None
+    elif logits_soft_cap is not None:  # after the kernels' own scale and bias
+        score_hook, score_consts = trace_score_mod(soft_capped(None, logits_soft_cap))
     dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
                                                    inputs.q, inputs.k)
     features = Features(
@@ -94,3 +113,17 @@ def flash_attention(
         return result
     out, lse = result
     return (out, lse) if return_lse else out
+
+
+def runs_reference(config: FlashConfig | None, inputs) -> bool:
+    """Whether a call runs the plain-jnp reference (`attention_from_inputs`, the same numbers) instead of the
+    kernels: inside a `jax.shard_map` that checks varying manual axes (check_vma=True, its default), when its
+    inputs vary over a manual axis and the kernels would run in a CPU interpreter of the GPU kernels. jax
+    0.11.2's interpreters replay the kernel body on varying types, whose loops start from unvarying
+    constants, and fail ("Scan carry input and output got mismatched varying manual axes" in the backward,
+    a while_loop carry TypeError in a partly-manual shard_map); `ring_attention` takes its plain-jnp path
+    there too. On a GPU or TPU, and with check_vma=False, the kernels run."""
+    backend = config.backend if config is not None and config.backend is not None else default_backend()
+    arrays = (inputs.q, inputs.k, inputs.v)
+    return backend in ("interpret", "mosaic_interpret") and any(
+        jax.typeof(x).manual_axis_type.varying for x in arrays)

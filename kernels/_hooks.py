@@ -539,3 +539,36 @@ def tile_hook_shapes(block_q: int, block_k: int, transposed: bool = False) -> tu
     if transposed:
         return (), (), (1, block_q), (block_k, 1), (block_k, block_q)
     return (), (), (block_q, 1), (1, block_k), (block_q, block_k)
+
+
+@contextlib.contextmanager
+def hook_hint(name: str):
+    """`tensor_method_hint`, and Python control flow on the array arguments of hook `name` (`True if q_idx >
+    kv_idx else False`, `and`, `not`): NumPy's "truth value of an array ... is ambiguous" (eager index grids,
+    traced tiles) or jax's TracerBoolConversionError (scalars under jit) becomes the TypeError that
+    docs/flex_attention.md lists. Wraps the first evaluation of a hook on each path."""
+    try:
+        with tensor_method_hint(name):
+            yield
+    except (ValueError, jax.errors.TracerBoolConversionError) as error:
+        if isinstance(error, ValueError) and "truth value of an array" not in str(error):
+            raise
+        raise TypeError(
+            f"{name} could not be traced with array arguments: it uses Python control flow (if / else, and, or, "
+            "not, bool()) on its arguments, which are arrays (a tile of scores and index grids that broadcast "
+            "against each other), not Python scalars; write it with jnp.where, &, | and ~. The error was: "
+            f"{error}"
+        ) from error
+
+
+def _soft_capped(cap, score_mod, score, b, h, q_idx, kv_idx):
+    if score_mod is not None:
+        score = score_mod(score, b, h, q_idx, kv_idx)
+    return cap * jnp.tanh(score / cap)  # probjax_kernels.softcap's
+
+
+def soft_capped(score_mod: Callable | None, cap: float | None) -> Callable | None:
+    """`score_mod` followed by the soft cap `cap * tanh(score / cap)` (a checked `logits_soft_cap`), as one
+    score_mod: how `flash_attention` and `probjax_nn.attention` run `logits_soft_cap` in the kernels.
+    `score_mod` itself without a cap."""
+    return score_mod if cap is None else Partial(_soft_capped, cap, score_mod)

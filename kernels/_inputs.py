@@ -233,6 +233,22 @@ def check_dropout_rate(dropout_rate) -> float:
     return float(dropout_rate)
 
 
+def check_logits_soft_cap(logits_soft_cap) -> float | None:
+    """None (off) or a positive, finite real number, returned as a Python float: the kernels compile the cap
+    (`cap * tanh(score / cap)`), so it cannot be traced."""
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, jax.core.Tracer):
+        raise TypeError(
+            "logits_soft_cap must be a Python float, got a traced value (a jit argument?): the kernels compile "
+            "the cap. Pass it as a static argument (jax.jit's static_argnames) or close over it."
+        )
+    if np.ndim(logits_soft_cap) != 0 or not _is_real(logits_soft_cap) or not (
+            np.isfinite(float(logits_soft_cap)) and float(logits_soft_cap) > 0):
+        raise ValueError(f"logits_soft_cap must be a positive, finite float or None, got {logits_soft_cap!r}.")
+    return float(logits_soft_cap)
+
+
 def check_dropout(dropout_rate: float, dropout_seed) -> jax.Array | None:
     """A non-zero rate needs a seed: the keep mask is a function of (seed, b, h, q_idx, kv_idx).
 

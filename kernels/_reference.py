@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
+from probjax_kernels._hooks import hook_hint
 from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -85,10 +86,12 @@ def attention_from_inputs(
         scores = scores + inputs.bias.astype(compute_dtype)
     grids = _index_grids(batch, num_heads, q_len, kv_len)
     if score_mod is not None:
-        scores = score_mod(scores, *grids)
+        with hook_hint("score_mod"):
+            scores = score_mod(scores, *grids)
     allowed = allowed_positions(inputs, causal)
     if mask_mod is not None:
-        allowed = allowed & mask_mod(*grids)
+        with hook_hint("mask_mod"):
+            allowed = allowed & mask_mod(*grids)
     scores = jnp.where(allowed, scores, -jnp.inf)
     # The row max only stabilises exp; softmax does not depend on it, so it carries no gradient. A fully
     # masked row has max -inf: use 0 there so that exp gives exact zeros instead of NaN.

@@ -10,6 +10,14 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   a rate without a seed is a `ValueError`. `check_dropout_rate(dropout_rate)`: the rate as a Python float in
   [0, 1) (a traced rate is a `TypeError`: the kernels compile it). `check_flag(name, value)`: a Python bool
   such as `causal`, else a `TypeError` naming `name`.
+- `check_logits_soft_cap(logits_soft_cap)`: None, or the cap as a positive, finite Python float (else a
+  `ValueError` naming `logits_soft_cap`; a traced cap is a `TypeError`). `soft_capped(score_mod, cap)`: the
+  score_mod that applies `score_mod` and then `softcap(cap)` (`score_mod` itself when cap is None), the soft
+  cap of `flash_attention(logits_soft_cap=...)` as a hook for the paths that take hooks.
+- `runs_reference(config, inputs)`: whether `flash_attention` / `flex_attention` with `config` on these
+  checked inputs run their plain-jnp path instead of the kernels (inside a `jax.shard_map` that checks varying
+  manual axes, where the CPU's interpreters of the GPU kernels cannot run); a layer then needs no per-shard
+  `shard_map` of its own.
 - `AttentionInputs`: the checked inputs, with `.shape = (B, T, S, N, K, D)`.
 - `attention_from_inputs(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate,
   dropout_seed) -> (out, lse)`: dense softmax attention in plain jnp on checked inputs (out `[B, T, N, D]` in
@@ -28,20 +36,23 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
 from probjax_kernels import _backend
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
 from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
+from probjax_kernels._flash_attention import runs_reference as runs_reference
+from probjax_kernels._hooks import soft_capped as soft_capped
 from probjax_kernels._inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from probjax_kernels._inputs import AttentionInputs as AttentionInputs
 from probjax_kernels._inputs import check_dropout as check_dropout
 from probjax_kernels._inputs import check_dropout_rate as check_dropout_rate
 from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
+from probjax_kernels._inputs import check_logits_soft_cap as check_logits_soft_cap
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
 from probjax_kernels.parallel.ring import LAYOUTS as LAYOUTS
 from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
-    "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs",
-    "target_device", "target_platform",
+    "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs", "check_logits_soft_cap",
+    "runs_reference", "soft_capped", "target_device", "target_platform",
 ]
 
 

@@ -21,7 +21,8 @@ from jax.tree_util import Partial
 from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
-    check_dropout, check_dropout_rate, check_flag, check_inputs, target_platform,
+    check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, soft_capped,
+    target_platform,
 )
 from probjax_nn._sharding import context_parallel, per_shard
 
@@ -44,6 +45,7 @@ class _Call:
     # (batch offset, head offset, the whole head count) when this call holds a shard of the batch / heads:
     # dropout then hashes the whole attention's indices (`_sharding`).
     dropout_shard: tuple | None = None
+    logits_soft_cap: float | None = None  # applied after score_mod (`soft_capped`)
 
 
 def _with_residual(call: _Call, result):
@@ -61,6 +63,7 @@ def _pallas(call: _Call):
         i.q, i.k, i.v, bias=i.bias, mask=i.mask, causal=call.causal, scale=i.scale, q_lengths=i.q_lengths,
         kv_lengths=i.kv_lengths, window=i.window, return_lse=call.return_residual, config=call.flash,
         dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed, _dropout_shard=call.dropout_shard,
+        logits_soft_cap=call.logits_soft_cap,
     ))
 
 
@@ -68,8 +71,8 @@ def _xla(call: _Call):
     # float64 inputs compute in float64, as in jax.nn.dot_product_attention; the rest in float32.
     compute_dtype = jnp.float64 if call.inputs.q.dtype == jnp.float64 else jnp.float32
     out, lse = attention_from_inputs(
-        call.inputs, call.causal, compute_dtype, score_mod=call.score_mod, mask_mod=call.mask_mod,
-        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        call.inputs, call.causal, compute_dtype, score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
+        mask_mod=call.mask_mod, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     )
     return _with_residual(call, (out, lse) if call.return_residual else out)
 
@@ -91,7 +94,7 @@ def _flex(call: _Call):
     if i.mask is not None:
         mods.append(Partial(broadcast_lookup, i.mask))
     block_mask = create_block_mask(and_masks(*mods), batch, num_heads, q_len, kv_len) if mods else None
-    score_mod = call.score_mod
+    score_mod = soft_capped(call.score_mod, call.logits_soft_cap)
     if i.bias is not None:
         score_mod = affine_score_mod(bias=i.bias, score_mod=score_mod)
     return _with_residual(call, flex_attention(
@@ -149,6 +152,7 @@ class _Implementation:
     value_dim: bool = False  # a value head dim Dv other than the query / key head dim D
     kv_broadcast: bool = False  # key / value of batch 1 shared by a query batch B > 1
     dropout: bool = True  # attention dropout from the kernels' stateless keep mask
+    soft_cap: bool = True  # logits_soft_cap
 
 
 _FLOATS = ("bfloat16", "float16", "float32")
@@ -161,7 +165,7 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {
     # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
     "cudnn": _Implementation(
         _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM,
-        dropout=False,
+        dropout=False, soft_cap=False,
     ),
 }
 # "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
@@ -227,6 +231,7 @@ class _Request:
     dropout: bool
     right_window: bool  # some query sees a key to its right through a local window (is_causal off)
     gpu: bool
+    soft_cap: bool = False
 
 
 def _platform() -> str:
@@ -241,6 +246,11 @@ def _on_gpu() -> bool:
 def _check(name: str, request: _Request) -> None:
     """Raises `NotImplementedError` naming `name` and the first feature of `request` it cannot do."""
     spec = _IMPLEMENTATIONS[name]
+    if request.soft_cap and not spec.soft_cap:  # never on any device: said before what this one lacks
+        raise NotImplementedError(
+            f"impl={name!r} does not support logits_soft_cap (jax.nn.dot_product_attention's cuDNN path has no "
+            "soft cap); use impl='pallas', 'flex' or 'xla'."
+        )
     if spec.needs_gpu and not request.gpu:
         raise NotImplementedError(
             f"impl={name!r} needs an NVIDIA GPU; the target device's platform is {_platform()!r}. "
@@ -348,7 +358,7 @@ def _batched(name: str, x: ArrayLike) -> jax.Array:
     return x[None] if x.ndim == 3 else x
 
 
-def _check_complex(impl: str, dtype, score_mod, mask_mod, dropout_rate) -> None:
+def _check_complex(impl: str, dtype, score_mod, mask_mod, dropout_rate, logits_soft_cap=None) -> None:
     """Complex inputs run only under "auto", as `jax.nn.dot_product_attention`, which has no hooks or dropout."""
     if impl != "auto":
         raise NotImplementedError(
@@ -356,7 +366,8 @@ def _check_complex(impl: str, dtype, score_mod, mask_mod, dropout_rate) -> None:
             "for complex inputs."
         )
     for feature, wanted in (("score_mod", score_mod is not None), ("mask_mod", mask_mod is not None),
-                            ("dropout", check_dropout_rate(dropout_rate) > 0)):
+                            ("dropout", check_dropout_rate(dropout_rate) > 0),
+                            ("logits_soft_cap", logits_soft_cap is not None)):
         if wanted:
             raise NotImplementedError(
                 f"impl='auto' does not support {feature} with dtype {dtype.name}: complex inputs run "
@@ -383,6 +394,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_seed: jax.Array | int | None = None,
     impl: Impl | AttentionConfig = "auto",
+    logits_soft_cap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, `softmax(scale * query key^T + bias, masked) value`, per head.
 
@@ -412,6 +424,9 @@ def attention(
       keep mask a stateless hash of (seed, b, h, q_idx, kv_idx), so every impl that has it ("pallas", "flex",
       "xla") drops the same weights.
     - `impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or an `AttentionConfig`; see `AttentionConfig`.
+    - `logits_soft_cap`: None (off) or a positive float `cap`: each score becomes `cap * tanh(score / cap)`
+      (Gemma 2's soft-capping), applied to the scaled score after `bias` and after `score_mod`, before any
+      mask; every impl but "cudnn" (which raises) runs it, "pallas" included.
 
     **Returns:** the output, shaped like `query` with head dim Dv, typed like `query`; with `return_residual`,
     `(output, lse)`, lse `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype).
@@ -425,7 +440,7 @@ def attention(
     query = jnp.asarray(query)
     complex_dtype = next((jnp.dtype(x.dtype) for x in (query, key, value) if jnp.iscomplexobj(x)), None)
     if complex_dtype is not None:
-        _check_complex(config.impl, complex_dtype, score_mod, mask_mod, dropout_rate)
+        _check_complex(config.impl, complex_dtype, score_mod, mask_mod, dropout_rate, logits_soft_cap)
         # No implementation here computes in complex numbers: "auto" runs the stock function.
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -438,6 +453,7 @@ def attention(
         dropout_rate=dropout_rate, allowed_dtypes=tuple(map(jnp.dtype, _ALL_DTYPES)), max_head_dim=None,
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     request = _Request(
         dtype=inputs.q.dtype.name,
         head_dim=max(inputs.q.shape[-1], inputs.value_dim),
@@ -448,11 +464,12 @@ def attention(
         dropout=dropout_rate > 0,
         right_window=not is_causal and inputs.window != (None, None) and inputs.window[1] != 0,
         gpu=_on_gpu(),
+        soft_cap=logits_soft_cap is not None,
     )
     name = _choose(config.impl, request)
     call = _Call(
         inputs, is_causal, local_window_size, return_residual, config.flash, score_mod, mask_mod,
-        float(dropout_rate), dropout_seed,
+        float(dropout_rate), dropout_seed, logits_soft_cap=logits_soft_cap,
     )
     if config.context_axis is not None:
         result = context_parallel(config, name, call)

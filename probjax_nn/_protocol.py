@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from probjax_kernels import and_masks
-from probjax_kernels.layer_api import check_dropout_rate
+from probjax_kernels.layer_api import check_dropout_rate, check_logits_soft_cap, soft_capped
 from probjax_nn._attention import IMPLS, AttentionConfig, Impl, attention
 from probjax_nn._decode import decode_runs_kernel, one_query_step
 
@@ -40,9 +40,12 @@ def resolve_config(attention_impl: Impl | AttentionConfig) -> AttentionConfig:
     )
 
 
-def attention_function(attention_impl: Impl | AttentionConfig) -> AttentionFunction:
-    """The `AttentionFunction` that computes attention the way `attention_impl` says."""
-    return AttentionFunction(resolve_config(attention_impl))
+def attention_function(
+    attention_impl: Impl | AttentionConfig, logits_soft_cap: float | None = None
+) -> AttentionFunction:
+    """The `AttentionFunction` that computes attention the way `attention_impl` says, with a module's
+    `logits_soft_cap` (checked: a `ValueError` names it)."""
+    return AttentionFunction(resolve_config(attention_impl), check_logits_soft_cap(logits_soft_cap))
 
 
 def _merge_batch(x: jax.Array | None, batch_shape: tuple[int, ...], event_ndim: int) -> jax.Array | None:
@@ -79,6 +82,7 @@ class AttentionFunction:
     """
 
     config: AttentionConfig
+    logits_soft_cap: float | None = None  # `probjax_nn.attention`'s, after any score_mod
 
     def __call__(
         self,
@@ -112,6 +116,8 @@ class AttentionFunction:
         - `dropout_rate`, `dropout_key`: attention dropout, applied when `dropout_key` (a PRNG key) is given.
         - `query_at_end`: a decode step: one query per sequence (T = 1), the cache's last written entry, at
           position `key_value_seq_lengths - 1`; the hooks see that position as `q_idx`.
+
+        `logits_soft_cap` (the function's own) soft-caps the scores after `score_mod`, on every path.
 
         One query row per sequence (a decode step, or any call with T = 1) without bias, causal flag or
         dropout runs `probjax_kernels.decode_attention` where `decode_runs_kernel` says the impl picks a
@@ -158,7 +164,7 @@ class AttentionFunction:
         ):
             out = one_query_step(
                 query, key, value, kv_lengths=key_value_seq_lengths, mask=_merge_batch(mask, batch_shape, 3),
-                scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                scale=scale, score_mod=soft_capped(score_mod, self.logits_soft_cap), mask_mod=mask_mod,
             )
             return out.reshape((*batch_shape, *out.shape[1:]))
         if query_at_end:
@@ -174,7 +180,7 @@ class AttentionFunction:
         )
         if dropout_key is not None and dropout_rate > 0.0:
             arguments.update(dropout_rate=dropout_rate, dropout_seed=jax.random.bits(dropout_key, (), jnp.uint32))
-        out = attention(query, key, value, impl=self.config, **arguments)
+        out = attention(query, key, value, impl=self.config, logits_soft_cap=self.logits_soft_cap, **arguments)
         return out[..., :value_dim].reshape((*batch_shape, *out.shape[1:-1], value_dim))
 
 
@@ -246,6 +252,11 @@ def runs_stock_for_complex(attend: AttentionFunction, *arrays: jax.Array) -> boo
     dtype = next((jnp.dtype(x.dtype) for x in arrays if jnp.iscomplexobj(x)), None)
     if dtype is None:
         return False
+    if attend.logits_soft_cap is not None:
+        raise NotImplementedError(
+            f"logits_soft_cap does not support dtype {dtype.name}: complex inputs run the stock attention "
+            "function, which has no soft cap."
+        )
     if attend.config.impl != "auto":
         raise NotImplementedError(
             f"impl={attend.config.impl!r} does not support dtype {dtype.name}; attention_impl='auto' falls back "

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 from probjax_kernels import ring_attention
+from probjax_kernels.layer_api import runs_reference, soft_capped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +136,33 @@ def _broadcast_spec(x, batch, heads) -> P | None:
     return None if x is None else P(batch if x.shape[0] > 1 else None, heads if x.shape[1] > 1 else None)
 
 
+def _array_arguments(call):
+    """The arrays that `call` holds besides its inputs (a traced scale, the dropout seed, a hook's captured
+    arrays), and `restore(call, arrays)`, which puts arrays in their places. They enter a shard_map as
+    replicated arguments: shard_map may not close over arrays typed with Explicit axes (a dropout seed made
+    from a Python int under an Explicit mesh is one)."""
+    leaves, tree = jax.tree.flatten((call.inputs.scale, call.dropout_seed, call.score_mod, call.mask_mod))
+    is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
+
+    def restore(call, arrays):
+        it = iter(arrays)
+        scale, seed, score_mod, mask_mod = jax.tree.unflatten(
+            tree, [next(it) if array else leaf for leaf, array in zip(leaves, is_array)])
+        return dataclasses.replace(call, inputs=dataclasses.replace(call.inputs, scale=scale), dropout_seed=seed,
+                                   score_mod=score_mod, mask_mod=mask_mod)
+
+    return [leaf for leaf, array in zip(leaves, is_array) if array], restore
+
+
 def per_shard(call, run):
     """`run(call)` (a kernel runner of `attention`) per shard of the batch and heads, when the inputs are
     sharded over the context mesh (module docstring); as it is otherwise."""
     mesh = jax.sharding.get_abstract_mesh()
     i = call.inputs
     layout = _layout(mesh, i)
-    if layout is None:
+    # Inside a caller's shard_map that checks varying axes, the CPU runs the plain-jnp path, which XLA
+    # partitions itself (and a nested shard_map without those checks could not be transposed there).
+    if layout is None or runs_reference(call.flash, i):
         return run(call)
     arrays = (i.q, i.k, i.v, i.bias, i.mask, i.q_lengths, i.kv_lengths)
 
@@ -163,21 +184,11 @@ def per_shard(call, run):
     if layout.reshard:
         arrays = tuple(x if x is None else jax.reshard(x, spec) for x, spec in zip(arrays, specs))
     total_heads = i.q.shape[2]
-    # Arrays the call holds besides its inputs (a traced scale, the dropout seed, a hook's captured arrays)
-    # enter as replicated arguments: shard_map may not close over arrays typed with Explicit axes.
-    extras = (i.scale, call.dropout_seed, call.score_mod, call.mask_mod)
-    leaves, tree = jax.tree.flatten(extras)
-    is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
-    arguments = [leaf for leaf, array in zip(leaves, is_array) if array]
+    arguments, restore = _array_arguments(call)
 
     def body(arrays, arguments):
         q = arrays[0]
-        it = iter(arguments)
-        scale, seed, score_mod, mask_mod = jax.tree.unflatten(
-            tree, [next(it) if array else leaf for leaf, array in zip(leaves, is_array)])
-        shard = local(*arrays)
-        shard = dataclasses.replace(shard, inputs=dataclasses.replace(shard.inputs, scale=scale), dropout_seed=seed,
-                                    score_mod=score_mod, mask_mod=mask_mod)
+        shard = restore(local(*arrays), arguments)
         return run(_global_indices(shard, layout, q.shape[0], q.shape[2], total_heads))
 
     out_spec = P(batch, None, heads)
@@ -232,7 +243,8 @@ def context_parallel(config, name: str, call):
     def attend(call, q, k, v):
         out, lse = ring_attention(
             q, k, v, axis_name=axis, layout=config.context_layout, strategy=config.context_strategy,
-            causal=call.causal, scale=i.scale, window=i.window, score_mod=call.score_mod, mask_mod=call.mask_mod,
+            causal=call.causal, scale=call.inputs.scale, window=i.window, mask_mod=call.mask_mod,
+            score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
             return_lse=True, config=call.flash, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
             _backend="reference" if name == "xla" else "kernel", _dropout_shard=call.dropout_shard,
         )
@@ -267,12 +279,16 @@ def context_parallel(config, name: str, call):
     else:
         q, k, v = i.q, i.k, i.v
     residual_spec = P(spec[0], axis, spec[2])
+    arguments, restore = _array_arguments(call)
 
-    def body(q, k, v):
-        return attend(_global_indices(call, layout, q.shape[0], q.shape[2], i.q.shape[2]), q, k, v)
+    def body(q, k, v, arguments):
+        return attend(_global_indices(restore(call, arguments), layout, q.shape[0], q.shape[2], i.q.shape[2]),
+                      q, k, v)
 
     # check_vma=False: Pallas' interpret mode (CPU) loses the varying-axes types inside the kernels' loops.
-    return jax.shard_map(
-        body, in_specs=(spec,) * 3, out_specs=(spec, residual_spec) if call.return_residual else spec,
+    # Always traced (jax.jit): run eagerly (under jax.grad too), jax 0.11 executes a shard_map that leaves mesh
+    # axes outside (an Auto batch axis here) through a path that refuses the inputs' own sharding over them.
+    return jax.jit(jax.shard_map(
+        body, in_specs=(spec,) * 3 + (P(),), out_specs=(spec, residual_spec) if call.return_residual else spec,
         axis_names=manual, check_vma=False,
-    )(q, k, v)
+    ))(q, k, v, arguments)

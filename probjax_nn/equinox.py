@@ -1,8 +1,9 @@
 """Equinox attention modules over the probjax kernels: a drop-in `MultiheadAttention`, `FlexAttention`, hooks.
 
-`MultiheadAttention` has the fields of `equinox.nn.MultiheadAttention`, in the same order, plus one static
-field, so a stock module's leaves (`eqx.tree_serialise_leaves`) load into it unchanged. Calls are unbatched,
-as in Equinox: `jax.vmap` the module over a batch, and the kernels' batching rules batch the kernel.
+`MultiheadAttention` has the fields of `equinox.nn.MultiheadAttention`, in the same order, plus two static
+fields (`attention_impl`, `logits_soft_cap`), so a stock module's leaves (`eqx.tree_serialise_leaves`) load
+into it unchanged. Calls are unbatched, as in Equinox: `jax.vmap` the module over a batch, and the kernels'
+batching rules batch the kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, MaskMod, ScoreMod, attention_function, combine_hooks, resolve_config, runs_stock_for_complex,
+    MaskMod, ScoreMod, attention_function, combine_hooks, runs_stock_for_complex,
 )
 
 __all__ = ["ALiBi", "FlexAttention", "MultiheadAttention", "RelativePositionBias"]
@@ -39,6 +40,9 @@ class MultiheadAttention(eqx.Module):
 
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`
       (keyword only); a bad value raises a `ValueError` that lists the valid ones.
+    - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap` (keyword
+      only): scores become `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; a static
+      field, so the leaves stay the stock module's.
 
     Where results differ from equinox's: float64 runs only under impl "xla" and "auto" (which picks XLA
     for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it.
@@ -61,6 +65,7 @@ class MultiheadAttention(eqx.Module):
     use_value_bias: bool = eqx.field(static=True)
     use_output_bias: bool = eqx.field(static=True)
     attention_impl: AttentionConfig = eqx.field(static=True)
+    logits_soft_cap: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -80,9 +85,11 @@ class MultiheadAttention(eqx.Module):
         dtype=None,
         *,
         attention_impl: Impl | AttentionConfig = "auto",
+        logits_soft_cap: float | None = None,
         key: PRNGKeyArray,
     ):
-        self.attention_impl = resolve_config(attention_impl)
+        attend = attention_function(attention_impl, logits_soft_cap)
+        self.attention_impl, self.logits_soft_cap = attend.config, attend.logits_soft_cap
         # Built by the stock module itself, so that one key gives the same weights.
         stock = eqx.nn.MultiheadAttention(
             num_heads, query_size, key_size, value_size, output_size, qk_size, vo_size, use_query_bias,
@@ -148,7 +155,7 @@ class MultiheadAttention(eqx.Module):
             dtype = jnp.result_type(query_heads, key_heads, value_heads)
             query_heads, key_heads, value_heads = (x.astype(dtype) for x in (query_heads, key_heads, value_heads))
         if score_mod is None and mask_mod is None and runs_stock_for_complex(
-            AttentionFunction(self.attention_impl), query_heads, key_heads, value_heads
+            attention_function(self.attention_impl, self.logits_soft_cap), query_heads, key_heads, value_heads
         ):
             # Complex heads under "auto": the stock module's call, on the same fields (it projects again).
             return eqx.nn.MultiheadAttention.__call__(
@@ -166,7 +173,7 @@ class MultiheadAttention(eqx.Module):
             # Stock Equinox drops every weight at p = 1; the kernels take rates in [0, 1).
             attn = jnp.zeros((*query_heads.shape[:-1], value_heads.shape[-1]), query_heads.dtype)
         else:
-            attn = attention_function(self.attention_impl)(
+            attn = attention_function(self.attention_impl, self.logits_soft_cap)(
                 query_heads, key_heads, value_heads, mask=mask, score_mod=score_mod, mask_mod=mask_mod,
                 dropout_rate=0.0 if dropout_key is None else float(self.dropout.p), dropout_key=dropout_key,
             )

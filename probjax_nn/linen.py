@@ -24,8 +24,8 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
-    flax_style_attention, key_value_inputs, resolve_config, runs_stock_for_complex,
+    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    flax_style_attention, key_value_inputs, runs_stock_for_complex,
 )
 
 __all__ = [
@@ -76,6 +76,11 @@ class DotProductAttention(FlaxAttentionFunction):
         custom_einsums = any(
             f is not None for f in (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
         )
+        if (module is not None or custom_einsums) and self.attend.logits_soft_cap is not None:
+            raise NotImplementedError(
+                "sow_weights and custom einsums do not support logits_soft_cap: they run flax's function, which "
+                "has no soft cap."
+            )
         if (module is not None or custom_einsums) and self.attend.config.impl != "auto":
             raise NotImplementedError(
                 f"impl={self.attend.config.impl!r} does not support sow_weights or custom einsums; use "
@@ -102,12 +107,15 @@ class DotProductAttention(FlaxAttentionFunction):
         )
 
 
-def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductAttention:
+def attention_fn(
+    attention_impl: Impl | AttentionConfig = "auto", logits_soft_cap: float | None = None
+) -> DotProductAttention:
     """A drop-in for `flax.linen.dot_product_attention`, usable as `attention_fn=` of the stock Linen modules.
 
     **Arguments:**
 
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`.
+    - `logits_soft_cap`: None (off) or a positive float: `probjax_nn.attention`'s soft cap.
 
     **Returns:** a hashable function with `flax.linen.dot_product_attention`'s arguments: query, key and
     value `[batch..., T|S, N, D]`, `mask` broadcastable to `[batch..., N, T, S]` (non-zero = attend),
@@ -120,7 +128,7 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     picks XLA for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it. Invalid shapes raise
     flax's `AssertionError`s with flax's messages.
     """
-    return DotProductAttention(attention_function(attention_impl))
+    return DotProductAttention(attention_function(attention_impl, logits_soft_cap))
 
 
 # `flax.linen.dot_product_attention` under its own name: the same signature (`DotProductAttention.__call__`),
@@ -143,6 +151,9 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`;
       a bad value raises a `ValueError` that lists the valid ones. It sets `attention_fn` unless that was
       given too.
+    - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap`: scores become
+      `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; it adds no variable, so stock
+      checkpoints load unchanged.
 
     The call is the stock one: `module.apply(variables, inputs_q, inputs_k=None, inputs_v=None, *,
     mask=None, deterministic=None, dropout_rng=None)`, `mask` broadcastable to `[batch..., N, T, S]`
@@ -151,15 +162,17 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """
 
     attention_impl: Impl | AttentionConfig = "auto"
+    logits_soft_cap: float | None = None
 
     def __post_init__(self):
-        config = resolve_config(self.attention_impl)
+        attend = attention_function(self.attention_impl, self.logits_soft_cap)
         # Clones arrive with the attention_fn built from the original's attention_impl: rebuilt from theirs.
         if self.attention_fn is nn.dot_product_attention or isinstance(self.attention_fn, _ImplAttention):
             # Linen modules are frozen dataclasses; fields are settable only while they are built.
-            object.__setattr__(self, "attention_fn", _ImplAttention(AttentionFunction(config)))
-        elif config != AttentionConfig():
-            raise ValueError("pass attention_impl or attention_fn, not both.")
+            object.__setattr__(self, "attention_fn", _ImplAttention(attend))
+        elif attend.config != AttentionConfig() or attend.logits_soft_cap is not None:
+            given = "attention_impl" if attend.logits_soft_cap is None else "logits_soft_cap"
+            raise ValueError(f"pass {given} or attention_fn, not both.")
         super().__post_init__()
 
 
@@ -261,7 +274,7 @@ class FlexAttention(MultiHeadDotProductAttention):
         if self.dropout_rate > 0.0 and not nn.merge_param("deterministic", self.deterministic, deterministic):
             dropout_key = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         query, key, value = dtypes.promote_dtype(query, key, value, dtype=self.dtype)
-        x = attention_function(self.attention_impl)(
+        x = attention_function(self.attention_impl, self.logits_soft_cap)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
             mask_mod=mask_mod, query_at_end=key_value_seq_lengths is not None, dropout_rate=self.dropout_rate,

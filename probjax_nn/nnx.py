@@ -21,7 +21,7 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    AttentionFunction, FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
     flax_style_attention, key_value_inputs, resolve_config, runs_stock_for_complex,
 )
 
@@ -44,6 +44,10 @@ class DotProductAttention(FlaxAttentionFunction):
                 precision, module, promote_dtype, is_causal,
             )
         if module is not None:
+            if self.attend.logits_soft_cap is not None:
+                raise NotImplementedError(
+                    "sow_weights does not support logits_soft_cap: flax's sown weights would be the uncapped ones."
+                )
             # Sowing needs the `[.., N, T, S]` weights, which the kernels never form.
             if self.attend.config.impl != "auto":
                 raise NotImplementedError(
@@ -95,12 +99,15 @@ def _check_shapes_like_flax(query: jax.Array, key: jax.Array, value: jax.Array, 
         raise ValueError(f"Query heads ({query.shape[-2]}) must be multiple of Value heads ({value.shape[-2]})")
 
 
-def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductAttention:
+def attention_fn(
+    attention_impl: Impl | AttentionConfig = "auto", logits_soft_cap: float | None = None
+) -> DotProductAttention:
     """A drop-in for `flax.nnx.dot_product_attention`, usable as `attention_fn=` of `nnx.MultiHeadAttention`.
 
     **Arguments:**
 
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`.
+    - `logits_soft_cap`: None (off) or a positive float: `probjax_nn.attention`'s soft cap.
 
     **Returns:** a hashable function with `flax.nnx.dot_product_attention`'s arguments: query `[batch..., T,
     N, D]`, key and value `[batch..., S, K, D]` (N a multiple of K), `mask` broadcastable to `[batch..., N, T,
@@ -113,7 +120,7 @@ def attention_fn(attention_impl: Impl | AttentionConfig = "auto") -> DotProductA
     float64 runs only under impl "xla" and "auto" (which picks XLA for it); "pallas", "flex" and "cudnn"
     raise `NotImplementedError` for it. Invalid shapes raise flax's `ValueError`s with flax's messages.
     """
-    return DotProductAttention(attention_function(attention_impl))
+    return DotProductAttention(attention_function(attention_impl, logits_soft_cap))
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
@@ -125,7 +132,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
     - `attention_impl`: `"auto" | "pallas" | "flex" | "xla" | "cudnn"` or a `probjax_nn.AttentionConfig`;
       a bad value raises a `ValueError` that lists the valid ones.
-    - `attention_fn`: as in flax; None (the default) means `attention_fn(attention_impl)`.
+    - `attention_fn`: as in flax; None (the default) means `attention_fn(attention_impl, logits_soft_cap)`.
+    - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap`: scores become
+      `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; it adds no parameter, so stock
+      checkpoints load unchanged.
 
     The call is the stock one: `module(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
     deterministic=None, rngs=None, decode=None, is_causal=False, ...)`, with `mask` broadcastable to
@@ -144,19 +154,23 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         *,
         attention_impl: Impl | AttentionConfig = "auto",
         attention_fn: Callable[..., jax.Array] | None = None,
+        logits_soft_cap: float | None = None,
         rngs: nnx.Rngs,
         **kwargs,
     ):
         config = resolve_config(attention_impl)
+        attend = attention_function(config, logits_soft_cap)
         if attention_fn is None:
-            attention_fn = DotProductAttention(AttentionFunction(config))
-        elif config != AttentionConfig():
-            raise ValueError("pass attention_impl or attention_fn, not both.")
+            attention_fn = DotProductAttention(attend)
+        elif config != AttentionConfig() or logits_soft_cap is not None:
+            given = "attention_impl" if logits_soft_cap is None else "logits_soft_cap"
+            raise ValueError(f"pass {given} or attention_fn, not both.")
         super().__init__(
             num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
             attention_fn=attention_fn, rngs=rngs, **kwargs,
         )
         self.attention_impl = config
+        self.logits_soft_cap = attend.logits_soft_cap
 
 
 def _hook_attribute(hook):
@@ -233,7 +247,7 @@ class FlexAttention(MultiHeadAttention):
             key_value_seq_lengths = jnp.broadcast_to(position + 1, key.shape[:-3])
             is_causal = False
         query, key, value = dtypes.promote_dtype((query, key, value), dtype=self.dtype)
-        x = attention_function(self.attention_impl)(
+        x = attention_function(self.attention_impl, self.logits_soft_cap)(
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
             mask_mod=mask_mod, query_at_end=decode, dropout_rate=self.dropout_rate,

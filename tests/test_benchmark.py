@@ -310,3 +310,19 @@ def test_decode_flags_no_row_could_measure_are_usage_errors(tmp_path, capsys, fl
     argv = ["decode", "--output", str(tmp_path / "d.json"), "--cache-lens", "64", "--dtypes", "float32", *flags]
     assert message in _usage_error(capsys, argv)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ragged_lengths_join_only_the_default_seq_lens(tmp_path):
+    """A short --seq-lens is a quick run: the default ragged lengths (up to 3000) stay out of it."""
+    from probjax_nn.benchmark._cli import parse_args
+
+    output = ["--output", str(tmp_path / "out.json")]
+    default = parse_args(output)
+    assert default.seq_lens == [128, 512, 1024, 2048, 4096, 8192]
+    assert default.ragged_seq_lens == [600, 1500, 3000]
+    short = parse_args([*output, "--seq-lens", "32", "64"])
+    assert (short.seq_lens, short.ragged_seq_lens) == ([32, 64], [])
+    both = parse_args([*output, "--seq-lens", "32", "--ragged-seq-lens", "40"])
+    assert (both.seq_lens, both.ragged_seq_lens) == ([32], [40])
+    ragged_only = parse_args([*output, "--ragged-seq-lens", "40"])
+    assert ragged_only.ragged_seq_lens == [40] and ragged_only.seq_lens == default.seq_lens

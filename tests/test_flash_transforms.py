@@ -74,7 +74,8 @@ def test_gradient_memory_is_linear_in_sequence_length():
 
 
 def test_forward_inside_shard_map_with_default_checks():
-    """Outputs carry their inputs' varying mesh axes, so shard_map's check_vma=True accepts the kernel."""
+    """Under shard_map's check_vma=True the call is accepted (on the CPU through the plain-jnp path, see
+    tests/test_vma_fallback.py; on a GPU the kernel's outputs carry their inputs' varying mesh axes)."""
     mesh = jax.make_mesh((1,), ("data",))
     q, k, v = (jax.device_put(x, jax.NamedSharding(mesh, jax.P("data"))) for x in random_qkv(33, 2, 40, 40, 2, 1, 32))
     sharded = jax.shard_map(

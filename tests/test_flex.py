@@ -9,7 +9,8 @@ import pytest
 from helpers import assert_close, numpy_allowed, numpy_attention, output_and_grads, random_qkv
 
 from probjax_kernels import (
-    BlockMask, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask, dropout_keep_mask,
+    BlockMask, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, create_mask, document_mask,
+    dropout_keep_mask,
     flash_attention, flex_attention, flex_attention_reference, or_masks, padding_mask, prefix_lm,
     relative_bias, sliding_window, softcap,
 )
@@ -363,3 +364,47 @@ def test_kernels_retiled_per_call_stay_exact(monkeypatch):
         lambda q: fn(q, k, v, relative_bias(table), block_mask, enable_gqa=True, **extra), (q,), (d_q,))[1])(q, d_q)
                 for fn, extra in calls]
     assert_close(tangents[0], tangents[1], q.dtype, "d out")
+
+
+def _branchy_mask(b, h, q_idx, kv_idx):
+    return True if q_idx >= kv_idx else False  # noqa: SIM210 (Python control flow on purpose)
+
+
+def _branchy_score(score, b, h, q_idx, kv_idx):
+    return score if q_idx >= kv_idx else -score
+
+
+def _branchy_and_mask(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) and (kv_idx >= 0)
+
+
+@pytest.mark.parametrize("path", [
+    "create_block_mask", "create_block_mask and", "create_mask", "flex score_mod", "flex score_mod jit",
+    "flex traced scale", "flex reference", "attention flex score_mod", "attention flex mask_mod",
+    "attention xla score_mod", "attention xla mask_mod", "attention xla mask_mod jit",
+])
+def test_python_control_flow_in_a_hook_names_it(path):
+    """Issue 6b: Python control flow on a hook's arrays gave NumPy's 'truth value ... is ambiguous'; every
+    path now gives the message of docs/flex_attention.md, naming the hook."""
+    import probjax_nn
+
+    q, k, v = random_qkv(55, 1, 32, 32, 2, 2, 16)
+    calls = {
+        "create_block_mask": lambda: create_block_mask(_branchy_mask, None, None, 32, 32),
+        "create_block_mask and": lambda: create_block_mask(_branchy_and_mask, 1, 2, 32, 32),
+        "create_mask": lambda: create_mask(_branchy_score, 1, 2, 32, 32),
+        "flex score_mod": lambda: flex_attention(q, k, v, _branchy_score),
+        "flex score_mod jit": lambda: jax.jit(lambda q: flex_attention(q, k, v, _branchy_score))(q),
+        "flex traced scale": lambda: jax.jit(lambda s: flex_attention(q, k, v, _branchy_score, scale=s))(0.5),
+        "flex reference": lambda: flex_attention_reference(q, k, v, _branchy_score),
+        "attention flex score_mod": lambda: probjax_nn.attention(q, k, v, score_mod=_branchy_score, impl="flex"),
+        "attention flex mask_mod": lambda: probjax_nn.attention(q, k, v, mask_mod=_branchy_mask, impl="flex"),
+        "attention xla score_mod": lambda: probjax_nn.attention(q, k, v, score_mod=_branchy_score, impl="xla"),
+        "attention xla mask_mod": lambda: probjax_nn.attention(q, k, v, mask_mod=_branchy_mask, impl="xla"),
+        "attention xla mask_mod jit": lambda: jax.jit(
+            lambda q: probjax_nn.attention(q, k, v, mask_mod=_branchy_mask, impl="xla"))(q),
+    }
+    hook = "mask_mod" if "mask_mod" in path or path.startswith("create_block_mask") else "score_mod"
+    with pytest.raises(TypeError, match=f"^{hook} could not be traced with array arguments: it uses Python control "
+                                        "flow .* write it with jnp.where"):
+        calls[path]()

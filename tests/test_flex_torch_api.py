@@ -21,6 +21,7 @@ from probjax_kernels import (
     flex_attention,
     flex_attention_reference,
     noop_mask,
+    or_masks,
     softcap,
 )
 from probjax_kernels.flex.options import config_from_kernel_options
@@ -400,3 +401,24 @@ def test_block_mask_query_block_selection_rebuilds_the_key_block_tables():
         assert all(x.dtype == jnp.float64 for x in expected)
     for name, got, want in zip("qkv", grads, expected):
         assert_close(got, want, jnp.float32, name)
+
+
+def test_and_masks_and_or_masks_of_no_mod_attend_everywhere_and_nowhere():
+    """As PyTorch: and_masks() is all True, or_masks() all False, and each is the neutral part of its kind."""
+    np.testing.assert_array_equal(np.asarray(create_mask(and_masks(), 1, 2, 5, 7)), np.ones((1, 2, 5, 7), bool))
+    np.testing.assert_array_equal(np.asarray(create_mask(or_masks(), 1, 2, 5, 7)), np.zeros((1, 2, 5, 7), bool))
+    for combined in (and_masks(and_masks(), causal_mask), or_masks(or_masks(), causal_mask)):
+        np.testing.assert_array_equal(np.asarray(create_mask(combined, None, None, T, T))[0, 0], CAUSAL)
+    q, k, v = random_qkv(5, 1, T, T, 2, 1, 16)
+    everywhere = create_block_mask(and_masks(), None, None, T, T, BLOCK_SIZE=32)
+    nowhere = create_block_mask(or_masks(), None, None, T, T, BLOCK_SIZE=32)
+    np.testing.assert_array_equal(np.asarray(nowhere.kv_num_blocks), 0)
+    np.testing.assert_array_equal(np.asarray(everywhere.full_kv_num_blocks), 2)
+    run = jax.jit(lambda q, k, v, mask: flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True))
+    out, lse = run(q, k, v, everywhere)
+    expected, expected_lse = numpy_attention(q, k, v)
+    assert_close(out, expected, jnp.float32)
+    assert_close(lse, expected_lse, jnp.float32)
+    out, lse = run(q, k, v, nowhere)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert np.isneginf(np.asarray(lse)).all()

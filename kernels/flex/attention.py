@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from probjax_kernels import _autodiff
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._hooks import affine_score_mod, example_indices, reads_argument, trace_hook, trace_score_mod
+from probjax_kernels._flash_attention import runs_reference
+from probjax_kernels._hooks import (
+    affine_score_mod, example_indices, hook_hint, reads_argument, trace_hook, trace_score_mod,
+)
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs, sharded_dropout
 from probjax_kernels._problem import Features
+from probjax_kernels._reference import attention_from_inputs, compute_dtype
 from probjax_kernels.flex.block_mask import BlockMask
 from probjax_kernels.flex.mods import ScoreMod
 from probjax_kernels.flex.options import (
@@ -111,7 +114,8 @@ def flex_attention(
     indices = example_indices()
     scale, score_hook, score_consts = inputs.scale, None, []
     if score_mod is not None:
-        score_hook, score_consts = trace_score_mod(score_mod)
+        with hook_hint("score_mod"):
+            score_hook, score_consts = trace_score_mod(score_mod)
     if inputs.traced_scale:  # after the user's score_mod was checked on its own, so its errors name it
         score_hook, score_consts = trace_score_mod(affine_score_mod(scale, score_mod=score_mod))
         scale = 1.0
@@ -120,7 +124,8 @@ def flex_attention(
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
-        mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
+        with hook_hint("mask_mod"):
+            mask_hook, mask_consts, out = trace_hook("mask_mod", block_mask.mask_mod, indices)
         if out.dtype != jnp.bool_:
             raise TypeError(f"mask_mod must return bool (True = attend), got {out.dtype}.")
         _check_block_mask(block_mask, batch, num_heads, q_len, kv_len, mask_hook)
@@ -130,6 +135,14 @@ def flex_attention(
         block_mask = fitted
         block_sizes = block_mask.block_size
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
+    if runs_reference(config, inputs):  # as flex_attention_reference: the block mask's mask_mod
+        out, lse, max_scores = attention_from_inputs(
+            inputs, False, compute_dtype(inputs), score_mod=score_mod,
+            mask_mod=None if block_mask is None else block_mask.mask_mod, dropout_rate=float(dropout_rate),
+            dropout_seed=dropout_seed, dropout_positions=_dropout_positions, dropout_shard=_dropout_shard,
+            return_max=True,
+        )
+        return results(out, lse, max_scores, return_lse, aux)
     dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
                                                    inputs.q, inputs.k)
     features = Features(

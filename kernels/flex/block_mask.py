@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
-from probjax_kernels._hooks import tensor_method_hint
+from probjax_kernels._hooks import hook_hint
 from probjax_kernels.flex.block_tables import (
     check_block_size,
     ordered_indices,
@@ -491,7 +491,7 @@ def create_block_mask(
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
     kv_idx = jnp.arange(num_kv_blocks * block_kv, dtype=jnp.int32).reshape(1, 1, 1, -1)
     b, h, _, _ = _index_grids(batch, heads, kv_idx, kv_idx)
-    with tensor_method_hint("mask_mod"):
+    with hook_hint("mask_mod"):
         example = mask_mod(b, h, jnp.zeros((1, 1, block_q, 1), jnp.int32), kv_idx)
     if jnp.result_type(example) != jnp.bool_:
         raise TypeError(f"mask_mod must return bool (True = attend), got {jnp.result_type(example)}.")
@@ -530,10 +530,10 @@ def create_mask(
                          jnp.arange(KV_LEN, dtype=jnp.int32).reshape(1, 1, 1, KV_LEN))
     shape = (batch, heads, Q_LEN, KV_LEN)
     if _num_required_arguments(mod_fn) == 5:
-        with tensor_method_hint("score_mod"):
+        with hook_hint("score_mod"):
             score = mod_fn(jnp.zeros(shape, jnp.float32), *grids)
         return ~jnp.isneginf(jnp.broadcast_to(score, shape))
-    with tensor_method_hint("mask_mod"):
+    with hook_hint("mask_mod"):
         mask = mod_fn(*grids)
     if jnp.result_type(mask) != jnp.bool_:
         raise TypeError(f"mask_mod must return bool (True = attend), got {jnp.result_type(mask)}.")

@@ -184,3 +184,20 @@ def relative_bias(table: jax.Array) -> ScoreMod:
     if table.ndim != 2 or table.shape[1] % 2 != 1 or not jnp.issubdtype(table.dtype, jnp.floating):
         raise ValueError(f"table must be a [N, 2 * max_len - 1] float array, got {table.dtype}{list(table.shape)}.")
     return Partial(_relative_bias, table)
+
+
+# and_masks / or_masks of no mask_mod attend everywhere / nowhere, as PyTorch's do. They replace the ones
+# above (which raised) from here, so that no line of the code that runs inside the kernels moves.
+def _attend_nowhere(b, h, q_idx, kv_idx):
+    del b, h
+    return (q_idx < 0) & (kv_idx < 0)  # False, broadcast to the tile
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    """Attend where every mod attends; with no mod, everywhere (`noop_mask`), as in PyTorch."""
+    return Partial(_and_masks, *mods) if mods else noop_mask
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    """Attend where any mod attends; with no mod, nowhere, as in PyTorch."""
+    return Partial(_or_masks, *mods) if mods else _attend_nowhere

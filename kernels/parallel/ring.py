@@ -40,7 +40,7 @@ import numpy as np
 
 from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._dispatch import default_backend
-from probjax_kernels._hooks import affine_score_mod, example_indices, trace_hook
+from probjax_kernels._hooks import affine_score_mod, example_indices, hook_hint, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
 from probjax_kernels.parallel.schedule import _backward, _differentiable, _forward
@@ -164,7 +164,8 @@ def _trace(name: str, fn: Callable | None, with_score: bool):
         return None, ()
     indices = example_indices()
     args = (jnp.zeros((16, 16), jnp.float32), *indices) if with_score else indices
-    hook, consts, _ = trace_hook(name, fn, args)
+    with hook_hint(name):
+        hook, consts, _ = trace_hook(name, fn, args)
     return hook, tuple(consts)
 
 

@@ -43,6 +43,8 @@ causal, 3.5x for fwd_bwd, 3x for jvp).
 A failing case (out of memory, unsupported, impl missing) gets an "error" instead and the run goes on; a
 dtype an impl never computes in is left out. `plot FILE` draws the PNGs and a Markdown summary."""
 
+SEQ_LENS = (128, 512, 1024, 2048, 4096, 8192)
+RAGGED_SEQ_LENS = (600, 1500, 3000)  # not a multiple of any block size
 ERROR_CHARS = 300  # of the message, after the exception's type, as the seed keeps them
 
 
@@ -63,10 +65,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=_positive, default=4)
     parser.add_argument("--heads", type=_positive, default=8)
     parser.add_argument("--head-dims", type=_positive, nargs="+", default=[64, 128])
-    parser.add_argument("--seq-lens", type=_positive, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--seq-lens", type=_positive, nargs="+", default=None,
+                        help=f"default: {' '.join(map(str, SEQ_LENS))}")
     parser.add_argument(
-        "--ragged-seq-lens", type=_positive, nargs="*", default=[600, 1500, 3000],
-        help="lengths that are not a multiple of the block size; measured together with --seq-lens",
+        "--ragged-seq-lens", type=_positive, nargs="*", default=None,
+        help="lengths that are not a multiple of the block size; measured together with --seq-lens (default: "
+        f"{' '.join(map(str, RAGGED_SEQ_LENS))} when --seq-lens is not given, none when it is)",
     )
     parser.add_argument("--dtypes", nargs="+", choices=FLOATS, default=["bfloat16", "float32"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(SEED_MODES),
@@ -80,6 +84,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--append", action="store_true", help="keep the rows already in --output")
     parser.add_argument("--tag", default=None, help="free text stored in every row")
     args = parser.parse_args(argv)
+    # A short --seq-lens asks for a quick run: the long default ragged lengths would not be one.
+    if args.ragged_seq_lens is None:
+        args.ragged_seq_lens = list(RAGGED_SEQ_LENS) if args.seq_lens is None else []
+    if args.seq_lens is None:
+        args.seq_lens = list(SEQ_LENS)
     problem = _output_problem(pathlib.Path(args.output), args.append)
     if problem is not None:
         parser.error(problem)
