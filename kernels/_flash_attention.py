@@ -81,13 +81,6 @@ def flash_attention(
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
     causal = check_flag("causal", causal)
-    if _cotangents is None and runs_reference(config, inputs):
-        out, lse = attention_from_inputs(
-            inputs, causal, compute_dtype(inputs), score_mod=soft_capped(None, logits_soft_cap),
-            dropout_rate=float(dropout_rate), dropout_seed=dropout_seed, dropout_positions=_dropout_positions,
-            dropout_shard=_dropout_shard,
-        )
-        return (out, lse) if return_lse else out
     left, right = inputs.window
     if causal:
         right = 0 if right is None else min(right, 0)
@@ -97,8 +90,15 @@ def flash_attention(
         scale, bias = 1.0, None
     elif logits_soft_cap is not None:  # after the kernels' own scale and bias
         score_hook, score_consts = trace_score_mod(soft_capped(None, logits_soft_cap))
-    dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
-                                                   inputs.q, inputs.k)
+    dropout_fields, kernel_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
+                                                  inputs.q, inputs.k)
+    if _cotangents is None and runs_reference(config, inputs):
+        out, lse = attention_from_inputs(
+            inputs, causal, compute_dtype(inputs), score_mod=soft_capped(None, logits_soft_cap),
+            dropout_rate=float(dropout_rate), dropout_seed=dropout_seed, dropout_positions=_dropout_positions,
+            dropout_shard=_dropout_shard,
+        )
+        return (out, lse) if return_lse else out
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
         **dropout_fields,
@@ -106,7 +106,7 @@ def flash_attention(
     result = _autodiff.attention(
         inputs.q, inputs.k, inputs.v, features, config, bias=bias, mask=inputs.mask,
         q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths, q_segment_ids=inputs.q_segment_ids,
-        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=dropout_seed, score_consts=tuple(score_consts),
+        kv_segment_ids=inputs.kv_segment_ids, dropout_seed=kernel_seed, score_consts=tuple(score_consts),
         cotangents=_cotangents,
     )
     if _cotangents is not None:  # private to probjax_kernels: (dq, dk, dv), see `_autodiff.attention`
