@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from probjax_kernels import _backend
@@ -169,6 +170,19 @@ def hook_shapes(config: FlashConfig, transposed: bool = False) -> list[tuple]:
     return shapes
 
 
+def run_tangent(problem: _Problem, *arrays, value_splits: int):
+    """The tangent pass: `tangent.tangent` on its own tiles, the hooks traced at them as it runs, inside the
+    forward-mode trace. Traced at plan time instead, a hook that gathers from a captured table (`relative_bias`)
+    lowered to a differently ordered tangent kernel, so every compile record of such a jvp changed."""
+    for b, h, rows, cols, score in hook_shapes(problem.config, problem.dkv_transposed):
+        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, rows, cols)]
+        if problem.features.score_mod is not None:
+            problem.features.score_mod.prepare(jax.ShapeDtypeStruct(score, jnp.float32), *indices)
+        if problem.features.mask_mod is not None:
+            problem.features.mask_mod.prepare(*indices)
+    return tangent.tangent(problem, *arrays, value_splits=value_splits)
+
+
 class _Triton:
     """The Pallas Triton kernels (`kernels/triton/`), on a GPU or in Pallas interpret mode."""
 
@@ -246,7 +260,8 @@ class _Triton:
         return Passes(
             forward=KernelPass(forward.forward, retiled(forward_tiles)),
             backward=KernelPass(backward.backward, retiled(dq_config), (("dkv_problem", dkv_problem),)),
-            tangent=KernelPass(tangent.tangent, retiled(tangent_tiles), (("value_splits", splits),)),
+            tangent=KernelPass(run_tangent, dataclasses.replace(problem, config=tangent_tiles),
+                               (("value_splits", splits),)),
             hook_shapes=tuple(shapes),
         )
 
