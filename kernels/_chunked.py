@@ -230,9 +230,11 @@ CHUNK_BYTES = 16 * 2**20
 MAX_BANDS = 8  # query bands of `chunked_attention`, each with its own key range (unrolled: compile time)
 
 
-def chunk_plan(batch: int, num_heads: int, q_len: int, kv_len: int, chunk_bytes: int = CHUNK_BYTES):
+def chunk_plan(batch: int, num_heads: int, q_len: int, kv_len: int, chunk_bytes: int | None = None):
     """(bands, steps, chunk) of `chunked_attention`: `bands` x `steps` x `chunk` >= q_len query rows, in
-    `bands` bands of `steps` steps of `chunk` rows; a step's scores [B, N, chunk, S] fit `chunk_bytes`."""
+    `bands` bands of `steps` steps of `chunk` rows; a step's scores [B, N, chunk, S] fit `chunk_bytes`
+    (None: `CHUNK_BYTES`)."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows = max(16, chunk_bytes // (4 * batch * num_heads * kv_len))
     chunks = -(-q_len // rows)
     bands = min(chunks, MAX_BANDS)
@@ -334,14 +336,14 @@ def _chunk_scores(inputs, causal: bool, compute_dtype, q, k, v, start, lo: int, 
 
 def chunked_attention(inputs, causal: bool, compute_dtype=jnp.float32, *, score_mod=None, mask_mod=None,
                       dropout_rate: float = 0.0, dropout_seed=None, return_lse: bool = False,
-                      chunk_bytes: int = CHUNK_BYTES):
+                      chunk_bytes: int | None = None):
     """`attention_from_inputs` (the same arguments and results: out `[B, T, N, Dv]` in q's dtype, lse
     `[B, N, T]` float32 or None without `return_lse`) as XLA ops over query bands and chunks.
 
     The query rows split into at most `MAX_BANDS` bands; each band reads only the keys that causal and the
     window let its rows see (a causal call computes about half the scores), and runs as `steps` chunks of
-    rows under `lax.map` with `jax.checkpoint` when one band's scores exceed `chunk_bytes`, so that memory
-    stays linear in T; otherwise as one block. Plain jnp: every JAX transformation (grad, jvp, vmap, hessian)
+    rows under `lax.map`, each step under `jax.checkpoint` when the scores exceed `chunk_bytes` (None:
+    `CHUNK_BYTES`), so that memory stays linear in T; a call within it is one block. Plain jnp: every JAX transformation (grad, jvp, vmap, hessian)
     applies, and hooks receive gradients as in the dense reference."""
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
