@@ -223,21 +223,24 @@ def dense_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len
 
 # ------------------------------------------------- attention over query bands, for `probjax_nn.attention` off the GPU
 
-# float32 scores of one step of `chunked_attention`, [B, N, chunk, S]. Measured on a 2-core CPU (B=1, N=8, D=64,
-# T=1024..4096, docs/benchmarks/cpu_attention.md): 4 to 16 MiB time alike and beat 64 MiB (cache), with
-# memory linear in T; below it a call is one block, without recomputation.
-CHUNK_BYTES = 16 * 2**20
+# float32 scores of one step of `chunked_attention`, [B, N, chunk, S]: the threshold past which a call runs in
+# checkpointed steps (below it, one block without recomputation). Measured on a 2-core CPU (B=1, N=8, D=64,
+# T=512..4096, docs/benchmarks/cpu_attention.md): 4 and 16 MiB time alike (within the noise of a shared
+# machine) and both beat 64 MiB, which leaves the CPU's caches; 4 MiB keeps the least memory.
+CHUNK_BYTES = 4 * 2**20
 MAX_BANDS = 8  # query bands of `chunked_attention`, each with its own key range (unrolled: compile time)
 
 
-def chunk_plan(batch: int, num_heads: int, q_len: int, kv_len: int, chunk_bytes: int | None = None):
+def chunk_plan(batch: int, num_heads: int, q_len: int, kv_len: int, chunk_bytes: int | None = None,
+               skips: bool = True):
     """(bands, steps, chunk) of `chunked_attention`: `bands` x `steps` x `chunk` >= q_len query rows, in
     `bands` bands of `steps` steps of `chunk` rows; a step's scores [B, N, chunk, S] fit `chunk_bytes`
-    (None: `CHUNK_BYTES`)."""
+    (None: `CHUNK_BYTES`). Without `skips` (no causal or window: every row sees every key) one band: bands
+    only pay where they skip keys, and one `lax.map` bounds memory where unrolled bands need not."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows = max(16, chunk_bytes // (4 * batch * num_heads * kv_len))
     chunks = -(-q_len // rows)
-    bands = min(chunks, MAX_BANDS)
+    bands = min(chunks, MAX_BANDS if skips else 1)
     steps = -(-chunks // bands)
     return bands, steps, -(-q_len // (bands * steps))
 
@@ -279,10 +282,11 @@ def _chunk_scores(inputs, causal: bool, compute_dtype, q, k, v, start, lo: int, 
     num_heads, keys = num_kv_heads * group, k.shape[2]
     # k / v of batch 1 are shared by the batch, not repeated.
     spelling, k, v = ("ksd", k[0], v[0]) if k.shape[0] == 1 < batch else ("bksd", k, v)
-    rows = q.reshape(batch, num_kv_heads, group * chunk, head_dim)
+    # The scale multiplies the c x D queries, not the c x s scores: one pass over the scores fewer.
+    rows = q.reshape(batch, num_kv_heads, group * chunk, head_dim) * inputs.scale
     scores = jnp.einsum(f"bkmd,{spelling}->bkms", rows, k, preferred_element_type=compute_dtype,
                         precision=lax.Precision.HIGHEST)
-    scores = scores.reshape(batch, num_heads, chunk, keys) * inputs.scale
+    scores = scores.reshape(batch, num_heads, chunk, keys)
     if hooks["bias"] is not None:
         scores = scores + hooks["bias"].astype(compute_dtype)
     b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
@@ -294,34 +298,42 @@ def _chunk_scores(inputs, causal: bool, compute_dtype, q, k, v, start, lo: int, 
     left, right = inputs.window
     if causal:
         right = 0 if right is None else min(right, 0)
-    allowed = q_idx < inputs.q.shape[1]  # rows past the end pad the last step
+    allowed = []  # rows past the end (padding of the last step) are cut off afterwards
     if right is not None:
-        allowed = allowed & (kv_idx <= q_idx + right)
+        allowed.append(kv_idx <= q_idx + right)
     if left is not None:
-        allowed = allowed & (kv_idx >= q_idx - left)
+        allowed.append(kv_idx >= q_idx - left)
     if inputs.q_lengths is not None:
-        allowed = allowed & (q_idx < inputs.q_lengths.reshape(batch, 1, 1, 1))
+        allowed.append(q_idx < inputs.q_lengths.reshape(batch, 1, 1, 1))
     if inputs.kv_lengths is not None:
-        allowed = allowed & (kv_idx < inputs.kv_lengths.reshape(batch, 1, 1, 1))
+        allowed.append(kv_idx < inputs.kv_lengths.reshape(batch, 1, 1, 1))
     if hooks["q_seg"] is not None:
-        allowed = allowed & (hooks["q_seg"][:, None, :, None] == hooks["kv_seg"][:, None, None, :])
+        allowed.append(hooks["q_seg"][:, None, :, None] == hooks["kv_seg"][:, None, None, :])
     if hooks["mask"] is not None:
-        allowed = allowed & hooks["mask"]
+        allowed.append(hooks["mask"])
     if hooks["mask_mod"] is not None:
-        allowed = allowed & hooks["mask_mod"](b, h, q_idx, kv_idx)
+        allowed.append(hooks["mask_mod"](b, h, q_idx, kv_idx))
     # -0.7 of the largest float, as jax.nn.dot_product_attention: finite, and its exp underflows to 0. A score
     # of -inf (a bias or score_mod that masks) counts as masked.
     floor = -0.7 * float(jnp.finfo(compute_dtype).max)
     if hooks["bias"] is not None or hooks["score_mod"] is not None:
-        allowed = allowed & (scores > floor)
-    scores = jnp.where(allowed, scores, floor)
-    attends = jnp.any(allowed, axis=-1, keepdims=True)  # [B|1, N|1, c, 1]
+        allowed.append(scores > floor)
+    # Causal and the window alone leave every row a key, unless the window's left edge passes the last key.
+    may_empty = len(allowed) > (right is not None) + (left is not None) or (
+        left is not None and inputs.q.shape[1] - 1 - left > inputs.k.shape[1] - 1)
+    attends = None
+    if allowed:
+        allowed = functools.reduce(jnp.logical_and, allowed)
+        scores = jnp.where(allowed, scores, floor)
+        if may_empty:
+            attends = jnp.any(allowed, axis=-1, keepdims=True)  # [B|1, N|1, c, 1]
     probs = jax.nn.softmax(scores, axis=-1)
     lse = None
     if with_lse:
         row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
         lse = row_max + jnp.log(jnp.sum(jnp.exp(scores - row_max), axis=-1, keepdims=True))
-        lse = jnp.broadcast_to(jnp.where(attends, lse, -jnp.inf)[..., 0], (batch, num_heads, chunk))
+        lse = lse if attends is None else jnp.where(attends, lse, -jnp.inf)
+        lse = jnp.broadcast_to(lse[..., 0], (batch, num_heads, chunk))
     if hooks["dropout_rate"]:
         rate = hooks["dropout_rate"]
         keep = keep_mask(hooks["dropout_seed"], b, h, q_idx, kv_idx, rate, num_heads)
@@ -329,8 +341,9 @@ def _chunk_scores(inputs, causal: bool, compute_dtype, q, k, v, start, lo: int, 
     probs = probs.reshape(batch, num_kv_heads, group * chunk, keys)
     out = jnp.einsum(f"bkms,{spelling}->bkmd", probs, v, precision=lax.Precision.HIGHEST)
     out = out.reshape(batch, num_kv_heads, group, chunk, -1)
-    attends = attends.reshape(attends.shape[0], num_kv_heads if attends.shape[1] > 1 else 1, -1, chunk, 1)
-    out = jnp.where(attends, out, 0.0)
+    if attends is not None:
+        attends = attends.reshape(attends.shape[0], num_kv_heads if attends.shape[1] > 1 else 1, -1, chunk, 1)
+        out = jnp.where(attends, out, 0.0)
     return out, lse
 
 
@@ -347,7 +360,8 @@ def chunked_attention(inputs, causal: bool, compute_dtype=jnp.float32, *, score_
     applies, and hooks receive gradients as in the dense reference."""
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
-    bands, steps, chunk = chunk_plan(batch, num_heads, q_len, kv_len, chunk_bytes)
+    skips = causal or inputs.window != (None, None)
+    bands, steps, chunk = chunk_plan(batch, num_heads, q_len, kv_len, chunk_bytes, skips)
     # Heads before positions (see `_chunk_scores`): q [B, K, G, T, D], k and v [B|1, K, S, D].
     q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     k, v = (jnp.swapaxes(x.astype(compute_dtype), 1, 2) for x in (inputs.k, inputs.v))

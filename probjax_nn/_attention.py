@@ -196,8 +196,9 @@ class AttentionConfig:
 
     **Arguments:**
 
-    - `impl`: `"auto"` (on a GPU the Pallas flash kernel, or the flex kernel for score_mod / mask_mod;
-      XLA elsewhere and for what neither kernel can do), `"pallas"` (the Pallas flash kernel; interpret mode
+    - `impl`: `"auto"` (on a GPU the Pallas flash kernel, or the flex kernel for score_mod / mask_mod, and
+      XLA for what neither kernel can do; off the GPU XLA over query chunks, memory linear in T:
+      `probjax_kernels.layer_api.chunked_attention`), `"pallas"` (the Pallas flash kernel; interpret mode
       off the GPU), `"flex"` (the Pallas kernel with score_mod / mask_mod inside; interpret mode off the GPU),
       `"xla"` (plain jnp, materialises the `[B, N, T, S]` scores) or `"cudnn"` (the cuDNN path of
       `jax.nn.dot_product_attention`; NVIDIA GPUs only).
