@@ -73,11 +73,10 @@ def _reference_float64(q, k, v, bias, kwargs):
 
 def _output_and_grads(f, q, k, v, bias):
     """(out, lse, grads of sum(out * cotangent) in q, k, v and bias), under one jit."""
-    cotangent = jnp.cos(jnp.arange(q.size, dtype=q.dtype)).reshape(q.shape)
-
     @jax.jit
     def run(q, k, v, bias):
         (out, lse), vjp = jax.vjp(lambda *args: f(*args), q, k, v, bias)
+        cotangent = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
         return out, lse, vjp((cotangent, jnp.zeros_like(lse)))
 
     out, lse, grads = run(q, k, v, bias)
@@ -192,3 +191,31 @@ def test_auto_holds_no_seq_by_seq_scores(monkeypatch):
     assert stock_temp[2048] > 2 * stock_temp[1024]  # superlinear: what the chunked path must not be
     assert auto_temp[2048] / auto_temp[1024] < 2.5
     assert auto_temp[2048] < 0.1 * stock_temp[2048]
+
+
+def test_auto_shared_key_value_batch_and_value_head_dim(monkeypatch):
+    """k / v of batch 1 shared by the query batch, and a value head dim other than D, in bands and steps."""
+    monkeypatch.setattr(_chunked, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
+    q, k, _ = random_qkv(4, BATCH, Q_LEN, KV_LEN, HEADS, 2, HEAD_DIM)
+    k = k[:1]
+    v = jax.random.normal(jax.random.key(5), (1, KV_LEN, 2, 24))
+    kwargs = {"is_causal": True, "local_window_size": (12, 0)}
+
+    def auto(q, k, v, bias):
+        return attention(q, k, v, **kwargs, return_residual=True)
+
+    out, lse, grads = _output_and_grads(auto, q, k, v, None)
+    with jax.enable_x64(True):
+        def reference(q, k, v, bias):
+            inputs = check_inputs(q, k, v, window=(12, 0), allowed_dtypes=(jnp.float64,), max_head_dim=None)
+            out, lse = attention_from_inputs(inputs, True, jnp.float64)
+            return out, jnp.swapaxes(lse, 1, 2)
+
+        expected = _output_and_grads(reference, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), None)
+    assert out.shape == (BATCH, Q_LEN, HEADS, 24)
+    _assert_close(out, expected[0], "out")
+    empty = np.isneginf(expected[1])  # rows past S - 1 + 12 see no key
+    assert empty.any() and (np.isneginf(lse) == empty).all() and (out[empty] == 0).all()
+    _assert_close(np.where(empty, 0, lse), np.where(empty, 0, expected[1]), "lse")
+    for name, grad, reference_grad in zip(("dq", "dk", "dv"), grads, expected[2]):
+        _assert_close(grad, reference_grad, name)
