@@ -342,6 +342,7 @@ def _chunk_scores(inputs, causal: bool, compute_dtype, q, k, v, start, lo: int, 
     out = jnp.einsum(f"bkms,{spelling}->bkmd", probs, v, precision=lax.Precision.HIGHEST)
     out = out.reshape(batch, num_kv_heads, group, chunk, -1)
     if attends is not None:
+        attends = jnp.broadcast_to(attends, (*attends.shape[:2], chunk, 1))  # a mask may broadcast over rows
         attends = attends.reshape(attends.shape[0], num_kv_heads if attends.shape[1] > 1 else 1, -1, chunk, 1)
         out = jnp.where(attends, out, 0.0)
     return out, lse

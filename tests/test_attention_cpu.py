@@ -41,6 +41,8 @@ CASES = {
                                   "is_causal": True}),
     "bias_minus_inf": (HEADS, {"bias": _bias_with_a_minus_inf_row()}),
     "mask_empty_rows": (2, {"mask": _mask_with_empty_rows(), "is_causal": True}),
+    # a key mask broadcast over query rows (flax's padding masks), every key of batch 1 masked
+    "key_mask": (2, {"mask": np.arange(KV_LEN)[None, None, None, :] < np.array([25, 0]).reshape(BATCH, 1, 1, 1)}),
     # a window without causal: rows past S - 1 + 6 see no key (whole bands skip their keys)
     "window": (2, {"local_window_size": (6, 3)}),
     "window_causal": (1, {"local_window_size": (9, 4), "is_causal": True}),
