@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from probjax_kernels._dropout import keep_mask
 from probjax_kernels._problem import Features, _Problem
 from probjax_kernels._scores import LN2, LOG2E, _dropout_scale, _ScoreContext, _scores
 
@@ -223,6 +222,9 @@ def dense_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len
 
 # ------------------------------------------------- attention over query bands, for `probjax_nn.attention` off the GPU
 
+# Imported here, not above: the lines above keep their numbers, which the compile report's fingerprints hold.
+from probjax_kernels._dropout import keep_mask  # noqa: E402
+
 # float32 scores of one step of `chunked_attention`, [B, N, chunk, S]: the threshold past which a call runs in
 # checkpointed steps (below it, one block without recomputation). Measured on a 2-core CPU (B=1, N=8, D=64,
 # T=512..4096, docs/benchmarks/cpu_attention.md): 4 and 16 MiB time alike (within the noise of a shared
@@ -354,17 +356,19 @@ def chunked_attention(inputs, causal: bool, compute_dtype=jnp.float32, *, score_
     """`attention_from_inputs` (the same arguments and results: out `[B, T, N, Dv]` in q's dtype, lse
     `[B, N, T]` float32 or None without `return_lse`) as XLA ops over query bands and chunks.
 
-    The query rows split into at most `MAX_BANDS` bands; each band reads only the keys that causal and the
-    window let its rows see (a causal call computes about half the scores), and runs as `steps` chunks of
-    rows under `lax.map`, each step under `jax.checkpoint` when the scores exceed `chunk_bytes` (None:
-    `CHUNK_BYTES`), so that memory stays linear in T; a call within it is one block. Plain jnp: every JAX transformation (grad, jvp, vmap, hessian)
-    applies, and hooks receive gradients as in the dense reference."""
+    When causal or a window hides keys, the query rows split into at most `MAX_BANDS` bands, each reading only
+    the keys its rows may see (a causal call computes a little over half of the scores). When the scores
+    exceed `chunk_bytes` (None: `CHUNK_BYTES`), a band runs as steps of `chunk` rows under `lax.map`, each
+    step under `jax.checkpoint`, so that memory stays linear in T; a call within it is one block. Plain jnp:
+    every JAX transformation (grad, jvp, vmap, hessian) applies, and hooks receive gradients as in the dense
+    reference."""
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     group = num_heads // num_kv_heads
     skips = causal or inputs.window != (None, None)
     bands, steps, chunk = chunk_plan(batch, num_heads, q_len, kv_len, chunk_bytes, skips)
     # Heads before positions (see `_chunk_scores`): q [B, K, G, T, D], k and v [B|1, K, S, D].
-    q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    q = inputs.q.astype(compute_dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
+    q = q.transpose(0, 2, 3, 1, 4)
     k, v = (jnp.swapaxes(x.astype(compute_dtype), 1, 2) for x in (inputs.k, inputs.v))
     seg = inputs.q_segment_ids
     outs, lses = [], []

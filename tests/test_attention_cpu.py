@@ -65,7 +65,8 @@ def _reference_float64(q, k, v, bias, kwargs):
 
         def run(q, k, v, bias):
             inputs = check_inputs(
-                q, k, v, bias=bias, mask=mask, scale=kwargs.get("scale"), window=kwargs.get("local_window_size"), allowed_dtypes=(jnp.float64,), max_head_dim=None,
+                q, k, v, bias=bias, mask=mask, scale=kwargs.get("scale"), window=kwargs.get("local_window_size"),
+                allowed_dtypes=(jnp.float64,), max_head_dim=None,
             )
             out, lse = attention_from_inputs(inputs, kwargs.get("is_causal", False), jnp.float64)
             return out, jnp.swapaxes(lse, 1, 2)
