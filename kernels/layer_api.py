@@ -23,6 +23,10 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
   dropout_seed) -> (out, lse)`: dense softmax attention in plain jnp on checked inputs (out `[B, T, N, D]` in
   q's dtype, lse `[B, N, T]`), with the kernels' masking conventions and dropout keep mask, so that it agrees
   with them exactly; `probjax_nn.attention`'s XLA implementation.
+- `chunked_attention(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate, dropout_seed,
+  return_lse, chunk_bytes) -> (out, lse or None)`: the same attention as XLA ops over query bands and chunks,
+  each band reading only the keys that causal and the window let it see; memory linear in T (a step's
+  scores fit `chunk_bytes`). `probjax_nn.attention`'s path for impl "auto" off the GPU.
 - `affine_score_mod(scale, bias, score_mod)`: the score_mod `score_mod(scale * score + bias[b, h, q_idx,
   kv_idx])`, how a traced scale or a dense bias reaches `flex_attention`; `broadcast_lookup(array, b, h,
   q_idx, kv_idx)`: `array[b, h, q_idx, kv_idx]` of a `[B|1, N|1, T|1, S|1]` array (a dense mask as a
@@ -34,6 +38,7 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
 """
 
 from probjax_kernels import _backend
+from probjax_kernels._chunked import chunked_attention as chunked_attention
 from probjax_kernels._hooks import affine_score_mod as affine_score_mod
 from probjax_kernels._hooks import broadcast_lookup as broadcast_lookup
 from probjax_kernels._flash_attention import runs_reference as runs_reference
@@ -52,7 +57,7 @@ from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
     "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs", "check_logits_soft_cap",
-    "runs_reference", "soft_capped", "target_device", "target_platform",
+    "chunked_attention", "runs_reference", "soft_capped", "target_device", "target_platform",
 ]
 
 

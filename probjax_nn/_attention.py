@@ -21,8 +21,8 @@ from jax.tree_util import Partial
 from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
-    check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, soft_capped,
-    target_platform,
+    check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, chunked_attention,
+    soft_capped, target_platform,
 )
 from probjax_nn._sharding import context_parallel, per_shard
 
@@ -75,6 +75,26 @@ def _xla(call: _Call):
         mask_mod=call.mask_mod, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     )
     return _with_residual(call, (out, lse) if call.return_residual else out)
+
+
+def _xla_chunked(call: _Call):
+    """impl "auto" where it would run "xla" off the GPU: the same attention by `chunked_attention`, over query
+    bands that skip the keys causal and the window hide, in chunks whose memory is linear in T (at least as fast
+    as jax.nn.dot_product_attention's "xla" path on the CPU: docs/benchmarks/cpu_attention.md)."""
+    compute_dtype = jnp.float64 if call.inputs.q.dtype == jnp.float64 else jnp.float32
+    out, lse = chunked_attention(
+        call.inputs, call.causal, compute_dtype, score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
+        mask_mod=call.mask_mod,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed, return_lse=call.return_residual,
+    )
+    return _with_residual(call, (out, lse) if call.return_residual else out)
+
+
+def _runner(config: AttentionConfig, name: str, request: _Request) -> Callable[[_Call], jax.Array | tuple]:
+    """How `name` (chosen for `request`) runs: "auto" off the GPU takes `_xla_chunked` for "xla"."""
+    if config.impl == "auto" and name == "xla" and not request.gpu:
+        return _xla_chunked
+    return _IMPLEMENTATIONS[name].run
 
 
 def _flex(call: _Call):
@@ -181,8 +201,9 @@ class AttentionConfig:
 
     **Arguments:**
 
-    - `impl`: `"auto"` (on a GPU the Pallas flash kernel, or the flex kernel for score_mod / mask_mod;
-      XLA elsewhere and for what neither kernel can do), `"pallas"` (the Pallas flash kernel; interpret mode
+    - `impl`: `"auto"` (on a GPU the Pallas flash kernel, or the flex kernel for score_mod / mask_mod, and
+      XLA for what neither kernel can do; off the GPU XLA over query chunks, memory linear in T:
+      `probjax_kernels.layer_api.chunked_attention`), `"pallas"` (the Pallas flash kernel; interpret mode
       off the GPU), `"flex"` (the Pallas kernel with score_mod / mask_mod inside; interpret mode off the GPU),
       `"xla"` (plain jnp, materialises the `[B, N, T, S]` scores) or `"cudnn"` (the cuDNN path of
       `jax.nn.dot_product_attention`; NVIDIA GPUs only).
@@ -476,7 +497,7 @@ def attention(
     elif name in ("pallas", "flex"):  # one custom call each: the SPMD partitioner cannot split them
         result = per_shard(call, _IMPLEMENTATIONS[name].run)
     else:
-        result = _IMPLEMENTATIONS[name].run(call)
+        result = _runner(config, name, request)(call)
     out_shape = (*query.shape[:-1], inputs.value_dim)
     if not return_residual:
         return result.reshape(out_shape)

@@ -187,12 +187,15 @@ def _recording(monkeypatch, name: str) -> list:
     return calls
 
 
-def test_auto_on_cpu_runs_xla(monkeypatch):
+def test_auto_on_cpu_runs_xla_over_query_bands(monkeypatch):
     flash_calls = _recording(monkeypatch, "flash_attention")
     reference_calls = _recording(monkeypatch, "attention_from_inputs")
+    chunked_calls = _recording(monkeypatch, "chunked_attention")
     q, k, v = _qkv()
     _assert_close(attention(q, k, v, is_causal=True), jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    assert (len(flash_calls), len(reference_calls)) == (0, 1)
+    assert (len(flash_calls), len(reference_calls), len(chunked_calls)) == (0, 0, 1)
+    attention(q, k, v, is_causal=True, impl="xla")  # asked for by name, "xla" stays the dense reference
+    assert (len(flash_calls), len(reference_calls), len(chunked_calls)) == (0, 1, 1)
 
 
 def test_auto_on_gpu_runs_pallas_and_falls_back_to_xla(monkeypatch):
@@ -341,7 +344,7 @@ def test_hooks_with_every_jax_argument(impl):
 def test_auto_routes_hooks_to_flex_on_gpu_and_xla_elsewhere(monkeypatch):
     q, k, v = _qkv()
     flex_calls = _recording(monkeypatch, "flex_attention")
-    xla_calls = _recording(monkeypatch, "attention_from_inputs")
+    xla_calls = _recording(monkeypatch, "chunked_attention")
     attention(q, k, v, score_mod=_alibi_hook)
     assert (len(flex_calls), len(xla_calls)) == (0, 1)
     monkeypatch.setattr(_attention, "_on_gpu", lambda: True)

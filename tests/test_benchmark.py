@@ -2,9 +2,11 @@
 
 import json
 import pathlib
+import shlex
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from probjax_nn.benchmark import main
@@ -326,3 +328,34 @@ def test_ragged_lengths_join_only_the_default_seq_lens(tmp_path):
     assert (both.seq_lens, both.ragged_seq_lens) == ([32], [40])
     ragged_only = parse_args([*output, "--ragged-seq-lens", "40"])
     assert ragged_only.ragged_seq_lens == [40] and ragged_only.seq_lens == default.seq_lens
+
+
+def test_cpu_mode_rows_and_ratios(tmp_path, capsys):
+    """`cpu`: impl "auto" and jax.nn's "xla" path in one run, a row each per case with medians, XLA's temp bytes
+    and the difference from jax.nn; one ratio per case that is the rows' quotient; a Markdown table beside it
+    that quotes the command, which parses back to the same flags."""
+    from probjax_nn.benchmark import _cpu
+
+    path = tmp_path / "cpu.json"
+    flags = ["--output", str(path), "--machine", "test machine", "--seq-lens", "40", "64", "--heads", "2",
+             "--head-dim", "16", "--causal", "1", "--modes", "fwd", "fwd_bwd", "--samples", "2"]
+    assert main(["cpu", *flags]) == 0
+    report = json.loads(path.read_text())
+    assert report["device"]["machine"] == "test machine" and report["device"]["jax"] == jax.__version__
+    rows = {(row["impl"], row["seq"], row["mode"]): row for row in report["results"]}
+    assert set(rows) == {(impl, seq, mode) for impl in _cpu.IMPLS for seq in (40, 64) for mode in ("fwd", "fwd_bwd")}
+    for row in rows.values():
+        assert row["causal"] is True and row["wall_ms"] > 0 and row["cpu_ms"] >= 0 and row["temp_mb"] >= 0
+        assert row["max_abs_diff_vs_jax"] < 1e-5  # no row of this grid loses every key: the results agree
+    assert len(report["ratios"]) == 4
+    for ratio in report["ratios"]:
+        ours, theirs = (rows[impl, ratio["seq"], ratio["mode"]] for impl in _cpu.IMPLS)
+        assert ratio["wall"] == pytest.approx(ours["wall_ms"] / theirs["wall_ms"])
+        assert ratio["temp"] == pytest.approx(ours["temp_mb"] / theirs["temp_mb"])
+    summary = path.with_suffix(".md").read_text()
+    assert "test machine" in summary and summary.count("| 64 | True |") == 2
+    command = next(line for line in summary.splitlines() if line.startswith("Command: "))
+    words = shlex.split(command.removeprefix("Command: ").strip("`"))
+    assert words[:4] == ["python", "-m", "probjax_nn.benchmark", "cpu"]
+    assert vars(_cpu.parse_args(words[4:])) == vars(_cpu.parse_args(flags))
+    capsys.readouterr()

@@ -31,7 +31,8 @@ python -m probjax_nn.benchmark [--output FILE] [--batch B] [--heads N] [--head-d
                                [--ragged-seq-lens T ...] [--dtypes DTYPE ...] [--modes MODE ...]
                                [--causal {0,1} ...] [--impls IMPL ...] [--append] [--tag TEXT]
 python -m probjax_nn.benchmark plot FILE [--out-dir DIR]
-python -m probjax_nn.benchmark decode [--batch B ...] [--cache-lens S ...] [--heads N:K ...] [--page-sizes P ...]"""
+python -m probjax_nn.benchmark decode [--batch B ...] [--cache-lens S ...] [--heads N:K ...] [--page-sizes P ...]
+python -m probjax_nn.benchmark cpu [--output FILE] [--machine NAME] [--seq-lens T ...] [--samples N]"""
 
 DESCRIPTION = """\
 Attention speed, memory and error of probjax against every peer a user could pick instead, one JSON row per
