@@ -42,6 +42,18 @@ def target_platform() -> str:
     return jax.default_backend() if jax.config.jax_default_device is None else target_device().platform
 
 
+def config_backend(config: FlashConfig | None) -> str:
+    """What a call's kernels run on, as far as a front-end needs to know it: `config.backend` when set, else
+    "interpret" off a GPU or TPU (the default there, `_dispatch.default_backend`), else the platform's name
+    ("gpu", "tpu"; `_dispatch` picks that platform's backend). Front-ends ask this, not `_dispatch`, whether
+    their kernels run in a CPU interpreter (`ring_attention`'s autodiff, a call inside a check_vma
+    shard_map)."""
+    if config is not None and config.backend is not None:
+        return config.backend
+    platform = target_platform()
+    return platform if platform in ("gpu", "tpu") else "interpret"
+
+
 def compute_capability(device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device's compute capability; None for other devices."""
     try:

@@ -40,11 +40,9 @@ def default_backend() -> Backend:
     """What `FlashConfig.backend=None` means on the target device: "tpu" on a TPU, the Pallas Triton lowering on
     NVIDIA GPUs (Mosaic GPU on Hopper when the environment sets PROBJAX_MOSAIC=1: it is opt-in until it has
     run on a GPU, docs/perf-notes.md), interpret mode everywhere else."""
-    platform = _backend.target_platform()
-    if platform == "tpu":
-        return "tpu"
-    if platform != "gpu":
-        return "interpret"
+    backend = _backend.config_backend(None)
+    if backend != "gpu":
+        return backend  # "tpu", or "interpret" off the accelerators
     return "mosaic" if os.environ.get(MOSAIC_ENV, "0") == "1" and is_hopper(_backend.target_device()) else "triton"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 
 from probjax_kernels import _autodiff
+from probjax_kernels._backend import config_backend
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._dispatch import default_backend
 from probjax_kernels._hooks import affine_score_mod, soft_capped, trace_score_mod
 from probjax_kernels._inputs import (
     check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap, sharded_dropout,
@@ -123,7 +123,7 @@ def runs_reference(config: FlashConfig | None, inputs) -> bool:
     constants, and fail ("Scan carry input and output got mismatched varying manual axes" in the backward,
     a while_loop carry TypeError in a partly-manual shard_map); `ring_attention` takes its plain-jnp path
     there too. On a GPU or TPU, and with check_vma=False, the kernels run."""
-    backend = config.backend if config is not None and config.backend is not None else default_backend()
+    backend = config_backend(config)
     arrays = (inputs.q, inputs.k, inputs.v)
     return backend in ("interpret", "mosaic_interpret") and any(
         jax.typeof(x).manual_axis_type.varying for x in arrays)

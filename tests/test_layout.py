@@ -139,6 +139,14 @@ def test_a_backend_imports_only_its_own_folder_and_the_core():
     assert not {module: targets for module, targets in outside.items() if targets}
 
 
+def test_only_the_plan_makers_ask_the_dispatcher():
+    """The way down asks `_dispatch` once per call: `_autodiff` for the plan of a flash / flex call, `decode/`
+    for a decode call's, and the package face re-exports `default_config`. No other module imports it (a
+    front-end that needs to know whether its kernels are interpreted asks `_backend.config_backend`)."""
+    askers = {module for module, imports in _graph("probjax_kernels").items() if DISPATCHER in imports}
+    assert askers == {"probjax_kernels", "probjax_kernels._autodiff", "probjax_kernels.decode.attention"}
+
+
 def test_the_dispatcher_only_chooses():
     """`_dispatch` stays small: the order of the backends per device and the plan of a call, nothing of a
     backend's own rules (docs/contributing.md)."""

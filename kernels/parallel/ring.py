@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
-from probjax_kernels._dispatch import default_backend
+from probjax_kernels._backend import config_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, hook_hint, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
@@ -138,7 +138,7 @@ def _ring_jvp(problem: _Ring, primals, tangents):
 
 
 def _kernel_backend(config: FlashConfig | None) -> str:
-    return config.backend if config is not None and config.backend is not None else default_backend()
+    return config_backend(config)
 
 
 def _interpreter_cannot_run(config: FlashConfig | None, varying: bool) -> bool:
