@@ -355,3 +355,14 @@ def test_mask_lookback_reads_windows_through_and_or():
     assert mask_lookback(or_masks(sliding_window(3), sliding_window(5))) == 5
     assert mask_lookback(or_masks(sliding_window(3), causal_mask)) is None
     assert mask_lookback(causal_mask) is None and mask_lookback(prefix_lm(4)) is None
+
+
+@pytest.mark.parametrize("kind", ["score_mod", "mask_mod"])
+def test_python_control_flow_in_a_decode_hook_names_it(kind):
+    """A hook with Python control flow raised NumPy's "truth value of an array is ambiguous" from the decode
+    path; it names the hook and what to write instead, as flex_attention does (docs/flex_attention.md)."""
+    q, k = jnp.ones((1, 1, 2, 16)), jnp.ones((1, 32, 2, 16))
+    hooks = {"score_mod": lambda s, b, h, q_idx, kv_idx: s if q_idx >= kv_idx else 0.0 * s,
+             "mask_mod": lambda b, h, q_idx, kv_idx: True if q_idx >= kv_idx else False}
+    with pytest.raises(TypeError, match=f"{kind} could not be traced with array arguments.*jnp.where"):
+        decode_attention(q, k, k, kv_lengths=jnp.array([5]), **{kind: hooks[kind]})

@@ -17,7 +17,7 @@ from probjax_kernels._decode_inputs import (
     DecodeConfig, check_decode_inputs, decode_hook_args, empty_outputs, poison_rows,
 )
 from probjax_kernels._dispatch import decode_plan
-from probjax_kernels._hooks import EXAMPLE_TILE, Hook, trace_hook
+from probjax_kernels._hooks import EXAMPLE_TILE, Hook, hook_hint, trace_hook
 from probjax_kernels.decode.reference import decode_attention_reference
 from probjax_kernels.flex.mods import mask_lookback
 
@@ -28,7 +28,8 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
         return None, []
     is_score = name == "score_mod"
     example = [jnp.zeros(a.shape, a.dtype) for a in decode_hook_args(is_score, EXAMPLE_TILE, EXAMPLE_TILE)]
-    hook, consts, out = trace_hook(name, fn, example)
+    with hook_hint(name):
+        hook, consts, out = trace_hook(name, fn, example)
     want = (jnp.float32 if is_score else jnp.bool_), (EXAMPLE_TILE, EXAMPLE_TILE)
     # A mask_mod may return anything that broadcasts to the tile (a row when it reads only kv_idx).
     shape = want[1] if is_score or len(out.shape) != 2 else jnp.broadcast_shapes(out.shape, want[1])
