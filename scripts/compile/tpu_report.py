@@ -113,11 +113,7 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
     sys.path.insert(0, str(HERE))
     import report as gpu_report
 
-    # File names without the machine's folders; each op located by the line that made it, not the calls around
-    # it: with the whole traceback, the lines of the core between a front-end and a kernel (_autodiff.py,
-    # _flash_attention.py, _linear.py) were in every TPU kernel's module, so a refactor of them made every
-    # backward and tangent fingerprint new although the kernels were the same.
-    os.environ.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS="0",
+    os.environ.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # file names without the machine's folders
                       JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=gpu_report.source_paths_regex(REPO, Path(sys.prefix)))
 
     gpu_report._import_kernels()

@@ -193,11 +193,10 @@ def _compile(head_dims, jobs: int, out: Path, reuse: list[str] = ()) -> dict:
         # probjax_nn from the repo root. No TPU is used (JAX_PLATFORMS=cpu); the other libtpu processes (the jobs,
         # a second compile check) must not lock one another out.
         (Path(folder) / "probjax_kernels").symlink_to(REPO / "kernels", target_is_directory=True)
-        # Source file names in the lowered kernels lose the machine's folders, and each op is located by the line
-        # that made it alone (not the calls around it): the same program lowers to the same module wherever it is
-        # compiled and whatever the code between the example and the kernels (the fingerprint --reuse compares).
+        # Source file names in the lowered kernels lose the machine's folders: the same program lowers to the same
+        # module wherever it is compiled (the fingerprint --reuse compares).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO)]), JAX_PLATFORMS="cpu",
-                   ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS="0",
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                    JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=source_paths_regex(REPO, Path(folder), Path(sys.prefix)))
         parts = [Path(folder) / f"part{i}.json" for i in range(jobs)]
         # Each process compiles one program at a time, mostly on one core (tracing and lowering are Python, much
