@@ -29,7 +29,7 @@ from probjax_kernels._problem import _Problem
 def target_device():
     """The device a call compiles for: `jax.default_device`'s when one is set (deviceless ahead-of-time
     compilation sets it to a topology device: scripts/compile/report.py), else the first device of the default
-    backend. The one answer to "which device" in probjax_kernels and probjax_nn (`_dispatch.target_device`)."""
+    backend. The one answer to "which device" in probjax_kernels and, through `layer_api`, probjax_nn."""
     device = jax.config.jax_default_device
     if device is None:
         return jax.devices()[0]
@@ -86,7 +86,8 @@ class KernelPass:
 @dataclasses.dataclass(frozen=True)
 class Passes:
     """What one backend runs of a call: a pass it leaves to the next backend in order is None. `hook_shapes`:
-    the (b, h, q_idx, kv_idx, score) shapes at which the kernels of its passes call score_mod / mask_mod."""
+    the (b, h, q_idx, kv_idx, score) shapes at which kernels it retiled for the call call score_mod / mask_mod,
+    beyond its `Backend.hook_shapes` on the call's own tiles."""
 
     forward: KernelPass | None = None
     backward: KernelPass | None = None

@@ -572,3 +572,15 @@ def soft_capped(score_mod: Callable | None, cap: float | None) -> Callable | Non
     score_mod: how `flash_attention` and `probjax_nn.attention` run `logits_soft_cap` in the kernels.
     `score_mod` itself without a cap."""
     return score_mod if cap is None else Partial(_soft_capped, cap, score_mod)
+
+
+def flash_hook_shapes(config, transposed: bool = False) -> list[tuple]:
+    """The (b, h, q_idx, kv_idx, score) shapes at which the forward, dQ and dK/dV kernels on `config`'s tiles (a
+    `FlashConfig`) call the hooks; with `transposed` also the dK/dV kernel's (keys, queries) tile K Q^T (Mosaic
+    TPU always, Triton on Hopper)."""
+    shapes = [tile_hook_shapes(bq, bk) for bq, bk in (
+        (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
+        (config.block_q_dkv, config.block_k_dkv))]
+    if transposed:
+        shapes.append(tile_hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
+    return shapes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from probjax_kernels._backend import KernelPass, Passes
 from probjax_kernels._config import FlashConfig, fit_block
-from probjax_kernels._hooks import tile_hook_shapes
+from probjax_kernels._hooks import flash_hook_shapes
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.tpu import backward, forward, tangent, vet
@@ -86,10 +86,7 @@ class _MosaicTpu:
 
     def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
         """The three kernels' tiles and dK/dV's transposed (keys, queries) one."""
-        cfg = problem.config
-        shapes = [tile_hook_shapes(bq, bk) for bq, bk in (
-            (cfg.block_q, cfg.block_k), (cfg.block_q_dq, cfg.block_k_dq), (cfg.block_q_dkv, cfg.block_k_dkv))]
-        return [*shapes, tile_hook_shapes(cfg.block_q_dkv, cfg.block_k_dkv, transposed=True)]
+        return flash_hook_shapes(problem.config, transposed=True)
 
     def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
         return vet.unsupported(problem)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from probjax_kernels import _backend
 from probjax_kernels._backend import KernelPass, Passes, compute_capability, is_hopper
 from probjax_kernels._config import FlashConfig, fit_block
-from probjax_kernels._hooks import tile_hook_shapes
+from probjax_kernels import _chunked
+from probjax_kernels._hooks import flash_hook_shapes as hook_shapes  # the Triton kernels' hook shapes
 from probjax_kernels._problem import _Problem
 from probjax_kernels.triton import backward, forward, retile, tangent
 
@@ -159,28 +159,13 @@ def tangent_value_splits(config: FlashConfig, head_dim: int, tables: bool = Fals
     return _tangent_tiles(config, head_dim, tables, dtype, score_tile, device)[1]
 
 
-def hook_shapes(config: FlashConfig, transposed: bool = False) -> list[tuple]:
-    """The (b, h, q_idx, kv_idx, score) shapes at which the Triton forward, dQ and dK/dV kernels on `config`'s
-    tiles call the hooks; with `transposed` the dK/dV kernel's (keys, queries) tile too (`dkv_transposed`)."""
-    shapes = [tile_hook_shapes(bq, bk) for bq, bk in (
-        (config.block_q, config.block_k), (config.block_q_dq, config.block_k_dq),
-        (config.block_q_dkv, config.block_k_dkv))]
-    if transposed:
-        shapes.append(tile_hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
-    return shapes
-
-
-def run_tangent(problem: _Problem, *arrays, value_splits: int):
+def run_tangent(problem: _Problem, tangents, q, k, *arrays, value_splits: int):
     """The tangent pass: `tangent.tangent` on its own tiles, the hooks traced at them as it runs, inside the
     forward-mode trace. Traced at plan time instead, a hook that gathers from a captured table (`relative_bias`)
     lowered to a differently ordered tangent kernel, so every compile record of such a jvp changed."""
-    for b, h, rows, cols, score in hook_shapes(problem.config, problem.dkv_transposed):
-        indices = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, rows, cols)]
-        if problem.features.score_mod is not None:
-            problem.features.score_mod.prepare(jax.ShapeDtypeStruct(score, jnp.float32), *indices)
-        if problem.features.mask_mod is not None:
-            problem.features.mask_mod.prepare(*indices)
-    return tangent.tangent(problem, *arrays, value_splits=value_splits)
+    _chunked._prepare_hooks(problem.features, hook_shapes(problem.config, problem.dkv_transposed), q.shape[0],
+                            problem.num_heads, q.shape[1], k.shape[1])
+    return tangent.tangent(problem, tangents, q, k, *arrays, value_splits=value_splits)
 
 
 class _Triton:
