@@ -100,16 +100,16 @@ def _or_masks(*args):
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where every mod attends."""
+    """Attend where every mod attends; with no mod, everywhere (`noop_mask`), as in PyTorch."""
     if not mods:
-        raise ValueError("and_masks needs at least one mask_mod.")
+        return noop_mask
     return Partial(_and_masks, *mods)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where any mod attends."""
+    """Attend where any mod attends; with no mod, nowhere (`_attend_nowhere`), as in PyTorch."""
     if not mods:
-        raise ValueError("or_masks needs at least one mask_mod.")
+        return _attend_nowhere
     return Partial(_or_masks, *mods)
 
 
@@ -186,18 +186,7 @@ def relative_bias(table: jax.Array) -> ScoreMod:
     return Partial(_relative_bias, table)
 
 
-# and_masks / or_masks of no mask_mod attend everywhere / nowhere, as PyTorch's do. They replace the ones
-# above (which raised) from here, so that no line of the code that runs inside the kernels moves.
 def _attend_nowhere(b, h, q_idx, kv_idx):
+    """`or_masks()`'s mask_mod: False, broadcast to the tile."""
     del b, h
-    return (q_idx < 0) & (kv_idx < 0)  # False, broadcast to the tile
-
-
-def and_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where every mod attends; with no mod, everywhere (`noop_mask`), as in PyTorch."""
-    return Partial(_and_masks, *mods) if mods else noop_mask
-
-
-def or_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where any mod attends; with no mod, nowhere, as in PyTorch."""
-    return Partial(_or_masks, *mods) if mods else _attend_nowhere
+    return (q_idx < 0) & (kv_idx < 0)
