@@ -26,13 +26,15 @@ functions of `probjax_kernels`, so that the kernels can change inside without br
 - `chunked_attention(inputs, causal, compute_dtype=float32, *, score_mod, mask_mod, dropout_rate, dropout_seed,
   return_lse, chunk_bytes) -> (out, lse or None)`: the same attention as XLA ops over query bands and chunks,
   each band reading only the keys that causal and the window let it see; memory linear in T (a step's
-  scores fit `chunk_bytes`). `probjax_nn.attention`'s path for impl "auto" off the GPU.
+  scores fit `chunk_bytes`). `probjax_nn.attention`'s path for impl "auto" off the GPU. `compute_dtype(inputs)`:
+  the dtype both compute in (float64 for float64 inputs, as jax.nn does; else float32).
 - `affine_score_mod(scale, bias, score_mod)`: the score_mod `score_mod(scale * score + bias[b, h, q_idx,
   kv_idx])`, how a traced scale or a dense bias reaches `flex_attention`; `broadcast_lookup(array, b, h,
   q_idx, kv_idx)`: `array[b, h, q_idx, kv_idx]` of a `[B|1, N|1, T|1, S|1]` array (a dense mask as a
   mask_mod).
-- `target_device()`, `target_platform()`: the device a call compiles for (`jax.default_device`'s when set, as in a deviceless
-  compile; else the default backend's first): the kernels' choice of backend and `impl="auto"` both read it.
+- `target_device()`, `target_platform()`: the device a call compiles for (`jax.default_device`'s when set, as
+  in a deviceless compile; else the default backend's first): the kernels' choice of backend and
+  `impl="auto"` both read it.
 - `MAX_HEAD_DIM`: the largest head dim the Pallas kernels take. `LAYOUTS`, `STRATEGIES`: the sequence
   layouts ("contiguous", "zigzag") and schedules ("ring", "allgather") that `ring_attention` takes.
 """
@@ -51,13 +53,14 @@ from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
 from probjax_kernels._inputs import check_logits_soft_cap as check_logits_soft_cap
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
+from probjax_kernels._reference import compute_dtype as compute_dtype
 from probjax_kernels.parallel.ring import LAYOUTS as LAYOUTS
 from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 
 __all__ = [
     "LAYOUTS", "MAX_HEAD_DIM", "STRATEGIES", "AttentionInputs", "affine_score_mod", "attention_from_inputs",
     "broadcast_lookup", "check_dropout", "check_dropout_rate", "check_flag", "check_inputs", "check_logits_soft_cap",
-    "chunked_attention", "runs_reference", "soft_capped", "target_device", "target_platform",
+    "chunked_attention", "compute_dtype", "runs_reference", "soft_capped", "target_device", "target_platform",
 ]
 
 

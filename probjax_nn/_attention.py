@@ -22,7 +22,7 @@ from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_att
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
     check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, chunked_attention,
-    soft_capped, target_platform,
+    compute_dtype, soft_capped, target_platform,
 )
 from probjax_nn._sharding import context_parallel, per_shard
 
@@ -69,10 +69,10 @@ def _pallas(call: _Call):
 
 def _xla(call: _Call):
     # float64 inputs compute in float64, as in jax.nn.dot_product_attention; the rest in float32.
-    compute_dtype = jnp.float64 if call.inputs.q.dtype == jnp.float64 else jnp.float32
     out, lse = attention_from_inputs(
-        call.inputs, call.causal, compute_dtype, score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
-        mask_mod=call.mask_mod, dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
+        call.inputs, call.causal, compute_dtype(call.inputs),
+        score_mod=soft_capped(call.score_mod, call.logits_soft_cap), mask_mod=call.mask_mod,
+        dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed,
     )
     return _with_residual(call, (out, lse) if call.return_residual else out)
 
@@ -81,10 +81,9 @@ def _xla_chunked(call: _Call):
     """impl "auto" where it would run "xla" off the GPU: the same attention by `chunked_attention`, over query
     bands that skip the keys causal and the window hide, in chunks whose memory is linear in T (at least as fast
     as jax.nn.dot_product_attention's "xla" path on the CPU: docs/benchmarks/cpu_attention.md)."""
-    compute_dtype = jnp.float64 if call.inputs.q.dtype == jnp.float64 else jnp.float32
     out, lse = chunked_attention(
-        call.inputs, call.causal, compute_dtype, score_mod=soft_capped(call.score_mod, call.logits_soft_cap),
-        mask_mod=call.mask_mod,
+        call.inputs, call.causal, compute_dtype(call.inputs),
+        score_mod=soft_capped(call.score_mod, call.logits_soft_cap), mask_mod=call.mask_mod,
         dropout_rate=call.dropout_rate, dropout_seed=call.dropout_seed, return_lse=call.return_residual,
     )
     return _with_residual(call, (out, lse) if call.return_residual else out)
