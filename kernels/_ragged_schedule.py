@@ -1,0 +1,54 @@
+"""The work items of a ragged paged attention call: which packed query rows each kernel program takes.
+
+The new tokens of every sequence are packed in `q [num_tokens, N, D]`; sequence i owns rows
+`cu_q_lens[i]:cu_q_lens[i + 1]`. A kernel program takes one *item*: up to `block_q` consecutive rows of one
+sequence, so that every row of an item shares one page table and one causal frontier. Sequence i with
+`n_i` rows gives `cdiv(n_i, block_q)` items; their count is at most `num_tokens // block_q + S`, the static
+number of items every backend launches (the rest are idle: length 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """`[W]` int32 arrays, W = `num_items(num_tokens, num_seqs_static, block_q)`; idle items have `length` 0
+    (their `seq` is 0 and `start` is num_tokens, past every real row)."""
+
+    seq: jax.Array  # the sequence of the item
+    start: jax.Array  # its first packed query row
+    length: jax.Array  # its rows, 0..block_q
+
+
+def num_items(num_tokens: int, num_seqs_static: int, block_q: int) -> int:
+    """Items a call with `num_tokens` packed rows over at most `num_seqs_static` sequences can need."""
+    return num_tokens // block_q + num_seqs_static
+
+
+def ragged_work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int) -> WorkItems:
+    """The items of the sequences `0..num_seqs - 1`, in sequence order, then idle items.
+
+    `cu_q_lens`: `[S + 1]` int32, non-decreasing, `cu_q_lens[num_seqs] <= num_tokens`; `num_seqs`: a traced
+    int32 scalar <= S. Sequences from `num_seqs` on give no item."""
+    seqs = cu_q_lens.shape[0] - 1
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    lens = jnp.where(jnp.arange(seqs) < num_seqs, lens, 0)
+    per_seq = (lens + block_q - 1) // block_q
+    first_item = jnp.cumsum(per_seq) - per_seq  # [S] index of each sequence's first item
+    total = jnp.sum(per_seq)
+    width = num_items(num_tokens, seqs, block_q)
+    items = jnp.arange(width, dtype=jnp.int32)
+    # The sequence of item w: the last sequence whose first item is <= w (empty sequences share a first
+    # item with the next one and are skipped by side="right").
+    seq = jnp.searchsorted(first_item, items, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, seqs - 1)
+    offset = (items - first_item[seq]) * block_q
+    live = items < total
+    start = jnp.where(live, cu_q_lens[seq] + offset, num_tokens).astype(jnp.int32)
+    length = jnp.where(live, jnp.minimum(block_q, lens[seq] - offset), 0).astype(jnp.int32)
+    return WorkItems(seq=jnp.where(live, seq, 0), start=start, length=length)
