@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax_kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_dtypes, check_flag
+from probjax_kernels._sinks import check_sinks
 
 MAX_NEW_TOKENS = 16  # q rows per sequence: T new tokens times the GQA group share one tile
 _MIN_PAGE = 16  # Triton's dot needs every dimension >= 16
@@ -69,6 +70,7 @@ class DecodeInputs:
     # The most keys before a new token its mask_mod can attend (`flex.mods.mask_lookback`), or None: the
     # kernel starts each sequence's splits at the first step that holds a key of the earliest token's window.
     lookback: int | None = None
+    sinks: jax.Array | None = None  # [N] float32 attention-sink logits (`_sinks.py`)
 
     @property
     def paged(self) -> bool:
@@ -96,7 +98,7 @@ def _concrete(x) -> np.ndarray | None:
 
 def check_decode_inputs(
     q, k, v, *, kv_lengths, block_tables, score_mod, mask_mod, num_splits, scale, return_lse, causal=True,
-    allowed_dtypes: tuple = KERNEL_DTYPES, max_head_dim: int | None = MAX_HEAD_DIM,
+    sinks=None, allowed_dtypes: tuple = KERNEL_DTYPES, max_head_dim: int | None = MAX_HEAD_DIM,
 ) -> DecodeInputs:
     """Checks a `decode_attention` call (see its docstring); values of `kv_lengths` and `block_tables` are
     range-checked when they are concrete."""
@@ -184,7 +186,7 @@ def check_decode_inputs(
         q=q, k=k, v=v, kv_lengths=kv_lengths, block_tables=block_tables if paged else None,
         scale=float(scale), num_splits=None if num_splits is None else int(num_splits),
         return_lse=check_flag("return_lse", return_lse), out_of_contract=out_of_contract,
-        causal=check_flag("causal", causal),
+        causal=check_flag("causal", causal), sinks=check_sinks(sinks, q),
     )
 
 

@@ -13,6 +13,7 @@ from probjax_kernels._inputs import (
 )
 from probjax_kernels._problem import Features
 from probjax_kernels._reference import attention_from_inputs, compute_dtype
+from probjax_kernels._sinks import attach_sinks, check_sinks
 
 
 def flash_attention(
@@ -34,15 +35,14 @@ def flash_attention(
     config: FlashConfig | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     logits_soft_cap: float | None = None,
-    _dropout_positions=None,
-    _dropout_shard=None,
+    sinks: jax.Array | None = None,
+    _dropout_positions=None, _dropout_shard=None,
     _cotangents=None,
 ):
     """Memory-efficient exact attention, `softmax(scale * q k^T + bias, masked) v`, as Pallas kernels.
 
-    Always runs the Pallas kernels: the Triton lowering on NVIDIA GPUs, interpret mode elsewhere (see
-    `FlashConfig.backend`). Differentiable in q, k, v and bias, in reverse and forward mode; composes with
-    jit, vmap, grad, jvp, jacfwd and remat (docs/forward_mode.md).
+    Always runs the Pallas kernels (`FlashConfig.backend`). Differentiable in q, k, v, bias and sinks, in
+    reverse and forward mode; composes with jit, vmap, grad, jvp, jacfwd and remat (docs/forward_mode.md).
 
     **Arguments:**
 
@@ -55,13 +55,11 @@ def flash_attention(
     - `mask`: bool, broadcastable to `[B, N, T, S]`; True = attend.
     - `causal`: a bool; query i sees keys j <= i (top-left alignment, as `jax.nn.dot_product_attention`).
     - `scale`: multiplies q k^T; default `D ** -0.5`. A traced 0-d array (a jit argument, a learnable
-      temperature) multiplies the float32 scores inside the kernels as a static one does, and is
-      differentiable (its gradient, and a bias's with it, from an XLA pass over query chunks).
+      temperature) scales the float32 scores in the kernels, differentiable (by an XLA pass over query chunks).
     - `q_lengths`, `kv_lengths`: `[B]` ints; query rows >= q_lengths[b] and keys >= kv_lengths[b] are masked.
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: ints; a query attends only keys with its id.
-    - `dropout_rate`, `dropout_seed`: attention dropout, the rate a Python float in [0, 1) (compiled into
-      the kernels, so not traced); the keep mask is a stateless hash of (seed, b, h,
-      q_idx, kv_idx) (`probjax_kernels.dropout_keep_mask`), identical in forward, backward and reference.
+    - `dropout_rate`, `dropout_seed`: attention dropout, the rate a Python float in [0, 1) (compiled into the
+      kernels); the keep mask, a stateless hash of (seed, b, h, q_idx, kv_idx), is `dropout_keep_mask`'s.
     - `return_lse`: also return lse `[B, N, T]` float32, the natural-log sum-exp of the masked scores.
     - `config`: a `FlashConfig` of block sizes, warps, stages and backend; None picks device defaults.
     - `window`: local attention, an int w or a pair (left, right): query i sees keys in [i - left, i + right]
@@ -69,15 +67,17 @@ def flash_attention(
     - `logits_soft_cap`: None (off) or a positive float `cap`: each score becomes `cap * tanh(score / cap)`
       (Gemma 2's soft-capping, the `softcap(cap)` score_mod) after scale and bias, before masking; in every
       kernel, forward, backward and tangent.
+    - `sinks`: None or `[N]` float, attention sinks (gpt-oss): a logit per head of a virtual key with value 0;
+      `exp(sinks[h])` joins each row's softmax denominator (`_sinks.py`: applied to out and lse, exactly).
 
-    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`. A query row with no key
-    to attend gives out 0, lse -inf and zero gradients.
+    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse` (with sinks, the sink in
+    it). A query row with no key to attend gives out 0, lse -inf (the sink with sinks) and zero gradients.
     """
     inputs = check_inputs(
         q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
     )
-    dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
     causal = check_flag("causal", causal)
@@ -98,7 +98,7 @@ def flash_attention(
             dropout_rate=float(dropout_rate), dropout_seed=dropout_seed, dropout_positions=_dropout_positions,
             dropout_shard=_dropout_shard,
         )
-        return (out, lse) if return_lse else out
+        return _results(out, lse, sinks, return_lse)
     features = Features(
         scale=scale, window_left=left, window_right=right, score_mod=score_hook, dropout_rate=float(dropout_rate),
         **dropout_fields,
@@ -111,7 +111,11 @@ def flash_attention(
     )
     if _cotangents is not None:  # private to probjax_kernels: (dq, dk, dv), see `_autodiff.attention`
         return result
-    out, lse = result
+    return _results(*result, sinks, return_lse)
+
+
+def _results(out, lse, sinks, return_lse: bool):
+    out, lse = attach_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

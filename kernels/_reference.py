@@ -12,6 +12,7 @@ from jax import lax
 from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
 from probjax_kernels._hooks import hook_hint
 from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
+from probjax_kernels._sinks import attach_sinks, check_sinks
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
@@ -141,6 +142,7 @@ def flash_attention_reference(
     return_lse: bool = False,
     config=None,
     window=None,
+    sinks=None,
 ):
     """Plain-jnp attention with exactly the semantics of `probjax_kernels.flash_attention`.
 
@@ -153,11 +155,12 @@ def flash_attention_reference(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
         allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
-    dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
     out, lse = attention_from_inputs(
         inputs, check_flag("causal", causal), compute_dtype(inputs), dropout_rate=dropout_rate,
         dropout_seed=dropout_seed,
     )
+    out, lse = attach_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

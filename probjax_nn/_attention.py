@@ -21,8 +21,8 @@ from jax.tree_util import Partial
 from probjax_kernels import FlashConfig, and_masks, create_block_mask, flash_attention, flex_attention, padding_mask
 from probjax_kernels.layer_api import (
     LAYOUTS, MAX_HEAD_DIM, STRATEGIES, AttentionInputs, affine_score_mod, attention_from_inputs, broadcast_lookup,
-    check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, chunked_attention,
-    compute_dtype, soft_capped, target_platform,
+    attach_sinks, check_dropout, check_dropout_rate, check_flag, check_inputs, check_logits_soft_cap, check_sinks,
+    chunked_attention, compute_dtype, soft_capped, target_platform,
 )
 from probjax_nn._sharding import context_parallel, per_shard
 
@@ -172,6 +172,7 @@ class _Implementation:
     kv_broadcast: bool = False  # key / value of batch 1 shared by a query batch B > 1
     dropout: bool = True  # attention dropout from the kernels' stateless keep mask
     soft_cap: bool = True  # logits_soft_cap
+    sinks: bool = True  # attention sinks, applied to (out, lse): needs a differentiable lse
 
 
 _FLOATS = ("bfloat16", "float16", "float32")
@@ -184,7 +185,7 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {
     # jax.nn.dot_product_attention's cuDNN path: half precision only, and a sliding window only to the left.
     "cudnn": _Implementation(
         _cudnn, dtypes=("bfloat16", "float16"), needs_gpu=True, right_window=False, max_head_dim=MAX_HEAD_DIM,
-        dropout=False, soft_cap=False,
+        dropout=False, soft_cap=False, sinks=False,
     ),
 }
 # "auto" never picks interpret mode: off the GPU the plain-jnp reference is much faster than the interpreter.
@@ -252,6 +253,7 @@ class _Request:
     right_window: bool  # some query sees a key to its right through a local window (is_causal off)
     gpu: bool
     soft_cap: bool = False
+    sinks: bool = False
 
 
 def _platform() -> str:
@@ -270,6 +272,11 @@ def _check(name: str, request: _Request) -> None:
         raise NotImplementedError(
             f"impl={name!r} does not support logits_soft_cap (jax.nn.dot_product_attention's cuDNN path has no "
             "soft cap); use impl='pallas', 'flex' or 'xla'."
+        )
+    if request.sinks and not spec.sinks:
+        raise NotImplementedError(
+            f"impl={name!r} does not support sinks (jax.nn.dot_product_attention's cuDNN path gives no "
+            "differentiable log-sum-exp to merge them with); use impl='pallas', 'flex' or 'xla'."
         )
     if spec.needs_gpu and not request.gpu:
         raise NotImplementedError(
@@ -415,6 +422,7 @@ def attention(
     dropout_seed: jax.Array | int | None = None,
     impl: Impl | AttentionConfig = "auto",
     logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, `softmax(scale * query key^T + bias, masked) value`, per head.
 
@@ -447,6 +455,10 @@ def attention(
     - `logits_soft_cap`: None (off) or a positive float `cap`: each score becomes `cap * tanh(score / cap)`
       (Gemma 2's soft-capping), applied to the scaled score after `bias` and after `score_mod`, before any
       mask; every impl but "cudnn" (which raises) runs it, "pallas" included.
+    - `sinks`: None or `[N]` float, attention sinks (gpt-oss; splash attention's `sinks`): a logit per head of
+      a virtual key with value 0, so `exp(sinks[h])` joins every row's softmax denominator; differentiable.
+      Applied to the implementation's (output, lse), exactly (`probjax_kernels.flash_attention`'s `sinks`);
+      every impl but "cudnn" (which raises). With `return_residual` the lse includes the sink.
 
     **Returns:** the output, shaped like `query` with head dim Dv, typed like `query`; with `return_residual`,
     `(output, lse)`, lse `[B, T, N]` (`[T, N]` for rank-3 inputs) in float32 (jax casts it to the input dtype).
@@ -474,6 +486,7 @@ def attention(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
+    sinks = check_sinks(sinks, inputs.q)
     request = _Request(
         dtype=inputs.q.dtype.name,
         head_dim=max(inputs.q.shape[-1], inputs.value_dim),
@@ -485,11 +498,12 @@ def attention(
         right_window=not is_causal and inputs.window != (None, None) and inputs.window[1] != 0,
         gpu=_on_gpu(),
         soft_cap=logits_soft_cap is not None,
+        sinks=sinks is not None,
     )
     name = _choose(config.impl, request)
     call = _Call(
-        inputs, is_causal, local_window_size, return_residual, config.flash, score_mod, mask_mod,
-        float(dropout_rate), dropout_seed, logits_soft_cap=logits_soft_cap,
+        inputs, is_causal, local_window_size, return_residual or sinks is not None, config.flash, score_mod,
+        mask_mod, float(dropout_rate), dropout_seed, logits_soft_cap=logits_soft_cap,
     )
     if config.context_axis is not None:
         result = context_parallel(config, name, call)
@@ -497,6 +511,9 @@ def attention(
         result = per_shard(call, _IMPLEMENTATIONS[name].run)
     else:
         result = _runner(config, name, request)(call)
+    if sinks is not None:  # on the whole (out, lse) [B, T, N]: elementwise, so any sharding carries over
+        out, lse = attach_sinks(result[0], jnp.swapaxes(result[1], 1, 2), sinks)
+        result = (out, jnp.swapaxes(lse, 1, 2)) if return_residual else out
     out_shape = (*query.shape[:-1], inputs.value_dim)
     if not return_residual:
         return result.reshape(out_shape)

@@ -179,6 +179,7 @@ def one_query_step(
     scale: float,
     score_mod: Callable | None,
     mask_mod: Callable | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One query row per sequence through `probjax_kernels.decode_attention`, exactly the attention of that row.
 
@@ -195,5 +196,5 @@ def one_query_step(
         lookup = Partial(_mask_lookup, mask)
         mask_mod = lookup if mask_mod is None else and_masks(mask_mod, lookup)
     return probjax_kernels.decode_attention(
-        query, key, value, kv_lengths=lengths, score_mod=score_mod, mask_mod=mask_mod, scale=scale
+        query, key, value, kv_lengths=lengths, score_mod=score_mod, mask_mod=mask_mod, scale=scale, sinks=sinks,
     )

@@ -9,6 +9,8 @@ heads; the framework files only map their own conventions (flax's `dropout_rng` 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import math
@@ -100,6 +102,7 @@ class AttentionFunction:
         dropout_rate: float = 0.0,
         dropout_key: jax.Array | None = None,
         query_at_end: bool = False,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
         """**Arguments:**
 
@@ -116,6 +119,7 @@ class AttentionFunction:
         - `dropout_rate`, `dropout_key`: attention dropout, applied when `dropout_key` (a PRNG key) is given.
         - `query_at_end`: a decode step: one query per sequence (T = 1), the cache's last written entry, at
           position `key_value_seq_lengths - 1`; the hooks see that position as `q_idx`.
+        - `sinks`: None or `[N]` float, a module's learned attention-sink logits (`probjax_nn.attention`'s).
 
         `logits_soft_cap` (the function's own) soft-caps the scores after `score_mod`, on every path.
 
@@ -165,6 +169,7 @@ class AttentionFunction:
             out = one_query_step(
                 query, key, value, kv_lengths=key_value_seq_lengths, mask=_merge_batch(mask, batch_shape, 3),
                 scale=scale, score_mod=soft_capped(score_mod, self.logits_soft_cap), mask_mod=mask_mod,
+                sinks=sinks,
             )
             return out.reshape((*batch_shape, *out.shape[1:]))
         if query_at_end:
@@ -180,7 +185,8 @@ class AttentionFunction:
         )
         if dropout_key is not None and dropout_rate > 0.0:
             arguments.update(dropout_rate=dropout_rate, dropout_seed=jax.random.bits(dropout_key, (), jnp.uint32))
-        out = attention(query, key, value, impl=self.config, logits_soft_cap=self.logits_soft_cap, **arguments)
+        out = attention(query, key, value, impl=self.config, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                        **arguments)
         return out[..., :value_dim].reshape((*batch_shape, *out.shape[1:-1], value_dim))
 
 
@@ -322,5 +328,20 @@ def flax_style_attention(
         dropout_key = dropout_rng
     return attend(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
-        dropout_key=dropout_key,
+        dropout_key=dropout_key, sinks=_BOUND_SINKS.get(),
     )
+
+
+# flax's MultiHeadAttention calls its attention_fn with flax's arguments only; a drop-in with learned sinks
+# binds their value for the length of its call (`bound_sinks`), and `flax_style_attention` reads it here.
+_BOUND_SINKS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("probjax_sinks", default=None)
+
+
+@contextlib.contextmanager
+def bound_sinks(sinks: jax.Array | None):
+    """Within the block, the flax-style attention functions add `sinks` `[N]` (None: none) to every call."""
+    token = _BOUND_SINKS.set(sinks)
+    try:
+        yield
+    finally:
+        _BOUND_SINKS.reset(token)

@@ -43,6 +43,10 @@ class MultiheadAttention(eqx.Module):
     - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap` (keyword
       only): scores become `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; a static
       field, so the leaves stay the stock module's.
+    - `attention_sinks`: False (the default: no sinks, the stock module's leaves) or True (keyword only): a
+      learned attention-sink logit per head, the field `sinks` `[num_heads]` float32 (initialised to 0; a
+      leaf after the stock ones), joins every row's softmax denominator (gpt-oss; `probjax_nn.attention`'s
+      `sinks`), under every impl but "cudnn".
 
     Where results differ from equinox's: float64 runs only under impl "xla" and "auto" (which picks XLA
     for it); "pallas", "flex" and "cudnn" raise `NotImplementedError` for it.
@@ -66,6 +70,7 @@ class MultiheadAttention(eqx.Module):
     use_output_bias: bool = eqx.field(static=True)
     attention_impl: AttentionConfig = eqx.field(static=True)
     logits_soft_cap: float | None = eqx.field(static=True)
+    sinks: Float[Array, " num_heads"] | None
 
     def __init__(
         self,
@@ -86,10 +91,14 @@ class MultiheadAttention(eqx.Module):
         *,
         attention_impl: Impl | AttentionConfig = "auto",
         logits_soft_cap: float | None = None,
+        attention_sinks: bool = False,
         key: PRNGKeyArray,
     ):
         attend = attention_function(attention_impl, logits_soft_cap)
         self.attention_impl, self.logits_soft_cap = attend.config, attend.logits_soft_cap
+        if not isinstance(attention_sinks, bool):
+            raise TypeError(f"attention_sinks must be a bool, got {attention_sinks!r}.")
+        self.sinks = jnp.zeros((num_heads,), jnp.float32) if attention_sinks else None
         # Built by the stock module itself, so that one key gives the same weights.
         stock = eqx.nn.MultiheadAttention(
             num_heads, query_size, key_size, value_size, output_size, qk_size, vo_size, use_query_bias,
@@ -176,6 +185,7 @@ class MultiheadAttention(eqx.Module):
             attn = attention_function(self.attention_impl, self.logits_soft_cap)(
                 query_heads, key_heads, value_heads, mask=mask, score_mod=score_mod, mask_mod=mask_mod,
                 dropout_rate=0.0 if dropout_key is None else float(self.dropout.p), dropout_key=dropout_key,
+                sinks=self.sinks,
             )
         return jax.vmap(self.output_proj)(attn.reshape(query_seq_length, -1))
 

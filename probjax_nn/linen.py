@@ -24,7 +24,7 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, bound_sinks, check_cache_room, combine_hooks,
     flax_style_attention, key_value_inputs, runs_stock_for_complex,
 )
 
@@ -154,6 +154,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap`: scores become
       `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; it adds no variable, so stock
       checkpoints load unchanged.
+    - `attention_sinks`: False (the default: no sinks, the stock module's variables) or True: a learned
+      attention-sink logit per head, the parameter `sinks` `[num_heads]` float32 (initialised to 0), joins
+      every row's softmax denominator (gpt-oss; `probjax_nn.attention`'s `sinks`), under every impl but
+      "cudnn".
 
     The call is the stock one: `module.apply(variables, inputs_q, inputs_k=None, inputs_v=None, *,
     mask=None, deterministic=None, dropout_rng=None)`, `mask` broadcastable to `[batch..., N, T, S]`
@@ -163,17 +167,32 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
     attention_impl: Impl | AttentionConfig = "auto"
     logits_soft_cap: float | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self):
         attend = attention_function(self.attention_impl, self.logits_soft_cap)
+        if not isinstance(self.attention_sinks, bool):
+            raise TypeError(f"attention_sinks must be a bool, got {self.attention_sinks!r}.")
         # Clones arrive with the attention_fn built from the original's attention_impl: rebuilt from theirs.
         if self.attention_fn is nn.dot_product_attention or isinstance(self.attention_fn, _ImplAttention):
             # Linen modules are frozen dataclasses; fields are settable only while they are built.
             object.__setattr__(self, "attention_fn", _ImplAttention(attend))
-        elif attend.config != AttentionConfig() or attend.logits_soft_cap is not None:
-            given = "attention_impl" if attend.logits_soft_cap is None else "logits_soft_cap"
+        elif attend.config != AttentionConfig() or attend.logits_soft_cap is not None or self.attention_sinks:
+            given = ("attention_sinks" if self.attention_sinks else
+                     "logits_soft_cap" if attend.logits_soft_cap is not None else "attention_impl")
             raise ValueError(f"pass {given} or attention_fn, not both.")
         super().__post_init__()
+
+    @nn.compact
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        """The stock call (see the class docstring), with the module's `sinks` when it has them."""
+        with bound_sinks(self._sinks()):
+            return super().__call__(*args, **kwargs)
+
+    def _sinks(self) -> jax.Array | None:
+        if not self.attention_sinks:
+            return None
+        return self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,), jnp.float32)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention, nn.MultiHeadAttention):
@@ -278,7 +297,7 @@ class FlexAttention(MultiHeadDotProductAttention):
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
             mask_mod=mask_mod, query_at_end=key_value_seq_lengths is not None, dropout_rate=self.dropout_rate,
-            dropout_key=dropout_key,
+            dropout_key=dropout_key, sinks=self._sinks(),
         )
         return nn.DenseGeneral(
             features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,

@@ -21,7 +21,7 @@ from jax import lax
 from probjax_kernels import alibi, alibi_slopes, relative_bias
 from probjax_nn._attention import AttentionConfig, Impl
 from probjax_nn._protocol import (
-    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, check_cache_room, combine_hooks,
+    FlaxAttentionFunction, MaskMod, ScoreMod, attention_function, bound_sinks, check_cache_room, combine_hooks,
     flax_style_attention, key_value_inputs, resolve_config, runs_stock_for_complex,
 )
 
@@ -136,6 +136,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     - `logits_soft_cap`: None (the default: off, as the stock module) or a positive float `cap`: scores become
       `cap * tanh(score / cap)` (Gemma 2), under every impl but "cudnn"; it adds no parameter, so stock
       checkpoints load unchanged.
+    - `attention_sinks`: False (the default: no sinks, the stock module's state) or True: a learned
+      attention-sink logit per head, `sinks` (an `nnx.Param` `[num_heads]` float32, initialised to 0), joins
+      every row's softmax denominator (gpt-oss; `probjax_nn.attention`'s `sinks`), under every impl but
+      "cudnn".
 
     The call is the stock one: `module(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
     deterministic=None, rngs=None, decode=None, is_causal=False, ...)`, with `mask` broadcastable to
@@ -155,15 +159,19 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         attention_impl: Impl | AttentionConfig = "auto",
         attention_fn: Callable[..., jax.Array] | None = None,
         logits_soft_cap: float | None = None,
+        attention_sinks: bool = False,
         rngs: nnx.Rngs,
         **kwargs,
     ):
         config = resolve_config(attention_impl)
         attend = attention_function(config, logits_soft_cap)
+        if not isinstance(attention_sinks, bool):
+            raise TypeError(f"attention_sinks must be a bool, got {attention_sinks!r}.")
         if attention_fn is None:
             attention_fn = DotProductAttention(attend)
-        elif config != AttentionConfig() or logits_soft_cap is not None:
-            given = "attention_impl" if logits_soft_cap is None else "logits_soft_cap"
+        elif config != AttentionConfig() or logits_soft_cap is not None or attention_sinks:
+            given = ("attention_sinks" if attention_sinks else
+                     "logits_soft_cap" if logits_soft_cap is not None else "attention_impl")
             raise ValueError(f"pass {given} or attention_fn, not both.")
         super().__init__(
             num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
@@ -171,6 +179,15 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         )
         self.attention_impl = config
         self.logits_soft_cap = attend.logits_soft_cap
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if attention_sinks else None
+
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        """The stock call (see the class docstring), with the module's `sinks` when it has them."""
+        with bound_sinks(self._sink_values()):
+            return super().__call__(*args, **kwargs)
+
+    def _sink_values(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]
 
 
 def _hook_attribute(hook):
@@ -251,7 +268,7 @@ class FlexAttention(MultiHeadAttention):
             query, key, value, mask=mask,
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, score_mod=score_mod,
             mask_mod=mask_mod, query_at_end=decode, dropout_rate=self.dropout_rate,
-            dropout_key=self._dropout_key(deterministic, rngs),
+            dropout_key=self._dropout_key(deterministic, rngs), sinks=self._sink_values(),
         )
         return self.out(x, out_sharding=out_sharding)
 

@@ -1,7 +1,6 @@
 """`decode_attention`: a few new tokens per sequence against a long dense or paged KV cache (flash-decoding).
 
-Entry point: checks, hook tracing, and the forward-only wrapper around the Pallas kernel
-(`triton/decode.py`). The plain-jnp reference with the same signature is in `decode/reference.py`.
+Checks, hook tracing and the forward-only wrapper of the kernels; the plain-jnp reference: decode/reference.py.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from probjax_kernels._decode_inputs import (
 )
 from probjax_kernels._dispatch import decode_plan
 from probjax_kernels._hooks import EXAMPLE_TILE, Hook, hook_hint, trace_hook
+from probjax_kernels._sinks import attach_sinks
 from probjax_kernels.decode.reference import decode_attention_reference
 from probjax_kernels.flex.mods import mask_lookback
 
@@ -70,6 +70,7 @@ def decode_attention(
     return_lse: bool = False,
     config: DecodeConfig | None = None,
     causal: bool = True,
+    sinks: jax.Array | None = None,
 ):
     """Attention of T new tokens per sequence (T = 1..16) to a dense or paged KV cache (flash-decoding).
 
@@ -99,8 +100,7 @@ def decode_attention(
       They may close over arrays (kernel inputs). A mask_mod whose reach back is known (`sliding_window(w)`,
       alone or inside `and_masks`) makes the splits cover only the steps from the earliest new token's
       window on: a window of 4096 over a 128k cache reads about 4096 keys.
-    - `num_splits`: programs per (sequence, key/value head) over the cache; None picks one from B, K, the
-      cache length and the device.
+    - `num_splits`: programs per (sequence, KV head) over the cache; None: chosen from B, K, length, device.
     - `scale`: a Python float, default `D ** -0.5`.
     - `return_lse`: also return lse `[B, N, T]` float32 (natural log; -inf for a row that attends nothing).
     - `config`: a `DecodeConfig` (tile, warps, stages, backend); None picks defaults for the device.
@@ -108,14 +108,14 @@ def decode_attention(
       does. False lets every new token see all `kv_lengths[b]` keys, so a mask_mod that is not causal among
       them (`prefix_lm` with new tokens inside the prefix, bidirectional blocks) gives flex_attention's
       rows; the mask_mod then decides alone.
+    - `sinks`: None or `[N]` float, attention-sink logits (gpt-oss) joining each row's softmax denominator.
 
-    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse`.
-
+    **Returns:** out `[B, T, N, Dv]` in q's dtype, or `(out, lse)` with `return_lse` (with sinks, the sink in it).
     Forward only: `jax.grad` / `jax.jvp` through it raise `NotImplementedError`. Composes with `jit`.
     """
     inputs = check_decode_inputs(
         q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
+        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, sinks=sinks,
     )
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
@@ -128,11 +128,11 @@ def decode_attention(
     if kernel is None:  # a hook the TPU decode kernel cannot run (warned): the XLA path
         return decode_attention_reference(
             q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-            num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
+            num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, sinks=sinks,
         )
     run = functools.partial(kernel.run, kernel.plan)
     out, lse = _forward_only(
         run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
     )
-    out, lse = poison_rows(out, lse, inputs.out_of_contract)
+    out, lse = attach_sinks(*poison_rows(out, lse, inputs.out_of_contract), inputs.sinks)
     return (out, lse) if inputs.return_lse else out

@@ -11,6 +11,7 @@ from jax import lax
 
 from probjax_kernels._decode_inputs import DecodeInputs, check_decode_inputs, empty_outputs, poison_rows
 from probjax_kernels._reference import REFERENCE_DTYPES
+from probjax_kernels._sinks import attach_sinks
 
 
 def dense_cache(inputs: DecodeInputs) -> tuple[jax.Array, jax.Array]:
@@ -78,7 +79,7 @@ def decode_from_inputs(inputs: DecodeInputs, score_mod=None, mask_mod=None) -> t
 
 def decode_attention_reference(
     q, k, v, *, kv_lengths, block_tables=None, score_mod=None, mask_mod=None, num_splits=None, scale=None,
-    return_lse: bool = False, config=None, causal: bool = True,
+    return_lse: bool = False, config=None, causal: bool = True, sinks=None,
 ):
     """Plain-jnp `decode_attention` with the same arguments and semantics (see there): the pages gathered
     through `block_tables`, the `[B, N, T, S]` scores materialised, float32 accumulation (float64 for float64
@@ -87,10 +88,11 @@ def decode_attention_reference(
     del config
     inputs = check_decode_inputs(
         q, k, v, kv_lengths=kv_lengths, block_tables=block_tables, score_mod=score_mod, mask_mod=mask_mod,
-        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, allowed_dtypes=REFERENCE_DTYPES,
-        max_head_dim=None,
+        num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal, sinks=sinks,
+        allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
     if inputs.q.shape[0] == 0:
         return empty_outputs(inputs)
     out, lse = poison_rows(*decode_from_inputs(inputs, score_mod, mask_mod), inputs.out_of_contract)
+    out, lse = attach_sinks(out, lse, inputs.sinks)
     return (out, lse) if inputs.return_lse else out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +14,7 @@ from probjax_kernels._hooks import (
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs, sharded_dropout
 from probjax_kernels._problem import Features
 from probjax_kernels._reference import attention_from_inputs, compute_dtype
+from probjax_kernels._sinks import attach_sinks, check_sinks
 from probjax_kernels.flex.block_mask import BlockMask
 from probjax_kernels.flex.mods import ScoreMod
 from probjax_kernels.flex.options import (
@@ -67,8 +67,8 @@ def flex_attention(
     config: FlashConfig | None = None,
     dropout_rate: float = 0.0,
     dropout_seed: jax.Array | int | None = None,
-    _dropout_positions=None,
-    _dropout_shard=None,
+    sinks: jax.Array | None = None,
+    _dropout_positions=None, _dropout_shard=None,
 ):
     """Attention with user hooks inside the Pallas kernels, with PyTorch FlexAttention's semantics and
     signature (`torch.nn.attention.flex_attention.flex_attention`); the layout is JAX's `[B, T, N, D]`
@@ -98,16 +98,16 @@ def flex_attention(
 
     - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
+    - `sinks`: None or `[N]` float, attention-sink logits (gpt-oss), one per head, as in `flash_attention`.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype; `(out, lse)` with `return_lse`; `(out, AuxOutput(lse,
-    max_scores))` with `return_aux`. Fully masked rows give 0, lse -inf and zero gradients.
-    Differentiable in q, k, v and the arrays score_mod closes over, in reverse and forward mode (jax.grad,
-    jax.jvp; docs/forward_mode.md).
+    max_scores))` with `return_aux`. Fully masked rows give 0, lse -inf and zero gradients. Differentiable in
+    q, k, v, sinks and the arrays score_mod closes over, in reverse and forward mode (docs/forward_mode.md).
     """
     aux = check_aux(return_lse, return_aux)
     config = config_from_kernel_options(kernel_options, config)
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
-    dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
     check_config(config)
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     check_heads(num_heads, num_kv_heads, enable_gqa)
@@ -142,7 +142,7 @@ def flex_attention(
             dropout_seed=dropout_seed, dropout_positions=_dropout_positions, dropout_shard=_dropout_shard,
             return_max=True,
         )
-        return results(out, lse, max_scores, return_lse, aux)
+        return results(*attach_sinks(out, lse, sinks), max_scores, return_lse, aux)
     dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
                                                    inputs.q, inputs.k)
     features = Features(
@@ -154,4 +154,4 @@ def flex_attention(
         inputs.q, inputs.k, inputs.v, features, config, dropout_seed=dropout_seed,
         score_consts=tuple(score_consts), mask_consts=tuple(mask_consts), **tables,
     )
-    return results(out, lse, max_scores[0] if max_scores else None, return_lse, aux)
+    return results(*attach_sinks(out, lse, sinks), max_scores[0] if max_scores else None, return_lse, aux)

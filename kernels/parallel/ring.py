@@ -11,14 +11,13 @@ Autodiff: `_ring` is a `jax.custom_jvp` whose tangent is `custom_linear` (as the
 applied (`jax.jvp`), it is the forward-mode derivative of the schedule, each block through the kernels'
 tangent kernel and the merge in jnp; transposed (`jax.grad`), it is the backward schedule below.
 
-Backward: the blocks travel the ring again, each with its float32 dK / dV accumulator, which arrives home
-after n sends; no atomics, one fixed order of sums, so gradients are deterministic. The
-flash path runs the backward kernels alone on the whole sequence's (O, lse, dO, d lse): probabilities
-exp(s - lse) and delta = rowsum(dO O) are then the global ones, as FlashAttention-2's backward on the whole
-sequence. Blocks with hooks or windows (the flex path) take their own (out_j, lse_j)'s vjp under the
-cotangents that the merge gives them, d out_j = w_j dO and d lse_j = w_j (rowsum(dO out_j) - delta + d lse)
-with w_j = exp(lse_j - lse): the kernels then see delta_j = w_j (delta - d lse) and P_j w_j = exp(s - lse),
-the same gradients, at the cost of the block's forward once more. Memory per device stays O(L/n).
+Backward: the blocks travel the ring again, each with its float32 dK / dV accumulator, which arrives home after n
+sends (no atomics, one order of sums: deterministic). The flash path runs the backward kernels alone on the whole
+sequence's (O, lse, dO, d lse): probabilities exp(s - lse) and delta = rowsum(dO O) are then the global ones, as
+FlashAttention-2's backward on the whole sequence. Blocks with hooks or windows (the flex path) take their own
+(out_j, lse_j)'s vjp under the cotangents that the merge gives them, d out_j = w_j dO and d lse_j = w_j (rowsum(dO
+out_j) - delta + d lse) with w_j = exp(lse_j - lse): the kernels then see delta_j = w_j (delta - d lse) and P_j w_j
+= exp(s - lse), the same gradients, at the cost of the block's forward once more. Memory: O(L/n).
 
 Layouts: `"contiguous"` gives device i positions [i C, (i+1) C); `"zigzag"` cuts the sequence into 2n chunks
 of c and gives device i chunks i and 2n-1-i, which balances causal work. Hooks, windows and causal masks see
@@ -43,6 +42,7 @@ from probjax_kernels._backend import config_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, hook_hint, trace_hook
 from probjax_kernels._inputs import check_config, check_dropout, check_inputs
 from probjax_kernels._linear import custom_linear
+from probjax_kernels._sinks import attach_sinks, check_sinks
 from probjax_kernels.parallel.schedule import _backward, _differentiable, _forward
 from probjax_kernels.parallel.schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
@@ -188,8 +188,8 @@ def ring_attention(
     dropout_seed: jax.Array | int | None = None,
     return_lse: bool = False,
     config: FlashConfig | None = None,
-    _backend: str = "kernel",
-    _dropout_shard: tuple | None = None,
+    sinks: jax.Array | None = None,
+    _backend: str = "kernel", _dropout_shard: tuple | None = None,
 ):
     """Attention over a sequence sharded on mesh axis `axis_name`; call it inside `jax.shard_map`.
 
@@ -213,11 +213,11 @@ def ring_attention(
       called with global positions (the original ones under zigzag) and the local batch index.
     - `dropout_rate`, `dropout_seed`: attention dropout with the keep mask of the unsharded call (the kernels
       hash global positions: the same weights drop as in `flash_attention` on the gathered arrays).
-    - `return_lse`: also return lse `[B, N, T]` float32.
-    - `config`: the kernels' `FlashConfig`.
+    - `return_lse`: also return lse `[B, N, T]` float32; `config`: the kernels' `FlashConfig`.
+    - `sinks`: None or `[N]` float (this device's heads), attention-sink logits as in `flash_attention`.
 
     **Returns:** out `[B, T, N, Dv]` in q's dtype (this device's queries), or `(out, lse)`. Differentiable in
-    reverse and forward mode (`jax.grad`, `jax.jvp`) in q, k, v, a traced scale and score_mod's arrays.
+    reverse and forward mode (`jax.grad`, `jax.jvp`) in q, k, v, sinks, a traced scale and score_mod's arrays.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}.")
@@ -226,7 +226,7 @@ def ring_attention(
     check_config(config)
     inputs = check_inputs(q, k, v, scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           window=window, dropout_rate=dropout_rate)
-    dropout_seed = check_dropout(dropout_rate, dropout_seed)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
     q, scale = inputs.q, inputs.scale
     if inputs.traced_scale:
         # The schedule's static description takes a float: a traced scale multiplies the float32 scores
@@ -255,4 +255,5 @@ def ring_attention(
         dropout_seed = jnp.stack([jnp.asarray(x).astype(jnp.uint32).reshape(()) for x in parts])
     out, lse = _ring(problem, q, inputs.k, inputs.v, score_consts, inputs.q_segment_ids,
                      inputs.kv_segment_ids, mask_consts, dropout_seed)
+    out, lse = attach_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
