@@ -186,7 +186,7 @@ def check_decode_inputs(
         q=q, k=k, v=v, kv_lengths=kv_lengths, block_tables=block_tables if paged else None,
         scale=float(scale), num_splits=None if num_splits is None else int(num_splits),
         return_lse=check_flag("return_lse", return_lse), out_of_contract=out_of_contract,
-        causal=check_flag("causal", causal), sinks=check_sinks(sinks, q),
+        causal=check_flag("causal", causal), sinks=check_sinks(sinks, num_heads),
     )
 
 

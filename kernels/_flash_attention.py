@@ -77,7 +77,7 @@ def flash_attention(
         q, k, v, bias=bias, mask=mask, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
     )
-    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, inputs.q.shape[2])
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
     check_config(config)
     causal = check_flag("causal", causal)

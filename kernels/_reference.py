@@ -155,7 +155,7 @@ def flash_attention_reference(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window, dropout_rate=dropout_rate,
         allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
-    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, inputs.q.shape[2])
     out, lse = attention_from_inputs(
         inputs, check_flag("causal", causal), compute_dtype(inputs), dropout_rate=dropout_rate,
         dropout_seed=dropout_seed,

@@ -18,14 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_sinks(sinks, q: jax.Array, *, heads_axis: int = 2, name: str = "sinks") -> jax.Array | None:
-    """None, or `sinks` as a float32 `[N]` array for q's N heads (`q.shape[heads_axis]`). Raises TypeError for
-    a non-float and ValueError for another shape or, when concrete, a value that is not finite."""
+def check_sinks(sinks, num_heads: int, *, name: str = "sinks") -> jax.Array | None:
+    """None, or `sinks` as a float32 `[N]` array for N = `num_heads` query heads. Raises TypeError for a
+    non-float and ValueError for another shape or, when concrete, a value that is not finite."""
     if sinks is None:
         return None
     if not hasattr(sinks, "dtype"):
         sinks = np.asarray(sinks)
-    num_heads = q.shape[heads_axis]
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"{name} must be a float array of shape [N] = [{num_heads}] (one logit per query head), "
                         f"got dtype {sinks.dtype}.")

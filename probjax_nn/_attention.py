@@ -486,7 +486,7 @@ def attention(
     )
     dropout_seed = check_dropout(dropout_rate, dropout_seed)
     logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
-    sinks = check_sinks(sinks, inputs.q)
+    sinks = check_sinks(sinks, inputs.q.shape[2])
     request = _Request(
         dtype=inputs.q.dtype.name,
         head_dim=max(inputs.q.shape[-1], inputs.value_dim),

@@ -107,7 +107,7 @@ def flex_attention(
     aux = check_aux(return_lse, return_aux)
     config = config_from_kernel_options(kernel_options, config)
     inputs = check_inputs(q, k, v, scale=scale, dropout_rate=dropout_rate)
-    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, inputs.shape[3])
     check_config(config)
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = inputs.shape
     check_heads(num_heads, num_kv_heads, enable_gqa)

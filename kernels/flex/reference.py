@@ -35,7 +35,7 @@ def flex_attention_reference(
         q, k, v, scale=scale, dropout_rate=dropout_rate, allowed_dtypes=REFERENCE_DTYPES, max_head_dim=None,
     )
     check_heads(inputs.shape[3], inputs.shape[4], enable_gqa)
-    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, inputs.shape[3])
     mask_mod = None if block_mask is None else block_mask.mask_mod
     out, lse, max_scores = attention_from_inputs(
         inputs, False, compute_dtype(inputs), score_mod=score_mod, mask_mod=mask_mod,

@@ -226,7 +226,7 @@ def ring_attention(
     check_config(config)
     inputs = check_inputs(q, k, v, scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           window=window, dropout_rate=dropout_rate)
-    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, q)
+    dropout_seed, sinks = check_dropout(dropout_rate, dropout_seed), check_sinks(sinks, inputs.q.shape[2])
     q, scale = inputs.q, inputs.scale
     if inputs.traced_scale:
         # The schedule's static description takes a float: a traced scale multiplies the float32 scores
