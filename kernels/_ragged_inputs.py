@@ -179,8 +179,8 @@ def _float_vector(name: str, x, size: int, what: str, allow_scalar: bool) -> jax
         raise TypeError(f"{name} must be a float array ({what}), got {getattr(x, 'dtype', type(x).__name__)}.")
     x = jnp.asarray(x, jnp.float32) if isinstance(x, (int, float)) else jnp.asarray(x)
     if x.shape != (size,) and not (allow_scalar and x.ndim == 0):
-        shapes = f"a scalar or [{size}]" if allow_scalar else f"[{size}]"
-        raise ValueError(f"{name} must have shape {shapes} ({what}), got {list(x.shape)}.")
+        shapes = f"be a scalar or have shape [{size}]" if allow_scalar else f"have shape [{size}]"
+        raise ValueError(f"{name} must {shapes} ({what}), got shape {list(x.shape)}.")
     return jnp.broadcast_to(x.astype(jnp.float32), (size,))
 
 
