@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax_kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_dtypes, check_flag
-from probjax_kernels._sinks import check_sinks
+from probjax_kernels._inputs import (
+    KERNEL_DTYPES, MAX_HEAD_DIM, _is_int, _is_real, check_dtypes, check_flag, check_sinks,
+)
 
 MAX_NEW_TOKENS = 16  # q rows per sequence: T new tokens times the GQA group share one tile
 _MIN_PAGE = 16  # Triton's dot needs every dimension >= 16

@@ -9,11 +9,11 @@ from probjax_kernels._backend import config_backend
 from probjax_kernels._config import FlashConfig
 from probjax_kernels._hooks import affine_score_mod, soft_capped, trace_score_mod
 from probjax_kernels._inputs import (
-    check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap, sharded_dropout,
+    check_config, check_dropout, check_flag, check_inputs, check_logits_soft_cap, check_sinks, sharded_dropout,
 )
 from probjax_kernels._problem import Features
 from probjax_kernels._reference import attention_from_inputs, compute_dtype
-from probjax_kernels._sinks import attach_sinks, check_sinks
+from probjax_kernels._sinks import attach_sinks
 
 
 def flash_attention(

@@ -295,3 +295,21 @@ def sharded_dropout(seed, positions, shard, dropout_rate, q, k) -> tuple[dict, j
     else:
         fields = {"dropout_positions": (positions[0][0], positions[1][0]), "dropout_heads": heads}
     return fields, positional_seed(seed, positions, (0, 0) if shard is None else shard[:2])
+
+
+def check_sinks(sinks, num_heads: int, *, name: str = "sinks") -> jax.Array | None:
+    """None, or `sinks` as a float32 `[N]` array for N = `num_heads` query heads. Raises TypeError for a
+    non-float and ValueError for another shape or, when concrete, a value that is not finite."""
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "dtype"):
+        sinks = np.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float array of shape [N] = [{num_heads}] (one logit per query head), "
+                        f"got dtype {sinks.dtype}.")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"{name} must have shape [N] = [{num_heads}] (one logit per query head of q), got "
+                         f"{list(sinks.shape)}.")
+    if not isinstance(sinks, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(sinks, np.float64))):
+        raise ValueError(f"{name} must be finite (a sink of -inf is no sink: pass None), got {np.asarray(sinks)}.")
+    return jnp.asarray(sinks, jnp.float32)

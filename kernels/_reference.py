@@ -11,8 +11,8 @@ from jax import lax
 
 from probjax_kernels._dropout import keep_mask, positional_seed, positions_of
 from probjax_kernels._hooks import hook_hint
-from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs
-from probjax_kernels._sinks import attach_sinks, check_sinks
+from probjax_kernels._inputs import AttentionInputs, check_dropout, check_flag, check_inputs, check_sinks
+from probjax_kernels._sinks import attach_sinks
 
 REFERENCE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 

@@ -52,10 +52,10 @@ from probjax_kernels._inputs import check_dropout_rate as check_dropout_rate
 from probjax_kernels._inputs import check_flag as check_flag
 from probjax_kernels._inputs import check_inputs as check_inputs
 from probjax_kernels._inputs import check_logits_soft_cap as check_logits_soft_cap
+from probjax_kernels._inputs import check_sinks as check_sinks
 from probjax_kernels._reference import attention_from_inputs as attention_from_inputs
 from probjax_kernels._reference import compute_dtype as compute_dtype
 from probjax_kernels._sinks import attach_sinks as attach_sinks
-from probjax_kernels._sinks import check_sinks as check_sinks
 from probjax_kernels.parallel.ring import LAYOUTS as LAYOUTS
 from probjax_kernels.parallel.ring import STRATEGIES as STRATEGIES
 

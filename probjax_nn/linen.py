@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -142,6 +144,21 @@ class _ImplAttention(DotProductAttention):
     attention_fn is never one), so that `clone(attention_impl=...)` can tell it apart and rebuild it."""
 
 
+def _with_sinks(stock_call: Callable) -> Callable:
+    """A stock module's `__call__` (same signature, same variables) that binds the module's `sinks`, when it
+    has them, for flax's attention_fn calls (`bound_sinks`)."""
+
+    def __call__(self, *args, **kwargs):
+        with bound_sinks(self._sinks()):
+            return stock_call(self, *args, **kwargs)
+
+    # Not functools.wraps: it would copy flax's marker of an already wrapped method, and flax would then not
+    # make this one compact.
+    __call__.__signature__ = inspect.signature(stock_call)
+    __call__.__doc__ = stock_call.__doc__
+    return nn.compact(__call__)
+
+
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """`flax.linen.MultiHeadDotProductAttention` with attention on the probjax kernels; same variables.
 
@@ -183,11 +200,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             raise ValueError(f"pass {given} or attention_fn, not both.")
         super().__post_init__()
 
-    @nn.compact
-    def __call__(self, *args, **kwargs) -> jax.Array:
-        """The stock call (see the class docstring), with the module's `sinks` when it has them."""
-        with bound_sinks(self._sinks()):
-            return super().__call__(*args, **kwargs)
+    __call__ = _with_sinks(nn.MultiHeadDotProductAttention.__call__)
 
     def _sinks(self) -> jax.Array | None:
         if not self.attention_sinks:
@@ -200,12 +213,16 @@ class MultiHeadAttention(MultiHeadDotProductAttention, nn.MultiHeadAttention):
     `MultiHeadAttention_{i}` in a parent) with attention on the probjax kernels: the attributes, variables
     and call of `MultiHeadDotProductAttention`, plus `attention_impl`. An instance of the stock class too."""
 
+    __call__ = _with_sinks(nn.MultiHeadAttention.__call__)
+
 
 class SelfAttention(MultiHeadDotProductAttention, nn.SelfAttention):
     """`flax.linen.SelfAttention` with attention on the probjax kernels: the stock call `module.apply(variables,
     inputs_q, mask=None, deterministic=None, dropout_rng=None, sow_weights=False)` (flax's, with its
     deprecation warning) over the attributes and variables of `MultiHeadDotProductAttention`, plus
     `attention_impl`. An instance of the stock class too."""
+
+    __call__ = _with_sinks(nn.SelfAttention.__call__)
 
 
 def _bound_hook(hook):

@@ -11,10 +11,10 @@ from probjax_kernels._flash_attention import runs_reference
 from probjax_kernels._hooks import (
     affine_score_mod, example_indices, hook_hint, reads_argument, trace_hook, trace_score_mod,
 )
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs, sharded_dropout
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_sinks, sharded_dropout
 from probjax_kernels._problem import Features
 from probjax_kernels._reference import attention_from_inputs, compute_dtype
-from probjax_kernels._sinks import attach_sinks, check_sinks
+from probjax_kernels._sinks import attach_sinks
 from probjax_kernels.flex.block_mask import BlockMask
 from probjax_kernels.flex.mods import ScoreMod
 from probjax_kernels.flex.options import (

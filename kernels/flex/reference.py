@@ -3,9 +3,9 @@ front-end, built on the core's `attention_from_inputs` (`_reference.py`)."""
 
 from __future__ import annotations
 
-from probjax_kernels._inputs import check_dropout, check_inputs
+from probjax_kernels._inputs import check_dropout, check_inputs, check_sinks
 from probjax_kernels._reference import REFERENCE_DTYPES, attention_from_inputs, compute_dtype
-from probjax_kernels._sinks import attach_sinks, check_sinks
+from probjax_kernels._sinks import attach_sinks
 from probjax_kernels.flex.options import AuxRequest, check_aux, check_heads, results
 
 

@@ -40,9 +40,9 @@ import numpy as np
 from probjax_kernels._config import CALLBACK_INTERPRETERS, FlashConfig
 from probjax_kernels._backend import config_backend
 from probjax_kernels._hooks import affine_score_mod, example_indices, hook_hint, trace_hook
-from probjax_kernels._inputs import check_config, check_dropout, check_inputs
+from probjax_kernels._inputs import check_config, check_dropout, check_inputs, check_sinks
 from probjax_kernels._linear import custom_linear
-from probjax_kernels._sinks import attach_sinks, check_sinks
+from probjax_kernels._sinks import attach_sinks
 from probjax_kernels.parallel.schedule import _backward, _differentiable, _forward
 from probjax_kernels.parallel.schedule import _Ring as _Ring  # scripts/context_parallel_cost.py reads its schedule
 
