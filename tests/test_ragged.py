@@ -346,6 +346,8 @@ ERRORS = [
                     v_scale=1.0), ValueError, r"k_scale must be a scalar or have shape \[2\] \(one per KV head\), got shape \[3\]"),
     (lambda a: dict(k_pages=a["k_pages"].astype(FP8), v_pages=a["v_pages"].astype(FP8), k_scale=1.0,
                     v_scale=jnp.ones(2, jnp.int32)), TypeError, "v_scale must be a float array"),
+    (lambda a: dict(k_pages=a["k_pages"].astype(FP8), v_pages=a["v_pages"].astype(FP8), k_scale=1.0,
+                    v_scale=jnp.array([0.5, 0.0])), ValueError, r"v_scale must be positive and finite .* got \[0.5, 0.0\]"),
     (lambda a: dict(sinks=jnp.zeros(3)), ValueError, r"sinks must have shape \[4\]"),
     (lambda a: dict(sinks=jnp.zeros(4, jnp.int32)), TypeError, "sinks must be a float array"),
     (lambda a: dict(new_k=jnp.zeros((11, 2, 16))), ValueError, "new_k and new_v must be given together"),
@@ -374,6 +376,27 @@ def test_errors_name_the_argument(change, error, match):
             continue  # the reference calls hooks on grids as they are written, without tracing them first
         with pytest.raises(error, match=match):
             fn(**args)
+
+
+def test_the_reference_is_differentiable():
+    """The forward-only op's advice holds: the reference's gradient in q (float64) is a central difference's."""
+    b = make_batch(11, new=(2, 3), lens=(20, 3), pad_seqs=1, pad_tokens=1)
+    weights = np.random.default_rng(12).normal(size=(b.q.shape[0], 4, 32))
+    with jax.enable_x64(True):
+        q, *rest = b.args(jnp.float64)
+
+        def loss(q):
+            out = ragged_paged_attention_reference(q, *rest, sinks=jnp.ones(4, jnp.float32), sliding_window=4)
+            return jnp.sum(out * weights)
+
+        grad = np.asarray(jax.jit(jax.grad(loss))(q))
+        assert np.isfinite(grad).all() and np.all(grad[-1] == 0)  # the padding row
+        step = np.zeros(q.shape)
+        for index in [(0, 1, 3), (3, 2, 0), (4, 0, 15)]:
+            step[index] = 1e-6
+            numeric = (loss(q + step) - loss(q - step)) / 2e-6
+            step[index] = 0
+            assert abs(numeric - grad[index]) <= 1e-6 * max(1.0, abs(numeric))
 
 
 def test_append_refuses_two_writes_to_one_slot():
