@@ -279,6 +279,26 @@ def test_jit_with_traced_num_seqs_and_tables():
     assert np.isnan(np.asarray(out)).all()
 
 
+def test_hooks_closing_over_traced_arrays_and_low_precision():
+    """ALiBi slopes that are a jit argument reach the hook on the XLA path; bfloat16 and float16 calls keep
+    their dtype and float32 accumulation."""
+    b = make_batch(13, new=(4, 1), lens=(20, 33), pad_seqs=1, pad_tokens=1)
+    slopes = np.asarray(alibi_slopes(4))
+
+    @jax.jit
+    def run(q, slopes):
+        return ragged_paged_attention(q, *b.args()[1:], score_mod=alibi(slopes), config=XLA)
+
+    assert_matches(run(jnp.asarray(b.q, jnp.float32), slopes), expected(b, slopes=slopes))
+    for dtype, tolerance in ((jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)):
+        rounded = dataclasses.replace(b, q=np.asarray(jnp.asarray(b.q, dtype)).astype(np.float64),
+                                      k_pages=np.asarray(jnp.asarray(b.k_pages, dtype)).astype(np.float64),
+                                      v_pages=np.asarray(jnp.asarray(b.v_pages, dtype)).astype(np.float64))
+        out = ragged_paged_attention(*b.args(dtype), config=XLA)
+        assert out.dtype == dtype
+        assert_matches(out, expected(rounded), tolerance)
+
+
 def test_public_face_and_dispatch():
     import probjax_nn
 
