@@ -59,7 +59,7 @@ def ragged_from_inputs(inputs: RaggedInputs, score_mod=None, mask_mod=None) -> j
     compute = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
     layout = token_layout(inputs.cu_q_lens, inputs.num_seqs, inputs.kv_lens, num_tokens)
     grids = ragged_index_grids(inputs, layout)
-    b, h, q_idx, kv_idx = grids
+    _, _, q_idx, kv_idx = grids
     length = inputs.kv_lens[layout.seq].reshape(num_tokens, 1, 1)
     allowed = layout.live.reshape(num_tokens, 1, 1) & (kv_idx <= q_idx) & (kv_idx < length)
     if inputs.sliding_window is not None:
