@@ -279,6 +279,26 @@ def test_jit_with_traced_num_seqs_and_tables():
     assert np.isnan(np.asarray(out)).all()
 
 
+def test_hooks_closing_over_traced_arrays_and_low_precision():
+    """ALiBi slopes that are a jit argument reach the hook on the XLA path; bfloat16 and float16 calls keep
+    their dtype and float32 accumulation."""
+    b = make_batch(13, new=(4, 1), lens=(20, 33), pad_seqs=1, pad_tokens=1)
+    slopes = np.asarray(alibi_slopes(4))
+
+    @jax.jit
+    def run(q, slopes):
+        return ragged_paged_attention(q, *b.args()[1:], score_mod=alibi(slopes), config=XLA)
+
+    assert_matches(run(jnp.asarray(b.q, jnp.float32), slopes), expected(b, slopes=slopes))
+    for dtype, tolerance in ((jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)):
+        rounded = dataclasses.replace(b, q=np.asarray(jnp.asarray(b.q, dtype)).astype(np.float64),
+                                      k_pages=np.asarray(jnp.asarray(b.k_pages, dtype)).astype(np.float64),
+                                      v_pages=np.asarray(jnp.asarray(b.v_pages, dtype)).astype(np.float64))
+        out = ragged_paged_attention(*b.args(dtype), config=XLA)
+        assert out.dtype == dtype
+        assert_matches(out, expected(rounded), tolerance)
+
+
 def test_public_face_and_dispatch():
     import probjax_nn
 
@@ -343,9 +363,13 @@ ERRORS = [
     (lambda a: dict(k_pages=a["k_pages"].astype(jnp.int8), v_pages=a["v_pages"].astype(jnp.int8)), ValueError,
      r"k_scale is required for a quantized \(int8\) cache"),
     (lambda a: dict(k_pages=a["k_pages"].astype(FP8), v_pages=a["v_pages"].astype(FP8), k_scale=jnp.ones(3),
-                    v_scale=1.0), ValueError, r"k_scale must be a scalar or have shape \[2\] \(one per KV head\), got shape \[3\]"),
+                    v_scale=1.0), ValueError,
+     r"k_scale must be a scalar or have shape \[2\] \(one per KV head\), got shape \[3\]"),
     (lambda a: dict(k_pages=a["k_pages"].astype(FP8), v_pages=a["v_pages"].astype(FP8), k_scale=1.0,
                     v_scale=jnp.ones(2, jnp.int32)), TypeError, "v_scale must be a float array"),
+    (lambda a: dict(k_pages=a["k_pages"].astype(FP8), v_pages=a["v_pages"].astype(FP8), k_scale=1.0,
+                    v_scale=jnp.array([0.5, 0.0])), ValueError,
+     r"v_scale must be positive and finite .* got \[0.5, 0.0\]"),
     (lambda a: dict(sinks=jnp.zeros(3)), ValueError, r"sinks must have shape \[4\]"),
     (lambda a: dict(sinks=jnp.zeros(4, jnp.int32)), TypeError, "sinks must be a float array"),
     (lambda a: dict(new_k=jnp.zeros((11, 2, 16))), ValueError, "new_k and new_v must be given together"),
@@ -374,6 +398,27 @@ def test_errors_name_the_argument(change, error, match):
             continue  # the reference calls hooks on grids as they are written, without tracing them first
         with pytest.raises(error, match=match):
             fn(**args)
+
+
+def test_the_reference_is_differentiable():
+    """The forward-only op's advice holds: the reference's gradient in q (float64) is a central difference's."""
+    b = make_batch(11, new=(2, 3), lens=(20, 3), pad_seqs=1, pad_tokens=1)
+    weights = np.random.default_rng(12).normal(size=(b.q.shape[0], 4, 32))
+    with jax.enable_x64(True):
+        q, *rest = b.args(jnp.float64)
+
+        def loss(q):
+            out = ragged_paged_attention_reference(q, *rest, sinks=jnp.ones(4, jnp.float32), sliding_window=4)
+            return jnp.sum(out * weights)
+
+        grad = np.asarray(jax.jit(jax.grad(loss))(q))
+        assert np.isfinite(grad).all() and np.all(grad[-1] == 0)  # the padding row
+        step = np.zeros(q.shape)
+        for index in [(0, 1, 3), (3, 2, 0), (4, 0, 15)]:
+            step[index] = 1e-6
+            numeric = (loss(q + step) - loss(q - step)) / 2e-6
+            step[index] = 0
+            assert abs(numeric - grad[index]) <= 1e-6 * max(1.0, abs(numeric))
 
 
 def test_append_refuses_two_writes_to_one_slot():
