@@ -60,7 +60,8 @@ def init_cache(
         if scale.shape != (config.num_layers, config.kv_heads) or scale.dtype != jnp.float32:
             raise ValueError(f"{name} must be float32 [num_layers, num_kv_heads] = "
                              f"[{config.num_layers}, {config.kv_heads}], got {scale.dtype} {list(scale.shape)}.")
-    return PagedCache(keys, values, *scales)
+    # Copies: the engine donates its cache to each step, which would delete the caller's arrays.
+    return PagedCache(keys, values, *(jnp.array(scale, copy=True) for scale in scales))
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
@@ -93,7 +94,7 @@ def token_positions(schedule: Schedule) -> jax.Array:
     return jnp.where(index < cu_q_lens[schedule.num_seqs], positions, 0)
 
 
-def engine_step(config: Config, serving: ServingConfig) -> Step:
+def engine_step(config: Config, serving: ServingConfig, kernel_config=None) -> Step:
     """One engine step, `step(params, cache, schedule) -> (next_tokens [S] int32, cache)`, for any bucket.
 
     `params`: the model's params in the compute dtype (`train.compute_params`); `cache`: a `PagedCache` of
@@ -102,7 +103,8 @@ def engine_step(config: Config, serving: ServingConfig) -> Step:
     `ragged_paged_attention` call per layer that writes the tokens' keys and values into the pages at their
     positions and attends each sequence's pages up to them, and returns the greedy token after each
     sequence's last packed token (garbage for padding sequences) and the updated pages. Pure and jittable;
-    donate `cache` (`jax.jit(step, donate_argnums=1)`) to update the pages in place.
+    donate `cache` (`jax.jit(step, donate_argnums=1)`) to update the pages in place. `kernel_config`: the
+    `config` of every attention call (a `probjax_kernels.RaggedConfig`; None: the device's default).
     """
     layers_of = packed_layers(config)
 
@@ -116,7 +118,7 @@ def engine_step(config: Config, serving: ServingConfig) -> Step:
             )
             out, keys[layer], values[layer] = probjax_kernels.ragged_paged_attention(
                 query, keys[layer], values[layer], schedule.kv_lens, schedule.page_indices, schedule.cu_q_lens,
-                schedule.num_seqs, new_k=key, new_v=value, **scales,
+                schedule.num_seqs, new_k=key, new_v=value, config=kernel_config, **scales,
             )
             return out, (keys, values)
 
@@ -155,16 +157,18 @@ class Engine:
     `params` in the compute dtype; `kv_scales` (`calibrate_kv_scales`) exactly when `serving.kv_dtype` is
     "int8". The step is compiled once per token bucket, the first time a bucket is used (`compile` does it
     ahead). `stats` holds the last run's figures: steps, prompt and new tokens, wall and compile seconds.
+    `kernel_config` as in `engine_step`.
     """
 
     def __init__(
         self, config: Config, params: Params, serving: ServingConfig,
         kv_scales: tuple[jax.Array, jax.Array] | None = None, allocator: PageAllocator | None = None,
+        kernel_config=None,
     ):
         self.config, self.params, self.serving = config, params, serving
         self.cache = init_cache(config, serving, kv_scales)
         self.allocator = PageAllocator(serving.num_pages) if allocator is None else allocator
-        self._step = jax.jit(engine_step(config, serving), donate_argnums=1)
+        self._step = jax.jit(engine_step(config, serving, kernel_config), donate_argnums=1)
         self._compiled: dict[int, Callable] = {}
         self.stats: dict[str, float] = {}
 
