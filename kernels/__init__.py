@@ -9,6 +9,7 @@ from probjax_kernels._decode_inputs import DecodeConfig as DecodeConfig
 from probjax_kernels._dispatch import default_config as default_config
 from probjax_kernels._dropout import keep_mask as dropout_keep_mask
 from probjax_kernels._flash_attention import flash_attention as flash_attention
+from probjax_kernels._ragged_inputs import RaggedConfig as RaggedConfig
 from probjax_kernels._reference import flash_attention_reference as flash_attention_reference
 from probjax_kernels.decode.attention import decode_attention as decode_attention
 from probjax_kernels.decode.reference import decode_attention_reference as decode_attention_reference
@@ -36,13 +37,15 @@ from probjax_kernels.flex.options import AuxRequest as AuxRequest
 from probjax_kernels.flex.options import FlexKernelOptions as FlexKernelOptions
 from probjax_kernels.flex.reference import flex_attention_reference as flex_attention_reference
 from probjax_kernels.parallel.ring import ring_attention as ring_attention
+from probjax_kernels.ragged.attention import ragged_paged_attention as ragged_paged_attention
+from probjax_kernels.ragged.reference import ragged_paged_attention_reference as ragged_paged_attention_reference
 from probjax_kernels.parallel.ring import zigzag_permutation as zigzag_permutation
 
 __all__ = [
-    "AuxOutput", "AuxRequest", "BlockMask", "DecodeConfig", "FlashConfig", "FlexKernelOptions", "alibi",
-    "alibi_slopes", "and_masks", "causal_mask", "create_block_mask", "create_mask", "decode_attention",
+    "AuxOutput", "AuxRequest", "BlockMask", "DecodeConfig", "FlashConfig", "FlexKernelOptions", "RaggedConfig",
+    "alibi", "alibi_slopes", "and_masks", "causal_mask", "create_block_mask", "create_mask", "decode_attention",
     "decode_attention_reference", "default_config", "document_mask", "dropout_keep_mask", "flash_attention",
     "flash_attention_reference", "flex_attention", "flex_attention_reference", "noop_mask", "or_masks",
-    "padding_mask", "prefix_lm", "relative_bias", "ring_attention", "sliding_window", "softcap",
-    "zigzag_permutation",
+    "padding_mask", "prefix_lm", "ragged_paged_attention", "ragged_paged_attention_reference", "relative_bias",
+    "ring_attention", "sliding_window", "softcap", "zigzag_permutation",
 ]

@@ -7,6 +7,7 @@ line in `ORDER`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 
@@ -18,6 +19,7 @@ from probjax_kernels._backend import KernelPass, Plan, is_hopper
 from probjax_kernels._config import Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
+from probjax_kernels._ragged_inputs import RaggedConfig
 from probjax_kernels._problem import Features, _Problem
 from probjax_kernels.mosaic import plan as mosaic
 from probjax_kernels.tpu import decode as tpu_decode
@@ -154,3 +156,20 @@ def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Ho
             return None
     return DecodePass(triton_decode.decode, triton_decode.plan_for(inputs, config, score_mod, mask_mod,
                                                                    num_score_consts))
+
+
+def ragged_plan(config: RaggedConfig | None):
+    """The `ragged_paged_attention_kernel` of `config.backend` (the kernel contract: ragged/attention.py), with
+    its launch options bound; None for "xla" (the caller runs its plain-jnp reference). `backend=None`: the
+    Triton kernel on every GPU (Mosaic included), the Mosaic TPU one on a TPU, "xla" elsewhere."""
+    config = config or RaggedConfig()
+    backend = config.backend or {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "xla")
+    if backend == "xla":
+        return None
+    # Each backend's ragged kernel file is imported when chosen, so the XLA path needs none of them.
+    if backend in ("tpu", "tpu_interpret"):
+        from probjax_kernels.tpu import ragged as tpu_ragged
+        return functools.partial(tpu_ragged.ragged_paged_attention_kernel, interpret=backend == "tpu_interpret")
+    from probjax_kernels.triton import ragged as triton_ragged
+    launch = {name: getattr(config, name) for name in ("num_warps", "num_stages") if getattr(config, name)}
+    return functools.partial(triton_ragged.ragged_paged_attention_kernel, interpret=backend == "interpret", **launch)

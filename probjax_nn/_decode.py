@@ -4,6 +4,8 @@
 `impl`, as `attention` is the flash kernel behind it: the Pallas kernel where the impl picks one, the
 plain-jnp `decode_attention_reference` (XLA) elsewhere. `decode_runs_kernel` is the one rule the modules'
 decode steps follow. `pages_from_dense` turns a module's dense cache into pages and block tables.
+`ragged_paged_attention` (serving: many sequences' new tokens packed in one call) is the kernels' own,
+re-exported: its `RaggedConfig` (`probjax_kernels`) already chooses the backend per device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jax.tree_util import Partial
 
 import probjax_kernels
 from probjax_kernels import and_masks
+from probjax_kernels import ragged_paged_attention as ragged_paged_attention
 from probjax_kernels.layer_api import MAX_HEAD_DIM, broadcast_lookup, target_platform
 from probjax_nn._attention import AttentionConfig, Impl, as_config, check_impl
 

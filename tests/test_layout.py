@@ -82,7 +82,7 @@ def test_no_script_example_or_test_file_over_the_size_limit(folder):
 # kernels/ in folders (docs/contributing.md): a folder per backend, a folder per operation front-end, and the
 # core that every backend shares at the top.
 BACKENDS = ("triton", "mosaic", "tpu", "xla")
-FRONT_ENDS = ("flex", "decode", "parallel")
+FRONT_ENDS = ("flex", "decode", "parallel", "ragged")
 DISPATCHER = "probjax_kernels._dispatch"
 
 
@@ -141,10 +141,12 @@ def test_a_backend_imports_only_its_own_folder_and_the_core():
 
 def test_only_the_plan_makers_ask_the_dispatcher():
     """The way down asks `_dispatch` once per call: `_autodiff` for the plan of a flash / flex call, `decode/`
-    for a decode call's, and the package face re-exports `default_config`. No other module imports it (a
-    front-end that needs to know whether its kernels are interpreted asks `_backend.config_backend`)."""
+    for a decode call's, `ragged/` for a ragged paged attention call's kernel, and the package face re-exports
+    `default_config`. No other module imports it (a front-end that needs to know whether its kernels are
+    interpreted asks `_backend.config_backend`)."""
     askers = {module for module, imports in _graph("probjax_kernels").items() if DISPATCHER in imports}
-    assert askers == {"probjax_kernels", "probjax_kernels._autodiff", "probjax_kernels.decode.attention"}
+    assert askers == {"probjax_kernels", "probjax_kernels._autodiff", "probjax_kernels.decode.attention",
+                      "probjax_kernels.ragged.attention"}
 
 
 def test_the_dispatcher_only_chooses():

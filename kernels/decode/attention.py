@@ -42,17 +42,18 @@ def trace_decode_hook(name: str, fn: Callable | None) -> tuple[Hook | None, list
     return hook, consts
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward_only(run, *arrays):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def forward_only(op: str, run, *arrays):
+    """`run(*arrays)` for the inference op named `op`, whose JVP (and so gradient) raises."""
     return run(*arrays)
 
 
-@_forward_only.defjvp
-def _no_derivative(run, primals, tangents):
+@forward_only.defjvp
+def _no_derivative(op, run, primals, tangents):
     del run, primals, tangents
     raise NotImplementedError(
-        "decode_attention is forward only (inference decoding): it has no gradient or JVP. Differentiate "
-        "flash_attention / flex_attention, or decode_attention_reference, instead."
+        f"{op} is forward only (inference): it has no gradient or JVP. Differentiate flash_attention / "
+        f"flex_attention, or {op}_reference, instead."
     )
 
 
@@ -131,8 +132,9 @@ def decode_attention(
             num_splits=num_splits, scale=scale, return_lse=return_lse, causal=causal,
         )
     run = functools.partial(kernel.run, kernel.plan)
-    out, lse = _forward_only(
-        run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables, [*score_consts, *mask_consts]
+    out, lse = forward_only(
+        "decode_attention", run, inputs.q, inputs.k, inputs.v, inputs.kv_lengths, inputs.block_tables,
+        [*score_consts, *mask_consts],
     )
     out, lse = poison_rows(out, lse, inputs.out_of_contract)
     return (out, lse) if inputs.return_lse else out
