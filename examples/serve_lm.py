@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lm.config import ATTENTION_IMPLS, DTYPES, FRAMEWORKS, from_json, make_config  # noqa: E402
+import probjax_kernels  # noqa: E402
+from lm.config import DTYPES, FRAMEWORKS, from_json, make_config  # noqa: E402
 from lm.scheduler import Request, ServingConfig  # noqa: E402
 from lm.serving import Engine, calibrate_kv_scales  # noqa: E402
 from lm.train import build_model, compute_params  # noqa: E402
@@ -68,7 +69,7 @@ def _load(args, parser):
     """The model config and its params in the compute dtype: a train_lm.py run's newest checkpoint (--out), or
     a freshly initialised tiny model."""
     if args.out is None:
-        config = make_config("tiny", {"framework": args.framework, "attention": args.attention, "dtype": args.dtype})
+        config = make_config("tiny", {"framework": args.framework, "dtype": args.dtype})
         return config, compute_params(build_model(config, jax.random.key(args.seed)).params, config)
     from lm.checkpoint import Checkpoints
 
@@ -88,7 +89,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="a train_lm.py run folder; default: a fresh tiny model (random weights)")
     parser.add_argument("--framework", choices=FRAMEWORKS, default="nnx", help="without --out")
-    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla", help="without --out (calibration)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="without --out")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunk-size", type=int, default=32)
     parser.add_argument("--token-buckets", type=_buckets, default=(16, 64), metavar="N,N,...")
     parser.add_argument("--kv-dtype", choices=("compute", "int8"), default="compute")
+    parser.add_argument(
+        "--backend", choices=("xla", "triton", "interpret", "tpu", "tpu_interpret"),
+        help="the attention calls' RaggedConfig.backend; default: the kernel on a GPU or TPU, XLA elsewhere",
+    )
     parser.add_argument("--print", type=int, default=0, metavar="N", help="print the first N completions")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.arrivals < 1:
@@ -120,10 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     scales = None
     if serving.kv_dtype == "int8":  # calibrated on the prompts, which is all the engine has seen
         scales = calibrate_kv_scales(config, params, jnp.asarray(np.concatenate([r.prompt for r in requests])))
-    engine = Engine(config, params, serving, scales)
+    engine = Engine(config, params, serving, scales, kernel_config=probjax_kernels.RaggedConfig(backend=args.backend))
     print(f"{config.framework} model ({config.num_layers} layers, d_model {config.d_model}, {config.dtype}), "
           f"{jax.devices()[0].platform}; {num_pages} pages of {args.page_size} ({args.kv_dtype}), "
-          f"{args.max_seqs} slots, chunks of {args.chunk_size}, buckets {list(serving.token_buckets)}")
+          f"{args.max_seqs} slots, chunks of {args.chunk_size}, buckets {list(serving.token_buckets)}, "
+          f"attention backend {args.backend or 'default'}")
     for num_tokens in serving.token_buckets:
         engine.compile(num_tokens)
     results = engine.run(requests, progress=True)

@@ -112,13 +112,14 @@ def test_engine_gives_each_request_the_tokens_it_gets_alone(framework):
     assert engine.stats["prompt_tokens"] == sum(len(r.prompt) for r in requests)
 
 
-def test_the_kernel_in_interpret_mode_gives_the_same_tokens():
-    """The engine of the test above, NNX only and fewer requests, with the attention calls on the Pallas
-    kernel in interpret mode instead of the reference."""
-    pytest.importorskip("probjax_kernels.triton.ragged", reason="the Triton ragged kernel is not in this tree")
+@pytest.mark.parametrize("backend, module", [("interpret", "triton"), ("tpu_interpret", "tpu")])
+def test_the_kernels_in_interpret_mode_give_the_same_tokens(backend, module):
+    """The engine of the test above, NNX only and fewer requests, with the attention calls on a Pallas kernel
+    in interpret mode (the Triton one, the TPU one) instead of the reference."""
+    pytest.importorskip(f"probjax_kernels.{module}.ragged", reason=f"the {module} ragged kernel is not in this tree")
     config, model = micro_model("nnx")
     requests = random_requests(4, seed=2)
-    engine = Engine(config, model.params, SERVING, kernel_config=probjax_kernels.RaggedConfig(backend="interpret"))
+    engine = Engine(config, model.params, SERVING, kernel_config=probjax_kernels.RaggedConfig(backend=backend))
     results = engine.run(requests)
     dense = dense_generator(model, model.params, SERVING.max_length)
     for request in requests:
