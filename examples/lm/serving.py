@@ -64,19 +64,15 @@ def init_cache(
     return PagedCache(keys, values, *(jnp.array(scale, copy=True) for scale in scales))
 
 
-def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
-    """One sequence's causal self-attention (plain XLA): q `[T, N, D]`, k and v `[T, K, D]` -> `[T, N, D]`."""
-    return jax.nn.dot_product_attention(query[None], key[None], value[None], is_causal=True)[0]
-
-
 def calibrate_kv_scales(config: Config, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-(layer, kv head) int8 scales from one calibration text, tokens `[T]` int32: the largest |key| and
     |value| each head writes there, over 127 (larger values met later are clipped to +-127). `[L, K]` each."""
     layers = packed_layers(config)(params)
 
-    def attend(layer, query, key, value, carry):
+    def attend(layer, query, key, value, carry):  # one sequence, causal, plain XLA
         amax = [jnp.abs(x.astype(jnp.float32)).max(axis=(0, 2)) for x in (key, value)]
-        return causal_attention(query, key, value), carry + [amax]
+        out = jax.nn.dot_product_attention(query[None], key[None], value[None], is_causal=True)[0]
+        return out, carry + [amax]
 
     _, amax = jax.jit(lambda tokens: run_layers(layers, tokens, jnp.arange(tokens.shape[0]), attend, []))(tokens)
     key_max, value_max = (jnp.stack([layer[i] for layer in amax]) for i in (0, 1))
