@@ -179,8 +179,8 @@ def _float_vector(name: str, x, size: int, what: str, allow_scalar: bool) -> jax
         raise TypeError(f"{name} must be a float array ({what}), got {getattr(x, 'dtype', type(x).__name__)}.")
     x = jnp.asarray(x, jnp.float32) if isinstance(x, (int, float)) else jnp.asarray(x)
     if x.shape != (size,) and not (allow_scalar and x.ndim == 0):
-        shapes = f"a scalar or [{size}]" if allow_scalar else f"[{size}]"
-        raise ValueError(f"{name} must have shape {shapes} ({what}), got {list(x.shape)}.")
+        shapes = f"be a scalar or have shape [{size}]" if allow_scalar else f"have shape [{size}]"
+        raise ValueError(f"{name} must {shapes} ({what}), got shape {list(x.shape)}.")
     return jnp.broadcast_to(x.astype(jnp.float32), (size,))
 
 
@@ -379,6 +379,10 @@ def check_ragged_inputs(
         if not quantized and x is not None:
             raise ValueError(f"{name} is only for an int8 / float8_e4m3fn cache; the pages are {k_pages.dtype}.")
         scales.append(_float_vector(name, x, num_kv_heads, "one per KV head", allow_scalar=True))
+        values = None if x is None else _concrete(scales[-1])
+        if values is not None and not np.all(np.isfinite(values) & (values > 0)):
+            raise ValueError(f"{name} must be positive and finite (the cache holds values / scale), got "
+                             f"{values.tolist()}.")
     sinks = _float_vector("sinks", sinks, num_heads, "one logit per query head", allow_scalar=False)
     new_k, new_v = _check_new_kv(new_k, new_v, q, k_pages, v_pages)
     raw = (cu_q_lens, num_seqs, kv_lens, page_indices)

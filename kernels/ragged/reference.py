@@ -58,23 +58,27 @@ def ragged_from_inputs(inputs: RaggedInputs, score_mod=None, mask_mod=None) -> j
         return jnp.zeros((0, num_heads, value_dim), inputs.q.dtype)
     compute = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32
     layout = token_layout(inputs.cu_q_lens, inputs.num_seqs, inputs.kv_lens, num_tokens)
-    k, v = (x[layout.seq] for x in dense_pages(inputs, compute))  # [T, capacity, K, D|Dv]: its sequence's
-    q = inputs.q.astype(compute).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tckd->tkgc", q, k, precision=lax.Precision.HIGHEST)
-    scores = scores.reshape(num_tokens, num_heads, capacity) * inputs.scale
     grids = ragged_index_grids(inputs, layout)
-    b, h, q_idx, kv_idx = grids
-    if score_mod is not None:
-        scores = score_mod(scores, *grids).astype(compute)
-    if inputs.soft_cap is not None:
-        scores = inputs.soft_cap * jnp.tanh(scores / inputs.soft_cap)
+    _, _, q_idx, kv_idx = grids
     length = inputs.kv_lens[layout.seq].reshape(num_tokens, 1, 1)
     allowed = layout.live.reshape(num_tokens, 1, 1) & (kv_idx <= q_idx) & (kv_idx < length)
     if inputs.sliding_window is not None:
         allowed = allowed & (q_idx - kv_idx < inputs.sliding_window)
     if mask_mod is not None:
         allowed = allowed & mask_mod(*grids)
-    allowed = jnp.broadcast_to(allowed, scores.shape)
+    allowed = jnp.broadcast_to(allowed, (num_tokens, num_heads, capacity))
+    # Slots no head of a group attends may hold anything (NaN in a recycled page or past a length): zeroed,
+    # as 0 * NaN would poison the sums, forward and backward.
+    seen = jnp.any(allowed.reshape(num_tokens, num_kv_heads, group, capacity), axis=2)
+    seen = jnp.transpose(seen, (0, 2, 1))[..., None]  # [T, capacity, K, 1]
+    k, v = (jnp.where(seen, x[layout.seq], 0.0) for x in dense_pages(inputs, compute))  # its sequence's
+    q = inputs.q.astype(compute).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tckd->tkgc", q, k, precision=lax.Precision.HIGHEST)
+    scores = scores.reshape(num_tokens, num_heads, capacity) * inputs.scale
+    if score_mod is not None:
+        scores = score_mod(scores, *grids).astype(compute)
+    if inputs.soft_cap is not None:
+        scores = inputs.soft_cap * jnp.tanh(scores / inputs.soft_cap)
     scores = jnp.where(allowed, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     if inputs.sinks is not None:
@@ -86,9 +90,6 @@ def ragged_from_inputs(inputs: RaggedInputs, score_mod=None, mask_mod=None) -> j
     if inputs.sinks is not None:  # a virtual key of value zero: in the denominator only
         row_sum = row_sum + jnp.where(layout.live.reshape(num_tokens, 1, 1), jnp.exp(sinks - row_max), 0.0)
     probs = (weights / jnp.where(row_sum > 0, row_sum, 1.0)).reshape(num_tokens, num_kv_heads, group, capacity)
-    # Slots no head of a group attends may hold anything (NaN in a recycled page); 0 * NaN would poison the sum.
-    seen = jnp.any(allowed.reshape(num_tokens, num_kv_heads, group, capacity), axis=2)
-    v = jnp.where(jnp.transpose(seen, (0, 2, 1))[..., None], v, 0.0)
     out = jnp.einsum("tkgc,tckd->tkgd", probs, v, precision=lax.Precision.HIGHEST)
     return out.reshape(num_tokens, num_heads, value_dim).astype(inputs.q.dtype)
 
