@@ -110,9 +110,12 @@ def run(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, *, dtype, page_dtype
     as_f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
     fn = jax.jit(lambda *a: ragged_paged_attention_kernel(*a, **options))
     page_dtype = page_dtype or dtype
-    return fn(jnp.asarray(q, dtype), jnp.asarray(k_pages, page_dtype), jnp.asarray(v_pages, page_dtype),
-              jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables, jnp.int32), jnp.asarray(cu, jnp.int32),
-              jnp.int32(num_seqs), as_f32(sinks), as_f32(k_scale), as_f32(v_scale), [*score_consts, *mask_consts])
+    arrays = (jnp.asarray(q, dtype), jnp.asarray(k_pages, page_dtype), jnp.asarray(v_pages, page_dtype),
+              jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables, jnp.int32), jnp.asarray(cu, jnp.int32))
+    others = (as_f32(sinks), as_f32(k_scale), as_f32(v_scale), [*score_consts, *mask_consts])
+    if isinstance(num_seqs, int):
+        return fn(*arrays, jnp.int32(num_seqs), *others)
+    return [fn(*arrays, jnp.int32(n), *others) for n in num_seqs]  # one compile: num_seqs is traced
 
 
 def as_given(x, dtype):
@@ -132,12 +135,14 @@ def check(name, out, want, dtype, real_rows):
 def test_mixed_batch_gqa_value_dim_padding_f32():
     """float32, GQA 8:2, D=32 / Dv=16, block_q 8, 2 pages a step: a decode row at a page boundary + 1, a
     chunked prefill of 11 over a 25-token prefix (2 items), a whole prompt of 20 (3 items), an empty
-    sequence (no new token), a decode row at 1 token, then 2 sequences past num_seqs and 5 padding rows."""
+    sequence (no new token), a decode row at 1 token, then 2 sequences past num_seqs = 5 and 5 padding rows;
+    the same call with num_seqs 7 (every sequence) and 0 (all rows padding: zeros)."""
     new_tokens, kv_lens = [1, 11, 20, 0, 1, 3, 2], [17, 36, 20, 9, 1, 30, 4]
     q, k_pages, v_pages, tables, cu = make_batch(0, new_tokens, kv_lens, 8, 2, 32, 16, pad_tokens=5)
-    out = run(q, k_pages, v_pages, kv_lens, tables, cu, 5, dtype=jnp.float32)
-    want = reference(q, k_pages, v_pages, kv_lens, tables, cu, 5, scale=32**-0.5)
-    check("mixed f32", out, want, jnp.float32, cu[5])
+    outs = run(q, k_pages, v_pages, kv_lens, tables, cu, [5, 7, 0], dtype=jnp.float32)
+    for out, num_seqs in zip(outs, [5, 7, 0]):
+        want = reference(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, scale=32**-0.5)
+        check(f"mixed f32 num_seqs={num_seqs}", out, want, jnp.float32, cu[num_seqs])
 
 
 def test_mha_bf16_soft_cap_sinks_one_page_steps():
@@ -224,8 +229,9 @@ def test_quantized_pages_with_per_head_scales(page_dtype):
 
 
 def test_alibi_and_a_column_mask_mod():
-    """float32, GQA 8:2: alibi (reads slopes[h], run once per query head of the group) and a mask_mod on
-    the h / q_idx / kv_idx columns that masks every key of some rows (they give 0)."""
+    """float16 (computed in float32: Mosaic TPU loads no float16 vectors), GQA 8:2: alibi (reads slopes[h],
+    run once per query head of the group) and a mask_mod on the b / h / q_idx / kv_idx columns that masks
+    every key of some rows (they give 0)."""
     new_tokens, kv_lens = [6, 1, 10], [20, 33, 10]
     q, k_pages, v_pages, tables, cu = make_batch(4, new_tokens, kv_lens, 8, 2, 32, 16)
     slopes = np.linspace(0.05, 0.4, 8)
@@ -233,12 +239,13 @@ def test_alibi_and_a_column_mask_mod():
     def mask_mod(b, h, q_idx, kv_idx):
         return ((kv_idx + h + b) % 3 != 1) & (q_idx % 5 != 2)
 
-    out = run(q, k_pages, v_pages, kv_lens, tables, cu, 3, dtype=jnp.float32,
+    out = run(q, k_pages, v_pages, kv_lens, tables, cu, 3, dtype=jnp.float16,
               score_mod=alibi(jnp.asarray(slopes, jnp.float32)), mask_mod=mask_mod)
-    want = reference(q, k_pages, v_pages, kv_lens, tables, cu, 3, scale=32**-0.5,
+    f16 = lambda x: as_given(x, jnp.float16)  # noqa: E731
+    want = reference(f16(q), f16(k_pages), f16(v_pages), kv_lens, tables, cu, 3, scale=32**-0.5,
                      bias=lambda i, h, p, j: -slopes[h] * abs(p - j),
                      keep=lambda i, h, p, j: (j + h + i) % 3 != 1 and p % 5 != 2)
-    check("alibi mask_mod", out, want, jnp.float32, cu[-1])
+    check("alibi mask_mod", out, want, jnp.float16, cu[-1])
 
 
 def test_a_hook_it_cannot_lower_raises_hook_not_in_kernel():

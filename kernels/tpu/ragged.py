@@ -11,7 +11,9 @@ from / back to the packed rows in the wrapper (so a program never touches anothe
 `r = t * G + j` of KV head g holds the item's token t for query head `g * G + j` (G = N / K), rows =
 block_q * G padded to the sublane tile. The schedule (item sequence, first position, length) and
 `page_indices` are scalar-prefetched into SMEM; pages stay in HBM (`memory_space=pl.ANY`) and are fetched by
-manual async DMA, double-buffered across the item's steps (step j + 1's pages load while step j computes).
+manual async DMA, double-buffered: step j + 1's pages load while step j computes, and the next item's first
+pages while an item's last step computes (the grid runs in order, "arbitrary": the buffer slot an item
+starts in is carried in SMEM scratch; a megacore chip's second TensorCore gets no share of it).
 A DMA moves a whole page `[page_size, K, D]`: Mosaic refuses a DMA of one KV head's `[page_size, D]` slab
 of a bfloat16 / int8 page (its offset along the (K, D)-tiled axes is not tile aligned), so a step's VMEM
 buffer is `[keys, K, D]` and head g's keys are a strided load `buf[slot, :, g, :]` (keys, D), head dim on
@@ -226,20 +228,27 @@ def _kernel(seq_ref, first_ref, length_ref, tables_ref, *refs, plan: RaggedPlan,
         refs["acc"][g] = jnp.zeros(refs["acc"].shape[1:], jnp.float32)
 
     hbm, bufs = (refs["k_hbm"], refs["v_hbm"]), (refs["k_buf"], refs["v_buf"])
-    copies = functools.partial(_copies, plan, item, tables_ref=tables_ref, hbm=hbm, bufs=bufs, sems=refs["sems"])
+    fetch = functools.partial(_copies, plan, tables_ref=tables_ref, hbm=hbm, bufs=bufs, sems=refs["sems"])
+    # The slot of the item's first step: the previous items' steps alternate the two buffers.
+    base = jnp.where(w == 0, 0, refs["slot"][0])
+    following = _item(plan, jnp.minimum(w + 1, plan.num_items - 1), seq_ref, first_ref, length_ref)
 
-    @pl.when(item.steps > 0)
-    def _():
-        _each(copies(0, 0), "start")
+    @pl.when((w == 0) & (item.steps > 0))
+    def _():  # later items' first pages were started by the item before
+        _each(fetch(item, 0, 0), "start")
 
     def body(step, carry):
-        slot = step % 2
+        slot = (base + step) % 2
 
         @pl.when(step + 1 < item.steps)
         def _():
-            _each(copies(step + 1, 1 - slot), "start")
+            _each(fetch(item, step + 1, 1 - slot), "start")
 
-        _each(copies(step, slot), "wait")
+        @pl.when((step + 1 == item.steps) & (w + 1 < plan.num_items) & (following.steps > 0))
+        def _():  # the next item's first pages load while this item's last step computes
+            _each(fetch(following, 0, 1 - slot), "start")
+
+        _each(fetch(item, step, slot), "wait")
         key_start = (item.lo_page + step * plan.pages_per_step) * plan.page_size
         masked = _masked(plan, item, key_start)
         pl.when(masked)(lambda: _step(plan, item, refs, slot, key_start, True))
@@ -248,6 +257,7 @@ def _kernel(seq_ref, first_ref, length_ref, tables_ref, *refs, plan: RaggedPlan,
         return carry
 
     lax.fori_loop(0, item.steps, body, 0)
+    refs["slot"][0] = (base + item.steps) % 2
     real = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group <= item.last - item.first
     for g in range(plan.num_kv_heads):
         l = _lanes(refs["l"][g])
@@ -353,7 +363,7 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
         held = [f(refs[f"const{i}"]) for i, f in enumerate(wrap)]
         return tuple(held[:num_score_consts]), tuple(held[num_score_consts:])
 
-    names += ["out", "k_buf", "v_buf", "sems", "m", "l", "acc"]
+    names += ["out", "k_buf", "v_buf", "sems", "m", "l", "acc", "slot"]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(plan.num_items,), in_specs=specs,
         out_specs=pl.BlockSpec((None, num_kv_heads, rows, value_dim), lambda w, *_: (w, 0, 0, 0)),
@@ -362,12 +372,13 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
                         pltpu.SemaphoreType.DMA((2, 2)),
                         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
                         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
-                        pltpu.VMEM((num_kv_heads, rows, value_dim), jnp.float32)],
+                        pltpu.VMEM((num_kv_heads, rows, value_dim), jnp.float32),
+                        pltpu.SMEM((1,), jnp.int32)],
     )
     if interpret:
         params = dict(interpret=pltpu.InterpretParams())
     else:
-        params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+        params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                                            vmem_limit_bytes=vmem_limit_bytes))
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan, names=tuple(names), to_consts=to_consts),
