@@ -58,8 +58,28 @@ def _variant(page: int = 16, block_q: int = 32, dtype=jnp.bfloat16, page_dtype=N
     return fn, tuple(specs)
 
 
+def _peer(page: int = 16, block_q: int = 32):
+    """JAX's ragged_paged_attention at the same shape (k and v heads interleaved: pages [P, page, 2K, D]),
+    128 keys (8 pages of 16, 2 of 64) and `block_q` tokens a block, as ours."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention  # noqa: PLC0415
+
+    pages_per_seq = CONTEXT // page
+
+    def fn(q, kv_pages, kv_lens, tables, cu_q_lens, num_seqs):
+        return ragged_paged_attention(q, kv_pages, kv_lens, tables, cu_q_lens, num_seqs, sm_scale=D**-0.5,
+                                      num_kv_pages_per_block=128 // page, num_queries_per_block=block_q)
+
+    i32 = jnp.int32
+    return fn, (jax.ShapeDtypeStruct((TOKENS, N, D), jnp.bfloat16),
+                jax.ShapeDtypeStruct((SEQS * pages_per_seq, page, 2 * K, D), jnp.bfloat16),
+                jax.ShapeDtypeStruct((SEQS,), i32), jax.ShapeDtypeStruct((SEQS, pages_per_seq), i32),
+                jax.ShapeDtypeStruct((SEQS + 1,), i32), jax.ShapeDtypeStruct((1,), i32))
+
+
 def variants() -> list[tuple[str, object, tuple]]:
     return [
+        ("jax ragged_paged_attention page=16 block_q=32 (peer)", *_peer()),
+        ("jax ragged_paged_attention page=64 block_q=32 (peer)", *_peer(page=64)),
         ("ragged page=16 block_q=32", *_variant()),
         ("ragged page=64 block_q=32", *_variant(page=64)),
         ("ragged page=16 block_q=16", *_variant(block_q=16)),
