@@ -206,7 +206,7 @@ def _plan_for_walk(block_q, pages_per_step, window):
     return RaggedPlan(num_items=0, block_q=block_q, group=1, num_kv_heads=1, rows=8, page_size=PAGE,
                       pages_per_step=pages_per_step, pages_per_seq=8, num_pages=8, scale=1.0,
                       sliding_window=window, soft_cap=None, score_mod=None, mask_mod=None, score_per_head=False,
-                      mask_per_head=False, num_score_consts=0, has_sinks=False, quantized=False, interpret=True)
+                      mask_per_head=False, num_score_consts=0, has_sinks=False, quantized=False)
 
 
 @pytest.mark.parametrize("page_dtype", [jnp.int8, jnp.float8_e4m3fn])

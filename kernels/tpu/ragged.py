@@ -78,7 +78,6 @@ class RaggedPlan:
     num_score_consts: int
     has_sinks: bool
     quantized: bool  # k_scale / v_scale given
-    interpret: bool
 
     @property
     def keys(self) -> int:
@@ -323,7 +322,7 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     value_dim = v_pages.shape[3]
-    num_seqs_static, pages_per_seq = page_indices.shape
+    pages_per_seq = page_indices.shape[1]
     group = num_heads // num_kv_heads
     compute = common.compute_dtype(q.dtype)
     align = 16 if jnp.dtype(compute).itemsize == 2 else 8
@@ -337,17 +336,16 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
         scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap, score_mod=score_hook,
         mask_mod=mask_hook, score_per_head=_vet("score_mod", score_hook, rows, keys),
         mask_per_head=_vet("mask_mod", mask_hook, rows, keys), num_score_consts=num_score_consts,
-        has_sinks=sinks is not None, quantized=k_scale is not None, interpret=interpret,
+        has_sinks=sinks is not None, quantized=k_scale is not None,
     )
-    del num_seqs_static
     if jnp.dtype(k_pages.dtype) == jnp.float16:  # Mosaic TPU loads no float16 vectors: a float32 copy
         k_pages, v_pages = k_pages.astype(jnp.float32), v_pages.astype(jnp.float32)
     scalars = [items.seq, _item_layout(items, cu_q_lens, kv_lens), items.length, page_indices.astype(jnp.int32)]
+    names = ["q", "k_hbm", "v_hbm"]
+    arrays = [pack_items(q.astype(compute), items, plan), k_pages, v_pages]
+    specs = [pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0)),
+             pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    names, arrays, specs = ["q", "k_hbm", "v_hbm"], [pack_items(q.astype(compute), items, plan), k_pages,
-                                                     v_pages], [
-        pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0)),
-        pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     for name, array in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
         if array is not None:
             names.append(name)
