@@ -19,7 +19,7 @@ from probjax_kernels._backend import KernelPass, Plan, is_hopper
 from probjax_kernels._config import Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
-from probjax_kernels._ragged_inputs import RaggedConfig
+from probjax_kernels._ragged_inputs import RaggedConfig, RaggedInputs
 from probjax_kernels._problem import Features, _Problem
 from probjax_kernels.mosaic import plan as mosaic
 from probjax_kernels.tpu import decode as tpu_decode
@@ -158,10 +158,13 @@ def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Ho
                                                                    num_score_consts))
 
 
-def ragged_plan(config: RaggedConfig | None):
+def ragged_plan(config: RaggedConfig | None, inputs: RaggedInputs, score_mod: Hook | None, mask_mod: Hook | None,
+                block_q: int):
     """The `ragged_paged_attention_kernel` of `config.backend` (the kernel contract: ragged/attention.py), with
     its launch options bound; None for "xla" (the caller runs its plain-jnp reference). `backend=None`: the
-    Triton kernel on every GPU (Mosaic included), the Mosaic TPU one on a TPU, "xla" elsewhere."""
+    Triton kernel on every GPU (Mosaic included), the Mosaic TPU one on a TPU, "xla" elsewhere. None too,
+    with a warning naming the op, for a hook the Mosaic TPU kernel cannot lower (a gather such as
+    `table[q_idx - kv_idx]`), as decode calls do."""
     config = config or RaggedConfig()
     backend = config.backend or {"triton": "triton", "mosaic": "triton", "tpu": "tpu"}.get(default_backend(), "xla")
     if backend == "xla":
@@ -169,6 +172,14 @@ def ragged_plan(config: RaggedConfig | None):
     # Each backend's ragged kernel file is imported when chosen, so the XLA path needs none of them.
     if backend in ("tpu", "tpu_interpret"):
         from probjax_kernels.tpu import ragged as tpu_ragged
+        num_tokens, num_heads, num_kv_heads, _, _ = inputs.shape
+        reason = tpu_ragged.hooks_refused(
+            score_mod, mask_mod, dtype=inputs.q.dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            page_size=inputs.page_size, pages_per_seq=inputs.page_indices.shape[1], block_q=block_q)
+        if reason is not None:
+            warnings.warn(f"RaggedConfig(backend={backend!r}): {reason}; this call runs the XLA path "
+                          "(ragged_paged_attention_reference, not a Pallas kernel).", stacklevel=3)
+            return None
         return functools.partial(tpu_ragged.ragged_paged_attention_kernel, interpret=backend == "tpu_interpret")
     from probjax_kernels.triton import ragged as triton_ragged
     launch = {name: getattr(config, name) for name in ("num_warps", "num_stages") if getattr(config, name)}

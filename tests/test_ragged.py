@@ -10,6 +10,7 @@ past cu_q_lens[num_seqs]); pages are shuffled, spare pages and slots past a leng
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -303,7 +304,8 @@ def test_public_face_and_dispatch():
     import probjax_nn
 
     assert probjax_nn.ragged_paged_attention is ragged_paged_attention
-    assert ragged_plan(RaggedConfig(backend="xla")) is None and ragged_plan(None) is None  # the CPU: XLA
+    plan = functools.partial(ragged_plan, inputs=None, score_mod=None, mask_mod=None, block_q=8)
+    assert plan(RaggedConfig(backend="xla")) is None and plan(None) is None  # the CPU: XLA
     assert default_block_q(1000, 1) == 64 and default_block_q(1000, 8) == 8 and default_block_q(3, 1) == 4
     assert default_block_q(5, 128) == 1
     b = make_batch(7, new=(2,), lens=(5,), pad_seqs=0, pad_tokens=0)

@@ -255,3 +255,18 @@ def test_a_hook_it_cannot_lower_raises_hook_not_in_kernel():
     table = jnp.zeros((4, 63), jnp.float32)
     with pytest.raises(HookNotInKernel, match="ragged paged attention kernel"):
         run(q, k_pages, v_pages, [5], tables, cu, 1, dtype=jnp.float32, score_mod=relative_bias(table))
+
+
+def test_the_front_end_runs_the_xla_path_for_a_hook_it_cannot_lower():
+    """Through `ragged_paged_attention` with backend "tpu_interpret": the dispatcher vets the hooks first,
+    warns naming the op, and the call gives the reference's rows."""
+    from probjax_kernels import RaggedConfig, ragged_paged_attention, ragged_paged_attention_reference
+
+    q, k_pages, v_pages, tables, cu = make_batch(6, [2, 1], [5, 9], 4, 2, 16, 16)
+    args = (q, k_pages, v_pages, jnp.array([5, 9], jnp.int32), jnp.maximum(tables, 0), cu)
+    table = jnp.linspace(-1.0, 1.0, 4 * 63, dtype=jnp.float32).reshape(4, 63)
+    with pytest.warns(UserWarning, match="ragged paged attention kernel.*runs the XLA path"):
+        out = ragged_paged_attention(*args, score_mod=relative_bias(table),
+                                     config=RaggedConfig(backend="tpu_interpret"))
+    want = ragged_paged_attention_reference(*args, score_mod=relative_bias(table))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)

@@ -19,7 +19,7 @@ import probjax_nn
 import probjax_nn.equinox as peqx
 import probjax_nn.linen as plinen
 import probjax_nn.nnx as pnnx
-from tests.helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
 
 SINKS = np.array([0.7, -1.5, 2.0, 0.0], np.float32)
 

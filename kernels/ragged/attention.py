@@ -142,14 +142,14 @@ def ragged_paged_attention(
     score_hook, score_consts = trace_decode_hook("score_mod", score_mod)
     mask_hook, mask_consts = trace_decode_hook("mask_mod", mask_mod)
     config = config or RaggedConfig()
-    kernel = ragged_plan(config)
+    block_q = config.block_q or default_block_q(num_tokens, num_heads // num_kv_heads)
+    kernel = ragged_plan(config, inputs, score_hook, mask_hook, block_q)
     if kernel is None:
         prepare_reference_hooks(inputs, score_hook, mask_hook)
         kernel = ragged_reference_kernel
     run = functools.partial(
         kernel, scale=inputs.scale, sliding_window=inputs.sliding_window, soft_cap=inputs.soft_cap,
-        score_hook=score_hook, mask_hook=mask_hook, num_score_consts=len(score_consts),
-        block_q=config.block_q or default_block_q(num_tokens, num_heads // num_kv_heads),
+        score_hook=score_hook, mask_hook=mask_hook, num_score_consts=len(score_consts), block_q=block_q,
     )
     out = forward_only(
         "ragged_paged_attention", run, inputs.q, inputs.k_pages, inputs.v_pages, inputs.kv_lens,

@@ -325,9 +325,7 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
     pages_per_seq = page_indices.shape[1]
     group = num_heads // num_kv_heads
     compute = common.compute_dtype(q.dtype)
-    align = 16 if jnp.dtype(compute).itemsize == 2 else 8
-    rows = -(-block_q * group // align) * align
-    pages_per_step = min(pages_per_step or max(1, KEYS_PER_STEP // page_size), pages_per_seq)
+    rows, pages_per_step = _tile(compute, block_q, group, page_size, pages_per_seq, pages_per_step)
     keys = page_size * pages_per_step
     items = ragged_work_items(cu_q_lens, num_seqs, num_tokens, block_q)
     plan = RaggedPlan(
@@ -386,3 +384,25 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
         **params,
     )(*scalars, *arrays)
     return unpack_items(out, items, num_tokens, plan).astype(q.dtype)
+
+
+def _tile(compute, block_q: int, group: int, page_size: int, pages_per_seq: int,
+          pages_per_step: int | None) -> tuple[int, int]:
+    """(rows of a program's q tile: block_q tokens x the group's heads, padded to the sublane tile; pages
+    per step: 128 keys' worth by default, at most a sequence's pages)."""
+    align = 16 if jnp.dtype(compute).itemsize == 2 else 8
+    rows = -(-block_q * group // align) * align
+    return rows, min(pages_per_step or max(1, KEYS_PER_STEP // page_size), pages_per_seq)
+
+
+def hooks_refused(score_hook: Hook | None, mask_hook: Hook | None, *, dtype, num_heads: int, num_kv_heads: int,
+                  page_size: int, pages_per_seq: int, block_q: int, pages_per_step: int | None = None) -> str | None:
+    """Why this kernel cannot run these hooks (Mosaic TPU cannot lower one of them on its tiles), or None."""
+    rows, pages_per_step = _tile(common.compute_dtype(dtype), block_q, num_heads // num_kv_heads, page_size,
+                                 pages_per_seq, pages_per_step)
+    try:
+        _vet("score_mod", score_hook, rows, page_size * pages_per_step)
+        _vet("mask_mod", mask_hook, rows, page_size * pages_per_step)
+    except HookNotInKernel as reason:
+        return str(reason)
+    return None
