@@ -182,5 +182,10 @@ def ragged_plan(config: RaggedConfig | None, inputs: RaggedInputs, score_mod: Ho
             return None
         return functools.partial(tpu_ragged.ragged_paged_attention_kernel, interpret=backend == "tpu_interpret")
     from probjax_kernels.triton import ragged as triton_ragged
+    reason = triton_ragged.pages_refused(inputs.k_pages.dtype, interpret=backend == "interpret")
+    if reason is not None:
+        warnings.warn(f"RaggedConfig(backend={backend!r}): the Triton kernel cannot read {reason}; this call runs "
+                      "the XLA path (ragged_paged_attention_reference, not a Pallas kernel).", stacklevel=3)
+        return None
     launch = {name: getattr(config, name) for name in ("num_warps", "num_stages") if getattr(config, name)}
     return functools.partial(triton_ragged.ragged_paged_attention_kernel, interpret=backend == "interpret", **launch)

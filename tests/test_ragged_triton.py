@@ -104,3 +104,19 @@ def test_under_jit_with_a_traced_num_seqs_and_the_append():
                                        v_pages=np.asarray(v_after, np.float64))
         assert_matches(out, expected(appended, num_seqs=live))
         assert np.all(np.asarray(out)[int(b.cu_q_lens[live]):] == 0)
+
+
+def test_float8_pages_before_sm89_run_the_xla_path_with_a_warning(monkeypatch):
+    """Triton casts float8 only from compute capability 8.9 on: on an A100 (8.0) the dispatch warns and the
+    call runs the XLA path, with the reference's rows."""
+    from probjax_kernels.triton import ragged as triton_ragged
+
+    monkeypatch.setattr(triton_ragged, "compute_capability", lambda device: (8, 0))
+    b = make_batch(8)
+    scale = np.array([0.03, 0.05], np.float32)
+    quantized = dataclasses.replace(b, k_pages=quantize_np(np.nan_to_num(b.k_pages), scale, FP8),
+                                    v_pages=quantize_np(np.nan_to_num(b.v_pages), scale, FP8))
+    with pytest.warns(UserWarning, match=r"float8_e4m3fn pages on a GPU of compute capability 8\.0.*XLA path"):
+        out = ragged_paged_attention(*quantized.args(cache_dtype=FP8), k_scale=scale, v_scale=scale,
+                                     config=RaggedConfig(backend="triton"))
+    assert_matches(out, expected(quantized, k_scale=scale, v_scale=scale))

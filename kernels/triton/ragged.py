@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from probjax_kernels._backend import compute_capability, is_hopper, target_device
 from probjax_kernels._decode_inputs import decode_hook_args
 from probjax_kernels._hooks import Hook
 from probjax_kernels._ragged_schedule import WorkItems, ragged_work_items
@@ -72,13 +73,16 @@ def _plan(q, k_pages, v_pages, page_indices, *, block_q: int, interpret: bool, n
     group = num_heads // num_kv_heads
     itemsize = q.dtype.itemsize
     widest = max(_pow2(head_dim), _pow2(v_pages.shape[3]))
-    # Keys per step as the decode kernel takes them (the largest ptxas compiled without a spill on sm_80,
-    # sm_86 and sm_90a): 64 up to head dim 128 (32 for float32), 16 at 256; 32 in interpret mode.
+    rows = _pow2(block_q * group)
+    # Keys per step as the decode kernel takes them: 64 up to head dim 128 (32 for float32), 16 at 256; 32
+    # in interpret mode. Before Hopper, a 64-row tile's step holds 32 (four 16-key pages of scores and
+    # tiles in flight spilled on sm_80 and sm_86; wgmma's accumulators live elsewhere on sm_90a).
     block_k = 32 if interpret else (64 if itemsize <= 2 else 32) if widest <= 128 else 16
+    if not interpret and rows >= 64 and not is_hopper(target_device()):
+        block_k = min(block_k, 32)
     tile = min(page, block_k)
     pages_per_seq = page_indices.shape[1]
     tiles_per_step = min(block_k // tile, _pow2(pages_per_seq))
-    rows = _pow2(block_q * group)
     return RaggedPlan(
         block_q=block_q, group=group, rows=rows, page=page, pages_per_seq=pages_per_seq, tile=tile,
         tiles_per_step=tiles_per_step, interpret=interpret,
@@ -289,3 +293,15 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
         **params,
     )(*arrays)
     return unpack_items(out, tokens, plan, num_tokens, value_dim)
+
+
+def pages_refused(page_dtype, interpret: bool) -> str | None:
+    """Why this kernel cannot read pages of `page_dtype` on the target GPU, or None: Triton converts
+    float8_e4m3fn only from compute capability 8.9 on (sm_80 / sm_86 fail to compile the cast)."""
+    if interpret or jnp.dtype(page_dtype) != jnp.float8_e4m3fn:
+        return None
+    capability = compute_capability(target_device())
+    if capability is not None and capability < (8, 9):
+        return (f"float8_e4m3fn pages on a GPU of compute capability {capability[0]}.{capability[1]} (Triton "
+                "converts float8 from 8.9 on: L4 / L40S, H100 and later)")
+    return None

@@ -193,6 +193,7 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 # instead of moving the expectation along with it.
 FORWARD, DQ, DKV = "probjax_flash_forward", "probjax_flash_backward_dq", "probjax_flash_backward_dkv"
 TANGENT, DECODE = "probjax_flash_tangent", "probjax_decode_attention"
+RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
@@ -386,6 +387,57 @@ def _decode_variants() -> list[Variant]:
     ]
 
 
+def _ragged_variants() -> list[Variant]:
+    """`ragged_paged_attention` through its public front-end with `RaggedConfig(backend="triton")` at a serving
+    step's packed batch: 256 new tokens over 16 sequences of up to 2048 keys (decode rows, prompt chunks and
+    whole prompts alike: only the shapes are static), GQA 32:8, head dim 128, bf16 pages of 16 and 64 keys, a
+    sliding window with a soft cap and sinks, int8 pages with the append of the step's keys and values,
+    float8_e4m3fn pages, an ALiBi score_mod with a window mask_mod; default block_q (16 tokens x 4 heads)."""
+    tokens, seqs, heads, kv_heads, d, context = 256, 16, 32, 8, 128, 2048
+
+    def ragged(name, page=16, pages="bf16", append=False, targets=GPU_TARGETS, **options):
+        def build():
+            import jax.numpy as jnp
+            from probjax_kernels import RaggedConfig, alibi, ragged_paged_attention, sliding_window
+
+            pages_per_seq = context // page
+            page_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[pages]
+            cache = _spec((seqs * pages_per_seq, page, kv_heads, d), page_dtype)
+            specs = [_spec((tokens, heads, d), jnp.bfloat16), cache, cache, _spec((seqs,), jnp.int32),
+                     _spec((seqs, pages_per_seq), jnp.int32), _spec((seqs + 1,), jnp.int32), _spec((), jnp.int32)]
+            if append:
+                specs += [_spec((tokens, kv_heads, d), jnp.bfloat16)] * 2
+            hooks, sinks = options.pop("hooks", False), options.pop("sinks", False)
+
+            def attend(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs, *new):
+                extra = dict(options)
+                if pages != "bf16":
+                    extra.update(k_scale=jnp.full((kv_heads,), 0.05, jnp.float32), v_scale=0.05)
+                if hooks:
+                    extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, heads)), mask_mod=sliding_window(1024))
+                if sinks:
+                    extra["sinks"] = jnp.linspace(-1.0, 1.0, heads, dtype=jnp.float32)
+                if new:
+                    extra.update(new_k=new[0], new_v=new[1])
+                return ragged_paged_attention(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs,
+                                              config=RaggedConfig(backend="triton"), **extra)
+
+            return attend, specs
+        return Variant(name, "decode", build, d, "bf16", "fwd", "triton", tokens,
+                       context, requires=(RAGGED,), targets=targets)
+
+    return [
+        ragged("ragged_page16_d128_bf16_gqa32to8"),
+        ragged("ragged_page64_d128_bf16_gqa32to8", page=64),
+        ragged("ragged_page16_d128_bf16_gqa32to8_window_softcap_sinks", sliding_window=1024, soft_cap=30.0,
+               sinks=True),
+        ragged("ragged_page16_d128_int8_gqa32to8_append", pages="int8", append=True),
+        # Triton casts float8 from sm_89 on; before, the dispatch takes the XLA path with a warning.
+        ragged("ragged_page16_d128_fp8_gqa32to8", pages="fp8", targets=HOPPER),
+        ragged("ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
+    ]
+
+
 def _peer_variants() -> list[Variant]:
     """Peers compiled the same way at the seed's shapes (B=4, N=8, seq 1024 and 8192, head dim 64 / 128, full
     and causal, forward + backward): JAX's own Pallas Triton attention (`jax.experimental.pallas.ops.gpu.
@@ -470,7 +522,8 @@ def _tokamax_peer_variants() -> list[Variant]:
 
 def variants() -> list[Variant]:
     """Every variant of the registry; names are unique."""
-    out = _grid_variants() + _control_variants() + _decode_variants() + _peer_variants() + _tokamax_peer_variants()
+    out = (_grid_variants() + _control_variants() + _decode_variants() + _ragged_variants() + _peer_variants()
+           + _tokamax_peer_variants())
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
