@@ -41,7 +41,9 @@ while [[ $# -gt 0 ]]; do
 done
 if [[ "$prepare" == 1 ]]; then
     status=0
-    if [[ "$part" != tpu ]]; then bash scripts/compile/gpu_toolchain.sh >/dev/null || status=1; fi
+    if [[ "$part" != tpu ]]; then
+        toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" && bash scripts/compile/examples_packages.sh "$toolchain" || status=1
+    fi
     if [[ "$part" != gpu ]]; then bash scripts/compile/tpu_slices.sh --prepare || status=1; fi
     exit $status
 fi
@@ -49,6 +51,9 @@ status=0
 if [[ "$part" != tpu ]]; then
     if ! toolchain="$(bash scripts/compile/gpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
         echo "compile_check.sh: FAIL: the GPU toolchain did not install (scripts/compile/gpu_toolchain.sh; it needs PyPI)" >&2
+        status=1
+    elif ! bash scripts/compile/examples_packages.sh "$toolchain"; then  # the serving-step rows import examples/lm
+        echo "compile_check.sh: FAIL: the examples' packages did not install in the GPU toolchain" >&2
         status=1
     elif ! "$toolchain/venv/bin/python" scripts/compile/report.py run --toolchain "$toolchain" ${gpu_args[@]+"${gpu_args[@]}"}; then
         echo "compile_check.sh: FAIL: the GPU compile report (scripts/compile/report.py)" >&2
@@ -58,6 +63,9 @@ fi
 if [[ "$part" != gpu ]]; then
     if ! toolchain="$(bash scripts/compile/tpu_toolchain.sh | tail -1)" || [[ ! -x "$toolchain/venv/bin/python" ]]; then
         echo "compile_check.sh: FAIL: the TPU toolchain did not install (scripts/compile/tpu_toolchain.sh; it needs PyPI)" >&2
+        status=1
+    elif ! bash scripts/compile/examples_packages.sh "$toolchain"; then  # the serving-step rows import examples/lm
+        echo "compile_check.sh: FAIL: the examples' packages did not install in the TPU toolchain" >&2
         status=1
     elif ! "$toolchain/venv/bin/python" scripts/compile/tpu_report.py run --toolchain "$toolchain" ${tpu_args[@]+"${tpu_args[@]}"}; then
         echo "compile_check.sh: FAIL: the TPU compile report (scripts/compile/tpu_report.py)" >&2

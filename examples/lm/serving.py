@@ -133,11 +133,12 @@ def step_inputs(config: Config, serving: ServingConfig, num_tokens: int) -> tupl
     `jax.jit(step).trace(*step_inputs(...)).lower(lowering_platforms=(...,))` compiles a step deviceless."""
     from lm.train import build_model, compute_params
 
-    params = jax.eval_shape(lambda key: compute_params(build_model(config, key).params, config), jax.random.key(0))
-    scales = None
-    if serving.kv_dtype == "int8":
+    params = jax.eval_shape(lambda: compute_params(build_model(config, jax.random.key(0)).params, config))
+    def cache():  # built under eval_shape: no array is made (an eager op fails in a deviceless compile)
         scales = (jnp.ones((config.num_layers, config.kv_heads), jnp.float32),) * 2
-    cache = jax.eval_shape(lambda: init_cache(config, serving, scales))
+        return init_cache(config, serving, scales if serving.kv_dtype == "int8" else None)
+
+    cache = jax.eval_shape(cache)
     seqs, int32 = serving.max_seqs, jnp.int32
     schedule = Schedule(
         jax.ShapeDtypeStruct((num_tokens,), int32), jax.ShapeDtypeStruct((seqs,), int32),

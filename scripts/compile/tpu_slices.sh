@@ -13,9 +13,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 log() { echo "tpu_slices.sh: $*" >&2; }
 
-# The versions the project's .venv runs the examples with.
-EXAMPLES="flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 equinox==0.13.8 jaxtyping==0.3.11 tqdm==4.70.1 PyYAML==6.0.4"
-
 python="${PROBJAX_TPU_PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ ! -f scripts/compile/tpu_toolchain.sh ]]; then
@@ -27,18 +24,10 @@ if [[ -z "$python" ]]; then
         exit 1
     fi
     python="$toolchain/venv/bin/python"
-    stamp="$toolchain/.examples"
-    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$EXAMPLES" ]]; then
-        log "adding the examples' packages to $toolchain/venv: $EXAMPLES"
-        # The toolchain's jax stays as it is: a constraint, not an upgrade.
-        jax_pin="jax==$("$python" -c 'import jax; print(jax.__version__)')"
-        # shellcheck disable=SC2086
-        "$python" -m pip install --quiet $EXAMPLES "$jax_pin"
-        echo "$EXAMPLES" > "$stamp"
-    fi
+    bash scripts/compile/examples_packages.sh "$toolchain"
 fi
 if ! "$python" -c "import jax, flax, optax, orbax.checkpoint, equinox, tqdm, yaml; from jax.experimental import topologies" 2>/dev/null; then
-    log "FAIL: $python lacks jax[tpu] or the examples' packages ($EXAMPLES)"
+    log "FAIL: $python lacks jax[tpu] or the examples' packages (scripts/compile/examples_packages.sh)"
     exit 1
 fi
 if [[ "${1:-}" == --prepare ]]; then

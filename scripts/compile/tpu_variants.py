@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import variants as gpu_variants
+from serving_step import serving_step
 
 B, N, KV_HEADS = 4, 8, 2
 # target -> the topology whose first chip the report compiles for (`jax.experimental.topologies`)
@@ -344,6 +345,9 @@ def ragged_variants() -> list[TpuVariant]:
         ours("tpu_ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
         jax_ragged(16),
         jax_ragged(64),
+        # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
+        TpuVariant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("tpu"), 128, "bf16",
+                   "ragged", RAGGED_CONTEXT),
     ]
 
 

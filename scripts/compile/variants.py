@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Callable
+from serving_step import serving_step
 
 # jax is imported inside the functions: the worker sets its environment (JAX_PLATFORMS, XLA_FLAGS, Mosaic GPU's
 # dump options) before jax is imported, and lists the registry first.
@@ -435,6 +436,9 @@ def _ragged_variants() -> list[Variant]:
         # Triton casts float8 from sm_89 on; before, the dispatch takes the XLA path with a warning.
         ragged("ragged_page16_d128_fp8_gqa32to8", pages="fp8", targets=HOPPER),
         ragged("ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
+        # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
+        Variant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("triton"), d, "bf16",
+                "fwd", "triton", tokens, context, requires=(RAGGED,)),
     ]
 
 
