@@ -431,3 +431,27 @@ def test_append_refuses_two_writes_to_one_slot():
     new = jnp.zeros((2, 2, 16)), jnp.zeros((2, 2, 32))
     with pytest.raises(ValueError, match=r"packed rows \[0, 1\] \(sequences \[0, 1\]\) all write page"):
         ragged_paged_attention(**args, new_k=new[0], new_v=new[1])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_keys_read_by_the_page_walk_against_a_count_from_first_principles(window):
+    """`_ragged_schedule.keys_read`: every item reads the whole steps that hold a key one of its rows attends
+    (the union of [position - window + 1, position] over its rows), and the live keys are the union over a
+    sequence's new tokens, counted here key by key."""
+    from probjax_kernels._ragged_schedule import keys_read
+
+    new = [1, 1, 37, 0, 12, 64, 1]
+    lens = [300, 17, 100, 50, 12, 200, 64]
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    num_tokens, block_q, step = int(cu[-1]) + 5, 8, 32
+    read, live = keys_read(jnp.asarray(cu), jnp.asarray(lens, jnp.int32), jnp.int32(len(new)), num_tokens, block_q,
+                           step, window)
+    want_read = want_live = 0
+    for n, length in zip(new, lens):
+        positions = [length - n + j for j in range(n)]
+        attended = [set(range(0 if window is None else max(p - window + 1, 0), p + 1)) for p in positions]
+        want_live += len(set().union(*attended))
+        for i in range(0, n, block_q):  # the items of this sequence
+            steps = {key // step for keys in attended[i:i + block_q] for key in keys}
+            want_read += (max(steps) - min(steps) + 1) * step
+    assert (int(read), int(live)) == (want_read, want_live)
