@@ -120,3 +120,9 @@ def test_float8_pages_before_sm89_run_the_xla_path_with_a_warning(monkeypatch):
         out = ragged_paged_attention(*quantized.args(cache_dtype=FP8), k_scale=scale, v_scale=scale,
                                      config=RaggedConfig(backend="triton"))
     assert_matches(out, expected(quantized, k_scale=scale, v_scale=scale))
+
+
+def test_head_dims_that_are_not_powers_of_two():
+    """D = 80, Dv = 48: the pages are read in place with the lanes past each head dim masked, GQA 6:2."""
+    b = make_batch(9, new=(1, 4), lens=(33, 20), pad_seqs=0, pad_tokens=2, heads=(6, 2), dims=(80, 48))
+    assert_matches(ragged_paged_attention(*b.args(), config=interpret(2)), expected(b))
