@@ -59,8 +59,8 @@ def test_the_registry_expects_kernels_and_fallbacks():
     """Not vacuous: the registry holds kernel variants of every mode and flex fallbacks."""
     paths = {v.path for v in REGISTRY.values()}
     assert paths == {"kernel", "fallback"}
-    assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp", "decode"}
-    assert {"probjax_tpu_backward_dkv", "probjax_tpu_tangent"} <= {
+    assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp", "decode", "ragged"}
+    assert {"probjax_tpu_backward_dkv", "probjax_tpu_tangent", "probjax_tpu_ragged_paged_attention"} <= {
         k for v in REGISTRY.values() for k in v.required_kernels}
 
 
