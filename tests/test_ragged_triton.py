@@ -126,3 +126,24 @@ def test_head_dims_that_are_not_powers_of_two():
     """D = 80, Dv = 48: the pages are read in place with the lanes past each head dim masked, GQA 6:2."""
     b = make_batch(9, new=(1, 4), lens=(33, 20), pad_seqs=0, pad_tokens=2, heads=(6, 2), dims=(80, 48))
     assert_matches(ragged_paged_attention(*b.args(), config=interpret(2)), expected(b))
+
+
+def test_decode_only_one_token_items_gqa_6_2_float16_with_an_empty_sequence():
+    b = make_batch(10, new=(1, 1, 0, 1), lens=(40, 3, 9, 17), pad_seqs=1, pad_tokens=1, heads=(6, 2), dims=(32, 32))
+    rounded = dataclasses.replace(
+        b, q=np.asarray(jnp.asarray(b.q, jnp.float16)).astype(np.float64),
+        k_pages=np.asarray(jnp.asarray(b.k_pages, jnp.float16)).astype(np.float64),
+        v_pages=np.asarray(jnp.asarray(b.v_pages, jnp.float16)).astype(np.float64))
+    out = ragged_paged_attention(*b.args(jnp.float16), config=interpret(1))
+    assert_matches(out, expected(rounded), 4e-3)
+
+
+def test_whole_prompts_only_mqa_block_q_longer_than_the_prompts_and_a_window_mask_mod():
+    """MQA (4 heads, 1 KV head), prompts of 3 and 7 tokens in one 16-token item each; the window comes from a
+    recognised `sliding_window` mask_mod alone."""
+    from probjax_kernels import sliding_window
+
+    b = make_batch(11, new=(3, 7), lens=(3, 7), pad_seqs=0, pad_tokens=0, heads=(4, 1), dims=(16, 16))
+    assert_matches(ragged_paged_attention(*b.args(), config=interpret(16)), expected(b))
+    out = ragged_paged_attention(*b.args(), mask_mod=sliding_window(2), config=interpret(16))
+    assert_matches(out, expected(b, window=3))
