@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from probjax_kernels._tiles import kv_tile_range
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkItems:
@@ -54,22 +56,31 @@ def ragged_work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
     return WorkItems(seq=jnp.where(live, seq, 0), start=start, length=length)
 
 
+def item_steps(first, length, keys_per_step: int, sliding_window: int | None, mask_everywhere: bool = False):
+    """The steps of `keys_per_step` keys an item's page walk visits, as `_tiles.kv_tile_range` splits them
+    (lo, full_lo, full_hi, hi): its tokens sit at positions [first, first + length) and see the keys up to
+    their own (causal) within the window; [lo, hi) runs from the step of the first token's window start (0
+    without a window) to the step of the last token's position, and [full_lo, full_hi) need no per-element
+    mask (every key at or before the first token and inside the last token's window). Traced int32 scalars;
+    lo = hi for an idle item (length 0)."""
+    left = None if sliding_window is None else sliding_window - 1
+    return kv_tile_range(first, length, first + length, first + length, keys_per_step, (left, 0),
+                         mask_everywhere=mask_everywhere)
+
+
 def keys_read(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int,
               keys_per_step: int, sliding_window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(keys the kernels' page walk reads, live keys) of one call, per KV head, summed over its items: an item
-    reads whole steps of `keys_per_step` keys from the step holding its first token's window start (0 without
-    a window) to the step holding its last token's position (`triton/ragged.py`, `tpu/ragged.py`); the live
-    keys are the ones some new token of the sequence attends, each counted once. Their ratio is the cost of
-    re-reading a sequence's prefix once per item (and of whole steps) against reading each live K/V byte
-    once."""
+    reads whole steps of `keys_per_step` keys (`item_steps`, the walk of `triton/ragged.py` and
+    `tpu/ragged.py`); the live keys are the ones some new token of the sequence attends, each counted once.
+    Their ratio is the cost of re-reading a sequence's prefix once per item (and of whole steps) against
+    reading each live K/V byte once."""
     items = ragged_work_items(cu_q_lens, num_seqs, num_tokens, block_q)
     n = cu_q_lens[1:] - cu_q_lens[:-1]
     first = kv_lens[items.seq] - n[items.seq] + (items.start - cu_q_lens[items.seq])
-    last = first + items.length - 1
-    lo = jnp.zeros_like(first) if sliding_window is None else jnp.maximum(first - sliding_window + 1, 0)
-    steps = jnp.where(items.length > 0, last // keys_per_step + 1 - lo // keys_per_step, 0)
+    lo, _, _, hi = item_steps(first, items.length, keys_per_step, sliding_window)
     live_seq = (jnp.arange(n.shape[0]) < num_seqs) & (n > 0)
     seq_first = kv_lens - n  # the sequence's first new token's position
     seq_lo = 0 if sliding_window is None else jnp.maximum(seq_first - sliding_window + 1, 0)
     live = jnp.sum(jnp.where(live_seq, kv_lens - seq_lo, 0))
-    return jnp.sum(steps * keys_per_step), live
+    return jnp.sum((hi - lo) * keys_per_step), live

@@ -147,3 +147,12 @@ def test_whole_prompts_only_mqa_block_q_longer_than_the_prompts_and_a_window_mas
     assert_matches(ragged_paged_attention(*b.args(), config=interpret(16)), expected(b))
     out = ragged_paged_attention(*b.args(), mask_mod=sliding_window(2), config=interpret(16))
     assert_matches(out, expected(b, window=3))
+
+
+def test_an_item_whose_tokens_straddle_a_step_boundary():
+    """Tokens at positions 28..39 in one item, steps of 32 keys (interpret mode): the step of keys 0..31 holds
+    keys after the first tokens, so it must take the causal mask although it is below the last token."""
+    b = make_batch(12, new=(12, 1), lens=(40, 45), pad_seqs=0, pad_tokens=0)
+    assert_matches(ragged_paged_attention(*b.args(), config=interpret(16)), expected(b))
+    assert_matches(ragged_paged_attention(*b.args(), sliding_window=20, config=interpret(16)),
+                   expected(b, window=20))

@@ -32,7 +32,7 @@ from probjax_kernels._scores import LN2, LOG2E
 from probjax_kernels.triton import lowering
 from probjax_kernels.triton.forward import _M_INIT
 from probjax_kernels.triton.specs import _output
-from probjax_kernels.triton.tiles import _dot
+from probjax_kernels.triton.tiles import _dot, online_softmax_step
 
 # Rows of one program's tile at head dim 128 and below (128 for 2-byte dtypes, 64 for float32; half that at
 # head dim 256): beyond, ptxas spilled or shared memory ran out (sm_80, sm_86, sm_90a). Larger groups x new
@@ -200,17 +200,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, plan: DecodeP
         return jnp.where(allowed, s2, -jnp.inf)
 
     def body(step, carry):
-        acc, m, l = carry
         tiles = [read_tile(step * plan.tiles_per_step + i) for i in range(plan.tiles_per_step)]
         s2 = [scores(k, kv_idx) for k, _, kv_idx in tiles]
-        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in s2], m)
-        alpha = jnp.exp2(m - m_new)
-        acc, l = acc * alpha[:, None], l * alpha
-        for s, (_, v, _) in zip(s2, tiles):
-            weights = jnp.exp2(s - m_new[:, None])
-            l = l + jnp.sum(weights, axis=1)
-            acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
-        return acc, m_new, l
+        return online_softmax_step(carry, s2, [v for _, v, _ in tiles], _precision(q))
 
     # The splits share the steps that hold keys of this sequence (its length, not the cache's capacity), so
     # a short sequence in a long cache still spreads over every split; with a known window, only the steps

@@ -24,19 +24,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from probjax_kernels._backend import compute_capability, is_hopper, target_device
 from probjax_kernels._decode_inputs import decode_hook_args
 from probjax_kernels._hooks import Hook
-from probjax_kernels._ragged_schedule import WorkItems, ragged_work_items
+from probjax_kernels._ragged_schedule import WorkItems, item_steps, ragged_work_items
 from probjax_kernels._scores import LOG2E
 from probjax_kernels.triton import lowering
 from probjax_kernels.triton.decode import _default_stages, _default_warps, _pad_last, _pow2, _precision
 from probjax_kernels.triton.forward import _M_INIT
 from probjax_kernels.triton.specs import _output
-from probjax_kernels.triton.tiles import _dot
+from probjax_kernels.triton.tiles import _dot, _run_ranges, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,39 +151,18 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, first_ref, length_ref, seq_re
             allowed &= plan.mask_mod.in_kernel(mask_refs, b, h, q_idx, kv_idx)
         return jnp.where(allowed, s2, -jnp.inf)
 
-    def body(masked: bool, step, carry):
-        acc, m, l = carry
+    def body(step, carry, masked: bool):
         tiles = [read_tile(step * plan.tiles_per_step + i, masked) for i in range(plan.tiles_per_step)]
         s2 = [scores(k, kv_idx, masked) for k, _, kv_idx in tiles]
-        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in s2], m)
-        alpha = jnp.exp2(m - m_new)
-        acc, l = acc * alpha[:, None], l * alpha
-        for s, (_, v, _) in zip(s2, tiles):
-            weights = jnp.exp2(s - m_new[:, None])
-            l = l + jnp.sum(weights, axis=1)
-            acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), _precision(q))
-        return acc, m_new, l
+        return online_softmax_step(carry, s2, [v for _, v, _ in tiles], _precision(q))
 
-    # Steps [start, end) hold the keys from the first token's window to the last token's position; those in
-    # [middle_lo, middle_hi) have every key at or before the first token and inside the last token's window.
-    step_keys = plan.keys_per_step
-    end = jnp.where(length > 0, last // step_keys + 1, 0)
-    start = jnp.minimum(lo // step_keys, end)
-    middle_hi = jnp.clip((first + 1) // step_keys, start, end)
-    middle_lo = start
-    if plan.sliding_window is not None:  # a step's first key k0 must satisfy last - k0 < window
-        middle_lo = jnp.clip((last - plan.sliding_window) // step_keys + 1, start, end)
-    if plan.mask_mod is not None:  # every step is an edge
-        middle_lo = middle_hi = start
-    middle_hi = jnp.maximum(middle_hi, middle_lo)
     carry = (
         jnp.zeros((rows, out_ref.shape[-1]), jnp.float32),
         jnp.full((rows,), _M_INIT, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    carry = lax.fori_loop(start, middle_lo, functools.partial(body, True), carry)
-    carry = lax.fori_loop(middle_lo, middle_hi, functools.partial(body, False), carry)
-    acc, m, l = lax.fori_loop(middle_hi, end, functools.partial(body, True), carry)
+    acc, m, l = _run_ranges(item_steps(first, length, plan.keys_per_step, plan.sliding_window,
+                                       plan.mask_mod is not None), body, carry)
     if plan.has_sinks:  # one more partial: a key of score sink[h] and value 0
         sink2 = sinks_ref[...] * LOG2E
         m_new = jnp.maximum(m, sink2)

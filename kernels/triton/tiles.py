@@ -162,3 +162,18 @@ def _tile_context(refs: _Refs, problem: _Problem, b, h, head_in_block, q_start, 
         score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
             f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
     )
+
+
+def online_softmax_step(carry, scores2: list, values: list, precision):
+    """FlashAttention-2's online softmax over one step of key tiles: (acc `[rows, Dv]`, m, l `[rows]`) float32,
+    the running output, max and sum in base 2, updated by the step's base-2 score tiles `[rows, keys]` (-inf
+    where masked) and their value tiles `[keys, Dv]`."""
+    acc, m, l = carry
+    m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in scores2], m)
+    alpha = jnp.exp2(m - m_new)
+    acc, l = acc * alpha[:, None], l * alpha
+    for s, v in zip(scores2, values):
+        weights = jnp.exp2(s - m_new[:, None])
+        l = l + jnp.sum(weights, axis=1)
+        acc = acc + _dot(weights.astype(v.dtype), v, (1, 0), precision)
+    return acc, m_new, l
