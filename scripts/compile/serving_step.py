@@ -1,5 +1,9 @@
-"""The LM example's continuous-batching engine step (examples/lm/serving.py) as a compile-report variant.
+"""A serving step's attention as compile-report variants, for the GPU report (variants.py, Triton kernel) and
+the TPU report (tpu_variants.py, Mosaic TPU kernel): `ragged_call`, one `ragged_paged_attention` call at a
+step's packed batch, and `serving_step`, the LM example's continuous-batching engine step
+(examples/lm/serving.py).
 
+`serving_step`: 
 One engine step of the `bench-hd128` model (8 layers, 8 heads of 128, d_model 1024, bfloat16) over a token
 bucket of 256 packed tokens from up to 16 sequences of up to 2048 keys, with int8 KV pages of 16 keys: every
 layer's attention is one `ragged_paged_attention` call that appends the step's keys and values, on the
@@ -14,7 +18,54 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # probjax_nn's folder is here; examples/lm's one level down
-TOKENS, SEQS, CONTEXT, PAGE = 256, 16, 2048, 16
+# The packed batch: 256 new tokens over 16 sequences of up to 2048 keys (decode rows, prompt chunks and whole
+# prompts alike: only the shapes are static), GQA 32:8, head dim 128, pages of 16 keys unless named.
+TOKENS, SEQS, HEADS, KV_HEADS, HEAD_DIM, CONTEXT, PAGE = 256, 16, 32, 8, 128, 2048, 16
+
+
+def ragged_specs(page: int, dtype, page_dtype, kv_heads: int = KV_HEADS) -> list:
+    """ShapeDtypeStructs of (q, pages, kv_lens, page_indices, cu_q_lens, num_seqs) at the packed batch."""
+    import jax
+    import jax.numpy as jnp
+
+    pages_per_seq, i32 = CONTEXT // page, jnp.int32
+    return [jax.ShapeDtypeStruct((TOKENS, HEADS, HEAD_DIM), dtype),
+            jax.ShapeDtypeStruct((SEQS * pages_per_seq, page, kv_heads, HEAD_DIM), page_dtype),
+            jax.ShapeDtypeStruct((SEQS,), i32), jax.ShapeDtypeStruct((SEQS, pages_per_seq), i32),
+            jax.ShapeDtypeStruct((SEQS + 1,), i32), jax.ShapeDtypeStruct((), i32)]
+
+
+def ragged_call(backend: str, page: int = PAGE, pages: str = "bf16", append: bool = False, hooks: bool = False,
+                sinks: bool = False, **options):
+    """(function, argument ShapeDtypeStructs) of `ragged_paged_attention` with `RaggedConfig(backend)` at the
+    packed batch: bf16 queries; `pages` "bf16", "int8" or "fp8" (float8_e4m3fn, with per-head scales);
+    `append`: the step's keys and values written in the call; `hooks`: an ALiBi score_mod and a
+    `sliding_window(1024)` mask_mod; `sinks`: a sink per head; `options` go to the call (sliding_window,
+    soft_cap)."""
+    import jax
+    import jax.numpy as jnp
+    from probjax_kernels import RaggedConfig, alibi, ragged_paged_attention, sliding_window
+
+    page_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[pages]
+    q, cache, *tables = ragged_specs(page, jnp.bfloat16, page_dtype)
+    specs = [q, cache, cache, *tables]
+    if append:
+        specs += [jax.ShapeDtypeStruct((TOKENS, KV_HEADS, HEAD_DIM), jnp.bfloat16)] * 2
+
+    def attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *new):
+        extra = dict(options)
+        if pages != "bf16":
+            extra.update(k_scale=jnp.full((KV_HEADS,), 0.05, jnp.float32), v_scale=0.05)
+        if hooks:
+            extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, HEADS)), mask_mod=sliding_window(1024))
+        if sinks:
+            extra["sinks"] = jnp.linspace(-1.0, 1.0, HEADS, dtype=jnp.float32)
+        if new:
+            extra.update(new_k=new[0], new_v=new[1])
+        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                      config=RaggedConfig(backend=backend), **extra)
+
+    return attend, specs
 
 
 def serving_step(backend: str):

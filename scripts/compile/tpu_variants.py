@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import variants as gpu_variants
-from serving_step import serving_step
+from serving_step import CONTEXT, HEAD_DIM, KV_HEADS as RAGGED_KV_HEADS, ragged_call, ragged_specs, serving_step
 
 B, N, KV_HEADS = 4, 8, 2
 # target -> the topology whose first chip the report compiles for (`jax.experimental.topologies`)
@@ -270,84 +270,47 @@ def decode_variants() -> list[TpuVariant]:
     ]
 
 
-# A serving step's packed batch: 256 new tokens over 16 sequences of up to 2048 keys (decode rows, prompt
-# chunks and whole prompts alike: only the shapes are static), GQA 32:8, head dim 128.
-RAGGED_TOKENS, RAGGED_SEQS, RAGGED_HEADS, RAGGED_KV_HEADS, RAGGED_CONTEXT = 256, 16, 32, 8, 2048
-
-
-def _ragged_specs(page: int, dtype, page_dtype, kv_heads: int):
-    pages_per_seq = RAGGED_CONTEXT // page
-    i32 = jnp.int32
-    pages = _spec((RAGGED_SEQS * pages_per_seq, page, kv_heads, 128), page_dtype)
-    return [_spec((RAGGED_TOKENS, RAGGED_HEADS, 128), dtype), pages, _spec((RAGGED_SEQS,), i32),
-            _spec((RAGGED_SEQS, pages_per_seq), i32), _spec((RAGGED_SEQS + 1,), i32), _spec((), i32)]
-
-
 def ragged_variants() -> list[TpuVariant]:
     """`ragged_paged_attention` through its public front-end with `RaggedConfig(backend="tpu")` at a serving
-    step's packed batch (`RAGGED_*`): bf16 pages of 16 and 64 keys, a sliding window with a soft cap and
-    sinks, int8 and float8_e4m3fn pages with per-head scales, an ALiBi score_mod with a window mask_mod, and
-    the append of the step's keys and values; JAX's ragged paged attention at the same batch beside it."""
+    step's packed batch (serving_step.py: 256 new tokens over 16 sequences of up to 2048 keys, GQA 32:8, head
+    dim 128): bf16 pages of 16 and 64 keys, a sliding window with a soft cap and sinks, int8 and
+    float8_e4m3fn pages with per-head scales, an ALiBi score_mod with a window mask_mod, and the append of
+    the step's keys and values; JAX's ragged paged attention at the same batch beside it; and the LM
+    example's serving step."""
     ragged = "ragged paged attention: mixed prefill / decode tokens, paged KV; sliding window, soft cap"
 
-    def ours(name, page=16, page_dtype="bf16", append=False, **options):
-        def build():
-            from probjax_kernels import RaggedConfig, alibi, ragged_paged_attention, sliding_window
-
-            dtype, pages_dtype = jnp.bfloat16, {"bf16": jnp.bfloat16, "int8": jnp.int8,
-                                                "fp8": jnp.float8_e4m3fn}[page_dtype]
-            q, pages, *tables = _ragged_specs(page, dtype, pages_dtype, RAGGED_KV_HEADS)
-            specs = [q, pages, pages, *tables]
-            quantized = page_dtype != "bf16"
-            if append:
-                specs += [_spec((RAGGED_TOKENS, RAGGED_KV_HEADS, 128), dtype)] * 2
-            hooks = options.pop("hooks", False)
-
-            def attend(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs, *new):
-                extra = dict(options)
-                if quantized:
-                    extra.update(k_scale=jnp.full((RAGGED_KV_HEADS,), 0.05, jnp.float32), v_scale=0.05)
-                if hooks:
-                    extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, RAGGED_HEADS)),
-                                 mask_mod=sliding_window(1024))
-                if "sinks" in extra:
-                    extra["sinks"] = jnp.linspace(-1.0, 1.0, RAGGED_HEADS, dtype=jnp.float32)
-                if new:
-                    extra.update(new_k=new[0], new_v=new[1])
-                return ragged_paged_attention(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs,
-                                              config=RaggedConfig(backend="tpu"), **extra)
-
-            return attend, specs
-        return TpuVariant(name, "decode", build, 128, "bf16", "ragged", RAGGED_CONTEXT)
+    def ours(name, **options):
+        return TpuVariant(name, "decode", lambda: ragged_call("tpu", **options), HEAD_DIM, "bf16", "ragged",
+                          CONTEXT)
 
     def jax_ragged(page):
         def build():
             from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-            q, kv_pages, *tables = _ragged_specs(page, jnp.bfloat16, jnp.bfloat16, 2 * RAGGED_KV_HEADS)
+            q, kv_pages, *tables = ragged_specs(page, jnp.bfloat16, jnp.bfloat16, 2 * RAGGED_KV_HEADS)
 
             def attend(q, kv_pages, kv_lens, tables, cu_q_lens, num_seqs):
                 return ragged_paged_attention(q, kv_pages, kv_lens, tables, cu_q_lens, num_seqs.reshape(1),
-                                              sm_scale=128 ** -0.5, num_kv_pages_per_block=128 // page,
+                                              sm_scale=HEAD_DIM ** -0.5, num_kv_pages_per_block=128 // page,
                                               num_queries_per_block=32)
 
             return attend, [q, kv_pages, *tables]
-        return TpuVariant(f"jax_ragged_paged_attention_mixed_page{page}_d128_bf16", "peer", build, 128, "bf16",
-                          "ragged", RAGGED_CONTEXT, path=None, features=ragged)
+        return TpuVariant(f"jax_ragged_paged_attention_mixed_page{page}_d128_bf16", "peer", build, HEAD_DIM, "bf16",
+                          "ragged", CONTEXT, path=None, features=ragged)
 
     return [
         ours("tpu_ragged_page16_d128_bf16_gqa32to8"),
         ours("tpu_ragged_page64_d128_bf16_gqa32to8", page=64),
         ours("tpu_ragged_page16_d128_bf16_gqa32to8_window_softcap_sinks", sliding_window=1024, soft_cap=30.0,
              sinks=True),
-        ours("tpu_ragged_page16_d128_int8_gqa32to8_append", page_dtype="int8", append=True),
-        ours("tpu_ragged_page16_d128_fp8_gqa32to8", page_dtype="fp8"),
+        ours("tpu_ragged_page16_d128_int8_gqa32to8_append", pages="int8", append=True),
+        ours("tpu_ragged_page16_d128_fp8_gqa32to8", pages="fp8"),
         ours("tpu_ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
         jax_ragged(16),
         jax_ragged(64),
         # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
-        TpuVariant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("tpu"), 128, "bf16",
-                   "ragged", RAGGED_CONTEXT),
+        TpuVariant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("tpu"), HEAD_DIM,
+                   "bf16", "ragged", CONTEXT),
     ]
 
 

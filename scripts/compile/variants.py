@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Callable
-from serving_step import serving_step
+from serving_step import CONTEXT, HEAD_DIM, TOKENS, ragged_call, serving_step
 
 # jax is imported inside the functions: the worker sets its environment (JAX_PLATFORMS, XLA_FLAGS, Mosaic GPU's
 # dump options) before jax is imported, and lists the registry first.
@@ -390,42 +390,14 @@ def _decode_variants() -> list[Variant]:
 
 def _ragged_variants() -> list[Variant]:
     """`ragged_paged_attention` through its public front-end with `RaggedConfig(backend="triton")` at a serving
-    step's packed batch: 256 new tokens over 16 sequences of up to 2048 keys (decode rows, prompt chunks and
-    whole prompts alike: only the shapes are static), GQA 32:8, head dim 128, bf16 pages of 16 and 64 keys, a
-    sliding window with a soft cap and sinks, int8 pages with the append of the step's keys and values,
-    float8_e4m3fn pages, an ALiBi score_mod with a window mask_mod; default block_q (16 tokens x 4 heads)."""
-    tokens, seqs, heads, kv_heads, d, context = 256, 16, 32, 8, 128, 2048
+    step's packed batch (serving_step.py: 256 new tokens over 16 sequences of up to 2048 keys, GQA 32:8, head
+    dim 128): bf16 pages of 16 and 64 keys, a sliding window with a soft cap and sinks, int8 pages with the
+    append of the step's keys and values, float8_e4m3fn pages, an ALiBi score_mod with a window mask_mod;
+    default block_q (16 tokens x 4 heads); and the LM example's serving step."""
 
-    def ragged(name, page=16, pages="bf16", append=False, targets=GPU_TARGETS, **options):
-        def build():
-            import jax.numpy as jnp
-            from probjax_kernels import RaggedConfig, alibi, ragged_paged_attention, sliding_window
-
-            pages_per_seq = context // page
-            page_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[pages]
-            cache = _spec((seqs * pages_per_seq, page, kv_heads, d), page_dtype)
-            specs = [_spec((tokens, heads, d), jnp.bfloat16), cache, cache, _spec((seqs,), jnp.int32),
-                     _spec((seqs, pages_per_seq), jnp.int32), _spec((seqs + 1,), jnp.int32), _spec((), jnp.int32)]
-            if append:
-                specs += [_spec((tokens, kv_heads, d), jnp.bfloat16)] * 2
-            hooks, sinks = options.pop("hooks", False), options.pop("sinks", False)
-
-            def attend(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs, *new):
-                extra = dict(options)
-                if pages != "bf16":
-                    extra.update(k_scale=jnp.full((kv_heads,), 0.05, jnp.float32), v_scale=0.05)
-                if hooks:
-                    extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, heads)), mask_mod=sliding_window(1024))
-                if sinks:
-                    extra["sinks"] = jnp.linspace(-1.0, 1.0, heads, dtype=jnp.float32)
-                if new:
-                    extra.update(new_k=new[0], new_v=new[1])
-                return ragged_paged_attention(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, num_seqs,
-                                              config=RaggedConfig(backend="triton"), **extra)
-
-            return attend, specs
-        return Variant(name, "decode", build, d, "bf16", "fwd", "triton", tokens,
-                       context, requires=(RAGGED,), targets=targets)
+    def ragged(name, targets=GPU_TARGETS, **options):
+        return Variant(name, "decode", lambda: ragged_call("triton", **options), HEAD_DIM, "bf16", "fwd",
+                       "triton", TOKENS, CONTEXT, requires=(RAGGED,), targets=targets)
 
     return [
         ragged("ragged_page16_d128_bf16_gqa32to8"),
@@ -437,8 +409,8 @@ def _ragged_variants() -> list[Variant]:
         ragged("ragged_page16_d128_fp8_gqa32to8", pages="fp8", targets=HOPPER),
         ragged("ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
         # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
-        Variant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("triton"), d, "bf16",
-                "fwd", "triton", tokens, context, requires=(RAGGED,)),
+        Variant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("triton"), HEAD_DIM,
+                "bf16", "fwd", "triton", TOKENS, CONTEXT, requires=(RAGGED,)),
     ]
 
 
