@@ -2,7 +2,8 @@
 gradients are deterministic: the dQ kernel (a (B, N, query tile, step) grid walking key tiles, which can also
 write dS for the bias gradient) and the dK/dV kernel (a (B, K, key tile, step) grid whose steps walk the query
 tiles of each query head of the GQA group in turn, so the group's sum happens in VMEM, with K / V never
-repeated). The dK/dV kernel computes the transposed scores k q^T, so lse and delta enter it as rows."""
+repeated). lse and delta enter both as lane-dense rows: the dK/dV kernel computes the transposed scores k q^T
+and uses them as they are, the dQ kernel transposes them to columns."""
 
 from __future__ import annotations
 
@@ -48,50 +49,60 @@ def _score_before_hook(qk, ctx, problem: _Problem):
 # --------------------------------------------------------------------------------------------- dQ kernel
 
 
-def _dq_kernel(*refs, problem: _Problem, num_kv_tiles: int, to_refs, emit_ds: bool, grads: tuple):
+def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, emit_ds: bool,
+               grads: tuple):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
-    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
+    q_ref, k_ref, v_ref, do_ref, out_ref, lse2_ref, d_lse_ref, *rest = refs[n_scalar:]
     n_grads = sum(g.axis == "q" for g in grads)
     grad_accs = rest[len(rest) - n_grads:]
-    rest = rest[:len(rest) - n_grads]
-    acc_ref = rest[-1]
-    num_out = (2 if emit_ds else 1) + n_grads
-    dq_ref = rest[-1 - num_out]
-    ds_ref = rest[-num_out] if emit_ds else None
-    grad_outs = rest[len(rest) - 1 - n_grads:-1]
-    opt = to_refs(rest[:-1 - num_out])
-    b, h, i, step = (pl.program_id(axis) for axis in range(4))
+    acc_ref, delta_ref = rest[len(rest) - n_grads - 2:len(rest) - n_grads]
+    rest = rest[:len(rest) - n_grads - 2]
+    num_out = (3 if emit_ds else 2) + n_grads
+    dq_ref, delta_out_ref, *outs = rest[len(rest) - num_out:]
+    ds_ref = outs[0] if emit_ds else None
+    grad_outs = outs[len(outs) - n_grads:]
+    opt = to_refs(rest[:len(rest) - num_out])
+    b, block, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
-    walk = _dq_walk(problem, scalars, b, h, i, num_kv_tiles, emit_ds)
+    walk = _dq_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles, emit_ds)
     with_derivative = problem.features.score_mod is not None
 
     @pl.when(step == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         hook_grads.zero(grad_accs)
+        for slot in range(layout.q_heads):  # delta = rowsum(dO * O) - d lse, for this kernel and dK/dV's
+            d_out, out = (layout.tile(ref, slot).astype(jnp.float32) for ref in (do_ref, out_ref))
+            d_lse = jnp.where(layout.row(lse2_ref, slot) < jnp.inf, layout.row(d_lse_ref, slot), 0.0)
+            delta = jnp.sum(d_out * out, axis=1, keepdims=True) - d_lse.T
+            delta_ref[slot] = delta
+            layout.store_row(delta_out_ref, slot, delta.T)
 
     if emit_ds:  # every dS block is written: skipped tiles get zeros
         ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
 
     def body(masked: bool):
-        ctx = common.tile_context(opt, problem, b, h, i * bq, walk.tile(step) * bk, scalars.kv_len[b], False)
-        k = k_ref[...]
-        qk = dot(q_ref[...], k, (1, 1))
-        s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
-        _, ds, d_modded = _tile_gradient(s, do_ref[...], v_ref[...], delta_ref[...], lse2_ref[...], derivative,
-                                         ctx, problem, False)
-        hook_grads.accumulate(grads, "q", problem, opt.score_consts, grad_accs, None,
-                              _score_before_hook(qk, ctx, problem), d_modded, ctx)
-        if emit_ds:
-            ds_ref[...] = ds
-        acc_ref[...] += dot(ds.astype(k.dtype), k, (1, 0))
+        for slot in range(layout.q_heads):
+            ctx = common.tile_context(opt, problem, b, layout.head(block, slot), i * bq, walk.tile(step) * bk,
+                                      scalars.kv_len[b], False, slot=slot)
+            k, v = (layout.tile(ref, layout.kv_slot(slot)) for ref in (k_ref, v_ref))
+            qk = dot(layout.tile(q_ref, slot), k, (1, 1))
+            s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
+            _, ds, d_modded = _tile_gradient(s, layout.tile(do_ref, slot), v, delta_ref[slot],
+                                             layout.row(lse2_ref, slot).T, derivative, ctx, problem, False)
+            hook_grads.accumulate(grads, "q", problem, opt.score_consts, grad_accs, None,
+                                  _score_before_hook(qk, ctx, problem), d_modded, ctx)
+            if emit_ds:
+                common.store_head_tile(ds_ref, slot, ds)
+            acc_ref[slot] += dot(ds.astype(k.dtype), k, (1, 0))
 
     common.run_step(walk, step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        dq_ref[...] = (acc_ref[...] * problem.features.scale).astype(dq_ref.dtype)
+        for slot in range(layout.q_heads):
+            layout.store(dq_ref, slot, (acc_ref[slot] * problem.features.scale).astype(dq_ref.dtype))
         hook_grads.store(grad_accs, grad_outs)
 
 
@@ -106,58 +117,64 @@ def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> com
                        always_masked=walk.always_masked)
 
 
-def _backward_dq(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, emit_ds: bool,
-                 varying, grads: tuple = ()):
-    batch, num_heads, t_pad, d_pad = qh.shape
-    s_pad, dv_pad = kh.shape[2], vh.shape[3]
+def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, outh, lse2, d_lse,
+                 scalar_inputs, optional: dict, emit_ds: bool, varying, grads: tuple = ()):
+    """(dQ, delta rows `[B, N, 1, T]` for the dK/dV kernel[, dS][, hook array gradient blocks]); the kernel
+    computes delta = rowsum(dO * O) - d lse at each query tile's first step."""
+    (batch, t_pad, num_heads, d_pad), (_, s_pad, _, dv_pad) = shapes
     problem = with_tiles(problem, problem.config.block_q_dq, problem.config.block_k_dq)
     bq, bk = problem.config.block_q, problem.config.block_k
-    num_kv_tiles, group = s_pad // bk, problem.group
+    num_kv_tiles, heads = s_pad // bk, layout.q_heads
     steps = num_kv_tiles if problem.table_shape is None or emit_ds else _table_steps(optional["kv_tables"])
 
-    def kv_tile(b, h, i, s, *scalar_refs):
+    def kv_tile(b, block, i, s, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "q")
-        return _dq_walk(problem, scalars, b, h, i, num_kv_tiles, emit_ds).tile(s)
+        return _dq_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles, emit_ds).tile(s)
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad))
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad),
+                                                         heads=layout.heads)
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
-
-    def q_side(dim):
-        return pl.BlockSpec((None, None, bq, dim), lambda b, h, i, s, *r: (b, h, i, 0))
+    q_tile = lambda b, block, i, s, *r: (b, block, i)  # noqa: E731
 
     def kv_side(dim):
-        return pl.BlockSpec((None, None, bk, dim),
-                            lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
+        return layout.spec(bk, dim, lambda b, block, i, s, *r: (kv_b(b), layout.kv_block(block),
+                                                               kv_tile(b, block, i, s, *r)), kv=True)
 
-    row = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, s, *r: (b, h, i, 0))
-    out_specs, out_shape = [q_side(d_pad)], [common.output(qh.shape, qh.dtype, *varying)]
+    row = layout.row_spec(bq, q_tile)
+    out_specs = [layout.spec(bq, d_pad, q_tile), row]
+    out_shape = [common.output(qh.shape, qh.dtype, *varying),
+                 common.output((batch, num_heads, 1, t_pad), jnp.float32, *varying)]
     if emit_ds:
-        out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, s, *r: (b, h, i, s)))
+        out_specs.append(pl.BlockSpec((None, heads if layout.in_place else None, bq, bk),
+                                      lambda b, block, i, s, *r: (b, block, i, s)))
         out_shape.append(common.output((batch, num_heads, t_pad, s_pad), jnp.float32, *varying))
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
-    kernel = functools.partial(_dq_kernel, problem=problem, num_kv_tiles=num_kv_tiles, to_refs=to_refs,
-                               emit_ds=emit_ds, grads=grads)
+    kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
+                               to_refs=to_refs, emit_ds=emit_ds, grads=grads)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_heads, t_pad // bq, steps),
-            in_specs=[q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, row, *extra_specs],
+            grid=(batch, num_heads // heads, t_pad // bq, steps),
+            in_specs=[layout.spec(bq, d_pad, q_tile), kv_side(d_pad), kv_side(dv_pad), layout.spec(bq, dv_pad, q_tile),
+                      layout.spec(bq, dv_pad, q_tile), row, row, *extra_specs],
             out_specs=[*out_specs, *grad_specs],
-            scratch_shapes=[pltpu.VMEM((bq, d_pad), jnp.float32), *grad_scratch],
+            scratch_shapes=[pltpu.VMEM((heads, bq, d_pad), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
+                            *grad_scratch],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dq",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(*scalar_inputs, qh, kh, vh, doh, lse2[..., None], delta[..., None], *extra)
+    )(*scalar_inputs, qh, kh, vh, doh, outh, common.as_rows(lse2), common.as_rows(d_lse), *extra)
 
 
 # ------------------------------------------------------------------------------------------ dK/dV kernel
 
 
-def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs, grads: tuple):
+def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles: int, steps: int, to_refs,
+                grads: tuple):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
@@ -168,10 +185,11 @@ def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs,
     grad_outs = rest[len(rest) - 2 - n_grads:-2]
     dk_ref, dv_ref = rest[-4 - n_grads:-2 - n_grads]
     opt = to_refs(rest[:-4 - n_grads])
-    b, kv_head, j, step = (pl.program_id(axis) for axis in range(4))
+    b, block, j, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
-    head, q_step = step // steps, step % steps
-    walk = common.kv_walk(problem, scalars, b, kv_head, head, j, num_q_tiles)
+    # in place: every query head of the block each step; transposed: the group's heads one after the other
+    head, q_step = (0, step) if layout.in_place else (step // steps, step % steps)
+    walk = common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles)
     with_derivative = problem.features.score_mod is not None
 
     @pl.when(step == 0)
@@ -181,80 +199,89 @@ def _dkv_kernel(*refs, problem: _Problem, num_q_tiles: int, steps: int, to_refs,
         hook_grads.zero(grad_accs)
 
     def body(masked: bool):
-        h = kv_head * problem.group + head
-        ctx = common.tile_context(opt, problem, b, h, walk.tile(q_step) * bq, j * bk, scalars.kv_len[b], True)
-        q, do = q_ref[...], do_ref[...]
-        kq = dot(k_ref[...], q, (1, 1))
-        s, derivative = _scores(kq, ctx, problem, masked, with_derivative)
-        p, ds, d_modded = _tile_gradient(s, do, v_ref[...], delta_ref[...], lse2_ref[...], derivative, ctx,
-                                         problem, True)
-        hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
-                              _score_before_hook(kq, ctx, problem), d_modded, ctx)
-        dv_acc[...] += dot(p.astype(do.dtype), do, (1, 0))
-        dk_acc[...] += dot(ds.astype(q.dtype), q, (1, 0))
+        for slot in range(layout.q_heads):
+            kv_slot = layout.kv_slot(slot)
+            h = layout.head(block, slot) if layout.in_place else block * problem.group + head
+            ctx = common.tile_context(opt, problem, b, h, walk.tile(q_step) * bq, j * bk, scalars.kv_len[b], True,
+                                      slot=slot)
+            q, do = layout.tile(q_ref, slot), layout.tile(do_ref, slot)
+            kq = dot(layout.tile(k_ref, kv_slot), q, (1, 1))
+            s, derivative = _scores(kq, ctx, problem, masked, with_derivative)
+            p, ds, d_modded = _tile_gradient(s, do, layout.tile(v_ref, kv_slot), layout.row(delta_ref, slot),
+                                             layout.row(lse2_ref, slot), derivative, ctx, problem, True)
+            hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
+                                  _score_before_hook(kq, ctx, problem), d_modded, ctx)
+            dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
+            dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
 
     common.run_step(walk, q_step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        dk_ref[...] = (dk_acc[...] * problem.features.scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        for kv_slot in range(layout.kv_heads):
+            layout.store(dk_ref, kv_slot, (dk_acc[kv_slot] * problem.features.scale).astype(dk_ref.dtype))
+            layout.store(dv_ref, kv_slot, dv_acc[kv_slot].astype(dv_ref.dtype))
         hook_grads.store(grad_accs, grad_outs)
 
 
-def _backward_dkv(problem: _Problem, qh, kh, vh, doh, lse2, delta, scalar_inputs, optional: dict, varying,
-                  grads: tuple = ()):
-    batch, num_heads, t_pad, d_pad = qh.shape
-    num_kv_heads, s_pad, dv_pad = kh.shape[1], kh.shape[2], vh.shape[3]
+def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
+                  scalar_inputs, optional: dict, varying, grads: tuple = ()):
+    (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
     problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
     bq, bk = problem.config.block_q, problem.config.block_k
     num_q_tiles, group = t_pad // bq, problem.group
     steps = num_q_tiles if problem.table_shape is None else _table_steps(optional["q_tables"])
+    head_steps = 1 if layout.in_place else group  # the transposed grid walks the group's heads in turn
 
-    def q_tile(b, kv_head, j, s, *scalar_refs):
+    def q_tile(b, block, j, s, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "kv")
-        return common.kv_walk(problem, scalars, b, kv_head, s // steps, j, num_q_tiles).tile(s % steps)
+        head = 0 if layout.in_place else s // steps
+        return common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles).tile(s % steps)
 
-    def head_of(b, kv_head, j, s, *r):
-        return kv_head * group + s // steps
+    def head_of(b, block, j, s, *r):
+        """The query head (transposed) or head block (in place) a step reads."""
+        return block if layout.in_place else block * group + s // steps
 
     maps = dict(b=lambda b, kh, j, s, *r: b, h=head_of, q=q_tile, kv=lambda b, kh, j, s, *r: j)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad))
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad),
+                                                         heads=layout.heads)
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
+    def q_where(b, block, j, s, *r):
+        return b, head_of(b, block, j, s), q_tile(b, block, j, s, *r)
+
     def q_side(dim):
-        return pl.BlockSpec((None, None, bq, dim),
-                            lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), q_tile(b, kh, j, s, *r), 0))
+        return layout.spec(bq, dim, q_where)
 
     def kv_side(dim, shared: bool):
-        return pl.BlockSpec((None, None, bk, dim), lambda b, kh, j, s, *r: (kv_b(b) if shared else b, kh, j, 0))
+        return layout.spec(bk, dim, lambda b, block, j, s, *r: (kv_b(b) if shared else b, block, j), kv=True)
 
-    row = pl.BlockSpec((None, None, 1, bq),
-                       lambda b, kh, j, s, *r: (b, head_of(b, kh, j, s), 0, q_tile(b, kh, j, s, *r)))
-    if problem.kv_broadcast:  # shared k / v: a float32 gradient per query batch, summed below
-        out_shape = [common.output((batch, *x.shape[1:]), jnp.float32, *varying) for x in (kh, vh)]
-    else:
-        out_shape = [common.output(x.shape, x.dtype, *varying) for x in (kh, vh)]
+    row = layout.row_spec(bq, q_where)
+    # shared k / v: a float32 gradient per query batch, summed below
+    out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
+    out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim), out_dtype, *varying)
+                 for dim in (d_pad, dv_pad)]
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "kv", (batch, num_kv_heads, group), (None, None, group), lambda b, kh, j, s, *r: (b, kh, 0), s_pad,
         bk, varying)
-    kernel = functools.partial(_dkv_kernel, problem=problem, num_q_tiles=num_q_tiles, steps=steps, to_refs=to_refs,
-                               grads=grads)
+    kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, num_q_tiles=num_q_tiles, steps=steps,
+                               to_refs=to_refs, grads=grads)
+    kv_heads = layout.kv_heads
     dk, dv, *grad_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_kv_heads, s_pad // bk, group * steps),
+            grid=(batch, num_kv_heads // kv_heads, s_pad // bk, head_steps * steps),
             in_specs=[q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row, row,
                       *extra_specs],
             out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False), *grad_specs],
-            scratch_shapes=[pltpu.VMEM((bk, d_pad), jnp.float32), pltpu.VMEM((bk, dv_pad), jnp.float32),
-                            *grad_scratch],
+            scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
+                            pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32), *grad_scratch],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dkv",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(*scalar_inputs, qh, kh, vh, doh, lse2[:, :, None, :], delta[:, :, None, :], *extra)
+    )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
     # [B, K, group, ...] -> [B, N, ...]: query head kv_head * group + head
@@ -272,28 +299,42 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     tiles (`hook_grads`); the other score_mod arrays' come from `_chunked`, as on every backend."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
     bias, q_len, kv_len = res["bias"], res["q_len"], res["kv_len"]
-    delta, lse2 = backward_delta(out, lse, d_out, d_lse), base2_lse(lse)
+    lse2 = base2_lse(lse)
+    d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse.astype(jnp.float32)
+    delta = None  # from the dQ kernel when it runs
     optional = dict(res["others"], bias=bias, score_consts=res["score_consts"])
     dtype = common.compute_dtype(q.dtype)
-    qh, kh, vh, doh = (common.to_heads(x.astype(dtype)) for x in (q, k, v, d_out))
+    shapes = (q.shape, v.shape)
     varying = (q, k, v, d_out)
     grads = {}
     tile_grads = hook_grads.tile_grads(problem, tangents)
     blocks = {}  # (array position, axis) -> accumulated blocks `[B, N, *whole, T|S, 1]`
     if tangents.q or tangents.bias or any(g.axis == "q" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
-        dq, *rest = _backward_dq(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, tangents.bias, varying,
-                                 tile_grads)
+        cfg = problem.config
+        layout = common.kernel_layout(problem, q, v, k.shape[2], "dq", (cfg.block_q_dq, cfg.block_k_dq),
+                                      any(g.axis == "q" for g in tile_grads))
+        qh, kh, vh, doh, outh = (layout.view(x.astype(dtype)) for x in (q, k, v, d_out, out))
+        dq, delta_rows, *rest = _backward_dq(problem, layout, shapes, qh, kh, vh, doh, outh, lse2, d_lse, scalars,
+                                             optional, tangents.bias, varying, tile_grads)
+        delta = delta_rows[:, :, 0]
         if tangents.q:
-            grads["q"] = jnp.swapaxes(dq, 1, 2).astype(q.dtype)
+            grads["q"] = layout.unview(dq).astype(q.dtype)
         if tangents.bias:
             broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
             grads["bias"] = jnp.sum(rest.pop(0), axis=broadcast_axes, keepdims=True).astype(bias.dtype)
         blocks.update(zip([(g.index, "q") for g in tile_grads if g.axis == "q"], rest))
     if tangents.k or tangents.v or any(g.axis == "kv" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "kv")
-        dk, dv, rest = _backward_dkv(problem, qh, kh, vh, doh, lse2, delta, scalars, optional, varying, tile_grads)
-        grads.update({name: jnp.swapaxes(g, 1, 2).astype(x.dtype)
+        cfg = problem.config
+        layout = common.kernel_layout(problem, q, v, k.shape[2], "dkv", (cfg.block_q_dkv, cfg.block_k_dkv),
+                                      any(g.axis == "kv" for g in tile_grads))
+        qh, kh, vh, doh = (layout.view(x.astype(dtype)) for x in (q, k, v, d_out))
+        if delta is None:
+            delta = backward_delta(out, lse, d_out, d_lse)
+        dk, dv, rest = _backward_dkv(problem, layout, shapes, qh, kh, vh, doh, lse2, delta, scalars, optional,
+                                     varying, tile_grads)
+        grads.update({name: layout.unview(g).astype(x.dtype)
                       for name, g, x in (("k", dk, k), ("v", dv, v)) if getattr(tangents, name)})
         blocks.update(zip([(g.index, "kv") for g in tile_grads if g.axis == "kv"], rest))
     if tile_grads:

@@ -2,11 +2,13 @@
 `BlockMask` tables, index maps that clamp skipped tiles onto the last visited one so they cost no DMA), the
 BlockSpecs of the optional inputs, the float32 tile matmul and the score context of one tile.
 
-Layout: the kernels see q, k, v as `[B, N, T, D]` (`to_heads`), so a tile's last two block dims are
-(rows, head dim): TPU blocks need the last two dims to be multiples of (8, 128) or the whole dim, and the
-head dim is always whole. Row vectors (lse, delta) travel as `[B, N, T, 1]` columns in the query-tile kernels
-and as `[B, N, 1, T]` rows in the key-tile kernel, which computes the transposed scores k q^T (keys on the
-sublanes), so that no kernel transposes a vector.
+Layout (`SeqLayout`): a kernel reads a tile of (rows, head dim) of the core's `[B, T, N, D]` arrays. When
+every head dim is a multiple of 128 it reads them in place through the free `[B, T, N * D]` view (block
+(rows, D) at lane block h), so XLA makes no copy of q, k, v, dO or of the outputs; otherwise (TPU blocks need
+their last two dims to be multiples of (8, 128) or whole) through a `[B, N, T, D]` transpose, in which the
+head dim is whole. Row vectors (lse, delta, d lse, the row max) live in HBM as lane-dense `[B, N, 1, T]` rows
+(a `[B, N, T, 1]` column would pad each f32 to 128 lanes); the query-tile kernels transpose their (1, rows)
+block to the (rows, 1) column their score tiles need, the key-tile kernel uses the rows as they are.
 
 A grid's last axis counts steps, not tiles: step j visits tile lo + j of the tile range (`_tiles.py`), or
 entry j of a `BlockMask` row (partial entries, then full ones); steps past the range repeat the last
@@ -30,7 +32,7 @@ from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _ScoreContext
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
-from probjax_kernels.tpu import vet
+from probjax_kernels.tpu import chips, vet
 
 M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 TPU_BACKENDS = ("tpu", "tpu_interpret")
@@ -54,9 +56,166 @@ def dot(a, b, contract: tuple[int, int]):
                            preferred_element_type=jnp.float32)
 
 
-def to_heads(x):
-    """[B, T, N, D] -> [B, N, T, D] (the kernels' layout)."""
-    return jnp.swapaxes(x, 1, 2)
+@dataclasses.dataclass(frozen=True)
+class SeqLayout:
+    """How a kernel reads the core's `[B, T, N, D]` arrays and lays out its grid's head axis.
+
+    `heads > 0` (in place): each program takes `heads` consecutive query heads (and their `heads // group`
+    kv heads) of a tile of rows straight from `[B, T, N, D]`, as a (rows, heads, D) block whose last two dims
+    are whole heads x the head dim, and loops over them; the grid's head axis counts head blocks. `heads == 0`
+    (transposed): one head per program from the `[B, N, T, D]` transpose. Either way a kernel sees head
+    `slot` of its block as a (rows, D) tile (`tile`, `store`) and its row vectors as (1, rows) rows."""
+
+    heads: int = 0
+    group: int = 1
+
+    @property
+    def in_place(self) -> bool:
+        return self.heads > 0
+
+    @property
+    def q_heads(self) -> int:
+        """Query heads per program."""
+        return max(self.heads, 1)
+
+    @property
+    def kv_heads(self) -> int:
+        """Kv heads per program (in place; the transposed dK/dV grid takes one)."""
+        return self.heads // self.group if self.in_place else 1
+
+    def head(self, block, slot: int):
+        """The query head of `slot` in head block `block`."""
+        return block * self.q_heads + slot
+
+    def kv_block(self, block):
+        """The kv head block (in place) or kv head (transposed) that query head block `block` reads."""
+        return block if self.in_place else block // self.group
+
+    def kv_slot(self, slot: int) -> int:
+        return slot // self.group if self.in_place else 0
+
+    def view(self, x):
+        """[B, T, N, D] -> the kernels' array."""
+        return x if self.in_place else jnp.swapaxes(x, 1, 2)
+
+    def unview(self, x):
+        """The kernels' array -> [B, T, N, D]."""
+        return x if self.in_place else jnp.swapaxes(x, 1, 2)
+
+    def shape(self, batch: int, length: int, heads: int, dim: int) -> tuple[int, ...]:
+        return (batch, length, heads, dim) if self.in_place else (batch, heads, length, dim)
+
+    def spec(self, rows: int, dim: int, where: Callable, kv: bool = False) -> pl.BlockSpec:
+        """The block of `rows` x `dim` at `where(*grid ids, *scalar refs) = (batch, head block, tile)`, of the
+        query heads' arrays or (`kv`) the kv heads' ones."""
+        if self.in_place:
+            def index_map(*a):
+                b, block, tile = where(*a)
+                return b, tile, block, 0
+            return pl.BlockSpec((None, rows, self.kv_heads if kv else self.q_heads, dim), index_map)
+
+        def heads_map(*a):
+            b, block, tile = where(*a)
+            return b, block, tile, 0
+        return pl.BlockSpec((None, None, rows, dim), heads_map)
+
+    def row_spec(self, rows: int, where: Callable) -> pl.BlockSpec:
+        """The block of a lane-dense `[B, N, 1, T]` row vector (lse, delta) at `where(*a)`."""
+        def index_map(*a):
+            b, block, tile = where(*a)
+            return b, block, 0, tile
+        return pl.BlockSpec((None, self.q_heads if self.in_place else None, 1, rows), index_map)
+
+    def tile(self, ref, slot: int):
+        """Head `slot`'s (rows, D) tile of a block."""
+        return ref[:, slot, :] if self.in_place else ref[...]
+
+    def store(self, ref, slot: int, value) -> None:
+        if self.in_place:
+            ref[:, slot, :] = value
+        else:
+            ref[...] = value
+
+    def row(self, ref, slot: int):
+        """Head `slot`'s (1, rows) row of a row-vector block."""
+        return ref[slot] if self.in_place else ref[...]
+
+    def store_row(self, ref, slot: int, value) -> None:
+        if self.in_place:
+            ref[slot] = value
+        else:
+            ref[...] = value
+
+
+def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], head_dims: tuple[int, int],
+                itemsize: int) -> int:
+    """Bytes of VMEM a kernel plans on (rows, keys) `tile` for `heads` query heads and `kv_heads` kv heads a
+    program: its pipelined blocks (double-buffered), its float32 scratch (row statistics pad to 128 lanes) and
+    a few float32 score tiles. `kernel`: "forward", "dq", "dkv" or "tangent"."""
+    rows, keys = tile
+    d, dv = head_dims
+    q_side, kv_side, scratch = {
+        "forward": (d + dv, d + dv, heads * rows * (dv + 256)),
+        "dq": (2 * d + 2 * dv, d + dv, heads * rows * (d + 128)),
+        "dkv": (d + dv, 2 * (d + dv), kv_heads * keys * (d + dv)),
+        "tangent": (2 * d + 2 * dv, 2 * (d + dv), heads * rows * (dv + 128)),
+    }[kernel]
+    blocks = 2 * itemsize * (rows * heads * q_side + keys * kv_heads * kv_side)
+    return blocks + 4 * scratch + 4 * 4 * rows * keys
+
+
+def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], itemsize: int,
+               kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int) -> SeqLayout:
+    """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: every head dim a multiple
+    of 128 (a whole lane block), a head block whose query heads and kv heads both make legal TPU blocks (a
+    multiple of 8 heads, or all of them), one walk for all heads of a program (no per-head `BlockMask`
+    tables), no hook array read as tiles along a head index (`tile_consts`: the transposed path serves
+    those), and `kernel_vmem` within `budget` bytes on its (rows, keys) `tile`; else the transposed layout."""
+    group = num_heads // num_kv_heads
+    transposed = SeqLayout(0, group)
+    per_head_tables = problem.table_shape is not None and problem.table_shape[1] > 1
+    if any(d % 128 for d in head_dims) or per_head_tables or tile_consts:
+        return transposed
+    legal = lambda n, whole: n % 8 == 0 or n == whole  # noqa: E731
+    for heads in range(group, num_heads + 1, group):
+        kv_heads = heads // group
+        if num_heads % heads or not (legal(heads, num_heads) and legal(kv_heads, num_kv_heads)):
+            continue
+        fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, itemsize) <= budget
+        return SeqLayout(heads, group) if fits else transposed
+    return transposed
+
+
+def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile: tuple[int, int],
+                  tile_grads: bool = False) -> SeqLayout:
+    """`seq_layout` of a kernel on padded q `[B, T, N, D]`, v `[B|1, S, K, Dv]` with (rows, keys) `tile`,
+    within 3/4 of the target chip's scoped VMEM (`chips`); `tile_grads`: the kernel accumulates gradients of
+    hook arrays read as tiles (their per-head blocks need the transposed layout)."""
+    f, cfg = problem.features, problem.config
+    layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
+    head_tiles = any("h" in kinds for layout in layouts for _, kinds, _ in layout.tiles)
+    budget = chips.target_chip(cfg.backend).scoped_vmem * 3 // 4
+    return seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]),
+                      jnp.dtype(compute_dtype(q.dtype)).itemsize, kernel, tile, head_tiles or tile_grads, budget)
+
+
+def store_head_tile(ref, slot: int, value) -> None:
+    """Writes head `slot`'s tile of an output block laid out as `head_tile` reads one."""
+    if len(ref.shape) == 3:
+        ref[slot] = value
+    else:
+        ref[...] = value
+
+
+def head_tile(ref, slot: int):
+    """An optional input's tile for head `slot`: per-head blocks hold one (rows, keys) tile per head of the
+    program (in place), shared ones a single tile."""
+    return ref[slot] if len(ref.shape) == 3 else ref[...]
+
+
+def as_rows(x):
+    """[B, N, T] -> the lane-dense `[B, N, 1, T]` the kernels read."""
+    return x[:, :, None, :]
 
 
 def output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
@@ -210,14 +369,16 @@ def smem_array(x):
 
 
 def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict, lengths: tuple[int, int],
-                    tangents: _Tangents | None = None):
+                    tangents: _Tangents | None = None, heads: int = 0):
     """(arrays, specs, to_refs) of the optional inputs on a query-tile ("q") or key-tile ("kv") grid.
 
     `tile_maps` maps "b", "h", "q", "kv" to functions of the grid ids (and scalar refs) giving the batch,
     query head, query tile and key tile a step reads; `lengths` are the padded (T, S). Query-tile grids see
     (bq, bk) tiles; the key-tile grid sees transposed (bk, bq) ones: its bias / mask arrive transposed
     `[B, N, S, T]`, its query segment ids as a row and its key segment ids as a column. Hook arrays read along
-    q_idx / kv_idx arrive the same way, as the tile of their last axis (`vet.const_layouts`).
+    q_idx / kv_idx arrive the same way, as the tile of their last axis (`vet.const_layouts`). `heads`: the
+    query heads of a program in the in-place layout (`SeqLayout.heads`; "h" then maps to the head block), whose
+    per-head bias / mask tiles arrive as one block (`head_tile`); 0 for one head per program.
     """
     bq, bk = problem.config.block_q, problem.config.block_k
     b_of, h_of, q_of, kv_of = tile_maps["b"], tile_maps["h"], tile_maps["q"], tile_maps["kv"]
@@ -236,7 +397,7 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
     for name in ("bias", "mask"):
         if arrays.get(name) is not None:
             inputs.append(_broadcast_input(arrays[name], kind))
-            specs.append(_broadcast_spec(arrays[name].shape, kind, bq, bk, tile_maps))
+            specs.append(_broadcast_spec(arrays[name].shape, kind, bq, bk, tile_maps, heads))
             fields.append(name)
     if problem.features.dropout_rate > 0:
         inputs.append(smem_array(arrays["dropout_seed"]))
@@ -254,7 +415,7 @@ def optional_inputs(problem: _Problem, arrays: dict, kind: str, tile_maps: dict,
     if tangents is not None:
         if tangents.bias:
             inputs.append(_broadcast_input(arrays["d_bias"], kind))
-            specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps))
+            specs.append(_broadcast_spec(arrays["d_bias"].shape, kind, bq, bk, tile_maps, heads))
         moving = [layout for layout, moved in zip(layouts, tangents.score_consts) if moved]
         for const, layout in zip(arrays.get("d_score_consts", ()), moving):
             add_const(const, layout)
@@ -379,8 +540,9 @@ def _broadcast_input(x, kind: str):
     return x if kind == "q" else jnp.swapaxes(x, 2, 3)
 
 
-def _broadcast_spec(shape, kind: str, bq: int, bk: int, maps: dict) -> pl.BlockSpec:
-    """The BlockSpec of a [B|1, N|1, T|1, S|1] bias / mask (transposed to [.., S|1, T|1] on a "kv" grid)."""
+def _broadcast_spec(shape, kind: str, bq: int, bk: int, maps: dict, heads: int = 0) -> pl.BlockSpec:
+    """The BlockSpec of a [B|1, N|1, T|1, S|1] bias / mask (transposed to [.., S|1, T|1] on a "kv" grid); per
+    head, a block of `heads` heads when a program takes several (`SeqLayout`)."""
     nb, nh, nt, ns = shape
     rows, cols = (bq if nt > 1 else 1, bk if ns > 1 else 1)
     row_of, col_of = maps["q"], maps["kv"]
@@ -392,16 +554,16 @@ def _broadcast_spec(shape, kind: str, bq: int, bk: int, maps: dict) -> pl.BlockS
         return (maps["b"](*a) if nb > 1 else 0, maps["h"](*a) if nh > 1 else 0,
                 0 if row_whole else row_of(*a), 0 if col_whole else col_of(*a))
 
-    return pl.BlockSpec((None, None, rows, cols), index_map)
+    return pl.BlockSpec((None, heads if heads and nh > 1 else None, rows, cols), index_map)
 
 
 # ----------------------------------------------------------------------------------------- score context
 
 
 def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len, transposed: bool,
-                 tangents: _Tangents | None = None) -> _ScoreContext:
-    """The score context of tile (q_start:+bq, kv_start:+bk): (bq, 1) / (1, bk) indices, or (1, bq) / (bk, 1)
-    in the key-tile kernel (`transposed`), whose scores are k q^T."""
+                 tangents: _Tangents | None = None, slot: int = 0) -> _ScoreContext:
+    """The score context of tile (q_start:+bq, kv_start:+bk) of head h, the program's head `slot`: (bq, 1) /
+    (1, bk) indices, or (1, bq) / (bk, 1) in the key-tile kernel (`transposed`), whose scores are k q^T."""
     bq, bk = problem.config.block_q, problem.config.block_k
     f = problem.features
     if transposed:
@@ -420,14 +582,14 @@ def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len,
         q_idx=q_idx,
         kv_idx=kv_idx,
         kv_len=kv_len,
-        bias=None if refs.bias is None else refs.bias[...],
-        mask=None if refs.mask is None else refs.mask[...].astype(jnp.int32),
+        bias=None if refs.bias is None else head_tile(refs.bias, slot),
+        mask=None if refs.mask is None else head_tile(refs.mask, slot).astype(jnp.int32),
         q_seg=None if refs.q_segment_ids is None else refs.q_segment_ids[...],
         kv_seg=None if refs.kv_segment_ids is None else refs.kv_segment_ids[...],
         dropout_seed=seed,
         score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
         mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
-        d_bias=None if refs.d_bias is None else refs.d_bias[...],
+        d_bias=None if refs.d_bias is None else head_tile(refs.d_bias, slot),
         score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
             f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
     )

@@ -11,24 +11,15 @@ from probjax_kernels._hooks import flash_hook_shapes
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.tpu import backward, forward, tangent, vet
+from probjax_kernels.tpu.chips import tpu_generation  # noqa: F401  (re-exported: _dispatch)
 
 # The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
 # `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
 # 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of the
 # TPU compile report (docs/compile/tpu.md) fits the default scoped VMEM. Interpret mode takes the v5e tiles.
 TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
-         "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
-
-
-def tpu_generation(device) -> str:
-    """"v4", "v5e", "v5p" or "v6e" from a TPU device's kind ("TPU v5 lite", "TPU v6 lite", ...); "v5e" for
-    anything else (the interpreter, unknown kinds)."""
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if "v6" in kind:
-        return "v6e"
-    if "v5" in kind:
-        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-    return "v4" if "v4" in kind else "v5e"
+         "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512),
+         "tpu7x": (512, 512, 512, 256, 256, 512)}
 
 
 def _tables(problem: _Problem, arrays: dict, is_backward: bool = False) -> dict:

@@ -20,7 +20,8 @@ from probjax_kernels.tpu import common
 from probjax_kernels.tpu.common import dot
 
 
-def _tangent_kernel(*refs, problem: _Problem, tangents: _Tangents, num_kv_tiles: int, to_refs):
+def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents: _Tangents, num_kv_tiles: int,
+                    to_refs):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, out_ref, lse2_ref, *rest = refs[n_scalar:]
@@ -29,9 +30,9 @@ def _tangent_kernel(*refs, problem: _Problem, tangents: _Tangents, num_kv_tiles:
     dv_ref = rest.pop(0) if tangents.v else None
     *input_refs, d_out_ref, d_lse_ref, acc_ref, c_ref = rest
     opt = to_refs(input_refs)
-    b, h, i, step = (pl.program_id(axis) for axis in range(4))
+    b, block, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
-    walk = common.q_walk(problem, scalars, b, h, i, num_kv_tiles)
+    walk = common.q_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles)
     dropout = problem.features.dropout_rate > 0
 
     @pl.when(step == 0)
@@ -40,34 +41,39 @@ def _tangent_kernel(*refs, problem: _Problem, tangents: _Tangents, num_kv_tiles:
         c_ref[...] = jnp.zeros(c_ref.shape, jnp.float32)
 
     def body(masked: bool):
-        ctx = common.tile_context(opt, problem, b, h, i * bq, walk.tile(step) * bk, scalars.kv_len[b], False,
-                                  tangents)
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        d_dot = None if dq_ref is None else dot(dq_ref[...], k, (1, 1))
-        if dk_ref is not None:
-            q_dk = dot(q, dk_ref[...], (1, 1))
-            d_dot = q_dk if d_dot is None else d_dot + q_dk
-        s2, ds = _score_tangents(dot(q, k, (1, 1)), d_dot, ctx, problem, masked)
-        p = jnp.exp2(s2 - lse2_ref[...])
-        scale = _dropout_scale(ctx, problem) if dropout else None
-        if ds is not None:
-            p_ds = jnp.where(p > 0, p * ds, 0.0)  # a non-finite tangent where p = 0 must not leak
-            c_ref[...] += jnp.sum(p_ds, axis=1, keepdims=True)
-            if dropout:
-                p_ds = p_ds * scale
-            acc_ref[...] += dot(p_ds.astype(v.dtype), v, (1, 0))
-        if dv_ref is not None:
-            p_kept = p * scale if dropout else p
-            dv = dv_ref[...]
-            acc_ref[...] += dot(p_kept.astype(dv.dtype), dv, (1, 0))
+        for slot in range(layout.q_heads):
+            kv_slot = layout.kv_slot(slot)
+            ctx = common.tile_context(opt, problem, b, layout.head(block, slot), i * bq, walk.tile(step) * bk,
+                                      scalars.kv_len[b], False, tangents, slot=slot)
+            q = layout.tile(q_ref, slot)
+            k, v = layout.tile(k_ref, kv_slot), layout.tile(v_ref, kv_slot)
+            d_dot = None if dq_ref is None else dot(layout.tile(dq_ref, slot), k, (1, 1))
+            if dk_ref is not None:
+                q_dk = dot(q, layout.tile(dk_ref, kv_slot), (1, 1))
+                d_dot = q_dk if d_dot is None else d_dot + q_dk
+            s2, ds = _score_tangents(dot(q, k, (1, 1)), d_dot, ctx, problem, masked)
+            p = jnp.exp2(s2 - layout.row(lse2_ref, slot).T)
+            scale = _dropout_scale(ctx, problem) if dropout else None
+            if ds is not None:
+                p_ds = jnp.where(p > 0, p * ds, 0.0)  # a non-finite tangent where p = 0 must not leak
+                c_ref[slot] += jnp.sum(p_ds, axis=1, keepdims=True)
+                if dropout:
+                    p_ds = p_ds * scale
+                acc_ref[slot] += dot(p_ds.astype(v.dtype), v, (1, 0))
+            if dv_ref is not None:
+                p_kept = p * scale if dropout else p
+                dv = layout.tile(dv_ref, kv_slot)
+                acc_ref[slot] += dot(p_kept.astype(dv.dtype), dv, (1, 0))
 
     common.run_step(walk, step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        c = c_ref[...]
-        d_out_ref[...] = (acc_ref[...] - c * out_ref[...].astype(jnp.float32)).astype(d_out_ref.dtype)
-        d_lse_ref[...] = c
+        for slot in range(layout.q_heads):
+            c = c_ref[slot]
+            d_out = acc_ref[slot] - c * layout.tile(out_ref, slot).astype(jnp.float32)
+            layout.store(d_out_ref, slot, d_out.astype(d_out_ref.dtype))
+            layout.store_row(d_lse_ref, slot, c.T)
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
@@ -79,24 +85,28 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     bq, bk = problem.config.block_q, problem.config.block_k
     num_kv_tiles, group = s_pad // bk, problem.group
     dtype = common.compute_dtype(q.dtype)
-    heads = lambda x: common.to_heads(x.astype(dtype))  # noqa: E731
+    layout = common.kernel_layout(problem, q, v, k.shape[2], "tangent", (bq, bk))
+    heads = lambda x: layout.view(x.astype(dtype))  # noqa: E731
 
-    def kv_tile(b, h, i, s, *scalar_refs):
+    def kv_tile(b, block, i, s, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "q")
-        return common.q_walk(problem, scalars, b, h, i, num_kv_tiles).tile(s)
+        return common.q_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles).tile(s)
 
     maps = dict(b=lambda b, h, i, s, *r: b, h=lambda b, h, i, s, *r: h, q=lambda b, h, i, s, *r: i, kv=kv_tile)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad), tangents)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "q", maps, (t_pad, s_pad), tangents,
+                                                         heads=layout.heads)
     kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
 
+    q_tile = lambda b, h, i, s, *r: (b, h, i)  # noqa: E731
+
     def q_side(dim):
-        return pl.BlockSpec((None, None, bq, dim), lambda b, h, i, s, *r: (b, h, i, 0))
+        return layout.spec(bq, dim, q_tile)
 
     def kv_side(dim):
-        return pl.BlockSpec((None, None, bk, dim),
-                            lambda b, h, i, s, *r: (kv_b(b), h // group, kv_tile(b, h, i, s, *r), 0))
+        return layout.spec(bk, dim, lambda b, block, i, s, *r: (kv_b(b), layout.kv_block(block),
+                                                               kv_tile(b, block, i, s, *r)), kv=True)
 
-    row = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, s, *r: (b, h, i, 0))
+    row = layout.row_spec(bq, q_tile)
     lin, lin_specs = [], []
     for name, spec in (("q", q_side(d_pad)), ("k", kv_side(d_pad)), ("v", kv_side(dv_pad))):
         if getattr(tangents, name):
@@ -105,22 +115,24 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     scalar_inputs = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
     steps = num_kv_tiles if problem.table_shape is None else (
         optional["kv_tables"][1].shape[-1] + optional["kv_tables"][3].shape[-1])
-    kernel = functools.partial(_tangent_kernel, problem=problem, tangents=tangents, num_kv_tiles=num_kv_tiles,
-                               to_refs=to_refs)
+    kernel = functools.partial(_tangent_kernel, problem=problem, layout=layout, tangents=tangents,
+                               num_kv_tiles=num_kv_tiles, to_refs=to_refs)
+    heads_per_block = layout.q_heads
     varying = (q, k, v, *(linear[name] for name in "qkv" if name in linear))
     d_out, d_lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_heads, t_pad // bq, steps),
+            grid=(batch, num_heads // heads_per_block, t_pad // bq, steps),
             in_specs=[q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, *lin_specs,
                       *extra_specs],
             out_specs=[q_side(dv_pad), row],
-            scratch_shapes=[pltpu.VMEM((bq, dv_pad), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((heads_per_block, bq, dv_pad), jnp.float32),
+                            pltpu.VMEM((heads_per_block, bq, 1), jnp.float32)],
         ),
-        out_shape=[common.output((batch, num_heads, t_pad, dv_pad), dtype, *varying),  # float16: cast below
-                   common.output((batch, num_heads, t_pad, 1), jnp.float32, *varying)],
+        out_shape=[common.output(layout.shape(batch, t_pad, num_heads, dv_pad), dtype, *varying),  # float16: cast
+                   common.output((batch, num_heads, 1, t_pad), jnp.float32, *varying)],
         name="probjax_tpu_tangent",
         **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(*scalar_inputs, heads(q), heads(k), heads(v), heads(out), lse2[..., None], *lin, *extra)
-    return jnp.swapaxes(d_out, 1, 2).astype(out.dtype), d_lse[..., 0]
+    )(*scalar_inputs, heads(q), heads(k), heads(v), heads(out), common.as_rows(lse2), *lin, *extra)
+    return layout.unview(d_out).astype(out.dtype), d_lse[:, :, 0]
