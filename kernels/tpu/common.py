@@ -1,19 +1,13 @@
-"""What the Mosaic TPU kernels share: the head-major layout, the tile walk (scalar-prefetched lengths and
-`BlockMask` tables, index maps that clamp skipped tiles onto the last visited one so they cost no DMA), the
-BlockSpecs of the optional inputs, the float32 tile matmul and the score context of one tile.
+"""What the Mosaic TPU kernels share: how they read q, k, v (`SeqLayout`), the BlockSpecs of the optional
+inputs, the float32 tile matmul and the score context of one tile. The tile walk is `walk.py`'s.
 
-Layout (`SeqLayout`): a kernel reads a tile of (rows, head dim) of the core's `[B, T, N, D]` arrays. When
-every head dim is a multiple of 128 it reads them in place through the free `[B, T, N * D]` view (block
-(rows, D) at lane block h), so XLA makes no copy of q, k, v, dO or of the outputs; otherwise (TPU blocks need
-their last two dims to be multiples of (8, 128) or whole) through a `[B, N, T, D]` transpose, in which the
-head dim is whole. Row vectors (lse, delta, d lse, the row max) live in HBM as lane-dense `[B, N, 1, T]` rows
-(a `[B, N, T, 1]` column would pad each f32 to 128 lanes); the query-tile kernels transpose their (1, rows)
-block to the (rows, 1) column their score tiles need, the key-tile kernel uses the rows as they are.
-
-A grid's last axis counts steps, not tiles: step j visits tile lo + j of the tile range (`_tiles.py`), or
-entry j of a `BlockMask` row (partial entries, then full ones); steps past the range repeat the last
-visited tile in every index map (the pipeline skips a DMA whose block index did not change) and the kernel
-skips their compute.
+Layout. In place: when every head dim is a multiple of 128, a program takes a block of heads of a tile of
+rows straight from `[B, T, N, D]` (block (rows, heads, D): its last two dims are whole heads x a lane-aligned
+head dim, so a legal TPU block with no copy in XLA) and loops over its heads, which share the program's walk
+and each step's K / V blocks. Transposed: one head per program from the `[B, N, T, D]` transpose (head dims
+of 64, per-head `BlockMask` tables, hook arrays read as tiles along a head index). Row vectors (lse, delta,
+d lse, the row max) live in HBM as lane-dense `[B, N, 1, T]` rows either way (a `[B, N, T, 1]` column pads
+each float32 to 128 lanes).
 """
 
 from __future__ import annotations
@@ -31,8 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _ScoreContext
-from probjax_kernels._tiles import kv_tile_range, q_tile_range
 from probjax_kernels.tpu import chips, vet
+from probjax_kernels.tpu.walk import Walk, kv_walk, q_walk, run_step  # noqa: F401  (re-exported for the kernels)
 
 M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 TPU_BACKENDS = ("tpu", "tpu_interpret")
@@ -43,17 +37,17 @@ def interpreted(problem: _Problem) -> bool:
     return problem.config.backend == "tpu_interpret"
 
 
-def compute_dtype(dtype):
-    """float16 runs as float32 inside the TPU kernels (the MXU and the v5e VPU have no float16)."""
-    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
-
-
 def dot(a, b, contract: tuple[int, int]):
     """A float32-accumulated tile matmul. float32 operands at HIGHEST (exact products), bfloat16 at DEFAULT:
     Mosaic TPU rejects a bfloat16 matmul at HIGHEST ("Bad lhs type")."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
+
+
+def compute_dtype(dtype):
+    """float16 runs as float32 inside the TPU kernels (the MXU and the v5e VPU have no float16)."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,82 +222,6 @@ def compiler_params(problem: _Problem, semantics: tuple[str, ...]) -> dict:
     if interpreted(problem):
         return dict(interpret=pltpu.InterpretParams())
     return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
-
-
-# ----------------------------------------------------------------------------------------------- tile walk
-
-
-@dataclasses.dataclass(frozen=True)
-class Walk:
-    """One program's visit of the step axis: `tile(step)` for the index maps and the kernel, `visited(step)`
-    and `masked(step)` (whether the per-element mask runs) for the kernel. Scalars only."""
-
-    tile: Callable
-    visited: Callable
-    masked: Callable
-    always_masked: bool = False  # segments / dense masks: no unmasked variant is compiled
-
-
-def window(problem: _Problem):
-    return problem.features.window_left, problem.features.window_right
-
-
-def range_walk(tile_range, num_tiles: int, always_masked: bool) -> Walk:
-    """Steps over (lo, full_lo, full_hi, hi) of `_tiles`: step j visits tile lo + j while lo + j < hi."""
-    lo, full_lo, full_hi, hi = tile_range
-    last = jnp.clip(hi - 1, 0, num_tiles - 1)
-    return Walk(
-        tile=lambda j: jnp.minimum(lo + j, last),
-        visited=lambda j: lo + j < hi,
-        masked=lambda j: (lo + j < full_lo) | (lo + j >= full_hi),
-        always_masked=always_masked,
-    )
-
-
-def table_walk(tables, row: tuple, mask_everywhere: bool) -> Walk:
-    """Steps over one row of a `BlockMask`'s tables (scalar-prefetched refs, row = (b, h, tile)): the partial
-    entries then the full ones; a step past both repeats the last visited tile."""
-    num_partial, partial, num_full, full = tables
-    n_p, n_f = num_partial[row], num_full[row]
-
-    def entry(j):
-        jp = jnp.clip(j, 0, jnp.maximum(n_p - 1, 0))
-        jf = jnp.clip(j - n_p, 0, jnp.maximum(n_f - 1, 0))
-        from_full = (j >= n_p) & (n_f > 0)
-        # Past the end: the last full entry, or the last partial one when there is no full entry.
-        return jnp.where(from_full | ((n_p == 0) & (n_f > 0)), full[(*row, jf)], partial[(*row, jp)])
-
-    return Walk(
-        tile=entry,
-        visited=lambda j: j < n_p + n_f,
-        masked=lambda j: (j < n_p) | mask_everywhere,
-        always_masked=mask_everywhere,
-    )
-
-
-def q_walk(problem: _Problem, scalars, b, h, i, num_kv_tiles: int) -> Walk:
-    """The walk over key tiles of query tile i (forward, dQ, tangent), for batch b and query head h."""
-    cfg = problem.config
-    bq, bk = cfg.block_q, cfg.block_k
-    if problem.table_shape is not None:
-        tb, th = problem.table_shape
-        row = (b if tb > 1 else 0, h if th > 1 else 0, i)
-        return table_walk(scalars.tables, row, problem.per_element_mask_everywhere)
-    tile_range = kv_tile_range(i * bq, bq, scalars.q_len[b], scalars.kv_len[b], bk, window(problem), num_kv_tiles,
-                               problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_kv_tiles, problem.per_element_mask_everywhere)
-
-
-def kv_walk(problem: _Problem, scalars, b, kv_head, head, j, num_q_tiles: int) -> Walk:
-    """The walk over query tiles that see key tile j (dK/dV), for query head `head` of kv head `kv_head`."""
-    bq, bk = problem.config.block_q, problem.config.block_k
-    if problem.table_shape is not None:
-        tb, th = problem.table_shape
-        row = (b if tb > 1 else 0, kv_head * problem.group + head if th > 1 else 0, j)
-        return table_walk(scalars.q_tables, row, problem.per_element_mask_everywhere)
-    tile_range = q_tile_range(j * bk, bk, scalars.q_len[b], scalars.kv_len[b], bq, window(problem), num_q_tiles,
-                              problem.per_element_mask_everywhere)
-    return range_walk(tile_range, num_q_tiles, problem.per_element_mask_everywhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,19 +511,3 @@ def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len,
         score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
             f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
     )
-
-
-def run_step(walk: Walk, step, body: Callable) -> None:
-    """Runs body(masked) for a visited step: the masked or the unmasked variant of the tile's math."""
-    visited, masked = walk.visited(step), walk.masked(step)
-    if walk.always_masked:
-        pl.when(visited)(lambda: body(True))
-        return
-
-    @pl.when(visited & masked)
-    def _():
-        body(True)
-
-    @pl.when(visited & jnp.logical_not(masked))
-    def _():
-        body(False)
