@@ -50,10 +50,11 @@ def _score_before_hook(qk, ctx, problem: _Problem):
 
 
 def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, emit_ds: bool,
-               grads: tuple):
+               grads: tuple, stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, do_ref, out_ref, lse2_ref, d_lse_ref, *rest = refs[n_scalar:]
+    rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
     n_grads = sum(g.axis == "q" for g in grads)
     grad_accs = rest[len(rest) - n_grads:]
     acc_ref, delta_ref = rest[len(rest) - n_grads - 2:len(rest) - n_grads]
@@ -72,8 +73,10 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         hook_grads.zero(grad_accs)
+        layout.stage(q_ref, q_stage)
+        layout.stage(do_ref, do_stage)
         for slot in range(layout.q_heads):  # delta = rowsum(dO * O) - d lse, for this kernel and dK/dV's
-            d_out, out = (layout.tile(ref, slot).astype(jnp.float32) for ref in (do_ref, out_ref))
+            d_out, out = (layout.load(ref, slot).astype(jnp.float32) for ref in (do_ref, out_ref))
             d_lse = jnp.where(layout.row(lse2_ref, slot) < jnp.inf, layout.row(d_lse_ref, slot), 0.0)
             delta = jnp.sum(d_out * out, axis=1, keepdims=True) - d_lse.T
             delta_ref[slot] = delta
@@ -82,14 +85,20 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
     if emit_ds:  # every dS block is written: skipped tiles get zeros
         ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
 
+    @pl.when(walk.visited(step))
+    def _():
+        layout.stage(k_ref, k_stage, kv=True)
+        layout.stage(v_ref, v_stage, kv=True)
+
     def body(masked: bool):
-        for slot in range(layout.q_heads):
+        def head(slot):
             ctx = common.tile_context(opt, problem, b, layout.head(block, slot), i * bq, walk.tile(step) * bk,
                                       scalars.kv_len[b], False, slot=slot)
-            k, v = (layout.tile(ref, layout.kv_slot(slot)) for ref in (k_ref, v_ref))
-            qk = dot(layout.tile(q_ref, slot), k, (1, 1))
+            kv_slot = layout.kv_slot(slot)
+            k, v = layout.read(k_ref, k_stage, kv_slot, kv=True), layout.read(v_ref, v_stage, kv_slot, kv=True)
+            qk = dot(layout.read(q_ref, q_stage, slot), k, (1, 1))
             s, derivative = _scores(qk, ctx, problem, masked, with_derivative)
-            _, ds, d_modded = _tile_gradient(s, layout.tile(do_ref, slot), v, delta_ref[slot],
+            _, ds, d_modded = _tile_gradient(s, layout.read(do_ref, do_stage, slot), v, delta_ref[slot],
                                              layout.row(lse2_ref, slot).T, derivative, ctx, problem, False)
             hook_grads.accumulate(grads, "q", problem, opt.score_consts, grad_accs, None,
                                   _score_before_hook(qk, ctx, problem), d_modded, ctx)
@@ -97,12 +106,14 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
                 common.store_head_tile(ds_ref, slot, ds)
             acc_ref[slot] += dot(ds.astype(k.dtype), k, (1, 0))
 
+        layout.for_heads(head)
+
     common.run_step(walk, step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        for slot in range(layout.q_heads):
-            layout.store(dq_ref, slot, (acc_ref[slot] * problem.features.scale).astype(dq_ref.dtype))
+        acc_ref[...] = acc_ref[...] * problem.features.scale
+        layout.unstage(acc_ref, dq_ref)
         hook_grads.store(grad_accs, grad_outs)
 
 
@@ -151,8 +162,10 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
         out_shape.append(common.output((batch, num_heads, t_pad, s_pad), jnp.float32, *varying))
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
+    stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
+              layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
-                               to_refs=to_refs, emit_ds=emit_ds, grads=grads)
+                               to_refs=to_refs, emit_ds=emit_ds, grads=grads, stages=tuple(map(len, stages)))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -162,11 +175,11 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
                       layout.spec(bq, dv_pad, q_tile), row, row, *extra_specs],
             out_specs=[*out_specs, *grad_specs],
             scratch_shapes=[pltpu.VMEM((heads, bq, d_pad), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
-                            *grad_scratch],
+                            *grad_scratch, *(x for stage in stages for x in stage)],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dq",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
+        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
     )(*scalar_inputs, qh, kh, vh, doh, outh, common.as_rows(lse2), common.as_rows(d_lse), *extra)
 
 
@@ -174,10 +187,11 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
 
 
 def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles: int, steps: int, to_refs,
-                grads: tuple):
+                grads: tuple, stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
+    rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
     n_grads = sum(g.axis == "kv" for g in grads)
     grad_accs = rest[len(rest) - n_grads:]
     rest = rest[:len(rest) - n_grads]
@@ -197,30 +211,40 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
         hook_grads.zero(grad_accs)
+        layout.stage(k_ref, k_stage, kv=True)
+        layout.stage(v_ref, v_stage, kv=True)
+
+    @pl.when(walk.visited(q_step))
+    def _():
+        layout.stage(q_ref, q_stage)
+        layout.stage(do_ref, do_stage)
 
     def body(masked: bool):
-        for slot in range(layout.q_heads):
+        def one(slot):
             kv_slot = layout.kv_slot(slot)
             h = layout.head(block, slot) if layout.in_place else block * problem.group + head
             ctx = common.tile_context(opt, problem, b, h, walk.tile(q_step) * bq, j * bk, scalars.kv_len[b], True,
                                       slot=slot)
-            q, do = layout.tile(q_ref, slot), layout.tile(do_ref, slot)
-            kq = dot(layout.tile(k_ref, kv_slot), q, (1, 1))
+            q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
+            kq = dot(layout.read(k_ref, k_stage, kv_slot, kv=True), q, (1, 1))
             s, derivative = _scores(kq, ctx, problem, masked, with_derivative)
-            p, ds, d_modded = _tile_gradient(s, do, layout.tile(v_ref, kv_slot), layout.row(delta_ref, slot),
-                                             layout.row(lse2_ref, slot), derivative, ctx, problem, True)
+            p, ds, d_modded = _tile_gradient(s, do, layout.read(v_ref, v_stage, kv_slot, kv=True),
+                                             layout.row(delta_ref, slot), layout.row(lse2_ref, slot), derivative,
+                                             ctx, problem, True)
             hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
                                   _score_before_hook(kq, ctx, problem), d_modded, ctx)
             dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
             dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
 
+        layout.for_heads(one)
+
     common.run_step(walk, q_step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        for kv_slot in range(layout.kv_heads):
-            layout.store(dk_ref, kv_slot, (dk_acc[kv_slot] * problem.features.scale).astype(dk_ref.dtype))
-            layout.store(dv_ref, kv_slot, dv_acc[kv_slot].astype(dv_ref.dtype))
+        dk_acc[...] = dk_acc[...] * problem.features.scale
+        layout.unstage(dk_acc, dk_ref, kv=True)
+        layout.unstage(dv_acc, dv_ref, kv=True)
         hook_grads.store(grad_accs, grad_outs)
 
 
@@ -259,13 +283,15 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
     row = layout.row_spec(bq, q_where)
     # shared k / v: a float32 gradient per query batch, summed below
     out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
-    out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim), out_dtype, *varying)
+    out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim, kv=True), out_dtype, *varying)
                  for dim in (d_pad, dv_pad)]
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "kv", (batch, num_kv_heads, group), (None, None, group), lambda b, kh, j, s, *r: (b, kh, 0), s_pad,
         bk, varying)
+    stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
+              layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, num_q_tiles=num_q_tiles, steps=steps,
-                               to_refs=to_refs, grads=grads)
+                               to_refs=to_refs, grads=grads, stages=tuple(map(len, stages)))
     kv_heads = layout.kv_heads
     dk, dv, *grad_blocks = pl.pallas_call(
         kernel,
@@ -276,11 +302,12 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
                       *extra_specs],
             out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False), *grad_specs],
             scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
-                            pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32), *grad_scratch],
+                            pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32), *grad_scratch,
+                            *(x for stage in stages for x in stage)],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dkv",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
+        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
     )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
@@ -314,7 +341,8 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
         cfg = problem.config
         layout = common.kernel_layout(problem, q, v, k.shape[2], "dq", (cfg.block_q_dq, cfg.block_k_dq),
                                       any(g.axis == "q" for g in tile_grads))
-        qh, kh, vh, doh, outh = (layout.view(x.astype(dtype)) for x in (q, k, v, d_out, out))
+        qh, doh, outh = (layout.view(x.astype(dtype)) for x in (q, d_out, out))
+        kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
         dq, delta_rows, *rest = _backward_dq(problem, layout, shapes, qh, kh, vh, doh, outh, lse2, d_lse, scalars,
                                              optional, tangents.bias, varying, tile_grads)
         delta = delta_rows[:, :, 0]
@@ -329,12 +357,13 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
         cfg = problem.config
         layout = common.kernel_layout(problem, q, v, k.shape[2], "dkv", (cfg.block_q_dkv, cfg.block_k_dkv),
                                       any(g.axis == "kv" for g in tile_grads))
-        qh, kh, vh, doh = (layout.view(x.astype(dtype)) for x in (q, k, v, d_out))
+        qh, doh = (layout.view(x.astype(dtype)) for x in (q, d_out))
+        kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
         if delta is None:
             delta = backward_delta(out, lse, d_out, d_lse)
         dk, dv, rest = _backward_dkv(problem, layout, shapes, qh, kh, vh, doh, lse2, delta, scalars, optional,
                                      varying, tile_grads)
-        grads.update({name: layout.unview(g).astype(x.dtype)
+        grads.update({name: layout.unview(g, kv=True).astype(x.dtype)
                       for name, g, x in (("k", dk, k), ("v", dv, v)) if getattr(tangents, name)})
         blocks.update(zip([(g.index, "kv") for g in tile_grads if g.axis == "kv"], rest))
     if tile_grads:

@@ -31,6 +31,12 @@ class Chip:
     bf16_flops: float  # flop / s
 
     @property
+    def vmem_limit(self) -> int:
+        """The `vmem_limit_bytes` the in-place kernels ask for (`common.SeqLayout`): twice the default scoped
+        limit, at most 3/4 of the core's VMEM (v4's 16 MiB keeps 12)."""
+        return min(2 * self.scoped_vmem, self.vmem * 3 // 4)
+
+    @property
     def balance(self) -> float:
         """bf16 flops per HBM byte at which a kernel stops being bandwidth bound."""
         return self.bf16_flops / self.hbm_bandwidth

@@ -54,14 +54,18 @@ def compute_dtype(dtype):
 class SeqLayout:
     """How a kernel reads the core's `[B, T, N, D]` arrays and lays out its grid's head axis.
 
-    `heads > 0` (in place): each program takes `heads` consecutive query heads (and their `heads // group`
-    kv heads) of a tile of rows straight from `[B, T, N, D]`, as a (rows, heads, D) block whose last two dims
-    are whole heads x the head dim, and loops over them; the grid's head axis counts head blocks. `heads == 0`
+    `heads > 0` (in place): each program takes `heads` consecutive query heads (a multiple of 8: whole
+    sublane tiles) of a tile of rows straight from `[B, T, N, D]`, as a (rows, heads, D) block, and loops over
+    them; the grid's head axis counts head blocks. Their `heads // group` kv heads come the same way when
+    they are a multiple of 8 too (`kv_in_place`), else from the `[B, K, S, D]` transpose as a
+    (kv heads, rows, D) block (fewer heads on the sublanes of a tile stall Mosaic's compile). `heads == 0`
     (transposed): one head per program from the `[B, N, T, D]` transpose. Either way a kernel sees head
     `slot` of its block as a (rows, D) tile (`tile`, `store`) and its row vectors as (1, rows) rows."""
 
     heads: int = 0
     group: int = 1
+    kv_in_place: bool = False
+    strided: bool = True  # read a head of an in-place block as a strided load (TPU interpret mode cannot)
 
     @property
     def in_place(self) -> bool:
@@ -88,30 +92,35 @@ class SeqLayout:
     def kv_slot(self, slot: int) -> int:
         return slot // self.group if self.in_place else 0
 
-    def view(self, x):
-        """[B, T, N, D] -> the kernels' array."""
-        return x if self.in_place else jnp.swapaxes(x, 1, 2)
+    def _rows_major(self, kv: bool) -> bool:
+        """Whether the array is read in place (rows before heads) rather than transposed."""
+        return self.in_place and (self.kv_in_place or not kv)
 
-    def unview(self, x):
+    def view(self, x, kv: bool = False):
+        """[B, T, N, D] (kv: [B, S, K, D]) -> the kernels' array."""
+        return x if self._rows_major(kv) else jnp.swapaxes(x, 1, 2)
+
+    def unview(self, x, kv: bool = False):
         """The kernels' array -> [B, T, N, D]."""
-        return x if self.in_place else jnp.swapaxes(x, 1, 2)
+        return x if self._rows_major(kv) else jnp.swapaxes(x, 1, 2)
 
-    def shape(self, batch: int, length: int, heads: int, dim: int) -> tuple[int, ...]:
-        return (batch, length, heads, dim) if self.in_place else (batch, heads, length, dim)
+    def shape(self, batch: int, length: int, heads: int, dim: int, kv: bool = False) -> tuple[int, ...]:
+        return (batch, length, heads, dim) if self._rows_major(kv) else (batch, heads, length, dim)
 
     def spec(self, rows: int, dim: int, where: Callable, kv: bool = False) -> pl.BlockSpec:
         """The block of `rows` x `dim` at `where(*grid ids, *scalar refs) = (batch, head block, tile)`, of the
         query heads' arrays or (`kv`) the kv heads' ones."""
-        if self.in_place:
-            def index_map(*a):
+        heads = (self.kv_heads if kv else self.q_heads) if self.in_place else None
+        if self._rows_major(kv):
+            def rows_map(*a):
                 b, block, tile = where(*a)
                 return b, tile, block, 0
-            return pl.BlockSpec((None, rows, self.kv_heads if kv else self.q_heads, dim), index_map)
+            return pl.BlockSpec((None, rows, heads, dim), rows_map)
 
         def heads_map(*a):
             b, block, tile = where(*a)
             return b, block, tile, 0
-        return pl.BlockSpec((None, None, rows, dim), heads_map)
+        return pl.BlockSpec((None, heads, rows, dim), heads_map)
 
     def row_spec(self, rows: int, where: Callable) -> pl.BlockSpec:
         """The block of a lane-dense `[B, N, 1, T]` row vector (lse, delta) at `where(*a)`."""
@@ -120,15 +129,71 @@ class SeqLayout:
             return b, block, 0, tile
         return pl.BlockSpec((None, self.q_heads if self.in_place else None, 1, rows), index_map)
 
-    def tile(self, ref, slot: int):
+    def tile(self, ref, slot: int, kv: bool = False):
         """Head `slot`'s (rows, D) tile of a block."""
-        return ref[:, slot, :] if self.in_place else ref[...]
+        if not self.in_place:
+            return ref[...]
+        return ref[:, slot, :] if self._rows_major(kv) else ref[slot]
 
-    def store(self, ref, slot: int, value) -> None:
-        if self.in_place:
+    def store(self, ref, slot: int, value, kv: bool = False) -> None:
+        if not self.in_place:
+            ref[...] = value
+        elif self._rows_major(kv) and self.strided and jnp.dtype(ref.dtype).itemsize == 4:  # 32-bit only
+            rows, heads, dim = ref.shape
+            ref.reshape(rows * heads, dim)[pl.ds(slot, rows, stride=heads), :] = value
+        elif self._rows_major(kv):
             ref[:, slot, :] = value
         else:
-            ref[...] = value
+            ref[slot] = value
+
+    def stage_shape(self, rows: int, dim: int, dtype, kv: bool = False) -> list:
+        """The VMEM scratch `stage` copies an in-place block into: (heads, rows, dim), or none."""
+        if not self._rows_major(kv):
+            return []
+        return [pltpu.VMEM((self.kv_heads if kv else self.q_heads, rows, dim), dtype)]
+
+    def stage(self, ref, stage: list, kv: bool = False) -> None:
+        """Copies an in-place (rows, heads, D) block to its (heads, rows, D) scratch, head by head at static
+        indices (strided loads), so that the per-head math runs in a loop indexing heads dynamically: Mosaic
+        takes no dynamic sublane index into a packed bfloat16 block, and 8 unrolled copies of the math compile
+        about 10x slower than one."""
+        for slot in range(stage[0].shape[0] if stage else 0):
+            stage[0][slot] = self.load(ref, slot, kv)
+
+    def read(self, ref, stage: list, slot, kv: bool = False):
+        """Head `slot`'s (rows, D) tile: from the staged copy, the transposed block or the one-head block."""
+        if not self.in_place:
+            return ref[...]
+        return stage[0][slot] if stage else ref[slot]
+
+    def load(self, ref, slot: int, kv: bool = False):
+        """Head `slot`'s (rows, D) tile of a block at a static slot, without a staged copy."""
+        if not self.in_place:
+            return ref[...]
+        if not self._rows_major(kv):
+            return ref[slot]
+        if not self.strided:
+            return ref[:, slot, :]
+        rows, heads, dim = ref.shape  # a strided sublane load: no shuffles, and fast to compile
+        return ref.reshape(rows * heads, dim)[pl.ds(slot, rows, stride=heads), :]
+
+    def unstage(self, source, ref, kv: bool = False) -> None:
+        """Writes each head's (rows, D) float32 tile of scratch `source` (heads, rows, D) to output block `ref`,
+        cast to its dtype."""
+        for slot in range(self.kv_heads if kv else self.q_heads):
+            self.store(ref, slot, source[slot].astype(ref.dtype), kv)
+
+    def for_heads(self, body: Callable, kv: bool = False) -> None:
+        """body(slot) for each query head (kv: kv head) of the program, in a loop (one copy of its code)."""
+        if not self.in_place:
+            body(0)
+            return
+        count = self.kv_heads if kv else self.q_heads
+
+        def step(slot, carry):
+            body(slot)
+            return carry
+        lax.fori_loop(0, count, step, 0)
 
     def row(self, ref, slot: int):
         """Head `slot`'s (1, rows) row of a row-vector block."""
@@ -141,11 +206,24 @@ class SeqLayout:
             ref[...] = value
 
 
+def split_stages(refs: list, counts: tuple[int, ...]) -> tuple[list, list]:
+    """(the other refs, [the staged scratch of each count]) of a kernel whose scratch list ends with staging
+    buffers (`SeqLayout.stage_shape`), `counts` of them per staged array (0 or 1)."""
+    total = sum(counts)
+    others, staged = list(refs[:len(refs) - total]), list(refs[len(refs) - total:])
+    out = []
+    for count in counts:
+        out.append(staged[:count])
+        staged = staged[count:]
+    return others, out
+
+
 def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], head_dims: tuple[int, int],
                 itemsize: int) -> int:
     """Bytes of VMEM a kernel plans on (rows, keys) `tile` for `heads` query heads and `kv_heads` kv heads a
     program: its pipelined blocks (double-buffered), its float32 scratch (row statistics pad to 128 lanes) and
-    a few float32 score tiles. `kernel`: "forward", "dq", "dkv" or "tangent"."""
+    a few float32 score tiles, and the staged copies of its input blocks. `kernel`: "forward", "dq", "dkv" or
+    "tangent"."""
     rows, keys = tile
     d, dv = head_dims
     q_side, kv_side, scratch = {
@@ -155,42 +233,43 @@ def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], h
         "tangent": (2 * d + 2 * dv, 2 * (d + dv), heads * rows * (dv + 128)),
     }[kernel]
     blocks = 2 * itemsize * (rows * heads * q_side + keys * kv_heads * kv_side)
-    return blocks + 4 * scratch + 4 * 4 * rows * keys
+    staging = blocks // 4  # the (heads, rows, D) copies of the in-place input blocks (`SeqLayout.stage`)
+    return blocks + staging + 4 * scratch + 4 * 4 * rows * keys
 
 
 def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], itemsize: int,
                kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int) -> SeqLayout:
     """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: every head dim a multiple
-    of 128 (a whole lane block), a head block whose query heads and kv heads both make legal TPU blocks (a
-    multiple of 8 heads, or all of them), one walk for all heads of a program (no per-head `BlockMask`
-    tables), no hook array read as tiles along a head index (`tile_consts`: the transposed path serves
-    those), and `kernel_vmem` within `budget` bytes on its (rows, keys) `tile`; else the transposed layout."""
+    of 128 (a whole lane block), a head block of a multiple of 8 query heads (whole sublane tiles) and of the
+    GQA group, one walk for all heads of a program (no per-head `BlockMask` tables), no hook array read as
+    tiles along a head index (`tile_consts`: the transposed path serves those), and `kernel_vmem` within
+    `budget` bytes on its (rows, keys) `tile`; else the transposed layout."""
     group = num_heads // num_kv_heads
     transposed = SeqLayout(0, group)
     per_head_tables = problem.table_shape is not None and problem.table_shape[1] > 1
     if any(d % 128 for d in head_dims) or per_head_tables or tile_consts:
         return transposed
-    legal = lambda n, whole: n % 8 == 0 or n == whole  # noqa: E731
-    for heads in range(group, num_heads + 1, group):
-        kv_heads = heads // group
-        if num_heads % heads or not (legal(heads, num_heads) and legal(kv_heads, num_kv_heads)):
+    for heads in range(8, num_heads + 1, 8):
+        if num_heads % heads or heads % group:
             continue
+        kv_heads = heads // group
         fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, itemsize) <= budget
-        return SeqLayout(heads, group) if fits else transposed
+        return SeqLayout(heads, group, kv_heads % 8 == 0) if fits else transposed
     return transposed
 
 
 def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile: tuple[int, int],
                   tile_grads: bool = False) -> SeqLayout:
     """`seq_layout` of a kernel on padded q `[B, T, N, D]`, v `[B|1, S, K, Dv]` with (rows, keys) `tile`,
-    within 3/4 of the target chip's scoped VMEM (`chips`); `tile_grads`: the kernel accumulates gradients of
+    within 3/4 of the VMEM limit it asks of the target chip (`chips.Chip.vmem_limit`); `tile_grads`: the kernel accumulates gradients of
     hook arrays read as tiles (their per-head blocks need the transposed layout)."""
     f, cfg = problem.features, problem.config
     layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
     head_tiles = any("h" in kinds for layout in layouts for _, kinds, _ in layout.tiles)
-    budget = chips.target_chip(cfg.backend).scoped_vmem * 3 // 4
-    return seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]),
-                      jnp.dtype(compute_dtype(q.dtype)).itemsize, kernel, tile, head_tiles or tile_grads, budget)
+    budget = chips.target_chip(cfg.backend).vmem_limit * 3 // 4
+    layout = seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]),
+                        jnp.dtype(compute_dtype(q.dtype)).itemsize, kernel, tile, head_tiles or tile_grads, budget)
+    return dataclasses.replace(layout, strided=cfg.backend != "tpu_interpret")
 
 
 def store_head_tile(ref, slot: int, value) -> None:
@@ -218,10 +297,12 @@ def output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
-def compiler_params(problem: _Problem, semantics: tuple[str, ...]) -> dict:
+def compiler_params(problem: _Problem, semantics: tuple[str, ...], layout: SeqLayout | None = None) -> dict:
+    """Interpret mode, or the grid's semantics (and, for an in-place `layout`, the chip's raised VMEM limit)."""
     if interpreted(problem):
         return dict(interpret=pltpu.InterpretParams())
-    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
+    limit = chips.target_chip(problem.config.backend).vmem_limit if layout is not None and layout.in_place else None
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,12 @@ from probjax_kernels.tpu import common
 from probjax_kernels.tpu.common import M_INIT, dot
 
 
-def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, num_out: int):
+def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, num_out: int,
+                    stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, *rest = refs[n_scalar:]
+    rest, (q_stage, k_stage, v_stage) = common.split_stages(rest, stages)
     m_ref, l_ref, acc_ref = rest[-3:]
     out_refs = rest[-3 - num_out:-3]
     opt = to_refs(rest[:-3 - num_out])
@@ -37,13 +39,20 @@ def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_t
         m_ref[...] = jnp.full(m_ref.shape, M_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        layout.stage(q_ref, q_stage)
+
+    @pl.when(walk.visited(step))
+    def _():
+        layout.stage(k_ref, k_stage, kv=True)
+        layout.stage(v_ref, v_stage, kv=True)
 
     def body(masked: bool):
-        for slot in range(layout.q_heads):
+        def head(slot):
             ctx = common.tile_context(opt, problem, b, layout.head(block, slot), i * bq, walk.tile(step) * bk,
                                       kv_len, False, slot=slot)
-            k, v = (layout.tile(ref, layout.kv_slot(slot)) for ref in (k_ref, v_ref))
-            s, _ = _scores(dot(layout.tile(q_ref, slot), k, (1, 1)), ctx, problem, masked)
+            kv_slot = layout.kv_slot(slot)
+            k, v = layout.read(k_ref, k_stage, kv_slot, kv=True), layout.read(v_ref, v_stage, kv_slot, kv=True)
+            s, _ = _scores(dot(layout.read(q_ref, q_stage, slot), k, (1, 1)), ctx, problem, masked)
             m = m_ref[slot]
             m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp2(m - m_new)
@@ -54,19 +63,25 @@ def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_t
             acc_ref[slot] = acc_ref[slot] * alpha + dot(p.astype(v.dtype), v, (1, 0))
             m_ref[slot] = m_new
 
+        layout.for_heads(head)
+
     common.run_step(walk, step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
         rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-        for slot in range(layout.q_heads):
+
+        def head(slot):  # out (normalised in the accumulator), lse and the row max of one head
             l, m = l_ref[slot], m_ref[slot]
             row_valid = (rows < scalars.q_len[b]) & (l != 0)  # l = 0: no key attended
             safe_l = jnp.where(row_valid, l, 1.0)
-            layout.store(out_ref, slot, jnp.where(row_valid, acc_ref[slot] / safe_l, 0.0).astype(out_ref.dtype))
+            acc_ref[slot] = jnp.where(row_valid, acc_ref[slot] / safe_l, 0.0)
             layout.store_row(lse_ref, slot, jnp.where(row_valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf).T)
             if num_out == 3:  # m is the row max of the base-2 scores
                 layout.store_row(out_refs[2], slot, jnp.where(row_valid, m * LN2, -jnp.inf).T)
+
+        layout.for_heads(head)
+        layout.unstage(acc_ref, out_ref)
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
@@ -79,7 +94,8 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     out_dtype = q.dtype
     dtype = common.compute_dtype(q.dtype)
     layout = common.kernel_layout(problem, q, v, num_kv_heads, "forward", (bq, bk))
-    qh, kh, vh = (layout.view(x.astype(dtype)) for x in (q, k, v))
+    qh = layout.view(q.astype(dtype))
+    kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
     num_q_tiles, num_kv_tiles = t_pad // bq, s_pad // bk
 
     def kv_tile(b, block, i, step, *scalar_refs):
@@ -101,8 +117,10 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     num_out = 3 if problem.features.return_max else 2
     row_shape = common.output((batch, num_heads, 1, t_pad), jnp.float32, q, k, v)
     scalar_inputs = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
+    stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bk, d_pad, kh.dtype, kv=True),
+              layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kernel = functools.partial(_forward_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
-                               to_refs=to_refs, num_out=num_out)
+                               to_refs=to_refs, num_out=num_out, stages=tuple(map(len, stages)))
     heads = layout.q_heads
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalar_inputs),
@@ -111,7 +129,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         in_specs=[layout.spec(bq, d_pad, q_tile), kv_spec(d_pad), kv_spec(dv_pad), *extra_specs],
         out_specs=[layout.spec(bq, dv_pad, q_tile), *(layout.row_spec(bq, q_tile) for _ in range(num_out - 1))],
         scratch_shapes=[pltpu.VMEM((heads, bq, 1), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
-                        pltpu.VMEM((heads, bq, dv_pad), jnp.float32)],
+                        pltpu.VMEM((heads, bq, dv_pad), jnp.float32), *(x for stage in stages for x in stage)],
     )
     results = pl.pallas_call(
         kernel,
@@ -120,7 +138,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         out_shape=[common.output(layout.shape(batch, t_pad, num_heads, dv_pad), dtype, q, k, v),
                    *(row_shape for _ in range(num_out - 1))],
         name="probjax_tpu_forward",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
+        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
     )(*scalar_inputs, qh, kh, vh, *extra)
     out, *rows = results
     return (layout.unview(out).astype(out_dtype), *(r[:, :, 0] for r in rows))

@@ -21,10 +21,11 @@ from probjax_kernels.tpu.common import dot
 
 
 def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents: _Tangents, num_kv_tiles: int,
-                    to_refs):
+                    to_refs, stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, out_ref, lse2_ref, *rest = refs[n_scalar:]
+    rest, (q_stage, out_stage, dq_stage, k_stage, v_stage, dk_stage, dv_stage) = common.split_stages(rest, stages)
     dq_ref = rest.pop(0) if tangents.q else None
     dk_ref = rest.pop(0) if tangents.k else None
     dv_ref = rest.pop(0) if tangents.v else None
@@ -39,17 +40,26 @@ def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         c_ref[...] = jnp.zeros(c_ref.shape, jnp.float32)
+        for ref, stage in ((q_ref, q_stage), (out_ref, out_stage), (dq_ref, dq_stage)):
+            if ref is not None:
+                layout.stage(ref, stage)
+
+    @pl.when(walk.visited(step))
+    def _():
+        for ref, stage in ((k_ref, k_stage), (v_ref, v_stage), (dk_ref, dk_stage), (dv_ref, dv_stage)):
+            if ref is not None:
+                layout.stage(ref, stage, kv=True)
 
     def body(masked: bool):
-        for slot in range(layout.q_heads):
+        def head(slot):
             kv_slot = layout.kv_slot(slot)
             ctx = common.tile_context(opt, problem, b, layout.head(block, slot), i * bq, walk.tile(step) * bk,
                                       scalars.kv_len[b], False, tangents, slot=slot)
-            q = layout.tile(q_ref, slot)
-            k, v = layout.tile(k_ref, kv_slot), layout.tile(v_ref, kv_slot)
-            d_dot = None if dq_ref is None else dot(layout.tile(dq_ref, slot), k, (1, 1))
+            q = layout.read(q_ref, q_stage, slot)
+            k, v = layout.read(k_ref, k_stage, kv_slot, kv=True), layout.read(v_ref, v_stage, kv_slot, kv=True)
+            d_dot = None if dq_ref is None else dot(layout.read(dq_ref, dq_stage, slot), k, (1, 1))
             if dk_ref is not None:
-                q_dk = dot(q, layout.tile(dk_ref, kv_slot), (1, 1))
+                q_dk = dot(q, layout.read(dk_ref, dk_stage, kv_slot, kv=True), (1, 1))
                 d_dot = q_dk if d_dot is None else d_dot + q_dk
             s2, ds = _score_tangents(dot(q, k, (1, 1)), d_dot, ctx, problem, masked)
             p = jnp.exp2(s2 - layout.row(lse2_ref, slot).T)
@@ -62,18 +72,22 @@ def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents
                 acc_ref[slot] += dot(p_ds.astype(v.dtype), v, (1, 0))
             if dv_ref is not None:
                 p_kept = p * scale if dropout else p
-                dv = layout.tile(dv_ref, kv_slot)
+                dv = layout.read(dv_ref, dv_stage, kv_slot, kv=True)
                 acc_ref[slot] += dot(p_kept.astype(dv.dtype), dv, (1, 0))
+
+        layout.for_heads(head)
 
     common.run_step(walk, step, body)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _():
-        for slot in range(layout.q_heads):
+        def head(slot):
             c = c_ref[slot]
-            d_out = acc_ref[slot] - c * layout.tile(out_ref, slot).astype(jnp.float32)
-            layout.store(d_out_ref, slot, d_out.astype(d_out_ref.dtype))
+            acc_ref[slot] = acc_ref[slot] - c * layout.read(out_ref, out_stage, slot).astype(jnp.float32)
             layout.store_row(d_lse_ref, slot, c.T)
+
+        layout.for_heads(head)
+        layout.unstage(acc_ref, d_out_ref)
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
@@ -86,7 +100,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     num_kv_tiles, group = s_pad // bk, problem.group
     dtype = common.compute_dtype(q.dtype)
     layout = common.kernel_layout(problem, q, v, k.shape[2], "tangent", (bq, bk))
-    heads = lambda x: layout.view(x.astype(dtype))  # noqa: E731
+    heads = lambda x, kv=False: layout.view(x.astype(dtype), kv)  # noqa: E731
 
     def kv_tile(b, block, i, s, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "q")
@@ -110,13 +124,18 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     lin, lin_specs = [], []
     for name, spec in (("q", q_side(d_pad)), ("k", kv_side(d_pad)), ("v", kv_side(dv_pad))):
         if getattr(tangents, name):
-            lin.append(heads(linear[name]))
+            lin.append(heads(linear[name], name != "q"))
             lin_specs.append(spec)
     scalar_inputs = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
     steps = num_kv_tiles if problem.table_shape is None else (
         optional["kv_tables"][1].shape[-1] + optional["kv_tables"][3].shape[-1])
+    stages = [layout.stage_shape(bq, d_pad, dtype), layout.stage_shape(bq, dv_pad, dtype),
+              layout.stage_shape(bq, d_pad, dtype) if tangents.q else [],
+              layout.stage_shape(bk, d_pad, dtype, kv=True), layout.stage_shape(bk, dv_pad, dtype, kv=True),
+              layout.stage_shape(bk, d_pad, dtype, kv=True) if tangents.k else [],
+              layout.stage_shape(bk, dv_pad, dtype, kv=True) if tangents.v else []]
     kernel = functools.partial(_tangent_kernel, problem=problem, layout=layout, tangents=tangents,
-                               num_kv_tiles=num_kv_tiles, to_refs=to_refs)
+                               num_kv_tiles=num_kv_tiles, to_refs=to_refs, stages=tuple(map(len, stages)))
     heads_per_block = layout.q_heads
     varying = (q, k, v, *(linear[name] for name in "qkv" if name in linear))
     d_out, d_lse = pl.pallas_call(
@@ -128,11 +147,11 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
                       *extra_specs],
             out_specs=[q_side(dv_pad), row],
             scratch_shapes=[pltpu.VMEM((heads_per_block, bq, dv_pad), jnp.float32),
-                            pltpu.VMEM((heads_per_block, bq, 1), jnp.float32)],
+                            pltpu.VMEM((heads_per_block, bq, 1), jnp.float32), *(x for stage in stages for x in stage)],
         ),
         out_shape=[common.output(layout.shape(batch, t_pad, num_heads, dv_pad), dtype, *varying),  # float16: cast
                    common.output((batch, num_heads, 1, t_pad), jnp.float32, *varying)],
         name="probjax_tpu_tangent",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(*scalar_inputs, heads(q), heads(k), heads(v), heads(out), common.as_rows(lse2), *lin, *extra)
+        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
+    )(*scalar_inputs, heads(q), heads(k, True), heads(v, True), heads(out), common.as_rows(lse2), *lin, *extra)
     return layout.unview(d_out).astype(out.dtype), d_lse[:, :, 0]
