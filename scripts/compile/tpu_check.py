@@ -17,13 +17,14 @@ import tpu_variants  # noqa: E402
 
 # Generations every expected variant must compile for; the others in the report (v4) are shown with their
 # problems reported as open, not failing.
-GATED_TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e")
-# fwd+bwd HBM temp at 2T may be at most this many times that at T (plus the slack below). Linear growth
-# doubles it, but XLA:TPU keeps some buffers of the T compile in VMEM (64-128 MiB) and not at 2T, which
-# measured 2.0 (v5e) to 2.85 (v6e) from T = 4096 to 8192; a [B, N, T, S] buffer (2 GiB in float32 at
-# T = 4096, B = 4, N = 8) would quadruple its part and dwarf the rest.
-HBM_GROWTH_MAX = 3.0
+GATED_TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_7x")
+# fwd+bwd HBM temp at 2T may be at most this many times that at T (plus the slack below): linear growth
+# doubles it; a [B, N, T, S] buffer (8 GiB in float32 at T = 8192, B = 4, N = 8) would quadruple its part.
+HBM_GROWTH_MAX = 2.2
 HBM_SLACK = 4 << 20  # bytes: XLA's placement of small buffers (VMEM or HBM) moves a few MiB either way
+# Ours against JAX's splash attention at the same shape in the same run (`tpu_variants.side_variants`): HBM
+# temp at most this ratio of splash's.
+SIDE_MAX_RATIO = 1.0
 
 
 def _registry() -> dict:
@@ -84,6 +85,34 @@ def hbm_problems(rows: list[dict], target: str) -> list[str]:
     return []
 
 
+def side_pairs(rows: list[dict], target: str) -> list[tuple[dict | None, dict | None, str]]:
+    """(ours, splash, name) of each side-by-side shape of one target (`tpu_variants.side_variants`)."""
+    by_name = {r["variant"]: r for r in rows if r["target"] == target}
+    out = []
+    for variant in tpu_variants.side_variants():
+        if variant.group == "side":
+            peer = variant.name.replace("tpu_side_", "jax_splash_side_", 1)
+            out.append((by_name.get(variant.name), by_name.get(peer), variant.name))
+    return out
+
+
+def side_problems(rows: list[dict], target: str) -> list[str]:
+    """Ours above splash's HBM temp (or a missing figure) at a side-by-side shape of one target."""
+    out = []
+    for ours, splash, name in side_pairs(rows, target):
+        if ours is None or ours.get("status") != "ok":
+            continue  # reported as missing or as a compile error
+        if splash is None or splash.get("status") != "ok":
+            out.append(f"{target} {name}: no compiled splash row to compare with")
+            continue
+        a, b = ((r.get("hbm") or {}).get("temp") for r in (ours, splash))
+        if a is None or b is None:
+            out.append(f"{target} {name}: no HBM temp figure for ours or splash")
+        elif a > SIDE_MAX_RATIO * b:
+            out.append(f"{target} {name}: HBM temp {a:,} B above splash's {b:,} B at the same shape")
+    return out
+
+
 def problems(section: dict | None, open_ones: bool = False) -> list[str]:
     """Every reason the TPU section fails CI, one line each; with `open_ones`, the problems of the targets
     shown but not gated instead (reported, not failing)."""
@@ -118,6 +147,8 @@ def problems(section: dict | None, open_ones: bool = False) -> list[str]:
         (out if target in GATED_TARGETS else shown).extend(lines)
     for target in section.get("targets", []):
         (out if target in GATED_TARGETS else shown).extend(hbm_problems(rows, target))
+        if target in GATED_TARGETS:
+            out.extend(side_problems(rows, target))
     for target in GATED_TARGETS:
         if target in gated:
             out += [f"{target} {name}: missing from the report" for name in registry if (target, name) not in seen]
@@ -136,6 +167,7 @@ def with_verdicts(section: dict) -> dict:
                         vmem_capacity=tpu_variants.VMEM_CAPACITY[t]) for t in section.get("targets", [])
                 if t in tpu_variants.TOPOLOGIES},
         hbm_rule=dict(lengths=list(tpu_variants.HBM_LENGTHS), max_growth=HBM_GROWTH_MAX, slack=HBM_SLACK),
+        side_rule=dict(max_ratio=SIDE_MAX_RATIO, lengths=list(tpu_variants.SIDE_LENGTHS)),
     )
     return section
 

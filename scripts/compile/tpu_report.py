@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 REPORT = REPO / "docs" / "compile" / "report.json"
 PAGE = REPO / "docs" / "compile" / "tpu.md"
-GROUPS = ("tpu", "flex", "hbm", "decode", "peer")
+GROUPS = ("tpu", "flex", "hbm", "side", "decode", "peer")
 _CALL = re.compile(r"%(\S+?)(?:\.\d+)? = [^\n]*custom_call_target=\"tpu_custom_call\"")
 _USED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
 _SIZE = re.compile(r'"size":"(\d+)"')
@@ -53,6 +53,46 @@ def custom_calls(hlo: str) -> list[dict]:
         sizes = [int(s) for s in _SIZE.findall(used.group(1))] if used else []
         out.append(dict(kernel=name, scoped_vmem=sum(sizes) if used else None))
     return out
+
+
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+_MOVES_NOTHING = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(", "custom-call(",
+                  "copy-done(", "slice-done(", "after-all(", "partition-id(", "replica-id(")
+
+
+def xla_side_bytes(hlo: str) -> int:
+    """HBM bytes the compiled program moves outside its Mosaic kernels: for each instruction of the entry
+    computation other than the kernels (custom-calls) and the ops that move nothing (parameters, tuples,
+    bitcasts, the done halves of async copies), the bytes of its result and of its operands, by their shapes
+    in the optimized HLO text. An estimate of the XLA-side traffic (a fusion reads each operand once)."""
+    entry = hlo[hlo.find("\nENTRY"):]
+    entry = entry[:entry.find("\n}")].splitlines()[1:]
+    sizes, lines = {}, []
+    for line in entry:
+        if " = " not in line:
+            continue
+        name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
+        rest = rest.split(", metadata=")[0].split(", backend_config=")[0]
+        op_at = re.search(r" [a-z][a-z0-9_-]*\(", rest)
+        result = rest[:op_at.start()] if op_at else rest
+        sizes[name] = sum(_size(dtype, dims) for dtype, dims in _SHAPE.findall(result))
+        lines.append((name, rest, rest[op_at.start():] if op_at else ""))
+    total = 0
+    for name, rest, call in lines:
+        if any(op in rest for op in _MOVES_NOTHING):
+            continue
+        operands = re.findall(r"%([\w.\-]+)", call.split("), ")[0])
+        total += sizes[name] + sum(sizes.get("%" + x, 0) for x in operands)
+    return total
+
+
+def _size(dtype: str, dims: str) -> int:
+    size = _BYTES[dtype]
+    for d in filter(None, dims.split(",")):
+        size *= int(d)
+    return size
 
 
 def record_pallas_calls(log: list) -> None:
@@ -170,10 +210,12 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
             if fallbacks:
                 row["fallback_warning"] = fallbacks[0][:400]
             if compiled is not None:
-                row["kernels"] = custom_calls(compiled.as_text())
+                text = compiled.as_text()
+                row["kernels"] = custom_calls(text)
                 memory = compiled.memory_analysis()
                 row["hbm"] = {name: getattr(memory, f"{name}_size_in_bytes", None)
                               for name in ("temp", "argument", "output")}
+                row["hbm"]["xla_bytes"] = xla_side_bytes(text)
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             message = str(error).strip().splitlines()
@@ -196,7 +238,8 @@ def _compile_key(target: str) -> str:
     """What a compile's figures depend on besides its lowered module: the generation, the toolchain's versions and
     the source of the code that reads the figures."""
     parts = [target, json.dumps(_versions(None), sort_keys=True),
-             *(inspect.getsource(fn) for fn in (custom_calls, _attach_grids, record_pallas_calls, _block))]
+             *(inspect.getsource(fn) for fn in (custom_calls, _attach_grids, record_pallas_calls, _block,
+                                                 xla_side_bytes, _size))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -224,7 +267,7 @@ def run(args) -> int:
 
     wanted = {v.group for v in tpu_variants.variants() if not args.only or re.search(args.only, v.name)}
     # The peers compile for the gated generations only (shown beside ours, not checked).
-    shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm", "decode") for t in targets
+    shards = [(t, g) for g in ("tpu", "peer", "flex", "hbm", "side", "decode") for t in targets
               if g in wanted and (g != "peer" or t in tpu_check.GATED_TARGETS)]
     if args.reuse and not args.reuse.exists():
         raise SystemExit(f"tpu_report: --reuse {args.reuse}: no such report")

@@ -22,13 +22,18 @@ from serving_step import CONTEXT, HEAD_DIM, KV_HEADS as RAGGED_KV_HEADS, ragged_
 
 B, N, KV_HEADS = 4, 8, 2
 # target -> the topology whose first chip the report compiles for (`jax.experimental.topologies`)
-TOPOLOGIES = {"tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2", "tpu_v4": "v4:2x2x1"}
-TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_v4")
-# Scoped VMEM a kernel may use without raising `vmem_limit_bytes`, and the VMEM of a TensorCore, in bytes:
-# the figures libtpu 0.0.48.1's deviceless compile enforces ("Scoped allocation with size 24.00M and limit
-# 16.00M", "Used 160.00M of 128.00M vmem"; the capacities are also jax's `tpu_info`).
-SCOPED_VMEM_LIMIT = {"tpu_v5e": 16 << 20, "tpu_v5p": 16 << 20, "tpu_v6e": 32 << 20, "tpu_v4": 16 << 20}
-VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20, "tpu_v4": 16 << 20}
+TOPOLOGIES = {"tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2", "tpu_7x": "tpu7x:2x2x1",
+              "tpu_v4": "v4:2x2x1"}
+TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_7x", "tpu_v4")
+# The VMEM a kernel may use, and the VMEM of a TensorCore, in bytes: the kernels that read [B, T, N, D] in
+# place ask for `vmem_limit_bytes` = twice the default scoped limit libtpu 0.0.48.1 enforces (16 MiB on v4 /
+# v5e / v5p, 32 MiB on v6e / TPU7x: "Scoped allocation with size 20.00M and limit 16.00M"), at most 3/4 of
+# the core's VMEM (`probjax_kernels.tpu.chips.Chip.vmem_limit`); v4 keeps its default. The capacities are
+# jax's `tpu_info` ("Used 160.00M of 128.00M vmem").
+SCOPED_VMEM_LIMIT = {"tpu_v5e": 32 << 20, "tpu_v5p": 32 << 20, "tpu_v6e": 64 << 20, "tpu_7x": 48 << 20,
+                     "tpu_v4": 16 << 20}
+VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20, "tpu_7x": 64 << 20,
+                 "tpu_v4": 16 << 20}
 
 FORWARD, DQ, DKV, TANGENT = ("probjax_tpu_forward", "probjax_tpu_backward_dq", "probjax_tpu_backward_dkv",
                              "probjax_tpu_tangent")
@@ -140,7 +145,10 @@ def tpu_variants() -> list[TpuVariant]:
     return out
 
 
-HBM_LENGTHS = (4096, 8192)  # T and 2T: fwd+bwd HBM temp must grow at most linearly (no T x S buffer)
+# fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along this chain of doublings. It starts where
+# the working set leaves VMEM: up to T = 4096 XLA:TPU keeps our kernels' residuals (out, 32 MiB at 4096) in
+# the core's VMEM and reports 0 MiB of HBM temp, so a doubling from there compares against nothing.
+HBM_LENGTHS = (8192, 16384)
 
 
 # ------------------------------------------------------------------------------------------------ peers
@@ -160,15 +168,17 @@ def _peer(name, build_attend, features, *, head_dim=128, kv_heads=N, q_len=1024)
     return TpuVariant(name, "peer", build, head_dim, "bf16", "fwd+bwd", q_len, None, features=features)
 
 
-def _splash(mask_kind: str, gqa: bool):
+def _splash(mask_kind: str, gqa: bool, transpose: bool = True):
     """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) at its default block sizes
     (128 everywhere, separate dQ and dK/dV kernels), vmapped over the batch; GQA through its MQA kernel,
-    vmapped over the kv heads."""
+    vmapped over the kv heads. `transpose`: on our [B, T, N, D] inputs (transposed for it); else on its own
+    [B, N, T, D] layout (the side-by-side rows: `side_variants`)."""
     def build_attend(t, d):
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-        one = masks.CausalMask((t, t)) if mask_kind == "causal" else masks.LocalMask((t, t), (256, 0), 0)
+        one = {"causal": lambda: masks.CausalMask((t, t)), "full": lambda: masks.FullMask((t, t)),
+               "local": lambda: masks.LocalMask((t, t), (256, 0), 0)}[mask_kind]()
         heads = N // KV_HEADS if gqa else N
         # The mask's block tables are made here, at trace time, as arrays: on the CPU (the topology's TPU
         # device of the compile cannot hold data); they enter the compile as constants.
@@ -178,13 +188,13 @@ def _splash(mask_kind: str, gqa: bool):
                 block_sizes=splash.BlockSizes.get_default())
 
         def attend(q, k, v):
-            q, k, v = _bnsd(q) * d ** -0.5, _bnsd(k), _bnsd(v)
+            q, k, v = (_bnsd(q) * d ** -0.5, _bnsd(k), _bnsd(v)) if transpose else (q * d ** -0.5, k, v)
             if gqa:  # q [B, K, N/K, T, D], k / v [B, K, T, D]
                 q = q.reshape(B, KV_HEADS, N // KV_HEADS, t, d)
                 out = jax.vmap(jax.vmap(kernel))(q, k, v).reshape(B, N, t, d)
             else:
                 out = jax.vmap(kernel)(q, k, v)
-            return _bnsd(out)
+            return _bnsd(out) if transpose else out
 
         return attend
     return build_attend
@@ -223,7 +233,6 @@ def peer_variants() -> list[TpuVariant]:
     splash = "block-sparse masks (tables at trace time), soft cap, segment ids, MQA / GQA, fused dK/dV"
     jax_flash = "causal, dense bias `ab`, segment ids; no GQA, no window, no soft cap, Dv = D"
     tokamax = "tokamax.dot_product_attention (its Mosaic TPU kernel: splash); masks, bias, GQA, soft cap, window"
-    t = HBM_LENGTHS[0]
     return [
         _peer("jax_splash_grad_d128_bf16_causal", _splash("causal", False), splash),
         _peer("jax_splash_grad_d128_bf16_local256", _splash("local", False), splash),
@@ -231,10 +240,65 @@ def peer_variants() -> list[TpuVariant]:
         _peer("jax_flash_grad_d128_bf16_causal", _jax_flash(True), jax_flash),
         _peer("jax_flash_grad_d128_bf16_full", _jax_flash(False), jax_flash),
         _peer("tokamax_grad_d128_bf16_causal", _tokamax(True), tokamax),
-        _peer(f"jax_splash_grad_d128_bf16_causal_T{t}", _splash("causal", False), splash, q_len=t),
-        _peer(f"jax_flash_grad_d128_bf16_causal_T{t}", _jax_flash(True), jax_flash, q_len=t),
-        _peer(f"tokamax_grad_d128_bf16_causal_T{t}", _tokamax(True), tokamax, q_len=t),
+        *(v for v in side_variants() if v.group == "peer"),
     ]
+
+
+# ------------------------------------------------------------------------------------------ side by side
+
+SIDE_LENGTHS = (2048, 8192)
+
+
+def side_name(who: str, head_dim: int, kv_heads: int, mask: str, t: int) -> str:
+    heads = "mha" if kv_heads == N else f"gqa{N}to{kv_heads}"
+    return f"{who}_side_grad_d{head_dim}_{heads}_bf16_{mask}_T{t}"
+
+
+def side_variants() -> list[TpuVariant]:
+    """fwd+bwd, bf16, B=4, N=8, at T = 2048 / 8192, head dim 64 / 128, causal / full, MHA / GQA 8:2: ours on
+    the [B, T, N, D] layout the modules use ("side", gated: HBM temp at most splash's) beside JAX's splash
+    attention on its own [B, N, T, D] layout (no transposes) and, at T = 8192 head dim 128 causal, JAX's Pallas
+    flash attention (GQA through K / V repeated to N heads: it has no GQA)."""
+    splash = "block-sparse masks, soft cap, segment ids, MQA / GQA; on its own [B, N, T, D] layout"
+    jax_flash = "causal, dense bias `ab`, segment ids; K / V repeated for GQA"
+    out = []
+    for t in SIDE_LENGTHS:
+        for d in (64, 128):
+            for mask in ("causal", "full"):
+                for kv_heads in (N, KV_HEADS):
+                    ours = gpu_variants.flash(side_name("tpu", d, kv_heads, mask, t), backend="tpu", head_dim=d,
+                                              causal=mask == "causal", q_len=t, kv_heads=kv_heads, mode="fwd+bwd")
+                    out.append(_from_gpu(ours, "side"))
+                    out.append(_native_peer(side_name("jax_splash", d, kv_heads, mask, t),
+                                            _splash(mask, kv_heads != N, transpose=False), splash, d, kv_heads, t))
+                    if t == SIDE_LENGTHS[-1] and d == 128 and mask == "causal":
+                        out.append(_peer(side_name("jax_flash", d, kv_heads, mask, t),
+                                         _jax_flash_repeated(kv_heads), jax_flash, kv_heads=kv_heads, q_len=t))
+    return out
+
+
+def _native_peer(name, build_attend, features, head_dim: int, kv_heads: int, q_len: int) -> TpuVariant:
+    """fwd+bwd of a peer's attend(q, k, v) on [B, N, T, D] inputs, bf16."""
+    def build():
+        specs = [_spec((B, N, q_len, head_dim), jnp.bfloat16)] + [
+            _spec((B, kv_heads, q_len, head_dim), jnp.bfloat16)] * 2
+        return gpu_variants._wrap("fwd+bwd", build_attend(q_len, head_dim), 3, (0, 1, 2)), specs
+
+    return TpuVariant(name, "peer", build, head_dim, "bf16", "fwd+bwd", q_len, None, features=features)
+
+
+def _jax_flash_repeated(kv_heads: int):
+    """JAX's Pallas TPU flash attention, causal, with K / V repeated to the N query heads."""
+    def build_attend(t, d):
+        from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
+        def attend(q, k, v):
+            k, v = (jnp.repeat(x, N // kv_heads, axis=2) for x in (k, v))
+            out = jax_flash.flash_attention(_bnsd(q), _bnsd(k), _bnsd(v), causal=True, sm_scale=d ** -0.5)
+            return _bnsd(out)
+
+        return attend
+    return build_attend
 
 
 def decode_variants() -> list[TpuVariant]:
@@ -316,12 +380,14 @@ def ragged_variants() -> list[TpuVariant]:
 
 def gated_variants() -> list[TpuVariant]:
     """The variants the gate checks: ours (flash, flex, HBM pair, decode); the peers are shown only."""
-    return [*tpu_variants(), *(v for v in decode_variants() + ragged_variants() if v.group != "peer")]
+    return [*tpu_variants(), *(v for v in side_variants() if v.group != "peer"),
+            *(v for v in decode_variants() + ragged_variants() if v.group != "peer")]
 
 
 def variants() -> list[TpuVariant]:
     """Every TPU variant, ours first; names are unique."""
-    out = tpu_variants() + peer_variants() + decode_variants() + ragged_variants()
+    out = tpu_variants() + [v for v in side_variants() if v.group != "peer"] + peer_variants() + decode_variants() + \
+        ragged_variants()
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out
