@@ -69,6 +69,7 @@ def test_head_blocks(num_heads, num_kv_heads, tile, heads):
     assert (layout.heads, layout.group) == (heads, num_heads // num_kv_heads)
     assert layout.kv_in_place == (heads > 0 and (heads // layout.group) % 8 == 0)
     assert not common.seq_layout(Problem, num_heads, num_kv_heads, (64, 64), 2, "forward", tile, False, BUDGET).in_place
+    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (256, 256), 2, "forward", tile, False, BUDGET).in_place
     assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), 2, "forward", tile, True, BUDGET).in_place
     Problem.table_shape = (1, num_heads)
     assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), 2, "forward", tile, False, BUDGET).in_place
@@ -111,13 +112,12 @@ def test_gqa_in_blocks_of_8_heads_bf16_window_segments_dropout():
         assert in_place_heads() == {heads}
 
 
-def test_value_dim_256_shared_kv_float16_in_place():
-    """Dv = 256 != D = 128, k / v of batch 1 shared by a batch of 2 (the dK/dV kernel's float32 per-batch
-    blocks), GQA 8:2 (K / V transposed, a (2, rows, D) block), float16 (float32 inside the kernels):
-    gradients."""
-    q, k, _ = random_qkv(34, 2, 140, 140, 8, 2, 128, jnp.float16)
-    k = k[:1]
-    v = jax.random.normal(jax.random.key(35), (1, 140, 2, 256), jnp.float32).astype(jnp.float16)
+def test_shared_kv_float16_in_place():
+    """k / v of batch 1 shared by a batch of 2 (the dK/dV kernel's float32 per-batch blocks), GQA 8:2 (K / V
+    transposed, a (2, rows, D) block), float16 (float32 inside the kernels): gradients. (Dv != D takes the
+    transposed layout: tests/test_tpu_kernels.py.)"""
+    q, k, v = random_qkv(34, 2, 140, 140, 8, 2, 128, jnp.float16)
+    k, v = k[:1], v[:1]
     check_gradients(lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True, config=TPU),
                     lambda q, k, v: flash_attention_reference(q, k, v, causal=True, return_lse=True), (q, k, v),
                     jnp.float16)

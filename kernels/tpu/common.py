@@ -1,11 +1,11 @@
 """What the Mosaic TPU kernels share: how they read q, k, v (`SeqLayout`), the BlockSpecs of the optional
 inputs, the float32 tile matmul and the score context of one tile. The tile walk is `walk.py`'s.
 
-Layout. In place: when every head dim is a multiple of 128, a program takes a block of heads of a tile of
+Layout. In place: when every head dim is 128, a program takes a block of heads of a tile of
 rows straight from `[B, T, N, D]` (block (rows, heads, D): its last two dims are whole heads x a lane-aligned
 head dim, so a legal TPU block with no copy in XLA) and loops over its heads, which share the program's walk
 and each step's K / V blocks. Transposed: one head per program from the `[B, N, T, D]` transpose (head dims
-of 64, per-head `BlockMask` tables, hook arrays read as tiles along a head index). Row vectors (lse, delta,
+of 64 or 256, per-head `BlockMask` tables, hook arrays read as tiles along a head index). Row vectors (lse, delta,
 d lse, the row max) live in HBM as lane-dense `[B, N, 1, T]` rows either way (a `[B, N, T, 1]` column pads
 each float32 to 128 lanes).
 """
@@ -138,8 +138,8 @@ class SeqLayout:
     def store(self, ref, slot: int, value, kv: bool = False) -> None:
         if not self.in_place:
             ref[...] = value
-        elif self._rows_major(kv) and self.strided and jnp.dtype(ref.dtype).itemsize == 4:  # 32-bit only
-            rows, heads, dim = ref.shape
+        elif self._rows_major(kv) and self.strided and jnp.dtype(ref.dtype).itemsize == 4 and ref.shape[2] == 128:
+            rows, heads, dim = ref.shape  # Mosaic strides stores of 32 bits x 128 lanes only
             ref.reshape(rows * heads, dim)[pl.ds(slot, rows, stride=heads), :] = value
         elif self._rows_major(kv):
             ref[:, slot, :] = value
@@ -172,10 +172,10 @@ class SeqLayout:
             return ref[...]
         if not self._rows_major(kv):
             return ref[slot]
-        if not self.strided:
+        rows, heads, dim = ref.shape
+        if not self.strided or dim != 128:  # Mosaic strides a load of 128 lanes only
             return ref[:, slot, :]
-        rows, heads, dim = ref.shape  # a strided sublane load: no shuffles, and fast to compile
-        return ref.reshape(rows * heads, dim)[pl.ds(slot, rows, stride=heads), :]
+        return ref.reshape(rows * heads, dim)[pl.ds(slot, rows, stride=heads), :]  # no shuffles, fast to compile
 
     def unstage(self, source, ref, kv: bool = False) -> None:
         """Writes each head's (rows, D) float32 tile of scratch `source` (heads, rows, D) to output block `ref`,
@@ -239,15 +239,15 @@ def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], h
 
 def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], itemsize: int,
                kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int) -> SeqLayout:
-    """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: every head dim a multiple
-    of 128 (a whole lane block), a head block of a multiple of 8 query heads (whole sublane tiles) and of the
+    """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: every head dim 128 (a lane
+    block, which Mosaic reads one head of by a strided load; 256 compiles 25x slower), a head block of a multiple of 8 query heads (whole sublane tiles) and of the
     GQA group, one walk for all heads of a program (no per-head `BlockMask` tables), no hook array read as
     tiles along a head index (`tile_consts`: the transposed path serves those), and `kernel_vmem` within
     `budget` bytes on its (rows, keys) `tile`; else the transposed layout."""
     group = num_heads // num_kv_heads
     transposed = SeqLayout(0, group)
     per_head_tables = problem.table_shape is not None and problem.table_shape[1] > 1
-    if any(d % 128 for d in head_dims) or per_head_tables or tile_consts:
+    if any(d != 128 for d in head_dims) or per_head_tables or tile_consts:
         return transposed
     for heads in range(8, num_heads + 1, 8):
         if num_heads % heads or heads % group:
