@@ -217,7 +217,7 @@ def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
 
 @pytest.mark.parametrize("kind, generation", [
     ("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"),
-    ("TPU v6 lite", "v6e"), ("cpu", "v5e"),
+    ("TPU v6 lite", "v6e"), ("TPU7x", "tpu7x"), ("cpu", "v5e"),
 ])
 def test_tpu_generation_and_tiles(kind, generation):
     device = type("Device", (), {"device_kind": kind})()
