@@ -29,7 +29,8 @@ def _row(target: str, variant, vmem: int = MIB) -> dict:
     """A passing row for `variant` on `target`, as tpu_report.worker writes it."""
     kernels = [dict(kernel=name, scoped_vmem=vmem, grid=[4, 8, 4, 2], blocks=[[256, 128]])
                for name in variant.required_kernels]
-    temp = {tpu_variants.HBM_LENGTHS[0]: 256 * MIB, tpu_variants.HBM_LENGTHS[1]: 512 * MIB}.get(variant.q_len, 0)
+    chain = {t: 256 * MIB << i for i, t in enumerate(tpu_variants.HBM_LENGTHS)}
+    temp = chain[variant.q_len] if variant.group == "hbm" else 256 * MIB * (variant.q_len >= 8192)
     return dict(target=target, variant=variant.name, group=variant.group, mode=variant.mode, q_len=variant.q_len,
                 path=variant.path, dispatch=variant.path, kernels=kernels, status="ok", compile_s=1.0,
                 hbm=dict(temp=temp, argument=0, output=0))
@@ -96,8 +97,12 @@ def _drop(section, target, name):
         scoped_vmem=33 * MIB), "scoped VMEM over the tpu_v5e limit"),
     ("no VMEM figure", lambda s: _find(s, "tpu_v5p", KERNEL_VARIANT)["kernels"][0].update(scoped_vmem=None),
      "no scoped VMEM figure"),
-    ("quadratic HBM", lambda s: _find(s, "tpu_v6e", f"tpu_hbm_grad_d128_bf16_causal_T{tpu_variants.HBM_LENGTHS[1]}")
-     ["hbm"].update(temp=1024 * MIB), "grows faster than linearly"),
+    ("quadratic HBM at the first doubling", lambda s: _find(
+        s, "tpu_v6e", f"tpu_hbm_grad_d128_bf16_causal_T{tpu_variants.HBM_LENGTHS[1]}")["hbm"].update(temp=1024 * MIB),
+     "grows faster than linearly"),
+    ("quadratic HBM at the last doubling", lambda s: _find(
+        s, "tpu_7x", f"tpu_hbm_grad_d128_bf16_causal_T{tpu_variants.HBM_LENGTHS[-1]}")["hbm"].update(
+        temp=(256 * MIB << len(tpu_variants.HBM_LENGTHS)) + 8 * MIB), "grows faster than linearly"),
     ("above splash", lambda s: _find(s, "tpu_7x", "tpu_side_grad_d128_mha_bf16_causal_T8192")["hbm"].update(
         temp=301 * MIB), "above splash's"),
     ("no splash row", lambda s: _drop(s, "tpu_v5p", "jax_splash_side_grad_d64_gqa8to2_bf16_full_T2048"),
@@ -151,7 +156,8 @@ def test_custom_calls_reads_each_kernel_and_its_scoped_vmem():
 # -------------------------------------------------------------------------------- the committed report
 
 SECTION = json.loads((ROOT / "docs" / "compile" / "report.json").read_text()).get("tpu")
-KINDS = {"tpu_v5e": "TPU v5 lite", "tpu_v5p": "TPU v5", "tpu_v6e": "TPU v6 lite", "tpu_v4": "TPU v4"}
+KINDS = {"tpu_v5e": "TPU v5 lite", "tpu_v5p": "TPU v5", "tpu_v6e": "TPU v6 lite", "tpu_v4": "TPU v4",
+         "tpu_7x": "TPU7x"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ def in_place_heads(kernels=("forward", "dq", "dkv")) -> set[int]:
     return found
 
 
+BF16 = jnp.bfloat16
 BUDGET = 24 << 20  # 3/4 of the VMEM limit the in-place kernels ask of a v5e (chips.Chip.vmem_limit)
 
 
@@ -57,29 +58,32 @@ def test_head_blocks(num_heads, num_kv_heads, tile, heads):
     """The head block: the fewest query heads that fill whole sublane tiles (a multiple of 8) and hold whole
     GQA groups, with the forward's blocks, staging copies and scratch within the budget (GQA 64:1 needs 64
     heads a block, too large on 512 x 512 tiles: transposed, heads 0); kv heads in place only as a
-    multiple of 8 too; fewer than 8 heads, a head dim of 64, a hook array tiled per head or a per-head
-    BlockMask take the transposed layout."""
+    multiple of 8 too; fewer than 8 heads, a head dim of 64, a hook array tiled per head, a per-head
+    BlockMask or float32 / float16 inputs take the transposed layout."""
 
     class Problem:  # what the layout reads of a call
         table_shape = None
         features = type("F", (), {"score_mod": None, "mask_mod": None})()
         config = None
 
-    layout = common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), 2, "forward", tile, False, BUDGET)
+    layout = common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), BF16, "forward", tile, False, BUDGET)
     assert (layout.heads, layout.group) == (heads, num_heads // num_kv_heads)
     assert layout.kv_in_place == (heads > 0 and (heads // layout.group) % 8 == 0)
-    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (64, 64), 2, "forward", tile, False, BUDGET).in_place
-    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (256, 256), 2, "forward", tile, False, BUDGET).in_place
-    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), 2, "forward", tile, True, BUDGET).in_place
+    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (64, 64), BF16, "forward", tile, False, BUDGET).in_place
+    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (256, 256), BF16, "forward", tile, False, BUDGET).in_place
+    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), BF16, "forward", tile, True, BUDGET).in_place
+    for other in (jnp.float32, jnp.float16):
+        assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), other, "forward", tile, False,
+                                     BUDGET).in_place
     Problem.table_shape = (1, num_heads)
-    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), 2, "forward", tile, False, BUDGET).in_place
+    assert not common.seq_layout(Problem, num_heads, num_kv_heads, (128, 128), BF16, "forward", tile, False, BUDGET).in_place
 
 
 def test_mha_causal_lengths_bias_mask_gradients_in_place():
     """8 heads (one block, K / V in place too), ragged T / S 150 / 300, causal, lengths, a per-head bias
-    [1, N, T, S] with its gradient (the dQ kernel writes dS per head of the block) and a dense mask, float32,
+    [1, N, T, S] with its gradient (the dQ kernel writes dS per head of the block) and a dense mask, bfloat16,
     head dim 128."""
-    q, k, v = random_qkv(30, 2, 150, 300, 8, 8, 128)
+    q, k, v = random_qkv(30, 2, 150, 300, 8, 8, 128, jnp.bfloat16)
     q_lengths, kv_lengths = jnp.array([150, 90]), jnp.array([300, 200])
     bias = jax.random.normal(jax.random.key(31), (1, 8, 150, 300))
     mask = jax.random.bernoulli(jax.random.key(32), 0.85, (2, 1, 150, 300))
@@ -87,14 +91,14 @@ def test_mha_causal_lengths_bias_mask_gradients_in_place():
     (out, lse), _ = check_gradients(
         lambda q, k, v, b: flash_attention(q, k, v, bias=b, return_lse=True, config=TPU, **kwargs),
         lambda q, k, v, b: flash_attention_reference(q, k, v, bias=b, return_lse=True, **kwargs),
-        (q, k, v, bias), jnp.float32)
+        (q, k, v, bias), jnp.bfloat16)
     assert in_place_heads() == {8}
     allowed = numpy_allowed(2, 150, 300, causal=True, q_lengths=np.asarray(q_lengths),
                             kv_lengths=np.asarray(kv_lengths), mask=np.asarray(mask))
     expected, expected_lse = numpy_attention(q, k, v, allowed=allowed, bias=bias)
-    assert_close(out, expected, jnp.float32, "out")
+    assert_close(out, expected, jnp.bfloat16, "out")
     assert np.array_equal(np.isfinite(lse), np.isfinite(expected_lse))
-    assert_close(finite(lse), finite(jnp.asarray(expected_lse, jnp.float32)), jnp.float32, "lse")
+    assert_close(finite(lse), finite(jnp.asarray(expected_lse, jnp.float32)), jnp.bfloat16, "lse")
 
 
 def test_gqa_in_blocks_of_8_heads_bf16_window_segments_dropout():
@@ -112,22 +116,24 @@ def test_gqa_in_blocks_of_8_heads_bf16_window_segments_dropout():
         assert in_place_heads() == {heads}
 
 
-def test_shared_kv_float16_in_place():
+def test_shared_kv_in_place_and_float16_transposed():
     """k / v of batch 1 shared by a batch of 2 (the dK/dV kernel's float32 per-batch blocks), GQA 8:2 (K / V
-    transposed, a (2, rows, D) block), float16 (float32 inside the kernels): gradients. (Dv != D takes the
-    transposed layout: tests/test_tpu_kernels.py.)"""
-    q, k, v = random_qkv(34, 2, 140, 140, 8, 2, 128, jnp.float16)
-    k, v = k[:1], v[:1]
-    check_gradients(lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True, config=TPU),
-                    lambda q, k, v: flash_attention_reference(q, k, v, causal=True, return_lse=True), (q, k, v),
-                    jnp.float16)
-    assert in_place_heads() == {8}
+    transposed, a (2, rows, D) block): gradients in bfloat16 (in place) and float16 (float32 inside the
+    kernels, the transposed layout). (Dv != D takes the transposed layout: tests/test_tpu_kernels.py.)"""
+    for dtype, heads in ((jnp.bfloat16, 8), (jnp.float16, 0)):
+        _layouts.clear()
+        q, k, v = random_qkv(34, 2, 140, 140, 8, 2, 128, dtype)
+        k, v = k[:1], v[:1]
+        check_gradients(lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True, config=TPU),
+                        lambda q, k, v: flash_attention_reference(q, k, v, causal=True, return_lse=True),
+                        (q, k, v), dtype)
+        assert in_place_heads() == {heads}
 
 
 def test_hooks_with_a_block_mask_and_jvp_in_place():
     """ALiBi's per-head slopes (SMEM) with a sliding-window BlockMask shared by the heads (one walk per head
-    block), GQA 8:4: gradients including the slopes', and the tangent kernel's jvp, float32."""
-    q, k, v = random_qkv(36, 1, 200, 260, 8, 4, 128)
+    block), GQA 8:4: gradients including the slopes', and the tangent kernel's jvp, bfloat16."""
+    q, k, v = random_qkv(36, 1, 200, 260, 8, 4, 128, jnp.bfloat16)
     block_mask = create_block_mask(sliding_window(90), None, None, 200, 260)
     slopes = 2.0 ** -jnp.arange(1.0, 9.0)
 
@@ -140,16 +146,17 @@ def test_hooks_with_a_block_mask_and_jvp_in_place():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the XLA fallback warns
         check_gradients(attend(flex_attention, config=TPU), attend(flex_attention_reference), (q, k, v, slopes),
-                        jnp.float32)
-        tangents = tuple(jax.random.normal(jax.random.key(40 + i), x.shape) for i, x in enumerate((q, k, v)))
+                        jnp.bfloat16)
+        tangents = tuple(jax.random.normal(jax.random.key(40 + i), x.shape, x.dtype)
+                         for i, x in enumerate((q, k, v)))
         jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
         (_, (d_out, d_lse)) = jvp(lambda q, k, v: attend(flex_attention, config=TPU)(q, k, v, slopes), (q, k, v),
                                   tangents)
     assert in_place_heads(("forward", "dq", "dkv", "tangent")) == {8}
     (_, (want_out, want_lse)) = jvp(lambda q, k, v: attend(flex_attention_reference)(q, k, v, slopes), (q, k, v),
                                     tangents)
-    assert_close(d_out, want_out, jnp.float32, "d out")
-    assert_close(finite(d_lse), finite(want_lse), jnp.float32, "d lse")
+    assert_close(d_out, want_out, jnp.bfloat16, "d out")
+    assert_close(finite(d_lse), finite(want_lse), jnp.bfloat16, "d lse")
 
 
 def test_per_head_block_mask_takes_the_transposed_layout():

@@ -237,23 +237,26 @@ def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], h
     return blocks + staging + 4 * scratch + 4 * 4 * rows * keys
 
 
-def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], itemsize: int,
+def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], dtype,
                kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int) -> SeqLayout:
-    """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: every head dim 128 (a lane
-    block, which Mosaic reads one head of by a strided load; 256 compiles 25x slower), a head block of a multiple of 8 query heads (whole sublane tiles) and of the
-    GQA group, one walk for all heads of a program (no per-head `BlockMask` tables), no hook array read as
-    tiles along a head index (`tile_consts`: the transposed path serves those), and `kernel_vmem` within
-    `budget` bytes on its (rows, keys) `tile`; else the transposed layout."""
+    """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: bfloat16 inputs, every head
+    dim 128 (a lane block, which Mosaic reads one head of by a strided load; 256 compiles 25x slower), a head
+    block of a multiple of 8 query heads (whole sublane tiles) and of the GQA group, one walk for all heads of
+    a program (no per-head `BlockMask` tables), no hook array read as tiles along a head index (`tile_consts`:
+    the transposed path serves those), and `kernel_vmem` within `budget` bytes on its (rows, keys) `tile`;
+    else the transposed layout. float32 (and float16, which runs as float32) stays transposed: Mosaic's
+    multi-pass float32 matmuls keep temporaries `kernel_vmem` does not model (8-head float32 blocks compiled
+    to 35-44 MiB of VMEM on v5e / v5p against a modelled 24)."""
     group = num_heads // num_kv_heads
     transposed = SeqLayout(0, group)
     per_head_tables = problem.table_shape is not None and problem.table_shape[1] > 1
-    if any(d != 128 for d in head_dims) or per_head_tables or tile_consts:
+    if jnp.dtype(dtype) != jnp.bfloat16 or any(d != 128 for d in head_dims) or per_head_tables or tile_consts:
         return transposed
     for heads in range(8, num_heads + 1, 8):
         if num_heads % heads or heads % group:
             continue
         kv_heads = heads // group
-        fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, itemsize) <= budget
+        fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, jnp.dtype(dtype).itemsize) <= budget
         return SeqLayout(heads, group, kv_heads % 8 == 0) if fits else transposed
     return transposed
 
@@ -267,8 +270,8 @@ def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile:
     layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
     head_tiles = any("h" in kinds for layout in layouts for _, kinds, _ in layout.tiles)
     budget = chips.target_chip(cfg.backend).vmem_limit * 3 // 4
-    layout = seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]),
-                        jnp.dtype(compute_dtype(q.dtype)).itemsize, kernel, tile, head_tiles or tile_grads, budget)
+    layout = seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]), q.dtype, kernel, tile,
+                        head_tiles or tile_grads, budget)
     return dataclasses.replace(layout, strided=cfg.backend != "tpu_interpret")
 
 

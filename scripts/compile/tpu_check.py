@@ -27,15 +27,32 @@ HBM_SLACK = 4 << 20  # bytes: XLA's placement of small buffers (VMEM or HBM) mov
 SIDE_MAX_RATIO = 1.0
 
 
-def _registry() -> dict:
-    """name -> TpuVariant of the gated (non-peer) variants; the registry imports probjax_kernels to build."""
+def _import_kernels() -> None:
     try:
         import probjax_kernels  # noqa: F401
     except ImportError:  # the toolchain venv does not install the project: load the repo's kernels/
         import report as gpu_report
 
         gpu_report._import_kernels()
+
+
+def _registry() -> dict:
+    """name -> TpuVariant of the gated (non-peer) variants; the registry imports probjax_kernels to build."""
+    _import_kernels()
     return {v.name: v for v in tpu_variants.gated_variants()}
+
+
+def vmem_limits(target: str) -> tuple[int, int]:
+    """(the VMEM a kernel may use, the VMEM of a TensorCore) in bytes on `target`: the chip figures the kernels
+    plan with (`probjax_kernels.tpu.chips`). The limit is `Chip.vmem_limit`, the `vmem_limit_bytes` the in-place
+    kernels ask for: twice the default scoped limit libtpu enforces (16 MiB on v4 / v5e / v5p, 32 MiB on v6e /
+    TPU7x: "Scoped allocation with size 20.00M and limit 16.00M"), at most 3/4 of the core's VMEM (jax's
+    `tpu_info`). A kernel that asks for nothing is held to the default by the compiler itself."""
+    _import_kernels()
+    from probjax_kernels.tpu import chips
+
+    chip = chips.CHIPS[tpu_variants.CHIP_OF[target]]
+    return chip.vmem_limit, chip.vmem
 
 
 def row_problems(row: dict, variant) -> list[str]:
@@ -56,7 +73,7 @@ def row_problems(row: dict, variant) -> list[str]:
         if name not in names:
             out.append(f"{where}: no tpu_custom_call of {name} (the dispatch runs it on the Mosaic TPU kernels; "
                        f"found {names or 'none'})")
-    limit = tpu_variants.SCOPED_VMEM_LIMIT.get(row["target"])
+    limit = vmem_limits(row["target"])[0] if row["target"] in tpu_variants.CHIP_OF else None
     for kernel in kernels:
         vmem = kernel.get("scoped_vmem")
         if vmem is None:
@@ -68,21 +85,22 @@ def row_problems(row: dict, variant) -> list[str]:
 
 
 def hbm_problems(rows: list[dict], target: str) -> list[str]:
-    """The HBM growth check of one target: fwd+bwd temp at 2T against T (the registry's `hbm` pair)."""
-    t1, t2 = tpu_variants.HBM_LENGTHS
-    pair = {r["q_len"]: r for r in rows if r["target"] == target and r.get("group") == "hbm"}
-    if t1 not in pair or t2 not in pair:
-        return []  # the missing rows are reported as missing
-    small, large = pair[t1], pair[t2]
-    if small.get("status") != "ok" or large.get("status") != "ok":
-        return []  # reported as compile errors
-    a, b = (r.get("hbm", {}).get("temp") for r in (small, large))
-    if a is None or b is None:
-        return [f"{target}: no HBM temp figure for the T = {t1} / {t2} pair"]
-    if b > HBM_GROWTH_MAX * a + HBM_SLACK:
-        return [f"{target}: fwd+bwd HBM temp grows faster than linearly: {a:,} B at T = {t1}, {b:,} B at "
-                f"T = {t2} (over {HBM_GROWTH_MAX} x + {HBM_SLACK >> 20} MiB)"]
-    return []
+    """The HBM growth check of one target: fwd+bwd temp at each 2T of the registry's `hbm` chain against T."""
+    chain = {r["q_len"]: r for r in rows if r["target"] == target and r.get("group") == "hbm"}
+    out = []
+    for t1, t2 in zip(tpu_variants.HBM_LENGTHS, tpu_variants.HBM_LENGTHS[1:]):
+        if t1 not in chain or t2 not in chain:
+            continue  # the missing rows are reported as missing
+        small, large = chain[t1], chain[t2]
+        if small.get("status") != "ok" or large.get("status") != "ok":
+            continue  # reported as compile errors
+        a, b = (r.get("hbm", {}).get("temp") for r in (small, large))
+        if a is None or b is None:
+            out.append(f"{target}: no HBM temp figure for the T = {t1} / {t2} pair")
+        elif b > HBM_GROWTH_MAX * a + HBM_SLACK:
+            out.append(f"{target}: fwd+bwd HBM temp grows faster than linearly: {a:,} B at T = {t1}, {b:,} B at "
+                       f"T = {t2} (over {HBM_GROWTH_MAX} x + {HBM_SLACK >> 20} MiB)")
+    return out
 
 
 def side_pairs(rows: list[dict], target: str) -> list[tuple[dict | None, dict | None, str]]:
@@ -163,8 +181,8 @@ def with_verdicts(section: dict) -> dict:
         row["problems"] = row_problems(row, variant) if variant is not None and row.get("group") != "peer" else []
     section.update(
         gated_targets=list(GATED_TARGETS),
-        limits={t: dict(topology=tpu_variants.TOPOLOGIES[t], scoped_vmem_limit=tpu_variants.SCOPED_VMEM_LIMIT[t],
-                        vmem_capacity=tpu_variants.VMEM_CAPACITY[t]) for t in section.get("targets", [])
+        limits={t: dict(topology=tpu_variants.TOPOLOGIES[t], scoped_vmem_limit=vmem_limits(t)[0],
+                        vmem_capacity=vmem_limits(t)[1]) for t in section.get("targets", [])
                 if t in tpu_variants.TOPOLOGIES},
         hbm_rule=dict(lengths=list(tpu_variants.HBM_LENGTHS), max_growth=HBM_GROWTH_MAX, slack=HBM_SLACK),
         side_rule=dict(max_ratio=SIDE_MAX_RATIO, lengths=list(tpu_variants.SIDE_LENGTHS)),

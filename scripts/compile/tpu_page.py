@@ -14,7 +14,7 @@ _INTRO = """# Compile report: the Mosaic TPU kernels, compiled for each TPU gene
 `JAX_PLATFORMS=cpu`), writes this page and the `tpu` section of `docs/compile/report.json`, and fails on a
 compile error, a kernel over its generation's scoped VMEM limit, a variant that should run on the Mosaic TPU
 kernels without its `tpu_custom_call`s, a variant that should fall back to the XLA path compiling a kernel (or
-the reverse), fwd+bwd HBM temp memory growing more than {growth}x from T to 2T (a T x S buffer would), HBM temp above splash attention's at the same shape (the side-by-side table), or an expected (generation,
+the reverse), fwd+bwd HBM temp growing more than {growth}x per doubling of T along T = {chain} (a T x S buffer would), HBM temp above splash attention's at the same shape (the side-by-side table), or an expected (generation,
 variant) pair missing from the report (`scripts/compile/tpu_check.py`). CI (`.ci/run`) runs it after the GPU
 part for v5e, v5p, v6e and TPU7x with `--reuse docs/compile/report.json`: a variant whose lowered module (with its
 kernels' Mosaic TPU IR) has this report's fingerprint under the same jax, jaxlib and libtpu takes these
@@ -58,10 +58,10 @@ def markdown(section: dict) -> str:
     rows = section["rows"]
     limits = section.get("limits", {})
     failing, shown = tpu_check.problems(section), tpu_check.problems(section, open_ones=True)
-    t1, t2 = section.get("hbm_rule", {}).get("lengths", ("T", "2T"))
+    chain = " / ".join(str(t) for t in section.get("hbm_rule", {}).get("lengths", ()))
     out = [_INTRO.format(toolchain=", ".join(f"{k} {v}" for k, v in section["toolchain"].items()), rows=len(rows),
                          kernels=sum(len(r.get("kernels") or []) for r in rows), wall=section["wall_s"],
-                         jobs=section["jobs"], t1=t1, t2=t2, growth=section.get("hbm_rule", {}).get("max_growth"))]
+                         jobs=section["jobs"], chain=chain, growth=section.get("hbm_rule", {}).get("max_growth"))]
     if section.get("reran"):
         r = section["reran"]
         out.append(f"The variants matching `{r['only']}` were compiled again after a kernel change "
@@ -168,19 +168,20 @@ def _side_table(section: dict) -> list[str]:
 
 
 def _hbm_table(section: dict) -> list[str]:
-    t1, t2 = section.get("hbm_rule", {}).get("lengths", (None, None))
-    out = [f"\n## HBM temp of fwd+bwd at T = {t1} and 2T = {t2} (bf16, hd128, causal, B=4, N=8)\n",
-           "Linear growth doubles the temp (the gate allows "
-           f"{section.get('hbm_rule', {}).get('max_growth')}x); a [B, N, T, S] float32 buffer would add 8 GiB at "
-           "T and 32 GiB at 2T. The chain starts at T = 8192: below, XLA:TPU keeps our residuals in VMEM and "
-           "reports 0 MiB of HBM temp.\n",
-           "| target | temp at T | temp at 2T | ratio | arguments at 2T |", "|---|---|---|---|---|"]
+    rule = section.get("hbm_rule", {})
+    lengths = rule.get("lengths", [])
+    out = [f"\n## HBM temp of fwd+bwd along T = {' / '.join(map(str, lengths))} (bf16, hd128, causal, B=4, N=8)\n",
+           f"Linear growth doubles the temp at each step (the gate allows {rule.get('max_growth')}x + "
+           f"{(rule.get('slack') or 0) >> 20} MiB); a [B, N, T, S] float32 buffer would add 0.5 GiB at T = 2048 "
+           "and 8 GiB at 8192. These compiles keep XLA from placing buffers in VMEM (`tpu_variants.HBM_ONLY`), so "
+           "the temp counts every buffer of the program wherever XLA would put it.\n",
+           "| target | " + " | ".join(f"T = {t}" for t in lengths) + " | growth per doubling |",
+           "|---|" + "---|" * (len(lengths) + 1)]
     for target in section["targets"]:
-        pair = {r["q_len"]: r for r in section["rows"] if r["target"] == target and r["group"] == "hbm"}
-        a, b = ((pair.get(t) or {}).get("hbm") or {} for t in (t1, t2))
-        ratio = f"{b['temp'] / a['temp']:.2f}" if a.get("temp") and b.get("temp") is not None else "-"
-        out.append(f"| {target} | {_mib(a.get('temp'))} | {_mib(b.get('temp'))} | {ratio} | "
-                   f"{_mib(b.get('argument'))} |")
+        chain = {r["q_len"]: r for r in section["rows"] if r["target"] == target and r["group"] == "hbm"}
+        temps = [((chain.get(t) or {}).get("hbm") or {}).get("temp") for t in lengths]
+        growth = ", ".join(f"{b / a:.2f}" if a and b is not None else "-" for a, b in zip(temps, temps[1:]))
+        out.append(f"| {target} | " + " | ".join(_mib(t) for t in temps) + f" | {growth} |")
     return out
 
 

@@ -197,14 +197,19 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 calls.clear()
                 lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",))
-                row["fingerprint"] = gpu_report._fingerprint(lowered.as_text(), key, (REPO, Path(sys.prefix)))
+                options = dict(variant.compiler_options)
+                if options:
+                    row["compiler_options"] = options
+                row["fingerprint"] = gpu_report._fingerprint(
+                    lowered.as_text(), key + json.dumps(options, sort_keys=True) * bool(options),
+                    (REPO, Path(sys.prefix)))
                 old = earlier.get(variant.name)
                 if variant.name not in checked and old and old["fingerprint"] == row["fingerprint"]:
                     compiled = None
                     row.update(reused=True, kernels=[dict(kernel=k["kernel"], scoped_vmem=k["scoped_vmem"])
                                                      for k in old["kernels"]], hbm=old["hbm"])
                 else:
-                    compiled = lowered.compile()
+                    compiled = lowered.compile(compiler_options=options or None)
             fallbacks = [str(w.message) for w in caught if "XLA path" in str(w.message)]
             row["dispatch"] = "fallback" if fallbacks else "kernel"
             if fallbacks:

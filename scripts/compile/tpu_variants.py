@@ -25,13 +25,9 @@ B, N, KV_HEADS = 4, 8, 2
 TOPOLOGIES = {"tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2", "tpu_7x": "tpu7x:2x2x1",
               "tpu_v4": "v4:2x2x1"}
 TARGETS = ("tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_7x", "tpu_v4")
-# The VMEM a kernel may use, and the VMEM of a TensorCore, in bytes: the kernels that read [B, T, N, D] in
-# place ask for `vmem_limit_bytes` = twice the default scoped limit libtpu 0.0.48.1 enforces (16 MiB on v4 /
-# v5e / v5p, 32 MiB on v6e / TPU7x: "Scoped allocation with size 20.00M and limit 16.00M"), at most 3/4 of
-# the core's VMEM (`probjax_kernels.tpu.chips.Chip.vmem_limit`); v4 keeps its default. The capacities are
-# jax's `tpu_info` ("Used 160.00M of 128.00M vmem").
-SCOPED_VMEM_LIMIT = {"tpu_v5e": 32 << 20, "tpu_v5p": 32 << 20, "tpu_v6e": 64 << 20, "tpu_7x": 48 << 20,
-                     "tpu_v4": 16 << 20}
+# target -> its generation in `probjax_kernels.tpu.chips.CHIPS`, whose figures the gate checks VMEM against
+# (`tpu_check.vmem_limits`): the limit the kernels plan with and ask for is the one they are held to.
+CHIP_OF = {"tpu_v5e": "v5e", "tpu_v5p": "v5p", "tpu_v6e": "v6e", "tpu_7x": "tpu7x", "tpu_v4": "v4"}
 VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20, "tpu_7x": 64 << 20,
                  "tpu_v4": 16 << 20}
 
@@ -61,6 +57,7 @@ class TpuVariant:
     path: str | None = "kernel"
     why: str = ""
     features: str = ""
+    compiler_options: tuple[tuple[str, bool], ...] = ()  # XLA:TPU options of the compile (`HBM_ONLY`)
 
     @property
     def required_kernels(self) -> tuple[str, ...]:
@@ -140,15 +137,21 @@ def tpu_variants() -> list[TpuVariant]:
     out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_sliding_window_block512", "sliding_window",
                                            backend="tpu", block=512), "flex"))
     for t in HBM_LENGTHS:
-        out.append(flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t,
-                         mode="fwd+bwd"))
+        out.append(dataclasses.replace(
+            flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t, mode="fwd+bwd"),
+            compiler_options=HBM_ONLY))
     return out
 
 
-# fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along this chain of doublings. It starts where
-# the working set leaves VMEM: up to T = 4096 XLA:TPU keeps our kernels' residuals (out, 32 MiB at 4096) in
-# the core's VMEM and reports 0 MiB of HBM temp, so a doubling from there compares against nothing.
-HBM_LENGTHS = (8192, 16384)
+# fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along this chain of doublings.
+HBM_LENGTHS = (2048, 4096, 8192, 16384)
+# The chain compiles with XLA:TPU's memory-space assignment into VMEM off, so its HBM temp counts every
+# buffer the program holds: with it on, XLA moves whole buffers of up to 64 MiB (our residual `out`, the
+# materialised cotangent) into a v5e's 128 MiB of VMEM when they fit and not at 2T, which reads 0 MiB at
+# T = 4096 and 4x from 8192 to 16384 for a program whose buffers all double. The flags are per generation
+# family ("vf": v5e / v5p, "gf": v6e / TPU7x; each changes no figure of the other family's chips; v4 places
+# nothing there).
+HBM_ONLY = (("xla_vf_vmem_memory_space_assignment", False), ("xla_gf_vmem_memory_space_assignment", False))
 
 
 # ------------------------------------------------------------------------------------------------ peers
