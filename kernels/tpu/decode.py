@@ -1,17 +1,23 @@
 """The split-KV decode kernel in Pallas Mosaic TPU (flash-decoding over dense and paged caches) and its glue.
 
-Grid (sequence b, split s, step j). A cache `[P, page, K, D]` (paged) or `[B, S, K, D]` (dense) is tiled by
-XLA on its last two dims (K, D), so one key/value head of a page is not a slice a DMA can take: each step
-reads whole pages, all K heads, once, and one program runs every key/value head g on them. Its query block
-`[K, rows, D]` packs, per head g, the T new tokens times the N / K query heads of group g (row r = t * group
-+ j, padded to the sublane tile), so a group shares one pass; the head's keys are a strided load `k[:, g, :]`
-from VMEM, the step's pages stacked into one (keys, D) tile. A paged step holds `tiles_per_step` pages, each
-its own BlockSpec whose index map reads `block_tables` (scalar-prefetched) for the page, so the Pallas
-pipeline DMAs the pages of the next step from HBM while this one computes; a dense step is one
-`[tile, K, D]` block of the sequence's own cache. The steps of sequence b (its length, not the capacity)
-are shared among the splits; steps past a split's share repeat its last pages in every index map (no DMA)
-and skip the compute. Online softmax (m, l, the float32 accumulator in VMEM scratch) per head; each split
-writes (out, lse), which `_decode_merge.merge_splits` combines by lse in XLA.
+Grid (sequence b, split s, step j). One program runs every key/value head g on the pages it reads once. Its
+query block `[K, rows, D']` packs, per head g, the T new tokens times the N / K query heads of group g (row
+r = t * group + j, padded to the sublane tile), so a group shares one pass. A cache `[P, page, K, D]`
+(paged) or `[B, S, K, D]` (dense) is read in place, in one of two views (`decode_layout.py`): rows, the free
+reshape `[.., S * K, D]` whose blocks `[tile * K, W]` are dense on sublanes and lanes, head g's keys the
+strided rows `block[g::K]` (D > 128 in lane blocks of 128, one BlockSpec each); or, where only that one is
+free (D > 128 with K in {2, 4}, K = 1 in float32), heads: `[tile, K, D]` blocks, head g's keys
+`block[:, g, :]`. A paged step holds `tiles_per_step` pages, each page (and lane block) its own BlockSpec
+whose index map reads `block_tables` (scalar-prefetched) for the page, so the Pallas pipeline DMAs the pages
+of the next step from HBM while this one computes; a dense step is one block of the sequence's own cache.
+In VMEM the step's pages are stacked into one (keys, W) tile per head. The steps of sequence b (its length,
+not the capacity) are shared among the splits; steps past a split's share repeat its last pages in every
+index map (no DMA) and skip the compute. Only a step that can hold a key some row must not see (past the
+first new token's position, causal; past the length otherwise) runs the causal / length mask and zeroes V
+past the length; the steps before it run an unmasked variant (a mask_mod applies on every step). Online
+softmax per head: the running max and sum lane-broadcast in `[K, rows, 128]` float32 VMEM scratch, the
+accumulator `[K, rows, Dv']`; each split writes (out, lse), which `_decode_merge.merge_splits` combines by
+lse in XLA.
 
 Hooks see a float32 (rows, keys of a step) score tile, b a scalar, q_idx an int32 (rows, 1) column (the
 global position `kv_lengths[b] - T + t`), kv_idx a (1, keys) row and h an int32 (rows, 1) column, or, when
