@@ -59,10 +59,18 @@ def poison_past_lengths(x, lengths):
 def test_the_view_is_the_rows_view_unless_only_the_heads_view_is_free(num_kv_heads, head_dim, dtype, rows, width,
                                                                         chunks):
     """The rows view wherever `[.., S * K, D]` is a bitcast of XLA's TPU layout or neither view is (K = 3); the
-    heads view for D > 128 with K in {2, 4}, or K = 1 in float32; a float16 cache (converted) always rows."""
-    view = cache_view(num_kv_heads, head_dim, dtype)
+    heads view for D > 128 with K in {2, 4}, or K = 1 in float32; a float16 cache (converted) always rows
+    (16-key tiles)."""
+    view = cache_view(num_kv_heads, head_dim, dtype, 16)
     assert (view.rows, view.width, view.chunks, view.padded_dim) == (rows, width, chunks, width * chunks)
-    assert cache_view(num_kv_heads, head_dim, jnp.float32, converted=True).rows
+    assert cache_view(num_kv_heads, head_dim, jnp.float32, 16, converted=True).rows
+
+
+def test_an_odd_tile_of_a_16_bit_cache_takes_the_heads_view():
+    """Mosaic's strided load over packed bfloat16 rows needs an even tile (a dense cache of 37 keys is one
+    block of 37): the heads view then, for K > 1; K = 1 and float32 load without packing."""
+    assert not cache_view(2, 128, jnp.bfloat16, 37).rows
+    assert cache_view(2, 128, jnp.float32, 37).rows and cache_view(1, 128, jnp.bfloat16, 37).rows
 
 
 PAGED_CASES = {
@@ -129,3 +137,17 @@ def test_dense_not_causal_softcap_and_mask_mod_with_nan_past_lengths():
     want_out, want_lse = reference(q, k, v, lengths, causal=False, bias=3.0 * np.tanh(scores / 3.0) - scores,
                                    keep=keep)
     check("tpu dense not causal", out, lse, want_out, want_lse, dtype)
+
+
+def test_dense_bfloat16_cache_shorter_than_a_block_gqa_k2():
+    """A dense bfloat16 cache of 37 keys read in blocks of up to 64 keys (one block of 37: the heads view),
+    K = 2, T = 2, NaN past the lengths; one split."""
+    dtype, lengths = jnp.bfloat16, np.array([37, 2, 0, 20])
+    k, v = make_cache(41, len(lengths), 37, 2, 64, 32, dtype)
+    k_bad, v_bad = (jnp.asarray(poison_past_lengths(x, lengths), dtype) for x in (k, v))
+    q = random_q(42, len(lengths), 2, 4, 64, dtype)
+    out, lse = jax.jit(lambda q, k, v, lengths: decode_attention(
+        q, k, v, kv_lengths=lengths, return_lse=True, config=DecodeConfig(block_k=64, backend=TPU)))(
+        q, k_bad, v_bad, jnp.asarray(lengths))
+    want_out, want_lse = reference(q, k, v, lengths)
+    check("tpu dense short block", out, lse, want_out, want_lse, dtype)

@@ -14,9 +14,10 @@ two dims (K, D): tiles of (r, 128) with r = K for K in {1, 2, 4} (bfloat16 / int
   a block whose lane width is at most 128, so D > 128 is read in ceil(D / 128) lane blocks of 128 (one
   BlockSpec each; the last may run past D, its lanes past D are zeroed after the load, since a block past
   the array's end holds anything).
-- **heads** (`[.., S, K, D]` as given): whole `[tile, K, D]` blocks and head g's keys `block[:, g, :]`. Used
-  only where the rows view would copy the cache and this one does not: D > 128 with K in {2, 4}, or K = 1
-  in float32. K is padded to the sublane tile in VMEM there.
+- **heads** (`[.., S, K, D]` as given): whole `[tile, K, D]` blocks and head g's keys `block[:, g, :]` (one
+  sublane per key). Used only where the rows view would copy the cache and this one does not (D > 128 with
+  K in {2, 4}, or K = 1 in float32), or where Mosaic cannot stride over the tile (K > 1 with an odd tile in
+  a 16-bit dtype: a dense cache shorter than a block).
 
 Where neither view is free (K = 3, 5, 6, 7, ...; a head dim under 128 that XLA lays out with another dim on
 the lanes, as it does for D = 64 or 192 when the page count is a multiple of 128), XLA copies the cache
@@ -61,10 +62,16 @@ def rows_view_is_free(num_kv_heads: int, dim: int, dtype) -> bool:
     return dim <= LANES and num_kv_heads in (1, 2, 4)
 
 
-def cache_view(num_kv_heads: int, dim: int, dtype, converted: bool = False) -> CacheView:
-    """The view the kernel reads a cache of `dtype` (the kernel's: after any conversion) in: rows, unless that
-    view copies the cache and the heads view does not. `converted`: XLA converts the cache for the kernel (a
-    new array, laid out as the kernel asks: the rows view is free)."""
+def cache_view(num_kv_heads: int, dim: int, dtype, tile: int, converted: bool = False) -> CacheView:
+    """The view the kernel reads a cache of `dtype` (the kernel's: after any conversion) in, blocks of `tile`
+    keys: rows, unless that view copies the cache and the heads view does not, or its strided load cannot
+    take the tile (Mosaic strides over packed rows only for a whole number of 32-bit rows: an even tile in
+    a 16-bit dtype, "Unsupported strided load for packed type"; a dense cache shorter than a block).
+    `converted`: XLA converts the cache for the kernel (a new array, laid out as the kernel asks: the rows
+    view is free)."""
+    packing = max(1, 4 // jnp.dtype(dtype).itemsize)
+    if num_kv_heads > 1 and tile % packing:
+        return CacheView(rows=False, num_kv_heads=num_kv_heads, dim=dim, width=dim, chunks=1)
     heads_free = num_kv_heads in (2, 4) or (num_kv_heads == 1 and jnp.dtype(dtype).itemsize == 4)
     rows = converted or rows_view_is_free(num_kv_heads, dim, dtype) or not heads_free
     width = min(dim, LANES) if rows else dim
