@@ -234,7 +234,8 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if args.command == "registry":  # before libtpu starts
-        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} --xla_mosaic_dump_to={_DUMP}".strip()
+        flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} --xla_mosaic_dump_to={_DUMP}".strip()
     sys.path.insert(0, str(HERE))
     from kernel_tiles import _import_kernels
 
