@@ -1,17 +1,23 @@
 """The split-KV decode kernel in Pallas Mosaic TPU (flash-decoding over dense and paged caches) and its glue.
 
-Grid (sequence b, split s, step j). A cache `[P, page, K, D]` (paged) or `[B, S, K, D]` (dense) is tiled by
-XLA on its last two dims (K, D), so one key/value head of a page is not a slice a DMA can take: each step
-reads whole pages, all K heads, once, and one program runs every key/value head g on them. Its query block
-`[K, rows, D]` packs, per head g, the T new tokens times the N / K query heads of group g (row r = t * group
-+ j, padded to the sublane tile), so a group shares one pass; the head's keys are a strided load `k[:, g, :]`
-from VMEM, the step's pages stacked into one (keys, D) tile. A paged step holds `tiles_per_step` pages, each
-its own BlockSpec whose index map reads `block_tables` (scalar-prefetched) for the page, so the Pallas
-pipeline DMAs the pages of the next step from HBM while this one computes; a dense step is one
-`[tile, K, D]` block of the sequence's own cache. The steps of sequence b (its length, not the capacity)
-are shared among the splits; steps past a split's share repeat its last pages in every index map (no DMA)
-and skip the compute. Online softmax (m, l, the float32 accumulator in VMEM scratch) per head; each split
-writes (out, lse), which `_decode_merge.merge_splits` combines by lse in XLA.
+Grid (sequence b, split s, step j). One program runs every key/value head g on the pages it reads once. Its
+query block `[K, rows, D']` packs, per head g, the T new tokens times the N / K query heads of group g (row
+r = t * group + j, padded to the sublane tile), so a group shares one pass. A cache `[P, page, K, D]`
+(paged) or `[B, S, K, D]` (dense) is read in place, in one of two views (`decode_layout.py`): rows, the free
+reshape `[.., S * K, D]` whose blocks `[tile * K, W]` are dense on sublanes and lanes, head g's keys the
+strided rows `block[g::K]` (D > 128 in lane blocks of 128, one BlockSpec each); or, where only that one is
+free (D > 128 with K in {2, 4}, K = 1 in float32), heads: `[tile, K, D]` blocks, head g's keys
+`block[:, g, :]`. A paged step holds `tiles_per_step` pages, each page (and lane block) its own BlockSpec
+whose index map reads `block_tables` (scalar-prefetched) for the page, so the Pallas pipeline DMAs the pages
+of the next step from HBM while this one computes; a dense step is one block of the sequence's own cache.
+In VMEM the step's pages are stacked into one (keys, W) tile per head. The steps of sequence b (its length,
+not the capacity) are shared among the splits; steps past a split's share repeat its last pages in every
+index map (no DMA) and skip the compute. Only a step that can hold a key some row must not see (past the
+first new token's position, causal; past the length otherwise) runs the causal / length mask and zeroes V
+past the length; the steps before it run an unmasked variant (a mask_mod applies on every step). Online
+softmax per head: the running max and sum lane-broadcast in `[K, rows, 128]` float32 VMEM scratch, the
+accumulator `[K, rows, Dv']`; each split writes (out, lse), which `_decode_merge.merge_splits` combines by
+lse in XLA.
 
 Hooks see a float32 (rows, keys of a step) score tile, b a scalar, q_idx an int32 (rows, 1) column (the
 global position `kv_lengths[b] - T + t`), kv_idx a (1, keys) row and h an int32 (rows, 1) column, or, when
@@ -36,9 +42,11 @@ from probjax_kernels._decode_merge import merge_splits
 from probjax_kernels._hooks import Hook
 from probjax_kernels._scores import LN2, LOG2E
 from probjax_kernels.tpu import common
+from probjax_kernels.tpu.decode_layout import CacheView, as_view, block_spec, cache_view, head_keys, pad_lanes
 from probjax_kernels.tpu.vet import hook_problem
 
-MAX_PAGES_PER_STEP = 16  # BlockSpecs per cache per step (each a page buffer, double-buffered)
+MAX_PAGES_PER_STEP = 16  # pages per step (each page's lane blocks a BlockSpec, double-buffered)
+LANES = 128  # the running max and sum are held lane-broadcast: (rows, 128) float32, unmasked stores
 _CORES = {"v4": 2, "v5p": 2}  # TensorCores a chip's "parallel" grid axes spread over (megacore); else 1
 
 
@@ -57,6 +65,8 @@ class TpuDecodePlan:
     splits: int
     paged: bool
     causal: bool  # the new tokens see each other causally; False: every key below the length
+    k_view: CacheView  # how the key cache is read (decode_layout.py)
+    v_view: CacheView
     scale: float
     score_mod: Hook | None
     mask_mod: Hook | None
@@ -128,12 +138,15 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
         num_tiles, tiles_per_step = -(-inputs.k.shape[1] // tile), 1
     total_steps = -(-num_tiles // tiles_per_step)
     splits = min(inputs.num_splits or default_splits(batch, total_steps, generation), total_steps)
+    compute = common.compute_dtype(inputs.k.dtype)
+    converted = jnp.dtype(compute) != jnp.dtype(inputs.k.dtype)
     return TpuDecodePlan(
         new_tokens=new_tokens, group=group, num_kv_heads=num_kv_heads, rows=rows, tile=tile,
         tiles_per_step=tiles_per_step, num_tiles=num_tiles, steps=-(-total_steps // splits), splits=splits,
         # `causal` is a field of DecodeInputs on branches that have decode_attention(causal=...); True before.
         paged=inputs.paged, causal=getattr(inputs, "causal", True), scale=inputs.scale, score_mod=score_mod,
-        mask_mod=mask_mod,
+        mask_mod=mask_mod, k_view=cache_view(num_kv_heads, inputs.k.shape[3], compute, tile, converted),
+        v_view=cache_view(num_kv_heads, inputs.v.shape[3], compute, tile, converted),
         score_per_head=_vet_hook("score_mod", score_mod, rows, tile * tiles_per_step),
         mask_per_head=_vet_hook("mask_mod", mask_mod, rows, tile * tiles_per_step),
         num_score_consts=num_score_consts, backend=config.backend,
@@ -153,16 +166,26 @@ def _split_range(plan: TpuDecodePlan, kv_len, split):
 
 
 def _block_index(plan: TpuDecodePlan, b, split, j, lengths, tables, i: int, num_pages: int):
-    """The cache block that block spec i reads at step j: the step's i-th tile, clamped to the sequence's last
-    tile; a step past the split's share repeats its last step (the pipeline skips the DMA)."""
+    """(leading index, tile index) of the cache block that tile i of step j reads: the step's i-th tile,
+    clamped to the sequence's last tile; a step past the split's share repeats its last step (the pipeline
+    skips the DMA). Paged: (the page, 0); dense: (b, the tile)."""
     kv_len = lengths[b]
     first, end = _split_range(plan, kv_len, split)
     step = jnp.minimum(first + j, jnp.maximum(end - 1, 0))
     last_tile = jnp.maximum((kv_len + plan.tile - 1) // plan.tile - 1, 0)
     tile = jnp.minimum(step * plan.tiles_per_step + i, last_tile)
     if plan.paged:
-        return jnp.clip(tables[b, tile], 0, num_pages - 1), 0, 0, 0
-    return b, tile, 0, 0
+        return jnp.clip(tables[b, tile], 0, num_pages - 1), 0
+    return b, tile
+
+
+def _step_masked(plan: TpuDecodePlan, kv_len, start):
+    """Whether the step of keys start .. start + keys - 1 can hold a key some real row must not see: a key past
+    the first new token's position (causal; the diagonal of the new tokens, or past the length), or past the
+    length (causal=False). Every earlier step lies wholly inside the sequence and runs unmasked."""
+    keys = plan.tile * plan.tiles_per_step
+    seen_by_all = kv_len - plan.new_tokens if plan.causal else kv_len - 1
+    return start + keys - 1 > seen_by_all
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
@@ -186,65 +209,97 @@ def _stack(tiles: list):
     return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=0)
 
 
+def _head_tile(view: CacheView, refs, head: int, chunk: int, dtype):
+    """Head `head`'s (keys of a step, width) tile of lane block `chunk`: the step's tiles stacked on the
+    sublanes. `refs`: the cache's blocks of the step, tile-major (tile i, chunk c at i * chunks + c)."""
+    tiles = [head_keys(view, refs[i * view.chunks + chunk], head, chunk) for i in range(len(refs) // view.chunks)]
+    return _stack(tiles).astype(dtype)
+
+
+def _column(x):
+    """A lane-broadcast (rows, 128) statistic as the (rows, 1) column it holds."""
+    return x[:, :1]
+
+
+def _step(plan: TpuDecodePlan, refs: dict, b, kv_len, start, masked: bool) -> None:
+    """One step's keys for every KV head: the online softmax update of m, l, acc (base 2). `masked`: the
+    step may hold keys a row must not see (`_step_masked`): the causal / length mask and the zeroing of V
+    past the length (slots there may hold anything, NaN in a recycled page: p = 0 there, and 0 * NaN is NaN);
+    an unmasked step runs neither. A mask_mod applies on every step."""
+    rows, group, keys = plan.rows, plan.group, plan.tile * plan.tiles_per_step
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    q_idx = kv_len - plan.new_tokens + row // group  # the new token's global position
+    kv_idx = start + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+    if masked:  # causal among the new tokens (which implies kv_idx < kv_len), or every key below the length
+        allowed = ((kv_idx <= q_idx) if plan.causal else (kv_idx < kv_len)) & (row < plan.new_tokens * group)
+        in_length = start + lax.broadcasted_iota(jnp.int32, (keys, 1), 0) < kv_len
+    score_consts, mask_consts = refs["consts"]
+    kv, vv = plan.k_view, plan.v_view
+    for g in range(plan.num_kv_heads):
+        q = refs["q"][g]
+        h = g * group + row % group
+        s = None
+        for c in range(kv.chunks):
+            part = common.dot(q[:, c * kv.width:(c + 1) * kv.width], _head_tile(kv, refs["k"], g, c, q.dtype), (1, 1))
+            s = part if s is None else s + part
+        if plan.score_mod is None:
+            s = s * (plan.scale * LOG2E)
+        else:
+            s = _call_hook(plan.score_mod, score_consts, plan.score_per_head, g, group, s * plan.scale, b, h,
+                           q_idx, kv_idx) * LOG2E
+        keep = allowed if masked else None
+        if plan.mask_mod is not None:
+            chosen = _call_hook(plan.mask_mod, mask_consts, plan.mask_per_head, g, group, None, b, h, q_idx, kv_idx)
+            keep = chosen if keep is None else keep & chosen
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        m_prev = refs["m"][g]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp2(m_prev - m_new)
+        weights = jnp.exp2(s - _column(m_new))
+        refs["l"][g] = refs["l"][g] * alpha + jnp.sum(weights, axis=1, keepdims=True)
+        refs["m"][g] = m_new
+        for c in range(vv.chunks):
+            v = _head_tile(vv, refs["v"], g, c, q.dtype)
+            if masked:
+                v = jnp.where(in_length, v, jnp.zeros((), v.dtype))
+            lanes = pl.ds(c * vv.width, vv.width)
+            refs["acc"][g, :, lanes] = (refs["acc"][g, :, lanes] * _column(alpha)
+                                        + common.dot(weights.astype(v.dtype), v, (1, 0)))
+
+
 def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
     n = plan.tiles_per_step
+    num_k, num_v = n * plan.k_view.chunks, n * plan.v_view.chunks
     tables_ref, refs = (refs[0], refs[1:]) if plan.paged else (None, refs)
-    q_ref, k_refs, v_refs = refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n]
-    score_consts, mask_consts = to_consts(refs[1 + 2 * n:-5])
-    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-5:]
     del tables_ref
+    named = dict(q=refs[0], k=refs[1:1 + num_k], v=refs[1 + num_k:1 + num_k + num_v],
+                 consts=to_consts(refs[1 + num_k + num_v:-5]))
+    out_ref, lse_ref = refs[-5:-3]
+    named.update(zip(("m", "l", "acc"), refs[-3:]))
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = lengths_ref[b]
     first, end = _split_range(plan, kv_len, split)
-    rows, group, keys = plan.rows, plan.group, plan.tile * n
-    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    row_head = row % group
-    q_idx = kv_len - plan.new_tokens + row // group  # the new token's global position
-    row_real = row < plan.new_tokens * group
 
     @pl.when(j == 0)
     def _():
-        m_ref[...] = jnp.full(m_ref.shape, common.M_INIT, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        named["m"][...] = jnp.full(named["m"].shape, common.M_INIT, jnp.float32)
+        named["l"][...] = jnp.zeros(named["l"].shape, jnp.float32)
+        named["acc"][...] = jnp.zeros(named["acc"].shape, jnp.float32)
 
-    @pl.when(first + j < end)
-    def _():
-        start = (first + j) * keys
-        kv_idx = start + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-        # Slots past the length may hold anything (NaN in a recycled page): p = 0 there, and 0 * NaN is NaN.
-        in_length = start + lax.broadcasted_iota(jnp.int32, (keys, 1), 0) < kv_len
-        # Causal among the new tokens (which implies kv_idx < kv_len), or every key below the length.
-        allowed_base = ((kv_idx <= q_idx) if plan.causal else (kv_idx < kv_len)) & row_real
-        for g in range(plan.num_kv_heads):
-            q = q_ref[g]
-            h = g * group + row_head
-            # The step's pages stacked on the sublanes (whole tiles): one (rows, keys) score tile per head.
-            k = _stack([ref[:, g, :] for ref in k_refs]).astype(q.dtype)
-            v = jnp.where(in_length, _stack([ref[:, g, :] for ref in v_refs]).astype(q.dtype), 0)
-            s = common.dot(q, k, (1, 1)) * plan.scale
-            if plan.score_mod is not None:
-                s = _call_hook(plan.score_mod, score_consts, plan.score_per_head, g, group, s, b, h, q_idx, kv_idx)
-            allowed = allowed_base
-            if plan.mask_mod is not None:
-                allowed &= _call_hook(plan.mask_mod, mask_consts, plan.mask_per_head, g, group, None, b, h, q_idx,
-                                      kv_idx)
-            s = jnp.where(allowed, s * LOG2E, -jnp.inf)
-            m = m_ref[g]
-            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp2(m - m_new)
-            weights = jnp.exp2(s - m_new)
-            l_ref[g] = l_ref[g] * alpha + jnp.sum(weights, axis=1, keepdims=True)
-            acc_ref[g] = acc_ref[g] * alpha + common.dot(weights.astype(v.dtype), v, (1, 0))
-            m_ref[g] = m_new
+    start = (first + j) * (plan.tile * n)
+    visited, masked = first + j < end, _step_masked(plan, kv_len, start)
+    pl.when(visited & masked)(lambda: _step(plan, named, b, kv_len, start, True))
+    pl.when(visited & jnp.logical_not(masked))(lambda: _step(plan, named, b, kv_len, start, False))
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
+        value_dim = plan.v_view.dim
         for g in range(plan.num_kv_heads):
-            l, m = l_ref[g], m_ref[g]
+            l, m = _column(named["l"][g]), _column(named["m"][g])
             valid = l != 0  # l = 0: nothing attended in this split
             safe_l = jnp.where(valid, l, 1.0)
-            out_ref[g] = jnp.where(valid, acc_ref[g] / safe_l, 0.0)
+            out_ref[g] = jnp.where(valid, named["acc"][g][:, :value_dim] / safe_l, 0.0)
             lse_ref[g] = jnp.where(valid, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
 
 
@@ -252,13 +307,13 @@ def _decode_kernel(lengths_ref, *refs, plan: TpuDecodePlan, to_consts):
 
 
 def pack_queries(q, plan: TpuDecodePlan):
-    """q `[B, T, N, D]` -> `[B, K, rows, D]` in the compute dtype: row t * group + j of head g holds token t of
-    query head g * group + j; zero padding."""
+    """q `[B, T, N, D]` -> `[B, K, rows, D']` in the compute dtype: row t * group + j of head g holds token t of
+    query head g * group + j; zero padding (rows, and lanes up to the key blocks' width D')."""
     batch, new_tokens, num_heads, head_dim = q.shape
     packed = q.reshape(batch, new_tokens, plan.num_kv_heads, plan.group, head_dim).transpose(0, 2, 1, 3, 4)
     packed = packed.reshape(batch, plan.num_kv_heads, new_tokens * plan.group, head_dim)
     packed = jnp.pad(packed, ((0, 0), (0, 0), (0, plan.rows - packed.shape[2]), (0, 0)))
-    return packed.astype(common.compute_dtype(q.dtype))
+    return pad_lanes(packed, plan.k_view).astype(common.compute_dtype(q.dtype))
 
 
 def unpack_rows(x, plan: TpuDecodePlan):
@@ -272,17 +327,23 @@ def unpack_rows(x, plan: TpuDecodePlan):
 
 def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
     """Per-split (out `[B, K, splits, rows, Dv]`, lse `[B, K, splits, rows, 1]`), float32, natural log, of
-    packed queries `[B, K, rows, D]` against the cache as given (pages `[P, page, K, D]` or `[B, S, K, D]`)."""
-    batch, num_kv_heads, rows, head_dim = q.shape
+    packed queries `[B, K, rows, D']` against the cache as given (pages `[P, page, K, D]` or `[B, S, K, D]`),
+    read in the plan's views (`decode_layout.py`)."""
+    batch, num_kv_heads, rows, padded_dim = q.shape
     value_dim = v.shape[3]
+    num_pages = k.shape[0]
     scalars = [kv_lengths.astype(jnp.int32), *([tables.astype(jnp.int32)] if plan.paged else [])]
 
-    def cache_spec(dim, i):
+    def tile_index(i):
         def index_map(b, s, j, lengths, *tables_ref):
-            return _block_index(plan, b, s, j, lengths, tables_ref[0] if plan.paged else None, i, k.shape[0])
-        return pl.BlockSpec((None, plan.tile, num_kv_heads, dim), index_map)
+            return _block_index(plan, b, s, j, lengths, tables_ref[0] if plan.paged else None, i, num_pages)
+        return index_map
 
-    n = plan.tiles_per_step
+    def cache_specs(view: CacheView):
+        return [block_spec(view, plan.tile, c, tile_index(i)) for i in range(plan.tiles_per_step)
+                for c in range(view.chunks)]
+
+    k_specs, v_specs = cache_specs(plan.k_view), cache_specs(plan.v_view)
     const_arrays = [common.smem_array(c) for c in consts]
     scalar_flags = [jnp.ndim(c) == 0 for c in consts]
 
@@ -295,17 +356,16 @@ def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
         num_scalar_prefetch=len(scalars),
         grid=(batch, plan.splits, plan.steps),
         in_specs=[
-            pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, s, j, *_: (b, 0, 0, 0)),
-            *(cache_spec(head_dim, i) for i in range(n)), *(cache_spec(value_dim, i) for i in range(n)),
-            *(pl.BlockSpec(memory_space=pltpu.SMEM) for _ in const_arrays),
+            pl.BlockSpec((None, num_kv_heads, rows, padded_dim), lambda b, s, j, *_: (b, 0, 0, 0)),
+            *k_specs, *v_specs, *(pl.BlockSpec(memory_space=pltpu.SMEM) for _ in const_arrays),
         ],
         out_specs=[
             pl.BlockSpec((*head_block, value_dim), lambda b, s, j, *_: (b, 0, s, 0, 0)),
             pl.BlockSpec((*head_block, 1), lambda b, s, j, *_: (b, 0, s, 0, 0)),
         ],
-        scratch_shapes=[pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-                        pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-                        pltpu.VMEM((num_kv_heads, rows, value_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
+                        pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
+                        pltpu.VMEM((num_kv_heads, rows, plan.v_view.padded_dim), jnp.float32)],
     )
     if plan.backend == "tpu_interpret":
         params = dict(interpret=pltpu.InterpretParams())
@@ -313,6 +373,7 @@ def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
         params = dict(compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")))
     shape = (batch, num_kv_heads, plan.splits, rows)
+    k_view, v_view = as_view(k, plan.k_view), as_view(v, plan.v_view)
     return pl.pallas_call(
         functools.partial(_decode_kernel, plan=plan, to_consts=to_consts),
         grid_spec=grid_spec,
@@ -320,7 +381,7 @@ def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
                    common.output((*shape, 1), jnp.float32, q, k, v)],
         name="probjax_tpu_decode_attention",
         **params,
-    )(*scalars, q, *([k] * n), *([v] * n), *const_arrays)
+    )(*scalars, q, *([k_view] * len(k_specs)), *([v_view] * len(v_specs)), *const_arrays)
 
 
 def decode(plan: TpuDecodePlan, q, k, v, kv_lengths, block_tables, consts):

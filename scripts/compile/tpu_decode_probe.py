@@ -62,16 +62,32 @@ def _ours(new_tokens: int, paged: bool = True, dtype=jnp.bfloat16, head_dim: int
     return fn, (q, k, v, jax.ShapeDtypeStruct((B,), i32), *tables)
 
 
-def _peer_paged(dtype=jnp.bfloat16, pages_per_block: int = 8):
+def _peer_paged(dtype=jnp.bfloat16, pages_per_block: int = 8, num_kv_heads: int = K):
     """JAX's paged_attention (one new token per sequence; head-major pages [K, P, page, D])."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # noqa: PLC0415
 
     def fn(q, k_pages, v_pages, lengths, tables):
         return paged_attention(q, k_pages, v_pages, lengths, tables, pages_per_compute_block=pages_per_block)
 
-    pages = jax.ShapeDtypeStruct((K, B * PAGES_PER_SEQ, PAGE, D), dtype)
+    pages = jax.ShapeDtypeStruct((num_kv_heads, B * PAGES_PER_SEQ, PAGE, D), dtype)
     return fn, (jax.ShapeDtypeStruct((B, N, D), dtype), pages, pages, jax.ShapeDtypeStruct((B,), jnp.int32),
                 jax.ShapeDtypeStruct((B, PAGES_PER_SEQ), jnp.int32))
+
+
+def _peer_paged_dense(dtype=jnp.bfloat16, pages_per_block: int = 8):
+    """JAX's paged_attention on a dense cache `[B, S, K, D]` (ours): the cache transposed to head-major pages
+    `[K, B * S / page, page, D]` by XLA first (a copy of the whole cache per call), each sequence's pages in
+    order."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # noqa: PLC0415
+
+    def fn(q, k, v, lengths):
+        def pages(x):
+            return jnp.transpose(x.reshape(B * PAGES_PER_SEQ, PAGE, K, D), (2, 0, 1, 3))
+        tables = jnp.arange(B * PAGES_PER_SEQ, dtype=jnp.int32).reshape(B, PAGES_PER_SEQ)
+        return paged_attention(q[:, 0], pages(k), pages(v), lengths, tables, pages_per_compute_block=pages_per_block)
+
+    cache = jax.ShapeDtypeStruct((B, CONTEXT, K, D), dtype)
+    return fn, (jax.ShapeDtypeStruct((B, 1, N, D), dtype), cache, cache, jax.ShapeDtypeStruct((B,), jnp.int32))
 
 
 def _peer_ragged(new_tokens: int, dtype=jnp.bfloat16, pages_per_block: int = 8):

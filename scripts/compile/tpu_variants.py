@@ -323,16 +323,35 @@ def decode_variants() -> list[TpuVariant]:
         return TpuVariant(name, "peer", build, probe.D, "bf16", "decode", probe.CONTEXT, path=None,
                           features=features)
 
+    def edge(name):
+        def build():
+            fn, specs = {n: (f, s) for n, f, s in probe.edge_variants()}[name]
+            return fn, list(specs)
+        return build
+
     paged = "paged KV cache (head-major pages), one new token, MQA / GQA; no hooks, no dense cache"
+    dense = ("paged KV cache (head-major pages) only: our dense [B, S, K, D] cache transposed to its pages by XLA "
+             "on every call")
     ragged = "ragged paged attention: mixed prefill / decode tokens, paged KV; sliding window, soft cap"
     return [
         ours("tpu_decode_paged_d128_bf16_gqa32to8_t1", new_tokens=1),
+        ours("tpu_decode_paged_d128_bf16_gqa32to2_t1", new_tokens=1, num_kv_heads=2),
+        ours("tpu_decode_paged_d128_bf16_mqa32to1_t1", new_tokens=1, num_kv_heads=1),
+        ours("tpu_decode_dense_d128_bf16_mqa32to1_t1", new_tokens=1, paged=False, num_kv_heads=1),
+        ours("tpu_decode_paged_d256_bf16_gqa32to8_t1", new_tokens=1, head_dim=256, value_dim=256),
+        # A dense cache shorter than a block: one block of 37 keys, too odd for Mosaic's strided bfloat16 load
+        # (the heads view); interpret mode cannot see that, only this compile.
+        TpuVariant("tpu_decode_dense_s37_d128_bf16_gqa8to2_t1", "decode", edge("probjax decode dense S=37"), 128,
+                   "bf16", "decode", 37),
         ours("tpu_decode_paged_d128_bf16_gqa32to8_t16_alibi_window", new_tokens=16, hooks=True),
         ours("tpu_decode_dense_d128_bf16_gqa32to8_t1", new_tokens=1, paged=False),
         ours("tpu_decode_paged_d128_f32_gqa32to8_t4", "f32", new_tokens=4),
         ours("tpu_decode_paged_d192_dv128_bf16_gqa32to2_t8", new_tokens=8, head_dim=192, value_dim=128,
              num_kv_heads=2),
         peer("jax_paged_attention_decode_d128_bf16_t1", probe._peer_paged, paged),
+        peer("jax_paged_attention_decode_d128_bf16_gqa32to2_t1", lambda: probe._peer_paged(num_kv_heads=2), paged),
+        peer("jax_paged_attention_decode_d128_bf16_mqa32to1_t1", lambda: probe._peer_paged(num_kv_heads=1), paged),
+        peer("jax_paged_attention_dense_cache_decode_d128_bf16_t1", probe._peer_paged_dense, dense),
         peer("jax_ragged_paged_attention_decode_d128_bf16_t4", lambda: probe._peer_ragged(4), ragged),
     ]
 
