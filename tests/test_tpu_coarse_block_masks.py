@@ -81,11 +81,13 @@ def test_document_masks_of_small_and_mixed_blocks(kernel_calls, block_size):
     assert kernel_calls["forward"] and kernel_calls["backward"], kernel_calls
 
 
-def test_causal_blocks_of_16_with_a_ragged_last_block(kernel_calls):
+@pytest.mark.parametrize("block_size", [16, 100])
+def test_causal_small_blocks_with_a_ragged_last_block(kernel_calls, block_size):
     """Causal 16 x 16 blocks over T = 200, S = 232 (both last blocks ragged, 8 rows / keys): a 256-row kernel
-    tile covers 16 x 16 blocks, empty, full and partial ones, exactly."""
+    tile covers 16 x 16 blocks, empty, full and partial ones, exactly; 100 x 100 blocks (merged into 64 x 64
+    ones by `for_kernel`, whose mask_mod stays the causal one) too."""
     q, k, v = random_qkv(3, 1, 200, 232, 2, 2, 64)
-    block_mask = create_block_mask(causal_mask, None, None, 200, 232, BLOCK_SIZE=16)
+    block_mask = create_block_mask(causal_mask, None, None, 200, 232, BLOCK_SIZE=block_size)
     run_and_check(block_mask, q, k, v, numpy_allowed(1, 200, 232, causal=True))
     assert kernel_calls["forward"] and kernel_calls["backward"], kernel_calls
 

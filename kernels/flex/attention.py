@@ -96,7 +96,8 @@ def flex_attention(
 
     probjax's own options, keyword-only:
 
-    - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
+    - `config`: a `FlashConfig`; its tiles must not exceed the block mask's (the TPU kernels' may, for a mask
+      from `create_block_mask`: they walk its tables coarsened onto their tiles).
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
     - `sinks`: None or `[N]` float, attention-sink logits (gpt-oss), one per head, as in `flash_attention`.
 

@@ -375,6 +375,8 @@ def _index_map(selected: np.ndarray):
 def _original(index, mapping):
     if isinstance(mapping, tuple):
         start, step = mapping
+        if (start, step) == (0, 1):  # exactly the index, so that arrays read at b / h stay selected per b / h
+            return index
         return jnp.full_like(index, start) if step == 0 else start + step * index
     return mapping[jnp.clip(index, 0, mapping.shape[0] - 1)]
 
