@@ -36,6 +36,24 @@ def ordered_indices(selected: jax.Array) -> tuple[jax.Array, jax.Array]:
     return count, order
 
 
+def tile_classes(tables: tuple) -> jax.Array:
+    """`[B|1, H|1, rows, cols]` int8 tile classes of 4-D tables `(num_partial, partial, num_full, full)`: 0
+    empty, 1 partial, 2 full."""
+    num_partial, partial, num_full, full = tables
+    return tiles_of(num_partial, partial).astype(jnp.int8) + 2 * tiles_of(num_full, full).astype(jnp.int8)
+
+
+def tile_class_mask_mod(classes, block_size, mask_mod, b, h, q_idx, kv_idx):
+    """The element-wise mask that tables of `classes` (`[B|1, H|1, rows, cols]` int8: 0 empty, 1 partial,
+    2 full) and `mask_mod` stand for: True on full tiles, mask_mod on partial ones, False on empty ones.
+    Broadcast table axes are read at 0, so the result reads b / h only where the tables have them."""
+    batch, heads, rows, cols = classes.shape
+    row = jnp.minimum(q_idx // block_size[0], rows - 1)
+    col = jnp.minimum(kv_idx // block_size[1], cols - 1)
+    tile = classes[b if batch > 1 else 0, h if heads > 1 else 0, row, col]
+    return (tile == 2) | ((tile == 1) & mask_mod(b, h, q_idx, kv_idx))
+
+
 def check_tiles(block_size: tuple[int, int], tile: tuple[int, int]) -> str | None:
     """Why tables of `block_size` blocks cannot be put on kernel tiles `tile` (None when they can): on each
     axis one must divide the other (always so for powers of two)."""

@@ -110,16 +110,16 @@ def test_chunked_prefill_of_packed_documents(kernel_calls, block_size, rows):
 
 def test_tables_from_from_kv_blocks_keep_their_blocks():
     """Tables given by hand (`from_kv_blocks`) need not match their mask_mod, so the kernels do not coarsen
-    them: 64 x 64 blocks run the XLA path, with a warning that says why; still exact (here the mask_mod is
-    the tables' causal mask)."""
+    them: 64 x 64 blocks run the XLA path, with a warning that says why, where the tables decide the mask with
+    the mask_mod (here none: the causal mask's tables with no mask_mod attend their diagonal blocks whole)."""
     q, k, v = random_qkv(22, 1, 130, 130, 1, 1, 32)
     built = create_block_mask(causal_mask, None, None, 130, 130, BLOCK_SIZE=64)
-    by_hand = BlockMask.from_kv_blocks(*built.kv_tables, BLOCK_SIZE=64, mask_mod=causal_mask,
-                                       seq_lengths=(130, 130))
+    by_hand = BlockMask.from_kv_blocks(*built.kv_tables, BLOCK_SIZE=64, seq_lengths=(130, 130))
     with pytest.warns(UserWarning, match=r"not multiples of 128 \(kernel tiles divide the \(64, 64\) blocks of a "
                                          r"BlockMask from from_kv_blocks\)"):
         out = flex_attention(q, k, v, block_mask=by_hand, config=TPU)
-    expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 130, 130, causal=True))
+    blocks = np.arange(130) // 64
+    expected, _ = numpy_attention(q, k, v, allowed=blocks[:, None] >= blocks[None, :])
     assert_close(out, expected, jnp.float32, "out")
 
 

@@ -21,6 +21,7 @@ from jax import lax
 from jax.tree_util import Partial
 
 from probjax_kernels._hooks import hook_hint
+from probjax_kernels._table_tiles import tile_classes
 from probjax_kernels.flex.block_tables import (
     check_block_size,
     ordered_indices,
@@ -117,9 +118,7 @@ class BlockMask:
 
     def to_dense(self) -> jax.Array:
         """`[B|1, H|1, num_q_blocks, num_kv_blocks]` int8: 0 empty, 1 partial, 2 full."""
-        partial = tiles_of(self.kv_num_blocks, self.kv_indices)
-        full = tiles_of(self.full_kv_num_blocks, self.full_kv_indices)
-        return partial.astype(jnp.int8) + 2 * full.astype(jnp.int8)
+        return tile_classes(self.kv_tables)
 
     @property
     def BLOCK_SIZE(self) -> tuple[int, int]:  # noqa: N802 (PyTorch's name)

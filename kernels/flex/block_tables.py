@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax_kernels._table_tiles import ordered_indices as ordered_indices
+from probjax_kernels._table_tiles import tile_class_mask_mod as tile_class_mask_mod
 from probjax_kernels._table_tiles import tiles_of as tiles_of
 
 KERNEL_MIN_TILE = 16
@@ -74,14 +75,3 @@ def retile(partial: jax.Array, full: jax.Array, block_size: tuple[int, int], seq
     new_partial = (count(partial | full) > 0) & ~new_full
     merged = any(b % t for b, t in zip(block_size, new_size))
     return new_partial, new_full, new_size, merged
-
-
-def tile_class_mask_mod(classes, block_size, mask_mod, b, h, q_idx, kv_idx):
-    """The element-wise mask that tables of `classes` (`[B|1, H|1, rows, cols]` int8: 0 empty, 1 partial,
-    2 full) and `mask_mod` stand for: True on full tiles, mask_mod on partial ones, False on empty ones.
-    Broadcast table axes are read at 0, so the result reads b / h only where the tables have them."""
-    batch, heads, rows, cols = classes.shape
-    row = jnp.minimum(q_idx // block_size[0], rows - 1)
-    col = jnp.minimum(kv_idx // block_size[1], cols - 1)
-    tile = classes[b if batch > 1 else 0, h if heads > 1 else 0, row, col]
-    return (tile == 2) | ((tile == 1) & mask_mod(b, h, q_idx, kv_idx))
