@@ -2,8 +2,8 @@
 not divide run in the Mosaic TPU kernels on the generation's tiles, their tables coarsened onto each kernel's
 tile (`_table_tiles.tables_on_tiles`): blocks of 16, 64 and (32, 96), ragged last blocks, and document masks
 sliced by query block (`block_mask[:, :, i]`, chunked prefill), whose shifted reads of the ids stay tiles
-(`flex.shifted_queries`). Out, lse and the gradients of q, k, v (and of a captured per-key bias) against
-float64 NumPy, with no XLA-path warning and every pass in the kernels. Tiny shapes: each kernel config costs
+(`flex.shifted_queries`). Out, lse, the gradients of q, k, v (and of a captured per-key bias) and the jvp
+against float64 NumPy, with no XLA-path warning and every pass in the kernels. Tiny shapes: each kernel config costs
 an interpret-mode compile."""
 
 import jax
@@ -27,8 +27,9 @@ def finite(x):
 
 
 def run_and_check(block_mask, q, k, v, allowed, kv_bias=None):
-    """flex_attention on the TPU kernels: out, lse and the gradients of q, k, v (and `kv_bias` `[B, S]`, added to
-    every score by a score_mod that reads it at kv_idx) against `numpy_derivatives` on the bool `allowed`."""
+    """flex_attention on the TPU kernels: out, lse, the gradients of q, k, v (and `kv_bias` `[B, S]`, added to
+    every score by a score_mod that reads it at kv_idx) and the jvp in all of them (the tangent kernel) against
+    `numpy_derivatives` on the bool `allowed`."""
     args = (q, k, v) if kv_bias is None else (q, k, v, kv_bias)
 
     def call(q, k, v, *bias):
@@ -39,12 +40,14 @@ def run_and_check(block_mask, q, k, v, allowed, kv_bias=None):
                               enable_gqa=True, return_lse=True, config=TPU)
 
     @jax.jit
-    def run(args, out_cotangent):
+    def run(args, out_cotangent, tangents):
         (out, lse), vjp = jax.vjp(call, *args)
         cotangents = (out_cotangent, jnp.isfinite(lse).astype(jnp.float32))
-        return (out, lse), cotangents, vjp(cotangents)
+        return (out, lse), cotangents, vjp(cotangents), jax.jvp(call, args, tangents)[1]
 
-    (out, lse), cotangents, grads = run(args, jax.random.normal(jax.random.key(9), q.shape))
+    tangents = tuple(jax.random.normal(jax.random.key(10 + i), x.shape) for i, x in enumerate(args))
+    (out, lse), cotangents, grads, (d_out, d_lse) = run(args, jax.random.normal(jax.random.key(9), q.shape),
+                                                        tangents)
     bias = 0.0 if kv_bias is None else np.asarray(kv_bias, np.float64)[:, None, None, :]
     expected, expected_lse = numpy_attention(q, k, v, allowed=allowed, bias=bias)
     assert_close(out, expected, jnp.float32, "out")
@@ -55,6 +58,10 @@ def run_and_check(block_mask, q, k, v, allowed, kv_bias=None):
         want.append(d_score.sum(axis=(1, 2)))
     for name, got, expected_grad in zip(("q", "k", "v", "kv_bias"), grads, want):
         assert_close(got, expected_grad, jnp.float32, f"d {name}")
+    d_bias = 0.0 if kv_bias is None else np.asarray(tangents[3], np.float64)[:, None, None, :]
+    want_out, want_lse = numpy_derivatives(q, k, v, allowed, bias, tangents=(*tangents[:3], d_bias))
+    assert_close(d_out, want_out, jnp.float32, "jvp out")
+    assert_close(finite(np.asarray(d_lse)), finite(want_lse), jnp.float32, "jvp lse")
 
 
 def document_ids(lengths: list[list[int]]) -> np.ndarray:
@@ -78,7 +85,7 @@ def test_document_masks_of_small_and_mixed_blocks(kernel_calls, block_size):
     allowed = numpy_allowed(2, 200, 200, causal=True) & same_document(ids)
     kv_bias = jax.random.normal(jax.random.key(2), (2, 200)) if block_size == 64 else None
     run_and_check(block_mask, q, k, v, allowed, kv_bias)
-    assert kernel_calls["forward"] and kernel_calls["backward"], kernel_calls
+    assert all(kernel_calls.values()), kernel_calls
 
 
 @pytest.mark.parametrize("block_size", [16, 100])
@@ -89,7 +96,7 @@ def test_causal_small_blocks_with_a_ragged_last_block(kernel_calls, block_size):
     q, k, v = random_qkv(3, 1, 200, 232, 2, 2, 64)
     block_mask = create_block_mask(causal_mask, None, None, 200, 232, BLOCK_SIZE=block_size)
     run_and_check(block_mask, q, k, v, numpy_allowed(1, 200, 232, causal=True))
-    assert kernel_calls["forward"] and kernel_calls["backward"], kernel_calls
+    assert all(kernel_calls.values()), kernel_calls
 
 
 @pytest.mark.parametrize("block_size, rows", [(128, slice(1, 3)), (64, 4)])
@@ -105,7 +112,7 @@ def test_chunked_prefill_of_packed_documents(kernel_calls, block_size, rows):
     queries = np.arange(first, first + sliced.seq_lengths[0])
     allowed = (numpy_allowed(1, 300, 300, causal=True) & same_document(ids))[:, :, queries]
     run_and_check(sliced, q_all[:, queries], k, v, allowed)
-    assert kernel_calls["forward"] and kernel_calls["backward"], kernel_calls
+    assert all(kernel_calls.values()), kernel_calls
 
 
 def test_tables_from_from_kv_blocks_keep_their_blocks():
