@@ -9,6 +9,9 @@ call's static `_Problem` on a target device:
 - `hook_shapes`: the (b, h, q_idx, kv_idx, score) shapes at which its kernels call the hooks, traced before it
   vets them;
 - `unsupported`: why it runs no pass of this call (None: it runs some);
+- `coarsens_block_masks` (optional, default False): its kernels walk a BlockMask's tables on tiles coarser
+  than the blocks when the mask_mod is exact (`Features.exact_mask_mod`), so `_dispatch.plan` keeps its tiles
+  instead of shrinking them to the blocks;
 - `plan`: which passes it runs and how (`Passes`: each pass a kernel entry of its folder, the `_Problem` on
   that kernel's tiles and the entry's options), and any further hook shapes of kernels it retiles for the call.
 

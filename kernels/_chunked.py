@@ -13,6 +13,7 @@ from jax import lax
 
 from probjax_kernels._problem import Features, _Problem, _Tangents
 from probjax_kernels._scores import LN2, LOG2E, _dropout_scale, _ScoreContext, _scores
+from probjax_kernels._table_tiles import tile_class_mask_mod, tile_classes
 
 _XLA_CHUNK_BYTES = 256 * 2**20  # working set of one query chunk
 
@@ -58,6 +59,11 @@ def _chunk_context(problem: _Problem, shape: tuple[int, int, int, int], start, c
 
     seg = optional.get("q_segment_ids")
     mask_consts = optional["mask_consts"]
+    mask_mod = None if f.mask_mod is None else functools.partial(f.mask_mod.on_values, mask_consts)
+    if mask_mod is not None and f.block_sizes is not None and not f.exact_mask_mod:
+        # Tables given by hand (`from_kv_blocks`) decide the mask with mask_mod, as the kernels read them.
+        mask_mod = functools.partial(tile_class_mask_mod, tile_classes(optional["kv_tables"]), f.block_sizes,
+                                     mask_mod)
     return _ScoreContext(
         b=jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
         h=jnp.arange(num_heads, dtype=jnp.int32).reshape(1, num_heads, 1, 1),
@@ -71,7 +77,7 @@ def _chunk_context(problem: _Problem, shape: tuple[int, int, int, int], start, c
         kv_seg=None if seg is None else optional["kv_segment_ids"].reshape(batch, 1, 1, s_pad),
         dropout_seed=optional.get("dropout_seed"),
         score_mod=None if f.score_mod is None else functools.partial(f.score_mod.on_values, score_consts),
-        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.on_values, mask_consts),
+        mask_mod=mask_mod,
     )
 
 
@@ -171,12 +177,13 @@ def _dense_attention(problem: _Problem, q, k, v, bias, score_consts, q_len, kv_l
 
 def _dense_others(optional: dict) -> dict:
     return {name: x for name, x in optional.items() if name not in ("bias", "score_consts", "d_bias",
-                                                                   "d_score_consts", "kv_tables", "q_tables")}
+                                                                   "d_score_consts", "q_tables")}
 
 
 def dense_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     """(out, lse) of the kernels' forward by `_dense_attention`, for calls the TPU kernels cannot take (the
-    XLA path of `_dispatch`); a BlockMask's mask_mod is evaluated per element here, so its tables go unused."""
+    XLA path of `_dispatch`); a BlockMask's mask_mod is evaluated per element here, so its tables go unused
+    (but for tables given by hand, which decide the mask with it: `_chunk_context`)."""
     if problem.features.return_max:
         raise NotImplementedError("the XLA path of the TPU backend has no max_scores output")
     return _dense_attention(problem, q, k, v, optional.get("bias"), optional["score_consts"], q_len, kv_len,

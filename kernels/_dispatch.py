@@ -74,6 +74,13 @@ def _within_tables(config: FlashConfig, filled: FlashConfig, block_sizes: tuple[
     return dataclasses.replace(filled, **fields)
 
 
+def _coarsens(backend: Backend, features: Features) -> bool:
+    """Whether the first backend in `backend`'s order walks this call's BlockMask tables on its own tiles even
+    where those are coarser than the blocks (`coarsens_block_masks`: the Mosaic TPU kernels, whose tiles are
+    multiples of 128), which is exact for an exact mask_mod: its tiles then stay as they are."""
+    return features.exact_mask_mod and getattr(ORDER[backend][0], "coarsens_block_masks", False)
+
+
 def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_shape: tuple, value_dim: int, dtype,
          bias_shape: tuple | None, mask_shape: tuple | None, table_shape: tuple | None, has_segments: bool,
          num_score_consts: int, num_mask_consts: int) -> Plan:
@@ -87,7 +94,7 @@ def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_sh
     # A BlockMask call's defaults take q's head dim alone (flex_attention's choice since it fitted its tiles).
     defaults_dim = d_pad if features.block_sizes is not None else max(d_pad, dv_pad)
     filled = default_config(config, q_len=q_len, kv_len=kv_len, head_dim=defaults_dim, dtype=dtype)
-    if features.block_sizes is not None:
+    if features.block_sizes is not None and not _coarsens(filled.backend, features):
         filled = _within_tables(config, filled, features.block_sizes)
     table_q, table_k = features.block_sizes or (1, 1)  # a BlockMask's tables cover whole tiles
     q_multiple = max(filled.block_q, filled.block_q_dq, filled.block_q_dkv, table_q)

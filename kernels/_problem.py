@@ -33,6 +33,8 @@ class Features:
       (causal is `window_right=0`).
     - `score_mod`, `mask_mod`: traced user hooks (see `_hooks.Hook`).
     - `block_sizes`: the (q, kv) tile of the block tables, when tile visits come from a `BlockMask`.
+    - `exact_mask_mod`: the mask_mod alone gives the mask the block tables describe (`BlockMask.exact_mask_mod`),
+      so a kernel may walk the tables on tiles coarser than their blocks (`_table_tiles.tables_on_tiles`).
     - `dropout_rate`: probability of dropping an attention weight (0 = off).
     - `dropout_positions`: (q_split, kv_split) when the dropout seed input is `_dropout.positional_seed`'s
       vector, so that the keep mask hashes global positions (a shard of a longer sequence); None: indices.
@@ -47,6 +49,7 @@ class Features:
     score_mod: Hook | None = None
     mask_mod: Hook | None = None
     block_sizes: tuple[int, int] | None = None
+    exact_mask_mod: bool = False
     dropout_rate: float = 0.0
     dropout_positions: tuple[int, int] | None = None
     dropout_heads: int | None = None

@@ -139,18 +139,6 @@ def test_block_mask_coarser_than_the_tiles_runs_in_the_kernels():
     assert_close(d_out, want_out, jnp.float32, "d out")
 
 
-def test_a_block_mask_finer_than_128_falls_back_naming_its_tiles():
-    """TPU tiles are multiples of 128 and divide a BlockMask's blocks: 64 x 64 blocks run on XLA, with a
-    warning that names the mask's tiles; the result is still exact."""
-    q, k, v = random_qkv(22, 1, 130, 130, 1, 1, 32)
-    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 130, 130,
-                                   BLOCK_SIZE=64)
-    with pytest.warns(UserWarning, match=r"not multiples of 128 \(kernel tiles divide a BlockMask's \(64, 64\)"):
-        out = flex_attention(q, k, v, block_mask=block_mask, config=TPU)
-    expected, _ = numpy_attention(q, k, v, allowed=numpy_allowed(1, 130, 130, causal=True))
-    assert_close(out, expected, jnp.float32, "out")
-
-
 def test_jvp_against_reference():
     """Forward mode through the TPU tangent kernel: tangents of q, k, v and the bias."""
     q, k, v = random_qkv(9, 1, 140, 140, 2, 1, 64)

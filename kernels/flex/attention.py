@@ -96,7 +96,8 @@ def flex_attention(
 
     probjax's own options, keyword-only:
 
-    - `config`: a `FlashConfig`; its tiles must not exceed the block mask's.
+    - `config`: a `FlashConfig`; its tiles must not exceed the block mask's (the TPU kernels' may, for a mask
+      from `create_block_mask`: they walk its tables coarsened onto their tiles).
     - `dropout_rate`, `dropout_seed`: attention dropout from a stateless hash, as in `flash_attention`.
     - `sinks`: None or `[N]` float, attention-sink logits (gpt-oss), one per head, as in `flash_attention`.
 
@@ -120,7 +121,7 @@ def flex_attention(
         score_hook, score_consts = trace_score_mod(affine_score_mod(scale, score_mod=score_mod))
         scale = 1.0
     mask_hook, mask_consts, tables = None, [], {}
-    block_sizes = None
+    block_sizes, exact_mask_mod = None, False
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}.")
@@ -133,7 +134,7 @@ def flex_attention(
         if fitted.mask_mod is not block_mask.mask_mod:
             mask_hook, mask_consts, _ = trace_hook("mask_mod", fitted.mask_mod, indices)
         block_mask = fitted
-        block_sizes = block_mask.block_size
+        block_sizes, exact_mask_mod = block_mask.block_size, block_mask.exact_mask_mod
         tables = dict(kv_tables=block_mask.kv_tables, q_tables=block_mask.q_tables)
     if runs_reference(config, inputs):  # as flex_attention_reference: the block mask's mask_mod
         out, lse, max_scores = attention_from_inputs(
@@ -146,7 +147,7 @@ def flex_attention(
     dropout_fields, dropout_seed = sharded_dropout(dropout_seed, _dropout_positions, _dropout_shard, dropout_rate,
                                                    inputs.q, inputs.k)
     features = Features(
-        scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes,
+        scale=scale, score_mod=score_hook, mask_mod=mask_hook, block_sizes=block_sizes, exact_mask_mod=exact_mask_mod,
         dropout_rate=float(dropout_rate), return_max=aux is not None and aux.max_scores,
         **dropout_fields,
     )

@@ -21,6 +21,7 @@ from jax import lax
 from jax.tree_util import Partial
 
 from probjax_kernels._hooks import hook_hint
+from probjax_kernels._table_tiles import tile_classes
 from probjax_kernels.flex.block_tables import (
     check_block_size,
     ordered_indices,
@@ -29,6 +30,7 @@ from probjax_kernels.flex.block_tables import (
     tiles_of,
 )
 from probjax_kernels.flex.mods import MaskMod, ScoreMod, noop_mask
+from probjax_kernels.flex.shifted_queries import shifted_queries
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -53,6 +55,11 @@ class BlockMask:
     - `block_size`: (block_q, block_kv); `seq_lengths`: (q_len, kv_len); `mask_mod`: the mask it encodes.
     - `leading_axes`: how many of (B, H) the tables were given with (2 unless `from_kv_blocks` got tables
       without them); `shape` reports those, as PyTorch's does.
+    - `exact_mask_mod`: whether `mask_mod` alone gives the mask the tables describe (False on empty blocks,
+      True on full ones): so for `create_block_mask` and what is sliced or cropped from it; not for
+      `from_kv_blocks`, whose tables are taken as given. Kernels may then walk the tables on tiles coarser
+      than the blocks (a tile that mixes classes is partial and evaluates mask_mod per element). An assigned
+      `mask_mod` must keep that promise.
 
     As in PyTorch, `mask_mod` and `seq_lengths` may be assigned (the decoding pattern of
     `block_mask[:, :, i]` followed by new lengths). It is a pytree: arrays inside `mask_mod` (a
@@ -72,6 +79,7 @@ class BlockMask:
     seq_lengths: tuple[int, int]
     mask_mod: Any
     leading_axes: int = 2
+    exact_mask_mod: bool = True
 
     _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -81,14 +89,15 @@ class BlockMask:
         dynamic = [leaf for leaf in leaves if _is_array(leaf)]
         static = tuple(None if _is_array(leaf) else leaf for leaf in leaves)
         children = (*(getattr(self, name) for name in self._TABLES), *dynamic)
-        return children, (self.block_size, self.seq_lengths, treedef, static, self.leading_axes)
+        return children, (self.block_size, self.seq_lengths, treedef, static, self.leading_axes,
+                          self.exact_mask_mod)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        block_size, seq_lengths, treedef, static, leading_axes = aux
+        block_size, seq_lengths, treedef, static, leading_axes, exact = aux
         tables, dynamic = children[: len(cls._TABLES)], iter(children[len(cls._TABLES):])
         leaves = [next(dynamic) if leaf is None else leaf for leaf in static]
-        return cls(*tables, block_size, seq_lengths, jax.tree.unflatten(treedef, leaves), leading_axes)
+        return cls(*tables, block_size, seq_lengths, jax.tree.unflatten(treedef, leaves), leading_axes, exact)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,9 +118,7 @@ class BlockMask:
 
     def to_dense(self) -> jax.Array:
         """`[B|1, H|1, num_q_blocks, num_kv_blocks]` int8: 0 empty, 1 partial, 2 full."""
-        partial = tiles_of(self.kv_num_blocks, self.kv_indices)
-        full = tiles_of(self.full_kv_num_blocks, self.full_kv_indices)
-        return partial.astype(jnp.int8) + 2 * full.astype(jnp.int8)
+        return tile_classes(self.kv_tables)
 
     @property
     def BLOCK_SIZE(self) -> tuple[int, int]:  # noqa: N802 (PyTorch's name)
@@ -179,9 +186,14 @@ class BlockMask:
             raise IndexError(f"the last query block is ragged ({last_rows} of {block_q} queries): select it last.")
         new_q_len = (len(rows) - 1) * block_q + (last_rows if rows[-1] == self.kv_num_blocks.shape[2] - 1 else block_q)
         maps = [_index_map(s) for s in selections]
-        mask_mod = Partial(_reindexed, maps[0], maps[1], maps[2], block_q, self.mask_mod)
+        mask_mod = self.mask_mod
+        if isinstance(maps[2], tuple) and maps[2][1] in (0, 1) and maps[2] != (0, 1):
+            # Contiguous query blocks (one, or a run): their queries are the original ones shifted by the first
+            # block's start, with arrays read at q_idx kept as reads at exactly q_idx (`shifted_queries`).
+            mask_mod, maps[2] = shifted_queries(mask_mod, maps[2][0] * block_q), (0, 1)
+        mask_mod = Partial(_reindexed, maps[0], maps[1], maps[2], block_q, mask_mod)
         return BlockMask(*(tables[name] for name in self._TABLES), self.block_size,
-                         (new_q_len, self.seq_lengths[1]), mask_mod, self.leading_axes)
+                         (new_q_len, self.seq_lengths[1]), mask_mod, self.leading_axes, self.exact_mask_mod)
 
     def adjust(self, q_len: int, kv_len: int) -> BlockMask:
         """The mask cropped to shorter sequences (its top-left corner), as PyTorch's `block_mask._adjust`:
@@ -201,7 +213,8 @@ class BlockMask:
         partial, full = dense == 1, dense == 2
         ragged = _ragged_tiles(rows, cols, self.block_size, (q_len, kv_len))
         partial, full = partial | (full & ragged), full & ~ragged
-        return _from_tiles(partial, full, self.block_size, (q_len, kv_len), self.mask_mod, self.leading_axes)
+        return _from_tiles(partial, full, self.block_size, (q_len, kv_len), self.mask_mod, self.leading_axes,
+                           self.exact_mask_mod)
 
     _adjust = adjust  # PyTorch's (private) name
 
@@ -257,26 +270,28 @@ class BlockMask:
         full = jnp.zeros_like(partial) if full_kv_num_blocks is None else _ordered_to_tiles(
             "full_kv", full_kv_num_blocks, full_kv_indices, kv_indices.shape)
         mask = _from_tiles(partial, full & ~partial, (block_q, block_kv), (int(q_len), int(kv_len)),
-                           noop_mask if mask_mod is None else mask_mod, kv_indices.ndim - 2)
+                           noop_mask if mask_mod is None else mask_mod, kv_indices.ndim - 2, exact_mask_mod=False)
         if not compute_q_blocks:
             mask.q_num_blocks = mask.q_indices = mask.full_q_num_blocks = mask.full_q_indices = None
         return mask
 
     def for_kernel(self) -> BlockMask:
         """This mask with tables the kernels can run: tiles that are powers of two >= 16 (`flex.block_tables`;
-        merged tiles get a mask_mod that follows these tables), and no full tile past the key length (the
-        kernels skip the mask, and so the length check, on full tiles). The same attention, exactly."""
+        merged tiles keep an exact mask_mod (`exact_mask_mod`) and otherwise get one that follows these tables,
+        which makes it exact), and no full tile past the key length (the kernels skip the mask, and so the
+        length check, on full tiles). The same attention, exactly."""
         partial, full = (self.to_dense() == c for c in (1, 2))
         partial, full, block_size, merged = retile(partial, full, self.block_size, self.seq_lengths)
         mask_mod = self.mask_mod
-        if merged:
+        if merged and not self.exact_mask_mod:
             mask_mod = Partial(tile_class_mask_mod, self.to_dense(), self.block_size, self.mask_mod)
-        elif block_size == self.block_size and self.seq_lengths[1] % block_size[1] == 0:
+        elif not merged and block_size == self.block_size and self.seq_lengths[1] % block_size[1] == 0:
             return self if self.q_indices is not None else dataclasses.replace(
                 self, **dict(zip(self._TABLES[4:], self.q_tables)))
         ragged = _ragged_tiles(*partial.shape[-2:], block_size, (math.inf, self.seq_lengths[1]))
         partial, full = partial | (full & ragged), full & ~ragged
-        return _from_tiles(partial, full, block_size, self.seq_lengths, mask_mod)
+        return _from_tiles(partial, full, block_size, self.seq_lengths, mask_mod,
+                           exact_mask_mod=merged or self.exact_mask_mod)
 
     def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
         """A text picture of the visited tiles per (batch, head), as PyTorch draws it: two characters per
@@ -359,6 +374,8 @@ def _index_map(selected: np.ndarray):
 def _original(index, mapping):
     if isinstance(mapping, tuple):
         start, step = mapping
+        if (start, step) == (0, 1):  # exactly the index, so that arrays read at b / h stay selected per b / h
+            return index
         return jnp.full_like(index, start) if step == 0 else start + step * index
     return mapping[jnp.clip(index, 0, mapping.shape[0] - 1)]
 
@@ -395,7 +412,8 @@ def _ordered_to_tiles(name: str, num_blocks, indices, shape=None) -> jax.Array:
     return tiles_of(num_blocks.reshape(lead + num_blocks.shape), indices.reshape(lead + indices.shape))
 
 
-def _from_tiles(partial, full, block_size, seq_lengths, mask_mod, leading_axes: int = 2) -> BlockMask:
+def _from_tiles(partial, full, block_size, seq_lengths, mask_mod, leading_axes: int = 2,
+                exact_mask_mod: bool = True) -> BlockMask:
     """The BlockMask of `[B|1, H|1, rows, cols]` bool partial / full tiles: ordered tables both ways."""
     kv_num, kv_indices = ordered_indices(partial)
     full_kv_num, full_kv_indices = ordered_indices(full)
@@ -403,7 +421,7 @@ def _from_tiles(partial, full, block_size, seq_lengths, mask_mod, leading_axes: 
     full_q_num, full_q_indices = ordered_indices(jnp.swapaxes(full, -1, -2))
     return BlockMask(
         kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices,
-        tuple(block_size), tuple(seq_lengths), mask_mod, leading_axes,
+        tuple(block_size), tuple(seq_lengths), mask_mod, leading_axes, exact_mask_mod,
     )
 
 

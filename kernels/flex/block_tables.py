@@ -1,5 +1,5 @@
-"""Block tables as arrays: ordered (count, indices) tables <-> dense tile classes, and the re-tiling of a
-mask's tiles onto tiles the kernels can run.
+"""The re-tiling of a BlockMask's tiles onto tiles the kernels can run (the ordered (count, indices) tables <->
+dense tile classes conversions are `_table_tiles`', re-exported here).
 
 A `BlockMask` may use any tile PyTorch accepts (8, 48, 96, (64, 48), ...), while the kernels' tiles are
 powers of two >= 16 that must divide the tables' tile. `retile` maps the tables onto such a tile at call time:
@@ -18,6 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax_kernels._table_tiles import ordered_indices as ordered_indices
+from probjax_kernels._table_tiles import tile_class_mask_mod as tile_class_mask_mod
+from probjax_kernels._table_tiles import tiles_of as tiles_of
+
 KERNEL_MIN_TILE = 16
 
 
@@ -27,24 +31,6 @@ def check_block_size(block_size, name: str = "block_size") -> tuple[int, int]:
     if len(pair) != 2 or any(not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1 for b in pair):
         raise ValueError(f"{name} must be an int >= 1 or a pair of them (block_q, block_kv), got {block_size!r}.")
     return int(pair[0]), int(pair[1])
-
-
-def tiles_of(num_blocks: jax.Array, indices: jax.Array) -> jax.Array:
-    """`[B, H, rows, cols]` bool: the tiles that 4-D (num_blocks, indices) tables list (a scatter, linear in
-    the size of the tables)."""
-    cols = indices.shape[-1]
-    used = jnp.arange(cols, dtype=num_blocks.dtype).reshape(1, 1, 1, cols) < num_blocks[..., None]
-    target = jnp.where(used, indices, cols)  # unused entries land in a spare column, dropped below
-    dense = jnp.zeros((*indices.shape[:-1], cols + 1), jnp.bool_)
-    lead = jnp.indices(indices.shape, sparse=True)[:-1]
-    return dense.at[(*lead, target)].set(True)[..., :cols]
-
-
-def ordered_indices(selected: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(count, indices) of the True entries along the last axis, those first and ascending."""
-    count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
-    order = jnp.argsort(~selected, axis=-1, stable=True).astype(jnp.int32)
-    return count, order
 
 
 def kernel_tile(size: int) -> int:
@@ -89,14 +75,3 @@ def retile(partial: jax.Array, full: jax.Array, block_size: tuple[int, int], seq
     new_partial = (count(partial | full) > 0) & ~new_full
     merged = any(b % t for b, t in zip(block_size, new_size))
     return new_partial, new_full, new_size, merged
-
-
-def tile_class_mask_mod(classes, block_size, mask_mod, b, h, q_idx, kv_idx):
-    """The element-wise mask that tables of `classes` (`[B|1, H|1, rows, cols]` int8: 0 empty, 1 partial,
-    2 full) and `mask_mod` stand for: True on full tiles, mask_mod on partial ones, False on empty ones.
-    Broadcast table axes are read at 0, so the result reads b / h only where the tables have them."""
-    batch, heads, rows, cols = classes.shape
-    row = jnp.minimum(q_idx // block_size[0], rows - 1)
-    col = jnp.minimum(kv_idx // block_size[1], cols - 1)
-    tile = classes[b if batch > 1 else 0, h if heads > 1 else 0, row, col]
-    return (tile == 2) | ((tile == 1) & mask_mod(b, h, q_idx, kv_idx))

@@ -1,6 +1,7 @@
 """The Mosaic TPU backend as one object (`BACKEND`): its tiles per TPU generation, which calls its kernels take
 (`vet.unsupported`; what they cannot take runs the XLA path, with a warning), and its plan: the forward, dQ +
-dK/dV and tangent kernels, each walking a BlockMask's tables refined onto its own tile. It serves
+dK/dV and tangent kernels, each walking a BlockMask's tables on its own tile (refined onto it, or coarsened
+where its tile covers several blocks: `_table_tiles.tables_on_tiles`). It serves
 `FlashConfig.backend` "tpu" (a TPU device) and "tpu_interpret" (Pallas' TPU interpret mode, any machine)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from probjax_kernels._backend import KernelPass, Passes
 from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import flash_hook_shapes
 from probjax_kernels._problem import _Problem, _Tangents
-from probjax_kernels._tiles import refined_tables
+from probjax_kernels._table_tiles import tables_on_tiles
 from probjax_kernels.tpu import backward, forward, tangent, vet
 from probjax_kernels.tpu.chips import tpu_generation  # noqa: F401  (re-exported: _dispatch)
 
@@ -22,34 +23,38 @@ TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 
          "tpu7x": (512, 512, 512, 256, 256, 512)}
 
 
-def _tables(problem: _Problem, arrays: dict, is_backward: bool = False) -> dict:
-    """`arrays` with a BlockMask's tables on the tiles of the TPU kernels that walk them, which divide its blocks
-    (`vet.unsupported`; `_tiles.refined_tables`): "kv_tables" on the forward's tile (forward, tangent) or, in
-    the backward pass (`is_backward`), dQ's; "q_tables" on dK/dV's."""
+def _tables(problem: _Problem, arrays: dict, t_pad: int, s_pad: int, is_backward: bool = False) -> dict:
+    """`arrays` with a BlockMask's tables on the tiles of the TPU kernels that walk them, over the padded
+    sequences (T, S) = (`t_pad`, `s_pad`) (`_table_tiles.tables_on_tiles`: refined where a tile divides the
+    blocks, coarsened where it covers several, which `vet.unsupported` allows for an exact mask_mod):
+    "kv_tables" on the forward's tile (forward, tangent) or, in the backward pass (`is_backward`), dQ's;
+    "q_tables" on dK/dV's."""
     block_sizes, cfg = problem.features.block_sizes, problem.config
     if block_sizes is None:
         return arrays
-    kv_tile = (cfg.block_q_dq, cfg.block_k_dq) if is_backward else (cfg.block_q, cfg.block_k)
-    return dict(arrays, kv_tables=refined_tables(arrays["kv_tables"], block_sizes, kv_tile),
-                q_tables=refined_tables(arrays["q_tables"], block_sizes[::-1], (cfg.block_k_dkv, cfg.block_q_dkv)))
+    tq, tk = (cfg.block_q_dq, cfg.block_k_dq) if is_backward else (cfg.block_q, cfg.block_k)
+    kv_tables = tables_on_tiles(arrays["kv_tables"], block_sizes, (tq, tk), (t_pad // tq, s_pad // tk))
+    tk, tq = cfg.block_k_dkv, cfg.block_q_dkv
+    q_tables = tables_on_tiles(arrays["q_tables"], block_sizes[::-1], (tk, tq), (s_pad // tk, t_pad // tq))
+    return dict(arrays, kv_tables=kv_tables, q_tables=q_tables)
 
 
 def run_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
-    """The forward pass: `forward.forward` on the call's tables refined to its tile."""
-    return forward.forward(problem, q, k, v, q_len, kv_len, _tables(problem, optional))
+    """The forward pass: `forward.forward` on the call's tables on its tile."""
+    return forward.forward(problem, q, k, v, q_len, kv_len, _tables(problem, optional, q.shape[1], k.shape[1]))
 
 
 def run_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """The backward pass: `backward.backward` (dQ, dK/dV) on the tables refined to their tiles."""
-    return backward.backward(problem, tangents, dict(res, others=_tables(problem, res["others"], True)), d_out,
-                             d_lse)
+    """The backward pass: `backward.backward` (dQ, dK/dV) on the tables on their tiles."""
+    others = _tables(problem, res["others"], res["q"].shape[1], res["k"].shape[1], is_backward=True)
+    return backward.backward(problem, tangents, dict(res, others=others), d_out, d_lse)
 
 
 def run_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
                 optional: dict):
-    """The forward-mode pass: `tangent.tangent` on the tables refined to the forward's tile."""
+    """The forward-mode pass: `tangent.tangent` on the tables on the forward's tile."""
     return tangent.tangent(problem, tangents, q, k, v, q_len, kv_len, out, lse2, linear,
-                           _tables(problem, optional))
+                           _tables(problem, optional, q.shape[1], k.shape[1]))
 
 
 class _MosaicTpu:
@@ -58,6 +63,7 @@ class _MosaicTpu:
     name = "Mosaic TPU"
     configs = ("tpu", "tpu_interpret")
     warns_when_declining = True
+    coarsens_block_masks = True  # `_tables`: kernel tiles may cover several blocks of an exact mask_mod
 
     def defaults(self, config: FlashConfig, filled: FlashConfig | None, *, q_len: int, kv_len: int, head_dim: int,
                  dtype, device) -> FlashConfig:

@@ -22,6 +22,7 @@ from jax.extend import core as jex_core
 
 from probjax_kernels._hooks import Hook, live_equations, tile_hook_shapes, tile_reads
 from probjax_kernels._problem import _Problem
+from probjax_kernels._table_tiles import check_tiles
 
 _SMEM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.int32))
 
@@ -159,14 +160,20 @@ def unsupported(problem: _Problem, tangent: bool = False) -> str | None:
     they run it all. `tangent`: the forward-mode kernel (which evaluates a score_mod's jvp in its arrays)."""
     f, cfg = problem.features, problem.config
     tiles = {(cfg.block_q, cfg.block_k), (cfg.block_q_dq, cfg.block_k_dq), (cfg.block_q_dkv, cfg.block_k_dkv)}
-    if f.block_sizes is not None:  # each kernel walks the tables refined to its tile (`_tiles.refined_tables`)
+    if f.block_sizes is not None:  # each kernel walks the tables on its own tile (`_table_tiles.tables_on_tiles`)
         for block_q, block_k in sorted(tiles):
-            if f.block_sizes[0] % block_q or f.block_sizes[1] % block_k:
-                return (f"a BlockMask of {f.block_sizes} tiles, which kernel tiles ({block_q}, {block_k}) do "
-                        "not divide (the TPU kernels walk the tables on their own tiles)")
+            reason = check_tiles(f.block_sizes, (block_q, block_k))
+            coarser = f.block_sizes[0] % block_q or f.block_sizes[1] % block_k
+            if reason is None and coarser and not f.exact_mask_mod:
+                reason = (f"kernel tiles ({block_q}, {block_k}) cover several of its blocks, where its mask_mod "
+                          "need not give the mask its tables describe (tables from from_kv_blocks)")
+            if reason is not None:
+                return f"a BlockMask of {f.block_sizes} blocks: {reason}"
     for block_q, block_k in tiles:
         if block_q % 128 or block_k % 128:
-            bound = f" (kernel tiles divide a BlockMask's {f.block_sizes} tiles)" if f.block_sizes else ""
+            bound = ""
+            if f.block_sizes is not None and not f.exact_mask_mod:
+                bound = f" (kernel tiles divide the {f.block_sizes} blocks of a BlockMask from from_kv_blocks)"
             return f"tiles ({block_q}, {block_k}) that are not multiples of 128{bound}"
     for kind, hook in (("score_mod", f.score_mod), ("mask_mod", f.mask_mod)):
         if hook is None:

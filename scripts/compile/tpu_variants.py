@@ -95,6 +95,29 @@ def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024) -> TpuVariant:
     return TpuVariant(name, "tpu", build, head_dim, dtype, "fwd+bwd", q_len)
 
 
+def flex_chunk(name, *, head_dim=128, dtype="bf16", q_len=1024, kv_len=2048) -> TpuVariant:
+    """fwd+bwd of chunked prefill over packed documents: the second half of the query blocks of a causal
+    document mask over `kv_len` tokens (`block_mask[:, :, i:j]`), q `[B, q_len, N, D]` against all keys."""
+
+    def build():
+        from probjax_kernels import FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, \
+            flex_attention
+
+        dt = gpu_variants.dtype_of(dtype)
+        specs = [_spec((B, q_len, N, head_dim), dt)] + [_spec((B, kv_len, N, head_dim), dt)] * 2
+
+        def attend(q, k, v):
+            ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), kv_len // 4)[None].repeat(B, 0)
+            whole = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, kv_len, kv_len)
+            first = (kv_len - q_len) // whole.block_size[0]
+            chunk = whole[:, :, first:first + q_len // whole.block_size[0]]
+            return flex_attention(q, k, v, block_mask=chunk, config=FlashConfig(backend="tpu"))
+
+        return gpu_variants._wrap("fwd+bwd", attend, 3, (0, 1, 2)), specs
+
+    return TpuVariant(name, "flex", build, head_dim, dtype, "fwd+bwd", q_len)
+
+
 # The flex hooks whose captured arrays the kernels read as vectors (a gather, which Mosaic TPU cannot lower):
 # the dispatch sends those calls to the XLA path (`probjax_kernels.tpu.vet`). The document mask's
 # `doc[b, q_idx] == doc[b, kv_idx]` reads its ids along q_idx / kv_idx exactly: VMEM tiles, in the kernels.
@@ -106,7 +129,8 @@ FLEX_FALLBACK = {
 def tpu_variants() -> list[TpuVariant]:
     """The gated variants: dtype bf16 / f32 x head dim 64 / 128 / 256 x causal / full, a jvp per dtype,
     then window, GQA 8:2, ragged lengths with segments, a dense bias, dropout, float16 (run as float32), the
-    five flex hooks, a BlockMask coarser than the tiles, and the HBM pair."""
+    five flex hooks, a BlockMask coarser than the tiles, one finer than them, a sliced one (chunked prefill),
+    and the HBM pair."""
     out = []
     for dtype in ("bf16", "f32"):
         for d in (64, 128, 256):
@@ -136,6 +160,12 @@ def tpu_variants() -> list[TpuVariant]:
     # the mask's tables refined onto its own tile (`tpu.plan._tables`).
     out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_sliding_window_block512", "sliding_window",
                                            backend="tpu", block=512), "flex"))
+    # Blocks finer than every tile (64 x 64): the generation's tiles stay, each kernel walking the tables
+    # coarsened onto its tile (`_table_tiles.tables_on_tiles`); and a document mask sliced by query block
+    # (chunked prefill), whose mask_mod reads the ids shifted to the chunk as tiles (`flex.shifted_queries`).
+    out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_document_mask_block64", "document_mask",
+                                           backend="tpu", block=64), "flex"))
+    out.append(flex_chunk("tpu_flex_grad_d128_bf16_document_mask_chunk_T1024_S2048"))
     for t in HBM_LENGTHS:
         out.append(dataclasses.replace(
             flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t, mode="fwd+bwd"),
