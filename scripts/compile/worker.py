@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import figures
 import variants as registry
 from check import expected
 from figures import (
@@ -107,6 +108,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         dump_names = (f"{tag:09d}{count:03d}" for count in itertools.count())
 
     limits = target_limits(target)
+    figures.SASS_OPS = figures.sass_ops(limits["arch"])  # this process compiles one target: its arch's counts
     device = topologies.get_topology_desc(
         platform="cuda", topology_name=target, target_config=(TARGETS_DIR / f"{target}.txtpb").read_text(),
         topology="1x1x1").devices[0]
