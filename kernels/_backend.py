@@ -84,6 +84,13 @@ def wide_mma(device) -> str | None:
     return None if capability is None else WIDE_MMA_MAJORS.get(capability[0])
 
 
+def is_consumer_blackwell(device) -> bool:
+    """Compute capability 12.x (RTX 50, RTX PRO 6000 Blackwell, GB10): mma.sync and 99 KB of shared memory per
+    block, as sm_86, where ptxas allocates registers differently (`triton.plan._consumer_blackwell_tiles`)."""
+    capability = compute_capability(device)
+    return capability is not None and capability[0] == 12
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPass:
     """One pass of a call as a backend plans it: `run(problem, *arrays, **dict(options))`.

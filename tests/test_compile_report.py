@@ -34,7 +34,7 @@ class FakeGPU:
 
 
 def _gpu(target: str) -> FakeGPU:
-    major, minor = re.fullmatch(r"sm_(\d)(\d)a?", REPORT["limits"][target]["arch"]).groups()
+    major, minor = re.fullmatch(r"sm_(\d+)(\d)a?", REPORT["limits"][target]["arch"]).groups()
     return FakeGPU(f"{major}.{minor}")
 
 

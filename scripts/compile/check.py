@@ -14,15 +14,13 @@ from pathlib import Path
 import variants as registry  # the expected set: scripts/compile/variants.py
 from figures import target_limits
 from kernel_tiles import _fallback_tiles
-from rules import (  # the figures the check holds kernels to, and each tolerance with why
-    LOW_WIDE_SHARE, MIN_WIDE_SHARE, SMALL_DECODE_TILES, SPILLS, WIDE_MMA, tolerances,
-)
+import rules  # the figures the check holds kernels to, and each tolerance with why: read when it runs
 
 TARGETS = registry.GPU_TARGETS
 
 
 def spill_cap(kernel: str, target: str, variant: str) -> tuple | None:
-    return SPILLS.get((kernel, target, variant))
+    return rules.SPILLS.get((kernel, target, variant))
 
 
 def expected(targets=None, only: str | None = None) -> list[tuple[str, registry.Variant]]:
@@ -72,8 +70,8 @@ KERNEL_FIGURES = ("registers", "threads", "smem", "spill_stores", "spill_loads")
 def figures_needed(arch: str) -> tuple[str, ...]:
     """The figures the check reads of a kernel compiled for `arch`: a missing one (absent or null) fails rather
     than skipping the check that reads it."""
-    if arch in WIDE_MMA:
-        return KERNEL_FIGURES + ("HGMMA", "HMMA", "UTMALDG") + (WIDE_MMA[arch][0],)
+    if arch in rules.WIDE_MMA:
+        return tuple(dict.fromkeys(KERNEL_FIGURES + ("HGMMA", "HMMA", "UTMALDG", rules.WIDE_MMA[arch][0])))
     return KERNEL_FIGURES + ("HMMA", "LDGSTS")
 
 
@@ -102,13 +100,13 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
                    f"(HGMMA {kernel['HGMMA']})")
     if not sixteen_bit:
         return out
-    if arch in WIDE_MMA:
-        op, instruction = WIDE_MMA[arch]
-        if row["variant"] in SMALL_DECODE_TILES:
+    if arch in rules.WIDE_MMA:
+        op, instruction = rules.WIDE_MMA[arch]
+        if row["variant"] in rules.SMALL_DECODE_TILES:
             return out
         share = wide_share(kernel, op)
-        least, _ = LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),
-                                      (MIN_WIDE_SHARE, ""))
+        least, _ = rules.LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),
+                                            (rules.MIN_WIDE_SHARE, ""))
         if share is None or share < least:
             counts = ", ".join(f"{o} {kernel[o]}" for o in dict.fromkeys((op, "HGMMA", "HMMA")))
             out.append(f"{name}: {instruction} share {share if share is None else round(share, 2)} ({counts}) "
@@ -143,7 +141,7 @@ def rule_problems() -> list[str]:
     whose tile holds fewer than 64 query rows (a stale name, or one of 64 rows, fails)."""
     by_name = {v.name: v for v in registry.variants()}
     out = []
-    for name in SMALL_DECODE_TILES:
+    for name in rules.SMALL_DECODE_TILES:
         v = by_name.get(name)
         if v is None or v.group != "decode" or v.query_rows is None:
             out.append(f"rules.SMALL_DECODE_TILES names {name}: not a decode variant of the registry with its "
@@ -203,10 +201,11 @@ def _with_verdicts(report: dict) -> dict:
     for key in ("min_wgmma_share", "low_wgmma_share", "no_wgmma_variants"):  # the rules before `tolerances`
         report.pop(key, None)
     report.update(
-        min_wide_share=MIN_WIDE_SHARE, wide_mma={a: dict(sass=op, name=n) for a, (op, n) in WIDE_MMA.items()},
-        tolerances=tolerances(),
+        min_wide_share=rules.MIN_WIDE_SHARE,
+        wide_mma={arch: dict(sass=op, name=name) for arch, (op, name) in rules.WIDE_MMA.items()},
+        tolerances=rules.tolerances(),
         spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
-                for (k, t, v), c in SPILLS.items()],
+                for (k, t, v), c in rules.SPILLS.items()],
     )
     return report
 

@@ -15,8 +15,9 @@ import subprocess
 from pathlib import Path
 
 from figures import (
-    ARCH_SASS_OPS, MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels, _kernels_by_function,
-    _split_mosaic_stdout, elf_code, occupancy, parse_ptxas, ptx_threads, sass_counts, target_limits,
+    ARCH_SASS_OPS, MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels,
+    _kernels_by_function, _split_mosaic_stdout, elf_code, occupancy, parse_ptxas, ptx_threads, sass_counts,
+    target_limits,
 )
 
 # The code between a lowered module and a row's figures: its source is part of every fingerprint.

@@ -50,6 +50,7 @@ from fingerprints import (  # noqa: E402, F401
 )
 from kernel_tiles import _fallback_tiles, _import_kernels, _tangent_tiles, _traced_tiles  # noqa: E402, F401
 from rules import LOW_WIDE_SHARE, MIN_WIDE_SHARE, SMALL_DECODE_TILES, SPILLS, WIDE_MMA  # noqa: E402, F401
+# (check.py reads them from `rules` as it runs: a test that patches one patches `rules`)
 from sources import REPO, head_commit, source_paths_regex  # noqa: E402, F401
 from worker import _compile_units, _error_fields, _named, _new_files, _stdout_to, worker  # noqa: E402, F401
 
