@@ -41,7 +41,10 @@ def _clean_report() -> dict:
         rows.append(dict(variant=v.name, group=v.group, target=target, head_dim=v.head_dim, value_dim=v.value_dim,
                          dtype=v.dtype, mode=v.mode, backend=v.backend, q_len=v.q_len, kv_len=v.kv_len,
                          status="ok", config={"num_stages": 2}, compile_s=1.0,
-                         kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES) for k in v.requires]))
+                         kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES and k == registry.DECODE)
+                                  for k in v.requires],
+                         **({"hbm": dict(arguments=2**30, outputs=2**30, temp=2**31, alias=0, generated_code=0,
+                                         total=2**32)} if v.group == "lm" else {})))
     return dict(targets=list(compile_report.TARGETS), rows=rows)
 
 
@@ -289,3 +292,24 @@ def test_check_cli_exit_status(clean, tmp_path):
     assert compile_report.check(path) == 1
     path.write_text(json.dumps(clean))
     assert compile_report.check(path) == 0
+
+
+def test_the_lm_programs_hbm_is_held_to_the_device(clean):
+    """The LM example's whole programs (group "lm", one H200): their planned HBM must be present and within the
+    device's 141 GB; the generation's prefill forward is held to the wgmma share, its decode steps (1 query row)
+    are not."""
+    assert compile_report.device_memory("sm90a_h200") == 151_397_597_184
+    for variant in ("lm_train_step_bench_hd128_T2048", "lm_generate_bench_hd128_T2048"):
+        broken = copy.deepcopy(clean)
+        row = _row(broken, "sm90a_h200", variant)
+        row["hbm"]["total"] = 151_397_597_185
+        found = compile_report.problems(broken)
+        assert len(found) == 1 and _only(found, variant, "151,397,597,185 B of HBM planned, over the device's")
+        del row["hbm"]
+        assert _only(compile_report.problems(broken), variant, "figure hbm missing")
+    broken = copy.deepcopy(clean)
+    kernels = {k["kernel"]: k for k in _row(broken, "sm90a_h200", "lm_generate_bench_hd128_T2048")["kernels"]}
+    kernels[registry.DECODE].update(HGMMA=0, HMMA=48)
+    assert compile_report.problems(broken) == []
+    kernels[registry.FORWARD].update(HGMMA=0, HMMA=48)
+    assert _only(compile_report.problems(broken), "lm_generate_bench_hd128_T2048", registry.FORWARD, "wgmma share 0.0")

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import variants as registry  # the expected set: scripts/compile/variants.py
-from figures import target_limits
+from figures import TARGETS_DIR, target_limits
 from kernel_tiles import _fallback_tiles
 import rules  # the figures the check holds kernels to, and each tolerance with why: read when it runs
 
@@ -44,7 +44,27 @@ def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> l
     out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
     for kernel in row["kernels"]:
         out += gpu_kernel_problems(row, kernel, limits)
+    if row["group"] == "lm":
+        out += lm_problems(row)
     return out
+
+
+def device_memory(target: str) -> int:
+    """The device memory of a target (its description's `device_memory_size`), in bytes."""
+    text = (TARGETS_DIR / f"{target}.txtpb").read_text()
+    return int(re.search(r"^\s*device_memory_size:\s*(\d+)", text, re.M).group(1))
+
+
+def lm_problems(row: dict) -> list[str]:
+    """A whole program of the LM example (group "lm"): its planned HBM (`hbm`, the worker's) present and within
+    the target's device memory."""
+    where = f"{row['target']} {row['variant']}"
+    hbm, capacity = row.get("hbm") or {}, device_memory(row["target"])
+    if hbm.get("total") is None:
+        return [f"{where}: figure hbm missing (null or absent): the check cannot read it"]
+    if hbm["total"] > capacity:
+        return [f"{where}: {hbm['total']:,} B of HBM planned, over the device's {capacity:,}"]
+    return []
 
 
 def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
@@ -102,7 +122,7 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
         return out
     if arch in rules.WIDE_MMA:
         op, instruction = rules.WIDE_MMA[arch]
-        if row["variant"] in rules.SMALL_DECODE_TILES:
+        if row["variant"] in rules.SMALL_DECODE_TILES and kernel["kernel"] == registry.DECODE:
             return out
         share = wide_share(kernel, op)
         least, _ = rules.LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),
@@ -143,7 +163,7 @@ def rule_problems() -> list[str]:
     out = []
     for name in rules.SMALL_DECODE_TILES:
         v = by_name.get(name)
-        if v is None or v.group != "decode" or v.query_rows is None:
+        if v is None or registry.DECODE not in v.requires or v.query_rows is None:
             out.append(f"rules.SMALL_DECODE_TILES names {name}: not a decode variant of the registry with its "
                        "query rows")
         elif v.query_rows >= 64:

@@ -19,17 +19,11 @@ from sources import REPO, source_paths_regex
 
 TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
-# Counted beyond SASS_OPS on the arches that have them (`sass_ops`): tcgen05's MMA of 16-bit inputs on sm_100a
-# (UTCHMMA). A worker compiles one target, and counts its arch's set (it sets SASS_OPS to `sass_ops(arch)` for
-# its process); the compile key of such a target names the extra ones (fingerprints._compile_key), so the
-# fingerprints of the other targets, and their rows, are unchanged.
+# Counted beyond SASS_OPS on the arches that have them: tcgen05's MMA of 16-bit inputs on sm_100a (UTCHMMA). A
+# worker compiles one target, and counts its arch's set (it extends SASS_OPS for its process: worker.py); the
+# compile key of such a target names the extra ones (fingerprints._compile_key), so the fingerprints of the
+# other targets, and their rows, are unchanged.
 ARCH_SASS_OPS = {"sm_100a": ("UTCHMMA",)}
-
-
-def sass_ops(arch: str) -> tuple[str, ...]:
-    """The instructions counted in the SASS of a kernel compiled for `arch`."""
-    return SASS_OPS + ARCH_SASS_OPS.get(arch, ())
-
 
 # The Pallas Triton kernels' names: ours, then the peers' (JAX's mha, tokamax's); Mosaic GPU kernels come from
 # their own dumps.

@@ -41,7 +41,10 @@ sm_120) a subset of it (`_on_subset_targets`) that holds each family whose tiles
 feature in fwd+bwd at head dim 64 / 128 / 256 in bfloat16, the jvp of the calls whose tangent has rules of
 its own, float32's base calls and the features its rules name, float16, the ragged tails, the seq 8192 causal
 controls, and every decode and ragged variant; no Mosaic variant (backend "mosaic" refuses these GPUs: its
-kernels are Hopper's) and no peer. Target descriptions and their sources: `scripts/compile/gpu_targets/`.
+kernels are Hopper's) and no peer. sm90a_h200 (the H100's SM with 141 GB) holds the LM example's whole
+programs alone (`_lm_variants`, `scripts/compile/lm_programs.py`: the `bench-hd128` training step and batched
+generation), their planned HBM held to its memory. Target descriptions and their sources:
+`scripts/compile/gpu_targets/`.
 
 **The check fails closed** on: a (target, variant) pair of the registry missing from the report, or a row the
 registry lacks; a variant that raised while being built or failed to compile; a required kernel missing or an
@@ -198,6 +201,22 @@ def markdown(report: dict, problems: list[str]) -> str:
     out.append("| tolerance | covers | why |")
     out.append("|---|---|---|")
     out += [f"| {t['rule']} | {t['covers']} | {t['why']} |" for t in report["tolerances"]]
+    lm = [r for r in rows if r["group"] == "lm"]
+    if lm:
+        out.append("\n## The LM example's programs (`--preset bench-hd128`, `scripts/compile/lm_programs.py`)\n")
+        out.append("Whole programs on one GPU: the training step (4 x 2048 tokens; donation is not modelled, so "
+                   "params and optimiser state count as arguments and outputs) and the batched generation (4 "
+                   "prompts of 2048, 64 decode steps). HBM as XLA plans it, against the device's memory.\n")
+        out.append("| target | program | arguments | outputs | temp | total | device | share | Pallas kernels |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in lm:
+            hbm = r.get("hbm") or {}
+            capacity = report["limits"][r["target"]].get("device_memory")
+            gib = (lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "?")
+            share = f"{hbm['total'] / capacity:.1%}" if hbm.get("total") is not None and capacity else "?"
+            out.append(f"| {r['target']} | {r['variant']} | {gib(hbm.get('arguments'))} | {gib(hbm.get('outputs'))} | "
+                       f"{gib(hbm.get('temp'))} | {gib(hbm.get('total'))} | {gib(capacity)} | {share} | "
+                       f"{', '.join(sorted(k['kernel'].removeprefix('probjax_') for k in r['kernels']))} |")
     out.append("\n## Headline per target (worst case over our variants; peers excluded)\n")
     out.append("| target | compiles | errors | kernels | max regs | spilling kernels | max smem | "
                "min CTA/SM (regs) |")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The jobs, each in a module beside this one; their names stay importable from here (tpu_report.py, the tests).
 from check import (  # noqa: E402, F401
     TARGETS, _with_verdicts, check, expected, gpu_kernel_problems, kernel_set_problems, problems, row_problems,
-    figures_needed, rule_problems, spill_cap, wide_share,
+    device_memory, figures_needed, lm_problems, rule_problems, spill_cap, wide_share,
 )
 from figures import (  # noqa: E402, F401
     KERNEL_PREFIXES, MOSAIC_DUMPS, SASS_OPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels,
@@ -63,7 +63,7 @@ PAGE = REPO / "docs" / "compile" / "index.md"
 
 def run(args) -> int:
     targets = args.targets.split(",")
-    groups = ["mosaic", "triton", "control", "decode", "peer"]  # the longest shard first
+    groups = ["mosaic", "triton", "control", "decode", "peer", "lm"]  # the longest shard first
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise SystemExit(f"compile_report: --targets {','.join(unknown)}: not a target of the registry {TARGETS}")
@@ -90,7 +90,8 @@ def run(args) -> int:
     order = {name: i for i, name in enumerate(targets)}
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
-        targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
+        targets=targets, limits={t: dict(target_limits(t), device_memory=device_memory(t)) for t in targets},
+        toolchain=_versions(args.toolchain),
         wall_s=round(_compile_seconds(rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
         jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
         reused_from=_shown_path(args.reuse) if args.reuse else None, rows=rows,
