@@ -1,8 +1,8 @@
 """The LM example's whole programs at the benchmark shapes as GPU compile-report variants (variants.py, group "lm"),
 as examples/compile_for_tpu.py compiles them for TPU slices: the training step of train.py (`make_steps`: loss,
 gradient and AdamW update) and the batched generation of sampling.py (`batch_generator`: a prefill of 4
-prompts of the whole sequence length, then 64 paged decode steps), of `--preset bench-hd128` (8 layers, 8 heads
-of 128, d_model 1024, bfloat16) with `--attention pallas` (the Triton kernels on a GPU) on one GPU. The worker
+prompts of the whole sequence length, then 64 paged decode steps), of `--preset bench-hd64` / `bench-hd128` (8
+layers, 8 heads of 64 / 128, bfloat16) with `--attention pallas` (the Triton kernels on a GPU) on one GPU. The worker
 records the HBM XLA plans for each (arguments, outputs, temporaries) and the check holds it to the target's
 memory (check.py `lm_problems`). Both need examples/lm's packages in the toolchain (examples_packages.sh).
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # probjax_nn's folder is here; examples/lm's one level down
-PRESET = "bench-hd128"
+PRESETS = ("bench-hd64", "bench-hd128")  # 8 layers, 8 heads of 64 / 128, bfloat16
 TRAIN_BATCH = 4  # sequences per step on the one GPU (compile_for_tpu.py's batch per data shard)
 GENERATE_BATCH, GENERATE_TOKENS = 4, 64  # compile_for_tpu.py's
 
@@ -29,10 +29,10 @@ def _paths() -> None:
             sys.path.append(str(folder))
 
 
-def _config(seq_len: int, batch: int):
+def _config(preset: str, seq_len: int, batch: int):
     from lm.config import make_config
 
-    return make_config(PRESET, dict(seq_len=seq_len, batch_size=batch, attention="pallas"))
+    return make_config(preset, dict(seq_len=seq_len, batch_size=batch, attention="pallas"))
 
 
 def _abstract_model(config):
@@ -62,15 +62,16 @@ def _flat(program, trees):
     return fn, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
 
-def train_step(seq_len: int):
-    """(function, argument ShapeDtypeStructs) of the training step on `TRAIN_BATCH` sequences of `seq_len`."""
+def train_step(preset: str, seq_len: int):
+    """(function, argument ShapeDtypeStructs) of `preset`'s training step on `TRAIN_BATCH` sequences of
+    `seq_len`."""
     import jax
     import jax.numpy as jnp
 
     _paths()
     from lm.train import Shardings, make_optimizer, make_steps
 
-    config = _config(seq_len, TRAIN_BATCH)
+    config = _config(preset, seq_len, TRAIN_BATCH)
     model = _abstract_model(config)
     with jax.default_device(jax.devices("cpu")[0]):  # optax builds its state's shapes with eager ops
         optimizer = make_optimizer(config)
@@ -80,16 +81,16 @@ def train_step(seq_len: int):
     return _flat(step, (model.params, opt_state, batch))
 
 
-def generation(seq_len: int):
-    """(function, argument ShapeDtypeStructs) of the batched generation: `GENERATE_BATCH` prompts of `seq_len`
-    tokens, then `GENERATE_TOKENS` decode steps, params in the compute dtype (as train.run samples)."""
+def generation(preset: str, seq_len: int):
+    """(function, argument ShapeDtypeStructs) of `preset`'s batched generation: `GENERATE_BATCH` prompts of
+    `seq_len` tokens, then `GENERATE_TOKENS` decode steps, params in the compute dtype (as train.run samples)."""
     import jax
     import jax.numpy as jnp
 
     _paths()
     from lm.sampling import batch_generator
 
-    config = _config(seq_len, GENERATE_BATCH)
+    config = _config(preset, seq_len, GENERATE_BATCH)
     model = _abstract_model(config)
     dtype = jnp.dtype(config.dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(

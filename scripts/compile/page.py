@@ -42,8 +42,8 @@ feature in fwd+bwd at head dim 64 / 128 / 256 in bfloat16, the jvp of the calls 
 its own, float32's base calls and the features its rules name, float16, the ragged tails, the seq 8192 causal
 controls, and every decode and ragged variant; no Mosaic variant (backend "mosaic" refuses these GPUs: its
 kernels are Hopper's) and no peer. sm90a_h200 (the H100's SM with 141 GB) holds the LM example's whole
-programs alone (`_lm_variants`, `scripts/compile/lm_programs.py`: the `bench-hd128` training step and batched
-generation), their planned HBM held to its memory. Target descriptions and their sources:
+programs alone (`_lm_variants`, `scripts/compile/lm_programs.py`: the `bench-hd64` / `bench-hd128` training
+step and batched generation), which sm100a_b200 compiles too, their planned HBM held to the device's memory. Target descriptions and their sources:
 `scripts/compile/gpu_targets/`.
 
 **The check fails closed** on: a (target, variant) pair of the registry missing from the report, or a row the

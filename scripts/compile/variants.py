@@ -28,6 +28,7 @@ B, N = 4, 8
 FULL_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
 SUBSET_TARGETS = ("sm100a_b200", "sm89_rtx4090", "sm120_rtx5090")
 GPU_TARGETS = FULL_TARGETS + SUBSET_TARGETS + ("sm90a_h200",)  # the last: the LM example's programs alone
+# (`_lm_variants`, which sm100a_b200 compiles too)
 HOPPER = ("sm90a_h100",)
 
 
@@ -535,29 +536,34 @@ def _on_subset_targets(v: Variant) -> bool:
     return feature in SUBSET_F32 and (mode == "grad" or feature == "causal")
 
 
-LM_TARGETS = ("sm90a_h200",)  # the LM example's programs: one H200 (the H100's SM, 141 GB of HBM3e)
+LM_TARGETS = ("sm90a_h200", "sm100a_b200")  # the LM example's programs: one H200 (the H100's SM, 141 GB), one B200
 
 
 def _lm_variants() -> list[Variant]:
-    """The LM example's whole programs at `--preset bench-hd128` on one GPU (scripts/compile/lm_programs.py): the
-    training step (loss, gradient, AdamW) on 4 sequences of 2048 tokens, which holds the flash forward, dQ and
-    dK/dV kernels, and the batched generation (a prefill of 4 prompts of 2048 tokens, 64 paged decode steps),
-    which holds the flash forward and the decode kernel; the worker records each one's HBM and the check holds
-    it to the target's memory."""
+    """The LM example's whole programs at `--preset bench-hd64` / `bench-hd128` on one GPU
+    (scripts/compile/lm_programs.py): the training step (loss, gradient, AdamW) on 4 sequences of 2048 tokens,
+    which holds the flash forward, dQ and dK/dV kernels, and the batched generation (a prefill of 4 prompts of
+    2048 tokens, 64 paged decode steps), which holds the flash forward and the decode kernel (1 query row per
+    KV head: MHA, one new token); the worker records each one's HBM and the check holds it to the target's
+    memory."""
 
-    def program(name):
+    def program(name, preset):
         def build():
             import lm_programs
 
-            return getattr(lm_programs, name)(2048)
+            return getattr(lm_programs, name)(preset, 2048)
         return build
 
-    return [
-        Variant("lm_train_step_bench_hd128_T2048", "lm", program("train_step"), 128, "bf16", "fwd+bwd", "triton",
-                2048, 2048, requires=(FORWARD, DQ, DKV), targets=LM_TARGETS),
-        Variant("lm_generate_bench_hd128_T2048", "lm", program("generation"), 128, "bf16", "fwd", "triton", 2048,
-                2048 + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),  # 1 token x 1 head
-    ]
+    out = []
+    for d in (64, 128):
+        preset = f"bench-hd{d}"
+        out += [
+            Variant(f"lm_train_step_bench_hd{d}_T2048", "lm", program("train_step", preset), d, "bf16", "fwd+bwd",
+                    "triton", 2048, 2048, requires=(FORWARD, DQ, DKV), targets=LM_TARGETS),
+            Variant(f"lm_generate_bench_hd{d}_T2048", "lm", program("generation", preset), d, "bf16", "fwd",
+                    "triton", 2048, 2048 + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
+        ]
+    return out
 
 
 def variants() -> list[Variant]:
