@@ -67,9 +67,31 @@ def compute_capability(device) -> tuple[int, int] | None:
 
 
 def is_hopper(device) -> bool:
-    """Compute capability 9.x (H100 / H200)."""
+    """Compute capability 9.x (H100 / H200): the GPUs the Mosaic GPU kernels target (wgmma, TMA)."""
     capability = compute_capability(device)
     return capability is not None and capability[0] == 9
+
+
+# The compute capabilities whose tensor cores take a matmul per warpgroup or per CTA with at least 64 rows: wgmma
+# on 9.x (H100 / H200), tcgen05 with tensor memory on 10.x (B200 / GB200, B300). Triton emits mma.sync (HMMA)
+# for a dot with fewer rows there, and for every dot on 8.x (A100, RTX 30 / 40, L4 / L40S) and on 12.x (RTX 50,
+# RTX PRO 6000 Blackwell, GB10: consumer Blackwell has mma.sync only, and 99 KB of shared memory per block).
+WIDE_MMA_MAJORS = {9: "wgmma", 10: "tcgen05"}
+
+
+def wide_mma(device) -> str | None:
+    """The wide tensor-core instruction of a CUDA device ("wgmma" on 9.x, "tcgen05" on 10.x), or None (mma.sync
+    only, or not a CUDA device): where it is not None, the Triton tile rules keep every dot at 64 rows or more
+    (`triton.plan._triton_tiles`)."""
+    capability = compute_capability(device)
+    return None if capability is None else WIDE_MMA_MAJORS.get(capability[0])
+
+
+def is_consumer_blackwell(device) -> bool:
+    """Compute capability 12.x (RTX 50, RTX PRO 6000 Blackwell, GB10): mma.sync and 99 KB of shared memory per
+    block, as sm_86, where ptxas allocates registers differently (`triton.plan._consumer_blackwell_tiles`)."""
+    capability = compute_capability(device)
+    return capability is not None and capability[0] == 12
 
 
 @dataclasses.dataclass(frozen=True)

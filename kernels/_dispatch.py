@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from probjax_kernels import _backend, _chunked
-from probjax_kernels._backend import KernelPass, Plan, is_hopper
+from probjax_kernels._backend import KernelPass, Plan, is_consumer_blackwell, is_hopper
 from probjax_kernels._config import Backend, FlashConfig
 from probjax_kernels._decode_inputs import DecodeConfig, DecodeInputs
 from probjax_kernels._hooks import Hook
@@ -161,6 +161,12 @@ def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Ho
             warnings.warn(f"DecodeConfig(backend={config.backend!r}): {reason}; this call runs the XLA path "
                           "(decode_attention_reference, not a Pallas kernel).", stacklevel=3)
             return None
+    if config.backend == "triton" and config.block_k is None and is_consumer_blackwell(_backend.target_device()):
+        # Compute capability 12.x: 32 keys per step up to head dim 128 in 16 bits (64 spilled 16 B at 128
+        # registers on sm_120 with pages of 16 and one new token, GQA 32:8; 32 holds 94). Others: the kernel's.
+        *_, head_dim, value_dim = inputs.shape
+        if max(head_dim, value_dim) <= 128 and inputs.q.dtype.itemsize <= 2:
+            config = dataclasses.replace(config, block_k=32)
     return DecodePass(triton_decode.decode, triton_decode.plan_for(inputs, config, score_mod, mask_mod,
                                                                    num_score_consts))
 

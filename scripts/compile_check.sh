@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The compile check that needs no accelerator, in two parts; it fails if either fails.
 # - GPU: install (or reuse) the pinned toolchain (scripts/compile/gpu_toolchain.sh), compile every kernel
-#   variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090) through XLA, Triton, Mosaic GPU and
-#   ptxas, write docs/compile/report.json and docs/compile/index.md, and fail closed: on a variant of the
+#   variant for sm_90a (H100 / H200), sm_80 (A100) and sm_86 (RTX 3090), and a subset of them for sm_100a (B200),
+#   sm_89 (RTX 4090 / L40S) and sm_120 (RTX 5090), with the LM example's whole programs on an H200 and a B200,
+#   through XLA, Triton, Mosaic GPU and ptxas, write docs/compile/report.json and docs/compile/index.md, and
+#   fail closed: on a variant of the
 #   registry (scripts/compile/variants.py) missing or without its kernels, a compile error, a spill, shared
 #   memory over a target's limit, or the tensor-core / copy instructions the report requires.
 # - TPU: install (or reuse) the pinned jax[tpu] toolchain (scripts/compile/tpu_toolchain.sh), compile every

@@ -265,3 +265,19 @@ def test_ci_reuses_the_committed_reports_unchanged_compiles():
     assert all(r.get("fingerprint") for r in REPORT["rows"] if r["status"] == "ok")
     assert all(r.get("fingerprint") or r["group"] == "peer" for r in REPORT["rows"])
 
+
+
+def test_the_compile_key_names_the_instructions_counted_on_its_arch(tmp_path, monkeypatch):
+    """sm_100a's workers count tcgen05's UTCHMMA beside `SASS_OPS` (figures.ARCH_SASS_OPS): its key changes with
+    that set; the keys of targets without extra instructions (sm_90a, whose committed rows --reuse takes) do
+    not."""
+    wrapper = tmp_path / "cuda_root" / "bin" / "ptxas"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
+    monkeypatch.setattr(fingerprints, "_versions", lambda toolchain: dict(jax="0.11.2"))
+    keys = {t: compile_report._compile_key(t, tmp_path) for t in ("sm90a_h100", "sm100a_b200")}
+    monkeypatch.setitem(fingerprints.ARCH_SASS_OPS, "sm_100a", ("UTCHMMA", "UTCQMMA"))
+    assert compile_report._compile_key("sm100a_b200", tmp_path) != keys["sm100a_b200"]
+    assert compile_report._compile_key("sm90a_h100", tmp_path) == keys["sm90a_h100"]
+    monkeypatch.setitem(fingerprints.ARCH_SASS_OPS, "sm_90a", ("UTCHMMA",))
+    assert compile_report._compile_key("sm90a_h100", tmp_path) != keys["sm90a_h100"]

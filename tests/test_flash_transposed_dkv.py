@@ -104,7 +104,8 @@ def test_split_grid_per_query_head_with_shared_kv_and_another_value_dim(transpos
 
 @pytest.mark.parametrize("capability, backend, dtype, head_dim, expected", [
     ("9.0", "triton", jnp.bfloat16, 256, True), ("9.0", "triton", jnp.float16, 128, True),
-    ("8.0", "mosaic", jnp.bfloat16, 256, True), ("9.0", "triton", jnp.bfloat16, 64, False),
+    ("9.0", "mosaic", jnp.bfloat16, 256, True), ("8.0", "mosaic_interpret", jnp.bfloat16, 256, True),
+    ("9.0", "triton", jnp.bfloat16, 64, False),
     ("9.0", "triton", jnp.float32, 256, False), ("8.0", "triton", jnp.bfloat16, 256, False),
     ("9.0", "interpret", jnp.bfloat16, 256, False),
 ])

@@ -15,7 +15,7 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels._backend import KernelPass, Passes
+from probjax_kernels._backend import KernelPass, Passes, compute_capability
 from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem
@@ -136,6 +136,22 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dic
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
+def refuse_target(config: FlashConfig, device) -> None:
+    """Raises NotImplementedError, naming the device and its compute capability, where `backend="mosaic"` meets a
+    CUDA GPU its kernels cannot target: they are written for Hopper (compute capability 9.x: wgmma, TMA,
+    warpgroup barriers). On Blackwell (10.x: tcgen05, 12.x: mma.sync) ptxas refuses their wgmma fences, and
+    before Hopper (8.x) their TMA copies; backend "triton" runs every call there. "mosaic_interpret" (the
+    Mosaic GPU interpreter) runs on any device, and a device that is not a CUDA GPU is left to the compile."""
+    capability = compute_capability(device)
+    if config.backend != "mosaic" or capability is None or capability[0] == 9:
+        return
+    kind = getattr(device, "device_kind", None) or "this GPU"
+    raise NotImplementedError(
+        f"FlashConfig(backend='mosaic'): the Mosaic GPU kernels target Hopper (compute capability 9.x), and the "
+        f"target device {kind!r} has compute capability {capability[0]}.{capability[1]}; use backend='triton' "
+        f"(or leave backend unset) there.")
+
+
 class _MosaicGpu:
     """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper."""
 
@@ -149,7 +165,9 @@ class _MosaicGpu:
         where `config` leaves it open: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
         dim 256, for shared memory), a 2-slot K/V ring. float32 inputs run on the Triton kernels (the Mosaic
         ones take 16-bit), so on a GPU they keep the float32 Triton tiles: the Mosaic forward's 128 x 128
-        needed 262,144 B of shared memory there (sm_90a has 232,448)."""
+        needed 262,144 B of shared memory there (sm_90a has 232,448). A CUDA GPU other than Hopper refuses
+        backend "mosaic" here (`refuse_target`), before any kernel is built."""
+        refuse_target(config, device)
         float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
         if config.backend != "mosaic_interpret" and float32:
             return filled

@@ -174,3 +174,28 @@ def dkv_split(problem: _Problem, head_dim: int) -> bool:
     32-query steps of `backward_configs` hold 239 registers, all wgmma (docs/perf-notes.md, Version 7f)."""
     score_tile = problem.bias_shape is not None or gathers_score_tile_of(problem)
     return problem.dkv_transposed and head_dim > 128 and score_tile
+
+
+def tcgen05_backward_configs(problem: _Problem, dtype, head_dim: int, dq: FlashConfig,
+                             dkv: FlashConfig) -> tuple[FlashConfig, FlashConfig]:
+    """The dQ and dK/dV configs on a tcgen05 GPU (compute capability 10.x: `backward_configs`' wide-MMA ones,
+    then these), where Hopper's tiles spilled on sm_100a (Triton moves the tensor-memory accumulators through
+    registers there, so the same tiles hold more of them than with wgmma; docs/perf-notes.md, Version 9), for
+    16-bit inputs:
+
+    - dQ with a BlockMask at head dim 256, and with a BlockMask and a score_mod at 64: 1 stage. On 2, 255
+      registers and 44-68 B spilled at 256 (a document mask, a sliding window, a soft cap on it), 4 B with the
+      soft-capped window at 64; on 1 they hold 127-201 registers, all tcgen05 (a 16-key step spilled 12 B
+      with the document mask at 256; at 64 one stage spilled 8-16 B with a BlockMask alone, which holds on 2);
+    - dK/dV at head dim 256 with a BlockMask or a score_mod that gathers a score tile (a relative-bias table:
+      split in two programs, `dkv_split`): 1 stage. On 2 the BlockMask's 16 x 64 on K Q^T spilled 756-792 B (split at 32
+      x 64 still 60-64 B, 4 warps 5.8 KB) and the split relative-bias kernel 8 B at 128 registers; on 1 they hold
+      178-255 registers without a spill, all tcgen05."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return dq, dkv
+    masked = problem.features.block_sizes is not None
+    if masked and (head_dim > 128 or (head_dim <= 64 and problem.features.score_mod is not None)):
+        dq = dataclasses.replace(dq, num_stages=1)
+    if head_dim > 128 and (masked or gathers_score_tile_of(problem)):
+        dkv = dataclasses.replace(dkv, num_stages=1)
+    return dq, dkv

@@ -1,7 +1,8 @@
 """The compile report's check (`report.py check`), fail-closed: the registry (variants.py) is the expected set, and
 a missing (target, variant) pair, a row the registry lacks, a missing or unexpected kernel, a compile error, a
-spill outside `SPILLS`, shared memory over the target's limit or a kernel without the instructions its target
-should use each fail; and the verdicts a report carries beside its figures (`_with_verdicts`).
+missing figure, a spill outside `SPILLS`, shared memory over the target's limit or a kernel without the
+instructions its target should use each fail; and the verdicts a report carries beside its figures
+(`_with_verdicts`). Every tolerance is one entry of rules.py (`rules.tolerances()`, listed on the page).
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ import re
 from pathlib import Path
 
 import variants as registry  # the expected set: scripts/compile/variants.py
-from figures import target_limits
+from figures import TARGETS_DIR, target_limits
 from kernel_tiles import _fallback_tiles
-from rules import (  # the exceptions the check allows, each with its figure and why
-    LOW_WGMMA_SHARE, MIN_WGMMA_SHARE, NO_WGMMA_VARIANTS, SPILLS,
-)
+import rules  # the figures the check holds kernels to, and each tolerance with why: read when it runs
 
 TARGETS = registry.GPU_TARGETS
 
 
 def spill_cap(kernel: str, target: str, variant: str) -> tuple | None:
-    return SPILLS.get((kernel, target, variant))
+    return rules.SPILLS.get((kernel, target, variant))
 
 
 def expected(targets=None, only: str | None = None) -> list[tuple[str, registry.Variant]]:
@@ -45,7 +44,27 @@ def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> l
     out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
     for kernel in row["kernels"]:
         out += gpu_kernel_problems(row, kernel, limits)
+    if row["group"] == "lm":
+        out += lm_problems(row)
     return out
+
+
+def device_memory(target: str) -> int:
+    """The device memory of a target (its description's `device_memory_size`), in bytes."""
+    text = (TARGETS_DIR / f"{target}.txtpb").read_text()
+    return int(re.search(r"^\s*device_memory_size:\s*(\d+)", text, re.M).group(1))
+
+
+def lm_problems(row: dict) -> list[str]:
+    """A whole program of the LM example (group "lm"): its planned HBM (`hbm`, the worker's) present and within
+    the target's device memory."""
+    where = f"{row['target']} {row['variant']}"
+    hbm, capacity = row.get("hbm") or {}, device_memory(row["target"])
+    if hbm.get("total") is None:
+        return [f"{where}: figure hbm missing (null or absent): the check cannot read it"]
+    if hbm["total"] > capacity:
+        return [f"{where}: {hbm['total']:,} B of HBM planned, over the device's {capacity:,}"]
+    return []
 
 
 def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
@@ -64,44 +83,93 @@ def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...])
     return out
 
 
+# The figures every kernel row must carry, and those the instruction checks of its arch read (`figures_needed`).
+KERNEL_FIGURES = ("registers", "threads", "smem", "spill_stores", "spill_loads")
+
+
+def figures_needed(arch: str) -> tuple[str, ...]:
+    """The figures the check reads of a kernel compiled for `arch`: a missing one (absent or null) fails rather
+    than skipping the check that reads it."""
+    if arch in rules.WIDE_MMA:
+        return tuple(dict.fromkeys(KERNEL_FIGURES + ("HGMMA", "HMMA", "UTMALDG", rules.WIDE_MMA[arch][0])))
+    return KERNEL_FIGURES + ("HMMA", "LDGSTS")
+
+
 def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
-    """An NVIDIA kernel's figures against the rules: no spill (outside `SPILLS`' capped entries), shared
-    memory within the target's limit; on Hopper, Mosaic kernels with TMA and wgmma and 16-bit kernels whose
-    matmuls are mostly wgmma (`MIN_WGMMA_SHARE`, `LOW_WGMMA_SHARE`); on sm_80 / sm_86, 16-bit kernels with
-    mma.sync (HMMA) and cp.async (LDGSTS) where the kernel pipelines (num_stages >= 2, and decode)."""
+    """An NVIDIA kernel's figures against the rules: every figure its checks read present (`figures_needed`), no
+    spill (outside `SPILLS`' capped entries), shared memory within the target's limit; on Hopper, Mosaic kernels
+    with TMA and wgmma; on sm_90a / sm_100a, 16-bit kernels whose matmuls are all the arch's wide instruction
+    (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode variants
+    of `SMALL_DECODE_TILES`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with mma.sync (HMMA) and
+    cp.async (LDGSTS) where the kernel pipelines (its own config's num_stages >= 2, and decode)."""
     name = f"{row['target']} {row['variant']} {kernel['kernel']}"
+    arch = limits["arch"]
+    missing = [f for f in figures_needed(arch) if kernel.get(f) is None]
+    if missing:
+        return [f"{name}: figure(s) {', '.join(missing)} missing (null or absent): the check cannot read them"]
     out = []
     cap = spill_cap(kernel["kernel"], row["target"], row["variant"])
     if (kernel["spill_stores"] or kernel["spill_loads"]) and not (
             cap and kernel["spill_stores"] <= cap[0] and kernel["spill_loads"] <= cap[1]):
         out.append(f"{name}: spills {kernel['spill_stores']} B stores / {kernel['spill_loads']} B loads")
-    if kernel["smem"] is not None and kernel["smem"] > limits["smem_per_block"]:
+    if kernel["smem"] > limits["smem_per_block"]:
         out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
     sixteen_bit = row["dtype"] != "f32"  # float32 dots run at Precision.HIGHEST: FMA, no tensor cores
-    if limits["arch"].startswith("sm_90"):
-        if kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
-            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
-                       f"(HGMMA {kernel['HGMMA']})")
-        if sixteen_bit and not any(re.search(p, row["variant"]) for p in NO_WGMMA_VARIANTS):
-            share = wgmma_share(kernel)
-            least, _ = LOW_WGMMA_SHARE.get((kernel["kernel"], max(row["head_dim"], row["value_dim"] or 0)),
-                                           (MIN_WGMMA_SHARE, ""))
-            if share is None or share < least:
-                out.append(f"{name}: wgmma share {share if share is None else round(share, 2)} (HGMMA "
-                           f"{kernel['HGMMA']}, HMMA {kernel['HMMA']}) under {least}")
-    elif sixteen_bit:
-        if not kernel["HMMA"]:
-            out.append(f"{name}: 16-bit matmuls without mma.sync (HMMA 0)")
-        pipelined = row["group"] == "decode" or (row.get("config") or {}).get("num_stages", 1) >= 2
-        if pipelined and not kernel["LDGSTS"]:
-            out.append(f"{name}: a pipelined kernel without cp.async (LDGSTS 0)")
+    if arch.startswith("sm_90") and kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
+        out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
+                   f"(HGMMA {kernel['HGMMA']})")
+    if not sixteen_bit:
+        return out
+    if arch in rules.WIDE_MMA:
+        op, instruction = rules.WIDE_MMA[arch]
+        if row["variant"] in rules.SMALL_DECODE_TILES and kernel["kernel"] == registry.DECODE:
+            return out
+        share = wide_share(kernel, op)
+        least, _ = rules.LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),
+                                            (rules.MIN_WIDE_SHARE, ""))
+        if share is None or share < least:
+            counts = ", ".join(f"{o} {kernel[o]}" for o in dict.fromkeys((op, "HGMMA", "HMMA")))
+            out.append(f"{name}: {instruction} share {share if share is None else round(share, 2)} ({counts}) "
+                       f"under {least}")
+        return out
+    if not kernel["HMMA"]:
+        out.append(f"{name}: 16-bit matmuls without mma.sync (HMMA 0)")
+    if _pipelined(row, kernel["kernel"]) and not kernel["LDGSTS"]:
+        out.append(f"{name}: a pipelined kernel without cp.async (LDGSTS 0)")
     return out
 
 
-def wgmma_share(kernel: dict) -> float | None:
-    """HGMMA / (HGMMA + HMMA) of a kernel's SASS; None when it has neither (no tensor-core matmul)."""
-    total = kernel["HGMMA"] + kernel["HMMA"]
-    return kernel["HGMMA"] / total if total else None
+def _pipelined(row: dict, kernel: str) -> bool:
+    """Whether a kernel pipelines its loads: decode and ragged kernels always; a flash kernel when the config it
+    ran (`kernel_configs`, the tangent's own, else the row's) has 2 stages or more."""
+    if row["group"] == "decode":
+        return True
+    config = (row.get("kernel_configs") or {}).get(kernel) or (
+        row.get("tangent_config") if kernel.endswith("_tangent") else None) or row.get("config") or {}
+    return config.get("num_stages", 1) >= 2
+
+
+def wide_share(kernel: dict, op: str = "HGMMA") -> float | None:
+    """op / (HGMMA + HMMA (+ op)) of a kernel's SASS, op the arch's wide MMA (`WIDE_MMA`); None when it has no
+    tensor-core matmul."""
+    total = sum(kernel.get(o) or 0 for o in dict.fromkeys((op, "HGMMA", "HMMA")))
+    return kernel[op] / total if total else None
+
+
+def rule_problems() -> list[str]:
+    """The rules against the registry: each name of `SMALL_DECODE_TILES` must be a decode variant of the registry
+    whose tile holds fewer than 64 query rows (a stale name, or one of 64 rows, fails)."""
+    by_name = {v.name: v for v in registry.variants()}
+    out = []
+    for name in rules.SMALL_DECODE_TILES:
+        v = by_name.get(name)
+        if v is None or registry.DECODE not in v.requires or v.query_rows is None:
+            out.append(f"rules.SMALL_DECODE_TILES names {name}: not a decode variant of the registry with its "
+                       "query rows")
+        elif v.query_rows >= 64:
+            out.append(f"rules.SMALL_DECODE_TILES names {name}: its tile holds {v.query_rows} query rows, "
+                       "enough for wgmma / tcgen05")
+    return out
 
 
 def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
@@ -112,9 +180,10 @@ def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
     whole = not only and set(targets or TARGETS) == set(TARGETS)  # then a row the registry lacks is stale
     if not pairs:
         return [f"no variant of the registry matches (targets {targets or 'all'}, only {only!r}): nothing checked"]
+    out = rule_problems()
     want = {(t, v.name): v for t, v in pairs}
     limits = {t: target_limits(t) for t in {t for t, _ in pairs}}
-    out, seen = [], set()
+    seen = set()
     for row in report.get("rows", []):
         key = (row["target"], row["variant"])
         if key in seen:
@@ -149,12 +218,14 @@ def _with_verdicts(report: dict) -> dict:
         row["problems"] = row_problems(row, target_limits(row["target"]), by_name.get(row["variant"]))
         if row.get("backend") == "mosaic" and row.get("config") and "fallback_config" not in row:
             row["fallback_config"] = _fallback_tiles(row)
+    for key in ("min_wgmma_share", "low_wgmma_share", "no_wgmma_variants"):  # the rules before `tolerances`
+        report.pop(key, None)
     report.update(
-        min_wgmma_share=MIN_WGMMA_SHARE,
-        low_wgmma_share=[dict(kernel=k, head_dim=d, least=c[0], why=c[1]) for (k, d), c in LOW_WGMMA_SHARE.items()],
-        no_wgmma_variants=[dict(variants=k, why=v) for k, v in NO_WGMMA_VARIANTS.items()],
+        min_wide_share=rules.MIN_WIDE_SHARE,
+        wide_mma={arch: dict(sass=op, name=name) for arch, (op, name) in rules.WIDE_MMA.items()},
+        tolerances=rules.tolerances(),
         spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
-                for (k, t, v), c in SPILLS.items()],
+                for (k, t, v), c in rules.SPILLS.items()],
     )
     return report
 

@@ -19,6 +19,11 @@ from sources import REPO, source_paths_regex
 
 TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
+# Counted beyond SASS_OPS on the arches that have them: tcgen05's MMA of 16-bit inputs on sm_100a (UTCHMMA). A
+# worker compiles one target, and counts its arch's set (it extends SASS_OPS for its process: worker.py); the
+# compile key of such a target names the extra ones (fingerprints._compile_key), so the fingerprints of the
+# other targets, and their rows, are unchanged.
+ARCH_SASS_OPS = {"sm_100a": ("UTCHMMA",)}
 
 # The Pallas Triton kernels' names: ours, then the peers' (JAX's mha, tokamax's); Mosaic GPU kernels come from
 # their own dumps.

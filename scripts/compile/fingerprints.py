@@ -15,8 +15,9 @@ import subprocess
 from pathlib import Path
 
 from figures import (
-    MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels, _kernels_by_function,
-    _split_mosaic_stdout, elf_code, occupancy, parse_ptxas, ptx_threads, sass_counts, target_limits,
+    ARCH_SASS_OPS, MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels,
+    _kernels_by_function, _split_mosaic_stdout, elf_code, occupancy, parse_ptxas, ptx_threads, sass_counts,
+    target_limits,
 )
 
 # The code between a lowered module and a row's figures: its source is part of every fingerprint.
@@ -38,10 +39,15 @@ def _versions(toolchain) -> dict:
 def _compile_key(target: str, toolchain: Path) -> str:
     """What a compile's figures depend on besides its lowered module: the target's description, the toolchain's
     versions and ptxas wrapper, and the source of the code that compiles and reads the figures
-    (`FIGURE_CODE`). A change to any of them makes every fingerprint new."""
+    (`FIGURE_CODE`), and the instructions counted beyond `SASS_OPS` on the target's arch (`ARCH_SASS_OPS`: a
+    part only where there are some, so the keys of the earlier targets stay as they were). A change to any of
+    them makes every fingerprint new."""
     parts = [target, (TARGETS_DIR / f"{target}.txtpb").read_text(), json.dumps(_versions(toolchain), sort_keys=True),
              (Path(toolchain) / "cuda_root" / "bin" / "ptxas").read_text(), json.dumps(MOSAIC_DUMPS, sort_keys=True)]
     parts += [inspect.getsource(fn) for fn in FIGURE_CODE]
+    extra = ARCH_SASS_OPS.get(target_limits(target)["arch"])
+    if extra:
+        parts.append(json.dumps(extra))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -11,9 +11,10 @@ docs/compile/report.json and docs/compile/index.md, then checks what it compiled
 registry (scripts/compile/variants.py) is the expected set, and a (target, variant) pair missing from the
 report, a row the registry lacks, a required kernel missing (or one not expected), a compile error (a variant
 that raised while being built included), or an empty expected set fails it; then, per kernel, a spill outside
-`SPILLS`' capped entries, shared memory over the target's limit, and the instruction checks: on Hopper, TMA
-and wgmma in Mosaic kernels and a wgmma share of at least `MIN_WGMMA_SHARE` (`LOW_WGMMA_SHARE` per kernel);
-on sm_80 / sm_86, mma.sync and cp.async in 16-bit kernels.
+`SPILLS`' capped entries, shared memory over the target's limit, a figure those checks read missing, and the
+instruction checks: on Hopper, TMA and wgmma in Mosaic kernels; on sm_90a / sm_100a, 16-bit matmuls all wgmma /
+tcgen05 (`MIN_WIDE_SHARE`, `LOW_WIDE_SHARE` per kernel, the small decode tiles of `SMALL_DECODE_TILES`); on
+sm_80 / sm_86 / sm_89 / sm_120, mma.sync and cp.async in 16-bit kernels. rules.py lists every tolerance.
 
 This file is the command line; the jobs live beside it: worker.py (a shard's compiles), figures.py (the figures
 read from a compile's dumps), fingerprints.py (what `--reuse` takes over), check.py (the check) and
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The jobs, each in a module beside this one; their names stay importable from here (tpu_report.py, the tests).
 from check import (  # noqa: E402, F401
     TARGETS, _with_verdicts, check, expected, gpu_kernel_problems, kernel_set_problems, problems, row_problems,
-    spill_cap, wgmma_share,
+    device_memory, figures_needed, lm_problems, rule_problems, spill_cap, wide_share,
 )
 from figures import (  # noqa: E402, F401
     KERNEL_PREFIXES, MOSAIC_DUMPS, SASS_OPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels,
@@ -48,7 +49,8 @@ from fingerprints import (  # noqa: E402, F401
     FIGURE_CODE, _compile_key, _fingerprint, _reproduces, _reusable_rows, _verify_units, _versions,
 )
 from kernel_tiles import _fallback_tiles, _import_kernels, _tangent_tiles, _traced_tiles  # noqa: E402, F401
-from rules import LOW_WGMMA_SHARE, MIN_WGMMA_SHARE, NO_WGMMA_VARIANTS, SPILLS  # noqa: E402, F401
+from rules import LOW_WIDE_SHARE, MIN_WIDE_SHARE, SMALL_DECODE_TILES, SPILLS, WIDE_MMA  # noqa: E402, F401
+# (check.py reads them from `rules` as it runs: a test that patches one patches `rules`)
 from sources import REPO, head_commit, source_paths_regex  # noqa: E402, F401
 from worker import _compile_units, _error_fields, _named, _new_files, _stdout_to, worker  # noqa: E402, F401
 
@@ -61,7 +63,7 @@ PAGE = REPO / "docs" / "compile" / "index.md"
 
 def run(args) -> int:
     targets = args.targets.split(",")
-    groups = ["mosaic", "triton", "control", "decode", "peer"]  # the longest shard first
+    groups = ["mosaic", "triton", "control", "decode", "peer", "lm"]  # the longest shard first
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise SystemExit(f"compile_report: --targets {','.join(unknown)}: not a target of the registry {TARGETS}")
@@ -88,7 +90,8 @@ def run(args) -> int:
     order = {name: i for i, name in enumerate(targets)}
     rows.sort(key=lambda r: (order[r["target"]], r["group"], r["variant"]))
     report = _with_verdicts(dict(
-        targets=targets, limits={t: target_limits(t) for t in targets}, toolchain=_versions(args.toolchain),
+        targets=targets, limits={t: dict(target_limits(t), device_memory=device_memory(t)) for t in targets},
+        toolchain=_versions(args.toolchain),
         wall_s=round(_compile_seconds(rows) / args.jobs if args.assemble else time.perf_counter() - start, 1),
         jobs=args.jobs, only=args.only, expected=len(pairs), assembled=bool(args.assemble),
         reused_from=_shown_path(args.reuse) if args.reuse else None, rows=rows,

@@ -3,7 +3,7 @@ the TPU report (tpu_variants.py, Mosaic TPU kernel): `ragged_call`, one `ragged_
 step's packed batch, and `serving_step`, the LM example's continuous-batching engine step
 (examples/lm/serving.py).
 
-`serving_step`: 
+`serving_step`:
 One engine step of the `bench-hd128` model (8 layers, 8 heads of 128, d_model 1024, bfloat16) over a token
 bucket of 256 packed tokens from up to 16 sequences of up to 2048 keys, with int8 KV pages of 16 keys: every
 layer's attention is one `ragged_paged_attention` call that appends the step's keys and values, on the

@@ -14,6 +14,7 @@ the sequence length (the loop bounds are constants), so the seed's seq 8192 is c
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 from serving_step import CONTEXT, HEAD_DIM, TOKENS, ragged_call, serving_step
 
@@ -21,7 +22,13 @@ from serving_step import CONTEXT, HEAD_DIM, TOKENS, ragged_call, serving_step
 # dump options) before jax is imported, and lists the registry first.
 
 B, N = 4, 8
-GPU_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")  # scripts/compile/gpu_targets/NAME.txtpb
+# scripts/compile/gpu_targets/NAME.txtpb. The first three take the whole registry; the later ones
+# (`SUBSET_TARGETS`: Blackwell sm_100a, Ada sm_89, consumer Blackwell sm_120) the subset of `_on_subset_targets`,
+# one variant per family whose tiles or code differ, to keep a fresh compile of each under ~150 rows.
+FULL_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
+SUBSET_TARGETS = ("sm100a_b200", "sm89_rtx4090", "sm120_rtx5090")
+GPU_TARGETS = FULL_TARGETS + SUBSET_TARGETS + ("sm90a_h200",)  # the last: the LM example's programs alone
+# (`_lm_variants`, which sm100a_b200 compiles too)
 HOPPER = ("sm90a_h100",)
 
 
@@ -42,7 +49,10 @@ class Variant:
     tiles: dict | None = None  # FlashConfig fields set explicitly (exploration); None: default_config's
     # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on.
     requires: tuple[str, ...] = ()
-    targets: tuple[str, ...] = GPU_TARGETS
+    targets: tuple[str, ...] = FULL_TARGETS
+    # Decode variants: query rows per program (new tokens x query heads per KV head), which decide whether a
+    # tile is large enough for wgmma / tcgen05 (rules.SMALL_DECODE_TILES); None elsewhere.
+    query_rows: int | None = None
 
 
 def _spec(shape, dtype):
@@ -84,7 +94,7 @@ def _wrap(mode: str, attend: Callable, n_args: int, grad_args: tuple[int, ...]):
 
 
 def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", causal=False, q_len=1024,
-          kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, requires=(), targets=GPU_TARGETS,
+          kv_len=None, kv_heads=N, backend="triton", group=None, tiles=None, requires=(), targets=FULL_TARGETS,
           **options) -> Variant:
     """A `flash_attention` call; `options` go to it (dropout_rate, window, ...). Segment ids and lengths are
     arguments when options has segments=True / lengths=True; a dense `[B, N, T, S]` bias that gets a gradient
@@ -137,7 +147,7 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
 
 
 def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_len=1024, backend="triton",
-         block=128, group=None, tiles=None, requires=(), targets=GPU_TARGETS) -> Variant:
+         block=128, group=None, tiles=None, requires=(), targets=FULL_TARGETS) -> Variant:
     """A `flex_attention` call with one representative hook: softcap, ALiBi (captured slopes), a document
     mask, a sliding window (as a BlockMask), a soft cap on a sliding-window BlockMask (a score_mod and block
     tables in one kernel), or a relative-bias table that gets a gradient (and a tangent). `tiles` as in
@@ -244,7 +254,7 @@ def _call(backend: str, dtype: str, head_dim: int, mode: str, feature: str, **ex
     prefix = "mosaic" if prefix == "mosaic_flash" else prefix
     name = f"{prefix}_{'grad' if mode == 'fwd+bwd' else mode}_d{head_dim}_{dtype}_{feature}" + extra.pop("suffix", "")
     requires = required_kernels(backend, dtype, head_dim, mode, feature)
-    targets = HOPPER if backend == "mosaic" else GPU_TARGETS
+    targets = HOPPER if backend == "mosaic" else FULL_TARGETS
     if hook:
         return flex(name, feature, head_dim=head_dim, dtype=dtype, mode=mode, backend=backend, requires=requires,
                     targets=targets, **extra)
@@ -351,7 +361,7 @@ def _decode_variants() -> list[Variant]:
 
             return attend, specs
         return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len,
-                       requires=(DECODE,))
+                       requires=(DECODE,), query_rows=new_tokens * heads[0] // heads[1])
 
     def paged(name, page_size, new_tokens, dtype="bf16", d=128, value_dim=None, heads=(32, 8), hooks=False):
         def build():
@@ -373,7 +383,7 @@ def _decode_variants() -> list[Variant]:
 
             return attend, specs
         return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len, value_dim,
-                       requires=(DECODE,))
+                       requires=(DECODE,), query_rows=new_tokens * heads[0] // heads[1])
 
     return [
         dense("decode_d64_bf16_cache8192_gqa8to2", 64),
@@ -395,7 +405,7 @@ def _ragged_variants() -> list[Variant]:
     append of the step's keys and values, float8_e4m3fn pages, an ALiBi score_mod with a window mask_mod;
     default block_q (16 tokens x 4 heads); and the LM example's serving step."""
 
-    def ragged(name, targets=GPU_TARGETS, **options):
+    def ragged(name, targets=FULL_TARGETS, **options):
         return Variant(name, "decode", lambda: ragged_call("triton", **options), HEAD_DIM, "bf16", "fwd",
                        "triton", TOKENS, CONTEXT, requires=(RAGGED,), targets=targets)
 
@@ -470,7 +480,7 @@ def _tokamax_peer_variants() -> list[Variant]:
     Its benchmarking module imports xprof's command-line tools, which import a module the PyPI build of xprof
     does not ship; the compile never benchmarks, so that one import is stubbed."""
     out = []
-    for implementation, targets in (("triton", GPU_TARGETS), ("mosaic", HOPPER)):
+    for implementation, targets in (("triton", FULL_TARGETS), ("mosaic", HOPPER)):
         for seq in (1024, 8192):
             for d in (64, 128):
                 def build(d=d, seq=seq, implementation=implementation):
@@ -496,10 +506,72 @@ def _tokamax_peer_variants() -> list[Variant]:
     return out
 
 
+# The subset compiled for `SUBSET_TARGETS`: every family whose tiles or code differ, once. bfloat16: each feature
+# of the grid in fwd+bwd at head dim 64 / 128 / 256, and the jvp (the tangent kernel's tiles) of the plain causal
+# call and of those whose tangent has rules of its own (a dense bias, a relative-bias table, a BlockMask with a
+# soft cap, dropout); float32 (FMA dots, tiles of their own): full and causal, the features its retile rules
+# name (a window, GQA, a dense mask, a BlockMask) and the causal jvp, at each head dim; float16 once; the ragged
+# tails and short sequence; the seq 8192 causal controls; every decode and ragged variant. No Mosaic variant:
+# its kernels target Hopper alone (backend "mosaic" refuses these GPUs). No peer.
+SUBSET_BF16_JVP = ("causal", "dense_bias", "relative_bias", "softcap_sliding_window", "dropout")
+SUBSET_F32 = ("full", "causal", "window", "gqa8to2_causal", "dense_mask", "document_mask")
+
+
+def _on_subset_targets(v: Variant) -> bool:
+    """Whether variant `v` is compiled for `SUBSET_TARGETS` too (see above)."""
+    if v.group == "peer" or v.backend == "mosaic":
+        return False
+    if v.group == "decode":
+        return True
+    if v.group == "control":
+        return v.name.endswith("_causal_T8192")
+    match = re.fullmatch(r"(?:flash|flex)_(grad|jvp)_d(\d+)_(bf16|f16|f32)_(\w+?)(_T\d+|_gqa8to2_causal)?", v.name)
+    if match is None:
+        return False
+    mode, _, dtype, feature, suffix = match.groups()
+    if suffix or dtype == "f16":
+        return True
+    if dtype == "bf16":
+        return mode == "grad" or feature in SUBSET_BF16_JVP
+    return feature in SUBSET_F32 and (mode == "grad" or feature == "causal")
+
+
+LM_TARGETS = ("sm90a_h200", "sm100a_b200")  # the LM example's programs: one H200 (the H100's SM, 141 GB), one B200
+
+
+def _lm_variants() -> list[Variant]:
+    """The LM example's whole programs at `--preset bench-hd64` / `bench-hd128` on one GPU
+    (scripts/compile/lm_programs.py): the training step (loss, gradient, AdamW) on 4 sequences of 2048 tokens,
+    which holds the flash forward, dQ and dK/dV kernels, and the batched generation (a prefill of 4 prompts of
+    2048 tokens, 64 paged decode steps), which holds the flash forward and the decode kernel (1 query row per
+    KV head: MHA, one new token); the worker records each one's HBM and the check holds it to the target's
+    memory."""
+
+    def program(name, preset):
+        def build():
+            import lm_programs
+
+            return getattr(lm_programs, name)(preset, 2048)
+        return build
+
+    out = []
+    for d in (64, 128):
+        preset = f"bench-hd{d}"
+        out += [
+            Variant(f"lm_train_step_bench_hd{d}_T2048", "lm", program("train_step", preset), d, "bf16", "fwd+bwd",
+                    "triton", 2048, 2048, requires=(FORWARD, DQ, DKV), targets=LM_TARGETS),
+            Variant(f"lm_generate_bench_hd{d}_T2048", "lm", program("generation", preset), d, "bf16", "fwd",
+                    "triton", 2048, 2048 + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
+        ]
+    return out
+
+
 def variants() -> list[Variant]:
     """Every variant of the registry; names are unique."""
     out = (_grid_variants() + _control_variants() + _decode_variants() + _ragged_variants() + _peer_variants()
-           + _tokamax_peer_variants())
+           + _tokamax_peer_variants() + _lm_variants())
+    out = [dataclasses.replace(v, targets=v.targets + tuple(t for t in SUBSET_TARGETS if t not in v.targets))
+           if _on_subset_targets(v) else v for v in out]
     names = [v.name for v in out]
     assert len(names) == len(set(names)), "variant names must be unique"
     return out

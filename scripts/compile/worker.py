@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import figures
 import variants as registry
 from check import expected
 from figures import (
@@ -107,6 +108,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         dump_names = (f"{tag:09d}{count:03d}" for count in itertools.count())
 
     limits = target_limits(target)
+    # This process compiles one target: `sass_counts` counts its arch's instructions too (figures.ARCH_SASS_OPS).
+    figures.SASS_OPS = figures.SASS_OPS + figures.ARCH_SASS_OPS.get(limits["arch"], ())
     device = topologies.get_topology_desc(
         platform="cuda", topology_name=target, target_config=(TARGETS_DIR / f"{target}.txtpb").read_text(),
         topology="1x1x1").devices[0]
@@ -126,7 +129,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         discard_dumps()
         for row, o in zip(rows, old):
             row.update(status="ok", fingerprint=fingerprint, reused=True, compile_s=o["compile_s"],
-                       kernels=o["kernels"], **({"compiled_with": o["compiled_with"]} if o.get("compiled_with") else {}))
+                       kernels=o["kernels"], **({"compiled_with": o["compiled_with"]} if o.get("compiled_with") else {}),
+                       **({"hbm": o["hbm"]} if "hbm" in o else {}))
         return True
 
     def new_row(variant) -> dict:
@@ -187,7 +191,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                 row["fingerprint"] = fingerprint(lowered)
                 if may_reuse and reused([variant], [row], row["fingerprint"]):
                     return row
-                lowered.compile()
+                compiled = lowered.compile()
+            if variant.group == "lm":  # a whole program: the HBM XLA plans for it (check.py `lm_problems`)
+                row["hbm"] = _hbm(compiled)
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             row.update(_error_fields(error))
@@ -303,6 +309,17 @@ def _compile_units(variants: list) -> list[tuple]:
         units.append((variant, partner) if variant.mode == "fwd+bwd" else (partner, variant))
         placed |= {variant.name, partner.name}
     return units
+
+
+def _hbm(compiled) -> dict:
+    """The device memory XLA plans for a compiled program, in bytes: arguments, outputs, temporaries, the
+    arguments aliased to outputs (counted once in `total`) and the generated code."""
+    memory = compiled.memory_analysis()
+    out = dict(arguments=memory.argument_size_in_bytes, outputs=memory.output_size_in_bytes,
+               temp=memory.temp_size_in_bytes, alias=memory.alias_size_in_bytes,
+               generated_code=memory.generated_code_size_in_bytes)
+    out["total"] = out["arguments"] + out["outputs"] - out["alias"] + out["temp"] + out["generated_code"]
+    return out
 
 
 def _named(fn, name: str):

@@ -1,0 +1,102 @@
+"""The LM example's whole programs at the benchmark shapes as GPU compile-report variants (variants.py, group "lm"),
+as examples/compile_for_tpu.py compiles them for TPU slices: the training step of train.py (`make_steps`: loss,
+gradient and AdamW update) and the batched generation of sampling.py (`batch_generator`: a prefill of 4
+prompts of the whole sequence length, then 64 paged decode steps), of `--preset bench-hd64` / `bench-hd128` (8
+layers, 8 heads of 64 / 128, bfloat16) with `--attention pallas` (the Triton kernels on a GPU) on one GPU. The worker
+records the HBM XLA plans for each (arguments, outputs, temporaries) and the check holds it to the target's
+memory (check.py `lm_problems`). Both need examples/lm's packages in the toolchain (examples_packages.sh).
+
+The worker jits the program again around these functions, so the training step's donated params and
+optimiser state are not aliased to its outputs: its HBM counts them twice, an upper bound of a run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # probjax_nn's folder is here; examples/lm's one level down
+PRESETS = ("bench-hd64", "bench-hd128")  # 8 layers, 8 heads of 64 / 128, bfloat16
+TRAIN_BATCH = 4  # sequences per step on the one GPU (compile_for_tpu.py's batch per data shard)
+GENERATE_BATCH, GENERATE_TOKENS = 4, 64  # compile_for_tpu.py's
+
+
+def _paths() -> None:
+    """examples/lm importable (as `lm`), with probjax_nn beside it."""
+    for folder in (ROOT, ROOT / "examples"):
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+
+
+def _config(preset: str, seq_len: int, batch: int):
+    from lm.config import make_config
+
+    return make_config(preset, dict(seq_len=seq_len, batch_size=batch, attention="pallas"))
+
+
+def _abstract_model(config):
+    """The model of `config` with its params as ShapeDtypeStructs: traced abstractly, nothing allocated."""
+    import jax
+    from lm.train import build_model
+
+    built = {}
+
+    def params(key):
+        built["model"] = build_model(config, key)
+        return built["model"].params
+
+    shapes = jax.eval_shape(lambda: params(jax.random.key(config.seed)))
+    return dataclasses.replace(built["model"], params=shapes)
+
+
+def _flat(program, trees):
+    """(function of the flattened leaves of `trees`, their ShapeDtypeStructs) calling `program(*trees)`."""
+    import jax
+
+    leaves, tree = jax.tree.flatten(trees)
+
+    def fn(*flat):
+        return program(*jax.tree.unflatten(tree, flat))
+
+    return fn, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+
+
+def train_step(preset: str, seq_len: int):
+    """(function, argument ShapeDtypeStructs) of `preset`'s training step on `TRAIN_BATCH` sequences of
+    `seq_len`."""
+    import jax
+    import jax.numpy as jnp
+
+    _paths()
+    from lm.train import Shardings, make_optimizer, make_steps
+
+    config = _config(preset, seq_len, TRAIN_BATCH)
+    model = _abstract_model(config)
+    with jax.default_device(jax.devices("cpu")[0]):  # optax builds its state's shapes with eager ops
+        optimizer = make_optimizer(config)
+        opt_state = jax.eval_shape(optimizer.init, model.params)
+    step, _ = make_steps(model, optimizer, config, Shardings.on(None, model, optimizer))
+    batch = jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32)
+    return _flat(step, (model.params, opt_state, batch))
+
+
+def generation(preset: str, seq_len: int):
+    """(function, argument ShapeDtypeStructs) of `preset`'s batched generation: `GENERATE_BATCH` prompts of
+    `seq_len` tokens, then `GENERATE_TOKENS` decode steps, params in the compute dtype (as train.run samples)."""
+    import jax
+    import jax.numpy as jnp
+
+    _paths()
+    from lm.sampling import batch_generator
+
+    config = _config(preset, seq_len, GENERATE_BATCH)
+    model = _abstract_model(config)
+    dtype = jnp.dtype(config.dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), model.params)
+    run = batch_generator(model, seq_len + GENERATE_TOKENS, GENERATE_TOKENS, temperature=config.temperature)
+    key = jax.eval_shape(jax.random.key, 0)
+    tokens = jax.ShapeDtypeStruct((GENERATE_BATCH, seq_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((GENERATE_BATCH,), jnp.int32)
+    return _flat(run, (params, tokens, lengths, key))
