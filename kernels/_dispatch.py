@@ -75,9 +75,7 @@ def _within_tables(config: FlashConfig, filled: FlashConfig, block_sizes: tuple[
 
 
 def _coarsens(backend: Backend, features: Features) -> bool:
-    """Whether the first backend in `backend`'s order walks this call's BlockMask tables on its own tiles even
-    where those are coarser than the blocks (`coarsens_block_masks`: the Mosaic TPU kernels, whose tiles are
-    multiples of 128), which is exact for an exact mask_mod: its tiles then stay as they are."""
+    """Whether `backend`'s first backend keeps its tiles under an exact mask_mod's BlockMask (coarsens them)."""
     return features.exact_mask_mod and getattr(ORDER[backend][0], "coarsens_block_masks", False)
 
 
@@ -162,10 +160,8 @@ def decode_plan(inputs: DecodeInputs, config: DecodeConfig | None, score_mod: Ho
                           "(decode_attention_reference, not a Pallas kernel).", stacklevel=3)
             return None
     if config.backend == "triton" and config.block_k is None and is_consumer_blackwell(_backend.target_device()):
-        # Compute capability 12.x: 32 keys per step up to head dim 128 in 16 bits (64 spilled 16 B at 128
-        # registers on sm_120 with pages of 16 and one new token, GQA 32:8; 32 holds 94). Others: the kernel's.
-        *_, head_dim, value_dim = inputs.shape
-        if max(head_dim, value_dim) <= 128 and inputs.q.dtype.itemsize <= 2:
+        # sm_120: 32 keys a step to head dim 128 in 16 bits (64 spilled 16 B at 128 registers; 32 holds 94).
+        if max(inputs.shape[-2:]) <= 128 and inputs.q.dtype.itemsize <= 2:
             config = dataclasses.replace(config, block_k=32)
     return DecodePass(triton_decode.decode, triton_decode.plan_for(inputs, config, score_mod, mask_mod,
                                                                    num_score_consts))
