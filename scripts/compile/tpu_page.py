@@ -28,7 +28,8 @@ its grid and blocks, the HBM temp memory XLA plans for the whole compile, which 
 kernels and which fall back. **What it does not prove:** speed (no TPU ran anything: no speed has been
 measured on a chip), correctness on a chip (the test suite checks the kernels' numbers in Pallas TPU
 interpret mode on the CPU), or anything about libtpu or jax versions other than those named here. Shapes:
-B=4, N=8 (K=2 for GQA), seq 1024, except the ragged T=600 variant and the HBM pair at T = {t1} and {t2}.
+B=4, N=8 (K=2 for GQA), seq 1024, except the ragged T=600 variant, the side-by-side shapes and the HBM chain at
+T = {chain}.
 
 Columns: **tiles** the FlashConfig tiles `default_config` picks for the generation (fwd q x k / dQ q x k /
 dK/dV q x k); **grid** the kernel's Pallas grid (B, N, tiles, steps); **blocks** its q / k / v blocks (rows x
