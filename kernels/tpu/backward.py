@@ -50,18 +50,19 @@ def _score_before_hook(qk, ctx, problem: _Problem):
 
 
 def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, emit_ds: bool,
-               grads: tuple, stages: tuple[int, ...]):
+               bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, do_ref, out_ref, lse2_ref, d_lse_ref, *rest = refs[n_scalar:]
     rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
     n_grads = sum(g.axis == "q" for g in grads)
     grad_accs = rest[len(rest) - n_grads:]
-    acc_ref, delta_ref = rest[len(rest) - n_grads - 2:len(rest) - n_grads]
-    rest = rest[:len(rest) - n_grads - 2]
-    num_out = (3 if emit_ds else 2) + n_grads
+    acc_ref, delta_ref, *bias_acc = rest[len(rest) - n_grads - 2 - bias_sums:len(rest) - n_grads]
+    rest = rest[:len(rest) - n_grads - 2 - bias_sums]
+    num_out = 2 + emit_ds + bias_sums + n_grads
     dq_ref, delta_out_ref, *outs = rest[len(rest) - num_out:]
     ds_ref = outs[0] if emit_ds else None
+    bias_out = outs[emit_ds] if bias_sums else None
     grad_outs = outs[len(outs) - n_grads:]
     opt = to_refs(rest[:len(rest) - num_out])
     b, block, i, step = (pl.program_id(axis) for axis in range(4))
@@ -72,7 +73,7 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
     @pl.when(step == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        hook_grads.zero(grad_accs)
+        hook_grads.zero([*bias_acc, *grad_accs])
         layout.stage(q_ref, q_stage)
         layout.stage(do_ref, do_stage)
         for slot in range(layout.q_heads):  # delta = rowsum(dO * O) - d lse, for this kernel and dK/dV's
@@ -104,6 +105,8 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
                                   _score_before_hook(qk, ctx, problem), d_modded, ctx)
             if emit_ds:
                 common.store_head_tile(ds_ref, slot, ds)
+            if bias_sums:  # a bias broadcast over the keys: its gradient sums dS over them
+                bias_acc[0][slot] += jnp.sum(ds, axis=1, keepdims=True)
             acc_ref[slot] += dot(ds.astype(k.dtype), k, (1, 0))
 
         layout.for_heads(head)
@@ -115,6 +118,8 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
         acc_ref[...] = acc_ref[...] * problem.features.scale
         layout.unstage(acc_ref, dq_ref)
         hook_grads.store(grad_accs, grad_outs)
+        for slot in range(layout.q_heads if bias_sums else 0):
+            layout.store_row(bias_out, slot, bias_acc[0][slot].T)
 
 
 def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> common.Walk:
@@ -129,9 +134,10 @@ def _dq_walk(problem, scalars, b, h, i, num_kv_tiles: int, emit_ds: bool) -> com
 
 
 def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, outh, lse2, d_lse,
-                 scalar_inputs, optional: dict, emit_ds: bool, varying, grads: tuple = ()):
-    """(dQ, delta rows `[B, N, 1, T]` for the dK/dV kernel[, dS][, hook array gradient blocks]); the kernel
-    computes delta = rowsum(dO * O) - d lse at each query tile's first step."""
+                 scalar_inputs, optional: dict, emit_ds: bool, bias_sums: bool, varying, grads: tuple = ()):
+    """(dQ, delta rows `[B, N, 1, T]` for the dK/dV kernel[, dS `[B, N, T, S]`][, dS summed over the keys as
+    rows `[B, N, 1, T]` (`bias_sums`)][, hook array gradient blocks]); the kernel computes delta =
+    rowsum(dO * O) - d lse at each query tile's first step."""
     (batch, t_pad, num_heads, d_pad), (_, s_pad, _, dv_pad) = shapes
     problem = with_tiles(problem, problem.config.block_q_dq, problem.config.block_k_dq)
     bq, bk = problem.config.block_q, problem.config.block_k
@@ -160,12 +166,16 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
         out_specs.append(pl.BlockSpec((None, heads if layout.in_place else None, bq, bk),
                                       lambda b, block, i, s, *r: (b, block, i, s)))
         out_shape.append(common.output((batch, num_heads, t_pad, s_pad), jnp.float32, *varying))
+    if bias_sums:
+        out_specs.append(row)
+        out_shape.append(common.output((batch, num_heads, 1, t_pad), jnp.float32, *varying))
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
-                               to_refs=to_refs, emit_ds=emit_ds, grads=grads, stages=tuple(map(len, stages)))
+                               to_refs=to_refs, emit_ds=emit_ds, bias_sums=bias_sums, grads=grads,
+                               stages=tuple(map(len, stages)))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -175,7 +185,8 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
                       layout.spec(bq, dv_pad, q_tile), row, row, *extra_specs],
             out_specs=[*out_specs, *grad_specs],
             scratch_shapes=[pltpu.VMEM((heads, bq, d_pad), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
-                            *grad_scratch, *(x for stage in stages for x in stage)],
+                            *[pltpu.VMEM((heads, bq, 1), jnp.float32)] * bias_sums, *grad_scratch,
+                            *(x for stage in stages for x in stage)],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dq",
@@ -187,18 +198,20 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
 
 
 def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles: int, steps: int, to_refs,
-                grads: tuple, stages: tuple[int, ...]):
+                bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
     rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
-    n_grads = sum(g.axis == "kv" for g in grads)
+    n_grads = sum(g.axis == "kv" for g in grads) + bias_sums  # the bias sums go first, as a hook gradient would
     grad_accs = rest[len(rest) - n_grads:]
     rest = rest[:len(rest) - n_grads]
     dk_acc, dv_acc = rest[-2:]
     grad_outs = rest[len(rest) - 2 - n_grads:-2]
     dk_ref, dv_ref = rest[-4 - n_grads:-2 - n_grads]
     opt = to_refs(rest[:-4 - n_grads])
+    (bias_acc, *grad_accs), (bias_out, *grad_outs) = ([None, *x] if not bias_sums else x
+                                                      for x in (grad_accs, grad_outs))
     b, block, j, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     # in place: every query head of the block each step; transposed: the group's heads one after the other
@@ -210,7 +223,7 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
     def _():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-        hook_grads.zero(grad_accs)
+        hook_grads.zero([bias_acc, *grad_accs] if bias_sums else grad_accs)
         layout.stage(k_ref, k_stage, kv=True)
         layout.stage(v_ref, v_stage, kv=True)
 
@@ -233,6 +246,8 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
                                              ctx, problem, True)
             hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
                                   _score_before_hook(kq, ctx, problem), d_modded, ctx)
+            if bias_sums:  # a bias broadcast over the queries: its gradient sums dS over them
+                bias_acc[slot if layout.in_place else head] += jnp.sum(ds, axis=1, keepdims=True)
             dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
             dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
 
@@ -246,10 +261,14 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
         layout.unstage(dk_acc, dk_ref, kv=True)
         layout.unstage(dv_acc, dv_ref, kv=True)
         hook_grads.store(grad_accs, grad_outs)
+        for head in range(bias_acc.shape[0] if bias_sums else 0):
+            bias_out[head] = bias_acc[head].T
 
 
 def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
-                  scalar_inputs, optional: dict, varying, grads: tuple = ()):
+                  scalar_inputs, optional: dict, bias_sums: bool, varying, grads: tuple = ()):
+    """(dK, dV, [dS summed over the queries as rows `[B, N, 1, S]` (`bias_sums`),] hook array gradient
+    blocks `[B, N, ..]`)."""
     (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
     problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
     bq, bk = problem.config.block_q, problem.config.block_k
@@ -288,10 +307,15 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
     grad_shapes, grad_specs, grad_scratch = hook_grads.outputs(
         grads, "kv", (batch, num_kv_heads, group), (None, None, group), lambda b, kh, j, s, *r: (b, kh, 0), s_pad,
         bk, varying)
+    if bias_sums:  # per query head of the program: the in-place block's heads, or the transposed walk's group
+        heads = layout.q_heads if layout.in_place else group
+        grad_shapes.insert(0, common.output((batch, num_heads, 1, s_pad), jnp.float32, *varying))
+        grad_specs.insert(0, pl.BlockSpec((None, heads, 1, bk), lambda b, block, j, s, *r: (b, block, 0, j)))
+        grad_scratch.insert(0, pltpu.VMEM((heads, bk, 1), jnp.float32))
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, num_q_tiles=num_q_tiles, steps=steps,
-                               to_refs=to_refs, grads=grads, stages=tuple(map(len, stages)))
+                               to_refs=to_refs, bias_sums=bias_sums, grads=grads, stages=tuple(map(len, stages)))
     kv_heads = layout.kv_heads
     dk, dv, *grad_blocks = pl.pallas_call(
         kernel,
@@ -311,9 +335,10 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
     )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
+    bias_rows = grad_blocks.pop(0) if bias_sums else None
     # [B, K, group, ...] -> [B, N, ...]: query head kv_head * group + head
     grad_blocks = [x.reshape(batch, num_heads, *x.shape[3:]) for x in grad_blocks]
-    return dk, dv, grad_blocks
+    return dk, dv, ([bias_rows] if bias_sums else []) + grad_blocks
 
 
 def _table_steps(tables) -> int:
@@ -336,7 +361,13 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     grads = {}
     tile_grads = hook_grads.tile_grads(problem, tangents)
     blocks = {}  # (array position, axis) -> accumulated blocks `[B, N, *whole, T|S, 1]`
-    if tangents.q or tangents.bias or any(g.axis == "q" for g in tile_grads):
+    # The bias gradient: dS summed over the bias's broadcast axes. Over the keys (a [.., T|1, 1] bias) the dQ
+    # kernel sums each row, over the queries (a [.., 1, S] one) the dK/dV kernel sums each column; only a
+    # bias with both a query and a key axis takes the whole dS [B, N, T, S] (its own size up to B x N).
+    bias_axes = () if not tangents.bias else tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+    sum_keys, sum_queries = 3 in bias_axes, 2 in bias_axes and 3 not in bias_axes
+    emit_ds = bool(tangents.bias) and not (sum_keys or sum_queries)
+    if tangents.q or emit_ds or sum_keys or any(g.axis == "q" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
         cfg = problem.config
         layout = common.kernel_layout(problem, q, v, k.shape[2], "dq", (cfg.block_q_dq, cfg.block_k_dq),
@@ -344,15 +375,15 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
         qh, doh, outh = (layout.view(x.astype(dtype)) for x in (q, d_out, out))
         kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
         dq, delta_rows, *rest = _backward_dq(problem, layout, shapes, qh, kh, vh, doh, outh, lse2, d_lse, scalars,
-                                             optional, tangents.bias, varying, tile_grads)
+                                             optional, emit_ds, sum_keys, varying, tile_grads)
         delta = delta_rows[:, :, 0]
         if tangents.q:
             grads["q"] = layout.unview(dq).astype(q.dtype)
-        if tangents.bias:
-            broadcast_axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
-            grads["bias"] = jnp.sum(rest.pop(0), axis=broadcast_axes, keepdims=True).astype(bias.dtype)
+        if emit_ds or sum_keys:  # dS, or its row sums [B, N, 1, T] -> [B, N, T, 1]
+            summed = rest.pop(0) if emit_ds else jnp.swapaxes(rest.pop(0), 2, 3)
+            grads["bias"] = jnp.sum(summed, axis=bias_axes, keepdims=True).astype(bias.dtype)
         blocks.update(zip([(g.index, "q") for g in tile_grads if g.axis == "q"], rest))
-    if tangents.k or tangents.v or any(g.axis == "kv" for g in tile_grads):
+    if tangents.k or tangents.v or sum_queries or any(g.axis == "kv" for g in tile_grads):
         scalars = common.scalar_inputs(problem, q_len, kv_len, optional, "kv")
         cfg = problem.config
         layout = common.kernel_layout(problem, q, v, k.shape[2], "dkv", (cfg.block_q_dkv, cfg.block_k_dkv),
@@ -362,9 +393,11 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
         if delta is None:
             delta = backward_delta(out, lse, d_out, d_lse)
         dk, dv, rest = _backward_dkv(problem, layout, shapes, qh, kh, vh, doh, lse2, delta, scalars, optional,
-                                     varying, tile_grads)
+                                     sum_queries, varying, tile_grads)
         grads.update({name: layout.unview(g, kv=True).astype(x.dtype)
                       for name, g, x in (("k", dk, k), ("v", dv, v)) if getattr(tangents, name)})
+        if sum_queries:  # dS's column sums [B, N, 1, S]
+            grads["bias"] = jnp.sum(rest.pop(0), axis=bias_axes, keepdims=True).astype(bias.dtype)
         blocks.update(zip([(g.index, "kv") for g in tile_grads if g.axis == "kv"], rest))
     if tile_grads:
         consts = res["score_consts"]

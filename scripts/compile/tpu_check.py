@@ -85,21 +85,25 @@ def row_problems(row: dict, variant) -> list[str]:
 
 
 def hbm_problems(rows: list[dict], target: str) -> list[str]:
-    """The HBM growth check of one target: fwd+bwd temp at each 2T of the registry's `hbm` chain against T."""
-    chain = {r["q_len"]: r for r in rows if r["target"] == target and r.get("group") == "hbm"}
+    """The HBM growth check of one target: fwd+bwd temp at each 2T of each `hbm` chain against T."""
+    chains = {}
+    for r in rows:
+        if r["target"] == target and r.get("group") == "hbm":
+            chains.setdefault(tpu_variants.hbm_chain(r["variant"]), {})[r["q_len"]] = r
     out = []
-    for t1, t2 in zip(tpu_variants.HBM_LENGTHS, tpu_variants.HBM_LENGTHS[1:]):
-        if t1 not in chain or t2 not in chain:
-            continue  # the missing rows are reported as missing
-        small, large = chain[t1], chain[t2]
-        if small.get("status") != "ok" or large.get("status") != "ok":
-            continue  # reported as compile errors
-        a, b = (r.get("hbm", {}).get("temp") for r in (small, large))
-        if a is None or b is None:
-            out.append(f"{target}: no HBM temp figure for the T = {t1} / {t2} pair")
-        elif b > HBM_GROWTH_MAX * a + HBM_SLACK:
-            out.append(f"{target}: fwd+bwd HBM temp grows faster than linearly: {a:,} B at T = {t1}, {b:,} B at "
-                       f"T = {t2} (over {HBM_GROWTH_MAX} x + {HBM_SLACK >> 20} MiB)")
+    for name, chain in sorted(chains.items()):
+        for t1, t2 in zip(tpu_variants.HBM_LENGTHS, tpu_variants.HBM_LENGTHS[1:]):
+            if t1 not in chain or t2 not in chain:
+                continue  # the missing rows are reported as missing
+            small, large = chain[t1], chain[t2]
+            if small.get("status") != "ok" or large.get("status") != "ok":
+                continue  # reported as compile errors
+            a, b = (r.get("hbm", {}).get("temp") for r in (small, large))
+            if a is None or b is None:
+                out.append(f"{target} {name}: no HBM temp figure for the T = {t1} / {t2} pair")
+            elif b > HBM_GROWTH_MAX * a + HBM_SLACK:
+                out.append(f"{target} {name}: fwd+bwd HBM temp grows faster than linearly: {a:,} B at T = {t1}, "
+                           f"{b:,} B at T = {t2} (over {HBM_GROWTH_MAX} x + {HBM_SLACK >> 20} MiB)")
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tpu_check
+import tpu_variants
 
 _INTRO = """# Compile report: the Mosaic TPU kernels, compiled for each TPU generation without one
 
@@ -176,13 +177,18 @@ def _hbm_table(section: dict) -> list[str]:
            f"{(rule.get('slack') or 0) >> 20} MiB); a [B, N, T, S] float32 buffer would add 0.5 GiB at T = 2048 "
            "and 8 GiB at 8192. These compiles keep XLA from placing buffers in VMEM (`tpu_variants.HBM_ONLY`), so "
            "the temp counts every buffer of the program wherever XLA would put it.\n",
-           "| target | " + " | ".join(f"T = {t}" for t in lengths) + " | growth per doubling |",
-           "|---|" + "---|" * (len(lengths) + 1)]
+           "| target | chain | " + " | ".join(f"T = {t}" for t in lengths) + " | growth per doubling |",
+           "|---|---|" + "---|" * (len(lengths) + 1)]
     for target in section["targets"]:
-        chain = {r["q_len"]: r for r in section["rows"] if r["target"] == target and r["group"] == "hbm"}
-        temps = [((chain.get(t) or {}).get("hbm") or {}).get("temp") for t in lengths]
-        growth = ", ".join(f"{b / a:.2f}" if a and b is not None else "-" for a, b in zip(temps, temps[1:]))
-        out.append(f"| {target} | " + " | ".join(_mib(t) for t in temps) + f" | {growth} |")
+        chains = {}
+        for r in section["rows"]:
+            if r["target"] == target and r["group"] == "hbm":
+                chains.setdefault(tpu_variants.hbm_chain(r["variant"]), {})[r["q_len"]] = r
+        for name, chain in sorted(chains.items()):
+            temps = [((chain.get(t) or {}).get("hbm") or {}).get("temp") for t in lengths]
+            growth = ", ".join(f"{b / a:.2f}" if a and b is not None else "-" for a, b in zip(temps, temps[1:]))
+            out.append(f"| {target} | {name.removeprefix('tpu_hbm_grad_')} | " + " | ".join(_mib(t) for t in temps)
+                       + f" | {growth} |")
     return out
 
 

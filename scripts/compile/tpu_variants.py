@@ -78,21 +78,25 @@ def flash(name, group="tpu", **options) -> TpuVariant:
     return _from_gpu(gpu_variants.flash(name, backend="tpu", **options), group)
 
 
-def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024) -> TpuVariant:
-    """fwd+bwd with a dense additive bias `[1, N, T, S]` that gets a gradient (an argument, not a constant)."""
+def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024, shape="heads", group="tpu",
+               causal=False) -> TpuVariant:
+    """fwd+bwd with a dense additive bias that gets a gradient (an argument, not a constant), of `shape`
+    "heads" `[1, N, T, S]`, "keys" `[B, 1, 1, S]` (key padding: its gradient summed by the dK/dV kernel) or
+    "queries" `[1, N, T, 1]` (summed by the dQ kernel)."""
     from probjax_kernels import FlashConfig, flash_attention
 
     dt = gpu_variants.dtype_of(dtype)
+    bias_shape = {"heads": (1, N, q_len, q_len), "keys": (B, 1, 1, q_len), "queries": (1, N, q_len, 1)}[shape]
 
     def build():
-        specs = [_spec((B, q_len, N, head_dim), dt)] * 3 + [_spec((1, N, q_len, q_len), jnp.float32)]
+        specs = [_spec((B, q_len, N, head_dim), dt)] * 3 + [_spec(bias_shape, jnp.float32)]
 
         def attend(q, k, v, bias):
-            return flash_attention(q, k, v, bias=bias, config=FlashConfig(backend="tpu"))
+            return flash_attention(q, k, v, bias=bias, causal=causal, config=FlashConfig(backend="tpu"))
 
         return gpu_variants._wrap("fwd+bwd", attend, 4, (0, 1, 2, 3)), specs
 
-    return TpuVariant(name, "tpu", build, head_dim, dtype, "fwd+bwd", q_len)
+    return TpuVariant(name, group, build, head_dim, dtype, "fwd+bwd", q_len)
 
 
 def flex_chunk(name, *, head_dim=128, dtype="bf16", q_len=1024, kv_len=2048) -> TpuVariant:
@@ -146,6 +150,8 @@ def tpu_variants() -> list[TpuVariant]:
     out.append(flash("tpu_grad_d128_bf16_segments_lengths_T600", q_len=600, segments=True, lengths=True,
                      mode="fwd+bwd"))
     out.append(flash_bias("tpu_grad_d128_bf16_bias"))
+    out.append(flash_bias("tpu_grad_d128_bf16_bias_keys", shape="keys"))
+    out.append(flash_bias("tpu_grad_d128_bf16_bias_queries", shape="queries"))
     out.append(flash("tpu_grad_d128_bf16_dropout", dropout_rate=0.1, dropout_seed=7, mode="fwd+bwd"))
     out.append(flash("tpu_grad_d128_f16_causal", dtype="f16", causal=True, mode="fwd+bwd"))
     for hook in ("softcap", "alibi", "document_mask", "sliding_window", "relative_bias"):
@@ -170,10 +176,14 @@ def tpu_variants() -> list[TpuVariant]:
         out.append(dataclasses.replace(
             flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t, mode="fwd+bwd"),
             compiler_options=HBM_ONLY))
+        out.append(dataclasses.replace(  # a key padding bias with its gradient
+            flash_bias(f"tpu_hbm_grad_d128_bf16_causal_bias_keys_T{t}", group="hbm", causal=True, q_len=t,
+                       shape="keys"), compiler_options=HBM_ONLY))
     return out
 
 
-# fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along this chain of doublings.
+# fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along these chains of doublings (`hbm_chain`):
+# causal attention, and the same with a key padding bias `[B, 1, 1, S]` and its gradient.
 HBM_LENGTHS = (2048, 4096, 8192, 16384)
 # The chain compiles with XLA:TPU's memory-space assignment into VMEM off, so its HBM temp counts every
 # buffer the program holds: with it on, XLA moves whole buffers of up to 64 MiB (our residual `out`, the
@@ -182,6 +192,11 @@ HBM_LENGTHS = (2048, 4096, 8192, 16384)
 # family ("vf": v5e / v5p, "gf": v6e / TPU7x; each changes no figure of the other family's chips; v4 places
 # nothing there).
 HBM_ONLY = (("xla_vf_vmem_memory_space_assignment", False), ("xla_gf_vmem_memory_space_assignment", False))
+
+
+def hbm_chain(name: str) -> str:
+    """The chain an `hbm` variant belongs to: its name without the `_T{length}` suffix."""
+    return name.rsplit("_T", 1)[0]
 
 
 # ------------------------------------------------------------------------------------------------ peers
