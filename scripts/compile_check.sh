@@ -8,7 +8,7 @@
 #   registry (scripts/compile/variants.py) missing or without its kernels, a compile error, a spill, shared
 #   memory over a target's limit, or the tensor-core / copy instructions the report requires.
 # - TPU: install (or reuse) the pinned jax[tpu] toolchain (scripts/compile/tpu_toolchain.sh), compile every
-#   Mosaic TPU kernel variant for v5e, v5p and v6e (v4 shown) through libtpu, write the `tpu` section of
+#   Mosaic TPU kernel variant for v5e, v5p, v6e and TPU7x through libtpu, write the `tpu` section of
 #   docs/compile/report.json and docs/compile/tpu.md, and fail on a compile error, VMEM over a generation's
 #   scoped limit, a variant that should be a Mosaic TPU kernel compiling without its tpu_custom_call (or a
 #   fallback that became one), superlinear HBM growth, or a missing (generation, variant) pair; then compile

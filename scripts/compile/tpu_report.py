@@ -340,7 +340,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run")
     p.add_argument("--toolchain", type=Path)
-    p.add_argument("--targets", default="tpu_v5e,tpu_v5p,tpu_v6e,tpu_v4")
+    p.add_argument("--targets", default="tpu_v5e,tpu_v5p,tpu_v6e,tpu_7x")
     p.add_argument("--only", help="a regex: compile only the variants whose name matches (the check then fails: "
                                   "the others are missing)")
     p.add_argument("--jobs", type=int, default=2)
