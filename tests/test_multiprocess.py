@@ -55,6 +55,9 @@ TINY = dict(
 LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
 # Bounds for a machine much busier than this one; a slow machine is not a failure.
 WAIT_S = 900
+# Steps of a run stopped by a signal at step 3: every later step takes at least 0.25 s, so jax's preemption
+# service has over a minute to reach every process (40 steps, 9 s, ran out under CI's two test workers).
+SIGNALLED_STEPS = 400
 # Two CPU devices per process; LLVM optimizations off as in conftest.py (tiny shapes: compiling dominates).
 TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 
@@ -430,13 +433,13 @@ def _stopped_step(stdout: str) -> int:
 def test_a_term_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(data_cache, tmp_path):
     """A TERM (SLURM preemption, scancel, a time limit) was ignored by the trainers until a KILL, losing up to
     --checkpoint-every steps. Now every process stops after one common step, saves it and exits 0."""
-    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
-              "out": str(tmp_path / "run")}
+    values = {**TINY, "data_cache": data_cache, "steps": SIGNALLED_STEPS, "eval_every": SIGNALLED_STEPS,
+              "mesh": "data=4", "out": str(tmp_path / "run")}
     result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="1:3:SIGTERM")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "launch_local: got TERM" in result.stderr
     stopped = _stopped_step(result.stdout)
-    assert 3 <= stopped < 40
+    assert 3 <= stopped < SIGNALLED_STEPS
     committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert committed == [stopped]  # checkpoint_every none: the TERM's save alone
     assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
@@ -447,12 +450,12 @@ def test_an_int_to_one_process_stops_every_process_at_one_step_with_a_checkpoint
     """An INT that reaches one process (a Ctrl-C, srun passing it on) raised KeyboardInterrupt there: the launcher
     stopped the others and exited 1 with its traceback, losing the steps since the last checkpoint. Now it is
     passed on to jax's preemption service as a TERM: every process stops after one step and saves it."""
-    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
-              "out": str(tmp_path / "run")}
+    values = {**TINY, "data_cache": data_cache, "steps": SIGNALLED_STEPS, "eval_every": SIGNALLED_STEPS,
+              "mesh": "data=4", "out": str(tmp_path / "run")}
     result = launch(tmp_path, "logs", flags(values), MP_SIGNAL="1:3:SIGINT:self")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     stopped = _stopped_step(result.stdout)
-    assert 3 <= stopped < 40
+    assert 3 <= stopped < SIGNALLED_STEPS
     committed = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert committed == [stopped]
     assert [row["step"] for row in read_rows(tmp_path / "run")] == list(range(1, stopped + 1))
@@ -461,8 +464,8 @@ def test_an_int_to_one_process_stops_every_process_at_one_step_with_a_checkpoint
 
 def test_processes_whose_launcher_dies_stop_with_a_checkpoint(data_cache, tmp_path):
     """A launcher killed (or its terminal hung up) left the trainers training on with parent 1."""
-    values = {**TINY, "data_cache": data_cache, "steps": 40, "eval_every": 100, "mesh": "data=4",
-              "out": str(tmp_path / "run")}
+    values = {**TINY, "data_cache": data_cache, "steps": SIGNALLED_STEPS, "eval_every": SIGNALLED_STEPS,
+              "mesh": "data=4", "out": str(tmp_path / "run")}
     pids = []
     try:
         # Returns when process 0, which holds the launcher's stdout, has exited.
@@ -470,7 +473,7 @@ def test_processes_whose_launcher_dies_stop_with_a_checkpoint(data_cache, tmp_pa
         pids = [int((tmp_path / f"pid.{process}").read_text()) for process in (0, 1)]
         assert result.returncode == -signal.SIGKILL
         stopped = _stopped_step(result.stdout)
-        assert 3 <= stopped < 40
+        assert 3 <= stopped < SIGNALLED_STEPS
         for _ in range(WAIT_S):
             if not any(_alive(pid) for pid in pids):
                 break
