@@ -49,8 +49,9 @@ def _score_before_hook(qk, ctx, problem: _Problem):
 # --------------------------------------------------------------------------------------------- dQ kernel
 
 
-def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, emit_ds: bool,
-               bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
+def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, num_kv_tiles: int,
+               to_refs, emit_ds: bool, bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
+    (b, block, i, step, last), refs = grid.ids(refs)
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, do_ref, out_ref, lse2_ref, d_lse_ref, *rest = refs[n_scalar:]
@@ -65,7 +66,6 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
     bias_out = outs[emit_ds] if bias_sums else None
     grad_outs = outs[len(outs) - n_grads:]
     opt = to_refs(rest[:len(rest) - num_out])
-    b, block, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     walk = _dq_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles, emit_ds)
     with_derivative = problem.features.score_mod is not None
@@ -113,7 +113,7 @@ def _dq_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles:
 
     common.run_step(walk, step, body)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last)
     def _():
         acc_ref[...] = acc_ref[...] * problem.features.scale
         layout.unstage(acc_ref, dq_ref)
@@ -173,32 +173,37 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
         grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
-    kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
+    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad), steps,
+                            batch * (num_heads // heads), every_step=emit_ds)
+    kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, grid=grid, num_kv_tiles=num_kv_tiles,
                                to_refs=to_refs, emit_ds=emit_ds, bias_sums=bias_sums, grads=grads,
                                stages=tuple(map(len, stages)))
+    scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_heads // heads, t_pad // bq, steps),
-            in_specs=[layout.spec(bq, d_pad, q_tile), kv_side(d_pad), kv_side(dv_pad), layout.spec(bq, dv_pad, q_tile),
-                      layout.spec(bq, dv_pad, q_tile), row, row, *extra_specs],
-            out_specs=[*out_specs, *grad_specs],
+            grid=grid.shape(batch, num_heads // heads),
+            in_specs=grid.specs([layout.spec(bq, d_pad, q_tile), kv_side(d_pad), kv_side(dv_pad),
+                                 layout.spec(bq, dv_pad, q_tile), layout.spec(bq, dv_pad, q_tile), row, row,
+                                 *extra_specs]),
+            out_specs=grid.specs([*out_specs, *grad_specs]),
             scratch_shapes=[pltpu.VMEM((heads, bq, d_pad), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
                             *[pltpu.VMEM((heads, bq, 1), jnp.float32)] * bias_sums, *grad_scratch,
                             *(x for stage in stages for x in stage)],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dq",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
+        **common.compiler_params(problem, grid.semantics(), layout),
     )(*scalar_inputs, qh, kh, vh, doh, outh, common.as_rows(lse2), common.as_rows(d_lse), *extra)
 
 
 # ------------------------------------------------------------------------------------------ dK/dV kernel
 
 
-def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles: int, steps: int, to_refs,
-                bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
+def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, num_q_tiles: int,
+                steps: int, to_refs, bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
+    (b, block, j, step, last), refs = grid.ids(refs)
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
@@ -212,7 +217,6 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
     opt = to_refs(rest[:-4 - n_grads])
     (bias_acc, *grad_accs), (bias_out, *grad_outs) = ([None, *x] if not bias_sums else x
                                                       for x in (grad_accs, grad_outs))
-    b, block, j, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     # in place: every query head of the block each step; transposed: the group's heads one after the other
     head, q_step = (0, step) if layout.in_place else (step // steps, step % steps)
@@ -255,7 +259,7 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_q_tiles:
 
     common.run_step(walk, q_step, body)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last)
     def _():
         dk_acc[...] = dk_acc[...] * problem.features.scale
         layout.unstage(dk_acc, dk_ref, kv=True)
@@ -314,24 +318,28 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
         grad_scratch.insert(0, pltpu.VMEM((heads, bk, 1), jnp.float32))
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
-    kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, num_q_tiles=num_q_tiles, steps=steps,
-                               to_refs=to_refs, bias_sums=bias_sums, grads=grads, stages=tuple(map(len, stages)))
     kv_heads = layout.kv_heads
+    grid = common.step_grid(problem, "kv", common.target_chip(problem), (t_pad, s_pad), steps,
+                            batch * (num_kv_heads // kv_heads), head_steps=head_steps)
+    kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, grid=grid, num_q_tiles=num_q_tiles,
+                               steps=steps, to_refs=to_refs, bias_sums=bias_sums, grads=grads,
+                               stages=tuple(map(len, stages)))
+    scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
     dk, dv, *grad_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_kv_heads // kv_heads, s_pad // bk, head_steps * steps),
-            in_specs=[q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row, row,
-                      *extra_specs],
-            out_specs=[kv_side(d_pad, False), kv_side(dv_pad, False), *grad_specs],
+            grid=grid.shape(batch, num_kv_heads // kv_heads),
+            in_specs=grid.specs([q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row,
+                                 row, *extra_specs]),
+            out_specs=grid.specs([kv_side(d_pad, False), kv_side(dv_pad, False), *grad_specs]),
             scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
                             pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32), *grad_scratch,
                             *(x for stage in stages for x in stage)],
         ),
         out_shape=[*out_shape, *grad_shapes],
         name="probjax_tpu_backward_dkv",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
+        **common.compiler_params(problem, grid.semantics(), layout),
     )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))

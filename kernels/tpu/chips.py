@@ -8,6 +8,8 @@ choices read (docs/perf-notes.md, "TPU tile model", shows the model and its sour
 - `scoped_vmem`: the VMEM a kernel's pipelined blocks may take without raising `vmem_limit_bytes`, as libtpu
   0.0.48.1's deviceless compile enforces it ("Scoped allocation with size 20.00M and limit 16.00M" on v5e /
   v5p; 20 MiB passes and 40 MiB fails on v6e and TPU7x, which the table takes as 32 MiB like v6e).
+- `megacore`: whether one device is two TensorCores that split a kernel's "parallel" grid axes between them
+  (v4, v5p; `jax._src.tpu_info`'s table: TPU7x's two cores are two devices).
 - `STEP_OVERHEAD_S`: the fixed cost of one grid step of a pipelined Pallas TPU kernel, about 0.35 us (the
   Pallas TPU pipelining guide), which every step pays, idle or not.
 """
@@ -29,6 +31,7 @@ class Chip:
     mxu: int  # the MXU's side: 128 x 128 before v6e, 256 x 256 from v6e
     hbm_bandwidth: float  # bytes / s
     bf16_flops: float  # flop / s
+    megacore: bool = False
 
     @property
     def vmem_limit(self) -> int:
@@ -44,9 +47,9 @@ class Chip:
 
 MIB = 1 << 20
 CHIPS = {
-    "v4": Chip("v4", 16 * MIB, 16 * MIB, 128, 615e9, 137.5e12),
+    "v4": Chip("v4", 16 * MIB, 16 * MIB, 128, 615e9, 137.5e12, megacore=True),
     "v5e": Chip("v5e", 16 * MIB, 128 * MIB, 128, 820e9, 197e12),
-    "v5p": Chip("v5p", 16 * MIB, 64 * MIB, 128, 1230e9, 229.5e12),
+    "v5p": Chip("v5p", 16 * MIB, 64 * MIB, 128, 1230e9, 229.5e12, megacore=True),
     "v6e": Chip("v6e", 32 * MIB, 128 * MIB, 256, 1640e9, 920e12),
     "tpu7x": Chip("tpu7x", 32 * MIB, 64 * MIB, 256, 3700e9, 1155e12),
 }

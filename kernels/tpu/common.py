@@ -26,7 +26,8 @@ from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _ScoreContext
 from probjax_kernels.tpu import chips, vet
-from probjax_kernels.tpu.walk import Walk, kv_walk, q_walk, run_step  # noqa: F401  (re-exported for the kernels)
+from probjax_kernels.tpu.walk import (  # noqa: F401  (re-exported for the kernels)
+    StepGrid, Walk, kv_walk, q_walk, run_step, step_grid)
 
 M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 TPU_BACKENDS = ("tpu", "tpu_interpret")
@@ -264,8 +265,9 @@ def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: 
 def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile: tuple[int, int],
                   tile_grads: bool = False) -> SeqLayout:
     """`seq_layout` of a kernel on padded q `[B, T, N, D]`, v `[B|1, S, K, Dv]` with (rows, keys) `tile`,
-    within 3/4 of the VMEM limit it asks of the target chip (`chips.Chip.vmem_limit`); `tile_grads`: the kernel accumulates gradients of
-    hook arrays read as tiles (their per-head blocks need the transposed layout)."""
+    within 3/4 of the VMEM limit it asks of the target chip (`chips.Chip.vmem_limit`); `tile_grads`: the
+    kernel accumulates gradients of hook arrays read as tiles (their per-head blocks need the transposed
+    layout)."""
     f, cfg = problem.features, problem.config
     layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
     head_tiles = any("h" in kinds for layout in layouts for _, kinds, _ in layout.tiles)
@@ -298,6 +300,11 @@ def output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     """A kernel output that varies over the `shard_map` axes its inputs vary over."""
     manual = widest_manual_axis_type([jax.typeof(x) for x in inputs])
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+
+
+def target_chip(problem: _Problem) -> chips.Chip:
+    """The chip the call's kernels compile for (v5e's figures in interpret mode)."""
+    return chips.target_chip(problem.config.backend)
 
 
 def compiler_params(problem: _Problem, semantics: tuple[str, ...], layout: SeqLayout | None = None) -> dict:

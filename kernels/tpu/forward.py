@@ -2,7 +2,8 @@
 step) grid whose last axis walks the key tiles of the query tile (`common.q_walk`), with the running max m,
 sum l and the float32 accumulator of each head of the block in VMEM scratch; the last step writes out and, as
 lane-dense rows, lse (and the row max). The heads of a block share the walk and each step's K / V blocks
-(`common.SeqLayout`)."""
+(`common.SeqLayout`). Under a causal mask or a local window the (query tile, step) axes are one flattened axis
+over the steps the static shapes allow (`common.step_grid`), so no grid step is idle at full lengths."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from probjax_kernels.tpu import common
 from probjax_kernels.tpu.common import M_INIT, dot
 
 
-def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_tiles: int, to_refs, num_out: int,
-                    stages: tuple[int, ...]):
+def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, num_kv_tiles: int,
+                    to_refs, num_out: int, stages: tuple[int, ...]):
+    (b, block, i, step, last), refs = grid.ids(refs)
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, *rest = refs[n_scalar:]
@@ -29,7 +31,6 @@ def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_t
     out_refs = rest[-3 - num_out:-3]
     opt = to_refs(rest[:-3 - num_out])
     out_ref, lse_ref = out_refs[:2]
-    b, block, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     walk = common.q_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles)
     kv_len = scalars.kv_len[b]
@@ -67,7 +68,7 @@ def _forward_kernel(*refs, problem: _Problem, layout: common.SeqLayout, num_kv_t
 
     common.run_step(walk, step, body)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last)
     def _():
         rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
 
@@ -119,15 +120,19 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     scalar_inputs = common.scalar_inputs(problem, q_len, kv_len, optional, "q")
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bk, d_pad, kh.dtype, kv=True),
               layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
-    kernel = functools.partial(_forward_kernel, problem=problem, layout=layout, num_kv_tiles=num_kv_tiles,
-                               to_refs=to_refs, num_out=num_out, stages=tuple(map(len, stages)))
     heads = layout.q_heads
+    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad),
+                            num_kv_tiles if problem.table_shape is None else _table_steps(optional),
+                            batch * (num_heads // heads))
+    kernel = functools.partial(_forward_kernel, problem=problem, layout=layout, grid=grid, num_kv_tiles=num_kv_tiles,
+                               to_refs=to_refs, num_out=num_out, stages=tuple(map(len, stages)))
+    scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalar_inputs),
-        grid=(batch, num_heads // heads, num_q_tiles,
-              num_kv_tiles if problem.table_shape is None else _table_steps(optional)),
-        in_specs=[layout.spec(bq, d_pad, q_tile), kv_spec(d_pad), kv_spec(dv_pad), *extra_specs],
-        out_specs=[layout.spec(bq, dv_pad, q_tile), *(layout.row_spec(bq, q_tile) for _ in range(num_out - 1))],
+        grid=grid.shape(batch, num_heads // heads),
+        in_specs=grid.specs([layout.spec(bq, d_pad, q_tile), kv_spec(d_pad), kv_spec(dv_pad), *extra_specs]),
+        out_specs=grid.specs([layout.spec(bq, dv_pad, q_tile),
+                              *(layout.row_spec(bq, q_tile) for _ in range(num_out - 1))]),
         scratch_shapes=[pltpu.VMEM((heads, bq, 1), jnp.float32), pltpu.VMEM((heads, bq, 1), jnp.float32),
                         pltpu.VMEM((heads, bq, dv_pad), jnp.float32), *(x for stage in stages for x in stage)],
     )
@@ -138,7 +143,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
         out_shape=[common.output(layout.shape(batch, t_pad, num_heads, dv_pad), dtype, q, k, v),
                    *(row_shape for _ in range(num_out - 1))],
         name="probjax_tpu_forward",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
+        **common.compiler_params(problem, grid.semantics(), layout),
     )(*scalar_inputs, qh, kh, vh, *extra)
     out, *rows = results
     return (layout.unview(out).astype(out_dtype), *(r[:, :, 0] for r in rows))

@@ -20,8 +20,9 @@ from probjax_kernels.tpu import common
 from probjax_kernels.tpu.common import dot
 
 
-def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents: _Tangents, num_kv_tiles: int,
-                    to_refs, stages: tuple[int, ...]):
+def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, tangents: _Tangents,
+                    num_kv_tiles: int, to_refs, stages: tuple[int, ...]):
+    (b, block, i, step, last), refs = grid.ids(refs)
     n_scalar = common.num_scalars(problem)
     scalars = common.scalars_of(problem, refs[:n_scalar], "q")
     q_ref, k_ref, v_ref, out_ref, lse2_ref, *rest = refs[n_scalar:]
@@ -31,7 +32,6 @@ def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents
     dv_ref = rest.pop(0) if tangents.v else None
     *input_refs, d_out_ref, d_lse_ref, acc_ref, c_ref = rest
     opt = to_refs(input_refs)
-    b, block, i, step = (pl.program_id(axis) for axis in range(4))
     bq, bk = problem.config.block_q, problem.config.block_k
     walk = common.q_walk(problem, scalars, b, layout.head(block, 0), i, num_kv_tiles)
     dropout = problem.features.dropout_rate > 0
@@ -79,7 +79,7 @@ def _tangent_kernel(*refs, problem: _Problem, layout: common.SeqLayout, tangents
 
     common.run_step(walk, step, body)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last)
     def _():
         def head(slot):
             c = c_ref[slot]
@@ -134,24 +134,27 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
               layout.stage_shape(bk, d_pad, dtype, kv=True), layout.stage_shape(bk, dv_pad, dtype, kv=True),
               layout.stage_shape(bk, d_pad, dtype, kv=True) if tangents.k else [],
               layout.stage_shape(bk, dv_pad, dtype, kv=True) if tangents.v else []]
-    kernel = functools.partial(_tangent_kernel, problem=problem, layout=layout, tangents=tangents,
-                               num_kv_tiles=num_kv_tiles, to_refs=to_refs, stages=tuple(map(len, stages)))
     heads_per_block = layout.q_heads
+    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad), steps,
+                            batch * (num_heads // heads_per_block))
+    kernel = functools.partial(_tangent_kernel, problem=problem, layout=layout, grid=grid, tangents=tangents,
+                               num_kv_tiles=num_kv_tiles, to_refs=to_refs, stages=tuple(map(len, stages)))
+    scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
     varying = (q, k, v, *(linear[name] for name in "qkv" if name in linear))
     d_out, d_lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
-            grid=(batch, num_heads // heads_per_block, t_pad // bq, steps),
-            in_specs=[q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, *lin_specs,
-                      *extra_specs],
-            out_specs=[q_side(dv_pad), row],
+            grid=grid.shape(batch, num_heads // heads_per_block),
+            in_specs=grid.specs([q_side(d_pad), kv_side(d_pad), kv_side(dv_pad), q_side(dv_pad), row, *lin_specs,
+                                 *extra_specs]),
+            out_specs=grid.specs([q_side(dv_pad), row]),
             scratch_shapes=[pltpu.VMEM((heads_per_block, bq, dv_pad), jnp.float32),
                             pltpu.VMEM((heads_per_block, bq, 1), jnp.float32), *(x for stage in stages for x in stage)],
         ),
         out_shape=[common.output(layout.shape(batch, t_pad, num_heads, dv_pad), dtype, *varying),  # float16: cast
                    common.output((batch, num_heads, 1, t_pad), jnp.float32, *varying)],
         name="probjax_tpu_tangent",
-        **common.compiler_params(problem, ("parallel", "parallel", "parallel", "arbitrary"), layout),
+        **common.compiler_params(problem, grid.semantics(), layout),
     )(*scalar_inputs, heads(q), heads(k, True), heads(v, True), heads(out), common.as_rows(lse2), *lin, *extra)
     return layout.unview(d_out).astype(out.dtype), d_lse[:, :, 0]
