@@ -74,6 +74,11 @@ def test_runtime_lengths_never_need_more_steps_than_listed(window):
         listed = {}
         for tile, step, _ in decoded(grid):
             listed[tile] = step + 1
+        lo, hi = walk.full_length_ranges(kind, (bq, bk), (t, s), window, steps)
+        for tile in range(len(lo)):  # the NumPy ranges are `_tiles`' at the full lengths
+            ranges = (kv_tile_range(tile * bq, bq, t, s, bk, window, steps) if kind == "q" else
+                      q_tile_range(tile * bk, bk, t, s, bq, window, steps))
+            assert (int(ranges[0]), int(ranges[3])) == (lo[tile], hi[tile])
         for q_len, kv_len in itertools.product(range(0, t + 1, 64), range(0, s + 1, 96)):
             for tile in range(t // bq if kind == "q" else s // bk):
                 if kind == "q":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -181,6 +180,24 @@ def _decode(code):
     return code // _TILE_SHIFT, (code % _TILE_SHIFT) // 2, code % 2
 
 
+def full_length_ranges(kind: str, tile: tuple[int, int], lengths: tuple[int, int], window, num_steps: int):
+    """(lo, hi) per tile of `_tiles.kv_tile_range` (`kind` "q") or `q_tile_range` ("kv") at the full padded
+    (T, S) `lengths`, in NumPy: static, with no device to evaluate jnp on (a deviceless compile has none)."""
+    (bq, bk), (t_pad, s_pad), (left, right) = tile, lengths, window
+    size, other, length = (bq, bk, t_pad) if kind == "q" else (bk, bq, s_pad)
+    start = np.arange(length // size) * size
+    end = np.minimum(start + size, length)
+    if kind == "q":  # keys [start - left, end - 1 + right] of rows [start, end)
+        first = np.zeros_like(start) if left is None else np.maximum(start - left, 0)
+        stop = np.full_like(start, s_pad) if right is None else np.minimum(s_pad, end + right)
+    else:  # rows [start - right, end - 1 + left] that see keys [start, end)
+        first = np.zeros_like(start) if right is None else np.maximum(start - right, 0)
+        stop = np.full_like(start, t_pad) if left is None else np.minimum(t_pad, end + left)
+    hi = np.where((end > start) & (stop > first), -(-stop // other), 0)
+    lo = np.minimum(first // other, hi)
+    return np.minimum(lo, num_steps), np.minimum(hi, num_steps)
+
+
 def step_grid(problem: _Problem, kind: str, chip: Chip, lengths: tuple[int, int], num_steps: int,
               parallel_programs: int, head_steps: int = 1, every_step: bool = False) -> StepGrid:
     """The step axes of a kernel walking key tiles per query tile (`kind` "q": forward, dQ, tangent) or query
@@ -200,13 +217,8 @@ def step_grid(problem: _Problem, kind: str, chip: Chip, lengths: tuple[int, int]
     two_axes = StepGrid(num_tiles, head_steps * num_steps)
     if problem.table_shape is not None or every_step or (chip.megacore and parallel_programs % 2):
         return two_axes
-    tile_range = kv_tile_range if kind == "q" else q_tile_range
-    tile_rows, other = (bq, bk) if kind == "q" else (bk, bq)
-    with jax.ensure_compile_time_eval():
-        lo, _, _, hi = tile_range(jnp.arange(num_tiles) * tile_rows, tile_rows, t_pad, s_pad, other,
-                                  window(problem), num_steps)
-        counts = np.maximum(np.asarray(hi) - np.asarray(lo), 1)  # every tile's first step writes its outputs
-    counts = np.minimum(counts, num_steps)
+    lo, hi = full_length_ranges(kind, (bq, bk), lengths, window(problem), num_steps)
+    counts = np.maximum(hi - lo, 1)  # every tile's first step writes its outputs
     visits = int(counts.sum()) * head_steps
     if (visits >= num_tiles * num_steps * head_steps or visits > MAX_FLAT_STEPS
             or num_tiles > _MAX_CODE_FIELD or head_steps * num_steps > _MAX_CODE_FIELD):
