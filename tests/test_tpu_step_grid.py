@@ -1,4 +1,4 @@
-"""The Mosaic TPU kernels' flattened step axis (`probjax_kernels.tpu.walk.step_grid`): a causal or windowed
+"""The Mosaic TPU kernels' flattened step axis (`probjax_kernels.tpu.common.step_grid`): a causal or windowed
 grid lists only the (tile, step) pairs the static shapes allow, checked against a mask built from first
 principles, at every runtime length; and the forward, dQ, dK/dV and tangent kernels on it, in TPU interpret
 mode against the float64 NumPy reference and the plain-jnp one, with ragged lengths, GQA (the transposed dK/dV
@@ -16,7 +16,9 @@ from test_tpu_kernels import TPU, check_gradients, finite
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
-from probjax_kernels.tpu import chips, common, walk
+from probjax_kernels.tpu import chips, common
+
+V5E = chips.CHIPS["v5e"]
 
 
 def problem(bq: int, bk: int, window=(None, None), table_shape=None):
@@ -26,7 +28,7 @@ def problem(bq: int, bk: int, window=(None, None), table_shape=None):
                            table_shape=table_shape)
 
 
-def decoded(grid: walk.StepGrid) -> list[tuple[int, int, int]]:
+def decoded(grid: common.StepGrid) -> list[tuple[int, int, int]]:
     return [(int(c) // (1 << 16), (int(c) % (1 << 16)) // 2, int(c) % 2) for c in grid.codes]
 
 
@@ -49,7 +51,7 @@ def test_codes_list_exactly_the_visible_tiles(t, s, bq, bk, window):
     q_tiles = visible_tiles(t, s, bq, bk, window)
     kv_tiles = [[i for i in range(t // bq) if j in q_tiles[i]] for j in range(s // bk)]
     for kind, tiles, steps in (("q", q_tiles, s // bk), ("kv", kv_tiles, t // bq)):
-        grid = walk.step_grid(problem(bq, bk, window), kind, chips.CHIPS["v5e"], (t, s), steps, 1)
+        grid = common.step_grid(problem(bq, bk, window), kind, (t, s), steps, 1, chip=V5E)
         counts = [max(len(x), 1) for x in tiles]
         if sum(counts) == len(tiles) * steps:
             assert not grid.flat
@@ -70,11 +72,11 @@ def test_runtime_lengths_never_need_more_steps_than_listed(window):
     t, s, bq, bk = 640, 768, 128, 256
     for kind in ("q", "kv"):
         steps = s // bk if kind == "q" else t // bq
-        grid = walk.step_grid(problem(bq, bk, window), kind, chips.CHIPS["v5e"], (t, s), steps, 1)
+        grid = common.step_grid(problem(bq, bk, window), kind, (t, s), steps, 1, chip=V5E)
         listed = {}
         for tile, step, _ in decoded(grid):
             listed[tile] = step + 1
-        lo, hi = walk.full_length_ranges(kind, (bq, bk), (t, s), window, steps)
+        lo, hi = common.full_length_ranges(kind, (bq, bk), (t, s), window, steps)
         for tile in range(len(lo)):  # the NumPy ranges are `_tiles`' at the full lengths
             ranges = (kv_tile_range(tile * bq, bq, t, s, bk, window, steps) if kind == "q" else
                       q_tile_range(tile * bk, bk, t, s, bq, window, steps))
@@ -92,15 +94,15 @@ def test_head_steps_and_when_two_axes_stay():
     """The transposed dK/dV walks a group's heads in turn, `num_steps` apart; a BlockMask, a dQ writing every
     dS block and an odd number of programs on a megacore chip (v4, v5p) keep two axes."""
     causal = problem(128, 128, (None, 0))
-    grid = walk.step_grid(causal, "kv", chips.CHIPS["v5e"], (384, 384), 3, 1, head_steps=2)
+    grid = common.step_grid(causal, "kv", (384, 384), 3, 1, head_steps=2, chip=V5E)
     assert decoded(grid) == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 4, 0), (0, 5, 1),
                              (1, 0, 0), (1, 1, 0), (1, 3, 0), (1, 4, 1), (2, 0, 0), (2, 3, 1)]
     v5p = chips.CHIPS["v5p"]
-    assert v5p.megacore and not chips.CHIPS["v5e"].megacore and not chips.CHIPS["tpu7x"].megacore
-    assert not walk.step_grid(causal, "q", v5p, (384, 384), 3, 3).flat
-    assert walk.step_grid(causal, "q", v5p, (384, 384), 3, 4).flat
-    assert not walk.step_grid(problem(128, 128, (None, 0), (1, 1)), "q", chips.CHIPS["v5e"], (384, 384), 3, 1).flat
-    assert not walk.step_grid(causal, "q", chips.CHIPS["v5e"], (384, 384), 3, 1, every_step=True).flat
+    assert v5p.megacore and not V5E.megacore and not chips.CHIPS["tpu7x"].megacore
+    assert not common.step_grid(causal, "q", (384, 384), 3, 3, chip=v5p).flat
+    assert common.step_grid(causal, "q", (384, 384), 3, 4, chip=v5p).flat
+    assert not common.step_grid(problem(128, 128, (None, 0), (1, 1)), "q", (384, 384), 3, 1, chip=V5E).flat
+    assert not common.step_grid(causal, "q", (384, 384), 3, 1, every_step=True, chip=V5E).flat
 
 
 @pytest.fixture

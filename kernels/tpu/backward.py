@@ -173,7 +173,7 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
         grads, "q", (batch, num_heads), (None, None), lambda b, h, i, s, *r: (b, h), t_pad, bq, varying)
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
-    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad), steps,
+    grid = common.step_grid(problem, "q", (t_pad, s_pad), steps,
                             batch * (num_heads // heads), every_step=emit_ds)
     kernel = functools.partial(_dq_kernel, problem=problem, layout=layout, grid=grid, num_kv_tiles=num_kv_tiles,
                                to_refs=to_refs, emit_ds=emit_ds, bias_sums=bias_sums, grads=grads,
@@ -319,7 +319,7 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kv_heads = layout.kv_heads
-    grid = common.step_grid(problem, "kv", common.target_chip(problem), (t_pad, s_pad), steps,
+    grid = common.step_grid(problem, "kv", (t_pad, s_pad), steps,
                             batch * (num_kv_heads // kv_heads), head_steps=head_steps)
     kernel = functools.partial(_dkv_kernel, problem=problem, layout=layout, grid=grid, num_q_tiles=num_q_tiles,
                                steps=steps, to_refs=to_refs, bias_sums=bias_sums, grads=grads,

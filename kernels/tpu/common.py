@@ -13,21 +13,22 @@ each float32 to 128 lanes).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from probjax_kernels._linear import widest_manual_axis_type
 from probjax_kernels._problem import _Problem, _Tangents
-from probjax_kernels._scores import _ScoreContext
 from probjax_kernels.tpu import chips, vet
-from probjax_kernels.tpu.walk import (  # noqa: F401  (re-exported for the kernels)
-    StepGrid, Walk, kv_walk, q_walk, run_step, step_grid)
+from probjax_kernels.tpu.kernel_refs import (  # noqa: F401  (re-exported for the kernels)
+    Refs, ScalarRef, Scalars, TileRefs, dot, head_tile, num_scalars, scalars_of, split_stages, store_head_tile,
+    tile_context)
+from probjax_kernels.tpu.walk import Walk, kv_walk, q_walk, run_step  # noqa: F401  (re-exported for the kernels)
 
 M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 TPU_BACKENDS = ("tpu", "tpu_interpret")
@@ -36,14 +37,6 @@ MIN_TILE = 128  # lse / delta rows are lane vectors in the key-tile kernel: mult
 
 def interpreted(problem: _Problem) -> bool:
     return problem.config.backend == "tpu_interpret"
-
-
-def dot(a, b, contract: tuple[int, int]):
-    """A float32-accumulated tile matmul. float32 operands at HIGHEST (exact products), bfloat16 at DEFAULT:
-    Mosaic TPU rejects a bfloat16 matmul at HIGHEST ("Bad lhs type")."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def compute_dtype(dtype):
@@ -207,18 +200,6 @@ class SeqLayout:
             ref[...] = value
 
 
-def split_stages(refs: list, counts: tuple[int, ...]) -> tuple[list, list]:
-    """(the other refs, [the staged scratch of each count]) of a kernel whose scratch list ends with staging
-    buffers (`SeqLayout.stage_shape`), `counts` of them per staged array (0 or 1)."""
-    total = sum(counts)
-    others, staged = list(refs[:len(refs) - total]), list(refs[len(refs) - total:])
-    out = []
-    for count in counts:
-        out.append(staged[:count])
-        staged = staged[count:]
-    return others, out
-
-
 def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], head_dims: tuple[int, int],
                 itemsize: int) -> int:
     """Bytes of VMEM a kernel plans on (rows, keys) `tile` for `heads` query heads and `kv_heads` kv heads a
@@ -277,20 +258,6 @@ def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile:
     return dataclasses.replace(layout, strided=cfg.backend != "tpu_interpret")
 
 
-def store_head_tile(ref, slot: int, value) -> None:
-    """Writes head `slot`'s tile of an output block laid out as `head_tile` reads one."""
-    if len(ref.shape) == 3:
-        ref[slot] = value
-    else:
-        ref[...] = value
-
-
-def head_tile(ref, slot: int):
-    """An optional input's tile for head `slot`: per-head blocks hold one (rows, keys) tile per head of the
-    program (in place), shared ones a single tile."""
-    return ref[slot] if len(ref.shape) == 3 else ref[...]
-
-
 def as_rows(x):
     """[B, N, T] -> the lane-dense `[B, N, 1, T]` the kernels read."""
     return x[:, :, None, :]
@@ -302,28 +269,12 @@ def output(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
-def target_chip(problem: _Problem) -> chips.Chip:
-    """The chip the call's kernels compile for (v5e's figures in interpret mode)."""
-    return chips.target_chip(problem.config.backend)
-
-
 def compiler_params(problem: _Problem, semantics: tuple[str, ...], layout: SeqLayout | None = None) -> dict:
     """Interpret mode, or the grid's semantics (and, for an in-place `layout`, the chip's raised VMEM limit)."""
     if interpreted(problem):
         return dict(interpret=pltpu.InterpretParams())
     limit = chips.target_chip(problem.config.backend).vmem_limit if layout is not None and layout.in_place else None
     return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit))
-
-
-@dataclasses.dataclass(frozen=True)
-class Scalars:
-    """The scalar-prefetched refs: lengths `[B]`, and a `BlockMask`'s tables (kv tables for query-tile
-    kernels, q tables for the key-tile kernel)."""
-
-    q_len: Any
-    kv_len: Any
-    tables: tuple | None = None
-    q_tables: tuple | None = None
 
 
 def scalar_inputs(problem: _Problem, q_len, kv_len, optional: dict, kind: str) -> list:
@@ -334,34 +285,7 @@ def scalar_inputs(problem: _Problem, q_len, kv_len, optional: dict, kind: str) -
     return inputs
 
 
-def scalars_of(problem: _Problem, refs: list, kind: str) -> Scalars:
-    q_len, kv_len, *tables = refs
-    if not tables:
-        return Scalars(q_len, kv_len)
-    return Scalars(q_len, kv_len, tables=tuple(tables)) if kind == "q" else Scalars(q_len, kv_len,
-                                                                                   q_tables=tuple(tables))
-
-
-def num_scalars(problem: _Problem) -> int:
-    return 2 + (4 if problem.table_shape is not None else 0)
-
-
 # -------------------------------------------------------------------------------------- optional inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class Refs:
-    """Refs of one program's optional inputs (None / empty when absent)."""
-
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    bias: Any = None
-    mask: Any = None
-    dropout_seed: Any = None
-    score_consts: tuple = ()
-    mask_consts: tuple = ()
-    d_bias: Any = None
-    d_score_consts: tuple = ()
 
 
 def _smem_whole() -> pl.BlockSpec:
@@ -454,7 +378,7 @@ def _const_inputs(const, layout, kind: str, maps: dict, lengths: tuple[int, int]
     if not layout.tiles:
         inputs.append(smem_array(const))
         specs.append(_smem_whole())
-        return (lambda refs: _Scalar(refs.pop(0))) if jnp.ndim(const) == 0 else (lambda refs: refs.pop(0))
+        return (lambda refs: ScalarRef(refs.pop(0))) if jnp.ndim(const) == 0 else (lambda refs: refs.pop(0))
     if layout.smem:
         inputs.append(smem_array(const))
         specs.append(_smem_whole())
@@ -468,7 +392,7 @@ def _const_inputs(const, layout, kind: str, maps: dict, lengths: tuple[int, int]
 
     def holder(refs):
         smem = refs.pop(0) if layout.smem else None
-        return _Tiles(smem, {axis: (refs.pop(0), column, kinds, fill) for axis, column, kinds, fill in tiles},
+        return TileRefs(smem, {axis: (refs.pop(0), column, kinds, fill) for axis, column, kinds, fill in tiles},
                       shape)
 
     return holder
@@ -508,43 +432,6 @@ def sequence_take(const, fill, length: int):
     return taken
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    """A hook array held as VMEM tiles along q_idx / kv_idx (`_tile_input`), with an SMEM copy for its scalar
-    reads when it has any: `_hooks` gives a `TileRead` its tile through `read_tile`."""
-
-    smem: Any
-    tiles: dict  # axis -> (ref, column, kinds, fill)
-    shape: tuple
-
-    def __getitem__(self, index):
-        return self.smem[index]
-
-    def read_tile(self, read, leading):
-        """The (tile, 1) column or (1, tile) row of `read` (`_hooks.TileRead`), at the leading scalars."""
-        ref, _, kinds, _ = self.tiles[read.axis]
-        index, in_bounds = [], True
-        for value, kind, dim in zip(leading, kinds, self.shape[:-1]):
-            if kind is None:  # held whole: a dynamic index on an untiled axis
-                index.append(jnp.clip(jnp.asarray(value, jnp.int32), 0, dim - 1))
-                in_bounds = in_bounds & (value >= 0) & (value < dim)
-        tile = ref[(*index, slice(None), slice(None))]
-        if read.fill is not None and index:
-            tile = jnp.where(in_bounds, tile, jnp.asarray(read.fill, tile.dtype))
-        return tile
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scalar:
-    """A 0-d hook array, stored as a 1-element SMEM ref: reads give the scalar, as the hook's jaxpr expects."""
-
-    ref: Any
-    shape: tuple = ()
-
-    def __getitem__(self, index):
-        return self.ref[0]
-
-
 def _broadcast_input(x, kind: str):
     return x if kind == "q" else jnp.swapaxes(x, 2, 3)
 
@@ -566,39 +453,122 @@ def _broadcast_spec(shape, kind: str, bq: int, bk: int, maps: dict, heads: int =
     return pl.BlockSpec((None, heads if heads and nh > 1 else None, rows, cols), index_map)
 
 
-# ----------------------------------------------------------------------------------------- score context
+# ------------------------------------------------------------------------------------------ step grid
+
+# A flattened step is one int32 code: tile * 2**16 + step * 2 + last (tile and step under 2**15).
+_TILE_SHIFT, _MAX_CODE_FIELD = 1 << 16, 1 << 15
+# Most codes a flattened grid scalar-prefetches into SMEM (4 bytes each, 64 KiB; a larger grid keeps two axes).
+MAX_FLAT_STEPS = 1 << 14
 
 
-def tile_context(refs: Refs, problem: _Problem, b, h, q_start, kv_start, kv_len, transposed: bool,
-                 tangents: _Tangents | None = None, slot: int = 0) -> _ScoreContext:
-    """The score context of tile (q_start:+bq, kv_start:+bk) of head h, the program's head `slot`: (bq, 1) /
-    (1, bk) indices, or (1, bq) / (bk, 1) in the key-tile kernel (`transposed`), whose scores are k q^T."""
+@dataclasses.dataclass(frozen=True)
+class StepGrid:
+    """The (tile, step) axes of a kernel's (B, head block, tile, step) grid: two axes of `num_tiles` x
+    `num_steps`, or (`codes` set) one flattened "arbitrary" axis over the (tile, step) pairs a program may
+    visit, in tile order, as scalar-prefetched int32 codes (tile * 2**16 + step * 2 + last). Kernels and index
+    maps see (b, block, tile, step) either way; `last` marks a tile's last step, where its outputs are written.
+    The flattened axis gives up the tile axis' "parallel" semantics (a megacore chip then splits only the batch
+    and head-block axes)."""
+
+    num_tiles: int
+    num_steps: int
+    codes: np.ndarray | None = None
+
+    @property
+    def flat(self) -> bool:
+        return self.codes is not None
+
+    @property
+    def num_visits(self) -> int:
+        """Grid steps a program runs on these axes."""
+        return len(self.codes) if self.flat else self.num_tiles * self.num_steps
+
+    def shape(self, *outer: int) -> tuple[int, ...]:
+        return (*outer, len(self.codes)) if self.flat else (*outer, self.num_tiles, self.num_steps)
+
+    def semantics(self, num_outer: int = 2) -> tuple[str, ...]:
+        return ("parallel",) * num_outer + (("arbitrary",) if self.flat else ("parallel", "arbitrary"))
+
+    def scalar_inputs(self) -> list:
+        """The codes, first of the scalar-prefetched inputs (none on two axes)."""
+        return [jnp.asarray(self.codes, jnp.int32)] if self.flat else []
+
+    def ids(self, refs: tuple) -> tuple[tuple, tuple]:
+        """((b, block, tile, step, last), the kernel's other refs) inside a kernel."""
+        if not self.flat:
+            b, block, tile, step = (pl.program_id(axis) for axis in range(4))
+            return (b, block, tile, step, step == pl.num_programs(3) - 1), refs
+        code = refs[0][pl.program_id(2)]
+        tile, step, last = _decode(code)
+        return (pl.program_id(0), pl.program_id(1), tile, step, last == 1), refs[1:]
+
+    def spec(self, spec: pl.BlockSpec) -> pl.BlockSpec:
+        """`spec` with its index map, written for (b, block, tile, step, *scalar refs), read off the codes."""
+        if not self.flat or spec.index_map is None:
+            return spec
+        index_map = spec.index_map
+
+        def flat_index_map(b, block, visit, codes_ref, *scalar_refs):
+            tile, step, _ = _decode(codes_ref[visit])
+            return index_map(b, block, tile, step, *scalar_refs)
+
+        return dataclasses.replace(spec, index_map=flat_index_map)
+
+    def specs(self, specs) -> list:
+        return [self.spec(spec) for spec in specs]
+
+
+def _decode(code):
+    return code // _TILE_SHIFT, (code % _TILE_SHIFT) // 2, code % 2
+
+
+def full_length_ranges(kind: str, tile: tuple[int, int], lengths: tuple[int, int], window, num_steps: int):
+    """(lo, hi) per tile of `_tiles.kv_tile_range` (`kind` "q") or `q_tile_range` ("kv") at the full padded
+    (T, S) `lengths`, in NumPy: static, with no device to evaluate jnp on (a deviceless compile has none)."""
+    (bq, bk), (t_pad, s_pad), (left, right) = tile, lengths, window
+    size, other, length = (bq, bk, t_pad) if kind == "q" else (bk, bq, s_pad)
+    start = np.arange(length // size) * size
+    end = np.minimum(start + size, length)
+    if kind == "q":  # keys [start - left, end - 1 + right] of rows [start, end)
+        first = np.zeros_like(start) if left is None else np.maximum(start - left, 0)
+        stop = np.full_like(start, s_pad) if right is None else np.minimum(s_pad, end + right)
+    else:  # rows [start - right, end - 1 + left] that see keys [start, end)
+        first = np.zeros_like(start) if right is None else np.maximum(start - right, 0)
+        stop = np.full_like(start, t_pad) if left is None else np.minimum(t_pad, end + left)
+    hi = np.where((end > start) & (stop > first), -(-stop // other), 0)
+    lo = np.minimum(first // other, hi)
+    return np.minimum(lo, num_steps), np.minimum(hi, num_steps)
+
+
+def step_grid(problem: _Problem, kind: str, lengths: tuple[int, int], num_steps: int, parallel_programs: int,
+              head_steps: int = 1, every_step: bool = False, chip: chips.Chip | None = None) -> StepGrid:
+    """The step axes of a kernel walking key tiles per query tile (`kind` "q": forward, dQ, tangent) or query
+    tiles per key tile ("kv": dK/dV) over the padded (T, S) `lengths`, `num_steps` steps a tile (times
+    `head_steps`: the transposed dK/dV walks the query heads of a group in turn, `num_steps` apart).
+
+    Flattened when the static shapes leave idle steps (whose compute `walk` skips, but which each cost a grid
+    step's fixed overhead: docs/perf-notes.md, TPU tile model): a tile visits at most the tiles of its range
+    at the full lengths (shorter runtime lengths only shrink a range, `_tiles`), so only those are listed.
+    Kept on two axes when nothing is idle, for a `BlockMask` (its tables' rows set the steps) or `every_step`
+    (dQ writing every dS block), when the codes would not fit (`MAX_FLAT_STEPS`), and on a megacore chip
+    whose `parallel_programs` (batch x head blocks) are odd: its second core would idle for a whole program,
+    where the tile axis splits evenly. `chip`: the target's (`chips.target_chip`) unless given."""
+    chip = chip or chips.target_chip(problem.config.backend)
     bq, bk = problem.config.block_q, problem.config.block_k
-    f = problem.features
-    if transposed:
-        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
-        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-    else:
-        q_idx = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    seed = None
-    if refs.dropout_seed is not None:
-        seed = refs.dropout_seed[0] if f.dropout_positions is None else tuple(
-            refs.dropout_seed[i] for i in range(refs.dropout_seed.shape[0]))
-    return _ScoreContext(
-        b=b,
-        h=h,
-        q_idx=q_idx,
-        kv_idx=kv_idx,
-        kv_len=kv_len,
-        bias=None if refs.bias is None else head_tile(refs.bias, slot),
-        mask=None if refs.mask is None else head_tile(refs.mask, slot).astype(jnp.int32),
-        q_seg=None if refs.q_segment_ids is None else refs.q_segment_ids[...],
-        kv_seg=None if refs.kv_segment_ids is None else refs.kv_segment_ids[...],
-        dropout_seed=seed,
-        score_mod=None if f.score_mod is None else functools.partial(f.score_mod.in_kernel, refs.score_consts),
-        mask_mod=None if f.mask_mod is None else functools.partial(f.mask_mod.in_kernel, refs.mask_consts),
-        d_bias=None if refs.d_bias is None else head_tile(refs.d_bias, slot),
-        score_mod_jvp=None if f.score_mod is None or tangents is None else functools.partial(
-            f.score_mod.jvp_in_kernel, refs.score_consts, refs.d_score_consts, tangents.score_consts),
-    )
+    t_pad, s_pad = lengths
+    num_tiles = t_pad // bq if kind == "q" else s_pad // bk
+    two_axes = StepGrid(num_tiles, head_steps * num_steps)
+    if problem.table_shape is not None or every_step or (chip.megacore and parallel_programs % 2):
+        return two_axes
+    window = problem.features.window_left, problem.features.window_right
+    lo, hi = full_length_ranges(kind, (bq, bk), lengths, window, num_steps)
+    counts = np.maximum(hi - lo, 1)  # every tile's first step writes its outputs
+    visits = int(counts.sum()) * head_steps
+    if (visits >= num_tiles * num_steps * head_steps or visits > MAX_FLAT_STEPS
+            or num_tiles > _MAX_CODE_FIELD or head_steps * num_steps > _MAX_CODE_FIELD):
+        return two_axes
+    codes = []
+    for tile, count in enumerate(counts.tolist()):
+        steps = [head * num_steps + step for head in range(head_steps) for step in range(count)]
+        codes += [tile * _TILE_SHIFT + step * 2 + (n == len(steps) - 1) for n, step in enumerate(steps)]
+    return StepGrid(num_tiles, head_steps * num_steps, np.asarray(codes, np.int32))

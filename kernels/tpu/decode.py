@@ -348,7 +348,7 @@ def decode_partials(plan: TpuDecodePlan, q, k, v, kv_lengths, tables, consts):
     scalar_flags = [jnp.ndim(c) == 0 for c in consts]
 
     def to_consts(refs):
-        wrapped = [common._Scalar(r) if flag else r for r, flag in zip(refs, scalar_flags)]
+        wrapped = [common.ScalarRef(r) if flag else r for r, flag in zip(refs, scalar_flags)]
         return tuple(wrapped[:plan.num_score_consts]), tuple(wrapped[plan.num_score_consts:])
 
     head_block = (None, num_kv_heads, None, rows)

@@ -121,7 +121,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bk, d_pad, kh.dtype, kv=True),
               layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     heads = layout.q_heads
-    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad),
+    grid = common.step_grid(problem, "q", (t_pad, s_pad),
                             num_kv_tiles if problem.table_shape is None else _table_steps(optional),
                             batch * (num_heads // heads))
     kernel = functools.partial(_forward_kernel, problem=problem, layout=layout, grid=grid, num_kv_tiles=num_kv_tiles,

@@ -353,7 +353,7 @@ def ragged_paged_attention_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu
     names += [f"const{i}" for i in range(len(consts))]
     arrays += consts
     specs += [smem] * len(consts)
-    wrap = [common._Scalar if jnp.ndim(c) == 0 else (lambda r: r) for c in hook_consts]
+    wrap = [common.ScalarRef if jnp.ndim(c) == 0 else (lambda r: r) for c in hook_consts]
 
     def to_consts(refs: dict):
         held = [f(refs[f"const{i}"]) for i, f in enumerate(wrap)]

@@ -135,7 +135,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
               layout.stage_shape(bk, d_pad, dtype, kv=True) if tangents.k else [],
               layout.stage_shape(bk, dv_pad, dtype, kv=True) if tangents.v else []]
     heads_per_block = layout.q_heads
-    grid = common.step_grid(problem, "q", common.target_chip(problem), (t_pad, s_pad), steps,
+    grid = common.step_grid(problem, "q", (t_pad, s_pad), steps,
                             batch * (num_heads // heads_per_block))
     kernel = functools.partial(_tangent_kernel, problem=problem, layout=layout, grid=grid, tangents=tangents,
                                num_kv_tiles=num_kv_tiles, to_refs=to_refs, stages=tuple(map(len, stages)))

@@ -6,8 +6,8 @@ A grid's last axis counts steps, not tiles: step j visits tile lo + j of the til
 entry j of a `BlockMask` row (partial entries, then full ones); steps past the range repeat the last
 visited tile in every index map (the pipeline skips a DMA whose block index did not change) and the kernel
 skips their compute. Such a skipped step still costs the grid's fixed step overhead; where the static shapes
-already rule steps out (causal, local windows), `step_grid` lists only the steps a program may visit, on one
-flattened axis.
+already rule steps out (causal, local windows), `common.step_grid` lists only the steps a program may visit, on
+one flattened axis.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import dataclasses
 from typing import Callable
 
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from probjax_kernels._problem import _Problem
 from probjax_kernels._tiles import kv_tile_range, q_tile_range
-from probjax_kernels.tpu.chips import Chip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,120 +109,3 @@ def run_step(walk: Walk, step, body: Callable) -> None:
     @pl.when(visited & jnp.logical_not(masked))
     def _():
         body(False)
-
-
-# A flattened step is one int32 code: tile * 2**16 + step * 2 + last (tile and step under 2**15).
-_TILE_SHIFT, _MAX_CODE_FIELD = 1 << 16, 1 << 15
-# Most codes a flattened grid scalar-prefetches into SMEM (4 bytes each, 64 KiB; a larger grid keeps two axes).
-MAX_FLAT_STEPS = 1 << 14
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGrid:
-    """The (tile, step) axes of a kernel's (B, head block, tile, step) grid: two axes of `num_tiles` x
-    `num_steps`, or (`codes` set) one flattened "arbitrary" axis over the (tile, step) pairs a program may
-    visit, in tile order, as scalar-prefetched int32 codes (tile * 2**16 + step * 2 + last). Kernels and index
-    maps see (b, block, tile, step) either way; `last` marks a tile's last step, where its outputs are written.
-    The flattened axis gives up the tile axis' "parallel" semantics (a megacore chip then splits only the batch
-    and head-block axes)."""
-
-    num_tiles: int
-    num_steps: int
-    codes: np.ndarray | None = None
-
-    @property
-    def flat(self) -> bool:
-        return self.codes is not None
-
-    @property
-    def num_visits(self) -> int:
-        """Grid steps a program runs on these axes."""
-        return len(self.codes) if self.flat else self.num_tiles * self.num_steps
-
-    def shape(self, *outer: int) -> tuple[int, ...]:
-        return (*outer, len(self.codes)) if self.flat else (*outer, self.num_tiles, self.num_steps)
-
-    def semantics(self, num_outer: int = 2) -> tuple[str, ...]:
-        return ("parallel",) * num_outer + (("arbitrary",) if self.flat else ("parallel", "arbitrary"))
-
-    def scalar_inputs(self) -> list:
-        """The codes, first of the scalar-prefetched inputs (none on two axes)."""
-        return [jnp.asarray(self.codes, jnp.int32)] if self.flat else []
-
-    def ids(self, refs: tuple) -> tuple[tuple, tuple]:
-        """((b, block, tile, step, last), the kernel's other refs) inside a kernel."""
-        if not self.flat:
-            b, block, tile, step = (pl.program_id(axis) for axis in range(4))
-            return (b, block, tile, step, step == pl.num_programs(3) - 1), refs
-        code = refs[0][pl.program_id(2)]
-        tile, step, last = _decode(code)
-        return (pl.program_id(0), pl.program_id(1), tile, step, last == 1), refs[1:]
-
-    def spec(self, spec: pl.BlockSpec) -> pl.BlockSpec:
-        """`spec` with its index map, written for (b, block, tile, step, *scalar refs), read off the codes."""
-        if not self.flat or spec.index_map is None:
-            return spec
-        index_map = spec.index_map
-
-        def flat_index_map(b, block, visit, codes_ref, *scalar_refs):
-            tile, step, _ = _decode(codes_ref[visit])
-            return index_map(b, block, tile, step, *scalar_refs)
-
-        return dataclasses.replace(spec, index_map=flat_index_map)
-
-    def specs(self, specs) -> list:
-        return [self.spec(spec) for spec in specs]
-
-
-def _decode(code):
-    return code // _TILE_SHIFT, (code % _TILE_SHIFT) // 2, code % 2
-
-
-def full_length_ranges(kind: str, tile: tuple[int, int], lengths: tuple[int, int], window, num_steps: int):
-    """(lo, hi) per tile of `_tiles.kv_tile_range` (`kind` "q") or `q_tile_range` ("kv") at the full padded
-    (T, S) `lengths`, in NumPy: static, with no device to evaluate jnp on (a deviceless compile has none)."""
-    (bq, bk), (t_pad, s_pad), (left, right) = tile, lengths, window
-    size, other, length = (bq, bk, t_pad) if kind == "q" else (bk, bq, s_pad)
-    start = np.arange(length // size) * size
-    end = np.minimum(start + size, length)
-    if kind == "q":  # keys [start - left, end - 1 + right] of rows [start, end)
-        first = np.zeros_like(start) if left is None else np.maximum(start - left, 0)
-        stop = np.full_like(start, s_pad) if right is None else np.minimum(s_pad, end + right)
-    else:  # rows [start - right, end - 1 + left] that see keys [start, end)
-        first = np.zeros_like(start) if right is None else np.maximum(start - right, 0)
-        stop = np.full_like(start, t_pad) if left is None else np.minimum(t_pad, end + left)
-    hi = np.where((end > start) & (stop > first), -(-stop // other), 0)
-    lo = np.minimum(first // other, hi)
-    return np.minimum(lo, num_steps), np.minimum(hi, num_steps)
-
-
-def step_grid(problem: _Problem, kind: str, chip: Chip, lengths: tuple[int, int], num_steps: int,
-              parallel_programs: int, head_steps: int = 1, every_step: bool = False) -> StepGrid:
-    """The step axes of a kernel walking key tiles per query tile (`kind` "q": forward, dQ, tangent) or query
-    tiles per key tile ("kv": dK/dV) over the padded (T, S) `lengths`, `num_steps` steps a tile (times
-    `head_steps`: the transposed dK/dV walks the query heads of a group in turn, `num_steps` apart).
-
-    Flattened when the static shapes leave idle steps, which each cost a grid step's fixed overhead
-    (docs/perf-notes.md, TPU tile model): a tile visits at most the tiles of its range at the full lengths
-    (shorter runtime lengths only shrink a range, `_tiles`), so only those steps are listed. Kept on two axes
-    when nothing is idle, for a `BlockMask` (its tables' rows set the steps) or `every_step` (dQ writing every
-    dS block), when the codes would not fit (`MAX_FLAT_STEPS`), and on a megacore chip whose
-    `parallel_programs` (batch x head blocks) are odd: its second core would idle for a whole program, where
-    the tile axis splits evenly."""
-    bq, bk = problem.config.block_q, problem.config.block_k
-    t_pad, s_pad = lengths
-    num_tiles = t_pad // bq if kind == "q" else s_pad // bk
-    two_axes = StepGrid(num_tiles, head_steps * num_steps)
-    if problem.table_shape is not None or every_step or (chip.megacore and parallel_programs % 2):
-        return two_axes
-    lo, hi = full_length_ranges(kind, (bq, bk), lengths, window(problem), num_steps)
-    counts = np.maximum(hi - lo, 1)  # every tile's first step writes its outputs
-    visits = int(counts.sum()) * head_steps
-    if (visits >= num_tiles * num_steps * head_steps or visits > MAX_FLAT_STEPS
-            or num_tiles > _MAX_CODE_FIELD or head_steps * num_steps > _MAX_CODE_FIELD):
-        return two_axes
-    codes = []
-    for tile, count in enumerate(counts.tolist()):
-        steps = [head * num_steps + step for head in range(head_steps) for step in range(count)]
-        codes += [tile * _TILE_SHIFT + step * 2 + (n == len(steps) - 1) for n, step in enumerate(steps)]
-    return StepGrid(num_tiles, head_steps * num_steps, np.asarray(codes, np.int32))
