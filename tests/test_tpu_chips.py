@@ -4,7 +4,7 @@ table, the VMEM limit the in-place kernels ask for, and the forward step model a
 import pytest
 from jax._src import tpu_info
 
-from probjax_kernels.tpu import chips
+from probjax_kernels.tpu import chips, tile_model
 
 JAX_NAMES = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "tpu7x": "7x"}
 
@@ -27,9 +27,9 @@ def test_vmem_limits():
 def test_forward_step_model():
     """v5e, 256 x 512 tile, 8 heads over 8 kv heads, head dim 128: 4 * 256 * 512 * 128 * 8 flops at 197 TFLOP/s
     and 2 * 512 * 128 * 8 bf16 values at 820 GB/s, plus 0.35 us."""
-    cost = chips.forward_step(chips.CHIPS["v5e"], 256, 512, 8, 8, 128)
+    cost = tile_model.step_cost(chips.CHIPS["v5e"], "forward", 256, 512, 8, 8, 128)
     assert cost.mxu_s == pytest.approx(4 * 256 * 512 * 128 * 8 / 197e12)
     assert cost.hbm_s == pytest.approx(2 * 512 * 128 * 8 * 2 / 820e9)
     assert cost.efficiency == pytest.approx(cost.mxu_s / (cost.mxu_s + 0.35e-6))
-    one_head = chips.forward_step(chips.CHIPS["v5e"], 256, 512, 1, 1, 128)
+    one_head = tile_model.step_cost(chips.CHIPS["v5e"], "forward", 256, 512, 1, 1, 128)
     assert one_head.efficiency < 0.5 < cost.efficiency  # the step overhead a head block amortises

@@ -76,32 +76,3 @@ def target_chip(backend: str) -> Chip:
     from probjax_kernels._backend import target_device
 
     return CHIPS[tpu_generation(target_device())]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    """The model's cost of one forward grid step: MXU time, HBM time of the K / V blocks it fetches, and the
-    share of the step spent on the MXU once the fixed step overhead is added (1.0: compute bound, no
-    overhead)."""
-
-    mxu_s: float
-    hbm_s: float
-
-    @property
-    def time_s(self) -> float:
-        return max(self.mxu_s, self.hbm_s) + STEP_OVERHEAD_S
-
-    @property
-    def efficiency(self) -> float:
-        return self.mxu_s / self.time_s
-
-
-def forward_step(chip: Chip, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int,
-                 itemsize: int = 2) -> StepCost:
-    """One step of the forward on a (rows, keys) tile for `heads` query heads sharing `kv_heads` K / V heads
-    (a program of the in-place layout; 1 / 1 transposed): 2 matmuls of 2 * rows * keys * head_dim flops per
-    head at the chip's bf16 peak, against fetching keys x head_dim of K and of V per kv head at its HBM
-    bandwidth (the query block stays)."""
-    flops = 4 * rows * keys * head_dim * heads
-    hbm = 2 * keys * head_dim * kv_heads * itemsize
-    return StepCost(flops / chip.bf16_flops, hbm / chip.hbm_bandwidth)

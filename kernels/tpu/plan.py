@@ -11,16 +11,13 @@ from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import flash_hook_shapes
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._table_tiles import tables_on_tiles
-from probjax_kernels.tpu import backward, forward, tangent, vet
+from probjax_kernels.tpu import backward, forward, tangent, tile_model, vet
 from probjax_kernels.tpu.chips import tpu_generation  # noqa: F401  (re-exported: _dispatch)
 
 # The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
-# `device_kind` of the target device), chosen from deviceless compiles (docs/perf-notes.md, TPU section):
-# 128-wide MXUs (v4, v5e, v5p) take 256-row steps, v6e's 256-wide MXU 512; every variant of the
-# TPU compile report (docs/compile/tpu.md) fits the default scoped VMEM. Interpret mode takes the v5e tiles.
-TILES = {"v4": (256, 512, 256, 256, 256, 256), "v5e": (256, 512, 256, 256, 256, 256),
-         "v5p": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512),
-         "tpu7x": (512, 512, 512, 256, 256, 512)}
+# `device_kind` of the target device), picked by the tile model (`tile_model.chosen_tiles`; docs/perf-notes.md
+# shows the model and the compile figures of the alternatives). Interpret mode takes the v5e tiles.
+TILES = tile_model.chosen_tiles()
 
 
 def _tables(problem: _Problem, arrays: dict, t_pad: int, s_pad: int, is_backward: bool = False) -> dict:
