@@ -103,6 +103,7 @@ def markdown(section: dict) -> str:
     out += _flex_table(section)
     out += _side_table(section)
     out += _hbm_table(section)
+    out += _tiles_table(section)
     out += _peer_table(section)
     for name in section["targets"]:
         limit = limits.get(name, {}).get("scoped_vmem_limit") or 1
@@ -189,6 +190,37 @@ def _hbm_table(section: dict) -> list[str]:
             growth = ", ".join(f"{b / a:.2f}" if a and b is not None else "-" for a, b in zip(temps, temps[1:]))
             out.append(f"| {target} | {name.removeprefix('tpu_hbm_grad_')} | " + " | ".join(_mib(t) for t in temps)
                        + f" | {growth} |")
+    return out
+
+
+def _tiles_table(section: dict) -> list[str]:
+    """The tile alternatives (`tpu_variants.tile_variants`): each generation's compile figures beside the tile
+    model's time on that generation (`probjax_kernels.tpu.tile_model`)."""
+    from probjax_kernels.tpu import chips, plan, tile_model
+
+    sets = tpu_variants.tile_sets()
+    out = [f"\n## Tile alternatives (fwd+bwd, bf16, hd128, causal, B=4, N=8, T = {tpu_variants.TILES_LEN})\n",
+           "Every generation's pick of the tile model (`kernels/tpu/tile_model.py`) and the hand tables before it, "
+           "compiled for every generation. **model**: the modelled time of one 8-head program's forward / dQ / "
+           "dK/dV over the causal grid (the steps the flattened grid visits) on this generation, and its sum; "
+           "**picked**: this generation's default. A tile set whose 8-head blocks exceed the in-place budget "
+           "runs transposed (one head a program), which the VMEM column shows.\n",
+           "| target | alternative | tiles | model: fwd / dQ / dK/dV | sum | VMEM: fwd / dQ / dK/dV | HBM temp | "
+           "picked |", "|---|---|---|---|---|---|---|---|"]
+    for target in section["targets"]:
+        chip = chips.CHIPS[tpu_variants.CHIP_OF[target]]
+        by_name = {r["variant"]: r for r in section["rows"] if r["target"] == target}
+        for label, tiles in sets.items():
+            row = by_name.get(f"tpu_tiles_{label}_T{tpu_variants.TILES_LEN}") or {}
+            times = [tile_model.grid_time(chip, kernel, tiles[2 * n:2 * n + 2], True)
+                     for n, kernel in enumerate(tile_model.KERNELS)]
+            vmem = " / ".join(_mib(k.get("scoped_vmem")).removesuffix(" MiB") for k in row.get("kernels") or [])
+            config = dict(zip(tpu_variants.TILE_FIELDS, tiles))
+            picked = "yes" if plan.TILES[chip.name] == tiles else ""
+            out.append(f"| {target} | {label} | {_tiles(config)} | "
+                       + " / ".join(f"{t * 1e3:.2f}" for t in times) + f" ms | {sum(times) * 1e3:.2f} ms | "
+                       f"{vmem or row.get('status', 'missing')} MiB | {_mib((row.get('hbm') or {}).get('temp'))} | "
+                       f"{picked} |")
     return out
 
 

@@ -192,7 +192,7 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
                     config = default_config(FlashConfig(backend="tpu"), q_len=variant.q_len, kv_len=variant.q_len,
                                             head_dim=variant.head_dim)
                     row["config"] = {k: v for k, v in vars(config).items()
-                                     if k.startswith("block_") and v is not None}
+                                     if k.startswith("block_") and v is not None} | (variant.tiles or {})
                 fn, specs = variant.build()
                 specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
                 calls.clear()

@@ -58,6 +58,7 @@ class TpuVariant:
     why: str = ""
     features: str = ""
     compiler_options: tuple[tuple[str, bool], ...] = ()  # XLA:TPU options of the compile (`HBM_ONLY`)
+    tiles: dict | None = None  # FlashConfig tiles set explicitly (the tile alternatives); None: default_config's
 
     @property
     def required_kernels(self) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def _spec(shape, dtype):
 def _from_gpu(variant, group: str, path: str = "kernel", why: str = "") -> TpuVariant:
     """A `variants.flash` / `variants.flex` build (backend "tpu") as a TPU variant."""
     return TpuVariant(variant.name, group, variant.build, variant.head_dim, variant.dtype, variant.mode,
-                      variant.q_len, path, why)
+                      variant.q_len, path, why, tiles=variant.tiles)
 
 
 def flash(name, group="tpu", **options) -> TpuVariant:
@@ -134,7 +135,7 @@ def tpu_variants() -> list[TpuVariant]:
     """The gated variants: dtype bf16 / f32 x head dim 64 / 128 / 256 x causal / full, a jvp per dtype,
     then window, GQA 8:2, ragged lengths with segments, a dense bias, dropout, float16 (run as float32), the
     five flex hooks, a BlockMask coarser than the tiles, one finer than them, a sliced one (chunked prefill),
-    and the HBM pair."""
+    the tile alternatives and the HBM chains."""
     out = []
     for dtype in ("bf16", "f32"):
         for d in (64, 128, 256):
@@ -172,6 +173,7 @@ def tpu_variants() -> list[TpuVariant]:
     out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_document_mask_block64", "document_mask",
                                            backend="tpu", block=64), "flex"))
     out.append(flex_chunk("tpu_flex_grad_d128_bf16_document_mask_chunk_T1024_S2048"))
+    out += tile_variants()
     for t in HBM_LENGTHS:
         out.append(dataclasses.replace(
             flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t, mode="fwd+bwd"),
@@ -180,6 +182,33 @@ def tpu_variants() -> list[TpuVariant]:
             flash_bias(f"tpu_hbm_grad_d128_bf16_causal_bias_keys_T{t}", group="hbm", causal=True, q_len=t,
                        shape="keys"), compiler_options=HBM_ONLY))
     return out
+
+
+# The tiles before the tile model picked them (kernels/tpu/plan.py until 2026-12-05): 128-wide MXUs took
+# 256-row steps, 256-wide ones 512; compiled beside the model's picks as an alternative.
+HAND_TILES = {"v5e": (256, 512, 256, 256, 256, 256), "v6e": (512, 512, 512, 256, 256, 512)}
+TILE_FIELDS = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv")
+TILES_LEN = 8192
+
+
+def tile_sets() -> dict[str, tuple[int, ...]]:
+    """name -> (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) of the tile alternatives: every
+    generation's pick of the tile model (`probjax_kernels.tpu.tile_model`) and the hand tables before it."""
+    from probjax_kernels.tpu import tile_model
+
+    out = {}
+    for label, tiles in [*(("model_" + n, t) for n, t in tile_model.chosen_tiles().items()),
+                         *(("hand_" + n, t) for n, t in HAND_TILES.items())]:
+        if tiles not in out.values():
+            out[label] = tiles
+    return out
+
+
+def tile_variants() -> list[TpuVariant]:
+    """fwd+bwd of the seed program (bf16, head dim 128, causal, T = 8192) on every tile alternative, on every
+    generation: the compile figures beside the tile model's time (docs/compile/tpu.md, "Tile alternatives")."""
+    return [flash(f"tpu_tiles_{label}_T{TILES_LEN}", causal=True, q_len=TILES_LEN, mode="fwd+bwd",
+                  tiles=dict(zip(TILE_FIELDS, tiles))) for label, tiles in tile_sets().items()]
 
 
 # fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along these chains of doublings (`hbm_chain`):
