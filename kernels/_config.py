@@ -40,6 +40,10 @@ class FlashConfig:
       cannot take (a hook with an op Mosaic TPU cannot lower, or that reads a captured array other than one
       element at a time) runs the XLA path with a warning. `"tpu_interpret"` runs them in Pallas' TPU
       interpret mode on any machine. TPU tiles are multiples of 128; `None` picks "tpu" on a TPU device.
+    - `fused_backward`: the Mosaic TPU backward as one kernel (dQ accumulated in HBM by the dK/dV kernel's
+      walk: 5 tile matmuls a tile pair against the two kernels' 7, deterministic) rather than a dQ and a dK/dV
+      kernel; calls that give a bias or a hook array a gradient take the two kernels. `None`: the TPU tile
+      model's choice for the generation (`tpu/tile_model.py`). The GPU backends ignore it.
     """
 
     block_q: int | None = None
@@ -51,6 +55,7 @@ class FlashConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     backend: Backend | None = None
+    fused_backward: bool | None = None
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -63,6 +68,8 @@ class FlashConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"FlashConfig.{field}={value!r} must be a positive int.")
+        if self.fused_backward not in (None, True, False):
+            raise TypeError(f"FlashConfig.fused_backward={self.fused_backward!r} must be True, False or None.")
         if self.backend not in (None, "triton", "interpret", "mosaic", "mosaic_interpret", "tpu", "tpu_interpret"):
             raise ValueError(
                 f"FlashConfig.backend={self.backend!r} must be 'triton', 'interpret', 'mosaic', "

@@ -28,7 +28,7 @@ TARGETS = list(tpu_variants.TARGETS)
 def _row(target: str, variant, vmem: int = MIB) -> dict:
     """A passing row for `variant` on `target`, as tpu_report.worker writes it."""
     kernels = [dict(kernel=name, scoped_vmem=vmem, grid=[4, 8, 4, 2], blocks=[[256, 128]])
-               for name in variant.required_kernels]
+               for name in variant.required_kernels(target)]
     chain = {t: 256 * MIB << i for i, t in enumerate(tpu_variants.HBM_LENGTHS)}
     temp = chain[variant.q_len] if variant.group == "hbm" else 256 * MIB * (variant.q_len >= 8192)
     return dict(target=target, variant=variant.name, group=variant.group, mode=variant.mode, q_len=variant.q_len,
@@ -66,8 +66,9 @@ def test_the_registry_expects_kernels_and_fallbacks():
     paths = {v.path for v in REGISTRY.values()}
     assert paths == {"kernel", "fallback"}
     assert {v.mode for v in REGISTRY.values() if v.path == "kernel"} == {"fwd", "fwd+bwd", "jvp", "decode", "ragged"}
-    assert {"probjax_tpu_backward_dkv", "probjax_tpu_tangent", "probjax_tpu_ragged_paged_attention"} <= {
-        k for v in REGISTRY.values() for k in v.required_kernels}
+    assert {"probjax_tpu_backward_dkv", "probjax_tpu_backward_fused", "probjax_tpu_tangent",
+            "probjax_tpu_ragged_paged_attention"} <= {k for v in REGISTRY.values() for t in TARGETS
+                                                      for k in v.required_kernels(t)}
 
 
 def _broken(edit) -> list[str]:

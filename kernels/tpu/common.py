@@ -201,11 +201,12 @@ class SeqLayout:
 
 
 def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], head_dims: tuple[int, int],
-                itemsize: int) -> int:
+                itemsize: int, tile_arrays: tuple[bool, ...] = ()) -> int:
     """Bytes of VMEM a kernel plans on (rows, keys) `tile` for `heads` query heads and `kv_heads` kv heads a
     program: its pipelined blocks (double-buffered), its float32 scratch (row statistics pad to 128 lanes) and
-    a few float32 score tiles, and the staged copies of its input blocks. `kernel`: "forward", "dq", "dkv" or
-    "tangent"."""
+    a few float32 score tiles, the staged copies of its input blocks, and a double-buffered float32 (rows,
+    keys) block of each dense array read or written as tiles (`tile_arrays`: whether each is per head, a
+    block of `heads` tiles). `kernel`: "forward", "dq", "dkv" or "tangent"."""
     rows, keys = tile
     d, dv = head_dims
     q_side, kv_side, scratch = {
@@ -216,11 +217,13 @@ def kernel_vmem(kernel: str, heads: int, kv_heads: int, tile: tuple[int, int], h
     }[kernel]
     blocks = 2 * itemsize * (rows * heads * q_side + keys * kv_heads * kv_side)
     staging = blocks // 4  # the (heads, rows, D) copies of the in-place input blocks (`SeqLayout.stage`)
-    return blocks + staging + 4 * scratch + 4 * 4 * rows * keys
+    arrays = sum(2 * 4 * rows * keys * (heads if per_head else 1) for per_head in tile_arrays)
+    return blocks + staging + 4 * scratch + 4 * 4 * rows * keys + arrays
 
 
 def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: tuple[int, int], dtype,
-               kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int) -> SeqLayout:
+               kernel: str, tile: tuple[int, int], tile_consts: bool, budget: int,
+               tile_arrays: tuple[bool, ...] = ()) -> SeqLayout:
     """The in-place layout when a kernel can read `[B, T, N, D]` without a copy: bfloat16 inputs, every head
     dim 128 (a lane block, which Mosaic reads one head of by a strided load; 256 compiles 25x slower), a head
     block of a multiple of 8 query heads (whole sublane tiles) and of the GQA group, one walk for all heads of
@@ -238,7 +241,7 @@ def seq_layout(problem: _Problem, num_heads: int, num_kv_heads: int, head_dims: 
         if num_heads % heads or heads % group:
             continue
         kv_heads = heads // group
-        fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, jnp.dtype(dtype).itemsize) <= budget
+        fits = kernel_vmem(kernel, heads, kv_heads, tile, head_dims, jnp.dtype(dtype).itemsize, tile_arrays) <= budget
         return SeqLayout(heads, group, kv_heads % 8 == 0) if fits else transposed
     return transposed
 
@@ -253,8 +256,13 @@ def kernel_layout(problem: _Problem, q, v, num_kv_heads: int, kernel: str, tile:
     layouts = [*vet.const_layouts(f.score_mod, cfg, True), *vet.const_layouts(f.mask_mod, cfg, False)]
     head_tiles = any("h" in kinds for layout in layouts for _, kinds, _ in layout.tiles)
     budget = chips.target_chip(cfg.backend).vmem_limit * 3 // 4
+    dense = [shape for shape in (problem.bias_shape, problem.mask_shape)
+             if shape is not None and shape[2] > 1 and shape[3] > 1]
+    tile_arrays = [shape[1] > 1 for shape in dense]
+    if kernel == "dq" and problem.bias_shape in dense:  # dS, per head, when the bias gets a gradient
+        tile_arrays.append(True)
     layout = seq_layout(problem, q.shape[2], num_kv_heads, (q.shape[3], v.shape[3]), q.dtype, kernel, tile,
-                        head_tiles or tile_grads, budget)
+                        head_tiles or tile_grads, budget, tuple(tile_arrays))
     return dataclasses.replace(layout, strided=cfg.backend != "tpu_interpret")
 
 

@@ -11,8 +11,8 @@ from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import flash_hook_shapes
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._table_tiles import tables_on_tiles
-from probjax_kernels.tpu import backward, forward, tangent, tile_model, vet
-from probjax_kernels.tpu.chips import tpu_generation  # noqa: F401  (re-exported: _dispatch)
+from probjax_kernels.tpu import backward, forward, fused_backward, hook_grads, tangent, tile_model, vet
+from probjax_kernels.tpu.chips import CHIPS, tpu_generation  # noqa: F401  (re-exported: _dispatch)
 
 # The TPU kernels' (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k) tiles by TPU generation (the
 # `device_kind` of the target device), picked by the tile model (`tile_model.chosen_tiles`; docs/perf-notes.md
@@ -42,9 +42,13 @@ def run_forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
 
 
 def run_backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
-    """The backward pass: `backward.backward` (dQ, dK/dV) on the tables on their tiles."""
+    """The backward pass on the tables on their tiles: `fused_backward.backward` (one kernel) when the config
+    asks for it and the call is `fused_backward.fusable`, else `backward.backward` (dQ, dK/dV)."""
     others = _tables(problem, res["others"], res["q"].shape[1], res["k"].shape[1], is_backward=True)
-    return backward.backward(problem, tangents, dict(res, others=others), d_out, d_lse)
+    fused = problem.config.fused_backward and fused_backward.fusable(
+        tangents, hook_grads.tile_grads(problem, tangents))
+    return (fused_backward.backward if fused else backward.backward)(problem, tangents, dict(res, others=others),
+                                                                     d_out, d_lse)
 
 
 def run_tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict,
@@ -75,8 +79,11 @@ class _MosaicTpu:
             seq_len = q_len if name.startswith("block_q") else kv_len
             value = getattr(config, name)
             fields[name] = value if value is not None else max(128, fit_block(default, seq_len))
+        fused = config.fused_backward
+        if fused is None:  # the tile model's choice for the chip, on its dK/dV tile
+            fused = tile_model.fused_backward_pays(CHIPS[generation], TILES[generation])
         return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2,
-                           backend=config.backend)
+                           backend=config.backend, fused_backward=fused)
 
     def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
         """The three kernels' tiles and dK/dV's transposed (keys, queries) one."""

@@ -17,7 +17,9 @@ among those whose blocks fit: the seed program in place within 3/4 of the VMEM l
 for (the budget of `common.seq_layout`), and the worst transposed call (float32, head dim 256) within twice
 `common.kernel_vmem` of the default scoped VMEM (float32 matmuls keep multi-pass temporaries the model leaves
 out: 1.5-1.8x measured). Of tiles within `TOLERANCE` of the fastest, the smallest (less padding on short or
-ragged sequences) wins.
+ragged sequences) wins. The same model picks the backward: one fused kernel (`fused_backward.py`) where it
+beats the dQ and dK/dV kernels by more than `TOLERANCE`, its extra HBM traffic outside the steps counted
+(`fused_backward_pays`).
 """
 
 from __future__ import annotations
@@ -118,3 +120,42 @@ def pick(chip: Chip, kernel: str, seed: Seed = SEED) -> tuple[int, int]:
 def chosen_tiles() -> dict[str, tuple[int, ...]]:
     """Per generation: (forward q, forward k, dQ q, dQ k, dK/dV q, dK/dV k), as `plan.TILES` holds them."""
     return {name: tuple(side for kernel in KERNELS for side in pick(chip, kernel)) for name, chip in CHIPS.items()}
+
+
+def fused_step(chip: Chip, rows: int, keys: int, seed: Seed = SEED) -> float:
+    """Seconds of one step of the fused backward (`fused_backward.py`) on a (rows, keys) dK/dV tile: the
+    dK/dV step's fetches and a fifth matmul (dS^T K), plus reading its query tile's float32 dQ rows (during
+    the matmuls) and writing them back (waited for, after them)."""
+    cost = step_cost(chip, "dkv", rows, keys, seed.heads, seed.heads, seed.head_dim, seed.itemsize)
+    dq_rows_s = rows * seed.head_dim * seed.heads * 4 / chip.hbm_bandwidth
+    return max(cost.mxu_s * 5 / 4, cost.hbm_s + dq_rows_s) + dq_rows_s + STEP_OVERHEAD_S
+
+
+def fused_xla_s(chip: Chip, seed: Seed = SEED) -> float:
+    """Seconds of the HBM traffic the fused backward adds outside its steps, per program, against the two
+    kernels: its dQ rows zeroed at the program's first step; in XLA, delta from O and dO (the dQ kernel reads
+    O itself), the float32 dQ read, transposed to `[B, T, N, D]` and written, read again, scaled and cast
+    (the compile report's XLA-side bytes measured this order of traffic: docs/perf-notes.md, Version 11)."""
+    values, itemsize = seed.seq_len * seed.head_dim * seed.heads, seed.itemsize
+    fused = 4 + 2 * itemsize + 4 + 4 + 4 + itemsize
+    two_kernels = 2 * itemsize  # the dQ kernel reads O, writes dQ
+    return values * (fused - two_kernels) / chip.hbm_bandwidth
+
+
+def backward_times(chip: Chip, tiles: tuple[int, ...], seed: Seed = SEED) -> tuple[float, float]:
+    """(fused, two kernels): modelled seconds of one seed program's backward over a causal plus a full grid,
+    on `tiles` (`plan.TILES`' layout; the fused kernel takes the dK/dV tile)."""
+    dkv = tiles[4:6]
+    step = step_cost(chip, "dkv", *dkv, seed.heads, seed.heads, seed.head_dim, seed.itemsize).time_s
+    fused = sum(grid_time(chip, "dkv", dkv, causal, seed) / step * fused_step(chip, *dkv, seed)
+                + fused_xla_s(chip, seed) for causal in (True, False))
+    two = sum(grid_time(chip, kernel, tiles[2 * n:2 * n + 2], causal, seed)
+              for n, kernel in ((1, "dq"), (2, "dkv")) for causal in (True, False))
+    return fused, two
+
+
+def fused_backward_pays(chip: Chip, tiles: tuple[int, ...], seed: Seed = SEED) -> bool:
+    """Whether the fused backward beats the dQ and dK/dV kernels by more than `TOLERANCE` (`backward_times`);
+    within it, the two kernels (no float32 dQ in HBM, less HBM temp) stay."""
+    fused, two = backward_times(chip, tiles, seed)
+    return fused < two * (1 - TOLERANCE)

@@ -69,7 +69,7 @@ def row_problems(row: dict, variant) -> list[str]:
                    f"path ({said})")
     if variant.path == "fallback" and kernels:
         out.append(f"{where}: a fallback variant compiled a tpu_custom_call ({', '.join(map(str, names))})")
-    for name in variant.required_kernels:
+    for name in variant.required_kernels(row["target"]):
         if name not in names:
             out.append(f"{where}: no tpu_custom_call of {name} (the dispatch runs it on the Mosaic TPU kernels; "
                        f"found {names or 'none'})")

@@ -104,6 +104,7 @@ def markdown(section: dict) -> str:
     out += _side_table(section)
     out += _hbm_table(section)
     out += _tiles_table(section)
+    out += _backward_table(section)
     out += _peer_table(section)
     for name in section["targets"]:
         limit = limits.get(name, {}).get("scoped_vmem_limit") or 1
@@ -221,6 +222,37 @@ def _tiles_table(section: dict) -> list[str]:
                        + " / ".join(f"{t * 1e3:.2f}" for t in times) + f" ms | {sum(times) * 1e3:.2f} ms | "
                        f"{vmem or row.get('status', 'missing')} MiB | {_mib((row.get('hbm') or {}).get('temp'))} | "
                        f"{picked} |")
+    return out
+
+
+def _backward_table(section: dict) -> list[str]:
+    """The fused and the two-kernel backward (`tpu_variants.backward_variants`) with the tile model's times."""
+    from probjax_kernels.tpu import chips, plan, tile_model
+
+    out = [f"\n## Backward: fused or two kernels (fwd+bwd, bf16, hd128, causal, B=4, N=8, T = "
+           f"{tpu_variants.TILES_LEN})\n",
+           "**fused**: one kernel (`kernels/tpu/fused_backward.py`) adding dS^T K to float32 dQ rows in HBM on "
+           "the dK/dV walk, 5 tile matmuls a tile pair; **two**: the dQ and dK/dV kernels, 7. **model**: one "
+           "8-head program's backward over a causal plus a full grid (`tile_model.backward_times`); the default "
+           "is the fused kernel where it wins by more than the model's tolerance. **XLA bytes**: HBM bytes the "
+           "program moves outside the Mosaic kernels.\n",
+           "| target | backward | heads | model | default | kernels: VMEM | HBM temp | XLA bytes |",
+           "|---|---|---|---|---|---|---|---|"]
+    for target in section["targets"]:
+        generation = tpu_variants.CHIP_OF[target]
+        fused_s, two_s = tile_model.backward_times(chips.CHIPS[generation], plan.TILES[generation])
+        default = "fused" if tile_model.fused_backward_pays(chips.CHIPS[generation], plan.TILES[generation]) else "two"
+        by_name = {r["variant"]: r for r in section["rows"] if r["target"] == target}
+        for variant in tpu_variants.backward_variants():
+            row = by_name.get(variant.name) or {}
+            kind = "fused" if variant.tiles["fused_backward"] else "two"
+            hbm = row.get("hbm") or {}
+            kernels = ", ".join(f"{k['kernel'].removeprefix('probjax_tpu_')} {_mib(k.get('scoped_vmem'))}"
+                                for k in row.get("kernels") or []) or row.get("status", "missing")
+            xla = f"{hbm['xla_bytes'] / 1e9:.2f} GB" if hbm.get("xla_bytes") is not None else "?"
+            out.append(f"| {target} | {kind} | {'8:2' if 'gqa' in variant.name else '8'} | "
+                       f"{(fused_s if kind == 'fused' else two_s) * 1e3:.2f} ms | {'yes' if kind == default else ''} | "
+                       f"{kernels} | {_mib(hbm.get('temp'))} | {xla} |")
     return out
 
 

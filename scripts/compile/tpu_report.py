@@ -181,7 +181,7 @@ def worker(target: str, group: str, only: str | None, reuse: Path | None = None,
     for variant in todo:
         row = dict(target=target, device_kind=device.device_kind, variant=variant.name, group=variant.group,
                    mode=variant.mode, dtype=variant.dtype, head_dim=variant.head_dim, q_len=variant.q_len,
-                   path=variant.path, required=list(variant.required_kernels))
+                   path=variant.path, required=list(variant.required_kernels(target)))
         if variant.group == "peer":
             row["features"] = variant.features
         start = time.perf_counter()

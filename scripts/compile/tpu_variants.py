@@ -33,6 +33,7 @@ VMEM_CAPACITY = {"tpu_v5e": 128 << 20, "tpu_v5p": 64 << 20, "tpu_v6e": 128 << 20
 
 FORWARD, DQ, DKV, TANGENT = ("probjax_tpu_forward", "probjax_tpu_backward_dq", "probjax_tpu_backward_dkv",
                              "probjax_tpu_tangent")
+FUSED = "probjax_tpu_backward_fused"
 DECODE = "probjax_tpu_decode_attention"
 RAGGED = "probjax_tpu_ragged_paged_attention"
 # The kernels each mode runs when the dispatch takes the call (a jvp runs the forward for the primal output).
@@ -58,11 +59,30 @@ class TpuVariant:
     why: str = ""
     features: str = ""
     compiler_options: tuple[tuple[str, bool], ...] = ()  # XLA:TPU options of the compile (`HBM_ONLY`)
-    tiles: dict | None = None  # FlashConfig tiles set explicitly (the tile alternatives); None: default_config's
+    tiles: dict | None = None  # FlashConfig fields set explicitly (the alternatives); None: default_config's
+    fusable: bool = True  # a backward the fused kernel takes (`fused_backward.fusable`): no bias gradient
 
-    @property
-    def required_kernels(self) -> tuple[str, ...]:
-        return KERNELS_OF_MODE[self.mode] if self.path == "kernel" else ()
+    def required_kernels(self, target: str) -> tuple[str, ...]:
+        """The kernels the dispatch runs for this variant on `target`: the mode's, with the fused backward
+        for the dQ and dK/dV kernels where the config (the variant's, else the tile model's default for the
+        generation, `probjax_kernels.tpu.plan`) asks for it and the call is fusable."""
+        if self.path != "kernel":
+            return ()
+        kernels = KERNELS_OF_MODE[self.mode]
+        if self.mode == "fwd+bwd" and self.fusable and fused_backward(self, target):
+            kernels = (FORWARD, FUSED)
+        return kernels
+
+
+def fused_backward(variant: TpuVariant, target: str) -> bool:
+    """Whether a fwd+bwd variant's config asks for the fused backward on `target`."""
+    explicit = (variant.tiles or {}).get("fused_backward")
+    if explicit is not None:
+        return explicit
+    from probjax_kernels.tpu import plan, tile_model
+
+    generation = CHIP_OF[target]
+    return tile_model.fused_backward_pays(tile_model.CHIPS[generation], plan.TILES[generation])
 
 
 def _spec(shape, dtype):
@@ -97,7 +117,7 @@ def flash_bias(name, *, head_dim=128, dtype="bf16", q_len=1024, shape="heads", g
 
         return gpu_variants._wrap("fwd+bwd", attend, 4, (0, 1, 2, 3)), specs
 
-    return TpuVariant(name, group, build, head_dim, dtype, "fwd+bwd", q_len)
+    return TpuVariant(name, group, build, head_dim, dtype, "fwd+bwd", q_len, fusable=False)
 
 
 def flex_chunk(name, *, head_dim=128, dtype="bf16", q_len=1024, kv_len=2048) -> TpuVariant:
@@ -135,7 +155,7 @@ def tpu_variants() -> list[TpuVariant]:
     """The gated variants: dtype bf16 / f32 x head dim 64 / 128 / 256 x causal / full, a jvp per dtype,
     then window, GQA 8:2, ragged lengths with segments, a dense bias, dropout, float16 (run as float32), the
     five flex hooks, a BlockMask coarser than the tiles, one finer than them, a sliced one (chunked prefill),
-    the tile alternatives and the HBM chains."""
+    the tile alternatives, the fused and two-kernel backward, and the HBM chains."""
     out = []
     for dtype in ("bf16", "f32"):
         for d in (64, 128, 256):
@@ -173,7 +193,7 @@ def tpu_variants() -> list[TpuVariant]:
     out.append(_from_gpu(gpu_variants.flex("tpu_flex_grad_d128_bf16_document_mask_block64", "document_mask",
                                            backend="tpu", block=64), "flex"))
     out.append(flex_chunk("tpu_flex_grad_d128_bf16_document_mask_chunk_T1024_S2048"))
-    out += tile_variants()
+    out += tile_variants() + backward_variants()
     for t in HBM_LENGTHS:
         out.append(dataclasses.replace(
             flash(f"tpu_hbm_grad_d128_bf16_causal_T{t}", group="hbm", causal=True, q_len=t, mode="fwd+bwd"),
@@ -209,6 +229,15 @@ def tile_variants() -> list[TpuVariant]:
     generation: the compile figures beside the tile model's time (docs/compile/tpu.md, "Tile alternatives")."""
     return [flash(f"tpu_tiles_{label}_T{TILES_LEN}", causal=True, q_len=TILES_LEN, mode="fwd+bwd",
                   tiles=dict(zip(TILE_FIELDS, tiles))) for label, tiles in tile_sets().items()]
+
+
+def backward_variants() -> list[TpuVariant]:
+    """fwd+bwd of the seed program (bf16, head dim 128, causal, T = 8192; MHA and GQA 8:2) with the backward
+    fused into one kernel and as the dQ and dK/dV kernels, on every generation, whichever the tile model makes
+    the default there (docs/compile/tpu.md, "Backward: fused or two kernels")."""
+    return [flash(f"tpu_backward_{'fused' if fused else 'two'}_d128{'_gqa8to2' if kv_heads != N else ''}_bf16_"
+                  f"causal_T{TILES_LEN}", kv_heads=kv_heads, causal=True, q_len=TILES_LEN, mode="fwd+bwd",
+                  tiles=dict(fused_backward=fused)) for fused in (True, False) for kv_heads in (N, KV_HEADS)]
 
 
 # fwd+bwd HBM temp must grow at most linearly (no T x S buffer) along these chains of doublings (`hbm_chain`):

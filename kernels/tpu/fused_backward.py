@@ -1,0 +1,209 @@
+"""The flash-attention backward as one Pallas Mosaic TPU kernel (`FlashConfig.fused_backward`): the dK/dV
+kernel's (B, K, key tile, step) walk (`backward._dkv_kernel`), which also adds each step's dS^T K to the dQ
+rows of its query tile, so QK^T and dO V^T are computed once per tile pair (5 tile matmuls against the two
+kernels' 7).
+
+dQ accumulates in a float32 `[B, N, T, D]` array in HBM (`memory_space=ANY`): a visited step reads its query
+tile's rows, adds, and writes them back, with DMAs it waits on, so the sum over key tiles happens in one
+program in a fixed order (deterministic, no atomics). That makes the key-tile axis sequential ("arbitrary"):
+only the batch and head-block axes run in parallel. The program zeroes its heads' dQ rows at its first step.
+delta = rowsum(dO * O) - d lse comes from XLA (`_scores.backward_delta`). Calls that need the dQ kernel's own
+outputs (dS for a bias gradient, hook array gradients) take the two kernels (`fusable`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from probjax_kernels._problem import _Problem, _Tangents
+from probjax_kernels._scores import _scores, backward_delta, base2_lse
+from probjax_kernels.tpu import common
+from probjax_kernels.tpu.backward import _tile_gradient, _table_steps, with_tiles
+from probjax_kernels.tpu.common import dot
+
+
+def fusable(tangents: _Tangents, tile_grads: tuple) -> bool:
+    """Whether a backward can run fused: q, k and v all get gradients, and neither a bias nor a hook array
+    does (their sums come from the dQ kernel's dS)."""
+    return bool(tangents.q and tangents.k and tangents.v and not tangents.bias and not tile_grads)
+
+
+def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, num_q_tiles: int,
+                  steps: int, step_heads: int, program_heads: int, to_refs, stages: tuple[int, ...]):
+    (b, block, j, step, last), refs = grid.ids(refs)
+    n_scalar = common.num_scalars(problem)
+    scalars = common.scalars_of(problem, refs[:n_scalar], "kv")
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest = refs[n_scalar:]
+    rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
+    *optional, dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_rows, dq_part, sems = rest
+    opt = to_refs(optional)
+    bq, bk = problem.config.block_q, problem.config.block_k
+    # in place: every query head of the block each step; transposed: the group's heads one after the other
+    head, q_step = (0, step) if layout.in_place else (step // steps, step % steps)
+    walk = common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles)
+    q_tile = walk.tile(q_step)
+    first_head = block * program_heads + head  # of this step's `step_heads` query heads
+    with_derivative = problem.features.score_mod is not None
+
+    def rows_of(first, tile):
+        return dq_hbm.at[b, pl.ds(first, step_heads), pl.ds(tile * bq, bq), :]
+
+    @pl.when((j == 0) & (step == 0))
+    def _():  # this program's dQ rows start at zero
+        dq_rows[...] = jnp.zeros(dq_rows.shape, jnp.float32)
+
+        def zero(n, carry):
+            copy = pltpu.make_async_copy(dq_rows, rows_of(block * program_heads + n // num_q_tiles * step_heads,
+                                                          n % num_q_tiles), sems.at[0])
+            copy.start()
+            copy.wait()
+            return carry
+
+        jax.lax.fori_loop(0, num_q_tiles * (program_heads // step_heads), zero, 0)
+
+    @pl.when(step == 0)
+    def _():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        layout.stage(k_ref, k_stage, kv=True)
+        layout.stage(v_ref, v_stage, kv=True)
+
+    read = pltpu.make_async_copy(rows_of(first_head, q_tile), dq_rows, sems.at[0])
+    write = pltpu.make_async_copy(dq_rows, rows_of(first_head, q_tile), sems.at[1])
+    visited = walk.visited(q_step)
+
+    @pl.when(visited)
+    def _():
+        read.start()  # overlaps the step's matmuls
+        layout.stage(q_ref, q_stage)
+        layout.stage(do_ref, do_stage)
+
+    def body(masked: bool):
+        def one(slot):
+            kv_slot = layout.kv_slot(slot)
+            h = layout.head(block, slot) if layout.in_place else block * problem.group + head
+            ctx = common.tile_context(opt, problem, b, h, q_tile * bq, j * bk, scalars.kv_len[b], True, slot=slot)
+            q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
+            k = layout.read(k_ref, k_stage, kv_slot, kv=True)
+            s, derivative = _scores(dot(k, q, (1, 1)), ctx, problem, masked, with_derivative)
+            p, ds, _ = _tile_gradient(s, do, layout.read(v_ref, v_stage, kv_slot, kv=True),
+                                      layout.row(delta_ref, slot), layout.row(lse2_ref, slot), derivative, ctx,
+                                      problem, True)
+            dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
+            dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
+            dq_part[slot if layout.in_place else 0] = dot(ds.astype(k.dtype), k, (0, 0))
+
+        layout.for_heads(one)
+
+    common.run_step(walk, q_step, body)
+
+    @pl.when(visited)
+    def _():
+        read.wait()
+        dq_rows[...] += dq_part[...]
+        write.start()
+        write.wait()
+
+    @pl.when(last)
+    def _():
+        dk_acc[...] = dk_acc[...] * problem.features.scale
+        layout.unstage(dk_acc, dk_ref, kv=True)
+        layout.unstage(dv_acc, dv_ref, kv=True)
+
+
+def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
+                   scalar_inputs, optional: dict, varying):
+    """(dQ `[B, T, N, D]` float32, dK, dV in `layout`'s arrays) of padded inputs in `layout`'s arrays, on the
+    dK/dV kernel's tiles."""
+    (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
+    problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
+    bq, bk = problem.config.block_q, problem.config.block_k
+    num_q_tiles, group = t_pad // bq, problem.group
+    steps = num_q_tiles if problem.table_shape is None else _table_steps(optional["q_tables"])
+    head_steps = 1 if layout.in_place else group
+    step_heads = layout.q_heads if layout.in_place else 1
+    program_heads = layout.q_heads if layout.in_place else group
+
+    def q_tile(b, block, j, s, *scalar_refs):
+        scalars = common.scalars_of(problem, scalar_refs, "kv")
+        head = 0 if layout.in_place else s // steps
+        return common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles).tile(s % steps)
+
+    def head_of(b, block, j, s, *r):
+        return block if layout.in_place else block * group + s // steps
+
+    maps = dict(b=lambda b, kh, j, s, *r: b, h=head_of, q=q_tile, kv=lambda b, kh, j, s, *r: j)
+    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad),
+                                                         heads=layout.heads)
+    kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
+
+    def q_where(b, block, j, s, *r):
+        return b, head_of(b, block, j, s), q_tile(b, block, j, s, *r)
+
+    def q_side(dim):
+        return layout.spec(bq, dim, q_where)
+
+    def kv_side(dim, shared: bool):
+        return layout.spec(bk, dim, lambda b, block, j, s, *r: (kv_b(b) if shared else b, block, j), kv=True)
+
+    row = layout.row_spec(bq, q_where)
+    out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
+    out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim, kv=True), out_dtype, *varying)
+                 for dim in (d_pad, dv_pad)]
+    out_shape.append(common.output((batch, num_heads, t_pad, d_pad), jnp.float32, *varying))
+    stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
+              layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
+    kv_heads = layout.kv_heads
+    grid = common.step_grid(problem, "kv", (t_pad, s_pad), steps, batch * (num_kv_heads // kv_heads),
+                            head_steps=head_steps)
+    kernel = functools.partial(_fused_kernel, problem=problem, layout=layout, grid=grid, num_q_tiles=num_q_tiles,
+                               steps=steps, step_heads=step_heads, program_heads=program_heads, to_refs=to_refs,
+                               stages=tuple(map(len, stages)))
+    scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
+    # the key-tile axis is sequential: its steps add to the same dQ rows
+    semantics = ("parallel", "parallel", "arbitrary") if grid.flat else ("parallel", "parallel", "arbitrary",
+                                                                         "arbitrary")
+    dk, dv, dq = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalar_inputs),
+            grid=grid.shape(batch, num_kv_heads // kv_heads),
+            in_specs=grid.specs([q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row,
+                                 row, *extra_specs]),
+            out_specs=[*grid.specs([kv_side(d_pad, False), kv_side(dv_pad, False)]),
+                       pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
+                            pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32),
+                            pltpu.VMEM((step_heads, bq, d_pad), jnp.float32),
+                            pltpu.VMEM((step_heads, bq, d_pad), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
+                            *(x for stage in stages for x in stage)],
+        ),
+        out_shape=out_shape,
+        name="probjax_tpu_backward_fused",
+        **common.compiler_params(problem, semantics, layout),
+    )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
+    if problem.kv_broadcast:
+        dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
+    return jnp.swapaxes(dq, 1, 2) * problem.features.scale, dk, dv
+
+
+def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
+    """The q, k, v gradients of `backward.backward` from the fused kernel (`fusable` calls)."""
+    q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
+    d_lse = None if d_lse is None else d_lse.astype(jnp.float32)
+    delta = backward_delta(out, lse, d_out, d_lse)
+    optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"])
+    scalars = common.scalar_inputs(problem, res["q_len"], res["kv_len"], optional, "kv")
+    cfg = problem.config
+    layout = common.kernel_layout(problem, q, v, k.shape[2], "dkv", (cfg.block_q_dkv, cfg.block_k_dkv))
+    dtype = common.compute_dtype(q.dtype)
+    qh, doh = (layout.view(x.astype(dtype)) for x in (q, d_out))
+    kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
+    dq, dk, dv = fused_backward(problem, layout, (q.shape, v.shape), qh, kh, vh, doh, base2_lse(lse), delta,
+                                scalars, optional, (q, k, v, d_out))
+    return dict(q=dq.astype(q.dtype), k=layout.unview(dk, kv=True).astype(k.dtype),
+                v=layout.unview(dv, kv=True).astype(v.dtype))
