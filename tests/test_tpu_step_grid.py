@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
-from test_tpu_kernels import TPU, check_gradients, finite
+from test_tpu_kernels import check_gradients, finite
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
 from probjax_kernels._tiles import kv_tile_range, q_tile_range

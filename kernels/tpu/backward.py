@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -269,16 +270,29 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common
             bias_out[head] = bias_acc[head].T
 
 
-def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
-                  scalar_inputs, optional: dict, bias_sums: bool, varying, grads: tuple = ()):
-    """(dK, dV, [dS summed over the queries as rows `[B, N, 1, S]` (`bias_sums`),] hook array gradient
-    blocks `[B, N, ..]`)."""
-    (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
+@dataclasses.dataclass(frozen=True)
+class DkvWalk:
+    """The key-tile kernels' walk (dK/dV, fused backward): its tiles and steps, and the index maps of their
+    blocks over a (B, kv head or head block, key tile, step) grid."""
+
+    problem: _Problem  # on the dK/dV tiles
+    steps: int  # per query head
+    head_steps: int  # query heads walked in turn (transposed: the group; in place: 1)
+    q_side: Callable  # dim -> the BlockSpec of a query-side block (q, dO)
+    kv_side: Callable  # (dim, shared) -> the BlockSpec of a key-side block (k, v; dK, dV when not shared)
+    row: pl.BlockSpec  # a query-side lane-dense row (lse, delta)
+    extra: list  # the optional inputs, their specs and their refs' holder (`common.optional_inputs`)
+    extra_specs: list
+    to_refs: Callable
+
+
+def dkv_walk(problem: _Problem, layout: common.SeqLayout, lengths: tuple[int, int], optional: dict) -> DkvWalk:
+    """The walk of the key-tile kernels over padded (T, S) `lengths`."""
+    t_pad, s_pad = lengths
     problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
     bq, bk = problem.config.block_q, problem.config.block_k
     num_q_tiles, group = t_pad // bq, problem.group
     steps = num_q_tiles if problem.table_shape is None else _table_steps(optional["q_tables"])
-    head_steps = 1 if layout.in_place else group  # the transposed grid walks the group's heads in turn
 
     def q_tile(b, block, j, s, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "kv")
@@ -303,7 +317,21 @@ def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, v
     def kv_side(dim, shared: bool):
         return layout.spec(bk, dim, lambda b, block, j, s, *r: (kv_b(b) if shared else b, block, j), kv=True)
 
-    row = layout.row_spec(bq, q_where)
+    return DkvWalk(problem, steps, 1 if layout.in_place else group, q_side, kv_side, layout.row_spec(bq, q_where),
+                   extra, extra_specs, to_refs)
+
+
+def _backward_dkv(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
+                  scalar_inputs, optional: dict, bias_sums: bool, varying, grads: tuple = ()):
+    """(dK, dV, [dS summed over the queries as rows `[B, N, 1, S]` (`bias_sums`),] hook array gradient
+    blocks `[B, N, ..]`)."""
+    (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
+    walk = dkv_walk(problem, layout, (t_pad, s_pad), optional)
+    problem, steps, head_steps = walk.problem, walk.steps, walk.head_steps
+    bq, bk = problem.config.block_q, problem.config.block_k
+    num_q_tiles, group = t_pad // bq, problem.group
+    q_side, kv_side, row, extra, extra_specs, to_refs = (walk.q_side, walk.kv_side, walk.row, walk.extra,
+                                                         walk.extra_specs, walk.to_refs)
     # shared k / v: a float32 gradient per query batch, summed below
     out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
     out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim, kv=True), out_dtype, *varying)

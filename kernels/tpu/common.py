@@ -13,7 +13,7 @@ each float32 to 128 lanes).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -97,7 +97,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict):
     layout = common.kernel_layout(problem, q, v, num_kv_heads, "forward", (bq, bk))
     qh = layout.view(q.astype(dtype))
     kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
-    num_q_tiles, num_kv_tiles = t_pad // bq, s_pad // bk
+    num_kv_tiles = s_pad // bk
 
     def kv_tile(b, block, i, step, *scalar_refs):
         scalars = common.scalars_of(problem, scalar_refs, "q")

@@ -21,8 +21,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from probjax_kernels._problem import _Problem, _Tangents
 from probjax_kernels._scores import _scores, backward_delta, base2_lse
+from probjax_kernels.tpu import backward as two_kernels
 from probjax_kernels.tpu import common
-from probjax_kernels.tpu.backward import _tile_gradient, _table_steps, with_tiles
+from probjax_kernels.tpu.backward import _tile_gradient
 from probjax_kernels.tpu.common import dot
 
 
@@ -120,37 +121,12 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
     """(dQ `[B, T, N, D]` float32, dK, dV in `layout`'s arrays) of padded inputs in `layout`'s arrays, on the
     dK/dV kernel's tiles."""
     (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
-    problem = with_tiles(problem, problem.config.block_q_dkv, problem.config.block_k_dkv)
+    walk = two_kernels.dkv_walk(problem, layout, (t_pad, s_pad), optional)
+    problem, steps = walk.problem, walk.steps
     bq, bk = problem.config.block_q, problem.config.block_k
     num_q_tiles, group = t_pad // bq, problem.group
-    steps = num_q_tiles if problem.table_shape is None else _table_steps(optional["q_tables"])
-    head_steps = 1 if layout.in_place else group
     step_heads = layout.q_heads if layout.in_place else 1
     program_heads = layout.q_heads if layout.in_place else group
-
-    def q_tile(b, block, j, s, *scalar_refs):
-        scalars = common.scalars_of(problem, scalar_refs, "kv")
-        head = 0 if layout.in_place else s // steps
-        return common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles).tile(s % steps)
-
-    def head_of(b, block, j, s, *r):
-        return block if layout.in_place else block * group + s // steps
-
-    maps = dict(b=lambda b, kh, j, s, *r: b, h=head_of, q=q_tile, kv=lambda b, kh, j, s, *r: j)
-    extra, extra_specs, to_refs = common.optional_inputs(problem, optional, "kv", maps, (t_pad, s_pad),
-                                                         heads=layout.heads)
-    kv_b = (lambda b: 0) if problem.kv_broadcast else (lambda b: b)
-
-    def q_where(b, block, j, s, *r):
-        return b, head_of(b, block, j, s), q_tile(b, block, j, s, *r)
-
-    def q_side(dim):
-        return layout.spec(bq, dim, q_where)
-
-    def kv_side(dim, shared: bool):
-        return layout.spec(bk, dim, lambda b, block, j, s, *r: (kv_b(b) if shared else b, block, j), kv=True)
-
-    row = layout.row_spec(bq, q_where)
     out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
     out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim, kv=True), out_dtype, *varying)
                  for dim in (d_pad, dv_pad)]
@@ -159,10 +135,10 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kv_heads = layout.kv_heads
     grid = common.step_grid(problem, "kv", (t_pad, s_pad), steps, batch * (num_kv_heads // kv_heads),
-                            head_steps=head_steps)
+                            head_steps=walk.head_steps)
     kernel = functools.partial(_fused_kernel, problem=problem, layout=layout, grid=grid, num_q_tiles=num_q_tiles,
-                               steps=steps, step_heads=step_heads, program_heads=program_heads, to_refs=to_refs,
-                               stages=tuple(map(len, stages)))
+                               steps=steps, step_heads=step_heads, program_heads=program_heads,
+                               to_refs=walk.to_refs, stages=tuple(map(len, stages)))
     scalar_inputs = [*grid.scalar_inputs(), *scalar_inputs]
     # the key-tile axis is sequential: its steps add to the same dQ rows
     semantics = ("parallel", "parallel", "arbitrary") if grid.flat else ("parallel", "parallel", "arbitrary",
@@ -172,9 +148,9 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_inputs),
             grid=grid.shape(batch, num_kv_heads // kv_heads),
-            in_specs=grid.specs([q_side(d_pad), kv_side(d_pad, True), kv_side(dv_pad, True), q_side(dv_pad), row,
-                                 row, *extra_specs]),
-            out_specs=[*grid.specs([kv_side(d_pad, False), kv_side(dv_pad, False)]),
+            in_specs=grid.specs([walk.q_side(d_pad), walk.kv_side(d_pad, True), walk.kv_side(dv_pad, True),
+                                 walk.q_side(dv_pad), walk.row, walk.row, *walk.extra_specs]),
+            out_specs=[*grid.specs([walk.kv_side(d_pad, False), walk.kv_side(dv_pad, False)]),
                        pl.BlockSpec(memory_space=pl.ANY)],
             scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
                             pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32),
@@ -185,7 +161,7 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
         out_shape=out_shape,
         name="probjax_tpu_backward_fused",
         **common.compiler_params(problem, semantics, layout),
-    )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *extra)
+    )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *walk.extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
     return jnp.swapaxes(dq, 1, 2) * problem.features.scale, dk, dv
