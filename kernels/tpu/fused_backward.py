@@ -7,7 +7,7 @@ dQ accumulates in a float32 `[B, N, T, D]` array in HBM (`memory_space=ANY`): a 
 tile's rows, adds, and writes them back, with DMAs it waits on, so the sum over key tiles happens in one
 program in a fixed order (deterministic, no atomics). That makes the key-tile axis sequential ("arbitrary"):
 only the batch and head-block axes run in parallel. The program zeroes its heads' dQ rows at its first step.
-delta = rowsum(dO * O) - d lse comes from XLA (`_scores.backward_delta`). Calls that need the dQ kernel's own
+delta = rowsum(dO * O) - d lse comes from XLA. Calls that need the dQ kernel's own
 outputs (dS for a bias gradient, hook array gradients) take the two kernels (`fusable`)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from probjax_kernels._problem import _Problem, _Tangents
-from probjax_kernels._scores import _scores, backward_delta, base2_lse
+from probjax_kernels._scores import _scores, base2_lse
 from probjax_kernels.tpu import backward as two_kernels
 from probjax_kernels.tpu import common
 from probjax_kernels.tpu.backward import _tile_gradient
@@ -118,8 +118,8 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
 
 def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
                    scalar_inputs, optional: dict, varying):
-    """(dQ `[B, T, N, D]` float32, dK, dV in `layout`'s arrays) of padded inputs in `layout`'s arrays, on the
-    dK/dV kernel's tiles."""
+    """(dQ `[B, N, T, D]` float32, scaled; dK, dV in `layout`'s arrays) of padded inputs in `layout`'s arrays,
+    on the dK/dV kernel's tiles."""
     (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
     walk = two_kernels.dkv_walk(problem, layout, (t_pad, s_pad), optional)
     problem, steps = walk.problem, walk.steps
@@ -164,14 +164,16 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
     )(*scalar_inputs, qh, kh, vh, doh, common.as_rows(lse2), common.as_rows(delta), *walk.extra)
     if problem.kv_broadcast:
         dk, dv = (jnp.sum(g, axis=0, keepdims=True).astype(x.dtype) for g, x in ((dk, kh), (dv, vh)))
-    return jnp.swapaxes(dq, 1, 2) * problem.features.scale, dk, dv
+    return dq * problem.features.scale, dk, dv
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) -> dict:
     """The q, k, v gradients of `backward.backward` from the fused kernel (`fusable` calls)."""
     q, k, v, out, lse = res["q"], res["k"], res["v"], res["out"], res["lse"]
-    d_lse = None if d_lse is None else d_lse.astype(jnp.float32)
-    delta = backward_delta(out, lse, d_out, d_lse)
+    # delta = rowsum(dO * O) - d lse: exact products accumulated in float32, with no float32 copy of O or dO
+    delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(out.dtype), out, preferred_element_type=jnp.float32)
+    if d_lse is not None:
+        delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
     optional = dict(res["others"], bias=res["bias"], score_consts=res["score_consts"])
     scalars = common.scalar_inputs(problem, res["q_len"], res["kv_len"], optional, "kv")
     cfg = problem.config
@@ -181,5 +183,6 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
     dq, dk, dv = fused_backward(problem, layout, (q.shape, v.shape), qh, kh, vh, doh, base2_lse(lse), delta,
                                 scalars, optional, (q, k, v, d_out))
-    return dict(q=dq.astype(q.dtype), k=layout.unview(dk, kv=True).astype(k.dtype),
+    # scaled and cast before the transpose to [B, T, N, D]: no float32 copy of dQ in that layout
+    return dict(q=jnp.swapaxes(dq.astype(q.dtype), 1, 2), k=layout.unview(dk, kv=True).astype(k.dtype),
                 v=layout.unview(dv, kv=True).astype(v.dtype))

@@ -20,6 +20,13 @@ from probjax_kernels.tpu.chips import CHIPS, tpu_generation  # noqa: F401  (re-e
 TILES = tile_model.chosen_tiles()
 
 
+def default_fused_backward(generation: str, head_dim: int) -> bool:
+    """The fused backward where the tile model says it pays on the generation (`tile_model.
+    fused_backward_pays`) and the head dim is a multiple of 128: its float32 dQ buffer is laid out in
+    (8, 128) tiles, so a head dim of 64 doubles it (128 MiB at B=4, N=8, T=8192), past splash's HBM temp."""
+    return head_dim % 128 == 0 and tile_model.fused_backward_pays(CHIPS[generation], TILES[generation])
+
+
 def _tables(problem: _Problem, arrays: dict, t_pad: int, s_pad: int, is_backward: bool = False) -> dict:
     """`arrays` with a BlockMask's tables on the tiles of the TPU kernels that walk them, over the padded
     sequences (T, S) = (`t_pad`, `s_pad`) (`_table_tiles.tables_on_tiles`: refined where a tile divides the
@@ -80,8 +87,8 @@ class _MosaicTpu:
             value = getattr(config, name)
             fields[name] = value if value is not None else max(128, fit_block(default, seq_len))
         fused = config.fused_backward
-        if fused is None:  # the tile model's choice for the chip, on its dK/dV tile
-            fused = tile_model.fused_backward_pays(CHIPS[generation], TILES[generation])
+        if fused is None:
+            fused = default_fused_backward(generation, head_dim)
         return FlashConfig(**fields, num_warps=config.num_warps or 4, num_stages=config.num_stages or 2,
                            backend=config.backend, fused_backward=fused)
 
