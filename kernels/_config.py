@@ -43,7 +43,8 @@ class FlashConfig:
     - `fused_backward`: the Mosaic TPU backward as one kernel (dQ accumulated in HBM by the dK/dV kernel's
       walk: 5 tile matmuls a tile pair against the two kernels' 7, deterministic) rather than a dQ and a dK/dV
       kernel; calls that give a bias or a hook array a gradient take the two kernels. `None`: the TPU tile
-      model's choice for the generation (`tpu/tile_model.py`). The GPU backends ignore it.
+      model's choice for the generation, at head dims that are multiples of 128 (`tpu/plan.py`,
+      `default_fused_backward`). The GPU backends ignore it.
     """
 
     block_q: int | None = None
