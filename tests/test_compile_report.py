@@ -44,7 +44,8 @@ def _gpu(target: str) -> FakeGPU:
 
 
 def _tiles(config: FlashConfig) -> dict:
-    return {k: v for k, v in vars(config).items() if k != "backend"}
+    """The fields a GPU row records: not the backend, nor the TPU-only `fused_backward`."""
+    return {k: v for k, v in vars(config).items() if k not in ("backend", "fused_backward")}
 
 
 def _failures(row: dict) -> list[str]:

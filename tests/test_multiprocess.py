@@ -56,7 +56,7 @@ LAYOUTS = {"seq=2,data=2": "linen", "data=2,model=2": "equinox"}
 # Bounds for a machine much busier than this one; a slow machine is not a failure.
 WAIT_S = 900
 # Steps of a run stopped by a signal at step 3: every later step takes at least 0.25 s, so jax's preemption
-# service has over a minute to reach every process (40 steps, 9 s, ran out under CI's two test workers).
+# service has over a minute to reach every process on a busy machine.
 SIGNALLED_STEPS = 400
 # Two CPU devices per process; LLVM optimizations off as in conftest.py (tiny shapes: compiling dominates).
 TWO_DEVICE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
@@ -111,6 +111,8 @@ _WORKER = """
             file.write(str(os.getpid()))
     if os.environ.get("MP_SIGNAL"):
         process, step, name, *to = os.environ["MP_SIGNAL"].split(":")
+        if name == "SIGINT":  # as from a terminal: a test run in the background (nohup, &) starts with INT ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         train_starts = data.train_starts
 
         def signalling(tokens, config, at):

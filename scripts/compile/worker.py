@@ -148,7 +148,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                                 head_dim=max(variant.head_dim, variant.value_dim or 0),
                                 dtype=registry.dtype_of(variant.dtype))
         if variant.group not in ("decode", "peer"):  # those have configs of their own
-            row["config"] = {k: v for k, v in vars(config).items() if k != "backend"}
+            row["config"] = {k: v for k, v in vars(config).items() if k not in ("backend", "fused_backward")}
         if variant.mode == "jvp":
             row["tangent_config"] = _tangent_tiles(config, variant)
         fn, specs = variant.build()
