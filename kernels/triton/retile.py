@@ -81,6 +81,11 @@ def forward_config(problem: _Problem, config: FlashConfig, dtype, head_dim: int,
     local = f.window_left is not None or f.dropout_rate > 0 or problem.bias_shape is not None
     if local and _float32_d128(dtype, head_dim):
         config = dataclasses.replace(config, num_stages=max(config.num_stages, 3))
+    if head_dim > 128 and not problem.same_value_dim:
+        # Dv != D above head dim 128 (MLA's D 192 / Dv 128) on 2 stages, 16-bit and float32: on 1 the forward
+        # spilled 8-16 B on sm_86 / sm_120 (16-bit, 128 registers) and 16 B on sm_80 (float32 on 4 warps); on 2
+        # it holds 126 / 72 registers (Version 12, found by the plan-derived registry).
+        config = dataclasses.replace(config, num_stages=max(config.num_stages, 2))
     return config
 
 
@@ -128,7 +133,31 @@ def backward_configs(problem: _Problem, dtype, head_dim: int, *, hopper: bool,
     fields, dq_fields = _float32_local(problem, dtype, head_dim, hopper)
     dkv = dataclasses.replace(dkv, **fields)
     dq = dataclasses.replace(dq, **dq_fields)
+    dkv = dataclasses.replace(dkv, **_float32_dkv(problem, dtype, head_dim, hopper))
     return dq, dkv
+
+
+def _float32_dkv(problem: _Problem, dtype, head_dim: int, hopper: bool) -> dict:
+    """The float32 dK/dV fields for calls the plan-derived registry found spilling (docs/perf-notes.md,
+    Version 12), on top of the rules above:
+
+    - head dim 64 with GQA and a dense mask or a window on sm_80 / sm_86: 4 warps. On 8 it spilled 4 B at 64
+      registers (per query head, `dkv_per_query_head`); on 4 it holds 96;
+    - head dim 256 with GQA and Dv != D on sm_80 / sm_86: 2 stages. On 4 warps and 1 stage it spilled 20 B at
+      128 registers; on 2 stages it holds 128;
+    - head dim 256 causal on a wide-MMA GPU: 4 warps. On 8 it spilled 8 B at 128 registers at seq 8192 (not at
+      1024: ptxas schedules the longer loop differently); on 4 it holds 144."""
+    f = problem.features
+    if jnp.dtype(dtype) != jnp.float32:
+        return {}
+    if not hopper and head_dim <= 64 and problem.group > 1 and (problem.mask_shape is not None
+                                                                or f.window_left is not None):
+        return dict(num_warps=4)
+    if not hopper and head_dim > 128 and problem.group > 1 and not problem.same_value_dim:
+        return dict(num_stages=2)
+    if hopper and head_dim > 128 and f.window_right == 0 and f.window_left is None and problem.group == 1:
+        return dict(num_warps=4)
+    return {}
 
 
 def gathers_score_tile_of(problem: _Problem) -> bool:

@@ -199,9 +199,32 @@ def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
     return out
 
 
-def check(path: Path, targets=None, only: str | None = None) -> int:
+def retired_problems(earlier: dict, targets=None, only: str | None = None) -> list[str]:
+    """The rows of an earlier report (the committed record that `run --reuse` takes) the registry no longer
+    expects, among `targets` and `only`: its flash rows come from the dispatch's plans (plan_space.py), so a
+    row gone is a path gone, which fails unless rules.RETIRED names it with why. A name of rules.RETIRED the
+    registry still has fails too (a stale entry)."""
+    targets = set(targets or TARGETS)
+    now = {(t, v.name) for t, v in expected(list(targets), only)}
+    names = {name for _, name in now}
+    out = [f"rules.RETIRED names {name}: still a variant of the registry" for name in rules.RETIRED if name in names]
+    for row in earlier.get("rows", []):
+        key = (row["target"], row["variant"])
+        if (row["target"] in targets and not (only and not re.search(only, row["variant"])) and key not in now
+                and row["variant"] not in rules.RETIRED):
+            out.append(f"{key[0]} {key[1]}: in the earlier report but no longer in the registry (the call's path "
+                       "is gone from the dispatch, or a row was dropped); name it in rules.RETIRED with why if "
+                       "that is meant")
+    return out
+
+
+def check(path: Path, targets=None, only: str | None = None, earlier: Path | None = None) -> int:
+    """Prints every problem of the report at `path` (`problems`), and with `earlier` (a report it was made from,
+    `--reuse`) the rows it lost (`retired_problems`); 1 if there are any."""
     report = json.loads(path.read_text())
     found = problems(report, targets, only)
+    if earlier is not None:
+        found += retired_problems(json.loads(Path(earlier).read_text()), targets, only)
     for line in found:
         print(f"compile_report: FAIL {line}")
     kernels = sum(len(r["kernels"]) for r in report.get("rows", []))

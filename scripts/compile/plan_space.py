@@ -62,7 +62,7 @@ class Probe:
     dtype: str
     head_dim: int
     value_dim: int
-    seed: bool = False  # a call of the grid (a row whatever its plan)
+    seed: bool = False  # a call of the grid (in the modes the grid compiles it: a row whatever its plan)
     forced: bool = False  # a row on the full targets whatever its plan (`FORCED`)
 
     def name(self, mode: str) -> str:
@@ -325,7 +325,7 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
     import variants as registry
 
     targets = targets or registry.FULL_TARGETS + registry.SUBSET_TARGETS
-    space = probes()
+    space, grid = probes(), {v.name for v in registry._grid_variants()}
     covered, rows = set(), {}
 
     def add(probe, target, mode, key):
@@ -344,7 +344,7 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
             plans[probe] = plan_of(probe, target)
             for mode in MODES:  # the rows compiled on this target whatever the plans: they cover first
                 on_target = reference is None or registry._on_subset_targets(probe.variant(mode, (), ()))
-                if probe.seed and on_target:
+                if probe.name(mode) in grid and on_target:
                     covered.add(_key(probe, target, mode, outcome(plans[probe], mode)))
         for probe, plan in plans.items():
             base = plan_of(probe, reference) if reference else None
@@ -374,7 +374,9 @@ def _source_key() -> str:
 def cache_folder() -> Path:
     """Where derived rows are kept: $PROBJAX_PLAN_SPACE_CACHE, else the user's cache folder."""
     folder = os.environ.get("PROBJAX_PLAN_SPACE_CACHE")
-    return Path(folder) if folder else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "probjax-plan-space"
+    if folder:
+        return Path(folder)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "probjax-plan-space"
 
 
 def derived_rows() -> list[dict]:
@@ -421,7 +423,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for row in rows:
-            print(row["probe"]["stem"].replace("{mode}", "grad" if row["mode"] == "fwd+bwd" else "jvp"), ",".join(row["targets"]))
+            name = row["probe"]["stem"].replace("{mode}", "grad" if row["mode"] == "fwd+bwd" else "jvp")
+            print(name, ",".join(row["targets"]))
         print(f"{len(rows)} rows")
     return 0
 

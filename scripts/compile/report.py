@@ -3,7 +3,7 @@ XLA, Triton, Mosaic GPU and ptxas) and report registers, spills, shared memory, 
 / copy instructions of each kernel. Run it through scripts/compile_check.sh, which installs the toolchain.
 
     python scripts/compile/report.py run --toolchain DIR [--targets sm90a_h100,...] [--only REGEX]
-    python scripts/compile/report.py check [docs/compile/report.json] [--targets ...] [--only REGEX]
+    python scripts/compile/report.py check [docs/compile/report.json] [--targets ...] [--only REGEX] [--earlier R]
     python scripts/compile/report.py markdown [docs/compile/report.json]
 
 `run` starts one worker process per (target, group) shard, two at a time (`--jobs`), writes
@@ -107,7 +107,7 @@ def run(args) -> int:
           + (f"; {sum(bool(r.get('reused')) for r in rows)} of {len(rows)} rows reused from {args.reuse} (their "
              f"lowered module unchanged), {sum('reproduced' in r for r in rows)} re-compiled to check they "
              f"reproduce it" if args.reuse else ""))
-    return check(out, targets, args.only)
+    return check(out, targets, args.only, earlier=args.reuse)
 
 
 def _compile_seconds(rows: list[dict]) -> float:
@@ -190,6 +190,8 @@ def main() -> int:
     c.add_argument("report", nargs="?", default=str(REPORT))
     c.add_argument("--targets", help="a comma-separated subset of the targets (default: all)")
     c.add_argument("--only", help="a regex: check only the registry's variants whose name matches")
+    c.add_argument("--earlier", type=Path, help="the report this one was made from: a row of it the registry "
+                   "no longer has fails (rules.RETIRED lists those retired on purpose)")
     m = sub.add_parser("markdown")
     m.add_argument("report", nargs="?", default=str(REPORT))
     args = parser.parse_args()
@@ -202,7 +204,8 @@ def main() -> int:
                                                args.first, args.reuse, args.verify, args.seed)))
         return 0
     if args.command == "check":
-        return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only)
+        return check(Path(args.report), args.targets.split(",") if args.targets else None, args.only,
+                     earlier=args.earlier)
     path = Path(args.report)
     report = _with_verdicts(json.loads(path.read_text()))
     path.write_text(json.dumps(report, indent=1) + "\n")

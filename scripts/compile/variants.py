@@ -2,13 +2,13 @@
 with the targets it applies to and the Pallas kernels its compile must hold. It is the report's expected set:
 a (target, variant) pair missing from a report, or a required kernel missing from a row, fails the check.
 
-The grid (`_grid_variants`) is the product of what changes a compiled kernel under the dispatch rules
-(`required_kernels`): backend ("triton": `auto` and a default config on a GPU; "mosaic":
-FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1 on Hopper) x dtype x head dim x mode x feature. Tiles
-(`default_config`'s for the target device) depend on the backend, dtype, head dim and target, and shrink
-only for sequences shorter than a tile; batch and heads change no kernel. Registers can move a little with
-the sequence length (the loop bounds are constants), so the seed's seq 8192 is compiled beside seq 1024
-(`_control_variants`), with the peers at both. The decode kernel's variants and the peers follow.
+The grid (`_grid_variants`): backend x dtype x head dim x mode x feature, the kernels each call must hold
+restated from the API contract (`required_kernels`). Beside it the rows of the dispatch's own plans
+(`planned_rows`, plan_space.py): each call one argument away from a grid call (dtype, head dim, lengths, GQA,
+batch, Dv, window, bias / mask shape) that `_dispatch.plan` plans, on a target, onto kernels, tiles, a dK/dV
+grid or splits no row compiles there; so a new rule of a backend's plan adds its rows by itself, and a row
+that disappears fails (`check.retired_problems`). Registers can move a little with the length (loop bounds
+are constants): seq 8192 is compiled beside 1024 (`_control_variants`, `plan_space.FORCED`). Decode and peers follow.
 """
 
 from __future__ import annotations

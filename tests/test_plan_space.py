@@ -1,0 +1,114 @@
+"""The compile registry's rows derived from the dispatch (scripts/compile/plan_space.py): a new rule in a backend's
+plan becomes a row without anyone adding one, a row that disappears fails the check, and each derived row
+requires the kernels its call's plan runs."""
+
+import re
+import sys
+from pathlib import Path
+
+from probjax_kernels.triton import plan as triton_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "compile"))
+import check  # noqa: E402 - scripts/compile/check.py
+import plan_space  # noqa: E402
+import rules  # noqa: E402
+import variants as registry  # noqa: E402
+
+TRITON_KERNELS = {"forward": (registry.FORWARD,), "backward": (registry.DQ, registry.DKV),
+                  "run_tangent": (registry.TANGENT,)}
+
+
+def _names(rows) -> set[str]:
+    return {plan_space.Probe(**dict(r["probe"], options=tuple(map(tuple, r["probe"]["options"])))).name(r["mode"])
+            for r in rows}
+
+
+def test_a_new_tile_rule_in_the_plan_becomes_a_row(monkeypatch):
+    """A rule nobody listed (head dim 32 and under on 512 x 512 forward tiles, the example the issue gives) makes
+    the calls at those head dims plan differently from head dim 64's, so the registry grows rows that compile it."""
+    before = _names(plan_space.derive(targets=("sm86_rtx3090",)))
+    assert "flash_grad_d16_bf16_window" not in before
+    tiles = triton_plan._triton_tiles
+
+    def new_rule(head_dim, large_smem, hopper=False):
+        return (512, 512, *tiles(head_dim, large_smem, hopper)[2:]) if head_dim <= 32 else tiles(
+            head_dim, large_smem, hopper)
+
+    monkeypatch.setattr(triton_plan, "_triton_tiles", new_rule)
+    after = _names(plan_space.derive(targets=("sm86_rtx3090",)))
+    new = after - before
+    print(sorted(new))
+    assert {"flash_grad_d16_bf16_window", "flash_grad_d16_bf16_dropout", "flex_grad_d16_bf16_softcap"} <= new
+    assert all("_d32_" in name or "_d16_" in name for name in new), sorted(new)
+
+
+def test_every_forced_call_is_a_row_on_the_full_targets():
+    by_name = {v.name: v for v in registry.variants()}
+    for name in plan_space.FORCED:
+        assert name in by_name, name
+        assert set(registry.FULL_TARGETS if not name.startswith("mosaic") else registry.HOPPER) <= set(
+            by_name[name].targets), name
+
+
+def test_each_derived_row_requires_the_kernels_its_plan_runs():
+    """The kernels a derived row must hold (`required_kernels`, the API contract restated) are the ones
+    `_dispatch.plan` runs for its call on its first target: Mosaic GPU's where the plan picks them."""
+    by_name = {v.name: v for v in registry.variants()}
+    rows = plan_space.derived_rows()
+    assert len(rows) > 100
+    for row in rows:
+        probe = plan_space.Probe(**dict(row["probe"], options=tuple(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in row["probe"]["options"])))
+        name = probe.name(row["mode"])
+        plan = plan_space.plan_of(probe, row["targets"][0])
+        passes = (plan.forward, plan.backward if row["mode"] == "fwd+bwd" else plan.tangent)
+        ran = set()
+        for kernel_pass in passes:
+            if kernel_pass.run.__module__.endswith("mosaic.glue"):
+                ran |= {registry.MOSAIC_FORWARD} if kernel_pass is plan.forward else {registry.MOSAIC_DQ,
+                                                                                      registry.MOSAIC_DKV}
+            else:
+                ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
+        assert ran == set(by_name[name].requires), (name, sorted(ran))
+
+
+def test_a_row_the_registry_lost_fails_unless_retired(monkeypatch):
+    earlier = {"rows": [{"target": "sm90a_h100", "variant": "flash_grad_d64_bf16_causal"},
+                        {"target": "sm90a_h100", "variant": "decode_f32_that_was_dropped"}]}
+    found = check.retired_problems(earlier)
+    assert len(found) == 1 and "decode_f32_that_was_dropped" in found[0]
+    monkeypatch.setattr(rules, "RETIRED", {"decode_f32_that_was_dropped": "a test"})
+    assert check.retired_problems(earlier) == []
+    # a retired name the registry still has is a stale entry
+    monkeypatch.setattr(rules, "RETIRED", {"flash_grad_d64_bf16_causal": "a test"})
+    assert any("still a variant" in line for line in check.retired_problems(earlier))
+
+
+def test_a_generation_rule_is_a_row_on_that_generation_only():
+    """On sm_100a a row appears where its plan differs from sm_90a's (tcgen05's own rules), and only there."""
+    rows = [r for r in plan_space.derived_rows() if "sm100a_b200" in r["targets"]]
+    assert rows
+    for row in rows:
+        probe = plan_space.Probe(**dict(row["probe"], options=tuple(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in row["probe"]["options"])))
+        if probe.forced:
+            continue
+        on_b200 = plan_space.outcome(plan_space.plan_of(probe, "sm100a_b200"), row["mode"])
+        on_h100 = plan_space.outcome(plan_space.plan_of(probe, "sm90a_h100"), row["mode"])
+        assert on_b200 != on_h100, probe.name(row["mode"])
+
+
+def test_probes_are_unique_and_the_grid_comes_first():
+    """The probe space starts with the grid's calls; the grid rows that are not probes are its explicit extras
+    (ragged tails, float16, GQA with a dense bias or mask), and the grid's probes the grid does not compile
+    (float32 on backend "mosaic" in jvp but at head dim 128, causal) are rows where their plans are new."""
+    space = plan_space.probes()
+    assert len({p.stem for p in space}) == len(space)
+    grid = [p for p in space if p.seed]
+    assert space[:len(grid)] == grid
+    grid_names = {v.name for v in registry._grid_variants()}
+    probe_names = {p.name(m) for p in grid for m in plan_space.MODES}
+    assert {n for n in probe_names - grid_names if not n.startswith("mosaic_jvp_d")} == set()
+    extras = grid_names - probe_names
+    assert extras and all(re.search(r"_T\d+$|_f16_|_dense_(bias_f32|mask)_gqa8to2_causal$", n) for n in extras), extras
