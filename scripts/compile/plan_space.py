@@ -201,7 +201,7 @@ def _deviations(probe: Probe) -> list[Probe]:
     if family in ("full", "causal", "dense_bias", "dense_mask") and flash:
         causal = family != "full"
         out.append(moved("_kvbatch1", kv_batch=1, causal=causal))
-    if family in ("dense_bias", "dense_bias_f32") and dtype != "f32" and family == "dense_bias":
+    if family == "dense_bias" and dtype != "f32":
         out += [moved("_keys", bias="keys", causal=False), moved("_heads", bias="heads", causal=False)]
     if family == "dense_mask":
         out.append(moved("_keys", mask="keys", causal=False))
