@@ -401,6 +401,30 @@ def derived_rows() -> list[dict]:
     return json.loads(path.read_text())
 
 
+def planned_rows(out: list) -> list:
+    """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
+    is one no row compiles there, and the calls of `plan_space.FORCED`. A row of `out` of the same name takes
+    the targets; a new one requires the kernels `required_kernels` names for its family."""
+    import variants as registry
+
+    out, index = list(out), {v.name: i for i, v in enumerate(out)}
+    for row in derived_rows():
+        fields = dict(row["probe"])
+        fields["options"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields["options"])
+        probe, mode = Probe(**fields), row["mode"]
+        name = probe.name(mode)
+        if name in index:
+            v = out[index[name]]
+            out[index[name]] = dataclasses.replace(
+                v, targets=v.targets + tuple(t for t in row["targets"] if t not in v.targets))
+            continue
+        feature = "kv_batch1" if dict(probe.options).get("kv_batch") == 1 else probe.family
+        requires = registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature)
+        index[name] = len(out)
+        out.append(probe.variant(mode, tuple(row["targets"]), requires))
+    return out
+
+
 def main() -> int:
     import argparse
 

@@ -568,36 +568,14 @@ def _lm_variants() -> list[Variant]:
 
 def variants() -> list[Variant]:
     """Every variant of the registry; names are unique: the grid and the families above, then the rows the
-    dispatch's plans add (`planned_rows`)."""
+    dispatch's plans add (`plan_space.planned_rows`)."""
     out = (_grid_variants() + _control_variants() + _decode_variants() + _ragged_variants() + _peer_variants()
            + _tokamax_peer_variants() + _lm_variants())
     out = [dataclasses.replace(v, targets=v.targets + tuple(t for t in SUBSET_TARGETS if t not in v.targets))
            if _on_subset_targets(v) else v for v in out]
-    out = planned_rows(out)
-    names = [v.name for v in out]
-    assert len(names) == len(set(names)), "variant names must be unique"
-    return out
-
-
-def planned_rows(out: list[Variant]) -> list[Variant]:
-    """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
-    is one no row compiles there, and the calls of `plan_space.FORCED`. A row of `out` of the same name takes
-    the targets; a new one requires the kernels `required_kernels` names for its family."""
     import plan_space
 
-    out, index = list(out), {v.name: i for i, v in enumerate(out)}
-    for row in plan_space.derived_rows():
-        fields = dict(row["probe"])
-        fields["options"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields["options"])
-        probe, mode = plan_space.Probe(**fields), row["mode"]
-        name = probe.name(mode)
-        if name in index:
-            v = out[index[name]]
-            out[index[name]] = dataclasses.replace(
-                v, targets=v.targets + tuple(t for t in row["targets"] if t not in v.targets))
-            continue
-        feature = "kv_batch1" if dict(probe.options).get("kv_batch") == 1 else probe.family
-        requires = required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature)
-        index[name] = len(out)
-        out.append(probe.variant(mode, tuple(row["targets"]), requires))
+    out = plan_space.planned_rows(out)
+    names = [v.name for v in out]
+    assert len(names) == len(set(names)), "variant names must be unique"
     return out
