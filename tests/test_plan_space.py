@@ -20,8 +20,7 @@ TRITON_KERNELS = {"forward": (registry.FORWARD,), "backward": (registry.DQ, regi
 
 
 def _names(rows) -> set[str]:
-    return {plan_space.Probe(**dict(r["probe"], options=tuple(map(tuple, r["probe"]["options"])))).name(r["mode"])
-            for r in rows}
+    return {plan_space.probe_of(r).name(r["mode"]) for r in rows}
 
 
 def test_a_new_tile_rule_in_the_plan_becomes_a_row(monkeypatch):
@@ -58,8 +57,7 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
     rows = plan_space.derived_rows()
     assert len(rows) > 100
     for row in rows:
-        probe = plan_space.Probe(**dict(row["probe"], options=tuple(
-            (k, tuple(v) if isinstance(v, list) else v) for k, v in row["probe"]["options"])))
+        probe = plan_space.probe_of(row)
         name = probe.name(row["mode"])
         plan = plan_space.plan_of(probe, row["targets"][0])
         passes = (plan.forward, plan.backward if row["mode"] == "fwd+bwd" else plan.tangent)
@@ -90,8 +88,7 @@ def test_a_generation_rule_is_a_row_on_that_generation_only():
     rows = [r for r in plan_space.derived_rows() if "sm100a_b200" in r["targets"]]
     assert rows
     for row in rows:
-        probe = plan_space.Probe(**dict(row["probe"], options=tuple(
-            (k, tuple(v) if isinstance(v, list) else v) for k, v in row["probe"]["options"])))
+        probe = plan_space.probe_of(row)
         if probe.forced:
             continue
         on_b200 = plan_space.outcome(plan_space.plan_of(probe, "sm100a_b200"), row["mode"])

@@ -270,7 +270,7 @@ def planned_section(rows: list[dict]) -> list[str]:
     are rows whatever their plans (`plan_space.FORCED`) with why."""
     import plan_space
 
-    planned = {plan_space.Probe(**dict(r["probe"], options=())).name(r["mode"]) for r in plan_space.derived_rows()}
+    planned = {plan_space.probe_of(r).name(r["mode"]) for r in plan_space.derived_rows()}
     out = ["\n## Rows from the dispatch's plans\n",
            "Beside the grid, the registry holds the calls one argument away from a grid call (float16, head dim "
            "16 / 32, ragged and long sequences, keys longer or shorter than queries, other GQA ratios, key / value "

@@ -335,23 +335,27 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
         row["targets"].append(target)
         row["covers"].append(key)
 
+    plans_on: dict[str, dict] = {}
+
+    def plans(target: str) -> dict:  # every probe's plan on the target, made once (a reference serves several)
+        if target not in plans_on:
+            plans_on[target] = {probe: plan_of(probe, target) for probe in space
+                                if probe.backend != "mosaic" or target in registry.HOPPER}
+        return plans_on[target]
+
     for target in targets:
         reference = REFERENCE_TARGET.get(target)
-        plans = {}
-        for probe in space:
-            if probe.backend == "mosaic" and target not in registry.HOPPER:
-                continue
-            plans[probe] = plan_of(probe, target)
+        for probe, plan in plans(target).items():
             for mode in MODES:  # the rows compiled on this target whatever the plans: they cover first
                 on_target = reference is None or registry._on_subset_targets(probe.variant(mode, (), ()))
                 if probe.name(mode) in grid and on_target:
-                    covered.add(_key(probe, target, mode, outcome(plans[probe], mode)))
-        for probe, plan in plans.items():
-            base = plan_of(probe, reference) if reference else None
+                    covered.add(_key(probe, target, mode, outcome(plan, mode)))
+        for probe, plan in plans(target).items():
+            base = plans(reference)[probe] if reference else None
             for mode in MODES:
                 what = outcome(plan, mode)
                 key = _key(probe, target, mode, what)
-                forced = probe.forced and probe.name(mode) in FORCED and base is None
+                forced = probe.name(mode) in FORCED and base is None
                 if not forced and (key in covered or (base is not None and what == outcome(base, mode))):
                     continue
                 add(probe, target, mode, key)
@@ -401,6 +405,12 @@ def derived_rows() -> list[dict]:
     return json.loads(path.read_text())
 
 
+def probe_of(row: dict) -> Probe:
+    """The probe of a derived row (its JSON form: lists where the probe holds tuples)."""
+    options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in row["probe"]["options"])
+    return Probe(**dict(row["probe"], options=options))
+
+
 def planned_rows(out: list) -> list:
     """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
     is one no row compiles there, and the calls of `plan_space.FORCED`. A row of `out` of the same name takes
@@ -409,9 +419,7 @@ def planned_rows(out: list) -> list:
 
     out, index = list(out), {v.name: i for i, v in enumerate(out)}
     for row in derived_rows():
-        fields = dict(row["probe"])
-        fields["options"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields["options"])
-        probe, mode = Probe(**fields), row["mode"]
+        probe, mode = probe_of(row), row["mode"]
         name = probe.name(mode)
         if name in index:
             v = out[index[name]]
@@ -447,8 +455,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for row in rows:
-            name = row["probe"]["stem"].replace("{mode}", "grad" if row["mode"] == "fwd+bwd" else "jvp")
-            print(name, ",".join(row["targets"]))
+            print(probe_of(row).name(row["mode"]), ",".join(row["targets"]))
         print(f"{len(rows)} rows")
     return 0
 
