@@ -168,6 +168,8 @@ def test_dkv_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="tables_block_q"):  # a table tile must be whole steps
         mosaic_backward_dkv(*args, scale=0.125, causal=False, tables_block_q=96)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
+    # segment ids: the resident keys' and a ring slot of the queries' per stage, int32
+    assert dkv_smem_bytes(128, 64, 128, 2, segments=True) == dkv_smem_bytes(128, 64, 128, 2) + 4 * (128 + 2 * 64)
 
 
 def _hooked_score(score, b, h, q_idx, kv_idx):
@@ -238,3 +240,52 @@ def test_score_fn_needs_its_jvp():
     fn = functools.partial(mosaic_backward_dq, scale=0.125, causal=False, score_fn=_hooked_score)
     with pytest.raises(ValueError, match="score_jvp"):
         jax.eval_shape(fn, q, q, q, q, lse, q, lengths, lengths)
+
+
+@pytest.mark.parametrize("causal, window, q_seq, kv_seq", [(True, (None, None), 384, 256), (False, (90, 40), 256, 384)])
+def test_segment_ids_match_the_reference_in_interpreter(causal, window, q_seq, kv_seq):
+    """dQ and dK/dV of packed documents (segment ids read beside the tiles), GQA, ragged lengths, documents
+    ending inside tiles, with a causal mask or a two-sided window; keys past kv_lengths get zero gradient."""
+    batch, num_heads, num_kv_heads, head_dim, dtype = 2, 4, 2, 64, jnp.bfloat16
+    q, k, v = random_qkv(6, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
+    d_out = random_qkv(7, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
+    rng = np.random.default_rng(8)
+    q_segments, kv_segments = (jnp.asarray(np.sort(rng.integers(0, 4, (batch, n)), axis=1), jnp.int32)
+                               for n in (q_seq, kv_seq))
+    q_lengths, kv_lengths = jnp.asarray([q_seq, q_seq - 60], jnp.int32), jnp.asarray([kv_seq - 77, kv_seq], jnp.int32)
+    segments = dict(q_segment_ids=q_segments, kv_segment_ids=kv_segments)
+    scale = head_dim**-0.5
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, k, v, causal=causal, window=window, scale=scale, q_lengths=q_lengths,
+                                         kv_lengths=kv_lengths, return_lse=True, **segments)
+
+    (out, lse), expected = reference_vjp(reference, tuple(x.astype(jnp.float32) for x in (q, k, v)),
+                                         d_out.astype(jnp.float32))
+    options = dict(scale=scale, causal=causal, window=window, interpret=True, **segments)
+    args = (q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths)
+    dq = jax.jit(functools.partial(mosaic_backward_dq, **options))(*args)
+    dk, dv = jax.jit(functools.partial(mosaic_backward_dkv, **options))(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_close(got, want, dtype, name)
+    assert not np.any(np.asarray(dk)[0, kv_seq - 77:]) and not np.any(np.asarray(dv)[0, kv_seq - 77:])
+
+
+@pytest.mark.parametrize("kernel", [mosaic_backward_dq, mosaic_backward_dkv])
+def test_segment_ids_lower_for_cuda(kernel):
+    batch, seq, num_heads, num_kv_heads, head_dim = 2, 1024, 8, 2, 128
+    q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    segments = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+    def fn(q, k, v, out, lse, d_out, q_lengths, kv_lengths, q_segments, kv_segments):
+        return kernel(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale=head_dim**-0.5, causal=True,
+                      q_segment_ids=q_segments, kv_segment_ids=kv_segments)
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(q, kv, kv, q, lse, q, lengths, lengths, segments, segments).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

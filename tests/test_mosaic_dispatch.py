@@ -89,14 +89,12 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
 
 
-@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "segments", "negative_scale"])
+@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "negative_scale"])
 def test_calls_that_do_not_fit_fall_back_to_triton(case):
     shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32)}.get(case, (1, 128, 128, 2, 2, 64))
     dtype = jnp.float32 if case == "float32" else jnp.bfloat16
     q, k, v = random_qkv(2, *shape, dtype)
-    segments = jnp.array([[0] * 50 + [1] * 78])
     kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))},
-              "segments": {"q_segment_ids": segments, "kv_segment_ids": segments},
               "negative_scale": {"scale": -0.2}}.get(case, {})
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     expected = jax.jit(lambda q, k, v: flash_attention_reference(q, k, v, **kwargs))(q, k, v)
@@ -295,6 +293,30 @@ def test_windows_run_the_mosaic_forward_and_backward(window, causal):
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(got, expected, jnp.bfloat16, name)
+
+
+@pytest.mark.parametrize("causal, kv_lengths", [(True, [300, 384]), (False, [384, 200])])
+def test_segment_ids_run_the_mosaic_forward_and_backward(causal, kv_lengths):
+    """Packed documents: the Mosaic kernels read the segment ids as vectors beside their tiles (forward, dQ and
+    dK/dV), with GQA, per-sequence lengths, a document that ends inside a tile and query rows whose document
+    has no key below kv_lengths (output 0, zero gradient)."""
+    q, k, v = random_qkv(13, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
+    segments = jnp.array([[0] * 70 + [1] * 250 + [2] * 64, [5] * 130 + [7] * 254])
+    kwargs = {"causal": causal, "kv_lengths": jnp.array(kv_lengths), "q_segment_ids": segments,
+              "kv_segment_ids": segments}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(14), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+    if causal:  # document 2 of sequence 0 starts at 320, past kv_lengths 300: its rows see no key
+        assert not np.any(np.asarray(out)[0, 320:]) and not np.any(np.asarray(grads[0])[0, 320:])
 
 
 def test_hooks_on_non_square_tiles_run_the_triton_backward():

@@ -28,19 +28,22 @@ def _fresh_interpreter():
 
 
 def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
-                         kv_lengths, poison_from=None, window=(None, None), **tiles):
-    """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read."""
+                         kv_lengths, poison_from=None, window=(None, None), segments=None, **tiles):
+    """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read.
+    `segments`: (q_segment_ids, kv_segment_ids)."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     k_in, v_in = k, v
     if poison_from is not None:
         k_in, v_in = (x.at[:, poison_from:].set(jnp.nan) for x in (k, v))
     # Under jit: eagerly, every op around the kernel is an XLA compile of its own.
+    q_segment_ids, kv_segment_ids = segments or (None, None)
     out, lse = jax.jit(functools.partial(mosaic_forward, scale=scale, causal=causal, window=window, interpret=True,
                                          **tiles))(
-        q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32))
+        q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths)
+                            kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
@@ -96,6 +99,37 @@ def test_skipped_tiles_are_never_read(causal, q_lengths, kv_lengths):
                          block_kv=64)
 
 
+def _documents(lengths: list[list[int]]) -> jnp.ndarray:
+    """int32 [B, sum(lengths[b])] segment ids: document d of sequence b has lengths[b][d] tokens (ids 3d + b)."""
+    return jnp.asarray([np.repeat(3 * np.arange(len(row)) + b, row) for b, row in enumerate(lengths)], jnp.int32)
+
+
+@pytest.mark.parametrize("causal, window, tiles", [
+    (True, (None, None), {"block_kv": 64, "num_stages": 3}),  # documents ending inside tiles, the ring wraps
+    (False, (60, 20), {}),  # a two-sided window on top of the documents
+])
+def test_segment_ids_match_numpy_in_interpreter(causal, window, tiles):
+    # T < S (packed queries against a longer packed key sequence), GQA, ragged lengths; query rows whose
+    # document has no key below kv_lengths give 0 and lse -inf.
+    q_segments = _documents([[40, 60, 28], [128]])
+    kv_segments = _documents([[100, 30, 126], [56, 200]])
+    _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, causal, [128, 100], [200, 256], window=window,
+                         segments=(q_segments, kv_segments), **tiles)
+
+
+@pytest.mark.parametrize("segments, match", [
+    ((jnp.zeros((1, 256), jnp.int32), None), "pass both q_segment_ids and kv_segment_ids"),
+    ((jnp.zeros((1, 200), jnp.int32), jnp.zeros((1, 256), jnp.int32)), r"q_segment_ids must be integer \[B, T\]"),
+    ((jnp.zeros((1, 256), jnp.int32), jnp.zeros((1, 256), jnp.float32)), "kv_segment_ids must be integer"),
+])
+def test_rejects_bad_segment_ids(segments, match):
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    lengths = jnp.array([256], jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(mosaic_forward, scale=1.0, causal=False, q_segment_ids=segments[0],
+                                         kv_segment_ids=segments[1]), q, q, q, lengths, lengths)
+
+
 def _specs(batch, seq, num_heads, num_kv_heads, head_dim) -> tuple:
     """q, k, v (bf16) and the two length vectors of a `mosaic_forward` call, as abstract shapes."""
     q = jax.ShapeDtypeStruct((batch, seq, num_heads, head_dim), jnp.bfloat16)
@@ -129,10 +163,21 @@ def test_lowers_for_cuda(head_dim, causal, tiles):
     assert "mosaic_gpu" in _lower_for_cuda(fn, *_specs(batch, seq, num_heads, num_kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_segment_ids_lower_for_cuda(head_dim):
+    segments = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+    fn = functools.partial(mosaic_forward, scale=head_dim**-0.5, causal=True, block_kv=128 if head_dim == 64 else 64)
+    text = _lower_for_cuda(lambda *a: fn(*a[:5], q_segment_ids=a[5], kv_segment_ids=a[6]),
+                           *_specs(2, 1024, 8, 2, head_dim), segments, segments)
+    assert "mosaic_gpu" in text
+
+
 def test_smem_estimate():
     assert smem_bytes(128, 128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 4 * 128
     assert smem_bytes(128, 128, 128, 3) <= SMEM_BYTES < smem_bytes(128, 128, 128, 3, p_in_smem=True)
     assert smem_bytes(256, 128, 128, 2) > SMEM_BYTES
+    # segment ids: the query rows' and a ring slot of the keys' per stage, int32
+    assert smem_bytes(128, 128, 128, 2, segments=True) == smem_bytes(128, 128, 128, 2) + 4 * (128 + 2 * 128)
 
 
 @pytest.mark.parametrize(

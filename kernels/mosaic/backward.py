@@ -49,9 +49,11 @@ from probjax_kernels.mosaic.common import (
     _launch,
     _prologue,
     check_layout,
+    check_segments,
     drain_ring,
     fill_ring_slot,
     own_ranges,
+    same_segment,
     split_hook_refs,
     table_walk,
     tile_indices,
@@ -61,21 +63,23 @@ from probjax_kernels.mosaic.forward import _check
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
-                  itemsize: int = 2) -> int:
-    """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings, lse2 / delta rows and,
-    with `ds_in_smem`, the dS tiles of one part."""
+                  itemsize: int = 2, segments: bool = False) -> int:
+    """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings, lse2 / delta rows, with
+    `ds_in_smem` the dS tiles of one part and with `segments` the rows' segment ids and a ring of the keys'."""
     ds_tiles = block_q * min(block_kv, PART) if ds_in_smem else 0
-    return itemsize * (head_dim * (2 * block_q + 2 * num_stages * block_kv) + ds_tiles) + 8 * block_q
+    segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
+    return itemsize * (head_dim * (2 * block_q + 2 * num_stages * block_kv) + ds_tiles) + 8 * block_q + segment_ids
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int,
+    num_mask_arrays: int, has_segments: bool,
 ):
-    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
+    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
     dq_ref, smem, row_ready, ready, free = refs
-    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
+    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -111,17 +115,20 @@ def _dq_kernel(
         row0 = tile_row0 + wg * rows
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
+        sources = [q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector]]
         own = [x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)]
-        for src, dst, barrier in zip(
-            (q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector]),
-            own, row_ready,
-        ):
+        if has_segments:
+            sources.append(segments[0].at[batch, pl.ds(row0, rows)])
+            own.append(q_segment_smem.at[wg])
+        for src, dst, barrier in zip(sources, own, row_ready):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         for barrier in row_ready:
             plgpu.barrier_wait(barrier.at[wg])
-        q_own, do_own, lse2_own, delta_own = own
+        q_own, do_own, lse2_own, delta_own = own[:4]
         lse2 = plgpu.load(lse2_own, layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_own, layout=plgpu.Layout.WGMMA.reduce(1))
+        if has_segments:
+            q_segments = plgpu.load(own[4], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
@@ -145,10 +152,13 @@ def _dq_kernel(
                 dp = matmul_t(do_own, v_part)
                 if j == block_kv // part - 1:
                     plgpu.barrier_arrive(v_free.at[slot])
+                kv_segments = None
+                if has_segments:  # its slot is freed with K's, after the last part
+                    kv_segments = plgpu.load(kv_segment_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0))
                 s, s_scale, derivative = rule.scores(
                     s, lambda: tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part), batch, head,
                     kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                    with_derivative=True,
+                    same_segment=lambda: same_segment(q_segments, kv_segments, s.shape), with_derivative=True,
                 )
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
@@ -191,9 +201,12 @@ def _dq_kernel(
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
-            tile = (batch, pl.ds(block_of(kv_step) * block_kv, block_kv), kv_head)
-            fill_ring_slot(kv_step, num_stages, (k_free, v_free),
-                           ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
+            key0 = block_of(kv_step) * block_kv
+            tile = (batch, pl.ds(key0, block_kv), kv_head)
+            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+            if has_segments:  # the keys' segment ids arrive with K
+                copies.append((segments[1].at[batch, pl.ds(key0, block_kv)], kv_segment_smem, k_ready))
+            fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
 
@@ -228,6 +241,8 @@ def mosaic_backward_dq(
     score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
     mask_arrays: tuple[jax.Array, ...] = (),
     score_arrays: tuple[jax.Array, ...] = (),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
@@ -237,6 +252,7 @@ def mosaic_backward_dq(
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
     tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
+    `q_segment_ids`, `kv_segment_ids` as in `mosaic_forward`.
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype.
     """
@@ -245,10 +261,12 @@ def mosaic_backward_dq(
     ds_in_smem = ds_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
     batch, q_len, num_heads, head_dim = q.shape
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     if out.shape != q.shape or d_out.shape != q.shape or lse.shape != (batch, num_heads, q_len):
         raise ValueError(f"out / d_out must be q's shape and lse [B, N, T]; got {out.shape=}, {d_out.shape=},"
                          f" {lse.shape=}")
-    if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem)) > SMEM_BYTES:
+    if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem,
+                              segments=segments is not None)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
@@ -258,7 +276,7 @@ def mosaic_backward_dq(
     return _launch(
         _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp),
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments), segments=segments,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -269,9 +287,14 @@ def mosaic_backward_dq(
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
             ),
-            tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4)),
-            (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages)),
+            tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4 + bool(segments))),
+            (  # with segments, K's barrier also awaits the keys' segment ids
+                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=num_stages),
+            ),
             (
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
@@ -286,15 +309,17 @@ def mosaic_backward_dq(
 
 
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
-                   itemsize: int = 2) -> int:
+                   itemsize: int = 2, segments: bool = False) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
-    the lse2 / delta rows of each slot, each consumer's key and query index vectors and, with `p_in_smem`, one
-    staging tile per consumer for P^T and dS^T (one part). Barriers aside."""
+    the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
+    staging tile per consumer for P^T and dS^T (one part), and with `segments` the keys' segment ids and a ring
+    of the queries'. Barriers aside."""
     part = min(block_q, PART)
     staging = block_kv * part if p_in_smem else 0
     index_vectors = 4 * (block_kv + _CONSUMERS * part)
+    segment_ids = 4 * (block_kv + num_stages * block_q) if segments else 0
     return (itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
-            + index_vectors)
+            + index_vectors + segment_ids)
 
 
 _DKV_HEAD_DIMS = (64, 128)
@@ -303,13 +328,13 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
-               num_stages: int, p_in_smem: bool):
+               num_stages: int, p_in_smem: bool, segments: bool = False):
     # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
     # dK + dV accumulators alone would take 256 float32 registers per thread.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
-        smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
+        smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments),
         kernel="the Mosaic GPU dK / dV kernel",
     )
     batch, q_len, num_heads, _ = q.shape
@@ -323,11 +348,13 @@ def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, bl
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, table_split: int,
+    num_mask_arrays: int, table_split: int, has_segments: bool,
 ):
-    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
+    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
-    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota = smem
+    (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
+     q_segment_smem) = smem
     k_ready, v_ready = kv_ready
     q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
@@ -367,6 +394,8 @@ def _dkv_kernel(
         key_tile = (batch, pl.ds(key0, keys), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[key_tile], k_own, k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
+        if has_segments:  # the keys' segment ids arrive with K
+            plgpu.copy_gmem_to_smem(segments[1].at[batch, pl.ds(key0, keys)], kv_segment_smem.at[wg], k_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
@@ -406,10 +435,16 @@ def _dkv_kernel(
                 q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
+
+                def same_segments():  # read per step, as the index vectors are (not held across the loops)
+                    key_segments = plgpu.load(kv_segment_smem.at[own], layout=_KEY_VECTOR)
+                    query_segments = plgpu.load(q_segment_smem.at[slot, queries], layout=_QUERY_VECTOR)
+                    return same_segment(key_segments, query_segments, s_t.shape)
+
                 s_t, s_scale, derivative = rule.scores(
                     s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
                     head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
-                    mask_arrays=mask_arrays, with_derivative=True,
+                    mask_arrays=mask_arrays, same_segment=same_segments, with_derivative=True,
                 )
                 # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
                 p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
@@ -487,10 +522,13 @@ def _dkv_kernel(
                 t = tile_of(n)
                 row_tile = (batch, pl.ds(t * block_q, block_q), head)
                 row_vector = (batch, head, pl.ds(t * block_q, block_q))
-                fill_ring_slot(base + n, num_stages, (q_free, do_free), (
+                copies = [
                     (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
                     (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
-                ))
+                ]
+                if has_segments:  # the rows' segment ids arrive with Q
+                    copies.append((segments[0].at[batch, pl.ds(t * block_q, block_q)], q_segment_smem, q_ready))
+                fill_ring_slot(base + n, num_stages, (q_free, do_free), copies)
 
             return base + steps
 
@@ -528,6 +566,8 @@ def mosaic_backward_dkv(
     score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
     mask_arrays: tuple[jax.Array, ...] = (),
     score_arrays: tuple[jax.Array, ...] = (),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -545,16 +585,19 @@ def mosaic_backward_dkv(
       `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(tables_block_q, block_kv)`; each CTA walks
       the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
       of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
-      `score_jvp`, `mask_arrays`, `score_arrays` as in `mosaic_backward_dq`.
+      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` as in
+      `mosaic_backward_dq`.
 
     **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
-    _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
+    _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
+               q_segment_ids is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables_block_q = tables_block_q or block_q
     if tables_block_q % block_q or q_len % tables_block_q:
@@ -564,7 +607,7 @@ def mosaic_backward_dkv(
     return _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp),
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments), segments=segments,
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
             (
@@ -577,10 +620,15 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((_CONSUMERS, keys, part), q.dtype, transforms=transforms) if p_in_smem else None,
                 plgpu.SMEM((_CONSUMERS, keys), jnp.int32),
                 plgpu.SMEM((_CONSUMERS, part), jnp.int32),
+                plgpu.SMEM((_CONSUMERS, keys), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_q), jnp.int32) if segments else None,
             ),
-            (plgpu.Barrier(num_barriers=_CONSUMERS), plgpu.Barrier(num_barriers=_CONSUMERS)),
-            # Q's slot with its lse2 rows, dO's with its delta rows: two copies (arrivals) complete each.
-            tuple(plgpu.Barrier(num_arrivals=2, num_barriers=num_stages) for _ in range(2)),
+            # With segments, K's barrier also awaits the keys' segment ids.
+            (plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
+             plgpu.Barrier(num_barriers=_CONSUMERS)),
+            # Q's slot with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an arrival.
+            (plgpu.Barrier(num_arrivals=2 + bool(segments), num_barriers=num_stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)),
             (
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),

@@ -113,6 +113,7 @@ class ScoreRule:
     mask_fn: Callable | None = None
     score_fn: Callable | None = None
     score_jvp: Callable | None = None
+    segments: bool = False  # a query attends only keys of its own segment (packed sequences)
 
     @property
     def causal_only(self) -> bool:
@@ -124,15 +125,18 @@ class ScoreRule:
 
     @property
     def mask_everywhere(self) -> bool:
-        """Without block tables a mask_fn may cut any tile, so no tile skips the per-element mask."""
-        return self.mask_fn is not None
+        """Without block tables a mask_fn or a segment boundary may cut any tile, so no tile skips the
+        per-element mask."""
+        return self.mask_fn is not None or self.segments
 
     def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
-               score_arrays=(), mask_arrays=(), with_derivative: bool = False):
+               score_arrays=(), mask_arrays=(), same_segment: Callable | None = None,
+               with_derivative: bool = False):
         """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
 
-        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask, and
-        with `user_mask` also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
+        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask and,
+        with `segments`, `same_segment()` (True where query and key share a segment), and with `user_mask`
+        also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
         FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
         """
         derivative = None
@@ -153,6 +157,8 @@ class ScoreRule:
                     allowed &= self.mask_fn(batch, head, q_idx, kv_idx, *mask_arrays)
             else:
                 allowed = kv_idx < kv_len
+            if self.segments:
+                allowed &= same_segment()
             s = jnp.where(allowed, s, -jnp.inf)
         return s, s_scale, derivative
 
@@ -182,15 +188,40 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int) -> tuple:
-    """(tables, score_arrays, mask_arrays, rest) of the kernels' refs after the lengths: the 4 block-table
-    refs (None without tables), then the refs of the score_fn's and the mask_fn's arrays."""
-    tables = None
+def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
+                    has_segments: bool = False) -> tuple:
+    """(tables, score_arrays, mask_arrays, segments, rest) of the kernels' refs after the lengths: the 4
+    block-table refs (None without tables), the refs of the score_fn's and the mask_fn's arrays, then the query
+    and key segment ids (None without segments)."""
+    tables = segments = None
     if has_tables:
         tables, refs = refs[:4], refs[4:]
     score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
     mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
-    return tables, score_arrays, mask_arrays, refs
+    if has_segments:
+        segments, refs = refs[:2], refs[2:]
+    return tables, score_arrays, mask_arrays, segments, refs
+
+
+def same_segment(row_segments, column_segments, shape):
+    """A `shape` tile: True where its row's segment id (`row_segments`, a WGMMA.reduce(1) vector) equals its
+    column's (`column_segments`, a WGMMA.reduce(0) vector)."""
+    return lax.broadcast_in_dim(row_segments, shape, [0]) == lax.broadcast_in_dim(column_segments, shape, [1])
+
+
+def check_segments(q_segment_ids, kv_segment_ids, batch: int, q_len: int, kv_len: int) -> tuple | None:
+    """int32 (q_segment_ids [B, T], kv_segment_ids [B, S]), both or neither, checked against the padded
+    sequences; None without segments."""
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None
+    if q_segment_ids is None or kv_segment_ids is None:
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    segments = tuple(jnp.asarray(ids) for ids in (q_segment_ids, kv_segment_ids))
+    for name, axis, ids, length in zip(("q_segment_ids", "kv_segment_ids"), "TS", segments, (q_len, kv_len)):
+        if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer [B, {axis}] = [{batch}, {length}] (the padded sequence); "
+                             f"got {ids.dtype}{list(ids.shape)}")
+    return tuple(ids.astype(jnp.int32) for ids in segments)
 
 
 def tile_indices(shape, row0, key0, transposed: bool = False):
@@ -329,25 +360,27 @@ def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, blo
 
 
 def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
-            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names, **static):
+            block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names,
+            segments=None, **static):
     """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables and the hooks' arrays; `static`: more of `body`'s
-    static options."""
+    lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays and the segment ids; `static`: more
+    of `body`'s static options."""
     q, k = inputs[:2]
     kernel = functools.partial(
         body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays), **static,
+        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, **static,
     )
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
         num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays)
+    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()))
 
 
-def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp) -> ScoreRule:
+def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp, segments) -> ScoreRule:
     if score_fn is not None and score_jvp is None:
         raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
-    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp)
+    return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp,
+                     segments=segments is not None)

@@ -60,9 +60,11 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _check_tables,
     check_layout,
+    check_segments,
     drain_ring,
     fill_ring_slot,
     own_ranges,
+    same_segment,
     split_hook_refs,
     table_row,
     tile_indices,
@@ -75,34 +77,38 @@ _HEAD_DIMS = (64, 128, 256)
 
 
 def smem_bytes(
-    head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2
+    head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
+    segments: bool = False,
 ) -> int:
-    """Shared memory of one CTA: the Q / O tile, the K and V rings, the lse staging rows and, with
-    `p_in_smem`, the P tiles (barriers aside)."""
+    """Shared memory of one CTA: the Q / O tile, the K and V rings, the lse staging rows, with `p_in_smem` the
+    P tiles and with `segments` the query rows' segment ids and a ring of the keys' (barriers aside)."""
     p_tiles = block_q * block_kv if p_in_smem else 0
-    return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q
+    segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
+    return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q + segment_ids
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
-           p_in_smem: bool):
+           p_in_smem: bool, segments: bool = False):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
     # it frees the current V.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
-        smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize),
+        smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments),
     )
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
+    has_segments: bool,
 ):
-    tables, score_arrays, mask_arrays, refs = split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays)
+    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     out_ref, lse_ref, smem, ready, free, turn = refs
-    qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem = smem
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -146,7 +152,11 @@ def _forward_kernel(
             first_step, end_step = lo - cta_lo, hi - cta_lo  # this consumer's pipeline steps
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
+        if has_segments:  # the rows' segment ids arrive with Q
+            plgpu.copy_gmem_to_smem(segments[0].at[batch, pl.ds(row0, rows)], q_segment_smem.at[wg], q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
+        if has_segments:
+            q_segments = plgpu.load(q_segment_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def step(kv_step, carry, block, masked: bool, user_mask: bool):
             """Pipeline step `kv_step` (ring slot kv_step % num_stages) computes KV tile `block`. `masked`:
@@ -160,11 +170,15 @@ def _forward_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+            kv_segments = None
+            if has_segments:  # the key segment ids' slot is freed with K's
+                kv_segments = plgpu.load(kv_segment_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             plgpu.barrier_arrive(k_free.at[slot])
             # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
             s, s_scale, _ = rule.scores(
                 s, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, kv_len, masked=masked,
                 user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
             )
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
@@ -257,8 +271,10 @@ def _forward_kernel(
         def load(kv_step, block):
             """Step `kv_step`: once both consumers freed its slot, TMA KV tile `block` into it."""
             tile = (batch, pl.ds(block * block_kv, block_kv), kv_head)
-            fill_ring_slot(kv_step, num_stages, (k_free, v_free),
-                           ((k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)))
+            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+            if has_segments:  # the keys' segment ids arrive with K
+                copies.append((segments[1].at[batch, pl.ds(block * block_kv, block_kv)], kv_segment_smem, k_ready))
+            fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         if has_tables:  # the consumers' sequence: partial blocks, then full ones
             pl.loop(0, num_partial)(lambda n: load(n, table_block(partial_ref, n)))
@@ -296,6 +312,8 @@ def mosaic_forward(
     score_fn: Callable[..., jax.Array] | None = None,
     mask_arrays: tuple[jax.Array, ...] = (),
     score_arrays: tuple[jax.Array, ...] = (),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -331,6 +349,9 @@ def mosaic_forward(
       refs (`mask_fn(b, h, q_idx, kv_idx, *mask_refs)`); a hook may read them only one element at a time with
       scalar indices (`slopes_ref[h]`). Otherwise both hooks are elementwise jnp arithmetic, comparisons and
       math on their arguments, and hashable (static arguments).
+    - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: integer, both or neither (packed sequences): query
+      i sees key j only where their ids are equal, on top of every other mask. Every tile then takes the
+      per-element mask.
 
     **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
@@ -338,19 +359,23 @@ def mosaic_forward(
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
-    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem)
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
+           q_segment_ids is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
                            block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     rows = block_q // _CONSUMERS
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     kernel = functools.partial(
-        _forward_kernel, rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn),
+        _forward_kernel,
+        rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn,
+                       segments=segments is not None),
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays),
+        num_mask_arrays=len(mask_arrays), has_segments=segments is not None,
     )
     return plgpu.kernel(
         kernel,
@@ -365,10 +390,12 @@ def mosaic_forward(
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, rows, block_kv), q.dtype, transforms=transforms) if p_in_smem else None,
+                plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
             ),
-            (
-                plgpu.Barrier(num_barriers=_CONSUMERS),
-                plgpu.Barrier(num_barriers=num_stages),
+            (  # with segments, Q's and K's barriers also await the segment ids' copies
+                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),
             (
@@ -384,4 +411,4 @@ def mosaic_forward(
         kernel_name="probjax_mosaic_forward",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays)
+    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()))

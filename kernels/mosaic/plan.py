@@ -31,22 +31,24 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keep
 
 def _mosaic_takes(problem: _Problem, dtype, head_dim: int) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
-    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, segments, hooks that read
-    captured arrays other than as scalars or use an op Mosaic GPU cannot lower)."""
+    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, hooks that read captured arrays
+    other than as scalars or use an op Mosaic GPU cannot lower). Segment ids are read as vectors beside the
+    tiles."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
         # Mosaic has no max_scores output, no shared (batch-1) k / v and one head dim for q, k and v.
         and not f.return_max and not problem.kv_broadcast and problem.same_value_dim
-        and problem.mask_shape is None and not problem.has_segments
+        and problem.mask_shape is None
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
         and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
-        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages) <= MOSAIC_SMEM_BYTES
+        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=problem.has_segments)
+        <= MOSAIC_SMEM_BYTES
     )
 
 
@@ -129,8 +131,10 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dic
         return {}, {}
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     tile = cfg.block_q
-    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged),
-                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged)) > MOSAIC_SMEM_BYTES:
+    segments = problem.has_segments
+    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments),
+                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments),
+                                  ) > MOSAIC_SMEM_BYTES:
         return None
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}

@@ -210,10 +210,10 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout,
-# segment ids, a value head dim other than q / k's, hooks that read a captured array other than one element
-# at a time (a relative-bias table, a document mask's ids). float32 inputs too (the Mosaic kernels take 16-bit).
-# A dense bias or mask too, and k / v of batch 1 (`kv_batch1`: shared by every query batch).
-MOSAIC_LACKS = frozenset({"dropout", "segments_lengths", "dv64", "relative_bias", "document_mask", "dense_bias",
+# a value head dim other than q / k's, hooks that read a captured array other than one element at a time (a
+# relative-bias table, a document mask's ids). float32 inputs too (the Mosaic kernels take 16-bit). A dense
+# bias or mask too, and k / v of batch 1 (`kv_batch1`: shared by every query batch). Segment ids it takes.
+MOSAIC_LACKS = frozenset({"dropout", "dv64", "relative_bias", "document_mask", "dense_bias",
                           "dense_bias_f32", "dense_mask", "kv_batch1"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
