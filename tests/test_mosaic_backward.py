@@ -289,3 +289,59 @@ def test_segment_ids_lower_for_cuda(kernel):
         text = jax.jit(fn).trace(q, kv, kv, q, lse, q, lengths, lengths, segments, segments).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("head_dim, value_dim, window", [(64, 128, (None, None)), (128, 64, (50, 20))])
+def test_a_value_head_dim_of_its_own_matches_the_reference_in_interpreter(head_dim, value_dim, window):
+    """dQ and dK/dV with v [B, S, K, Dv], Dv != D (dO and V in Dv columns, dK in D and dV in Dv), GQA, ragged."""
+    batch, seq, num_heads, num_kv_heads, dtype = 2, 256, 4, 2, jnp.bfloat16
+    q, k, _ = random_qkv(9, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
+    v = random_qkv(10, batch, seq, seq, num_heads, num_kv_heads, value_dim, dtype)[2]
+    d_out = random_qkv(11, batch, seq, seq, num_heads, num_heads, value_dim, dtype)[0]
+    q_lengths, kv_lengths = jnp.asarray([256, 190], jnp.int32), jnp.asarray([210, 256], jnp.int32)
+    scale = head_dim**-0.5
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, k, v, causal=True, window=window, scale=scale, q_lengths=q_lengths,
+                                         kv_lengths=kv_lengths, return_lse=True)
+
+    (out, lse), expected = reference_vjp(reference, tuple(x.astype(jnp.float32) for x in (q, k, v)),
+                                         d_out.astype(jnp.float32))
+    options = dict(scale=scale, causal=True, window=window, interpret=True)
+    args = (q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths)
+    dq = jax.jit(functools.partial(mosaic_backward_dq, **options))(*args)
+    dk, dv = jax.jit(functools.partial(mosaic_backward_dkv, **options))(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert got.shape == want.shape
+        assert_close(got, want, dtype, name)
+
+
+def test_a_value_head_dim_of_its_own_lowers_for_cuda():
+    batch, seq, num_heads, num_kv_heads = 2, 1024, 8, 2
+    q = jax.ShapeDtypeStruct((batch, seq, num_heads, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, 128), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((batch, seq, num_kv_heads, 64), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((batch, seq, num_heads, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", 132, "gpu"))
+    for kernel in (mosaic_backward_dq, mosaic_backward_dkv):
+        fn = functools.partial(kernel, scale=0.1, causal=True)
+        with use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(q, k, v, out, lse, out, lengths, lengths).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+def test_rejects_outputs_of_the_wrong_value_head_dim():
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    for kernel in (mosaic_backward_dq, mosaic_backward_dkv):
+        with pytest.raises(ValueError, match=r"out / d_out must be \[B, T, N, Dv\] = \[1, 256, 2, 128\]"):
+            jax.eval_shape(functools.partial(kernel, scale=0.1, causal=False), q, q, v, q, lse, q, lengths, lengths)
+    wide = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)  # dK + dV accumulators of 64 + 256 columns
+    with pytest.raises(NotImplementedError, match="v's head dim"):
+        jax.eval_shape(functools.partial(mosaic_backward_dkv, scale=0.1, causal=False), q, q, wide, wide, lse, wide,
+                       lengths, lengths)

@@ -358,19 +358,42 @@ def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, pla
 
 
 def test_what_the_mosaic_kernels_lack_runs_the_triton_kernels():
-    """A value head dim other than q / k's, k / v of batch 1 shared by the batch, and max_scores: the Mosaic
-    kernels have none of them (and get no new code before a GPU has run them), so such calls run Triton."""
+    """k / v of batch 1 shared by the batch, and max_scores: the Mosaic kernels have neither (and get no new
+    code before a GPU has run them), so such calls run Triton."""
     q, k, v = random_qkv(15, 2, 256, 256, 2, 2, 64, jnp.bfloat16)
-    wide_v = jnp.concatenate([v, v], axis=-1)  # Dv = 128
     flash = lambda q, k, v: flash_attention(q, k, v, causal=True, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(flash, q, k, v)  # the same call otherwise takes Mosaic
-    assert runs_triton_forward(flash, q, k, wide_v)
     assert runs_triton_forward(flash, q, k[:1], v[:1])
     aux = AuxRequest(max_scores=True)
     assert runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, return_aux=aux, config=MOSAIC)[0], q, k, v)
+
+
+@pytest.mark.parametrize("head_dim, value_dim, backward", [(64, 128, "mosaic"), (128, 64, "mosaic"),
+                                                           (128, 256, "triton")])
+def test_a_value_head_dim_of_its_own_runs_the_mosaic_kernels(head_dim, value_dim, backward):
+    """v's head dim Dv != q / k's: the Mosaic forward (O in a tile of its own), and the Mosaic dQ and dK/dV
+    kernels where both head dims are 64 / 128 (a dK + dV accumulator pair of 128 + 256 columns is out); at
+    256 the backward is Triton's."""
+    q, k, _ = random_qkv(16, 1, 256, 256, 2, 1, head_dim, jnp.bfloat16)
+    v = random_qkv(17, 1, 256, 256, 2, 1, value_dim, jnp.bfloat16)[2]
+    kwargs = {"causal": True, "kv_lengths": jnp.array([230])}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
     assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, causal=True, config=config).astype(jnp.float32)),
-        q, k, wide_v) == "triton"
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == backward
+    reference = lambda *a: flash_attention_reference(*a, **kwargs)  # noqa: E731
+    if backward == "triton":  # the Triton backward is checked elsewhere; the forward here
+        assert_close(jax.jit(fn)(q, k, v), jax.jit(reference)(q, k, v), jnp.bfloat16, "out")
+        return
+    cotangent = jax.random.normal(jax.random.key(18), (1, 256, 2, value_dim))
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, reference))
+    assert out.shape == (1, 256, 2, value_dim)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert got.shape == expected.shape
+        assert_close(got, expected, jnp.bfloat16, name)
 
 
 def test_the_triton_fallback_of_the_mosaic_backend_takes_the_triton_forward_tiles():

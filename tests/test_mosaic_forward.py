@@ -28,10 +28,12 @@ def _fresh_interpreter():
 
 
 def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
-                         kv_lengths, poison_from=None, window=(None, None), segments=None, **tiles):
+                         kv_lengths, poison_from=None, window=(None, None), segments=None, value_dim=None, **tiles):
     """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read.
-    `segments`: (q_segment_ids, kv_segment_ids)."""
+    `segments`: (q_segment_ids, kv_segment_ids). `value_dim`: v's head dim, if not q's."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
+    if value_dim is not None:
+        v = random_qkv(1, batch, q_len, kv_len, num_heads, num_kv_heads, value_dim, dtype)[2]
     scale = head_dim**-0.5
     k_in, v_in = k, v
     if poison_from is not None:
@@ -45,7 +47,7 @@ def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == q.dtype
     assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
     assert_close(out, expected_out, dtype, "out")
     lse = np.asarray(lse)
@@ -117,6 +119,15 @@ def test_segment_ids_match_numpy_in_interpreter(causal, window, tiles):
                          segments=(q_segments, kv_segments), **tiles)
 
 
+@pytest.mark.parametrize("head_dim, value_dim, tiles", [
+    (64, 128, {}), (128, 64, {"num_stages": 3}), (128, 256, {"block_kv": 64}), (256, 64, {"block_kv": 64}),
+])
+def test_a_value_head_dim_of_its_own_matches_numpy_in_interpreter(head_dim, value_dim, tiles):
+    # v [B, S, K, Dv] with Dv != D: O gets a shared-memory tile of its own instead of Q's.
+    _check_against_numpy(2, 256, 256, 2, 1, head_dim, jnp.bfloat16, True, [256, 180], [256, 200],
+                         value_dim=value_dim, **tiles)
+
+
 @pytest.mark.parametrize("segments, match", [
     ((jnp.zeros((1, 256), jnp.int32), None), "pass both q_segment_ids and kv_segment_ids"),
     ((jnp.zeros((1, 200), jnp.int32), jnp.zeros((1, 256), jnp.int32)), r"q_segment_ids must be integer \[B, T\]"),
@@ -176,6 +187,8 @@ def test_smem_estimate():
     assert smem_bytes(128, 128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 4 * 128
     assert smem_bytes(128, 128, 128, 3) <= SMEM_BYTES < smem_bytes(128, 128, 128, 3, p_in_smem=True)
     assert smem_bytes(256, 128, 128, 2) > SMEM_BYTES
+    # Dv != D: V's ring in Dv columns, and an O tile of its own
+    assert smem_bytes(128, 128, 64, 2, value_dim=256) == 2 * (128 * (128 + 128) + 256 * (128 + 128)) + 4 * 128
     # segment ids: the query rows' and a ring slot of the keys' per stage, int32
     assert smem_bytes(128, 128, 128, 2, segments=True) == smem_bytes(128, 128, 128, 2) + 4 * (128 + 2 * 128)
 

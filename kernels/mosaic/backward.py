@@ -63,12 +63,15 @@ from probjax_kernels.mosaic.forward import _check
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
-                  itemsize: int = 2, segments: bool = False) -> int:
-    """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings, lse2 / delta rows, with
-    `ds_in_smem` the dS tiles of one part and with `segments` the rows' segment ids and a ring of the keys'."""
+                  itemsize: int = 2, segments: bool = False, value_dim: int | None = None) -> int:
+    """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings (dO and V of v's head dim
+    `value_dim`, default q's), lse2 / delta rows, with `ds_in_smem` the dS tiles of one part and with
+    `segments` the rows' segment ids and a ring of the keys'."""
+    value_dim = value_dim or head_dim
     ds_tiles = block_q * min(block_kv, PART) if ds_in_smem else 0
     segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
-    return itemsize * (head_dim * (2 * block_q + 2 * num_stages * block_kv) + ds_tiles) + 8 * block_q + segment_ids
+    elements = (head_dim + value_dim) * (block_q + num_stages * block_kv) + ds_tiles
+    return itemsize * elements + 8 * block_q + segment_ids
 
 
 def _dq_kernel(
@@ -84,7 +87,7 @@ def _dq_kernel(
     k_free, v_free = free
     rows = block_q // _CONSUMERS
     part = min(block_kv, PART)  # keys per part of a step
-    head_dim = q_ref.shape[-1]
+    head_dim = q_ref.shape[-1]  # dQ's; dO and V have v's
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
     if rule.causal_only:  # heaviest tiles first
@@ -247,8 +250,9 @@ def mosaic_backward_dq(
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
-    (same padding contract); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log, -inf for empty rows) from the
-    forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`. `ds_in_smem` stages dS in shared memory
+    (same padding contract; v `[B, S, K, Dv]`, Dv in {64, 128}); `out` `[B, T, N, Dv]` and `lse` `[B, N, T]`
+    (natural log, -inf for empty rows) from the forward pass; `d_out` `[B, T, N, Dv]`, the cotangent of `out`.
+    `ds_in_smem` stages dS in shared memory
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
     tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
@@ -261,12 +265,11 @@ def mosaic_backward_dq(
     ds_in_smem = ds_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
     batch, q_len, num_heads, head_dim = q.shape
+    value_dim = v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
-    if out.shape != q.shape or d_out.shape != q.shape or lse.shape != (batch, num_heads, q_len):
-        raise ValueError(f"out / d_out must be q's shape and lse [B, N, T]; got {out.shape=}, {d_out.shape=},"
-                         f" {lse.shape=}")
+    _check_outputs(q, v, out, lse, d_out)
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem,
-                              segments=segments is not None)) > SMEM_BYTES:
+                              segments=segments is not None, value_dim=value_dim)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
@@ -281,11 +284,11 @@ def mosaic_backward_dq(
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
                 plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
@@ -309,17 +312,18 @@ def mosaic_backward_dq(
 
 
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
-                   itemsize: int = 2, segments: bool = False) -> int:
+                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
     the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
     staging tile per consumer for P^T and dS^T (one part), and with `segments` the keys' segment ids and a ring
-    of the queries'. Barriers aside."""
+    of the queries'. V and dO have v's head dim `value_dim` (default q's). Barriers aside."""
+    value_dim = value_dim or head_dim
     part = min(block_q, PART)
     staging = block_kv * part if p_in_smem else 0
     index_vectors = 4 * (block_kv + _CONSUMERS * part)
     segment_ids = 4 * (block_kv + num_stages * block_q) if segments else 0
-    return (itemsize * (head_dim * (2 * block_kv + 2 * num_stages * block_q) + staging) + 8 * num_stages * block_q
-            + index_vectors + segment_ids)
+    elements = (head_dim + value_dim) * (block_kv + num_stages * block_q) + staging
+    return itemsize * elements + 8 * num_stages * block_q + index_vectors + segment_ids
 
 
 _DKV_HEAD_DIMS = (64, 128)
@@ -334,15 +338,22 @@ def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, bl
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
-        smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments),
+        smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
+                                 v.shape[-1]),
         kernel="the Mosaic GPU dK / dV kernel",
     )
-    batch, q_len, num_heads, _ = q.shape
     if d_out.dtype != q.dtype:
         raise ValueError(f"d_out must have q's dtype {q.dtype}, got {d_out.dtype}")
-    if out.shape != q.shape or d_out.shape != q.shape or lse.shape != (batch, num_heads, q_len):
-        raise ValueError(f"out / d_out must be q's shape and lse [B, N, T]; got {out.shape=}, {d_out.shape=},"
-                         f" {lse.shape=}")
+    _check_outputs(q, v, out, lse, d_out)
+
+
+def _check_outputs(q, v, out, lse, d_out):
+    """out and d_out `[B, T, N, Dv]` (v's head dim), lse `[B, N, T]`."""
+    batch, q_len, num_heads, _ = q.shape
+    out_shape = (batch, q_len, num_heads, v.shape[3])
+    if out.shape != out_shape or d_out.shape != out_shape or lse.shape != (batch, num_heads, q_len):
+        raise ValueError(f"out / d_out must be [B, T, N, Dv] = {list(out_shape)} and lse [B, N, T]; got "
+                         f"{out.shape=}, {d_out.shape=}, {lse.shape=}")
 
 
 def _dkv_kernel(
@@ -360,7 +371,7 @@ def _dkv_kernel(
     q_free, do_free = free
     keys = block_kv // _CONSUMERS
     part = min(block_q, PART)  # queries per part of a step
-    head_dim = q_ref.shape[-1]
+    head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
@@ -499,8 +510,9 @@ def _dkv_kernel(
                     carry = visit(start, end, base, tile_of, body, carry, head)
             return carry, base + steps
 
-        zeros = plgpu.layout_cast(jnp.zeros((keys, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        (dk, dv), _ = lax.fori_loop(0, group, head_body, ((zeros, zeros), jnp.int32(0)))
+        zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA)
+                 for dim in (head_dim, value_dim)]
+        (dk, dv), _ = lax.fori_loop(0, group, head_body, (tuple(zeros), jnp.int32(0)))
         # K and V are no longer read: their tiles carry dK and dV out.
         k_own[...] = (dk * rule.scale).astype(k_own.dtype)
         v_own[...] = dv.astype(v_own.dtype)
@@ -573,8 +585,9 @@ def mosaic_backward_dkv(
     KV tile, so no atomics; the GQA group sum happens in the kernel).
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window as in `mosaic_forward` (same padding
-    contract, with d_out's padding rows finite too); `out` `[B, T, N, D]` and `lse` `[B, N, T]` (natural log,
-    -inf for empty rows) from the forward pass; `d_out` `[B, T, N, D]`, the cotangent of `out`.
+    contract, with d_out's padding rows finite too; v `[B, S, K, Dv]`, Dv in {64, 128}); `out` `[B, T, N, Dv]` and
+    `lse` `[B, N, T]` (natural log, -inf for empty rows) from the forward pass; `d_out` `[B, T, N, Dv]`, the
+    cotangent of `out`.
 
     - `block_kv`: keys per CTA, a multiple of 128 (each of the two consumer warpgroups owns half, resident in
       SMEM). `block_q`: query rows per pipeline step, a multiple of 64. `num_stages`: Q / dO slots in the ring.
@@ -588,7 +601,7 @@ def mosaic_backward_dkv(
       `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` as in
       `mosaic_backward_dq`.
 
-    **Returns:** `(dk, dv)`, each `[B, S, K, D]` in k's dtype; zero for keys >= kv_lengths[b].
+    **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b].
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -596,7 +609,7 @@ def mosaic_backward_dkv(
     _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
                q_segment_ids is not None)
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables_block_q = tables_block_q or block_q
@@ -612,9 +625,9 @@ def mosaic_backward_dkv(
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, keys, head_dim), v.dtype, transforms=transforms),
+                plgpu.SMEM((_CONSUMERS, keys, value_dim), v.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_q, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, keys, part), q.dtype, transforms=transforms) if p_in_smem else None,

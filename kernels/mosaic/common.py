@@ -33,22 +33,25 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, q_multiple: int, block_kv: int,
                  kv_multiple: int, num_stages: int, min_stages: int, head_dims: tuple[int, ...], smem_need: int,
                  kernel: str = "the Mosaic GPU kernel"):
-    """The argument checks the Mosaic kernels share: shapes, GQA, dtypes, head dim, tile multiples, padding,
-    lengths and shared memory (`smem_need` bytes for the chosen tiles)."""
+    """The argument checks the Mosaic kernels share: shapes, GQA, dtypes, head dims (q / k's and v's, each in
+    `head_dims`), tile multiples, padding, lengths and shared memory (`smem_need` bytes for the chosen tiles)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D]; got {q.shape=}, {k.shape=}, {v.shape=}")
+        raise ValueError(f"q, k, v must be [B, T, N, D] / [B, S, K, D] / [B, S, K, Dv]; got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}")
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B, S, K, D] matching q; got {q.shape=}, {k.shape=}, {v.shape=}")
+    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k and v must be [B, S, K, D] / [B, S, K, Dv] matching q; got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _DTYPES:
         raise NotImplementedError(f"{kernel} takes bfloat16 / float16, not {q.dtype}")
-    if head_dim not in head_dims:
-        raise NotImplementedError(f"{kernel} takes head_dim in {head_dims}, not {head_dim}")
+    if head_dim not in head_dims or v.shape[3] not in head_dims:
+        raise NotImplementedError(f"{kernel} takes head_dim and v's head dim in {head_dims}, not {head_dim} and "
+                                  f"{v.shape[3]}")
     if block_q % q_multiple:
         raise ValueError(f"{block_q=} must be a multiple of {q_multiple}")
     if block_kv % kv_multiple:

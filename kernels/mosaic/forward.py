@@ -78,13 +78,17 @@ _HEAD_DIMS = (64, 128, 256)
 
 def smem_bytes(
     head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
-    segments: bool = False,
+    segments: bool = False, value_dim: int | None = None,
 ) -> int:
-    """Shared memory of one CTA: the Q / O tile, the K and V rings, the lse staging rows, with `p_in_smem` the
-    P tiles and with `segments` the query rows' segment ids and a ring of the keys' (barriers aside)."""
+    """Shared memory of one CTA: the Q tile (which carries O out when v's head dim `value_dim` is q's, else an O
+    tile of its own), the K and V rings, the lse staging rows, with `p_in_smem` the P tiles and with `segments`
+    the query rows' segment ids and a ring of the keys' (barriers aside)."""
+    value_dim = value_dim or head_dim
     p_tiles = block_q * block_kv if p_in_smem else 0
+    o_tile = block_q * value_dim if value_dim != head_dim else 0
     segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
-    return itemsize * (head_dim * (block_q + 2 * num_stages * block_kv) + p_tiles) + 4 * block_q + segment_ids
+    elements = head_dim * (block_q + num_stages * block_kv) + value_dim * num_stages * block_kv + o_tile + p_tiles
+    return itemsize * elements + 4 * block_q + segment_ids
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
@@ -94,7 +98,8 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
-        smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments),
+        smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
+                             v.shape[-1]),
     )
 
 
@@ -108,11 +113,12 @@ def _forward_kernel(
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     out_ref, lse_ref, smem, ready, free, turn = refs
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem = smem
+    o_smem = qo_smem if own_o_smem is None else own_o_smem  # Q's tile carries O out when Dv = D
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
-    head_dim = q_ref.shape[-1]
+    value_dim = v_ref.shape[-1]
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
     if rule.causal_only:  # heaviest tiles first, so the short ones fill the tail of the grid
@@ -186,7 +192,7 @@ def _forward_kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             p = p.astype(v_smem.dtype)
-            if head_dim <= 128:
+            if value_dim <= 128:
                 # Pins the row sum before the hand-over below; tokamax / JAX measured this order to be faster.
                 acc, m_new, l_i, p = lax.optimization_barrier((acc, m_new, l_i, p))
             plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
@@ -217,7 +223,7 @@ def _forward_kernel(
             plgpu.barrier_arrive(v_free.at[slot])
 
         carry = (
-            plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.zeros((rows, value_dim), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((rows,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
@@ -256,10 +262,10 @@ def _forward_kernel(
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
         valid = (q_idx < q_len) & (l_i != 0)  # l_i = 0: no key attended; a NaN l_i (NaN / inf inputs) stays NaN
         inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
-        qo_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(qo_smem.dtype)
+        o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
         plgpu.wait_smem_to_gmem(0)
 
@@ -320,8 +326,8 @@ def mosaic_forward(
     **Arguments:**
 
     - `q`: `[B, T, N, D]`, bfloat16 or float16, D in {64, 128, 256}; T a multiple of `block_q`.
-    - `k`, `v`: `[B, S, K, D]`, q's dtype, N a multiple of K (GQA / MQA); S a multiple of `block_kv`. Padding
-      rows must be finite (zeros).
+    - `k`, `v`: `[B, S, K, D]` and `[B, S, K, Dv]` (Dv in {64, 128, 256} too), q's dtype, N a multiple of K
+      (GQA / MQA); S a multiple of `block_kv`. Padding rows must be finite (zeros).
     - `q_lengths`, `kv_lengths`: int32 `[B]`; query rows >= q_lengths[b] give output 0 and lse -inf, keys
       >= kv_lengths[b] are masked.
     - `scale`: multiplies q k^T, > 0. `causal`: query i sees keys j <= i (top-left alignment).
@@ -353,7 +359,7 @@ def mosaic_forward(
       i sees key j only where their ids are equal, on top of every other mask. Every tile then takes the
       per-element mask.
 
-    **Returns:** `(out, lse)`: out `[B, T, N, D]` in q's dtype and lse `[B, N, T]` float32, the natural-log
+    **Returns:** `(out, lse)`: out `[B, T, N, Dv]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
@@ -362,7 +368,7 @@ def mosaic_forward(
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
            q_segment_ids is not None)
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
                            block_kv)
@@ -380,18 +386,20 @@ def mosaic_forward(
     return plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype),
             jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
         ),
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
                 plgpu.SMEM((_CONSUMERS, rows, block_kv), q.dtype, transforms=transforms) if p_in_smem else None,
                 plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
+                if value_dim != head_dim else None,
             ),
             (  # with segments, Q's and K's barriers also await the segment ids' copies
                 plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),

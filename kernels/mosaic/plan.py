@@ -26,37 +26,39 @@ from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
 
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's; D = 256 keeps the Triton backward
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
 
 
-def _mosaic_takes(problem: _Problem, dtype, head_dim: int) -> bool:
-    """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dim,
-    tiles and hooks, and none of what it lacks (dropout, bias, dense masks, hooks that read captured arrays
-    other than as scalars or use an op Mosaic GPU cannot lower). Segment ids are read as vectors beside the
-    tiles."""
+def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
+    """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
+    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (dropout, bias,
+    dense masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower).
+    Segment ids are read as vectors beside the tiles."""
     f, cfg = problem.features, problem.config
+    head_dim, value_dim = head_dims
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
-        # Mosaic has no max_scores output, no shared (batch-1) k / v and one head dim for q, k and v.
-        and not f.return_max and not problem.kv_broadcast and problem.same_value_dim
+        # Mosaic has no max_scores output and no shared (batch-1) k / v.
+        and not f.return_max and not problem.kv_broadcast
         and problem.mask_shape is None
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
         and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
+        and value_dim in (64, 128, 256)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
-        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=problem.has_segments)
-        <= MOSAIC_SMEM_BYTES
+        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=problem.has_segments,
+                              value_dim=value_dim) <= MOSAIC_SMEM_BYTES
     )
 
 
-def _fits_mosaic(problem: _Problem, dtype, head_dim: int) -> bool:
-    """Whether the Mosaic GPU kernels run the backward of this call too (at head dim 64 / 128): when they run
+def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
+    """Whether the Mosaic GPU kernels run the backward of this call too (at head dims 64 / 128): when they run
     its forward and a score_mod's derivative also runs in Mosaic GPU."""
     f = problem.features
-    return _mosaic_takes(problem, dtype, head_dim) and (
+    return _mosaic_takes(problem, dtype, head_dims) and (
         f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
     )
 
@@ -116,7 +118,7 @@ def _lowers_in_mosaic(eqn) -> bool:
     )
 
 
-def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dict, dict] | None:
+def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int]) -> tuple[dict, dict] | None:
     """The tile options of the Mosaic dQ and dK/dV kernels for this call, or None when it runs on Triton.
 
     Plain calls take the kernels' defaults. Calls with hooks or block tables run both kernels on the forward's
@@ -124,7 +126,8 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dic
     (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
     were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
     128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
-    if not _fits_mosaic(problem, dtype, head_dim) or head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
+    head_dim, value_dim = head_dims
+    if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
     f, cfg = problem.features, problem.config
     if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
@@ -132,8 +135,10 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dim: int) -> tuple[dic
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     tile = cfg.block_q
     segments = problem.has_segments
-    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments),
-                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments),
+    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments,
+                                                value_dim=value_dim),
+                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments,
+                                                 value_dim=value_dim),
                                   ) > MOSAIC_SMEM_BYTES:
         return None
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
@@ -166,8 +171,8 @@ class _MosaicGpu:
     def defaults(self, config: FlashConfig, filled: FlashConfig, *, q_len: int, kv_len: int, head_dim: int,
                  dtype, device) -> FlashConfig:
         """`filled` (the Triton tiles, which its fallbacks and the backward keep) with the Mosaic forward's CTA
-        where `config` leaves it open: 128 query rows over two consumer warpgroups, 128-key steps (64 at head
-        dim 256, for shared memory), a 2-slot K/V ring. float32 inputs run on the Triton kernels (the Mosaic
+        where `config` leaves it open: 128 query rows over two consumer warpgroups, 128-key steps (64 where q /
+        k's or v's head dim is 256: `head_dim` is the larger, for shared memory), a 2-slot K/V ring. float32 inputs run on the Triton kernels (the Mosaic
         ones take 16-bit), so on a GPU they keep the float32 Triton tiles: the Mosaic forward's 128 x 128
         needed 262,144 B of shared memory there (sm_90a has 232,448). A CUDA GPU other than Hopper refuses
         backend "mosaic" here (`refuse_target`), before any kernel is built."""
@@ -188,13 +193,13 @@ class _MosaicGpu:
         return [mosaic_hook_shapes(problem.config), mosaic_backward_hook_shapes(problem.config)]
 
     def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
-        if not _mosaic_takes(problem, dtype, head_dims[0]):
+        if not _mosaic_takes(problem, dtype, head_dims):
             return "a feature, dtype, head dim or tile the Mosaic GPU forward lacks"
         return None
 
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
         """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles."""
-        tiles = _mosaic_backward_tiles(problem, dtype, head_dims[0])
+        tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
         interpret = (("interpret", _interpreted(problem)),)
         backward = None
         if tiles is not None:

@@ -427,7 +427,8 @@ def planned_rows(out: list) -> list:
                 v, targets=v.targets + tuple(t for t in row["targets"] if t not in v.targets))
             continue
         feature = "kv_batch1" if dict(probe.options).get("kv_batch") == 1 else probe.family
-        requires = registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature)
+        requires = registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,
+                                             probe.value_dim)
         index[name] = len(out)
         out.append(probe.variant(mode, tuple(row["targets"]), requires))
     return out

@@ -209,30 +209,30 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
-# Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout,
-# a value head dim other than q / k's, hooks that read a captured array other than one element at a time (a
-# relative-bias table, a document mask's ids). float32 inputs too (the Mosaic kernels take 16-bit). A dense
-# bias or mask too, and k / v of batch 1 (`kv_batch1`: shared by every query batch). Segment ids it takes.
-MOSAIC_LACKS = frozenset({"dropout", "dv64", "relative_bias", "document_mask", "dense_bias",
+# Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout, hooks
+# that read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
+# float32 inputs too (the Mosaic kernels take 16-bit). A dense bias or mask too, and k / v of batch 1
+# (`kv_batch1`: shared by every query batch). Segment ids and a value head dim of v's own it takes.
+MOSAIC_LACKS = frozenset({"dropout", "relative_bias", "document_mask", "dense_bias",
                           "dense_bias_f32", "dense_mask", "kv_batch1"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 
-def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str) -> tuple[str, ...]:
-    """The Pallas kernels a `flash_attention` / `flex_attention` call compiles to, by the dispatch rules:
-    backend "triton" (what `auto`, a default FlashConfig and `FlashConfig(backend="triton")` pick on every
-    GPU) runs the Triton kernels; backend "mosaic" (FlashConfig(backend="mosaic") or PROBJAX_MOSAIC=1, Hopper
-    only) runs the Mosaic GPU forward on 16-bit inputs at head dim 64 / 128 / 256 without a feature of
-    `MOSAIC_LACKS` (a BlockMask's tables on its tiles or coarser ones), its dQ and dK/dV kernels too at
-    head dim 64 / 128, and Triton for the rest; the tangent (forward mode) is Triton's on every backend."""
-    mosaic = (backend == "mosaic" and dtype != "f32" and head_dim in MOSAIC_HEAD_DIMS
-              and feature not in MOSAIC_LACKS)
+def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
+                     value_dim: int | None = None) -> tuple[str, ...]:
+    """The Pallas kernels a `flash_attention` / `flex_attention` call compiles to, by the dispatch rules: backend
+    "triton" (what `auto` and a default FlashConfig pick on every GPU) runs the Triton kernels; backend "mosaic"
+    (Hopper only) runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64":
+    64; padded to a power of 2) are 64 / 128 / 256, without a feature of `MOSAIC_LACKS` (a BlockMask's tables on its
+    tiles or coarser ones), its dQ and dK/dV where both are 64 / 128; the tangent is Triton's everywhere."""
+    dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
+    mosaic = backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode == "fwd":
         return (forward,)
     if mode == "jvp":
         return (forward, TANGENT)
-    backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic and head_dim in MOSAIC_BACKWARD_HEAD_DIMS else (DQ, DKV)
+    backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS) else (DQ, DKV)
     return (forward, *backward)
 
 
