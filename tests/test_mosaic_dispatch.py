@@ -319,6 +319,27 @@ def test_segment_ids_run_the_mosaic_forward_and_backward(causal, kv_lengths):
         assert not np.any(np.asarray(out)[0, 320:]) and not np.any(np.asarray(grads[0])[0, 320:])
 
 
+@pytest.mark.parametrize("positional", [False, True])
+def test_dropout_runs_the_mosaic_forward_and_backward(positional):
+    """Dropout hashed in the Mosaic kernels (forward, dQ, dK/dV) drops exactly the reference's weights: the keep
+    mask of `_dropout.keep_mask` on (seed, b, h, q, k), GQA, per-sequence lengths. `positional`: the seed as
+    `positional_seed`'s [7] (a shard's call; here the whole sequence and heads, so the same weights)."""
+    q, k, v = random_qkv(19, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    kwargs = {"causal": True, "kv_lengths": jnp.array([256, 170]), "dropout_rate": 0.3, "dropout_seed": 77}
+    private = {"_dropout_shard": (0, 0, 2)} if positional else {}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs, **private)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs, **private).astype(jnp.float32)),
+        q, k, v) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(20), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
 def test_hooks_on_non_square_tiles_run_the_triton_backward():
     """With block_k != block_q the Mosaic backward's tiles are not the shape the hooks were vetted at: the
     forward stays in Mosaic GPU, the backward runs on Triton, and both match the reference."""
@@ -358,12 +379,16 @@ def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, pla
 
 
 def test_what_the_mosaic_kernels_lack_runs_the_triton_kernels():
-    """k / v of batch 1 shared by the batch, and max_scores: the Mosaic kernels have neither (and get no new
-    code before a GPU has run them), so such calls run Triton."""
+    """k / v of batch 1 shared by the batch, max_scores, and dropout at head dim 256 (its hash beside the
+    256-column accumulator spilled): such calls run Triton."""
     q, k, v = random_qkv(15, 2, 256, 256, 2, 2, 64, jnp.bfloat16)
-    flash = lambda q, k, v: flash_attention(q, k, v, causal=True, config=MOSAIC)  # noqa: E731
+    flash = lambda q, k, v, **kw: flash_attention(q, k, v, causal=True, config=MOSAIC, **kw)  # noqa: E731
     assert not runs_triton_forward(flash, q, k, v)  # the same call otherwise takes Mosaic
     assert runs_triton_forward(flash, q, k[:1], v[:1])
+    dropout = functools.partial(flash, dropout_rate=0.1, dropout_seed=3)
+    assert not runs_triton_forward(dropout, q, k, v)
+    wide_v = jnp.concatenate([v] * 4, axis=-1)
+    assert runs_triton_forward(dropout, q, k, wide_v) and not runs_triton_forward(flash, q, k, wide_v)
     aux = AuxRequest(max_scores=True)
     assert runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, return_aux=aux, config=MOSAIC)[0], q, k, v)
 

@@ -17,6 +17,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
 )
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from probjax_kernels import dropout_keep_mask
 from probjax_kernels.mosaic.forward import SMEM_BYTES, mosaic_forward, smem_bytes
 
 
@@ -139,6 +140,46 @@ def test_rejects_bad_segment_ids(segments, match):
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(functools.partial(mosaic_forward, scale=1.0, causal=False, q_segment_ids=segments[0],
                                          kv_segment_ids=segments[1]), q, q, q, lengths, lengths)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"dropout_rate": 0.1}, "needs a dropout_seed"),
+    ({"dropout_rate": 1.0, "dropout_seed": 3}, r"dropout_rate must be in \[0, 1\)"),
+    ({"dropout_rate": 0.1, "dropout_seed": jnp.zeros(7, jnp.uint32)}, "dropout_seed must be a scalar"),
+    ({"dropout_rate": 0.1, "dropout_seed": 3, "dropout_positions": (256, 256)}, "positional_seed's \\[7\\]"),
+])
+def test_rejects_bad_dropout_arguments(options, match):
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    lengths = jnp.array([256], jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(mosaic_forward, scale=1.0, causal=False, **options), q, q, q, lengths,
+                       lengths)
+
+
+def test_dropout_matches_numpy_in_interpreter():
+    """Each weight dropped where every backend's keep mask (`dropout_keep_mask`, a hash of the seed and the
+    (batch, query head, query, key) indices) drops it, the kept ones scaled by 1 / (1 - rate); lse is the
+    undropped softmax's. A two-sided window and ragged lengths, GQA."""
+    batch, seq, num_heads, num_kv_heads, head_dim, rate = 2, 256, 4, 2, 64, 0.25
+    q, k, v = random_qkv(3, batch, seq, seq, num_heads, num_kv_heads, head_dim, jnp.bfloat16)
+    q_lengths, kv_lengths, window = [256, 190], [220, 256], (80, 30)
+    out, lse = jax.jit(functools.partial(mosaic_forward, scale=0.125, causal=False, window=window, interpret=True,
+                                         dropout_rate=rate))(
+        q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), dropout_seed=jnp.uint32(9))
+    allowed = numpy_allowed(batch, seq, seq, window=window, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    _, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=0.125)
+    grid = np.meshgrid(np.arange(batch), np.arange(num_heads), np.arange(seq), np.arange(seq), indexing="ij")
+    keep = np.asarray(dropout_keep_mask(9, *(jnp.asarray(g, jnp.int32) for g in grid), rate, num_heads))
+    # softmax weights of the allowed keys, then dropped: out = (keep / (1 - rate) * P) V
+    q64, k64, v64 = (np.repeat(np.asarray(x, np.float64), 1 if x is q else 2, axis=2) for x in (q, k, v))
+    scores = np.where(np.broadcast_to(allowed, keep.shape), np.einsum("btnd,bsnd->bnts", q64, k64) * 0.125, -np.inf)
+    weights = np.where(np.isfinite(expected_lse)[..., None], np.exp(scores - np.where(
+        np.isfinite(expected_lse), expected_lse, 0)[..., None]), 0.0)
+    expected_out = np.einsum("bnts,bsnd->btnd", weights * keep / (1 - rate), v64)
+    assert 0.2 < 1 - keep.mean() < 0.3  # the mask drops about `rate` of the weights
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
 
 
 def _specs(batch, seq, num_heads, num_kv_heads, head_dim) -> tuple:

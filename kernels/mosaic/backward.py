@@ -50,9 +50,11 @@ from probjax_kernels.mosaic.common import (
     _prologue,
     check_layout,
     check_segments,
+    dropout_options,
     drain_ring,
     fill_ring_slot,
     own_ranges,
+    read_seed,
     same_segment,
     split_hook_refs,
     table_walk,
@@ -77,10 +79,10 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, has_segments: bool,
+    num_mask_arrays: int, has_segments: bool, has_dropout: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
+    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     dq_ref, smem, row_ready, ready, free = refs
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
     k_ready, v_ready = ready
@@ -116,6 +118,7 @@ def _dq_kernel(
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
+        seed_parts = read_seed(seed)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         sources = [q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector]]
@@ -158,11 +161,15 @@ def _dq_kernel(
                 kv_segments = None
                 if has_segments:  # its slot is freed with K's, after the last part
                     kv_segments = plgpu.load(kv_segment_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0))
+                def indices():
+                    return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
+
                 s, s_scale, derivative = rule.scores(
-                    s, lambda: tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part), batch, head,
-                    kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                    same_segment=lambda: same_segment(q_segments, kv_segments, s.shape), with_derivative=True,
+                    s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
+                    mask_arrays=mask_arrays, same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
+                    with_derivative=True,
                 )
+                dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                 if derivative is not None:  # the chain rule through score_mod
@@ -217,7 +224,7 @@ def _dq_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret",
-                     "mask_fn", "score_fn", "score_jvp"),
+                     "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -238,6 +245,10 @@ def mosaic_backward_dq(
     ds_in_smem: bool = False,
     interpret: bool = False,
     d_lse: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_positions: tuple[int, int] | None = None,
+    dropout_heads: int | None = None,
     kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
     mask_fn: Callable[..., jax.Array] | None = None,
     score_fn: Callable[..., jax.Array] | None = None,
@@ -256,7 +267,7 @@ def mosaic_backward_dq(
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
     tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
-    `q_segment_ids`, `kv_segment_ids` as in `mosaic_forward`.
+    `q_segment_ids`, `kv_segment_ids` and the dropout arguments as in `mosaic_forward` (the forward's).
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype.
     """
@@ -267,6 +278,7 @@ def mosaic_backward_dq(
     batch, q_len, num_heads, head_dim = q.shape
     value_dim = v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     _check_outputs(q, v, out, lse, d_out)
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem,
                               segments=segments is not None, value_dim=value_dim)) > SMEM_BYTES:
@@ -279,8 +291,8 @@ def mosaic_backward_dq(
     return _launch(
         _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments), segments=segments,
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout),
+        segments=segments, seed=seed, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
@@ -359,10 +371,10 @@ def _check_outputs(q, v, out, lse, d_out):
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, table_split: int, has_segments: bool,
+    num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
+    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
      q_segment_smem) = smem
@@ -401,6 +413,7 @@ def _dkv_kernel(
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         key0 = tile_key0 + wg * keys
+        seed_parts = read_seed(seed)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
         key_tile = (batch, pl.ds(key0, keys), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[key_tile], k_own, k_ready.at[wg])
@@ -452,9 +465,11 @@ def _dkv_kernel(
                     query_segments = plgpu.load(q_segment_smem.at[slot, queries], layout=_QUERY_VECTOR)
                     return same_segment(key_segments, query_segments, s_t.shape)
 
+                def indices():
+                    return part_indices(own, s_t.shape, t * block_q + j * part)
+
                 s_t, s_scale, derivative = rule.scores(
-                    s_t, lambda: part_indices(own, s_t.shape, t * block_q + j * part), batch,
-                    head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
+                    s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, same_segment=same_segments, with_derivative=True,
                 )
                 # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
@@ -464,7 +479,9 @@ def _dkv_kernel(
                 if j == 0:  # dO / delta's wait: with hooks on 64-query steps its place changed no spill (Version 7y)
                     plgpu.barrier_wait(do_ready.at[slot])
                 staging = None if p_smem is None else p_smem.at[wg]
-                p_bf16 = p_t.astype(do_part.dtype)
+                # Dropout: dV takes the kept P^T / (1 - rate); dP^T gets the same mask (hashed again below
+                # rather than held across the dP^T matmul).
+                p_bf16 = rule.dropped(p_t, indices, batch, head, seed_parts).astype(do_part.dtype)
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
                     p_t = p_t * derivative  # live: P^T and the derivative held beside dP^T spilled
                 dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
@@ -472,6 +489,7 @@ def _dkv_kernel(
                 delta = plgpu.load(delta_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 if j == block_q // part - 1:
                     plgpu.barrier_arrive(do_free.at[slot])
+                dp_t = rule.dropped(dp_t, indices, batch, head, seed_parts)
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
                 dk = _accumulate_pv(dk, ds_t.astype(q_part.dtype), q_part, staging, not interpret, lambda: None)
             plgpu.barrier_arrive(q_free.at[slot])
@@ -550,7 +568,8 @@ def _dkv_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
-                     "tables_block_q", "mask_fn", "score_fn", "score_jvp"),
+                     "tables_block_q", "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions",
+                     "dropout_heads"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -571,6 +590,10 @@ def mosaic_backward_dkv(
     p_in_smem: bool = False,
     interpret: bool = False,
     d_lse: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_positions: tuple[int, int] | None = None,
+    dropout_heads: int | None = None,
     q_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
     tables_block_q: int | None = None,
     mask_fn: Callable[..., jax.Array] | None = None,
@@ -598,8 +621,8 @@ def mosaic_backward_dkv(
       `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(tables_block_q, block_kv)`; each CTA walks
       the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
       of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
-      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` as in
-      `mosaic_backward_dq`.
+      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` and the dropout arguments as
+      in `mosaic_backward_dq`.
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b].
     """
@@ -611,6 +634,7 @@ def mosaic_backward_dkv(
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables_block_q = tables_block_q or block_q
     if tables_block_q % block_q or q_len % tables_block_q:
@@ -620,7 +644,8 @@ def mosaic_backward_dkv(
     return _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments), segments=segments,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout),
+        segments=segments, seed=seed,
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
             (

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_kernels._config import FlashConfig
+from probjax_kernels._dropout import keep_mask, positions_of
 from probjax_kernels._scores import backward_delta, base2_lse
 
 LOG2E = math.log2(math.e)
@@ -117,6 +118,11 @@ class ScoreRule:
     score_fn: Callable | None = None
     score_jvp: Callable | None = None
     segments: bool = False  # a query attends only keys of its own segment (packed sequences)
+    # Dropout (`_dropout.keep_mask`, every backend's bits): its rate, the (q_split, kv_split) of a positional
+    # seed (`_dropout.positional_seed`) or None, and the number of heads the hash counts.
+    dropout_rate: float = 0.0
+    dropout_positions: tuple[int, int] | None = None
+    dropout_heads: int = 1
 
     @property
     def causal_only(self) -> bool:
@@ -166,6 +172,54 @@ class ScoreRule:
         return s, s_scale, derivative
 
 
+    def kept(self, indices: Callable, batch, head, seed_parts) -> jax.Array:
+        """The dropout keep mask of a tile (True = kept): `indices()` gives its (q_idx, kv_idx), `seed_parts`
+        the scalars of the seed (one, or `positional_seed`'s seven)."""
+        q_idx, kv_idx = indices()
+        seed = seed_parts[0]
+        if self.dropout_positions is not None:
+            seed, batch, head, q_idx, kv_idx = positions_of(seed_parts, self.dropout_positions, batch, head, q_idx,
+                                                            kv_idx)
+        return keep_mask(seed, batch, head, q_idx, kv_idx, self.dropout_rate, self.dropout_heads)
+
+    def dropped(self, x, indices: Callable, batch, head, seed_parts, scaled: bool = True) -> jax.Array:
+        """x with dropout applied: 0 where dropped, x / (1 - rate) where kept (x unchanged without dropout);
+        x where kept without `scaled` (the caller then owes the factor `kept_scale`)."""
+        if not self.dropout_rate:
+            return x
+        keep = self.kept(indices, batch, head, seed_parts)
+        return jnp.where(keep, x * self.kept_scale if scaled else x, jnp.zeros_like(x))
+
+    @property
+    def kept_scale(self) -> float:
+        """1 / (1 - rate): the factor on kept weights (1 without dropout)."""
+        return 1.0 / (1.0 - self.dropout_rate)
+
+
+def dropout_options(dropout_rate: float, dropout_seed, dropout_positions, dropout_heads: int | None,
+                    num_heads: int) -> tuple[dict, tuple]:
+    """(ScoreRule's dropout fields, the kernel's seed input: uint32 [1] or [7] or none), checked."""
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if not dropout_rate:
+        return {}, ()
+    if dropout_seed is None:
+        raise ValueError("dropout_rate > 0 needs a dropout_seed")
+    seed = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(-1)
+    parts = 7 if dropout_positions is not None else 1  # `_dropout.SEED_PARTS` with positions
+    if seed.shape != (parts,):
+        raise ValueError(f"dropout_seed must be a scalar, or positional_seed's [7] with dropout_positions; got "
+                         f"shape {jnp.shape(dropout_seed)}")
+    rule = dict(dropout_rate=float(dropout_rate), dropout_positions=dropout_positions,
+                dropout_heads=dropout_heads or num_heads)
+    return rule, (seed,)
+
+
+def read_seed(seed_refs) -> tuple:
+    """The seed's uint32 scalars from its global-memory ref (none without dropout)."""
+    return tuple(seed_refs[0][i] for i in range(seed_refs[0].shape[0])) if seed_refs else ()
+
+
 def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
     """acc + p @ v; `while_running()` is traced between issuing the wgmma and waiting for it.
 
@@ -192,10 +246,10 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
 
 
 def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-                    has_segments: bool = False) -> tuple:
-    """(tables, score_arrays, mask_arrays, segments, rest) of the kernels' refs after the lengths: the 4
-    block-table refs (None without tables), the refs of the score_fn's and the mask_fn's arrays, then the query
-    and key segment ids (None without segments)."""
+                    has_segments: bool = False, has_dropout: bool = False) -> tuple:
+    """(tables, score_arrays, mask_arrays, segments, seed, rest) of the kernels' refs after the lengths: the 4
+    block-table refs (None without tables), the refs of the score_fn's and the mask_fn's arrays, the query
+    and key segment ids (None without segments), then the dropout seed's ref (() without dropout)."""
     tables = segments = None
     if has_tables:
         tables, refs = refs[:4], refs[4:]
@@ -203,7 +257,8 @@ def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arra
     mask_arrays, refs = refs[:num_mask_arrays], refs[num_mask_arrays:]
     if has_segments:
         segments, refs = refs[:2], refs[2:]
-    return tables, score_arrays, mask_arrays, segments, refs
+    seed, refs = (refs[:1], refs[1:]) if has_dropout else ((), refs)
+    return tables, score_arrays, mask_arrays, segments, seed, refs
 
 
 def same_segment(row_segments, column_segments, shape):
@@ -364,26 +419,27 @@ def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, blo
 
 def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
             block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names,
-            segments=None, **static):
+            segments=None, seed=(), **static):
     """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays and the segment ids; `static`: more
-    of `body`'s static options."""
+    lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays, the segment ids and the dropout
+    seed; `static`: more of `body`'s static options."""
     q, k = inputs[:2]
     kernel = functools.partial(
         body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, **static,
+        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed), **static,
     )
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
         num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()))
+    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed)
 
 
-def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp, segments) -> ScoreRule:
+def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp, segments,
+                   dropout: dict) -> ScoreRule:
     if score_fn is not None and score_jvp is None:
         raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
     return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp,
-                     segments=segments is not None)
+                     segments=segments is not None, **dropout)

@@ -61,9 +61,11 @@ from probjax_kernels.mosaic.common import (
     _check_tables,
     check_layout,
     check_segments,
+    dropout_options,
     drain_ring,
     fill_ring_slot,
     own_ranges,
+    read_seed,
     same_segment,
     split_hook_refs,
     table_row,
@@ -106,10 +108,10 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-    has_segments: bool,
+    has_segments: bool, has_dropout: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments)
+    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     out_ref, lse_ref, smem, ready, free, turn = refs
@@ -151,6 +153,7 @@ def _forward_kernel(
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         row0 = tile_row0 + wg * rows
+        seed_parts = read_seed(seed)
         if has_tables:
             first_step, end_step = jnp.int32(0), cta_steps
         else:
@@ -190,8 +193,12 @@ def _forward_kernel(
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
+            l_i = l_i * alpha + p.sum(axis=1)  # dropout acts after the normalisation: l sums every weight
             p = p.astype(v_smem.dtype)
+            # Dropped on the 16-bit P (half the registers of float32 beside the hash: at head dim 256 the float32
+            # P spilled), the 1 / (1 - rate) of the kept weights folded into the final 1 / l.
+            p = rule.dropped(p, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, seed_parts,
+                             scaled=False)
             if value_dim <= 128:
                 # Pins the row sum before the hand-over below; tokamax / JAX measured this order to be faster.
                 acc, m_new, l_i, p = lax.optimization_barrier((acc, m_new, l_i, p))
@@ -261,7 +268,7 @@ def _forward_kernel(
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
         valid = (q_idx < q_len) & (l_i != 0)  # l_i = 0: no key attended; a NaN l_i (NaN / inf inputs) stays NaN
-        inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
+        inv_l = jnp.where(valid, rule.kept_scale / jnp.where(valid, l_i, 1.0), 0.0)
         o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
         plgpu.commit_smem()
@@ -295,7 +302,7 @@ def _forward_kernel(
     jax.jit,
     static_argnames=(
         "scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn",
-        "score_fn",
+        "score_fn", "dropout_rate", "dropout_positions", "dropout_heads",
     ),
 )
 def mosaic_forward(
@@ -320,6 +327,10 @@ def mosaic_forward(
     score_arrays: tuple[jax.Array, ...] = (),
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_positions: tuple[int, int] | None = None,
+    dropout_heads: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -358,6 +369,11 @@ def mosaic_forward(
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: integer, both or neither (packed sequences): query
       i sees key j only where their ids are equal, on top of every other mask. Every tile then takes the
       per-element mask.
+    - `dropout_rate`: in [0, 1): each attention weight is dropped with this probability (after the softmax's
+      normalisation; kept ones scaled by 1 / (1 - rate)), by `_dropout.keep_mask` of `dropout_seed` (uint32
+      scalar) and the global (batch, query head, query, key) indices: every backend's mask, bit for bit. With
+      `dropout_positions` (q_split, kv_split) the seed is `_dropout.positional_seed`'s [7] and the hash takes
+      positions; `dropout_heads`: the head count the hash takes (default N).
 
     **Returns:** `(out, lse)`: out `[B, T, N, Dv]` in q's dtype and lse `[B, N, T]` float32, the natural-log
     sum-exp of the scaled, masked scores.
@@ -370,6 +386,7 @@ def mosaic_forward(
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
                            block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
@@ -378,10 +395,10 @@ def mosaic_forward(
     kernel = functools.partial(
         _forward_kernel,
         rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn,
-                       segments=segments is not None),
+                       segments=segments is not None, **dropout),
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays), has_segments=segments is not None,
+        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
     )
     return plgpu.kernel(
         kernel,
@@ -419,4 +436,4 @@ def mosaic_forward(
         kernel_name="probjax_mosaic_forward",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()))
+    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed)

@@ -56,19 +56,28 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
         q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"),
+        **_dropout(f, optional),
     )
+
+
+def _dropout(f, optional: dict) -> dict:
+    """The kernels' dropout arguments of a call (none without dropout): every backend's keep mask."""
+    if not f.dropout_rate:
+        return {}
+    return dict(dropout_rate=f.dropout_rate, dropout_seed=optional["dropout_seed"],
+                dropout_positions=f.dropout_positions, dropout_heads=f.dropout_heads)
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `mosaic.plan._fits_mosaic`: no bias, dense mask or dropout) on the tiles (dQ's, dK/dV's) of
+    `mosaic.plan._fits_mosaic`: no bias or dense mask) on the tiles (dQ's, dK/dV's) of
     `mosaic.plan._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
     Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse, q_segment_ids=others.get("q_segment_ids"),
-                   kv_segment_ids=others.get("kv_segment_ids"))
+                   kv_segment_ids=others.get("kv_segment_ids"), **_dropout(f, others))
     dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(

@@ -31,13 +31,14 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k an
 
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
-    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (dropout, bias,
-    dense masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower).
-    Segment ids are read as vectors beside the tiles."""
+    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (bias, dense
+    masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower, and
+    dropout at head dim 256). Segment ids are read as vectors beside the tiles; dropout hashes every backend's
+    keep mask in the kernels."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
-        cfg.backend in ("mosaic", "mosaic_interpret") and f.dropout_rate == 0 and problem.bias_shape is None
+        cfg.backend in ("mosaic", "mosaic_interpret") and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
         # Mosaic has no max_scores output and no shared (batch-1) k / v.
         and not f.return_max and not problem.kv_broadcast
@@ -48,6 +49,8 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
         and value_dim in (64, 128, 256)
+        # Dropout's hash beside a 256-column accumulator spilled (12 B on sm_90a): those calls run Triton.
+        and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=problem.has_segments,
                               value_dim=value_dim) <= MOSAIC_SMEM_BYTES

@@ -209,24 +209,24 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
-# Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): dropout, hooks
-# that read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
+# Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): hooks that
+# read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
 # float32 inputs too (the Mosaic kernels take 16-bit). A dense bias or mask too, and k / v of batch 1
-# (`kv_batch1`: shared by every query batch). Segment ids and a value head dim of v's own it takes.
-MOSAIC_LACKS = frozenset({"dropout", "relative_bias", "document_mask", "dense_bias",
+# (`kv_batch1`: shared by every query batch). Segment ids, dropout and a value head dim of v's own it takes.
+MOSAIC_LACKS = frozenset({"relative_bias", "document_mask", "dense_bias",
                           "dense_bias_f32", "dense_mask", "kv_batch1"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
                      value_dim: int | None = None) -> tuple[str, ...]:
-    """The Pallas kernels a `flash_attention` / `flex_attention` call compiles to, by the dispatch rules: backend
-    "triton" (what `auto` and a default FlashConfig pick on every GPU) runs the Triton kernels; backend "mosaic"
-    (Hopper only) runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64":
-    64; padded to a power of 2) are 64 / 128 / 256, without a feature of `MOSAIC_LACKS` (a BlockMask's tables on its
-    tiles or coarser ones), its dQ and dK/dV where both are 64 / 128; the tangent is Triton's everywhere."""
+    """The Pallas kernels a call compiles to, by the dispatch rules: backend "triton" (what `auto` and a default
+    FlashConfig pick on every GPU) runs Triton's; "mosaic" (Hopper) runs the Mosaic GPU forward on 16-bit inputs where
+    q / k's and v's head dims (`value_dim`; "dv64": 64; padded to a power of 2) are 64 / 128 / 256 without a feature of
+    `MOSAIC_LACKS` (nor dropout at 256), its dQ / dK/dV where both are 64 / 128; the tangent is Triton's."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
-    mosaic = backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
+    mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
+              and not (feature == "dropout" and max(dims) > 128))  # its hash beside 256 columns spilled
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode == "fwd":
         return (forward,)
