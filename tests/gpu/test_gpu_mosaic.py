@@ -141,3 +141,31 @@ def test_flex_score_mod_inside_the_mosaic_forward(hook):
     _assert_close("loss", value, expected_value, TOL)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         _assert_close(name, a, e, 2 * TOL)
+
+
+@pytest.mark.parametrize("case", ["segments", "dropout", "dv64", "dv256"])
+def test_features_that_run_in_the_mosaic_kernels(case):
+    """Segment ids (read beside the tiles), dropout (the keep mask hashed in the kernels: the reference's bits)
+    and a value head dim of v's own, through FlashConfig(backend="mosaic") compiled: loss and gradients."""
+    q, k, v = random_qkv(10, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
+    if case == "segments":
+        segments = jnp.stack([jnp.repeat(jnp.arange(4), 512), jnp.repeat(jnp.arange(2), 1024)])
+        kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
+    elif case == "dropout":
+        kwargs |= {"dropout_rate": 0.1, "dropout_seed": 5}
+    else:
+        v = random_qkv(11, 2, 2048, 2048, 8, 2, 64 if case == "dv64" else 256, jnp.bfloat16)[2]
+    cotangent = _normal(12, (*q.shape[:3], v.shape[3]))
+
+    def value_and_grads(attention, **extra):
+        loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+    (value, grads), (expected_value, expected_grads) = (
+        value_and_grads(flash_attention, config=FlashConfig(backend="mosaic")),
+        value_and_grads(flash_attention_reference),
+    )
+    _assert_close("loss", value, expected_value, TOL)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        _assert_close(name, a, e, 2 * TOL)
