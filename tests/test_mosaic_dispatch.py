@@ -340,6 +340,40 @@ def test_dropout_runs_the_mosaic_forward_and_backward(positional):
         assert_close(got, expected, jnp.bfloat16, name)
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1, 384), (1, 1, 1, 384), (2, 1, 384, 1), (2, 1, 1, 1)])
+def test_a_key_padding_or_query_mask_runs_the_mosaic_forward_and_backward(shape):
+    """A dense mask that is a row or a column vector (`[B|1, 1, 1, S]` key padding, `[B, 1, T, 1]` queries,
+    `[B, 1, 1, 1]`) runs in the Mosaic kernels as segment ids; rows that keep no key give 0."""
+    q, k, v = random_qkv(21, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
+    mask = jax.random.bernoulli(jax.random.key(22), 0.7, shape)
+    if shape[0] == 2 and shape[2] == 1 and shape[3] > 1:
+        mask = mask.at[1, :, :, :200].set(False)  # sequence 1's rows under 200 see no key (causal)
+    if shape == (2, 1, 1, 1):
+        mask = jnp.array([True, False]).reshape(shape)
+    kwargs = {"causal": True, "mask": mask}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(23), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
+def test_other_dense_masks_run_the_triton_kernels():
+    """A mask over queries and keys, a per-head key mask, and a vector mask beside segment ids: Triton."""
+    q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    segments = jnp.zeros((2, 256), jnp.int32)
+    for mask, extra in ((jnp.ones((2, 1, 256, 256), bool), {}), (jnp.ones((2, 2, 1, 256), bool), {}),
+                        (jnp.ones((2, 1, 1, 256), bool), {"q_segment_ids": segments, "kv_segment_ids": segments})):
+        assert runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, mask=mask, config=MOSAIC, **extra),
+                                   q, k, v)
+
+
 def test_hooks_on_non_square_tiles_run_the_triton_backward():
     """With block_k != block_q the Mosaic backward's tiles are not the shape the hooks were vetted at: the
     forward stays in Mosaic GPU, the backward runs on Triton, and both match the reference."""

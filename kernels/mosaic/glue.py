@@ -55,9 +55,22 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret,
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
-        q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"),
-        **_dropout(f, optional),
+        **_segments(optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
     )
+
+
+def _segments(optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
+    """The kernels' segment ids: the call's, or those of a dense mask `[B|1, 1, T|1, S|1]` with T or S of 1
+    (`plan.vector_mask`: a key padding or query mask, never with segment ids), which attend exactly where it is
+    True: a query's id is 0 where its row is kept and 1 where not, a key's 0 or 2, so ids match only when both
+    are kept."""
+    if "mask" not in optional:
+        return dict(q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"))
+    mask = optional["mask"] != 0
+    rows = mask[:, 0, :, 0] if mask.shape[3] == 1 else jnp.ones((1, 1), bool)  # [B|1, T|1]
+    keys = mask[:, 0, 0, :] if mask.shape[2] == 1 and mask.shape[3] > 1 else jnp.ones((1, 1), bool)  # [B|1, S|1]
+    return dict(q_segment_ids=jnp.broadcast_to(jnp.where(rows, 0, 1), (batch, q_len)).astype(jnp.int32),
+                kv_segment_ids=jnp.broadcast_to(jnp.where(keys, 0, 2), (batch, kv_len)).astype(jnp.int32))
 
 
 def _dropout(f, optional: dict) -> dict:
@@ -70,14 +83,14 @@ def _dropout(f, optional: dict) -> dict:
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `mosaic.plan._fits_mosaic`: no bias or dense mask) on the tiles (dQ's, dK/dV's) of
+    `mosaic.plan._fits_mosaic`: no bias, a dense mask only as vectors) on the tiles (dQ's, dK/dV's) of
     `mosaic.plan._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
     Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
-                   interpret=_interpreted(problem), d_lse=d_lse, q_segment_ids=others.get("q_segment_ids"),
-                   kv_segment_ids=others.get("kv_segment_ids"), **_dropout(f, others))
+                   interpret=_interpreted(problem), d_lse=d_lse, **_segments(others, *q.shape[:2], k.shape[1]),
+                   **_dropout(f, others))
     dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(

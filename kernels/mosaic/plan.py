@@ -32,9 +32,9 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k an
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
     k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (bias, dense
-    masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower, and
-    dropout at head dim 256). Segment ids are read as vectors beside the tiles; dropout hashes every backend's
-    keep mask in the kernels."""
+    masks other than `vector_mask`s, hooks that read captured arrays other than as scalars or use an op Mosaic
+    GPU cannot lower, and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors
+    beside the tiles; dropout hashes every backend's keep mask in the kernels."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
@@ -42,7 +42,7 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
         # Mosaic has no max_scores output and no shared (batch-1) k / v.
         and not f.return_max and not problem.kv_broadcast
-        and problem.mask_shape is None
+        and (problem.mask_shape is None or vector_mask(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
@@ -52,9 +52,21 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         # Dropout's hash beside a 256-column accumulator spilled (12 B on sm_90a): those calls run Triton.
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
-        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=problem.has_segments,
+        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=_has_vectors(problem),
                               value_dim=value_dim) <= MOSAIC_SMEM_BYTES
     )
+
+
+def vector_mask(problem: _Problem) -> bool:
+    """Whether the call's dense mask is a row or column vector the kernels take as segment ids (`glue._segments`):
+    `[B|1, 1, T|1, S|1]` with T or S of 1 (a key padding mask, a query mask), in a call without segment ids."""
+    shape = problem.mask_shape
+    return shape is not None and shape[1] == 1 and 1 in shape[2:] and not problem.has_segments
+
+
+def _has_vectors(problem: _Problem) -> bool:
+    """Whether the kernels read segment ids: the call's, or its vector mask's."""
+    return problem.has_segments or vector_mask(problem)
 
 
 def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
@@ -137,7 +149,7 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
         return {}, {}
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     tile = cfg.block_q
-    segments = problem.has_segments
+    segments = _has_vectors(problem)
     if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments,
                                                 value_dim=value_dim),
                                   dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments,

@@ -426,7 +426,10 @@ def planned_rows(out: list) -> list:
             out[index[name]] = dataclasses.replace(
                 v, targets=v.targets + tuple(t for t in row["targets"] if t not in v.targets))
             continue
-        feature = "kv_batch1" if dict(probe.options).get("kv_batch") == 1 else probe.family
+        options = dict(probe.options)
+        feature = "kv_batch1" if options.get("kv_batch") == 1 else probe.family
+        if options.get("mask") == "keys":  # a key padding mask: a vector the Mosaic kernels take, unlike [B, 1, T, S]
+            feature = "dense_mask_keys"
         requires = registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,
                                              probe.value_dim)
         index[name] = len(out)
