@@ -412,19 +412,56 @@ def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, pla
     assert default_backend() == expected
 
 
-def test_what_the_mosaic_kernels_lack_runs_the_triton_kernels():
-    """k / v of batch 1 shared by the batch, max_scores, and dropout at head dim 256 (its hash beside the
-    256-column accumulator spilled): such calls run Triton."""
+def test_dropout_at_head_dim_256_runs_the_triton_kernels():
+    """Dropout at head dim 256 (q / k's or v's): its hash beside the 256-column accumulator spilled."""
     q, k, v = random_qkv(15, 2, 256, 256, 2, 2, 64, jnp.bfloat16)
     flash = lambda q, k, v, **kw: flash_attention(q, k, v, causal=True, config=MOSAIC, **kw)  # noqa: E731
-    assert not runs_triton_forward(flash, q, k, v)  # the same call otherwise takes Mosaic
-    assert runs_triton_forward(flash, q, k[:1], v[:1])
     dropout = functools.partial(flash, dropout_rate=0.1, dropout_seed=3)
     assert not runs_triton_forward(dropout, q, k, v)
     wide_v = jnp.concatenate([v] * 4, axis=-1)
     assert runs_triton_forward(dropout, q, k, wide_v) and not runs_triton_forward(flash, q, k, wide_v)
-    aux = AuxRequest(max_scores=True)
-    assert runs_triton_forward(lambda q, k, v: flex_attention(q, k, v, return_aux=aux, config=MOSAIC)[0], q, k, v)
+
+
+def test_k_and_v_of_batch_1_run_the_mosaic_kernels():
+    """k / v of batch 1 shared by every query batch (a shared prefix): the kernels read batch 0's tiles, and
+    dK/dV sums each query batch's part. GQA, per-sequence lengths."""
+    q, k, v = random_qkv(25, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    k, v = k[:1], v[:1]
+    kwargs = {"causal": True, "kv_lengths": jnp.array([256, 150])}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(26), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert got.shape == expected.shape
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
+def test_max_scores_come_from_the_mosaic_forward():
+    """AuxRequest(max_scores=True): the forward's row max of the scaled, modified, masked scores, against
+    float64 NumPy; rows that attend no key give -inf."""
+    q, k, v = random_qkv(27, 1, 256, 256, 2, 1, 64, jnp.bfloat16)
+    aux = AuxRequest(lse=True, max_scores=True)
+    mask = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx - 10) & (kv_idx < 200)  # noqa: E731
+    block_mask = create_block_mask(mask, None, None, 256, 256, BLOCK_SIZE=128)
+    fn = lambda q, k, v: flex_attention(q, k, v, softcap(4.0), block_mask, scale=0.2, enable_gqa=True,  # noqa: E731
+                                        return_aux=aux, config=MOSAIC)
+    assert not runs_triton_forward(lambda *a: fn(*a)[0], q, k, v)
+    compiled = lambda q, k, v: flex_attention(q, k, v, softcap(4.0), block_mask, scale=0.2,  # noqa: E731
+                                              enable_gqa=True, return_aux=aux, config=FlashConfig(backend="mosaic"))
+    assert "mosaic_gpu" in lower_for_cuda(compiled, *(spec(x.shape, x.dtype) for x in (q, k, v)))
+    out, got = jax.jit(fn)(q, k, v)
+    qn, kn = (np.asarray(to_float32(x), np.float64) for x in (q, k))
+    scores = 4.0 * np.tanh(np.einsum("btnd,bsnd->bnts", qn, np.repeat(kn, 2, axis=2)) * 0.2 / 4.0)
+    rows, cols = np.arange(256)[:, None], np.arange(256)[None, :]
+    expected = np.where((cols <= rows - 10) & (cols < 200), scores, -np.inf).max(-1)
+    np.testing.assert_allclose(np.asarray(got.max_scores), expected, rtol=1e-5, atol=1e-5)  # rows < 10: -inf
+    assert np.all(np.isneginf(np.asarray(got.max_scores)[:, :, :10]))
 
 
 @pytest.mark.parametrize("head_dim, value_dim, backward", [(64, 128, "mosaic"), (128, 64, "mosaic"),

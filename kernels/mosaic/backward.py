@@ -212,7 +212,7 @@ def _dq_kernel(
         @pl.loop(0, cta_steps)
         def _(kv_step):
             key0 = block_of(kv_step) * block_kv
-            tile = (batch, pl.ds(key0, block_kv), kv_head)
+            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(key0, block_kv), kv_head)
             copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
             if has_segments:  # the keys' segment ids arrive with K
                 copies.append((segments[1].at[batch, pl.ds(key0, block_kv)], kv_segment_smem, k_ready))
@@ -415,9 +415,10 @@ def _dkv_kernel(
         key0 = tile_key0 + wg * keys
         seed_parts = read_seed(seed)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
-        key_tile = (batch, pl.ds(key0, keys), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[key_tile], k_own, k_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[key_tile], v_own, v_ready.at[wg])
+        key_tile = (batch, pl.ds(key0, keys), kv_head)  # of dK / dV: per query batch when k / v have batch 1
+        kv_tile = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_tile], k_own, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
         if has_segments:  # the keys' segment ids arrive with K
             plgpu.copy_gmem_to_smem(segments[1].at[batch, pl.ds(key0, keys)], kv_segment_smem.at[wg], k_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
@@ -624,7 +625,8 @@ def mosaic_backward_dkv(
       `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` and the dropout arguments as
       in `mosaic_backward_dq`.
 
-    **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b].
+    **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
+    k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again).
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -641,12 +643,13 @@ def mosaic_backward_dkv(
         raise ValueError(f"{tables_block_q=} must be a multiple of {block_q=} dividing T={q_len}")
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
                                                 block_kv, "q_tables")
-    return _launch(
+    dk, dv = _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
         rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout),
         segments=segments, seed=seed,
-        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
+                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
@@ -675,3 +678,6 @@ def mosaic_backward_dkv(
         grid=(kv_len // block_kv, num_kv_heads, batch),
         grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
     )
+    if k.shape[0] == batch:
+        return dk, dv
+    return tuple(g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))

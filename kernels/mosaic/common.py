@@ -41,8 +41,8 @@ def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, 
                          f"{v.shape=}")
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    if k.shape != (batch, kv_len, num_kv_heads, head_dim) or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k and v must be [B, S, K, D] / [B, S, K, Dv] matching q; got {q.shape=}, {k.shape=}, "
+    if k.shape[0] not in (1, batch) or k.shape[1:] != (kv_len, num_kv_heads, head_dim) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k and v must be [B|1, S, K, D] / [B|1, S, K, Dv] matching q; got {q.shape=}, {k.shape=}, "
                          f"{v.shape=}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")

@@ -80,42 +80,45 @@ _HEAD_DIMS = (64, 128, 256)
 
 def smem_bytes(
     head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
-    segments: bool = False, value_dim: int | None = None,
+    segments: bool = False, value_dim: int | None = None, return_max: bool = False,
 ) -> int:
     """Shared memory of one CTA: the Q tile (which carries O out when v's head dim `value_dim` is q's, else an O
     tile of its own), the K and V rings, the lse staging rows, with `p_in_smem` the P tiles and with `segments`
-    the query rows' segment ids and a ring of the keys' (barriers aside)."""
+    the query rows' segment ids and a ring of the keys', with `return_max` the row max staging rows (barriers
+    aside)."""
     value_dim = value_dim or head_dim
     p_tiles = block_q * block_kv if p_in_smem else 0
     o_tile = block_q * value_dim if value_dim != head_dim else 0
     segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
     elements = head_dim * (block_q + num_stages * block_kv) + value_dim * num_stages * block_kv + o_tile + p_tiles
-    return itemsize * elements + 4 * block_q + segment_ids
+    return itemsize * elements + 4 * block_q * (1 + return_max) + segment_ids
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
-           p_in_smem: bool, segments: bool = False):
+           p_in_smem: bool, segments: bool = False, return_max: bool = False):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
     # it frees the current V.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                             v.shape[-1]),
+                             v.shape[-1], return_max),
     )
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-    has_segments: bool, has_dropout: bool,
+    has_segments: bool, has_dropout: bool, return_max: bool,
 ):
     tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
-    out_ref, lse_ref, smem, ready, free, turn = refs
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem = smem
+    out_ref, lse_ref, *refs = refs
+    max_ref = refs.pop(0) if return_max else None
+    smem, ready, free, turn = refs
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem, max_smem = smem
     o_smem = qo_smem if own_o_smem is None else own_o_smem  # Q's tile carries O out when Dv = D
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
@@ -271,9 +274,13 @@ def _forward_kernel(
         inv_l = jnp.where(valid, rule.kept_scale / jnp.where(valid, l_i, 1.0), 0.0)
         o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
+        if return_max:
+            max_smem.at[wg][...] = jnp.where(valid, m_i * LN2, -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
+        if return_max:  # the row max of the masked scores in natural units: m_i is base 2
+            plgpu.copy_smem_to_gmem(max_smem.at[wg], max_ref.at[batch, head, pl.ds(row0, rows)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
@@ -283,7 +290,7 @@ def _forward_kernel(
 
         def load(kv_step, block):
             """Step `kv_step`: once both consumers freed its slot, TMA KV tile `block` into it."""
-            tile = (batch, pl.ds(block * block_kv, block_kv), kv_head)
+            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(block * block_kv, block_kv), kv_head)
             copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
             if has_segments:  # the keys' segment ids arrive with K
                 copies.append((segments[1].at[batch, pl.ds(block * block_kv, block_kv)], kv_segment_smem, k_ready))
@@ -302,7 +309,7 @@ def _forward_kernel(
     jax.jit,
     static_argnames=(
         "scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn",
-        "score_fn", "dropout_rate", "dropout_positions", "dropout_heads",
+        "score_fn", "dropout_rate", "dropout_positions", "dropout_heads", "return_max",
     ),
 )
 def mosaic_forward(
@@ -331,14 +338,16 @@ def mosaic_forward(
     dropout_seed: jax.Array | None = None,
     dropout_positions: tuple[int, int] | None = None,
     dropout_heads: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_max: bool = False,
+) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
     **Arguments:**
 
     - `q`: `[B, T, N, D]`, bfloat16 or float16, D in {64, 128, 256}; T a multiple of `block_q`.
-    - `k`, `v`: `[B, S, K, D]` and `[B, S, K, Dv]` (Dv in {64, 128, 256} too), q's dtype, N a multiple of K
-      (GQA / MQA); S a multiple of `block_kv`. Padding rows must be finite (zeros).
+    - `k`, `v`: `[B, S, K, D]` and `[B, S, K, Dv]` (Dv in {64, 128, 256} too; batch 1: shared by every query
+      batch), q's dtype, N a multiple of K (GQA / MQA); S a multiple of `block_kv`. Padding rows must be finite
+      (zeros).
     - `q_lengths`, `kv_lengths`: int32 `[B]`; query rows >= q_lengths[b] give output 0 and lse -inf, keys
       >= kv_lengths[b] are masked.
     - `scale`: multiplies q k^T, > 0. `causal`: query i sees keys j <= i (top-left alignment).
@@ -375,14 +384,17 @@ def mosaic_forward(
       `dropout_positions` (q_split, kv_split) the seed is `_dropout.positional_seed`'s [7] and the hash takes
       positions; `dropout_heads`: the head count the hash takes (default N).
 
-    **Returns:** `(out, lse)`: out `[B, T, N, Dv]` in q's dtype and lse `[B, N, T]` float32, the natural-log
-    sum-exp of the scaled, masked scores.
+    - `return_max`: also return the row max of the scaled, modified, masked scores (`AuxRequest.max_scores`).
+
+    **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype, lse
+    `[B, N, T]` float32, the natural-log sum-exp of the scaled, masked scores, and max_scores `[B, N, T]` float32
+    (-inf where a row attends no key).
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
-           q_segment_ids is not None)
+           q_segment_ids is not None, return_max)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
@@ -399,12 +411,14 @@ def mosaic_forward(
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
         num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
+        return_max=return_max,
     )
+    rows_out = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+            jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows_out,
+            *((rows_out,) if return_max else ()),
         ),
         scratch_types=(
             (
@@ -417,6 +431,7 @@ def mosaic_forward(
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
                 plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
                 if value_dim != head_dim else None,
+                plgpu.SMEM((_CONSUMERS, rows), jnp.float32) if return_max else None,
             ),
             (  # with segments, Q's and K's barriers also await the segment ids' copies
                 plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),

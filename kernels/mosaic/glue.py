@@ -42,7 +42,7 @@ def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
-    """(out, lse) of the padded inputs by the Mosaic GPU forward (calls that `mosaic.plan` takes; `interpret`:
+    """(out, lse), and max_scores with `return_max`, of the padded inputs by the Mosaic GPU forward (calls that `mosaic.plan` takes; `interpret`:
     in the Mosaic GPU interpreter); a BlockMask's tables coarser than the kernel's tiles are refined to them
     (`refined_tables`)."""
     f, cfg = problem.features, problem.config
@@ -56,6 +56,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
         **_segments(optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
+        return_max=f.return_max,
     )
 
 

@@ -40,8 +40,6 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
-        # Mosaic has no max_scores output and no shared (batch-1) k / v.
-        and not f.return_max and not problem.kv_broadcast
         and (problem.mask_shape is None or vector_mask(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
@@ -53,7 +51,7 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=_has_vectors(problem),
-                              value_dim=value_dim) <= MOSAIC_SMEM_BYTES
+                              value_dim=value_dim, return_max=f.return_max) <= MOSAIC_SMEM_BYTES
     )
 
 

@@ -234,6 +234,7 @@ FORCED = {
     "mosaic_grad_d64_bf16_causal_T8192": "Mosaic GPU at the seed's longest sequence",
     "mosaic_grad_d128_bf16_causal_T8192": "Mosaic GPU at the seed's longest sequence",
     "mosaic_grad_d256_bf16_causal_T8192": "Mosaic GPU at the seed's longest sequence",
+    "mosaic_grad_d128_bf16_causal_kvbatch1": "Mosaic GPU with key / value batch 1 (dK / dV summed over the batch)",
 }
 
 
