@@ -345,3 +345,29 @@ def test_rejects_outputs_of_the_wrong_value_head_dim():
     with pytest.raises(NotImplementedError, match="v's head dim"):
         jax.eval_shape(functools.partial(mosaic_backward_dkv, scale=0.1, causal=False), q, q, wide, wide, lse, wide,
                        lengths, lengths)
+
+
+@pytest.mark.parametrize("mask_shape, dq_tiles, dkv_tiles", [
+    ((2, 4, 256, 384), {}, {}),  # one part a step
+    ((1, 1, 256, 384), {"block_kv": 128}, {"block_q": 128}),  # two parts a step: a ring of mask tiles each
+])
+def test_a_dense_mask_matches_the_reference_in_interpreter(mask_shape, dq_tiles, dkv_tiles):
+    """dQ (mask tiles beside K) and dK/dV (the transposed mask's tiles beside Q), GQA, lengths, causal, T < S."""
+    batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype = 2, 256, 384, 4, 2, 64, jnp.bfloat16
+    q, k, v = random_qkv(12, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
+    d_out = random_qkv(13, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
+    mask = jax.random.bernoulli(jax.random.key(14), 0.6, mask_shape)
+    q_lengths, kv_lengths = jnp.asarray([256, 200], jnp.int32), jnp.asarray([384, 290], jnp.int32)
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, k, v, causal=True, scale=0.125, q_lengths=q_lengths,
+                                         kv_lengths=kv_lengths, mask=mask, return_lse=True)
+
+    (out, lse), expected = reference_vjp(reference, tuple(x.astype(jnp.float32) for x in (q, k, v)),
+                                         d_out.astype(jnp.float32))
+    options = dict(scale=0.125, causal=True, interpret=True, mask=mask)
+    args = (q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths)
+    dq = jax.jit(functools.partial(mosaic_backward_dq, **options, **dq_tiles))(*args)
+    dk, dv = jax.jit(functools.partial(mosaic_backward_dkv, **options, **dkv_tiles))(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_close(got, want, dtype, name)

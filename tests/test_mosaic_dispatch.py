@@ -364,11 +364,31 @@ def test_a_key_padding_or_query_mask_runs_the_mosaic_forward_and_backward(shape)
         assert_close(got, expected, jnp.bfloat16, name)
 
 
-def test_other_dense_masks_run_the_triton_kernels():
-    """A mask over queries and keys, a per-head key mask, and a vector mask beside segment ids: Triton."""
+@pytest.mark.parametrize("shape", [(2, 1, 256, 384), (1, 2, 256, 384)])
+def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape):
+    """A dense mask `[B|1, N|1, T, S]` read as int8 tiles beside K (forward, dQ) and, transposed, beside Q
+    (dK/dV), on top of causality, GQA and per-sequence lengths; T < S."""
+    q, k, v = random_qkv(28, 2, 256, 384, 2, 1, 64, jnp.bfloat16)
+    mask = jax.random.bernoulli(jax.random.key(29), 0.6, shape)
+    kwargs = {"causal": True, "mask": mask, "kv_lengths": jnp.array([384, 300]), "q_lengths": jnp.array([256, 190])}
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(30), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
+def test_per_head_key_masks_and_vector_masks_beside_segments_run_the_triton_kernels():
+    """A per-head key mask `[B, N, 1, S]`, and a key mask beside segment ids: Triton."""
     q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     segments = jnp.zeros((2, 256), jnp.int32)
-    for mask, extra in ((jnp.ones((2, 1, 256, 256), bool), {}), (jnp.ones((2, 2, 1, 256), bool), {}),
+    for mask, extra in ((jnp.ones((2, 2, 1, 256), bool), {}),
                         (jnp.ones((2, 1, 1, 256), bool), {"q_segment_ids": segments, "kv_segment_ids": segments})):
         assert runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, mask=mask, config=MOSAIC, **extra),
                                    q, k, v)

@@ -129,6 +129,33 @@ def test_a_value_head_dim_of_its_own_matches_numpy_in_interpreter(head_dim, valu
                          value_dim=value_dim, **tiles)
 
 
+@pytest.mark.parametrize("mask_shape, tiles", [((2, 4, 128, 256), {}), ((1, 1, 128, 256), {"block_kv": 64})])
+def test_a_dense_mask_matches_numpy_in_interpreter(mask_shape, tiles):
+    # int8 tiles of the mask beside K (128 or 64 bytes a row), per head or broadcast, with causality and lengths.
+    mask = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.5, mask_shape))
+    q, k, v = random_qkv(5, 2, 128, 256, 4, 2, 64, jnp.bfloat16)
+    q_lengths, kv_lengths = [128, 100], [256, 170]
+    out, lse = jax.jit(functools.partial(mosaic_forward, scale=0.125, causal=True, interpret=True, **tiles))(
+        q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), mask=mask)
+    allowed = numpy_allowed(2, 128, 256, causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
+    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=0.125)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_a_dense_mask_of_the_wrong_shape():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    lengths = jnp.array([256], jnp.int32)
+    for mask, match in ((jnp.ones((1, 1, 1, 256), bool), r"mask must be \[B\|1, N\|1, T, S\]"),
+                        (jnp.ones((1, 1, 256, 256), jnp.float32), "mask must be bool or integer")):
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(mosaic_forward, scale=1.0, causal=False, mask=mask), q, q, q, lengths,
+                           lengths)
+
+
 @pytest.mark.parametrize("segments, match", [
     ((jnp.zeros((1, 256), jnp.int32), None), "pass both q_segment_ids and kv_segment_ids"),
     ((jnp.zeros((1, 200), jnp.int32), jnp.zeros((1, 256), jnp.int32)), r"q_segment_ids must be integer \[B, T\]"),

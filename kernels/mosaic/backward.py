@@ -49,8 +49,11 @@ from probjax_kernels.mosaic.common import (
     _launch,
     _prologue,
     check_layout,
+    check_dense_mask,
     check_segments,
     dropout_options,
+    mask_index,
+    mask_tiles,
     drain_ring,
     fill_ring_slot,
     own_ranges,
@@ -65,26 +68,28 @@ from probjax_kernels.mosaic.forward import _check
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
-                  itemsize: int = 2, segments: bool = False, value_dim: int | None = None) -> int:
+                  itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
+                  dense_mask: bool = False) -> int:
     """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings (dO and V of v's head dim
-    `value_dim`, default q's), lse2 / delta rows, with `ds_in_smem` the dS tiles of one part and with
-    `segments` the rows' segment ids and a ring of the keys'."""
+    `value_dim`, default q's), lse2 / delta rows, with `ds_in_smem` the dS tiles of one part, with `segments`
+    the rows' segment ids and a ring of the keys', and with `dense_mask` a ring of int8 mask tiles."""
     value_dim = value_dim or head_dim
     ds_tiles = block_q * min(block_kv, PART) if ds_in_smem else 0
     segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
     elements = (head_dim + value_dim) * (block_q + num_stages * block_kv) + ds_tiles
-    return itemsize * elements + 8 * block_q + segment_ids
+    return itemsize * elements + 8 * block_q + segment_ids + (num_stages * block_q * block_kv if dense_mask else 0)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, has_segments: bool, has_dropout: bool,
+    num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     dq_ref, smem, row_ready, ready, free = refs
-    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
+    (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
+     mask_rings) = smem  # mask_rings: one ring of (block_q, part) int8 tiles per part of a step
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -158,16 +163,19 @@ def _dq_kernel(
                 dp = matmul_t(do_own, v_part)
                 if j == block_kv // part - 1:
                     plgpu.barrier_arrive(v_free.at[slot])
-                kv_segments = None
+                kv_segments = mask_tile = None
                 if has_segments:  # its slot is freed with K's, after the last part
                     kv_segments = plgpu.load(kv_segment_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0))
+                if has_mask:  # so is the mask tile's
+                    mask_tile = plgpu.load(mask_rings[j].at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+
                 def indices():
                     return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
 
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
-                    with_derivative=True,
+                    dense=lambda: mask_tile != 0, with_derivative=True,
                 )
                 dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
@@ -216,6 +224,10 @@ def _dq_kernel(
             copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
             if has_segments:  # the keys' segment ids arrive with K
                 copies.append((segments[1].at[batch, pl.ds(key0, block_kv)], kv_segment_smem, k_ready))
+            if has_mask:  # and the CTA's rows of the dense mask, a tile per part
+                index = (*mask_index(mask_ref, batch, head), pl.ds(tile_row0, block_q))
+                copies += [(mask_ref.at[(*index, pl.ds(key0 + j * part, part))], ring, k_ready)
+                           for j, ring in enumerate(mask_rings)]
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
@@ -257,6 +269,7 @@ def mosaic_backward_dq(
     score_arrays: tuple[jax.Array, ...] = (),
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
@@ -267,7 +280,7 @@ def mosaic_backward_dq(
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
     tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
-    `q_segment_ids`, `kv_segment_ids` and the dropout arguments as in `mosaic_forward` (the forward's).
+    `q_segment_ids`, `kv_segment_ids`, `mask` and the dropout arguments as in `mosaic_forward` (the forward's).
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype.
     """
@@ -279,9 +292,10 @@ def mosaic_backward_dq(
     value_dim = v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
     _check_outputs(q, v, out, lse, d_out)
-    if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem,
-                              segments=segments is not None, value_dim=value_dim)) > SMEM_BYTES:
+    if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem, segments=segments is not None,
+                              value_dim=value_dim, dense_mask=mask is not None)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
@@ -291,8 +305,8 @@ def mosaic_backward_dq(
     return _launch(
         _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout),
-        segments=segments, seed=seed, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask),
+        segments=segments, seed=seed, mask=mask, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
@@ -304,10 +318,13 @@ def mosaic_backward_dq(
                 plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
                 plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
+                      for _ in range(block_kv // part)) if mask is not None else None,
             ),
             tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4 + bool(segments))),
-            (  # with segments, K's barrier also awaits the keys' segment ids
-                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
+            (  # with segments / a mask, K's barrier also awaits the keys' segment ids / the mask's tiles
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) * (block_kv // part),
+                              num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),
             (
@@ -324,18 +341,21 @@ def mosaic_backward_dq(
 
 
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
-                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None) -> int:
+                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
+                   dense_mask: bool = False) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
     the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
-    staging tile per consumer for P^T and dS^T (one part), and with `segments` the keys' segment ids and a ring
-    of the queries'. V and dO have v's head dim `value_dim` (default q's). Barriers aside."""
+    staging tile per consumer for P^T and dS^T (one part), with `segments` the keys' segment ids and a ring
+    of the queries', and with `dense_mask` a ring of int8 (keys, queries) mask tiles. V and dO have v's head
+    dim `value_dim` (default q's). Barriers aside."""
     value_dim = value_dim or head_dim
     part = min(block_q, PART)
     staging = block_kv * part if p_in_smem else 0
     index_vectors = 4 * (block_kv + _CONSUMERS * part)
     segment_ids = 4 * (block_kv + num_stages * block_q) if segments else 0
     elements = (head_dim + value_dim) * (block_kv + num_stages * block_q) + staging
-    return itemsize * elements + 8 * num_stages * block_q + index_vectors + segment_ids
+    mask_tiles_bytes = num_stages * block_kv * block_q if dense_mask else 0
+    return itemsize * elements + 8 * num_stages * block_q + index_vectors + segment_ids + mask_tiles_bytes
 
 
 _DKV_HEAD_DIMS = (64, 128)
@@ -344,14 +364,14 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
-               num_stages: int, p_in_smem: bool, segments: bool = False):
+               num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False):
     # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
     # dK + dV accumulators alone would take 256 float32 registers per thread.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
         smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                                 v.shape[-1]),
+                                 v.shape[-1], dense_mask),
         kernel="the Mosaic GPU dK / dV kernel",
     )
     if d_out.dtype != q.dtype:
@@ -371,13 +391,14 @@ def _check_outputs(q, v, out, lse, d_out):
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool,
+    num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool, has_mask: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+    # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape.
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     dk_ref, dv_ref, smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
-     q_segment_smem) = smem
+     q_segment_smem, mask_rings) = smem  # mask_rings: one ring of (block_kv, part) int8 tiles per part of a step
     k_ready, v_ready = kv_ready
     q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
@@ -469,9 +490,13 @@ def _dkv_kernel(
                 def indices():
                     return part_indices(own, s_t.shape, t * block_q + j * part)
 
+                def dense():  # this consumer's keys of the part's mask tile
+                    tile = plgpu.load(mask_rings[j].at[slot, pl.ds(wg * keys, keys)], layout=plgpu.Layout.WGMMA)
+                    return tile != 0
+
                 s_t, s_scale, derivative = rule.scores(
                     s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
-                    mask_arrays=mask_arrays, same_segment=same_segments, with_derivative=True,
+                    mask_arrays=mask_arrays, same_segment=same_segments, dense=dense, with_derivative=True,
                 )
                 # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
                 p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
@@ -559,6 +584,10 @@ def _dkv_kernel(
                 ]
                 if has_segments:  # the rows' segment ids arrive with Q
                     copies.append((segments[0].at[batch, pl.ds(t * block_q, block_q)], q_segment_smem, q_ready))
+                if has_mask:  # and the (keys, queries) tile of the transposed mask, a tile per part
+                    index = (*mask_index(mask_ref, batch, head), pl.ds(tile_key0, block_kv))
+                    copies += [(mask_ref.at[(*index, pl.ds(t * block_q + j * part, part))], ring, q_ready)
+                               for j, ring in enumerate(mask_rings)]
                 fill_ring_slot(base + n, num_stages, (q_free, do_free), copies)
 
             return base + steps
@@ -604,6 +633,7 @@ def mosaic_backward_dkv(
     score_arrays: tuple[jax.Array, ...] = (),
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -622,8 +652,8 @@ def mosaic_backward_dkv(
       `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(tables_block_q, block_kv)`; each CTA walks
       the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
       of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
-      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids` and the dropout arguments as
-      in `mosaic_backward_dq`.
+      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids`, `mask` (transposed here in
+      XLA: the kernel reads (keys, queries) tiles) and the dropout arguments as in `mosaic_backward_dq`.
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
     k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again).
@@ -632,11 +662,13 @@ def mosaic_backward_dkv(
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
     _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
-               q_segment_ids is not None)
+               q_segment_ids is not None, mask is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
+    mask_t = None if mask is None else jnp.swapaxes(mask, 2, 3)
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables_block_q = tables_block_q or block_q
     if tables_block_q % block_q or q_len % tables_block_q:
@@ -646,8 +678,8 @@ def mosaic_backward_dkv(
     dk, dv = _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout),
-        segments=segments, seed=seed,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask),
+        segments=segments, seed=seed, mask=mask_t,
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
@@ -663,12 +695,15 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((_CONSUMERS, part), jnp.int32),
                 plgpu.SMEM((_CONSUMERS, keys), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_q), jnp.int32) if segments else None,
+                tuple(plgpu.SMEM((num_stages, block_kv, part), jnp.int8, transforms=mask_tiles(part))
+                      for _ in range(block_q // part)) if mask is not None else None,
             ),
             # With segments, K's barrier also awaits the keys' segment ids.
             (plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
              plgpu.Barrier(num_barriers=_CONSUMERS)),
             # Q's slot with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an arrival.
-            (plgpu.Barrier(num_arrivals=2 + bool(segments), num_barriers=num_stages),
+            (plgpu.Barrier(num_arrivals=2 + bool(segments) + (mask is not None) * (block_q // part),
+                           num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)),
             (
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),

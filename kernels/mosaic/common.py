@@ -118,6 +118,7 @@ class ScoreRule:
     score_fn: Callable | None = None
     score_jvp: Callable | None = None
     segments: bool = False  # a query attends only keys of its own segment (packed sequences)
+    dense_mask: bool = False  # a query attends only keys its row of a dense [T, S] mask keeps
     # Dropout (`_dropout.keep_mask`, every backend's bits): its rate, the (q_split, kv_split) of a positional
     # seed (`_dropout.positional_seed`) or None, and the number of heads the hash counts.
     dropout_rate: float = 0.0
@@ -136,15 +137,16 @@ class ScoreRule:
     def mask_everywhere(self) -> bool:
         """Without block tables a mask_fn or a segment boundary may cut any tile, so no tile skips the
         per-element mask."""
-        return self.mask_fn is not None or self.segments
+        return self.mask_fn is not None or self.segments or self.dense_mask
 
     def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
                score_arrays=(), mask_arrays=(), same_segment: Callable | None = None,
-               with_derivative: bool = False):
+               dense: Callable | None = None, with_derivative: bool = False):
         """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
 
         `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask and,
-        with `segments`, `same_segment()` (True where query and key share a segment), and with `user_mask`
+        with `segments`, `same_segment()` (True where query and key share a segment), with `dense_mask`, `dense()`
+        (the tile of the dense mask, True = attend), and with `user_mask`
         also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
         FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
         """
@@ -168,6 +170,8 @@ class ScoreRule:
                 allowed = kv_idx < kv_len
             if self.segments:
                 allowed &= same_segment()
+            if self.dense_mask:
+                allowed &= dense()
             s = jnp.where(allowed, s, -jnp.inf)
         return s, s_scale, derivative
 
@@ -246,11 +250,12 @@ def _accumulate_pv(acc, p, v_smem, p_smem, in_place: bool, while_running):
 
 
 def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-                    has_segments: bool = False, has_dropout: bool = False) -> tuple:
-    """(tables, score_arrays, mask_arrays, segments, seed, rest) of the kernels' refs after the lengths: the 4
-    block-table refs (None without tables), the refs of the score_fn's and the mask_fn's arrays, the query
-    and key segment ids (None without segments), then the dropout seed's ref (() without dropout)."""
-    tables = segments = None
+                    has_segments: bool = False, has_dropout: bool = False, has_mask: bool = False) -> tuple:
+    """(tables, score_arrays, mask_arrays, segments, seed, mask, rest) of the kernels' refs after the lengths:
+    the 4 block-table refs (None without tables), the refs of the score_fn's and the mask_fn's arrays, the query
+    and key segment ids (None without segments), the dropout seed's ref (() without dropout), then the dense
+    mask's ref (None without one)."""
+    tables = segments = mask = None
     if has_tables:
         tables, refs = refs[:4], refs[4:]
     score_arrays, refs = refs[:num_score_arrays], refs[num_score_arrays:]
@@ -258,7 +263,35 @@ def split_hook_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arra
     if has_segments:
         segments, refs = refs[:2], refs[2:]
     seed, refs = (refs[:1], refs[1:]) if has_dropout else ((), refs)
-    return tables, score_arrays, mask_arrays, segments, seed, refs
+    if has_mask:
+        mask, refs = refs[0], refs[1:]
+    return tables, score_arrays, mask_arrays, segments, seed, mask, refs
+
+
+def check_dense_mask(mask, batch: int, num_heads: int, q_len: int, kv_len: int) -> jax.Array | None:
+    """A dense mask `[B|1, N|1, T, S]` (True / nonzero = attend) over the padded sequences as int8; None passes."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if (mask.ndim != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
+            or mask.shape[2:] != (q_len, kv_len)):
+        raise ValueError(f"mask must be [B|1, N|1, T, S] = [{batch}|1, {num_heads}|1, {q_len}, {kv_len}] (the padded "
+                         f"sequences); got {list(mask.shape)}")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
+    if mask.dtype == jnp.bool_:
+        return mask.astype(jnp.int8)
+    return mask if mask.dtype == jnp.int8 else (mask != jnp.zeros((), mask.dtype)).astype(jnp.int8)
+
+
+def mask_tiles(columns: int) -> tuple:
+    """The shared-memory transforms of an int8 mask tile `columns` wide (64 or 128 bytes a row)."""
+    return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(columns)
+
+
+def mask_index(mask_ref, batch, head) -> tuple:
+    """The (batch, head) of this CTA's rows in a `[B|1, N|1, ...]` mask (axes of size 1 broadcast)."""
+    return batch if mask_ref.shape[0] > 1 else 0, head if mask_ref.shape[1] > 1 else 0
 
 
 def same_segment(row_segments, column_segments, shape):
@@ -419,27 +452,29 @@ def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, blo
 
 def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
             block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names,
-            segments=None, seed=(), **static):
+            segments=None, seed=(), mask=None, **static):
     """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
-    lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays, the segment ids and the dropout
-    seed; `static`: more of `body`'s static options."""
+    lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays, the segment ids, the dropout
+    seed and the dense mask; `static`: more of `body`'s static options."""
     q, k = inputs[:2]
     kernel = functools.partial(
         body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
-        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed), **static,
+        num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
+        has_mask=mask is not None, **static,
     )
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
         num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed)
+    )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
+      *(() if mask is None else (mask,)))
 
 
 def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp, segments,
-                   dropout: dict) -> ScoreRule:
+                   dropout: dict, mask=None) -> ScoreRule:
     if score_fn is not None and score_jvp is None:
         raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
     return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp,
-                     segments=segments is not None, **dropout)
+                     segments=segments is not None, dense_mask=mask is not None, **dropout)

@@ -60,8 +60,11 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _check_tables,
     check_layout,
+    check_dense_mask,
     check_segments,
     dropout_options,
+    mask_index,
+    mask_tiles,
     drain_ring,
     fill_ring_slot,
     own_ranges,
@@ -80,45 +83,47 @@ _HEAD_DIMS = (64, 128, 256)
 
 def smem_bytes(
     head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
-    segments: bool = False, value_dim: int | None = None, return_max: bool = False,
+    segments: bool = False, value_dim: int | None = None, return_max: bool = False, dense_mask: bool = False,
 ) -> int:
     """Shared memory of one CTA: the Q tile (which carries O out when v's head dim `value_dim` is q's, else an O
     tile of its own), the K and V rings, the lse staging rows, with `p_in_smem` the P tiles and with `segments`
-    the query rows' segment ids and a ring of the keys', with `return_max` the row max staging rows (barriers
-    aside)."""
+    the query rows' segment ids and a ring of the keys', with `return_max` the row max staging rows, and with
+    `dense_mask` a ring of int8 mask tiles (barriers aside)."""
     value_dim = value_dim or head_dim
     p_tiles = block_q * block_kv if p_in_smem else 0
     o_tile = block_q * value_dim if value_dim != head_dim else 0
     segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
     elements = head_dim * (block_q + num_stages * block_kv) + value_dim * num_stages * block_kv + o_tile + p_tiles
-    return itemsize * elements + 4 * block_q * (1 + return_max) + segment_ids
+    mask_tiles_bytes = num_stages * block_q * block_kv if dense_mask else 0
+    return itemsize * elements + 4 * block_q * (1 + return_max) + segment_ids + mask_tiles_bytes
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
-           p_in_smem: bool, segments: bool = False, return_max: bool = False):
+           p_in_smem: bool, segments: bool = False, return_max: bool = False, dense_mask: bool = False):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
     # it frees the current V.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                             v.shape[-1], return_max),
+                             v.shape[-1], return_max, dense_mask),
     )
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-    has_segments: bool, has_dropout: bool, return_max: bool,
+    has_segments: bool, has_dropout: bool, return_max: bool, has_mask: bool,
 ):
-    tables, score_arrays, mask_arrays, segments, seed, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, ready, free, turn = refs
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem, max_smem = smem
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem, max_smem,
+     mask_smem) = smem
     o_smem = qo_smem if own_o_smem is None else own_o_smem  # Q's tile carries O out when Dv = D
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
@@ -182,15 +187,17 @@ def _forward_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
-            kv_segments = None
+            kv_segments = mask_tile = None
             if has_segments:  # the key segment ids' slot is freed with K's
                 kv_segments = plgpu.load(kv_segment_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            if has_mask:  # so is the mask tile's (this consumer's rows of it)
+                mask_tile = plgpu.load(mask_smem.at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
             plgpu.barrier_arrive(k_free.at[slot])
             # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
             s, s_scale, _ = rule.scores(
                 s, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, kv_len, masked=masked,
                 user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
+                same_segment=lambda: same_segment(q_segments, kv_segments, s.shape), dense=lambda: mask_tile != 0,
             )
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
@@ -294,6 +301,9 @@ def _forward_kernel(
             copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
             if has_segments:  # the keys' segment ids arrive with K
                 copies.append((segments[1].at[batch, pl.ds(block * block_kv, block_kv)], kv_segment_smem, k_ready))
+            if has_mask:  # and the CTA's tile of the dense mask
+                copies.append((mask_ref.at[(*mask_index(mask_ref, batch, head), pl.ds(tile_row0, block_q),
+                                            pl.ds(block * block_kv, block_kv))], mask_smem, k_ready))
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         if has_tables:  # the consumers' sequence: partial blocks, then full ones
@@ -339,6 +349,7 @@ def mosaic_forward(
     dropout_positions: tuple[int, int] | None = None,
     dropout_heads: int | None = None,
     return_max: bool = False,
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -385,6 +396,8 @@ def mosaic_forward(
       positions; `dropout_heads`: the head count the hash takes (default N).
 
     - `return_max`: also return the row max of the scaled, modified, masked scores (`AuxRequest.max_scores`).
+    - `mask`: `[B|1, N|1, T, S]` bool / integer (True / nonzero = attend), on top of every other mask; read as
+      int8 tiles beside K. Every tile then takes the per-element mask.
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype, lse
     `[B, N, T]` float32, the natural-log sum-exp of the scaled, masked scores, and max_scores `[B, N, T]` float32
@@ -394,11 +407,12 @@ def mosaic_forward(
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
-           q_segment_ids is not None, return_max)
+           q_segment_ids is not None, return_max, mask is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q,
                            block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
@@ -407,11 +421,11 @@ def mosaic_forward(
     kernel = functools.partial(
         _forward_kernel,
         rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn,
-                       segments=segments is not None, **dropout),
+                       segments=segments is not None, dense_mask=mask is not None, **dropout),
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
         num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
-        return_max=return_max,
+        return_max=return_max, has_mask=mask is not None,
     )
     rows_out = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return plgpu.kernel(
@@ -432,10 +446,12 @@ def mosaic_forward(
                 plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
                 if value_dim != head_dim else None,
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32) if return_max else None,
+                plgpu.SMEM((num_stages, block_q, block_kv), jnp.int8, transforms=mask_tiles(block_kv))
+                if mask is not None else None,
             ),
             (  # with segments, Q's and K's barriers also await the segment ids' copies
                 plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
-                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None), num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),
             (
@@ -451,4 +467,5 @@ def mosaic_forward(
         kernel_name="probjax_mosaic_forward",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed)
+    )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
+      *(() if mask is None else (mask,)))

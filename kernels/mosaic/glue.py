@@ -61,13 +61,16 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
 
 
 def _segments(optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
-    """The kernels' segment ids: the call's, or those of a dense mask `[B|1, 1, T|1, S|1]` with T or S of 1
-    (`plan.vector_mask`: a key padding or query mask, never with segment ids), which attend exactly where it is
-    True: a query's id is 0 where its row is kept and 1 where not, a key's 0 or 2, so ids match only when both
-    are kept."""
-    if "mask" not in optional:
-        return dict(q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"))
-    mask = optional["mask"] != 0
+    """The kernels' segment ids and dense mask: the call's, where a dense mask `[B|1, 1, T|1, S|1]` with T or S
+    of 1 (`plan.vector_mask`: a key padding or query mask, never with segment ids) becomes segment ids that
+    attend exactly where it is True: a query's id is 0 where its row is kept and 1 where not, a key's 0 or 2,
+    so ids match only when both are kept. A mask over queries and keys goes to the kernels as it is."""
+    mask = optional.get("mask")
+    vector = mask is not None and mask.shape[1] == 1 and 1 in mask.shape[2:] and "q_segment_ids" not in optional
+    if not vector:
+        return dict(q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"),
+                    mask=mask)
+    mask = mask != 0
     rows = mask[:, 0, :, 0] if mask.shape[3] == 1 else jnp.ones((1, 1), bool)  # [B|1, T|1]
     keys = mask[:, 0, 0, :] if mask.shape[2] == 1 and mask.shape[3] > 1 else jnp.ones((1, 1), bool)  # [B|1, S|1]
     return dict(q_segment_ids=jnp.broadcast_to(jnp.where(rows, 0, 1), (batch, q_len)).astype(jnp.int32),
@@ -84,7 +87,7 @@ def _dropout(f, optional: dict) -> dict:
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `mosaic.plan._fits_mosaic`: no bias, a dense mask only as vectors) on the tiles (dQ's, dK/dV's) of
+    `mosaic.plan._fits_mosaic`: no bias) on the tiles (dQ's, dK/dV's) of
     `mosaic.plan._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
     Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))

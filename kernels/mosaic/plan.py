@@ -31,16 +31,16 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k an
 
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
-    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (bias, dense
-    masks other than `vector_mask`s, hooks that read captured arrays other than as scalars or use an op Mosaic
-    GPU cannot lower, and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors
-    beside the tiles; dropout hashes every backend's keep mask in the kernels."""
+    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (bias, per-head
+    key / query masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot
+    lower, and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors beside the
+    tiles, masks over queries and keys as int8 tiles; dropout hashes every backend's keep mask in the kernels."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
-        and (problem.mask_shape is None or vector_mask(problem))
+        and (problem.mask_shape is None or vector_mask(problem) or _dense_mask(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
@@ -51,7 +51,8 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=_has_vectors(problem),
-                              value_dim=value_dim, return_max=f.return_max) <= MOSAIC_SMEM_BYTES
+                              value_dim=value_dim, return_max=f.return_max, dense_mask=_dense_mask(problem))
+        <= MOSAIC_SMEM_BYTES
     )
 
 
@@ -60,6 +61,12 @@ def vector_mask(problem: _Problem) -> bool:
     `[B|1, 1, T|1, S|1]` with T or S of 1 (a key padding mask, a query mask), in a call without segment ids."""
     shape = problem.mask_shape
     return shape is not None and shape[1] == 1 and 1 in shape[2:] and not problem.has_segments
+
+
+def _dense_mask(problem: _Problem) -> bool:
+    """Whether the call's dense mask spans queries and keys (`[B|1, N|1, T, S]`): int8 tiles beside K / Q."""
+    shape = problem.mask_shape
+    return shape is not None and shape[2] > 1 and shape[3] > 1
 
 
 def _has_vectors(problem: _Problem) -> bool:
@@ -148,10 +155,11 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     tile = cfg.block_q
     segments = _has_vectors(problem)
+    dense = _dense_mask(problem)
     if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments,
-                                                value_dim=value_dim),
+                                                value_dim=value_dim, dense_mask=dense),
                                   dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments,
-                                                 value_dim=value_dim),
+                                                 value_dim=value_dim, dense_mask=dense),
                                   ) > MOSAIC_SMEM_BYTES:
         return None
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}

@@ -211,10 +211,10 @@ MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): hooks that
 # read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
-# float32 inputs too (the Mosaic kernels take 16-bit). A dense bias or a mask over queries and keys too.
-# Segment ids, key masks, dropout, a value head dim of v's own and k / v of batch 1 (`kv_batch1`) it takes.
+# float32 inputs too (the Mosaic kernels take 16-bit). A dense bias too. Segment ids, dense masks, dropout,
+# a value head dim of v's own and k / v of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias", "document_mask", "dense_bias",
-                          "dense_bias_f32", "dense_mask"})
+                          "dense_bias_f32"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 
