@@ -16,11 +16,8 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from probjax_kernels import create_block_mask, flash_attention_reference, flex_attention_reference
-from probjax_kernels.mosaic.backward import (
-    dkv_smem_bytes,
-    mosaic_backward_dkv,
-    mosaic_backward_dq,
-)
+from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward_dkv import dkv_smem_bytes, mosaic_backward_dkv
 
 
 @pytest.fixture(autouse=True)

@@ -71,6 +71,16 @@ def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, 
         )
 
 
+def check_outputs(q, v, out, lse, d_out):
+    """The backward kernels' check of the forward's outputs: out and d_out `[B, T, N, Dv]` (v's head dim), lse
+    `[B, N, T]`."""
+    batch, q_len, num_heads, _ = q.shape
+    out_shape = (batch, q_len, num_heads, v.shape[3])
+    if out.shape != out_shape or d_out.shape != out_shape or lse.shape != (batch, num_heads, q_len):
+        raise ValueError(f"out / d_out must be [B, T, N, Dv] = {list(out_shape)} and lse [B, N, T]; got "
+                         f"{out.shape=}, {d_out.shape=}, {lse.shape=}")
+
+
 def union_of_ranges(ranges) -> tuple:
     """(lo, hi): the tiles some consumer visits, from each consumer's (lo, ..., hi); empty ranges are left out
     (lo = hi when all are empty)."""

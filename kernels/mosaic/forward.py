@@ -36,7 +36,8 @@ shared memory (`p_in_smem`, also selectable on the GPU), and it cannot run a wgm
 initialised from a value (`pl.run_state` with `ACC.init`), so P V goes into a fresh accumulator that is then
 added.
 
-The pieces this kernel shares with the backward kernels (`mosaic/backward.py`) are in `mosaic/common.py`.
+The pieces this kernel shares with the backward kernels (`mosaic/backward.py`, `mosaic/backward_dkv.py`) are in
+`mosaic/common.py`.
 """
 
 from __future__ import annotations

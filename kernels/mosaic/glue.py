@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
-from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.forward import mosaic_forward
 
 

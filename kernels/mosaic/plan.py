@@ -20,7 +20,8 @@ from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem
 from probjax_kernels.mosaic import glue
-from probjax_kernels.mosaic.backward import dkv_smem_bytes, dq_smem_bytes
+from probjax_kernels.mosaic.backward import dq_smem_bytes
+from probjax_kernels.mosaic.backward_dkv import dkv_smem_bytes
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes

@@ -18,7 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.forward import mosaic_forward
 from probjax_nn.benchmark._timing import time_steps
 

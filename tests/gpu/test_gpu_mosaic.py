@@ -12,7 +12,8 @@ from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
-from probjax_kernels.mosaic.backward import mosaic_backward_dkv, mosaic_backward_dq
+from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.forward import mosaic_forward
 
 
