@@ -51,6 +51,27 @@ def runs_triton_forward(fn, *args) -> bool:
     return "probjax_flash_forward" in str(jax.make_jaxpr(fn)(*args))
 
 
+def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic", **kwargs):
+    """`flash_attention(q, k, v, **kwargs)` on backend "mosaic": the Mosaic forward runs, the backward runs
+    `backward`'s kernels (read from the CUDA lowering), and in the interpreters the output and the gradients of
+    every input match the plain-jnp reference's (a random cotangent from `seed`)."""
+    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(
+        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
+    ) == backward
+    cotangent = jax.random.normal(jax.random.key(seed), (*q.shape[:3], v.shape[3]))
+    reference = {key: value for key, value in kwargs.items() if not key.startswith("_")}
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v), cotangent)
+        for f in (fn, lambda *a: flash_attention_reference(*a, **reference)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert got.shape == expected.shape
+        assert_close(got, expected, jnp.bfloat16, name)
+    return out, grads
+
+
 def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     q, k, v = random_qkv(0, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
@@ -278,21 +299,11 @@ def test_flex_score_mod_through_the_mosaic_kernels_lowers_for_cuda(score_mod):
 
 @pytest.mark.parametrize("window, causal", [((40, 70), False), (100, True)])
 def test_windows_run_the_mosaic_forward_and_backward(window, causal):
+
     # One sequence and one head: the Mosaic interpreter's time grows with the grid, and per-sequence lengths and
     # GQA are covered above. 3 x 3 tiles: the window skips some on both edges; the last key tile is partial.
     q, k, v = random_qkv(11, 1, 384, 384, 1, 1, 64, jnp.bfloat16)
-    kwargs = {"window": window, "causal": causal, "kv_lengths": jnp.array([290])}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(12), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_mosaic_matches_reference(q, k, v, 12, window=window, causal=causal, kv_lengths=jnp.array([290]))
 
 
 @pytest.mark.parametrize("causal, kv_lengths", [(True, [300, 384]), (False, [384, 200])])
@@ -302,19 +313,8 @@ def test_segment_ids_run_the_mosaic_forward_and_backward(causal, kv_lengths):
     has no key below kv_lengths (output 0, zero gradient)."""
     q, k, v = random_qkv(13, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
     segments = jnp.array([[0] * 70 + [1] * 250 + [2] * 64, [5] * 130 + [7] * 254])
-    kwargs = {"causal": causal, "kv_lengths": jnp.array(kv_lengths), "q_segment_ids": segments,
-              "kv_segment_ids": segments}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(14), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    out, grads = assert_mosaic_matches_reference(q, k, v, 14, causal=causal, kv_lengths=jnp.array(kv_lengths),
+                                                 q_segment_ids=segments, kv_segment_ids=segments)
     if causal:  # document 2 of sequence 0 starts at 320, past kv_lengths 300: its rows see no key
         assert not np.any(np.asarray(out)[0, 320:]) and not np.any(np.asarray(grads[0])[0, 320:])
 
@@ -325,19 +325,9 @@ def test_dropout_runs_the_mosaic_forward_and_backward(positional):
     mask of `_dropout.keep_mask` on (seed, b, h, q, k), GQA, per-sequence lengths. `positional`: the seed as
     `positional_seed`'s [7] (a shard's call; here the whole sequence and heads, so the same weights)."""
     q, k, v = random_qkv(19, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
-    kwargs = {"causal": True, "kv_lengths": jnp.array([256, 170]), "dropout_rate": 0.3, "dropout_seed": 77}
     private = {"_dropout_shard": (0, 0, 2)} if positional else {}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs, **private)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs, **private).astype(jnp.float32)),
-        q, k, v) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(20), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_mosaic_matches_reference(q, k, v, 20, causal=True, kv_lengths=jnp.array([256, 170]), dropout_rate=0.3,
+                                    dropout_seed=77, **private)
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1, 384), (1, 1, 1, 384), (2, 1, 384, 1), (2, 1, 1, 1)])
@@ -350,18 +340,7 @@ def test_a_key_padding_or_query_mask_runs_the_mosaic_forward_and_backward(shape)
         mask = mask.at[1, :, :, :200].set(False)  # sequence 1's rows under 200 see no key (causal)
     if shape == (2, 1, 1, 1):
         mask = jnp.array([True, False]).reshape(shape)
-    kwargs = {"causal": True, "mask": mask}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(23), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_mosaic_matches_reference(q, k, v, 23, causal=True, mask=mask)
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 256, 384), (1, 2, 256, 384)])
@@ -370,18 +349,8 @@ def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape
     (dK/dV), on top of causality, GQA and per-sequence lengths; T < S."""
     q, k, v = random_qkv(28, 2, 256, 384, 2, 1, 64, jnp.bfloat16)
     mask = jax.random.bernoulli(jax.random.key(29), 0.6, shape)
-    kwargs = {"causal": True, "mask": mask, "kv_lengths": jnp.array([384, 300]), "q_lengths": jnp.array([256, 190])}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(30), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_mosaic_matches_reference(q, k, v, 30, causal=True, mask=mask, kv_lengths=jnp.array([384, 300]),
+                                    q_lengths=jnp.array([256, 190]))
 
 
 def test_per_head_key_masks_and_vector_masks_beside_segments_run_the_triton_kernels():
@@ -446,20 +415,7 @@ def test_k_and_v_of_batch_1_run_the_mosaic_kernels():
     """k / v of batch 1 shared by every query batch (a shared prefix): the kernels read batch 0's tiles, and
     dK/dV sums each query batch's part. GQA, per-sequence lengths."""
     q, k, v = random_qkv(25, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
-    k, v = k[:1], v[:1]
-    kwargs = {"causal": True, "kv_lengths": jnp.array([256, 150])}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == "mosaic"
-    cotangent = jax.random.normal(jax.random.key(26), q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, lambda *a: flash_attention_reference(*a, **kwargs)))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert got.shape == expected.shape
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_mosaic_matches_reference(q, k[:1], v[:1], 26, causal=True, kv_lengths=jnp.array([256, 150]))
 
 
 def test_max_scores_come_from_the_mosaic_forward():
@@ -492,24 +448,8 @@ def test_a_value_head_dim_of_its_own_runs_the_mosaic_kernels(head_dim, value_dim
     256 the backward is Triton's."""
     q, k, _ = random_qkv(16, 1, 256, 256, 2, 1, head_dim, jnp.bfloat16)
     v = random_qkv(17, 1, 256, 256, 2, 1, value_dim, jnp.bfloat16)[2]
-    kwargs = {"causal": True, "kv_lengths": jnp.array([230])}
-    fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == backward
-    reference = lambda *a: flash_attention_reference(*a, **kwargs)  # noqa: E731
-    if backward == "triton":  # the Triton backward is checked elsewhere; the forward here
-        assert_close(jax.jit(fn)(q, k, v), jax.jit(reference)(q, k, v), jnp.bfloat16, "out")
-        return
-    cotangent = jax.random.normal(jax.random.key(18), (1, 256, 2, value_dim))
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent) for f in (fn, reference))
+    out, _ = assert_mosaic_matches_reference(q, k, v, 18, backward, causal=True, kv_lengths=jnp.array([230]))
     assert out.shape == (1, 256, 2, value_dim)
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert got.shape == expected.shape
-        assert_close(got, expected, jnp.bfloat16, name)
 
 
 def test_the_triton_fallback_of_the_mosaic_backend_takes_the_triton_forward_tiles():

@@ -29,9 +29,10 @@ def _fresh_interpreter():
 
 
 def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
-                         kv_lengths, poison_from=None, window=(None, None), segments=None, value_dim=None, **tiles):
+                         kv_lengths, poison_from=None, window=(None, None), segments=None, value_dim=None, mask=None,
+                         **tiles):
     """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read.
-    `segments`: (q_segment_ids, kv_segment_ids). `value_dim`: v's head dim, if not q's."""
+    `segments`: (q_segment_ids, kv_segment_ids). `value_dim`: v's head dim, if not q's. `mask`: a dense mask."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
     if value_dim is not None:
         v = random_qkv(1, batch, q_len, kv_len, num_heads, num_kv_heads, value_dim, dtype)[2]
@@ -44,9 +45,10 @@ def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     out, lse = jax.jit(functools.partial(mosaic_forward, scale=scale, causal=causal, window=window, interpret=True,
                                          **tiles))(
         q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=mask)
     allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                            kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                            mask=mask)
     expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
     assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == q.dtype
     assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
@@ -133,17 +135,7 @@ def test_a_value_head_dim_of_its_own_matches_numpy_in_interpreter(head_dim, valu
 def test_a_dense_mask_matches_numpy_in_interpreter(mask_shape, tiles):
     # int8 tiles of the mask beside K (128 or 64 bytes a row), per head or broadcast, with causality and lengths.
     mask = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.5, mask_shape))
-    q, k, v = random_qkv(5, 2, 128, 256, 4, 2, 64, jnp.bfloat16)
-    q_lengths, kv_lengths = [128, 100], [256, 170]
-    out, lse = jax.jit(functools.partial(mosaic_forward, scale=0.125, causal=True, interpret=True, **tiles))(
-        q, k, v, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), mask=mask)
-    allowed = numpy_allowed(2, 128, 256, causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
-    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=0.125)
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    lse = np.asarray(lse)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
-    finite = np.isfinite(expected_lse)
-    np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+    _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, True, [128, 100], [256, 170], mask=mask, **tiles)
 
 
 def test_rejects_a_dense_mask_of_the_wrong_shape():

@@ -70,13 +70,13 @@ def test_dkv(causal, p_in_smem):
     _assert_close("dv", dv, expected_dv, 2 * TOL)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_with_the_mosaic_backend(causal):
-    q, k, v = random_qkv(3, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
-    cotangent = _normal(4, q.shape)
+def _assert_mosaic_matches_reference(q, k, v, seed: int, **kwargs):
+    """The loss sum(flash_attention(q, k, v, **kwargs) * cotangent) and its gradients, compiled on backend
+    "mosaic", against the plain-jnp reference's."""
+    cotangent = _normal(seed, (*q.shape[:3], v.shape[3]))
 
     def value_and_grads(attention, **extra):
-        loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
 
     (value, grads), (expected_value, expected_grads) = (
@@ -86,6 +86,12 @@ def test_flash_attention_with_the_mosaic_backend(causal):
     _assert_close("loss", value, expected_value, TOL)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         _assert_close(name, a, e, 2 * TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_with_the_mosaic_backend(causal):
+    q, k, v = random_qkv(3, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
+    _assert_mosaic_matches_reference(q, k, v, 4, causal=causal)
 
 
 def test_flex_block_mask_through_the_mosaic_forward():
@@ -144,10 +150,11 @@ def test_flex_score_mod_inside_the_mosaic_forward(hook):
         _assert_close(name, a, e, 2 * TOL)
 
 
-@pytest.mark.parametrize("case", ["segments", "dropout", "dv64", "dv256"])
+@pytest.mark.parametrize("case", ["segments", "dropout", "dv64", "dv256", "key_mask", "dense_mask", "kv_batch1"])
 def test_features_that_run_in_the_mosaic_kernels(case):
-    """Segment ids (read beside the tiles), dropout (the keep mask hashed in the kernels: the reference's bits)
-    and a value head dim of v's own, through FlashConfig(backend="mosaic") compiled: loss and gradients."""
+    """Segment ids (read beside the tiles), dropout (the keep mask hashed in the kernels: the reference's bits),
+    a value head dim of v's own, a key padding mask (as segment ids), a dense mask (int8 tiles) and k / v of batch
+    1, through FlashConfig(backend="mosaic") compiled: loss and gradients."""
     q, k, v = random_qkv(10, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
     if case == "segments":
@@ -155,18 +162,11 @@ def test_features_that_run_in_the_mosaic_kernels(case):
         kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
     elif case == "dropout":
         kwargs |= {"dropout_rate": 0.1, "dropout_seed": 5}
+    elif case in ("key_mask", "dense_mask"):
+        shape = (2, 1, 1, 2048) if case == "key_mask" else (2, 1, 2048, 2048)
+        kwargs |= {"mask": jax.random.bernoulli(jax.random.key(13), 0.8, shape)}
+    elif case == "kv_batch1":
+        k, v = k[:1], v[:1]
     else:
         v = random_qkv(11, 2, 2048, 2048, 8, 2, 64 if case == "dv64" else 256, jnp.bfloat16)[2]
-    cotangent = _normal(12, (*q.shape[:3], v.shape[3]))
-
-    def value_and_grads(attention, **extra):
-        loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
-        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
-
-    (value, grads), (expected_value, expected_grads) = (
-        value_and_grads(flash_attention, config=FlashConfig(backend="mosaic")),
-        value_and_grads(flash_attention_reference),
-    )
-    _assert_close("loss", value, expected_value, TOL)
-    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
-        _assert_close(name, a, e, 2 * TOL)
+    _assert_mosaic_matches_reference(q, k, v, 12, **kwargs)
