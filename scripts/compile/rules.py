@@ -47,8 +47,19 @@ SMALL_DECODE_TILES: tuple[str, ...] = (
 SMALL_DECODE_WHY = "a decode tile of under 64 query rows: wgmma / tcgen05 need 64, Triton emits mma.sync"
 
 # Variants of an earlier report (the committed record) that the registry no longer has, on purpose, each with
-# why: any other row that disappears fails the check (`check.retired_problems`). None.
-RETIRED: dict[str, str] = {}
+# why: any other row that disappears fails the check (`check.retired_problems`).
+_MOSAIC_TOOK_IT = ("backend 'mosaic' ran this call on the Triton kernels until the Mosaic kernels took its feature "
+                   "(docs/perf-notes.md, Version 13); its plan is now its family's grid row's (the same Mosaic "
+                   "kernels and tiles), so the dispatch's plans no longer make it a row of its own")
+RETIRED: dict[str, str] = dict.fromkeys((
+    "mosaic_grad_d64_bf16_dense_mask_gqa8to2", "mosaic_grad_d128_bf16_dense_mask_gqa8to2",
+    "mosaic_grad_d64_bf16_dropout_gqa8to2", "mosaic_grad_d128_bf16_dropout_gqa8to2",
+    "mosaic_grad_d64_bf16_segments_lengths_gqa8to2", "mosaic_grad_d128_bf16_segments_lengths_gqa8to2",
+    "mosaic_grad_d128_bf16_dv64_gqa8to2", "mosaic_grad_d128_bf16_full_kvbatch1", "mosaic_jvp_d128_bf16_full_kvbatch1",
+    "mosaic_jvp_d128_bf16_causal_kvbatch1", "mosaic_grad_d256_bf16_full_kvbatch1",
+    "mosaic_grad_d256_bf16_causal_kvbatch1", "mosaic_jvp_d256_bf16_full_kvbatch1",
+    "mosaic_jvp_d256_bf16_causal_kvbatch1",
+), _MOSAIC_TOOK_IT)
 
 
 def tolerances() -> list[dict]:
