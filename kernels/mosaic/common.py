@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_kernels._config import FlashConfig
-from probjax_kernels._dropout import keep_mask, positions_of
+from probjax_kernels._dropout import SEED_PARTS, keep_mask, positions_of
 from probjax_kernels._scores import backward_delta, base2_lse
 
 LOG2E = math.log2(math.e)
@@ -145,8 +145,8 @@ class ScoreRule:
 
     @property
     def mask_everywhere(self) -> bool:
-        """Without block tables a mask_fn or a segment boundary may cut any tile, so no tile skips the
-        per-element mask."""
+        """Without block tables a mask_fn, a segment boundary or a dense mask may cut any tile, so no tile skips
+        the per-element mask."""
         return self.mask_fn is not None or self.segments or self.dense_mask
 
     def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
@@ -154,10 +154,9 @@ class ScoreRule:
                dense: Callable | None = None, with_derivative: bool = False):
         """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
 
-        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask and,
-        with `segments`, `same_segment()` (True where query and key share a segment), with `dense_mask`, `dense()`
-        (the tile of the dense mask, True = attend), and with `user_mask`
-        also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
+        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask and, with
+        `segments`, `same_segment()` (True where query and key share a segment), with `dense_mask`, `dense()`
+        (the tile of the dense mask, True = attend), and with `user_mask` also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
         FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
         """
         derivative = None
@@ -184,7 +183,6 @@ class ScoreRule:
                 allowed &= dense()
             s = jnp.where(allowed, s, -jnp.inf)
         return s, s_scale, derivative
-
 
     def kept(self, indices: Callable, batch, head, seed_parts) -> jax.Array:
         """The dropout keep mask of a tile (True = kept): `indices()` gives its (q_idx, kv_idx), `seed_parts`
@@ -220,7 +218,7 @@ def dropout_options(dropout_rate: float, dropout_seed, dropout_positions, dropou
     if dropout_seed is None:
         raise ValueError("dropout_rate > 0 needs a dropout_seed")
     seed = jnp.asarray(dropout_seed).astype(jnp.uint32).reshape(-1)
-    parts = 7 if dropout_positions is not None else 1  # `_dropout.SEED_PARTS` with positions
+    parts = SEED_PARTS if dropout_positions is not None else 1
     if seed.shape != (parts,):
         raise ValueError(f"dropout_seed must be a scalar, or positional_seed's [7] with dropout_positions; got "
                          f"shape {jnp.shape(dropout_seed)}")

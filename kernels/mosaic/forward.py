@@ -60,14 +60,14 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _accumulate_pv,
     _check_tables,
-    check_layout,
     check_dense_mask,
+    check_layout,
     check_segments,
+    drain_ring,
     dropout_options,
+    fill_ring_slot,
     mask_index,
     mask_tiles,
-    drain_ring,
-    fill_ring_slot,
     own_ranges,
     read_seed,
     same_segment,
@@ -395,7 +395,6 @@ def mosaic_forward(
       scalar) and the global (batch, query head, query, key) indices: every backend's mask, bit for bit. With
       `dropout_positions` (q_split, kv_split) the seed is `_dropout.positional_seed`'s [7] and the hash takes
       positions; `dropout_heads`: the head count the hash takes (default N).
-
     - `return_max`: also return the row max of the scaled, modified, masked scores (`AuxRequest.max_scores`).
     - `mask`: `[B|1, N|1, T, S]` bool / integer (True / nonzero = attend), on top of every other mask; read as
       int8 tiles beside K. Every tile then takes the per-element mask.

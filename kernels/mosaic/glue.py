@@ -43,9 +43,9 @@ def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
-    """(out, lse), and max_scores with `return_max`, of the padded inputs by the Mosaic GPU forward (calls that `mosaic.plan` takes; `interpret`:
-    in the Mosaic GPU interpreter); a BlockMask's tables coarser than the kernel's tiles are refined to them
-    (`refined_tables`)."""
+    """(out, lse), and max_scores with `return_max`, of the padded inputs by the Mosaic GPU forward (calls that
+    `mosaic.plan` takes; `interpret`: in the Mosaic GPU interpreter); a BlockMask's tables coarser than the
+    kernel's tiles are refined to them (`refined_tables`)."""
     f, cfg = problem.features, problem.config
     mask_fn, score_fn = _mosaic_hook_fn(f.mask_mod), _mosaic_hook_fn(f.score_mod)
     kv_tables = None
@@ -56,19 +56,24 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret,
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
-        **_segments(optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
+        **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
         return_max=f.return_max,
     )
 
 
-def _segments(optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
-    """The kernels' segment ids and dense mask: the call's, where a dense mask `[B|1, 1, T|1, S|1]` with T or S
-    of 1 (`plan.vector_mask`: a key padding or query mask, never with segment ids) becomes segment ids that
+def vector_mask(problem: _Problem) -> bool:
+    """Whether the call's dense mask is a row or column vector the kernels take as segment ids (`_segments`):
+    `[B|1, 1, T|1, S|1]` with T or S of 1 (a key padding mask, a query mask), in a call without segment ids."""
+    shape = problem.mask_shape
+    return shape is not None and shape[1] == 1 and 1 in shape[2:] and not problem.has_segments
+
+
+def _segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
+    """The kernels' segment ids and dense mask: the call's, where a `vector_mask` becomes segment ids that
     attend exactly where it is True: a query's id is 0 where its row is kept and 1 where not, a key's 0 or 2,
     so ids match only when both are kept. A mask over queries and keys goes to the kernels as it is."""
     mask = optional.get("mask")
-    vector = mask is not None and mask.shape[1] == 1 and 1 in mask.shape[2:] and "q_segment_ids" not in optional
-    if not vector:
+    if not vector_mask(problem):
         return dict(q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"),
                     mask=mask)
     mask = mask != 0
@@ -94,7 +99,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
-                   interpret=_interpreted(problem), d_lse=d_lse, **_segments(others, *q.shape[:2], k.shape[1]),
+                   interpret=_interpreted(problem), d_lse=d_lse, **_segments(problem, others, *q.shape[:2], k.shape[1]),
                    **_dropout(f, others))
     dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:

@@ -41,7 +41,7 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     return (
         cfg.backend in ("mosaic", "mosaic_interpret") and problem.bias_shape is None
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
-        and (problem.mask_shape is None or vector_mask(problem) or _dense_mask(problem))
+        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
@@ -57,13 +57,6 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     )
 
 
-def vector_mask(problem: _Problem) -> bool:
-    """Whether the call's dense mask is a row or column vector the kernels take as segment ids (`glue._segments`):
-    `[B|1, 1, T|1, S|1]` with T or S of 1 (a key padding mask, a query mask), in a call without segment ids."""
-    shape = problem.mask_shape
-    return shape is not None and shape[1] == 1 and 1 in shape[2:] and not problem.has_segments
-
-
 def _dense_mask(problem: _Problem) -> bool:
     """Whether the call's dense mask spans queries and keys (`[B|1, N|1, T, S]`): int8 tiles beside K / Q."""
     shape = problem.mask_shape
@@ -72,7 +65,7 @@ def _dense_mask(problem: _Problem) -> bool:
 
 def _has_vectors(problem: _Problem) -> bool:
     """Whether the kernels read segment ids: the call's, or its vector mask's."""
-    return problem.has_segments or vector_mask(problem)
+    return problem.has_segments or glue.vector_mask(problem)
 
 
 def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
@@ -194,8 +187,9 @@ class _MosaicGpu:
                  dtype, device) -> FlashConfig:
         """`filled` (the Triton tiles, which its fallbacks and the backward keep) with the Mosaic forward's CTA
         where `config` leaves it open: 128 query rows over two consumer warpgroups, 128-key steps (64 where q /
-        k's or v's head dim is 256: `head_dim` is the larger, for shared memory), a 2-slot K/V ring. float32 inputs run on the Triton kernels (the Mosaic
-        ones take 16-bit), so on a GPU they keep the float32 Triton tiles: the Mosaic forward's 128 x 128
+        k's or v's head dim is 256: `head_dim` is the larger, for shared memory), a 2-slot K/V ring. float32
+        inputs run on the Triton kernels (the Mosaic ones take 16-bit), so on a GPU they keep the float32 Triton
+        tiles: the Mosaic forward's 128 x 128
         needed 262,144 B of shared memory there (sm_90a has 232,448). A CUDA GPU other than Hopper refuses
         backend "mosaic" here (`refuse_target`), before any kernel is built."""
         refuse_target(config, device)
