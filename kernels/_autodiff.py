@@ -168,6 +168,7 @@ def attention(
         bias_shape=None if bias is None else bias.shape, mask_shape=None if mask is None else mask.shape,
         table_shape=None if kv_tables is None else kv_tables[0].shape[:2], has_segments=q_segment_ids is not None,
         num_score_consts=len(score_consts), num_mask_consts=len(mask_consts),
+        bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name,
     )
     t_pad, s_pad, d_pad, dv_pad = plan.t_pad, plan.s_pad, plan.d_pad, plan.dv_pad
 

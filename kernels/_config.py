@@ -30,11 +30,12 @@ class FlashConfig:
       any device, used on the CPU) or `"mosaic"`: the forward in Pallas Mosaic GPU for Hopper (wgmma, TMA,
       warp specialisation; `mosaic/forward.py`) where the call fits it (bfloat16 / float16, padded head
       dims 64, 128 or 256 (v's may differ), segment ids, dropout below head dim 256, dense masks but per-head
-      key / query ones, k / v of batch 1, no bias, tiles that are multiples of 128 x 64;
+      key / query ones, k / v of batch 1, a dense bias (not float32 tiles at head dim 256), tiles that are
+      multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
       read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
-      dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 (with a score_mod, when
-      its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
+      dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 without a bias (with a
+      score_mod, when its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
       (`default_backend`: "mosaic" on Hopper only with PROBJAX_MOSAIC=1 until it has run on a GPU).
       `"tpu"`: the Pallas Mosaic TPU kernels (`kernels/tpu/`) for forward, backward and tangent; what they

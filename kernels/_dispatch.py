@@ -81,10 +81,11 @@ def _coarsens(backend: Backend, features: Features) -> bool:
 
 def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_shape: tuple, value_dim: int, dtype,
          bias_shape: tuple | None, mask_shape: tuple | None, table_shape: tuple | None, has_segments: bool,
-         num_score_consts: int, num_mask_consts: int) -> Plan:
+         num_score_consts: int, num_mask_consts: int, bias_dtype: str | None = None) -> Plan:
     """The frozen plan of one call on checked inputs (q `[B, T, N, D]`, k `[B|1, S, K, D]`, bias / mask 4-D
-    with 1 on broadcast axes): the tiles, the padded sizes, the `_Problem`, and each pass's kernels; the hooks
-    are traced at every shape the planned kernels and the XLA passes call them with."""
+    with 1 on broadcast axes, `bias_dtype` the bias's dtype by name): the tiles, the padded sizes, the
+    `_Problem`, and each pass's kernels; the hooks are traced at every shape the planned kernels and the XLA
+    passes call them with."""
     batch, q_len, num_heads, head_dim = q_shape
     kv_batch, kv_len, num_kv_heads = k_shape[:3]
     d_pad, dv_pad = (max(16, 1 << (dim - 1).bit_length()) for dim in (head_dim, value_dim))
@@ -107,7 +108,7 @@ def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_sh
         mask_shape=padded(mask_shape), table_shape=table_shape, has_segments=has_segments,
         num_score_consts=num_score_consts, num_mask_consts=num_mask_consts, config=filled,
         precision=lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT,
-        kv_broadcast=kv_batch == 1 < batch, same_value_dim=dv_pad == d_pad,
+        kv_broadcast=kv_batch == 1 < batch, same_value_dim=dv_pad == d_pad, bias_dtype=bias_dtype,
     )
     passes: dict[str, KernelPass] = {}
     device, head_dims = _backend.target_device(), (d_pad, dv_pad)

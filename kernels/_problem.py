@@ -80,6 +80,7 @@ class _Problem:
     # The Triton dK/dV kernel runs two programs per key tile, one for dV and one for dK, each recomputing the
     # scores (`_dispatch.triton_dkv_split`).
     dkv_split: bool = False
+    bias_dtype: str | None = None  # the bias's dtype by name ("bfloat16", "float32", ...), None without one
 
     @property
     def per_element_mask_everywhere(self) -> bool:

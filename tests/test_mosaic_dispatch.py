@@ -110,12 +110,14 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     assert_close(d_out, expected_d_out, jnp.bfloat16, "d_out")
 
 
-@pytest.mark.parametrize("case", ["float32", "bias", "short", "head_dim_32", "negative_scale"])
+@pytest.mark.parametrize("case", ["float32", "float32_bias_at_256", "short", "head_dim_32", "negative_scale"])
 def test_calls_that_do_not_fit_fall_back_to_triton(case):
-    shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32)}.get(case, (1, 128, 128, 2, 2, 64))
+    shape = {"short": (1, 40, 40, 2, 2, 64), "head_dim_32": (1, 128, 128, 2, 2, 32),
+             "float32_bias_at_256": (1, 128, 128, 2, 2, 256)}.get(case, (1, 128, 128, 2, 2, 64))
     dtype = jnp.float32 if case == "float32" else jnp.bfloat16
     q, k, v = random_qkv(2, *shape, dtype)
-    kwargs = {"bias": {"bias": jnp.ones((1, 1, shape[1], shape[2]))},
+    # float32 bias tiles beside a 256-column Q / K / V do not fit in shared memory, even on 64-key steps.
+    kwargs = {"float32_bias_at_256": {"bias": jnp.ones((1, 1, shape[1], shape[2]))},
               "negative_scale": {"scale": -0.2}}.get(case, {})
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     expected = jax.jit(lambda q, k, v: flash_attention_reference(q, k, v, **kwargs))(q, k, v)
@@ -351,6 +353,41 @@ def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape
     mask = jax.random.bernoulli(jax.random.key(29), 0.6, shape)
     assert_mosaic_matches_reference(q, k, v, 30, causal=True, mask=mask, kv_lengths=jnp.array([384, 300]),
                                     q_lengths=jnp.array([256, 190]))
+
+
+@pytest.mark.parametrize("shape, dtype, head_dim", [
+    ((2, 2, 256, 384), jnp.bfloat16, 128),  # per head, the inputs' dtype: tiles on the config's 128-key steps
+    ((1, 1, 256, 384), jnp.float32, 128),  # float32 tiles: on 64-key steps, to fit in shared memory
+    ((2, 1, 1, 384), jnp.float32, 64),  # a key padding bias: float32 key vectors
+    ((1, 2, 256, 1), jnp.bfloat16, 64),  # per query row
+    ((1, 1, 1, 1), jnp.float32, 256),  # one value
+])
+def test_a_dense_bias_runs_the_mosaic_forward_and_the_triton_backward(shape, dtype, head_dim):
+    """A dense bias of every broadcast shape: the Mosaic forward reads it as tiles of its dtype or float32
+    vectors; its gradient (and those of q, k, v) come from the Triton dQ / dK/dV kernels; against the reference
+    with -inf entries (masked keys), causality and lengths."""
+    q, k, v = random_qkv(31, 2, 256, 384, 2, 1, head_dim, jnp.bfloat16)
+    bias = 2 * jax.random.normal(jax.random.key(32), shape, jnp.float32)
+    bias = jnp.where(jax.random.bernoulli(jax.random.key(33), 0.1, shape), -jnp.inf, bias).astype(dtype)
+    kwargs = dict(causal=True, kv_lengths=jnp.array([384, 300]), q_lengths=jnp.array([256, 190]))
+    fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v, bias)
+    assert backward_kernels(lambda config: lambda *a: jnp.sum(
+        flash_attention(*a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == "triton"
+    cotangent = jax.random.normal(jax.random.key(34), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v, bias), cotangent)
+        for f in (fn, lambda q, k, v, bias: flash_attention_reference(q, k, v, bias=bias, **kwargs)))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        if name == "dbias" and shape[3] == 1:
+            # A bias constant along keys shifts whole rows of scores: its gradient is 0 up to rounding (a row's
+            # rowsum(P dP) - delta, delta from the 16-bit O: terms ~8 here), summed over the rows it spans.
+            rows_summed = q.shape[0] * q.shape[2] * q.shape[1] // np.prod(shape)
+            assert np.abs(to_float32(got) - to_float32(expected)).max() <= 0.1 * np.sqrt(rows_summed)
+        else:
+            assert_close(got, expected, jnp.bfloat16, name)
 
 
 def test_per_head_key_masks_and_vector_masks_beside_segments_run_the_triton_kernels():

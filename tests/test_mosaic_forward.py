@@ -30,9 +30,10 @@ def _fresh_interpreter():
 
 def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, causal, q_lengths,
                          kv_lengths, poison_from=None, window=(None, None), segments=None, value_dim=None, mask=None,
-                         **tiles):
+                         bias=None, **tiles):
     """`poison_from`: keys from there on are NaN in the kernel's K and V, to prove their tiles are never read.
-    `segments`: (q_segment_ids, kv_segment_ids). `value_dim`: v's head dim, if not q's. `mask`: a dense mask."""
+    `segments`: (q_segment_ids, kv_segment_ids). `value_dim`: v's head dim, if not q's. `mask`: a dense mask.
+    `bias`: a dense bias."""
     q, k, v = random_qkv(0, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
     if value_dim is not None:
         v = random_qkv(1, batch, q_len, kv_len, num_heads, num_kv_heads, value_dim, dtype)[2]
@@ -45,11 +46,11 @@ def _check_against_numpy(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim
     out, lse = jax.jit(functools.partial(mosaic_forward, scale=scale, causal=causal, window=window, interpret=True,
                                          **tiles))(
         q, k_in, v_in, jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=mask)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=mask, bias=bias)
     allowed = numpy_allowed(batch, q_len, kv_len, causal=causal, window=window, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                             mask=mask)
-    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale)
+    expected_out, expected_lse = numpy_attention(q, k, v, allowed=allowed, scale=scale, bias=bias)
     assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == q.dtype
     assert lse.shape == (batch, num_heads, q_len) and lse.dtype == jnp.float32
     assert_close(out, expected_out, dtype, "out")
@@ -136,6 +137,29 @@ def test_a_dense_mask_matches_numpy_in_interpreter(mask_shape, tiles):
     # int8 tiles of the mask beside K (128 or 64 bytes a row), per head or broadcast, with causality and lengths.
     mask = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.5, mask_shape))
     _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, True, [128, 100], [256, 170], mask=mask, **tiles)
+
+
+@pytest.mark.parametrize("bias_shape, dtype, tiles", [
+    ((2, 4, 128, 256), jnp.bfloat16, {}),  # per head: 16-bit tiles beside K
+    ((1, 1, 128, 256), jnp.float32, {"block_kv": 64}),  # broadcast float32 tiles
+    ((2, 1, 1, 256), jnp.float32, {}),  # a key padding bias: float32 key vectors beside K
+    ((1, 4, 128, 1), jnp.float16, {}),  # per row: float32 row vectors beside Q
+    ((1, 1, 1, 1), jnp.bfloat16, {}),  # one value: a key vector of it
+])
+def test_a_dense_bias_matches_numpy_in_interpreter(bias_shape, dtype, tiles):
+    # Added to the scaled scores before the masks; -inf entries mask like a mask's False.
+    bias = 3 * jax.random.normal(jax.random.key(5), bias_shape, jnp.float32)
+    bias = jnp.where(jax.random.bernoulli(jax.random.key(6), 0.1, bias_shape), -jnp.inf, bias).astype(dtype)
+    _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, True, [128, 100], [256, 170], bias=bias, **tiles)
+
+
+def test_rejects_a_bias_of_the_wrong_shape_or_dtype():
+    q, k, v = random_qkv(0, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
+    lengths = jnp.array([128], jnp.int32)
+    for bias, error, match in [(jnp.zeros((1, 2, 64, 128)), ValueError, "bias must be"),
+                               (jnp.zeros((1, 2, 128, 128), jnp.int32), TypeError, "bias must be bfloat16")]:
+        with pytest.raises(error, match=match):
+            mosaic_forward(q, k, v, lengths, lengths, scale=0.125, causal=False, interpret=True, bias=bias)
 
 
 def test_rejects_a_dense_mask_of_the_wrong_shape():
@@ -244,13 +268,19 @@ def test_segment_ids_lower_for_cuda(head_dim):
 
 
 def test_smem_estimate():
-    assert smem_bytes(128, 128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 4 * 128
-    assert smem_bytes(128, 128, 128, 3) <= SMEM_BYTES < smem_bytes(128, 128, 128, 3, p_in_smem=True)
+    # Mosaic GPU's own count: each buffer from a 1 KiB boundary, 8 B a barrier (2 + 4 * stages + 1), no
+    # reduction scratch (with its default 2 KiB, its check refused 232,568 B for 3 stages at head dim 128).
+    assert smem_bytes(128, 128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 1024 + 8 * 11
+    assert smem_bytes(128, 128, 128, 3) == 232_568 - 2048 <= SMEM_BYTES
     assert smem_bytes(256, 128, 128, 2) > SMEM_BYTES
     # Dv != D: V's ring in Dv columns, and an O tile of its own
-    assert smem_bytes(128, 128, 64, 2, value_dim=256) == 2 * (128 * (128 + 128) + 256 * (128 + 128)) + 4 * 128
-    # segment ids: the query rows' and a ring slot of the keys' per stage, int32
-    assert smem_bytes(128, 128, 128, 2, segments=True) == smem_bytes(128, 128, 128, 2) + 4 * (128 + 2 * 128)
+    assert (smem_bytes(128, 128, 64, 2, value_dim=256)
+            == 2 * (128 * (128 + 128) + 256 * (128 + 128)) + 1024 + 8 * 11)
+    # segment ids: the query rows' and a ring slot of the keys' per stage, int32 (1 KiB each)
+    assert smem_bytes(128, 128, 128, 2, segments=True) == smem_bytes(128, 128, 128, 2) + 2 * 1024
+    # a bias: 16-bit tiles fill the rest at 128 x 128 (232,536 B as Mosaic GPU counted them with the scratch)
+    assert smem_bytes(128, 128, 128, 2, bias="tiles", bias_itemsize=2) == 232_536 - 2048 <= SMEM_BYTES
+    assert smem_bytes(128, 128, 128, 2, bias="tiles", bias_itemsize=4) > SMEM_BYTES
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,18 @@ _SWIZZLE = 128  # bytes; the head dim is tiled in 64-element (128-byte) columns
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+_SMEM_ALIGNMENT = 1024  # bytes: Mosaic GPU starts every shared-memory buffer at a multiple of this
+_REDUCTION_SCRATCH = 2048  # bytes: what Mosaic GPU reserves for a kernel's cross-thread reductions (its default)
+
+
+def allocated_smem(buffers, barriers: int, reductions: bool = False) -> int:
+    """The shared memory Mosaic GPU allocates for a kernel's scratch `buffers` (bytes each; 0 for none), each
+    aligned to 1 KiB, then the reduction scratch of a kernel that reduces across threads (`reductions`: a row
+    max or sum) and `barriers` 8-byte mbarriers: the figure its own shared-memory check compares."""
+    aligned = sum(-(-size // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT for size in buffers)
+    return aligned + (_REDUCTION_SCRATCH if reductions else 0) + 8 * barriers
+
+
 def check_layout(q, k, v, q_lengths, kv_lengths, scale: float, *, block_q: int, q_multiple: int, block_kv: int,
                  kv_multiple: int, num_stages: int, min_stages: int, head_dims: tuple[int, ...], smem_need: int,
                  kernel: str = "the Mosaic GPU kernel"):
@@ -134,6 +146,7 @@ class ScoreRule:
     dropout_rate: float = 0.0
     dropout_positions: tuple[int, int] | None = None
     dropout_heads: int = 1
+    bias: bool = False  # a dense bias is added to the scaled scores, before the score_fn (`check_bias`)
 
     @property
     def causal_only(self) -> bool:
@@ -151,20 +164,24 @@ class ScoreRule:
 
     def scores(self, s, indices: Callable, batch, head, kv_len, *, masked: bool, user_mask: bool,
                score_arrays=(), mask_arrays=(), same_segment: Callable | None = None,
-               dense: Callable | None = None, with_derivative: bool = False):
+               dense: Callable | None = None, with_derivative: bool = False, bias: Callable | None = None):
         """(s, s_scale, derivative) for s = q k^T: the base-2 scores are s * s_scale, -inf where masked.
 
-        `indices()` gives (q_idx, kv_idx), computed only when needed. `masked`: apply the length mask and, with
-        `segments`, `same_segment()` (True where query and key share a segment), with `dense_mask`, `dense()`
-        (the tile of the dense mask, True = attend), and with `user_mask` also the window and `mask_fn`. Without a score_fn, s_scale = scale * log2(e), one
-        FMA with the exp2's subtraction. `derivative`: d score_fn / d score with `with_derivative`, else None.
+        `indices()` gives (q_idx, kv_idx), computed only when needed. With `bias` (the rule's), `bias()` is the
+        tile's float32 bias, added to the scaled scores. `masked`: apply the length mask and, with `segments`,
+        `same_segment()` (True where query and key share a segment), with `dense_mask`, `dense()` (the tile of
+        the dense mask, True = attend), and with `user_mask` also the window and `mask_fn`. Without a score_fn
+        or a bias, s_scale = scale * log2(e), one FMA with the exp2's subtraction. `derivative`: d score_fn /
+        d score with `with_derivative`, else None.
         """
         derivative = None
         s_scale = self.scale * LOG2E
         if masked or self.score_fn is not None:
             q_idx, kv_idx = indices()
+        if self.bias:
+            s, s_scale = s * self.scale + bias(), LOG2E
         if self.score_fn is not None:
-            hook_args = (s * self.scale, batch, head, q_idx, kv_idx, *score_arrays)
+            hook_args = (s if self.bias else s * self.scale, batch, head, q_idx, kv_idx, *score_arrays)
             if with_derivative:
                 s, derivative = self.score_jvp(*hook_args)
             else:
@@ -290,6 +307,39 @@ def check_dense_mask(mask, batch: int, num_heads: int, q_len: int, kv_len: int) 
     if mask.dtype == jnp.bool_:
         return mask.astype(jnp.int8)
     return mask if mask.dtype == jnp.int8 else (mask != jnp.zeros((), mask.dtype)).astype(jnp.int8)
+
+
+def check_bias(bias, batch: int, num_heads: int, q_len: int, kv_len: int) -> tuple[str | None, jax.Array | None]:
+    """(how the kernels read it, the array) of a dense bias `[B|1, N|1, T|1, S|1]` over the padded sequences
+    (float32 or 16-bit; added to the scaled scores, before a score_fn): "tiles" of its own dtype where T and S
+    are both whole; float32 vectors where not: "keys" `[B|1, N|1, S]` where T is 1 (an S of 1 broadcast too),
+    "rows" `[B|1, N|1, T]` where only S is 1. (None, None) without a bias."""
+    if bias is None:
+        return None, None
+    bias = jnp.asarray(bias)
+    if (bias.ndim != 4 or bias.shape[0] not in (1, batch) or bias.shape[1] not in (1, num_heads)
+            or bias.shape[2] not in (1, q_len) or bias.shape[3] not in (1, kv_len)):
+        raise ValueError(f"bias must be [B|1, N|1, T|1, S|1] = [{batch}|1, {num_heads}|1, {q_len}|1, {kv_len}|1] "
+                         f"(the padded sequences); got {list(bias.shape)}")
+    if bias.dtype not in (*_DTYPES, jnp.dtype(jnp.float32)):
+        raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
+    if bias.shape[2] > 1 and bias.shape[3] > 1:
+        return "tiles", bias
+    if bias.shape[2] == 1:
+        return "keys", jnp.broadcast_to(bias[:, :, 0, :], (*bias.shape[:2], kv_len)).astype(jnp.float32)
+    return "rows", bias[:, :, :, 0].astype(jnp.float32)
+
+
+def bias_smem_bytes(kind: str | None, itemsize: int, block_q: int, block_kv: int, num_stages: int) -> int:
+    """Shared memory of a bias read as `check_bias`'s `kind`: a ring of (block_q, block_kv) tiles of
+    `itemsize` bytes, a ring of float32 key vectors, or the CTA's float32 rows."""
+    return {None: 0, "tiles": num_stages * block_q * block_kv * itemsize, "keys": num_stages * block_kv * 4,
+            "rows": block_q * 4}[kind]
+
+
+def bias_tiles(itemsize: int) -> tuple:
+    """The shared-memory transforms of a bias tile of `itemsize`-byte elements (128-byte swizzled columns)."""
+    return plgpu.TilingTransform((8, _SWIZZLE // itemsize)), plgpu.SwizzleTransform(_SWIZZLE)
 
 
 def mask_tiles(columns: int) -> tuple:

@@ -60,6 +60,10 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _accumulate_pv,
     _check_tables,
+    allocated_smem,
+    bias_smem_bytes,
+    bias_tiles,
+    check_bias,
     check_dense_mask,
     check_layout,
     check_segments,
@@ -80,51 +84,64 @@ from probjax_kernels.mosaic.common import (
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 
 _HEAD_DIMS = (64, 128, 256)
+# No reduction scratch (Mosaic GPU reserves 2 KiB by default): the row max / sum of WGMMA-layout tiles reduce
+# within each warp's rows, and those 2 KiB are what 16-bit bias tiles lacked at 128 x 128, head dim 128.
+_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
 def smem_bytes(
     head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
     segments: bool = False, value_dim: int | None = None, return_max: bool = False, dense_mask: bool = False,
+    bias: str | None = None, bias_itemsize: int = 4,
 ) -> int:
-    """Shared memory of one CTA: the Q tile (which carries O out when v's head dim `value_dim` is q's, else an O
-    tile of its own), the K and V rings, the lse staging rows, with `p_in_smem` the P tiles and with `segments`
-    the query rows' segment ids and a ring of the keys', with `return_max` the row max staging rows, and with
-    `dense_mask` a ring of int8 mask tiles (barriers aside)."""
+    """Shared memory of one CTA as Mosaic GPU allocates it (`allocated_smem`): the Q tile (which carries O out
+    when v's head dim `value_dim` is q's, else an O tile of its own), the K and V rings, the lse staging rows,
+    with `p_in_smem` the P tiles and with `segments` the query rows' segment ids and a ring of the keys', with
+    `return_max` the row max staging rows, with `dense_mask` a ring of int8 mask tiles, and a bias read as
+    `bias` (`check_bias`'s kind, its tiles of `bias_itemsize` bytes an element; `bias_smem_bytes`), and the
+    barriers. The row max / sum reduce within a warp (WGMMA layout rows), so the kernel reserves no reduction
+    scratch (`_COMPILER_PARAMS`)."""
     value_dim = value_dim or head_dim
-    p_tiles = block_q * block_kv if p_in_smem else 0
-    o_tile = block_q * value_dim if value_dim != head_dim else 0
-    segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
-    elements = head_dim * (block_q + num_stages * block_kv) + value_dim * num_stages * block_kv + o_tile + p_tiles
-    mask_tiles_bytes = num_stages * block_q * block_kv if dense_mask else 0
-    return itemsize * elements + 4 * block_q * (1 + return_max) + segment_ids + mask_tiles_bytes
+    buffers = [
+        itemsize * block_q * head_dim, itemsize * num_stages * block_kv * head_dim,
+        itemsize * num_stages * block_kv * value_dim, 4 * block_q,
+        itemsize * block_q * block_kv if p_in_smem else 0,
+        4 * block_q if segments else 0, 4 * num_stages * block_kv if segments else 0,
+        itemsize * block_q * value_dim if value_dim != head_dim else 0, 4 * block_q if return_max else 0,
+        num_stages * block_q * block_kv if dense_mask else 0,
+        bias_smem_bytes(bias, bias_itemsize, block_q, block_kv, num_stages),
+    ]
+    return allocated_smem(buffers, barriers=_CONSUMERS + 4 * num_stages + 1)
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
-           p_in_smem: bool, segments: bool = False, return_max: bool = False, dense_mask: bool = False):
+           p_in_smem: bool, segments: bool = False, return_max: bool = False, dense_mask: bool = False,
+           bias: str | None = None, bias_itemsize: int = 4):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
     # it frees the current V.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                             v.shape[-1], return_max, dense_mask),
+                             v.shape[-1], return_max, dense_mask, bias, bias_itemsize),
     )
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-    has_segments: bool, has_dropout: bool, return_max: bool, has_mask: bool,
+    has_segments: bool, has_dropout: bool, return_max: bool, has_mask: bool, bias: str | None,
 ):
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
+    bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)  # `check_bias`'s tiles, keys or rows
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, ready, free, turn = refs
     (qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem, max_smem,
-     mask_smem) = smem
+     mask_smem, bias_smem) = smem
     o_smem = qo_smem if own_o_smem is None else own_o_smem  # Q's tile carries O out when Dv = D
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
@@ -172,9 +189,14 @@ def _forward_kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem, q_ready.at[wg])
         if has_segments:  # the rows' segment ids arrive with Q
             plgpu.copy_gmem_to_smem(segments[0].at[batch, pl.ds(row0, rows)], q_segment_smem.at[wg], q_ready.at[wg])
+        if bias == "rows":  # and so does their bias
+            plgpu.copy_gmem_to_smem(bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(row0, rows))],
+                                    bias_smem.at[wg], q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         if has_segments:
             q_segments = plgpu.load(q_segment_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        if bias == "rows":
+            row_bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def step(kv_step, carry, block, masked: bool, user_mask: bool):
             """Pipeline step `kv_step` (ring slot kv_step % num_stages) computes KV tile `block`. `masked`:
@@ -193,12 +215,22 @@ def _forward_kernel(
                 kv_segments = plgpu.load(kv_segment_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             if has_mask:  # so is the mask tile's (this consumer's rows of it)
                 mask_tile = plgpu.load(mask_smem.at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+            bias_tile = None
+            if bias == "tiles":  # and the bias tile's, or the keys' bias
+                bias_tile = plgpu.load(bias_smem.at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+                bias_tile = bias_tile.astype(jnp.float32)
+            elif bias == "keys":
+                bias_tile = lax.broadcast_in_dim(
+                    plgpu.load(bias_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
+            elif bias == "rows":
+                bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
             plgpu.barrier_arrive(k_free.at[slot])
             # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
             s, s_scale, _ = rule.scores(
                 s, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, kv_len, masked=masked,
                 user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
                 same_segment=lambda: same_segment(q_segments, kv_segments, s.shape), dense=lambda: mask_tile != 0,
+                bias=lambda: bias_tile,
             )
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
@@ -305,6 +337,12 @@ def _forward_kernel(
             if has_mask:  # and the CTA's tile of the dense mask
                 copies.append((mask_ref.at[(*mask_index(mask_ref, batch, head), pl.ds(tile_row0, block_q),
                                             pl.ds(block * block_kv, block_kv))], mask_smem, k_ready))
+            if bias == "tiles":  # and of the bias, or the keys' bias
+                copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(tile_row0, block_q),
+                                            pl.ds(block * block_kv, block_kv))], bias_smem, k_ready))
+            elif bias == "keys":
+                copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(block * block_kv, block_kv))],
+                               bias_smem, k_ready))
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         if has_tables:  # the consumers' sequence: partial blocks, then full ones
@@ -351,6 +389,7 @@ def mosaic_forward(
     dropout_heads: int | None = None,
     return_max: bool = False,
     mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -398,6 +437,9 @@ def mosaic_forward(
     - `return_max`: also return the row max of the scaled, modified, masked scores (`AuxRequest.max_scores`).
     - `mask`: `[B|1, N|1, T, S]` bool / integer (True / nonzero = attend), on top of every other mask; read as
       int8 tiles beside K. Every tile then takes the per-element mask.
+    - `bias`: `[B|1, N|1, T|1, S|1]` bfloat16, float16 or float32, added to the scaled scores before
+      `score_fn`: tiles of its dtype beside K where T and S are whole, else float32 key vectors beside K or
+      row vectors beside Q (`check_bias`).
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype, lse
     `[B, N, T]` float32, the natural-log sum-exp of the scaled, masked scores, and max_scores `[B, N, T]` float32
@@ -406,10 +448,12 @@ def mosaic_forward(
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
-    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
-           q_segment_ids is not None, return_max, mask is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
+    # The interpreter's P staging is left out of the shared-memory check: the compiled kernel has none.
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem and not interpret,
+           q_segment_ids is not None, return_max, mask is not None, bias_kind, 4 if bias is None else bias.itemsize)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
@@ -421,11 +465,11 @@ def mosaic_forward(
     kernel = functools.partial(
         _forward_kernel,
         rule=ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn,
-                       segments=segments is not None, dense_mask=mask is not None, **dropout),
+                       segments=segments is not None, dense_mask=mask is not None, bias=bias is not None, **dropout),
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
         num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
-        return_max=return_max, has_mask=mask is not None,
+        return_max=return_max, has_mask=mask is not None, bias=bias_kind,
     )
     rows_out = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return plgpu.kernel(
@@ -448,10 +492,14 @@ def mosaic_forward(
                 plgpu.SMEM((_CONSUMERS, rows), jnp.float32) if return_max else None,
                 plgpu.SMEM((num_stages, block_q, block_kv), jnp.int8, transforms=mask_tiles(block_kv))
                 if mask is not None else None,
+                {"tiles": plgpu.SMEM((num_stages, block_q, block_kv), bias.dtype, transforms=bias_tiles(bias.itemsize)),
+                 "keys": plgpu.SMEM((num_stages, block_kv), jnp.float32),
+                 "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias is not None else None,
             ),
-            (  # with segments, Q's and K's barriers also await the segment ids' copies
-                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None), num_barriers=num_stages),
+            (  # with segments, a mask or a bias, Q's and K's barriers also await their copies
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (bias_kind == "rows"), num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) + (bias_kind in ("tiles", "keys")),
+                              num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),
             (
@@ -465,7 +513,7 @@ def mosaic_forward(
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         kernel_name="probjax_mosaic_forward",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
-      *(() if mask is None else (mask,)))
+      *(() if mask is None else (mask,)), *(() if bias is None else (bias,)))

@@ -42,10 +42,11 @@ def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
 
 
-def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
+def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool, block_kv: int):
     """(out, lse), and max_scores with `return_max`, of the padded inputs by the Mosaic GPU forward (calls that
-    `mosaic.plan` takes; `interpret`: in the Mosaic GPU interpreter); a BlockMask's tables coarser than the
-    kernel's tiles are refined to them (`refined_tables`)."""
+    `mosaic.plan` takes; `interpret`: in the Mosaic GPU interpreter) on steps of `block_kv` keys
+    (`plan.forward_block_kv`); a BlockMask's tables coarser than the kernel's tiles are refined to them
+    (`refined_tables`)."""
     f, cfg = problem.features, problem.config
     mask_fn, score_fn = _mosaic_hook_fn(f.mask_mod), _mosaic_hook_fn(f.score_mod)
     kv_tables = None
@@ -53,11 +54,11 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (cfg.block_q, cfg.block_k))
     return mosaic_forward(
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
-        block_q=cfg.block_q, block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret,
+        block_q=cfg.block_q, block_kv=block_kv, num_stages=cfg.num_stages, interpret=interpret,
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
         **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
-        return_max=f.return_max,
+        return_max=f.return_max, bias=optional["bias"],
     )
 
 

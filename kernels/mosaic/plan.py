@@ -32,14 +32,16 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k an
 
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
-    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (bias, per-head
-    key / query masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot
-    lower, and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors beside the
-    tiles, masks over queries and keys as int8 tiles; dropout hashes every backend's keep mask in the kernels."""
+    k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (per-head key /
+    query masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower,
+    and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors beside the tiles,
+    masks over queries and keys as int8 tiles, a bias as tiles of its dtype or float32 vectors (`check_bias`);
+    dropout hashes every backend's keep mask in the kernels."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
-        cfg.backend in ("mosaic", "mosaic_interpret") and problem.bias_shape is None
+        cfg.backend in ("mosaic", "mosaic_interpret")
+        and problem.bias_dtype in (None, "bfloat16", "float16", "float32")
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
         and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
@@ -51,10 +53,41 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         # Dropout's hash beside a 256-column accumulator spilled (12 B on sm_90a): those calls run Triton.
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
-        and mosaic_smem_bytes(head_dim, cfg.block_q, cfg.block_k, cfg.num_stages, segments=_has_vectors(problem),
-                              value_dim=value_dim, return_max=f.return_max, dense_mask=_dense_mask(problem))
-        <= MOSAIC_SMEM_BYTES
+        and forward_block_kv(problem, head_dims) is not None
     )
+
+
+def _forward_smem(problem: _Problem, head_dims: tuple[int, int], block_kv: int) -> int:
+    """Shared memory of the Mosaic forward's CTA for this call on `block_kv`-key steps."""
+    cfg, bias = problem.config, _bias_kind(problem)
+    return mosaic_smem_bytes(
+        head_dims[0], cfg.block_q, block_kv, cfg.num_stages, segments=_has_vectors(problem), value_dim=head_dims[1],
+        return_max=problem.features.return_max, dense_mask=_dense_mask(problem), bias=bias,
+        bias_itemsize=jnp.dtype(problem.bias_dtype).itemsize if bias else 4,
+    )
+
+
+def forward_block_kv(problem: _Problem, head_dims: tuple[int, int]) -> int | None:
+    """The keys per step of the Mosaic forward: the config's, or half of them (64 at least) where a bias's
+    tiles (float32 ones at head dim 128) would not fit in shared memory beside them, in a call whose hooks and
+    tables are not traced on the config's tiles; None where neither fits."""
+    f, block_kv = problem.features, problem.config.block_k
+    if _forward_smem(problem, head_dims, block_kv) <= MOSAIC_SMEM_BYTES:
+        return block_kv
+    halved = block_kv // 2
+    plain = f.score_mod is None and f.mask_mod is None and f.block_sizes is None
+    if (plain and _bias_kind(problem) == "tiles" and halved >= 64 and halved % 64 == 0
+            and _forward_smem(problem, head_dims, halved) <= MOSAIC_SMEM_BYTES):
+        return halved
+    return None
+
+
+def _bias_kind(problem: _Problem) -> str | None:
+    """How the Mosaic kernels read the call's bias (`common.check_bias`): "tiles", "keys", "rows" or None."""
+    shape = problem.bias_shape
+    if shape is None:
+        return None
+    return "tiles" if shape[2] > 1 and shape[3] > 1 else "keys" if shape[2] == 1 else "rows"
 
 
 def _dense_mask(problem: _Problem) -> bool:
@@ -70,9 +103,10 @@ def _has_vectors(problem: _Problem) -> bool:
 
 def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether the Mosaic GPU kernels run the backward of this call too (at head dims 64 / 128): when they run
-    its forward and a score_mod's derivative also runs in Mosaic GPU."""
+    its forward, without a bias (its gradient is the Triton dQ kernel's), and a score_mod's derivative also
+    runs in Mosaic GPU."""
     f = problem.features
-    return _mosaic_takes(problem, dtype, head_dims) and (
+    return _mosaic_takes(problem, dtype, head_dims) and problem.bias_shape is None and (
         f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
     )
 
@@ -216,7 +250,7 @@ class _MosaicGpu:
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
         """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles."""
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
-        interpret = (("interpret", _interpreted(problem)),)
+        interpret = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
         backward = None
         if tiles is not None:
             backward = KernelPass(glue.backward, problem, (("tiles", tuple(tuple(t.items()) for t in tiles)),))

@@ -150,11 +150,13 @@ def test_flex_score_mod_inside_the_mosaic_forward(hook):
         _assert_close(name, a, e, 2 * TOL)
 
 
-@pytest.mark.parametrize("case", ["segments", "dropout", "dv64", "dv256", "key_mask", "dense_mask", "kv_batch1"])
+@pytest.mark.parametrize("case", ["segments", "dropout", "dv64", "dv256", "key_mask", "dense_mask", "kv_batch1",
+                                  "bias_bf16", "bias_f32", "key_bias"])
 def test_features_that_run_in_the_mosaic_kernels(case):
     """Segment ids (read beside the tiles), dropout (the keep mask hashed in the kernels: the reference's bits),
-    a value head dim of v's own, a key padding mask (as segment ids), a dense mask (int8 tiles) and k / v of batch
-    1, through FlashConfig(backend="mosaic") compiled: loss and gradients."""
+    a value head dim of v's own, a key padding mask (as segment ids), a dense mask (int8 tiles), k / v of batch
+    1 and a dense bias (16-bit tiles on 128-key steps, float32 tiles on 64-key steps, float32 key vectors; its
+    gradient from the Triton backward), through FlashConfig(backend="mosaic") compiled: loss and gradients."""
     q, k, v = random_qkv(10, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
     if case == "segments":
@@ -167,6 +169,10 @@ def test_features_that_run_in_the_mosaic_kernels(case):
         kwargs |= {"mask": jax.random.bernoulli(jax.random.key(13), 0.8, shape)}
     elif case == "kv_batch1":
         k, v = k[:1], v[:1]
+    elif case.endswith("bias"):
+        shape, dtype = {"bias_bf16": ((1, 8, 2048, 2048), jnp.bfloat16), "bias_f32": ((2, 1, 2048, 2048), jnp.float32),
+                        "key_bias": ((2, 1, 1, 2048), jnp.float32)}[case]
+        kwargs |= {"bias": (2 * _normal(14, shape)).astype(dtype)}
     else:
         v = random_qkv(11, 2, 2048, 2048, 8, 2, 64 if case == "dv64" else 256, jnp.bfloat16)[2]
     _assert_mosaic_matches_reference(q, k, v, 12, **kwargs)
