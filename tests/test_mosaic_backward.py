@@ -16,7 +16,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from probjax_kernels import create_block_mask, flash_attention_reference, flex_attention_reference
-from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward import dq_smem_bytes, mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import dkv_smem_bytes, mosaic_backward_dkv
 
 
@@ -165,8 +165,13 @@ def test_dkv_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="tables_block_q"):  # a table tile must be whole steps
         mosaic_backward_dkv(*args, scale=0.125, causal=False, tables_block_q=96)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
-    # segment ids: the resident keys' and a ring slot of the queries' per stage, int32
-    assert dkv_smem_bytes(128, 64, 128, 2, segments=True) == dkv_smem_bytes(128, 64, 128, 2) + 4 * (128 + 2 * 64)
+    # segment ids: the resident keys' and a ring slot of the queries' per stage, int32 (1 KiB-aligned buffers)
+    assert dkv_smem_bytes(128, 64, 128, 2, segments=True) == dkv_smem_bytes(128, 64, 128, 2) + 2 * 1024
+    # Mosaic GPU's own counts of these kernels (lowered for sm_90a with its limit set below them)
+    assert dkv_smem_bytes(128, 64, 128, 2) == 135_264
+    assert dkv_smem_bytes(128, 64, 128, 2, segments=True, dense_mask=True) == 153_696
+    assert dq_smem_bytes(128, 128, 64, 2, dense_mask=True) == 149_632
+    assert dq_smem_bytes(128, 128, 128, 2, segments=True) == 200_848
 
 
 def _hooked_score(score, b, h, q_idx, kv_idx):

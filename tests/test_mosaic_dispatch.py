@@ -390,6 +390,19 @@ def test_a_dense_bias_runs_the_mosaic_forward_and_the_triton_backward(shape, dty
             assert_close(got, expected, jnp.bfloat16, name)
 
 
+def test_a_backward_over_the_shared_memory_runs_the_triton_kernels():
+    """A soft cap (a score_mod: the backward on the forward's square 128 x 128 tiles), a dense mask and segment
+    ids at head dim 128: the Mosaic dQ kernel would take 233,616 B of shared memory as Mosaic GPU counts it
+    (1 KiB-aligned buffers, barriers; 227 KiB is the limit), so the backward is Triton's, not a lowering error."""
+    q, k, v = random_qkv(35, 1, 256, 256, 2, 2, 128, jnp.bfloat16)
+    mask = jax.random.bernoulli(jax.random.key(36), 0.8, (1, 1, 256, 256))
+    segments = jnp.zeros((1, 256), jnp.int32)
+    kwargs = dict(mask=mask, q_segment_ids=segments, kv_segment_ids=segments, logits_soft_cap=30.0, causal=True)
+    assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
+    assert backward_kernels(lambda config: lambda *a: jnp.sum(
+        flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v) == "triton"
+
+
 def test_per_head_key_masks_and_vector_masks_beside_segments_run_the_triton_kernels():
     """A per-head key mask `[B, N, 1, S]`, and a key mask beside segment ids: Triton."""
     q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)

@@ -34,6 +34,7 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _accumulate_pv,
     _backward_rule,
+    allocated_smem,
     _launch,
     _prologue,
     check_dense_mask,
@@ -58,14 +59,18 @@ from probjax_kernels.mosaic.forward import _check
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
                   dense_mask: bool = False) -> int:
-    """Shared memory of one dQ CTA: Q (reused for dQ) and dO tiles, the K / V rings (dO and V of v's head dim
-    `value_dim`, default q's), lse2 / delta rows, with `ds_in_smem` the dS tiles of one part, with `segments`
-    the rows' segment ids and a ring of the keys', and with `dense_mask` a ring of int8 mask tiles."""
+    """Shared memory of one dQ CTA as Mosaic GPU allocates it (`allocated_smem`): Q (reused for dQ) and dO
+    tiles, the K / V rings (dO and V of v's head dim `value_dim`, default q's), lse2 / delta rows, with
+    `ds_in_smem` the dS tiles of one part, with `segments` the rows' segment ids and a ring of the keys', with
+    `dense_mask` a ring of int8 mask tiles per part, and the barriers."""
     value_dim = value_dim or head_dim
-    ds_tiles = block_q * min(block_kv, PART) if ds_in_smem else 0
-    segment_ids = 4 * (block_q + num_stages * block_kv) if segments else 0
-    elements = (head_dim + value_dim) * (block_q + num_stages * block_kv) + ds_tiles
-    return itemsize * elements + 8 * block_q + segment_ids + (num_stages * block_q * block_kv if dense_mask else 0)
+    part = min(block_kv, PART)
+    buffers = [itemsize * block_q * head_dim, itemsize * block_q * value_dim, 4 * block_q, 4 * block_q,
+               itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
+               itemsize * block_q * part if ds_in_smem else 0, 4 * block_q if segments else 0,
+               4 * num_stages * block_kv if segments else 0,
+               *([num_stages * block_q * part] * (block_kv // part) if dense_mask else [])]
+    return allocated_smem(buffers, barriers=_CONSUMERS * (4 + segments) + 4 * num_stages)
 
 
 def _dq_kernel(

@@ -33,6 +33,7 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _accumulate_pv,
     _backward_rule,
+    allocated_smem,
     _launch,
     _prologue,
     check_dense_mask,
@@ -59,16 +60,17 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
     the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
     staging tile per consumer for P^T and dS^T (one part), with `segments` the keys' segment ids and a ring
-    of the queries', and with `dense_mask` a ring of int8 (keys, queries) mask tiles. V and dO have v's head
-    dim `value_dim` (default q's). Barriers aside."""
+    of the queries', and with `dense_mask` a ring of int8 (keys, queries) mask tiles per part. V and dO have
+    v's head dim `value_dim` (default q's). As Mosaic GPU allocates it (`allocated_smem`), barriers included."""
     value_dim = value_dim or head_dim
     part = min(block_q, PART)
-    staging = block_kv * part if p_in_smem else 0
-    index_vectors = 4 * (block_kv + _CONSUMERS * part)
-    segment_ids = 4 * (block_kv + num_stages * block_q) if segments else 0
-    elements = (head_dim + value_dim) * (block_kv + num_stages * block_q) + staging
-    mask_tiles_bytes = num_stages * block_kv * block_q if dense_mask else 0
-    return itemsize * elements + 8 * num_stages * block_q + index_vectors + segment_ids + mask_tiles_bytes
+    buffers = [itemsize * block_kv * head_dim, itemsize * block_kv * value_dim,
+               itemsize * num_stages * block_q * head_dim, itemsize * num_stages * block_q * value_dim,
+               4 * num_stages * block_q, 4 * num_stages * block_q, itemsize * block_kv * part if p_in_smem else 0,
+               4 * block_kv, 4 * _CONSUMERS * part, 4 * block_kv if segments else 0,
+               4 * num_stages * block_q if segments else 0,
+               *([num_stages * block_kv * part] * (block_q // part) if dense_mask else [])]
+    return allocated_smem(buffers, barriers=2 * _CONSUMERS + 4 * num_stages)
 
 
 _DKV_HEAD_DIMS = (64, 128)
