@@ -34,8 +34,8 @@ class FlashConfig:
       multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
       read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
-      dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 without a bias (with a
-      score_mod, when its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
+      dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 (a bias's gradient too;
+      with a score_mod, when its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device
       (`default_backend`: "mosaic" on Hopper only with PROBJAX_MOSAIC=1 until it has run on a GPU).
       `"tpu"`: the Pallas Mosaic TPU kernels (`kernels/tpu/`) for forward, backward and tangent; what they

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, random_qkv, to_float32
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
@@ -373,3 +373,53 @@ def test_a_dense_mask_matches_the_reference_in_interpreter(mask_shape, dq_tiles,
     dk, dv = jax.jit(functools.partial(mosaic_backward_dkv, **options, **dkv_tiles))(*args)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
         assert_close(got, want, dtype, name)
+
+
+@pytest.mark.parametrize("bias_shape, bias_dtype", [
+    ((2, 2, 256, 256), jnp.bfloat16),  # tiles: dQ writes dS, dK/dV reads the bias transposed
+    ((1, 1, 256, 256), jnp.float32),  # broadcast float32 tiles
+    ((2, 2, 1, 256), jnp.float32),  # a per-head key bias: dK/dV sums dS over each head's queries
+    ((1, 2, 256, 1), jnp.bfloat16),  # per row: dQ sums dS over keys
+])
+def test_a_bias_and_its_gradient_match_the_reference_in_interpreter(bias_shape, bias_dtype):
+    """dQ, dK, dV and d bias (the kernels' dS, key sums or row sums, reduced over the bias's broadcast axes as
+    the glue does) with GQA, causality and ragged lengths; dS is compared where the window and lengths let a
+    pair attend (the tiles elsewhere are never visited, and the glue masks them)."""
+    batch, seq, num_heads, head_dim, dtype = 2, 256, 2, 64, jnp.bfloat16
+    q, k, v = random_qkv(40, batch, seq, seq, num_heads, 1, head_dim, dtype)
+    d_out = random_qkv(41, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
+    bias = (2 * jax.random.normal(jax.random.key(42), bias_shape)).astype(bias_dtype)
+    q_lengths, kv_lengths = jnp.array([256, 190], jnp.int32), jnp.array([256, 170], jnp.int32)
+    scale = head_dim**-0.5
+
+    def reference(q, k, v, bias):
+        return flash_attention_reference(
+            q, k, v, bias=bias.astype(jnp.float32), causal=True, scale=scale, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, return_lse=True)
+
+    primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bias.astype(jnp.float32))
+    (out, lse), (dq_ref, dk_ref, dv_ref, dbias_ref) = reference_vjp(reference, primals, d_out.astype(jnp.float32))
+    args = (q, k, v, out.astype(dtype), lse, d_out, q_lengths, kv_lengths)
+    options = dict(scale=scale, causal=True, interpret=True, bias_grad=True)
+    dq_out = jax.jit(functools.partial(mosaic_backward_dq, **options))(*args, bias=bias)
+    dkv_out = jax.jit(functools.partial(mosaic_backward_dkv, **options))(*args, bias=bias)
+    for name, got, expected in (("dq", dq_out[0] if bias_shape[2] > 1 else dq_out, dq_ref),
+                                ("dk", dkv_out[0], dk_ref), ("dv", dkv_out[1], dv_ref)):
+        assert_close(got, expected, dtype, name)
+    broadcast = tuple(axis for axis in range(2) if bias_shape[axis] == 1)
+    if bias_shape[2] > 1 and bias_shape[3] > 1:
+        ds = np.asarray(dq_out[1])
+        rows, cols = np.arange(seq)[:, None], np.arange(seq)[None, :]
+        attends = ((cols <= rows) & (rows < np.asarray(q_lengths)[:, None, None, None])
+                   & (cols < np.asarray(kv_lengths)[:, None, None, None]))
+        dbias = np.where(attends, ds, 0.0).sum(axis=broadcast, keepdims=True)
+    elif bias_shape[2] == 1:
+        assert len(dkv_out) == 3 and dkv_out[2].shape == (batch, num_heads, seq)
+        dbias = np.asarray(dkv_out[2]).sum(axis=broadcast, keepdims=True)[:, :, None, :]
+    else:
+        assert dq_out[1].shape == (batch, num_heads, seq)
+        dbias = np.asarray(dq_out[1]).sum(axis=broadcast, keepdims=True)[..., None]
+    if bias_shape[3] == 1:  # a per-row bias's gradient is 0 up to rounding (rowsum(P dP) - delta)
+        assert np.abs(dbias - to_float32(dbias_ref)).max() <= 0.1 * np.sqrt(batch // bias_shape[0])
+    else:
+        assert_close(dbias, dbias_ref, dtype, "dbias")

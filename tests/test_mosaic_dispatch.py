@@ -355,17 +355,20 @@ def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape
                                     q_lengths=jnp.array([256, 190]))
 
 
-@pytest.mark.parametrize("shape, dtype, head_dim", [
-    ((2, 2, 256, 384), jnp.bfloat16, 128),  # per head, the inputs' dtype: tiles on the config's 128-key steps
-    ((1, 1, 256, 384), jnp.float32, 128),  # float32 tiles: on 64-key steps, to fit in shared memory
-    ((2, 1, 1, 384), jnp.float32, 64),  # a key padding bias: float32 key vectors
-    ((1, 2, 256, 1), jnp.bfloat16, 64),  # per query row
-    ((1, 1, 1, 1), jnp.float32, 256),  # one value
+@pytest.mark.parametrize("shape, dtype, head_dim, backward", [
+    # per head, the inputs' dtype: forward tiles on the config's 128-key steps, dS written by dQ
+    ((2, 2, 256, 384), jnp.bfloat16, 128, "mosaic"),
+    # float32 tiles: the forward on 64-key steps to fit in shared memory; the interpreters' staging leaves no
+    # room for the Mosaic backward here, so they run Triton's, the compiled kernels Mosaic's (the lowering)
+    ((1, 1, 256, 384), jnp.float32, 128, "mosaic"),
+    ((2, 1, 1, 384), jnp.float32, 64, "mosaic"),  # a key padding bias: key vectors, dK/dV sums dS
+    ((1, 2, 256, 1), jnp.bfloat16, 64, "mosaic"),  # per query row: dQ sums dS
+    ((1, 1, 1, 1), jnp.float32, 256, "triton"),  # one value, at head dim 256: Triton's backward
 ])
-def test_a_dense_bias_runs_the_mosaic_forward_and_the_triton_backward(shape, dtype, head_dim):
-    """A dense bias of every broadcast shape: the Mosaic forward reads it as tiles of its dtype or float32
-    vectors; its gradient (and those of q, k, v) come from the Triton dQ / dK/dV kernels; against the reference
-    with -inf entries (masked keys), causality and lengths."""
+def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
+    """A dense bias of every broadcast shape: the Mosaic kernels read it as tiles of its dtype or float32
+    vectors, and make its gradient (dS tiles, summed in XLA over the broadcast axes; key or row sums), against
+    the reference with -inf entries (masked keys), causality and lengths."""
     q, k, v = random_qkv(31, 2, 256, 384, 2, 1, head_dim, jnp.bfloat16)
     bias = 2 * jax.random.normal(jax.random.key(32), shape, jnp.float32)
     bias = jnp.where(jax.random.bernoulli(jax.random.key(33), 0.1, shape), -jnp.inf, bias).astype(dtype)
@@ -373,7 +376,7 @@ def test_a_dense_bias_runs_the_mosaic_forward_and_the_triton_backward(shape, dty
     fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v, bias)
     assert backward_kernels(lambda config: lambda *a: jnp.sum(
-        flash_attention(*a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == "triton"
+        flash_attention(*a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == backward
     cotangent = jax.random.normal(jax.random.key(34), q.shape)
     (out, grads), (expected_out, expected_grads) = (
         output_and_grads(f, (q, k, v, bias), cotangent)

@@ -35,6 +35,9 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _backward_rule,
     allocated_smem,
+    bias_smem_bytes,
+    bias_tiles,
+    check_bias,
     _launch,
     _prologue,
     check_dense_mask,
@@ -56,33 +59,47 @@ from probjax_kernels.mosaic.common import (
 from probjax_kernels.mosaic.forward import _check
 
 
+DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
+
+
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
-                  dense_mask: bool = False) -> int:
+                  dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
+                  bias_grad: bool = False) -> int:
     """Shared memory of one dQ CTA as Mosaic GPU allocates it (`allocated_smem`): Q (reused for dQ) and dO
     tiles, the K / V rings (dO and V of v's head dim `value_dim`, default q's), lse2 / delta rows, with
     `ds_in_smem` the dS tiles of one part, with `segments` the rows' segment ids and a ring of the keys', with
-    `dense_mask` a ring of int8 mask tiles per part, and the barriers."""
+    `dense_mask` a ring of int8 mask tiles per part, a bias read as `bias` (`check_bias`'s kind; tiles of
+    `bias_itemsize` bytes, a ring per part) and with `bias_grad` its float32 dS tiles (one part) or row sums
+    staged for their copy out, and the barriers."""
     value_dim = value_dim or head_dim
     part = min(block_kv, PART)
+    parts = block_kv // part
     buffers = [itemsize * block_q * head_dim, itemsize * block_q * value_dim, 4 * block_q, 4 * block_q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
                itemsize * block_q * part if ds_in_smem else 0, 4 * block_q if segments else 0,
                4 * num_stages * block_kv if segments else 0,
-               *([num_stages * block_q * part] * (block_kv // part) if dense_mask else [])]
-    return allocated_smem(buffers, barriers=_CONSUMERS * (4 + segments) + 4 * num_stages)
+               *([num_stages * block_q * part] * parts if dense_mask else []),
+               *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
+               {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0]
+    return allocated_smem(buffers, barriers=_CONSUMERS * (4 + segments + (bias == "rows")) + 4 * num_stages)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
-    num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool,
+    num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
+    bias_grad: bool = False,
 ):
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
-    dq_ref, smem, row_ready, ready, free = refs
+    bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)  # `check_bias`'s tiles, keys or rows
+    dq_ref, *refs = refs
+    # With `bias_grad`: dS [B, N, T, S] float32 for bias tiles, its row sums [B, N, T] for row biases.
+    dbias_ref = refs.pop(0) if bias_grad and bias in ("tiles", "rows") else None
+    smem, row_ready, ready, free = refs
     (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
-     mask_rings) = smem  # mask_rings: one ring of (block_q, part) int8 tiles per part of a step
+     mask_rings, bias_smem, dbias_smem) = smem  # mask_rings: one ring of (block_q, part) int8 tiles per part of a step
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -124,6 +141,9 @@ def _dq_kernel(
         if has_segments:
             sources.append(segments[0].at[batch, pl.ds(row0, rows)])
             own.append(q_segment_smem.at[wg])
+        if bias == "rows":
+            sources.append(bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(row0, rows))])
+            own.append(bias_smem.at[wg])
         for src, dst, barrier in zip(sources, own, row_ready):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         for barrier in row_ready:
@@ -133,6 +153,8 @@ def _dq_kernel(
         delta = plgpu.load(delta_own, layout=plgpu.Layout.WGMMA.reduce(1))
         if has_segments:
             q_segments = plgpu.load(own[4], layout=plgpu.Layout.WGMMA.reduce(1))
+        if bias == "rows":
+            row_bias = plgpu.load(own[-1], layout=plgpu.Layout.WGMMA.reduce(1))
 
         def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
@@ -141,7 +163,8 @@ def _dq_kernel(
 
             return pl.run_scoped(body, plgpu.ACC((rows, b_smem.shape[0]), jnp.float32))
 
-        def step(kv_step, dq, masked: bool, user_mask: bool):
+        def step(kv_step, carry, masked: bool, user_mask: bool):
+            dq, row_sums = carry  # row_sums: dS summed over keys, for a row bias's gradient (else None)
             slot = lax.rem(kv_step, num_stages)
             # The resident Q / dO tiles through an opaque copy of wg: see the dK/dV kernel's step.
             own = lax.optimization_barrier(wg)
@@ -161,6 +184,15 @@ def _dq_kernel(
                     kv_segments = plgpu.load(kv_segment_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0))
                 if has_mask:  # so is the mask tile's
                     mask_tile = plgpu.load(mask_rings[j].at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+                bias_tile = None
+                if bias == "tiles":  # and the bias tile's, or the keys' bias
+                    bias_tile = plgpu.load(bias_smem[j].at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+                    bias_tile = bias_tile.astype(jnp.float32)
+                elif bias == "keys":
+                    bias_tile = lax.broadcast_in_dim(
+                        plgpu.load(bias_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
+                elif bias == "rows":
+                    bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
 
                 def indices():
                     return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
@@ -168,19 +200,28 @@ def _dq_kernel(
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
-                    dense=lambda: mask_tile != 0, with_derivative=True,
+                    dense=lambda: mask_tile != 0, with_derivative=True, bias=lambda: bias_tile,
                 )
                 dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                 if derivative is not None:  # the chain rule through score_mod
                     ds = ds * derivative
+                if dbias_ref is not None and bias == "tiles":  # the bias gradient's tile, by TMA from shared memory
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous part's copy has read the tile
+                    dbias_smem.at[wg][...] = ds
+                    plgpu.commit_smem()
+                    key0 = block_of(kv_step) * block_kv + j * part
+                    plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[batch, head, pl.ds(row0, rows),
+                                                                            pl.ds(key0, part)])
+                elif row_sums is not None:
+                    row_sums = row_sums + ds.sum(axis=1)
                 dq = _accumulate_pv(
                     dq, ds.astype(k_smem.dtype), k_part, None if ds_smem is None else ds_smem.at[wg],
                     not interpret, lambda: None,
                 )
             plgpu.barrier_arrive(k_free.at[slot])
-            return dq
+            return dq, row_sums
 
         def skip(kv_step, _):
             slot = lax.rem(kv_step, num_stages)
@@ -189,20 +230,28 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
 
-        dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        carry = (plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                 if dbias_ref is not None and bias == "rows" else None)
         if has_tables:  # partial blocks: every mask; full blocks: the length mask only
-            dq = lax.fori_loop(0, num_partial, functools.partial(step, masked=True, user_mask=True), dq)
-            dq = lax.fori_loop(num_partial, cta_steps, functools.partial(step, masked=True, user_mask=False), dq)
+            carry = lax.fori_loop(0, num_partial, functools.partial(step, masked=True, user_mask=True), carry)
+            carry = lax.fori_loop(num_partial, cta_steps, functools.partial(step, masked=True, user_mask=False),
+                                  carry)
         else:
             lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
             lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
             for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
-                dq = lax.fori_loop(start - cta_lo, end - cta_lo,
-                                   functools.partial(step, masked=masked, user_mask=masked), dq)
+                carry = lax.fori_loop(start - cta_lo, end - cta_lo,
+                                      functools.partial(step, masked=masked, user_mask=masked), carry)
             lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
+        dq, row_sums = carry
         q_own[...] = (dq * rule.scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
+        if row_sums is not None:
+            dbias_smem.at[wg][...] = row_sums
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, dq_ref.at[row_tile])
+        if row_sums is not None:
+            plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[row_vector])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
@@ -221,6 +270,13 @@ def _dq_kernel(
                 index = (*mask_index(mask_ref, batch, head), pl.ds(tile_row0, block_q))
                 copies += [(mask_ref.at[(*index, pl.ds(key0 + j * part, part))], ring, k_ready)
                            for j, ring in enumerate(mask_rings)]
+            if bias == "tiles":  # and of the bias, a tile per part, or the keys' bias
+                index = (*mask_index(bias_ref, batch, head), pl.ds(tile_row0, block_q))
+                copies += [(bias_ref.at[(*index, pl.ds(key0 + j * part, part))], ring, k_ready)
+                           for j, ring in enumerate(bias_smem)]
+            elif bias == "keys":
+                copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(key0, block_kv))], bias_smem,
+                               k_ready))
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
@@ -229,7 +285,8 @@ def _dq_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret",
-                     "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads"),
+                     "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads",
+                     "bias_grad"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -244,8 +301,8 @@ def mosaic_backward_dq(
     scale: float,
     causal: bool,
     window: tuple[int | None, int | None] = (None, None),
-    block_q: int = 128,
-    block_kv: int = 64,
+    block_q: int = DQ_TILES[0],
+    block_kv: int = DQ_TILES[1],
     num_stages: int = 2,
     ds_in_smem: bool = False,
     interpret: bool = False,
@@ -263,7 +320,9 @@ def mosaic_backward_dq(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     mask: jax.Array | None = None,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    bias_grad: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
@@ -273,9 +332,13 @@ def mosaic_backward_dq(
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
     `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
     tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
-    `q_segment_ids`, `kv_segment_ids`, `mask` and the dropout arguments as in `mosaic_forward` (the forward's).
+    `q_segment_ids`, `kv_segment_ids`, `mask`, `bias` and the dropout arguments as in `mosaic_forward` (the
+    forward's). `bias_grad`: also return what the bias gradient is made of, where this kernel makes it (bias
+    tiles or rows; a key bias's is `mosaic_backward_dkv`'s).
 
-    **Returns:** dQ `[B, T, N, D]` in q's dtype.
+    **Returns:** dQ `[B, T, N, D]` in q's dtype; with `bias_grad` and a bias of whole T and S, `(dQ, dS)`, dS
+    `[B, N, T, S]` float32 (d loss / d biased score; undefined outside the window and lengths, whose tiles are
+    never visited: the caller masks), with a bias whose S is 1, `(dQ, dS summed over keys)` `[B, N, T]` float32.
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -286,20 +349,29 @@ def mosaic_backward_dq(
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
+    bias_kind, bias = check_bias(bias, batch, num_heads, q_len, k.shape[1])
+    bias_grad = bias_grad and bias_kind in ("tiles", "rows")
     check_outputs(q, v, out, lse, d_out)
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem, segments=segments is not None,
-                              value_dim=value_dim, dense_mask=mask is not None)) > SMEM_BYTES:
+                              value_dim=value_dim, dense_mask=mask is not None, bias=bias_kind,
+                              bias_itemsize=4 if bias is None else bias.itemsize, bias_grad=bias_grad)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
                                                 "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     rows, part = block_q // _CONSUMERS, min(block_kv, PART)
+    dbias_type = {"tiles": (batch, num_heads, q_len, kv_len), "rows": (batch, num_heads, q_len)}.get(bias_kind)
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if bias_grad:
+        out_type = (out_type, jax.ShapeDtypeStruct(dbias_type, jnp.float32))
     return _launch(
         _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask),
-        segments=segments, seed=seed, mask=mask, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                            bias is not None),
+        segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
+        out_type=out_type,
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
@@ -313,10 +385,19 @@ def mosaic_backward_dq(
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
                 tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
                       for _ in range(block_kv // part)) if mask is not None else None,
+                {"tiles": lambda: tuple(plgpu.SMEM((num_stages, block_q, part), bias.dtype,
+                                                   transforms=bias_tiles(bias.itemsize))
+                                        for _ in range(block_kv // part)),
+                 "keys": lambda: plgpu.SMEM((num_stages, block_kv), jnp.float32),
+                 "rows": lambda: plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                 None: lambda: None}[bias_kind](),
+                {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
+                 "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias_grad else None,
             ),
-            tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4 + bool(segments))),
-            (  # with segments / a mask, K's barrier also awaits the keys' segment ids / the mask's tiles
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) * (block_kv // part),
+            tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4 + bool(segments) + (bias_kind == "rows"))),
+            (  # with segments / a mask / a bias, K's barrier also awaits the keys' segment ids / their tiles
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) * (block_kv // part)
+                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0),
                               num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),

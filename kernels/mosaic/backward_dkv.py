@@ -34,6 +34,9 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _backward_rule,
     allocated_smem,
+    bias_smem_bytes,
+    bias_tiles,
+    check_bias,
     _launch,
     _prologue,
     check_dense_mask,
@@ -54,14 +57,21 @@ from probjax_kernels.mosaic.common import (
 )
 
 
+DKV_TILES = (64, 128)  # the dK/dV kernel's default (block_q, block_kv): 64 resident keys per consumer
+
+
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
                    itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
-                   dense_mask: bool = False) -> int:
+                   dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
+                   bias_grad: bool = False) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
     the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
     staging tile per consumer for P^T and dS^T (one part), with `segments` the keys' segment ids and a ring
-    of the queries', and with `dense_mask` a ring of int8 (keys, queries) mask tiles per part. V and dO have
-    v's head dim `value_dim` (default q's). As Mosaic GPU allocates it (`allocated_smem`), barriers included."""
+    of the queries', with `dense_mask` a ring of int8 (keys, queries) mask tiles per part, a bias read as `bias`
+    (`check_bias`'s kind: transposed tiles of `bias_itemsize` bytes, a ring per part, or a ring of float32 key
+    or query vectors) and with `bias_grad` a key bias's float32 key sums staged for their copy out. V and dO
+    have v's head dim `value_dim` (default q's). As Mosaic GPU allocates it (`allocated_smem`), barriers
+    included."""
     value_dim = value_dim or head_dim
     part = min(block_q, PART)
     buffers = [itemsize * block_kv * head_dim, itemsize * block_kv * value_dim,
@@ -69,7 +79,10 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
                4 * num_stages * block_q, 4 * num_stages * block_q, itemsize * block_kv * part if p_in_smem else 0,
                4 * block_kv, 4 * _CONSUMERS * part, 4 * block_kv if segments else 0,
                4 * num_stages * block_q if segments else 0,
-               *([num_stages * block_kv * part] * (block_q // part) if dense_mask else [])]
+               *([num_stages * block_kv * part] * (block_q // part) if dense_mask else []),
+               *([bias_smem_bytes("tiles", bias_itemsize, block_kv, part, num_stages)] * (block_q // part)
+                 if bias == "tiles" else [4 * num_stages * {"keys": block_kv, "rows": block_q}.get(bias, 0)]),
+               4 * block_kv if bias_grad and bias == "keys" else 0]
     return allocated_smem(buffers, barriers=2 * _CONSUMERS + 4 * num_stages)
 
 
@@ -79,14 +92,15 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
-               num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False):
+               num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False,
+               bias: tuple = (None, 4), bias_grad: bool = False):
     # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
     # dK + dV accumulators alone would take 256 float32 registers per thread.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
         smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                                 v.shape[-1], dense_mask),
+                                 v.shape[-1], dense_mask, *bias, bias_grad),
         kernel="the Mosaic GPU dK / dV kernel",
     )
     if d_out.dtype != q.dtype:
@@ -98,13 +112,18 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool, has_mask: bool,
+    bias: str | None = None, bias_grad: bool = False,
 ):
-    # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape.
+    # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape; so
+    # is `bias_ref` with bias tiles, else its keys' [B|1, N|1, S] or rows' [B|1, N|1, T] float32 vectors.
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
-    dk_ref, dv_ref, smem, kv_ready, ready, free = refs
+    bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    dk_ref, dv_ref, *refs = refs
+    dbias_ref = refs.pop(0) if bias_grad else None  # a key bias's gradient: dS summed over queries, [B, N, S]
+    smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
-     q_segment_smem, mask_rings) = smem  # mask_rings: one ring of (block_kv, part) int8 tiles per part of a step
+     q_segment_smem, mask_rings, bias_smem, dbias_smem) = smem  # mask_rings: a (block_kv, part) ring per part
     k_ready, v_ready = kv_ready
     q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
@@ -173,8 +192,9 @@ def _dkv_kernel(
             return pl.run_scoped(body, plgpu.ACC((keys, b_smem.shape[0]), jnp.float32))
 
         def step(g, t, carry, head, masked: bool, user_mask: bool):
-            """Step g: query tile t of query head `head`, in parts of `part` queries."""
-            dk, dv = carry
+            """Step g: query tile t of query head `head`, in parts of `part` queries; `key_sums`: dS^T summed
+            over queries for a key bias's gradient (None without)."""
+            dk, dv, key_sums = carry
             slot = lax.rem(g, num_stages)
             # The resident K / V tiles' wgmma descriptors, loop-invariant, were hoisted out of the step loops and
             # held in registers across them (spills, docs/perf-notes.md, Version 6): an opaque copy of wg keeps
@@ -200,9 +220,20 @@ def _dkv_kernel(
                     tile = plgpu.load(mask_rings[j].at[slot, pl.ds(wg * keys, keys)], layout=plgpu.Layout.WGMMA)
                     return tile != 0
 
+                def bias_tile():  # this consumer's keys of the part's bias tile, or its vectors
+                    if bias == "tiles":
+                        tile = plgpu.load(bias_smem[j].at[slot, pl.ds(wg * keys, keys)], layout=plgpu.Layout.WGMMA)
+                        return tile.astype(jnp.float32)
+                    if bias == "keys":
+                        vector = plgpu.load(bias_smem.at[slot, pl.ds(wg * keys, keys)], layout=_KEY_VECTOR)
+                        return lax.broadcast_in_dim(vector, s_t.shape, [0])
+                    vector = plgpu.load(bias_smem.at[slot, queries], layout=_QUERY_VECTOR)
+                    return lax.broadcast_in_dim(vector, s_t.shape, [1])
+
                 s_t, s_scale, derivative = rule.scores(
                     s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
                     mask_arrays=mask_arrays, same_segment=same_segments, dense=dense, with_derivative=True,
+                    bias=bias_tile,
                 )
                 # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
                 p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
@@ -223,9 +254,11 @@ def _dkv_kernel(
                     plgpu.barrier_arrive(do_free.at[slot])
                 dp_t = rule.dropped(dp_t, indices, batch, head, seed_parts)
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                if key_sums is not None:
+                    key_sums = key_sums + ds_t.sum(axis=1)
                 dk = _accumulate_pv(dk, ds_t.astype(q_part.dtype), q_part, staging, not interpret, lambda: None)
             plgpu.barrier_arrive(q_free.at[slot])
-            return dk, dv
+            return dk, dv, key_sums
 
         def skip(g, t, carry, head):
             del t, head
@@ -246,6 +279,8 @@ def _dkv_kernel(
             carry, base = carry_and_base
             head = kv_head * group + h
             num_partial, steps, tile_of = head_walk(h)
+            if dbias_ref is not None:  # a key bias's gradient is per query head: summed afresh for each
+                carry = (*carry[:2], plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), _KEY_VECTOR))
             if has_tables:  # partial tiles: every mask; full tiles: the length mask only
                 carry = visit(0, num_partial, base, tile_of, functools.partial(step, masked=True, user_mask=True),
                               carry, head)
@@ -258,11 +293,17 @@ def _dkv_kernel(
                     (full_hi, own_hi, functools.partial(step, masked=True, user_mask=True)), (own_hi, steps, skip),
                 ):
                     carry = visit(start, end, base, tile_of, body, carry, head)
+            if dbias_ref is not None:  # this head's key sums, out by TMA once the previous head's have been read
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                dbias_smem.at[wg][...] = carry[2]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[batch, head, pl.ds(key0, keys)])
             return carry, base + steps
 
         zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA)
                  for dim in (head_dim, value_dim)]
-        (dk, dv), _ = lax.fori_loop(0, group, head_body, (tuple(zeros), jnp.int32(0)))
+        key_sums = None if dbias_ref is None else plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), _KEY_VECTOR)
+        (dk, dv, _), _ = lax.fori_loop(0, group, head_body, ((*zeros, key_sums), jnp.int32(0)))
         # K and V are no longer read: their tiles carry dK and dV out.
         k_own[...] = (dk * rule.scale).astype(k_own.dtype)
         v_own[...] = dv.astype(v_own.dtype)
@@ -294,6 +335,13 @@ def _dkv_kernel(
                     index = (*mask_index(mask_ref, batch, head), pl.ds(tile_key0, block_kv))
                     copies += [(mask_ref.at[(*index, pl.ds(t * block_q + j * part, part))], ring, q_ready)
                                for j, ring in enumerate(mask_rings)]
+                if bias == "tiles":  # and of the transposed bias, or the head's key / query bias vector
+                    index = (*mask_index(bias_ref, batch, head), pl.ds(tile_key0, block_kv))
+                    copies += [(bias_ref.at[(*index, pl.ds(t * block_q + j * part, part))], ring, q_ready)
+                               for j, ring in enumerate(bias_smem)]
+                elif bias:
+                    span = pl.ds(tile_key0, block_kv) if bias == "keys" else pl.ds(t * block_q, block_q)
+                    copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), span)], bias_smem, q_ready))
                 fill_ring_slot(base + n, num_stages, (q_free, do_free), copies)
 
             return base + steps
@@ -305,7 +353,7 @@ def _dkv_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
                      "tables_block_q", "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions",
-                     "dropout_heads"),
+                     "dropout_heads", "bias_grad"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -320,8 +368,8 @@ def mosaic_backward_dkv(
     scale: float,
     causal: bool,
     window: tuple[int | None, int | None] = (None, None),
-    block_q: int = 64,
-    block_kv: int = 128,
+    block_q: int = DKV_TILES[0],
+    block_kv: int = DKV_TILES[1],
     num_stages: int = 2,
     p_in_smem: bool = False,
     interpret: bool = False,
@@ -340,7 +388,9 @@ def mosaic_backward_dkv(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     mask: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    bias: jax.Array | None = None,
+    bias_grad: bool = False,
+) -> tuple[jax.Array, ...]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
 
@@ -359,35 +409,45 @@ def mosaic_backward_dkv(
       the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
       of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
       `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids`, `mask` (transposed here in
-      XLA: the kernel reads (keys, queries) tiles) and the dropout arguments as in `mosaic_backward_dq`.
+      XLA: the kernel reads (keys, queries) tiles), `bias` (tiles transposed in XLA too) and the dropout
+      arguments as in `mosaic_backward_dq`. `bias_grad`: with a bias whose T is 1 (keys, or one value), also
+      return its gradient's parts.
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
-    k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again).
+    k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again). With `bias_grad`
+    and a key bias, `(dk, dv, dS summed over queries)`, the last `[B, N, S]` float32.
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
-    _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
-               q_segment_ids is not None, mask is not None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
+    bias_grad = bias_grad and bias_kind == "keys"
+    _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
+               q_segment_ids is not None, mask is not None, (bias_kind, 4 if bias is None else bias.itemsize),
+               bias_grad)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
     mask_t = None if mask is None else jnp.swapaxes(mask, 2, 3)
+    if bias_kind == "tiles":
+        bias = jnp.swapaxes(bias, 2, 3)
     keys, part = block_kv // _CONSUMERS, min(block_q, PART)
     tables_block_q = tables_block_q or block_q
     if tables_block_q % block_q or q_len % tables_block_q:
         raise ValueError(f"{tables_block_q=} must be a multiple of {block_q=} dividing T={q_len}")
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
                                                 block_kv, "q_tables")
-    dk, dv = _launch(
+    outputs = _launch(
         _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
         score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask),
-        segments=segments, seed=seed, mask=mask_t,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                            bias is not None),
+        segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
-                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
+                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),
+                  *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if bias_grad else ())),
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
@@ -403,12 +463,20 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((num_stages, block_q), jnp.int32) if segments else None,
                 tuple(plgpu.SMEM((num_stages, block_kv, part), jnp.int8, transforms=mask_tiles(part))
                       for _ in range(block_q // part)) if mask is not None else None,
+                {"tiles": lambda: tuple(plgpu.SMEM((num_stages, block_kv, part), bias.dtype,
+                                                   transforms=bias_tiles(bias.itemsize))
+                                        for _ in range(block_q // part)),
+                 "keys": lambda: plgpu.SMEM((num_stages, block_kv), jnp.float32),
+                 "rows": lambda: plgpu.SMEM((num_stages, block_q), jnp.float32),
+                 None: lambda: None}[bias_kind](),
+                plgpu.SMEM((_CONSUMERS, keys), jnp.float32) if bias_grad else None,
             ),
             # With segments, K's barrier also awaits the keys' segment ids.
             (plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
              plgpu.Barrier(num_barriers=_CONSUMERS)),
             # Q's slot with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an arrival.
-            (plgpu.Barrier(num_arrivals=2 + bool(segments) + (mask is not None) * (block_q // part),
+            (plgpu.Barrier(num_arrivals=2 + bool(segments) + (mask is not None) * (block_q // part)
+                           + {"tiles": block_q // part, "keys": 1, "rows": 1}.get(bias_kind, 0),
                            num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)),
             (
@@ -419,6 +487,7 @@ def mosaic_backward_dkv(
         grid=(kv_len // block_kv, num_kv_heads, batch),
         grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
     )
-    if k.shape[0] == batch:
-        return dk, dv
-    return tuple(g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
+    dk, dv, *key_sums = outputs
+    if k.shape[0] != batch:
+        dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
+    return dk, dv, *key_sums

@@ -510,16 +510,16 @@ def _prologue(q, k, out, lse, d_out, d_lse, q_lengths, tables, block_q: int, blo
 
 def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *, interpret: bool, block_q: int,
             block_kv: int, num_stages: int, rule: ScoreRule, out_type, scratch_types, grid, grid_names,
-            segments=None, seed=(), mask=None, **static):
+            segments=None, seed=(), mask=None, bias=None, bias_kind: str | None = None, **static):
     """A backward kernel `body` over `grid`: two consumer warpgroups and a producer, its inputs (q, k, v, dO,
     lse2, delta, q_lengths, kv_lengths), then the tables, the hooks' arrays, the segment ids, the dropout
-    seed and the dense mask; `static`: more of `body`'s static options."""
+    seed, the dense mask and the bias (read as `bias_kind`); `static`: more of `body`'s static options."""
     q, k = inputs[:2]
     kernel = functools.partial(
         body, rule=rule, block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=q.shape[2] // k.shape[2],
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
         num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
-        has_mask=mask is not None, **static,
+        has_mask=mask is not None, bias=bias_kind, **static,
     )
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
@@ -527,12 +527,12 @@ def _launch(body, name: str, inputs: tuple, tables, score_arrays, mask_arrays, *
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(*inputs, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
-      *(() if mask is None else (mask,)))
+      *(() if mask is None else (mask,)), *(() if bias is None else (bias,)))
 
 
 def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_jvp, segments,
-                   dropout: dict, mask=None) -> ScoreRule:
+                   dropout: dict, mask=None, bias: bool = False) -> ScoreRule:
     if score_fn is not None and score_jvp is None:
         raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
     return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp,
-                     segments=segments is not None, dense_mask=mask is not None, **dropout)
+                     segments=segments is not None, dense_mask=mask is not None, bias=bias, **dropout)

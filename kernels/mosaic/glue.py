@@ -15,6 +15,7 @@ from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
+from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
 
 
@@ -93,15 +94,16 @@ def _dropout(f, optional: dict) -> dict:
 
 
 def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, tiles: tuple[dict, dict]) -> dict:
-    """Gradients of q, k, v (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels (calls that
-    `mosaic.plan._fits_mosaic`: no bias) on the tiles (dQ's, dK/dV's) of
-    `mosaic.plan._mosaic_backward_tiles`. The gradients of a score_mod's arrays come from `_chunked`, as on
-    Triton."""
+    """Gradients of q, k, v and the bias (those flagged in `tangents`) by the Mosaic GPU dQ and dK/dV kernels
+    (calls that `mosaic.plan._fits_mosaic`) on the tiles (dQ's, dK/dV's) of `mosaic.plan._mosaic_backward_tiles`.
+    The bias gradient (`_bias_gradient`) comes from the dQ kernel (dS tiles, or row sums) or, for a bias whose
+    T is 1, from dK/dV (key sums). The gradients of a score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
-    f, others = problem.features, res["others"]
+    f, others, bias = problem.features, res["others"], res["bias"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse, **_segments(problem, others, *q.shape[:2], k.shape[1]),
-                   **_dropout(f, others))
+                   **_dropout(f, others), bias=bias)
+    key_bias = bias is not None and bias.shape[2] == 1  # its gradient: dS summed over queries, by dK/dV
     dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(
@@ -114,10 +116,35 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
         dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, tile)
         dkv_options["q_tables"] = refined_tables(others["q_tables"], f.block_sizes[::-1], tile[::-1])
     args = (q, k, v, out, lse, d_out, q_len, kv_len)
-    grads = {}
-    if tangents.q:
-        grads["q"] = mosaic_backward_dq(*args, **options, **dq_options)
-    if tangents.k or tangents.v:
-        dk, dv = mosaic_backward_dkv(*args, **options, **dkv_options)
-        grads.update({name: g for name, g in (("k", dk), ("v", dv)) if getattr(tangents, name)})
+    grads, bias_parts = {}, None
+    if tangents.q or (tangents.bias and not key_bias):
+        dq = mosaic_backward_dq(*args, **options, **dq_options, bias_grad=tangents.bias and not key_bias)
+        if tangents.bias and not key_bias:
+            dq, bias_parts = dq
+        grads["q"] = dq
+    if tangents.k or tangents.v or (tangents.bias and key_bias):
+        dk, dv, *key_sums = mosaic_backward_dkv(*args, **options, **dkv_options, bias_grad=tangents.bias and key_bias)
+        grads.update({"k": dk, "v": dv})
+        bias_parts = key_sums[0] if key_sums else bias_parts
+    grads = {name: g for name, g in grads.items() if getattr(tangents, name)}
+    if tangents.bias:
+        grads["bias"] = _bias_gradient(problem, bias, bias_parts, q_len, kv_len)
     return grads
+
+
+def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):
+    """The bias gradient from the kernels' `parts`: dS `[B, N, T, S]` (bias tiles; zero where the window and
+    lengths let no pair attend, tiles the dQ kernel never visits), dS summed over keys `[B, N, T]` (S of 1) or
+    over queries `[B, N, S]` (T of 1), then summed over the bias's broadcast axes, in its dtype."""
+    f = problem.features
+    if bias.shape[2] > 1 and bias.shape[3] > 1:
+        rows = jnp.arange(parts.shape[2]).reshape(1, 1, -1, 1)
+        cols = jnp.arange(parts.shape[3]).reshape(1, 1, 1, -1)
+        attends = allowed_in_window(rows, cols, kv_len.reshape(-1, 1, 1, 1), f.window_left, f.window_right)
+        parts = jnp.where(attends & (rows < q_len.reshape(-1, 1, 1, 1)), parts, 0.0)
+    elif bias.shape[2] > 1:
+        parts = parts[..., None]
+    else:
+        parts = parts[:, :, None, :]
+    broadcast = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
+    return jnp.sum(parts, axis=broadcast, keepdims=True).astype(bias.dtype)

@@ -20,8 +20,8 @@ from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem
 from probjax_kernels.mosaic import glue
-from probjax_kernels.mosaic.backward import dq_smem_bytes
-from probjax_kernels.mosaic.backward_dkv import dkv_smem_bytes
+from probjax_kernels.mosaic.backward import DQ_TILES, dq_smem_bytes
+from probjax_kernels.mosaic.backward_dkv import DKV_TILES, dkv_smem_bytes
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
@@ -103,10 +103,9 @@ def _has_vectors(problem: _Problem) -> bool:
 
 def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether the Mosaic GPU kernels run the backward of this call too (at head dims 64 / 128): when they run
-    its forward, without a bias (its gradient is the Triton dQ kernel's), and a score_mod's derivative also
-    runs in Mosaic GPU."""
+    its forward and a score_mod's derivative also runs in Mosaic GPU."""
     f = problem.features
-    return _mosaic_takes(problem, dtype, head_dims) and problem.bias_shape is None and (
+    return _mosaic_takes(problem, dtype, head_dims) and (
         f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
     )
 
@@ -173,23 +172,27 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     tiles (the tables' tile), which must be square: dQ's (block_q / 2, block_k) tile and dK/dV's transposed
     (block_k / 2, block_q) one then run in parts of `mosaic_backward_hook_shapes`' shape, where the hooks
     were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
-    128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y)."""
+    128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y). Either way both
+    kernels' shared memory must fit, a bias's tiles and its gradient's staging included (whether the bias gets
+    a gradient is known only when the backward runs)."""
     head_dim, value_dim = head_dims
     if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
     f, cfg = problem.features, problem.config
-    if f.score_mod is None and f.mask_mod is None and f.block_sizes is None:
-        return {}, {}
-    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
+    hooked = not (f.score_mod is None and f.mask_mod is None and f.block_sizes is None)
     tile = cfg.block_q
-    segments = _has_vectors(problem)
-    dense = _dense_mask(problem)
-    if cfg.block_k != tile or max(dq_smem_bytes(head_dim, tile, tile, 2, staged, segments=segments,
-                                                value_dim=value_dim, dense_mask=dense),
-                                  dkv_smem_bytes(head_dim, MOSAIC_PART, tile, 2, staged, segments=segments,
-                                                 value_dim=value_dim, dense_mask=dense),
-                                  ) > MOSAIC_SMEM_BYTES:
+    if hooked and cfg.block_k != tile:
         return None
+    dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
+    bias = _bias_kind(problem)
+    needs = dict(segments=_has_vectors(problem), value_dim=value_dim, dense_mask=_dense_mask(problem), bias=bias,
+                 bias_itemsize=jnp.dtype(problem.bias_dtype).itemsize if bias else 4, bias_grad=bias is not None)
+    staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
+    if max(dq_smem_bytes(head_dim, *dq_tiles, 2, staged, **needs),
+           dkv_smem_bytes(head_dim, *dkv_tiles, 2, staged, **needs)) > MOSAIC_SMEM_BYTES:
+        return None
+    if not hooked:
+        return {}, {}
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 

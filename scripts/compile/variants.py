@@ -211,9 +211,9 @@ MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): hooks that
 # read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
-# float32 inputs too (the Mosaic kernels take 16-bit). Segment ids, dense masks, dropout, a dense bias (its
-# gradient: Triton's backward; float32 tiles of it beside head dim 256 over the shared memory), v's own head
-# dim and k / v of batch 1 (`kv_batch1`) it takes.
+# float32 inputs too (the Mosaic kernels take 16-bit). Segment ids, dense masks, dropout, a dense bias with its
+# gradient (not float32 tiles of it beside head dim 256: over the shared memory), v's own head dim and k / v
+# of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias", "document_mask"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
@@ -223,7 +223,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     """The Pallas kernels a call compiles to, by the dispatch rules: backend "triton" (what `auto` and a default
     FlashConfig pick on every GPU) runs Triton's; "mosaic" (Hopper) runs the Mosaic GPU forward on 16-bit inputs where
     q / k's and v's head dims (`value_dim`; "dv64": 64; padded to a power of 2) are 64 / 128 / 256 without a feature of
-    `MOSAIC_LACKS` (nor dropout or a float32 bias at 256), its dQ / dK/dV at 64 / 128 without a bias; tangent Triton."""
+    `MOSAIC_LACKS` (nor dropout or a float32 bias at 256), its dQ / dK/dV where both are 64 / 128; tangent Triton."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
@@ -231,7 +231,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode in ("fwd", "jvp"):
         return (forward,) if mode == "fwd" else (forward, TANGENT)
-    mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS) and not feature.startswith("dense_bias")
+    mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
     backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic_backward else (DQ, DKV)
     return (forward, *backward)
 

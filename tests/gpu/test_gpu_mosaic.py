@@ -155,8 +155,9 @@ def test_flex_score_mod_inside_the_mosaic_forward(hook):
 def test_features_that_run_in_the_mosaic_kernels(case):
     """Segment ids (read beside the tiles), dropout (the keep mask hashed in the kernels: the reference's bits),
     a value head dim of v's own, a key padding mask (as segment ids), a dense mask (int8 tiles), k / v of batch
-    1 and a dense bias (16-bit tiles on 128-key steps, float32 tiles on 64-key steps, float32 key vectors; its
-    gradient from the Triton backward), through FlashConfig(backend="mosaic") compiled: loss and gradients."""
+    1 and a dense bias (16-bit tiles on 128-key steps, float32 tiles on 64-key steps, float32 key vectors; the
+    bias gradient is checked in the interpreters), through FlashConfig(backend="mosaic") compiled: loss and
+    gradients (the bias's in `test_a_dense_bias_gradient_from_the_mosaic_kernels`)."""
     q, k, v = random_qkv(10, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
     if case == "segments":
@@ -176,3 +177,28 @@ def test_features_that_run_in_the_mosaic_kernels(case):
     else:
         v = random_qkv(11, 2, 2048, 2048, 8, 2, 64 if case == "dv64" else 256, jnp.bfloat16)[2]
     _assert_mosaic_matches_reference(q, k, v, 12, **kwargs)
+
+
+@pytest.mark.parametrize("shape, dtype", [((1, 8, 2048, 2048), jnp.bfloat16), ((2, 1, 2048, 2048), jnp.float32),
+                                          ((2, 1, 1, 2048), jnp.float32), ((1, 8, 2048, 1), jnp.bfloat16)])
+def test_a_dense_bias_gradient_from_the_mosaic_kernels(shape, dtype):
+    """The bias gradient the Mosaic kernels make (dQ's dS tiles summed in XLA, dQ's row sums, dK/dV's key
+    sums) against the reference's, compiled, with GQA, causality and lengths."""
+    q, k, v = random_qkv(15, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    bias = (2 * _normal(16, shape)).astype(dtype)
+    cotangent = _normal(17, q.shape)
+    kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
+
+    def grads(attention, **extra):
+        loss = lambda q, k, v, bias: jnp.sum(  # noqa: E731
+            attention(q, k, v, bias=bias, **kwargs, **extra).astype(jnp.float32) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+
+    (value, got), (expected_value, expected) = (grads(flash_attention, config=FlashConfig(backend="mosaic")),
+                                                grads(flash_attention_reference))
+    _assert_close("loss", value, expected_value, TOL)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), got, expected):
+        if name == "dbias" and shape[3] == 1:  # 0 up to rounding: a row's shift
+            assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32)))) < 0.5, name
+        else:
+            _assert_close(name, a, e, 2 * TOL)
