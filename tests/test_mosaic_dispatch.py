@@ -393,6 +393,33 @@ def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
             assert_close(got, expected, jnp.bfloat16, name)
 
 
+def test_a_dense_bias_beside_a_soft_cap_runs_the_mosaic_kernels():
+    """A bias under a score_mod (Gemma 2's soft cap after scale and bias): the backward on the forward's square
+    tiles, dS through the cap's derivative, the bias gradient included; key padding bias, head dim 64."""
+    q, k, v = random_qkv(37, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    bias = jnp.where(jax.random.bernoulli(jax.random.key(38), 0.2, (2, 1, 1, 256)), -jnp.inf, 0.5)
+    kwargs = dict(causal=True, logits_soft_cap=5.0, kv_lengths=jnp.array([256, 200]))
+    fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v, bias)
+    assert backward_kernels(lambda config: lambda *a: jnp.sum(
+        flash_attention(*a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == "mosaic"
+
+    def reference(q, k, v, bias):  # plain jnp, float32: softmax(5 tanh((q k^T / 8 + bias) / 5)), masked
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        scores = jnp.einsum("btnd,bsnd->bnts", q, jnp.repeat(k, 2, axis=2)) / 8.0 + bias
+        scores = 5.0 * jnp.tanh(scores / 5.0)
+        rows, cols = jnp.arange(256).reshape(1, 1, -1, 1), jnp.arange(256).reshape(1, 1, 1, -1)
+        scores = jnp.where((cols <= rows) & (cols < kwargs["kv_lengths"].reshape(-1, 1, 1, 1)), scores, -jnp.inf)
+        return jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(scores, axis=-1), jnp.repeat(v, 2, axis=2))
+
+    cotangent = jax.random.normal(jax.random.key(39), q.shape)
+    (out, grads), (expected_out, expected_grads) = (
+        output_and_grads(f, (q, k, v, bias), cotangent) for f in (fn, reference))
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
 def test_a_backward_over_the_shared_memory_runs_the_triton_kernels():
     """A soft cap (a score_mod: the backward on the forward's square 128 x 128 tiles), a dense mask and segment
     ids at head dim 128: the Mosaic dQ kernel would take 233,616 B of shared memory as Mosaic GPU counts it

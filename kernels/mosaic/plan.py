@@ -253,11 +253,11 @@ class _MosaicGpu:
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
         """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles."""
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
-        interpret = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
+        forward = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
         backward = None
         if tiles is not None:
             backward = KernelPass(glue.backward, problem, (("tiles", tuple(tuple(t.items()) for t in tiles)),))
-        return Passes(forward=KernelPass(glue.forward, problem, interpret), backward=backward)
+        return Passes(forward=KernelPass(glue.forward, problem, forward), backward=backward)
 
 
 BACKEND = _MosaicGpu()
