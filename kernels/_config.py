@@ -29,9 +29,9 @@ class FlashConfig:
     - `backend`: `"triton"` (Pallas Triton lowering, NVIDIA GPUs), `"interpret"` (Pallas interpret mode,
       any device, used on the CPU) or `"mosaic"`: the forward in Pallas Mosaic GPU for Hopper (wgmma, TMA,
       warp specialisation; `mosaic/forward.py`) where the call fits it (bfloat16 / float16, padded head
-      dims 64, 128 or 256 (v's may differ), segment ids, dropout below head dim 256, dense masks but per-head
-      key / query ones, k / v of batch 1, a dense bias (not float32 tiles at head dim 256), tiles that are
-      multiples of 128 x 64;
+      dims 64, 128 or 256 (v's may differ), segment ids, dropout below head dim 256, dense masks (per-head key /
+      query ones, and key masks beside segment ids, as a 0 / -inf bias: not beside a score_mod or a bias), k /
+      v of batch 1, a dense bias (not float32 tiles at head dim 256), tiles that are multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
       read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
       dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 (a bias's gradient too;

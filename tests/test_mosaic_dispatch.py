@@ -433,14 +433,27 @@ def test_a_backward_over_the_shared_memory_runs_the_triton_kernels():
         flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v) == "triton"
 
 
-def test_per_head_key_masks_and_vector_masks_beside_segments_run_the_triton_kernels():
-    """A per-head key mask `[B, N, 1, S]`, and a key mask beside segment ids: Triton."""
+@pytest.mark.parametrize("case", ["per_head_keys", "per_head_rows", "keys_beside_segments"])
+def test_masks_over_keys_or_queries_alone_run_the_mosaic_kernels_as_a_bias(case):
+    """A per-head key mask `[B, N, 1, S]`, a per-head query mask `[B, N, T, 1]` and a key mask beside segment
+    ids reach the Mosaic kernels as a float32 bias of 0 / -inf (key or row vectors); rows that keep no key
+    give 0, as the reference's."""
     q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
-    segments = jnp.zeros((2, 256), jnp.int32)
-    for mask, extra in ((jnp.ones((2, 2, 1, 256), bool), {}),
-                        (jnp.ones((2, 1, 1, 256), bool), {"q_segment_ids": segments, "kv_segment_ids": segments})):
-        assert runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, mask=mask, config=MOSAIC, **extra),
-                                   q, k, v)
+    shape = {"per_head_keys": (2, 2, 1, 256), "per_head_rows": (2, 2, 256, 1)}.get(case, (2, 1, 1, 256))
+    mask = jax.random.bernoulli(jax.random.key(25), 0.7, shape)
+    kwargs = dict(causal=True, mask=mask.at[1, :, :, :100].set(False) if shape[3] > 1 else mask)
+    if case == "keys_beside_segments":
+        segments = jnp.stack([jnp.repeat(jnp.arange(2), 128), jnp.zeros(256, jnp.int32)])
+        kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
+    assert_mosaic_matches_reference(q, k, v, 26, **kwargs)
+
+
+def test_a_per_head_key_mask_under_a_score_mod_runs_the_triton_kernels():
+    """A mask acts after the score_mod, a bias before it: a per-head key mask beside a soft cap stays on Triton."""
+    q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    mask = jnp.ones((2, 2, 1, 256), bool)
+    assert runs_triton_forward(
+        lambda q, k, v: flash_attention(q, k, v, mask=mask, logits_soft_cap=5.0, config=MOSAIC), q, k, v)
 
 
 def test_hooks_on_non_square_tiles_run_the_triton_backward():

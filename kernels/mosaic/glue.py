@@ -59,7 +59,7 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
         **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
-        return_max=f.return_max, bias=optional["bias"],
+        return_max=f.return_max, bias=_bias(problem, optional["bias"], optional),
     )
 
 
@@ -70,6 +70,23 @@ def vector_mask(problem: _Problem) -> bool:
     return shape is not None and shape[1] == 1 and 1 in shape[2:] and not problem.has_segments
 
 
+def mask_as_bias(problem: _Problem) -> bool:
+    """Whether the call's mask reaches the kernels as a float32 bias of 0 / -inf (`_bias`): a mask over keys or
+    queries alone (`[B|1, N|1, 1, S]`, `[B|1, N|1, T, 1]`) that is not a `vector_mask` (one per head, or one
+    beside segment ids), in a call without a bias or a score_mod (a bias acts before the score_mod, a mask
+    after it)."""
+    shape = problem.mask_shape
+    return (shape is not None and 1 in shape[2:] and not vector_mask(problem) and problem.bias_shape is None
+            and problem.features.score_mod is None)
+
+
+def _bias(problem: _Problem, bias, optional: dict):
+    """The kernels' bias: the call's `bias`, or its mask as 0 where kept and -inf where not (`mask_as_bias`)."""
+    if not mask_as_bias(problem):
+        return bias
+    return jnp.where(optional["mask"] != 0, 0.0, -jnp.inf).astype(jnp.float32)
+
+
 def _segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
     """The kernels' segment ids and dense mask: the call's, where a `vector_mask` becomes segment ids that
     attend exactly where it is True: a query's id is 0 where its row is kept and 1 where not, a key's 0 or 2,
@@ -77,7 +94,7 @@ def _segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len:
     mask = optional.get("mask")
     if not vector_mask(problem):
         return dict(q_segment_ids=optional.get("q_segment_ids"), kv_segment_ids=optional.get("kv_segment_ids"),
-                    mask=mask)
+                    mask=None if mask_as_bias(problem) else mask)
     mask = mask != 0
     rows = mask[:, 0, :, 0] if mask.shape[3] == 1 else jnp.ones((1, 1), bool)  # [B|1, T|1]
     keys = mask[:, 0, 0, :] if mask.shape[2] == 1 and mask.shape[3] > 1 else jnp.ones((1, 1), bool)  # [B|1, S|1]
@@ -102,7 +119,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
     f, others, bias = problem.features, res["others"], res["bias"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse, **_segments(problem, others, *q.shape[:2], k.shape[1]),
-                   **_dropout(f, others), bias=bias)
+                   **_dropout(f, others), bias=_bias(problem, bias, others))
     key_bias = bias is not None and bias.shape[2] == 1  # its gradient: dS summed over queries, by dK/dV
     dq_options, dkv_options = (dict(t) for t in tiles)
     if f.score_mod is not None or f.mask_mod is not None:

@@ -35,15 +35,17 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (per-head key /
     query masks, hooks that read captured arrays other than as scalars or use an op Mosaic GPU cannot lower,
     and dropout at head dim 256). Segment ids (and vector masks as such) are read as vectors beside the tiles,
-    masks over queries and keys as int8 tiles, a bias as tiles of its dtype or float32 vectors (`check_bias`);
-    dropout hashes every backend's keep mask in the kernels."""
+    masks over queries and keys as int8 tiles, a bias as tiles of its dtype or float32 vectors (`check_bias`),
+    other masks over keys or queries alone as a 0 / -inf bias (`glue.mask_as_bias`); dropout hashes every
+    backend's keep mask in the kernels."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
         and problem.bias_dtype in (None, "bfloat16", "float16", "float32")
         and f.scale > 0  # the Mosaic kernels take the row max before scaling
-        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem))
+        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem)
+             or glue.mask_as_bias(problem))
         and (f.score_mod is None or _is_mosaic_hook(f.score_mod, cfg, with_score=True))
         and (f.mask_mod is None or _is_mosaic_hook(f.mask_mod, cfg, with_score=False))
         # A BlockMask's tables on the kernel's tiles or coarser ones (`_tiles.refined_tables`).
@@ -63,7 +65,7 @@ def _forward_smem(problem: _Problem, head_dims: tuple[int, int], block_kv: int) 
     return mosaic_smem_bytes(
         head_dims[0], cfg.block_q, block_kv, cfg.num_stages, segments=_has_vectors(problem), value_dim=head_dims[1],
         return_max=problem.features.return_max, dense_mask=_dense_mask(problem), bias=bias,
-        bias_itemsize=jnp.dtype(problem.bias_dtype).itemsize if bias else 4,
+        bias_itemsize=_bias_itemsize(problem),
     )
 
 
@@ -83,11 +85,17 @@ def forward_block_kv(problem: _Problem, head_dims: tuple[int, int]) -> int | Non
 
 
 def _bias_kind(problem: _Problem) -> str | None:
-    """How the Mosaic kernels read the call's bias (`common.check_bias`): "tiles", "keys", "rows" or None."""
-    shape = problem.bias_shape
+    """How the Mosaic kernels read the call's bias, or its mask as one (`glue.mask_as_bias`; `check_bias`):
+    "tiles", "keys", "rows" or None."""
+    shape = problem.mask_shape if glue.mask_as_bias(problem) else problem.bias_shape
     if shape is None:
         return None
     return "tiles" if shape[2] > 1 and shape[3] > 1 else "keys" if shape[2] == 1 else "rows"
+
+
+def _bias_itemsize(problem: _Problem) -> int:
+    """Bytes of an element of the bias's tiles (a mask as a bias is float32)."""
+    return jnp.dtype(problem.bias_dtype or jnp.float32).itemsize
 
 
 def _dense_mask(problem: _Problem) -> bool:
@@ -186,7 +194,7 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)
     needs = dict(segments=_has_vectors(problem), value_dim=value_dim, dense_mask=_dense_mask(problem), bias=bias,
-                 bias_itemsize=jnp.dtype(problem.bias_dtype).itemsize if bias else 4, bias_grad=bias is not None)
+                 bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None)
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     if max(dq_smem_bytes(head_dim, *dq_tiles, 2, staged, **needs),
            dkv_smem_bytes(head_dim, *dkv_tiles, 2, staged, **needs)) > MOSAIC_SMEM_BYTES:
