@@ -33,7 +33,8 @@ class FlashConfig:
       query ones, and key masks beside segment ids, as a 0 / -inf bias: not beside a score_mod or a bias), k /
       v of batch 1, a dense bias (not float32 tiles at head dim 256), tiles that are multiples of 128 x 64;
       windows too; flex calls when their score_mod and mask_mod use only ops with a Mosaic GPU lowering and
-      read captured arrays only as scalars, and their `BlockMask` tiles are the kernel's), and the Mosaic
+      read captured arrays only as scalars or at exactly q_idx / kv_idx (`document_mask`), and their
+      `BlockMask` tiles are the kernel's), and the Mosaic
       dQ and dK/dV kernels for the backward of those calls at head dims 64 or 128 (a bias's gradient too;
       with a score_mod, when its derivative lowers too); the Triton kernels for everything else. `"mosaic_interpret"`
       makes the same choices and runs both in their CPU interpreters. `None` picks from the default device

@@ -83,9 +83,8 @@ def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_sh
          bias_shape: tuple | None, mask_shape: tuple | None, table_shape: tuple | None, has_segments: bool,
          num_score_consts: int, num_mask_consts: int, bias_dtype: str | None = None) -> Plan:
     """The frozen plan of one call on checked inputs (q `[B, T, N, D]`, k `[B|1, S, K, D]`, bias / mask 4-D
-    with 1 on broadcast axes, `bias_dtype` the bias's dtype by name): the tiles, the padded sizes, the
-    `_Problem`, and each pass's kernels; the hooks are traced at every shape the planned kernels and the XLA
-    passes call them with."""
+    with 1 on broadcast axes, `bias_dtype` its dtype's name): the tiles, the padded sizes, the `_Problem`, and
+    each pass's kernels; the hooks are traced at every shape the planned kernels and the XLA passes call them with."""
     batch, q_len, num_heads, head_dim = q_shape
     kv_batch, kv_len, num_kv_heads = k_shape[:3]
     d_pad, dv_pad = (max(16, 1 << (dim - 1).bit_length()) for dim in (head_dim, value_dim))

@@ -141,14 +141,14 @@ def test_the_mosaic_backend_lowers_for_cuda(head_dim):
 
 def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     """A BlockMask of a pure index mask_mod (causal and a sliding window) at the kernel's 128 x 128 tiles runs
-    the Mosaic kernels with the block tables; a mask_mod gathering an array per element (documents) falls
-    back to Triton."""
+    the Mosaic kernels with the block tables; so does a document mask, whose ids the kernels read as vectors
+    along q_idx and kv_idx (`hook_vectors`: the ids of the query rows beside Q, of the keys beside K)."""
     q, k, v = random_qkv(7, 1, 384, 384, 1, 1, 64, jnp.bfloat16)  # one sequence and head: the grid is 3 x 3 tiles
     window = create_block_mask(and_masks(causal_mask, sliding_window(150)), None, None, 384, 384)
     documents = create_block_mask(document_mask(jnp.array([[0] * 200 + [1] * 184])), 1, None, 384, 384)
-    for block_mask, mosaic in ((window, True), (documents, False)):
+    for block_mask in (window, documents):
         fn = lambda q, k, v, bm=block_mask: flex_attention(q, k, v, None, bm, config=MOSAIC)  # noqa: E731
-        assert runs_triton_forward(fn, q, k, v) != mosaic
+        assert not runs_triton_forward(fn, q, k, v)
     expected = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, None, documents))(q, k, v)
     assert_close(jax.jit(lambda q, k, v: flex_attention(q, k, v, None, documents, config=MOSAIC))(q, k, v), expected,
                  jnp.bfloat16)
@@ -210,6 +210,7 @@ def _head_alibi(score, b, h, q_idx, kv_idx):
 
 
 _CAP = jnp.array(1.5)  # a 0-d array, as a learnable soft cap: a scalar load wherever the hook reads it
+_ROW_SHIFT = jnp.cos(jnp.arange(2 * 256, dtype=jnp.float32)).reshape(2, 256)  # per head and query row
 
 
 def _array_softcap(score, b, h, q_idx, kv_idx):
@@ -241,6 +242,10 @@ _SCORE_MOD_CASES = {
     "relative_bias_gather": (_fixed(relative_bias(jnp.linspace(-1.0, 1.0, 2 * 511).reshape(2, 511))), lambda: (),
                              False, False, False),
     "relu_custom_jvp": (_fixed(lambda s, b, h, q_idx, kv_idx: jax.nn.relu(s)), lambda: (), False, False, False),
+    # arrays read along kv_idx and q_idx (the kernels hold them as vectors), one of them with a gradient
+    "per_token_bias_vectors": (lambda token_bias: (
+        lambda s, b, h, q_idx, kv_idx: s + token_bias[b, kv_idx] - 0.5 * _ROW_SHIFT[h, q_idx]),
+        lambda: (jnp.linspace(-2.0, 2.0, 256).reshape(1, 256),), False, True, True),
 }
 
 
@@ -282,7 +287,28 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
     assert backward_calls, "the Mosaic backward did not run"
     expected_out, expected_grads = output_and_grads(reference, args, cotangent)
     assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv", "d_slopes"), grads, expected_grads):
+    for name, got, expected in zip(("dq", "dk", "dv", "d_params"), grads, expected_grads):
+        assert_close(got, expected, jnp.bfloat16, name)
+
+
+def test_a_document_mask_runs_the_mosaic_forward_and_backward():
+    """Packed documents as a flex BlockMask (causal within each document) on the Mosaic forward, dQ and dK/dV:
+    the ids travel as vectors beside Q and K (dK/dV: beside each Q tile, per head), against the reference."""
+    q, k, v = random_qkv(11, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    ids = jnp.stack([jnp.repeat(jnp.arange(4), 64), jnp.repeat(jnp.arange(2), 128)])
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 256, 256)
+    fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=MOSAIC)  # noqa: E731
+    assert not runs_triton_forward(fn, q, k, v)
+    assert backward_kernels(lambda config: lambda q, k, v: jnp.sum(flex_attention(
+        q, k, v, None, block_mask, enable_gqa=True, config=config).astype(jnp.float32)), q, k, v) == "mosaic"
+    cotangent = jax.random.normal(jax.random.key(12), q.shape)
+    with counting_mosaic_backward() as backward_calls:
+        out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert backward_calls, "the Mosaic backward did not run"
+    expected_out, expected_grads = output_and_grads(
+        lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True), (q, k, v), cotangent)
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(got, expected, jnp.bfloat16, name)
 
 

@@ -57,6 +57,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
 )
 from probjax_kernels.mosaic.forward import _check
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
@@ -65,13 +66,14 @@ DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
                   dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
-                  bias_grad: bool = False) -> int:
+                  bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one dQ CTA as Mosaic GPU allocates it (`allocated_smem`): Q (reused for dQ) and dO
     tiles, the K / V rings (dO and V of v's head dim `value_dim`, default q's), lse2 / delta rows, with
     `ds_in_smem` the dS tiles of one part, with `segments` the rows' segment ids and a ring of the keys', with
     `dense_mask` a ring of int8 mask tiles per part, a bias read as `bias` (`check_bias`'s kind; tiles of
     `bias_itemsize` bytes, a ring per part) and with `bias_grad` its float32 dS tiles (one part) or row sums
-    staged for their copy out, and the barriers."""
+    staged for their copy out, the hooks' vectors (`vectors`: how many along queries, along keys), and the
+    barriers."""
     value_dim = value_dim or head_dim
     part = min(block_kv, PART)
     parts = block_kv // part
@@ -81,25 +83,31 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
                4 * num_stages * block_kv if segments else 0,
                *([num_stages * block_q * part] * parts if dense_mask else []),
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
-               {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0]
-    return allocated_smem(buffers, barriers=_CONSUMERS * (4 + segments + (bias == "rows")) + 4 * num_stages)
+               {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0,
+               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
+    row_barriers = 4 + segments + (bias == "rows") + vectors[0]
+    return allocated_smem(buffers, barriers=_CONSUMERS * row_barriers + 4 * num_stages)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
-    bias_grad: bool = False,
+    bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (),
 ):
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
+    # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
+    score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
+    vectors = vectors_in(score_groups + mask_groups)
+    num_score_vectors = len(vectors_in(score_groups))
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)  # `check_bias`'s tiles, keys or rows
     dq_ref, *refs = refs
     # With `bias_grad`: dS [B, N, T, S] float32 for bias tiles, its row sums [B, N, T] for row biases.
     dbias_ref = refs.pop(0) if bias_grad and bias in ("tiles", "rows") else None
     smem, row_ready, ready, free = refs
     (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
-     mask_rings, bias_smem, dbias_smem) = smem  # mask_rings: one ring of (block_q, part) int8 tiles per part of a step
+     mask_rings, bias_smem, dbias_smem, vector_smem) = smem  # mask_rings: a (block_q, part) int8 ring per part
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -144,6 +152,11 @@ def _dq_kernel(
         if bias == "rows":
             sources.append(bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(row0, rows))])
             own.append(bias_smem.at[wg])
+        row_bias_own = own[-1]
+        for (axis, ref), buffer in zip(vectors, vector_smem):  # the hooks' vectors along queries
+            if axis == "q":
+                sources.append(ref.at[(*mask_index(ref, batch, head), pl.ds(row0, rows))])
+                own.append(buffer.at[wg])
         for src, dst, barrier in zip(sources, own, row_ready):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         for barrier in row_ready:
@@ -154,7 +167,9 @@ def _dq_kernel(
         if has_segments:
             q_segments = plgpu.load(own[4], layout=plgpu.Layout.WGMMA.reduce(1))
         if bias == "rows":
-            row_bias = plgpu.load(own[-1], layout=plgpu.Layout.WGMMA.reduce(1))
+            row_bias = plgpu.load(row_bias_own, layout=plgpu.Layout.WGMMA.reduce(1))
+        row_vectors = [plgpu.load(buffer.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if axis == "q" else None
+                       for (axis, _), buffer in zip(vectors, vector_smem)]
 
         def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
@@ -193,13 +208,19 @@ def _dq_kernel(
                         plgpu.load(bias_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
                 elif bias == "rows":
                     bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
+                tiles = [functools.partial(lax.broadcast_in_dim, row, s.shape, [0]) if row is not None else
+                         functools.partial(lax.broadcast_in_dim, plgpu.load(
+                             buffer.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
+                         for row, buffer in zip(row_vectors, vector_smem)]  # the hooks' vectors as tiles
 
                 def indices():
                     return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
 
                 s, s_scale, derivative = rule.scores(
-                    s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
-                    mask_arrays=mask_arrays, same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
+                    s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
+                    score_arrays=views(score_groups, tiles[:num_score_vectors]),
+                    mask_arrays=views(mask_groups, tiles[num_score_vectors:]),
+                    same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
                     dense=lambda: mask_tile != 0, with_derivative=True, bias=lambda: bias_tile,
                 )
                 dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
@@ -277,6 +298,8 @@ def _dq_kernel(
             elif bias == "keys":
                 copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(key0, block_kv))], bias_smem,
                                k_ready))
+            copies += [(ref.at[(*mask_index(ref, batch, head), pl.ds(key0, block_kv))], buffer, k_ready)
+                       for (axis, ref), buffer in zip(vectors, vector_smem) if axis == "kv"]
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
@@ -286,7 +309,7 @@ def _dq_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret",
                      "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads",
-                     "bias_grad"),
+                     "bias_grad", "score_vectors", "mask_vectors"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -322,6 +345,8 @@ def mosaic_backward_dq(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     bias_grad: bool = False,
+    score_vectors: tuple = (),
+    mask_vectors: tuple = (),
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
@@ -330,8 +355,9 @@ def mosaic_backward_dq(
     (natural log, -inf for empty rows) from the forward pass; `d_out` `[B, T, N, Dv]`, the cotangent of `out`.
     `ds_in_smem` stages dS in shared memory
     for the dS K matmul (always on in interpret mode). `d_lse` `[B, N, T]`: a cotangent of lse, if any.
-    `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays` as in `mosaic_forward` (the tables'
-    tiles must be this kernel's block_q x block_kv), and with a `score_fn` its `score_jvp` (see `ScoreRule`).
+    `kv_tables`, `mask_fn`, `score_fn`, `mask_arrays`, `score_arrays`, `score_vectors`, `mask_vectors` as in
+    `mosaic_forward` (the tables' tiles must be this kernel's block_q x block_kv), and with a `score_fn` its
+    `score_jvp` (see `ScoreRule`).
     `q_segment_ids`, `kv_segment_ids`, `mask`, `bias` and the dropout arguments as in `mosaic_forward` (the
     forward's). `bias_grad`: also return what the bias gradient is made of, where this kernel makes it (bias
     tiles or rows; a key bias's is `mosaic_backward_dkv`'s).
@@ -352,9 +378,12 @@ def mosaic_backward_dq(
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, k.shape[1])
     bias_grad = bias_grad and bias_kind in ("tiles", "rows")
     check_outputs(q, v, out, lse, d_out)
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem, segments=segments is not None,
                               value_dim=value_dim, dense_mask=mask is not None, bias=bias_kind,
-                              bias_itemsize=4 if bias is None else bias.itemsize, bias_grad=bias_grad)) > SMEM_BYTES:
+                              bias_itemsize=4 if bias is None else bias.itemsize, bias_grad=bias_grad,
+                              vectors=counts)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
@@ -371,7 +400,7 @@ def mosaic_backward_dq(
         rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
                             bias is not None),
         segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
-        out_type=out_type,
+        score_vectors=score_vectors, mask_vectors=mask_vectors, out_type=out_type,
         scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
@@ -393,11 +422,14 @@ def mosaic_backward_dq(
                  None: lambda: None}[bias_kind](),
                 {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
                  "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias_grad else None,
+                tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
+                      for axis, ref in vectors),
             ),
-            tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(4 + bool(segments) + (bias_kind == "rows"))),
-            (  # with segments / a mask / a bias, K's barrier also awaits the keys' segment ids / their tiles
+            tuple(plgpu.Barrier(num_barriers=_CONSUMERS)
+                  for _ in range(4 + bool(segments) + (bias_kind == "rows") + counts[0])),
+            (  # with segments / a mask / a bias / hook vectors, K's barrier also awaits their copies
                 plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) * (block_kv // part)
-                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0),
+                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
                               num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),

@@ -55,6 +55,7 @@ from probjax_kernels.mosaic.common import (
     table_walk,
     union_of_ranges,
 )
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 
 
 DKV_TILES = (64, 128)  # the dK/dV kernel's default (block_q, block_kv): 64 resident keys per consumer
@@ -63,14 +64,15 @@ DKV_TILES = (64, 128)  # the dK/dV kernel's default (block_q, block_kv): 64 resi
 def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False,
                    itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
                    dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
-                   bias_grad: bool = False) -> int:
+                   bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one dK / dV CTA: the resident K and V tiles (reused for dK / dV), the Q and dO rings,
     the lse2 / delta rows of each slot, each consumer's key and query index vectors, with `p_in_smem` one
     staging tile per consumer for P^T and dS^T (one part), with `segments` the keys' segment ids and a ring
     of the queries', with `dense_mask` a ring of int8 (keys, queries) mask tiles per part, a bias read as `bias`
     (`check_bias`'s kind: transposed tiles of `bias_itemsize` bytes, a ring per part, or a ring of float32 key
-    or query vectors) and with `bias_grad` a key bias's float32 key sums staged for their copy out. V and dO
-    have v's head dim `value_dim` (default q's). As Mosaic GPU allocates it (`allocated_smem`), barriers
+    or query vectors), with `bias_grad` a key bias's float32 key sums staged for their copy out, and a ring of
+    each of the hooks' vectors (`vectors`: how many along queries, along keys). V and dO have v's head dim
+    `value_dim` (default q's). As Mosaic GPU allocates it (`allocated_smem`), barriers
     included."""
     value_dim = value_dim or head_dim
     part = min(block_q, PART)
@@ -82,7 +84,8 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
                *([num_stages * block_kv * part] * (block_q // part) if dense_mask else []),
                *([bias_smem_bytes("tiles", bias_itemsize, block_kv, part, num_stages)] * (block_q // part)
                  if bias == "tiles" else [4 * num_stages * {"keys": block_kv, "rows": block_q}.get(bias, 0)]),
-               4 * block_kv if bias_grad and bias == "keys" else 0]
+               4 * block_kv if bias_grad and bias == "keys" else 0,
+               *[4 * num_stages * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
     return allocated_smem(buffers, barriers=2 * _CONSUMERS + 4 * num_stages)
 
 
@@ -93,14 +96,14 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
                num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False,
-               bias: tuple = (None, 4), bias_grad: bool = False):
+               bias: tuple = (None, 4), bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)):
     # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
     # dK + dV accumulators alone would take 256 float32 registers per thread.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
         smem_need=dkv_smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                                 v.shape[-1], dense_mask, *bias, bias_grad),
+                                 v.shape[-1], dense_mask, *bias, bias_grad, vectors),
         kernel="the Mosaic GPU dK / dV kernel",
     )
     if d_out.dtype != q.dtype:
@@ -112,18 +115,22 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool, has_mask: bool,
-    bias: str | None = None, bias_grad: bool = False,
+    bias: str | None = None, bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (),
 ):
     # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape; so
     # is `bias_ref` with bias tiles, else its keys' [B|1, N|1, S] or rows' [B|1, N|1, T] float32 vectors.
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
+    # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`), a ring of each.
+    score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
+    vectors = vectors_in(score_groups + mask_groups)
+    num_score_vectors = len(vectors_in(score_groups))
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
     dk_ref, dv_ref, *refs = refs
     dbias_ref = refs.pop(0) if bias_grad else None  # a key bias's gradient: dS summed over queries, [B, N, S]
     smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
-     q_segment_smem, mask_rings, bias_smem, dbias_smem) = smem  # mask_rings: a (block_kv, part) ring per part
+     q_segment_smem, mask_rings, bias_smem, dbias_smem, vector_smem) = smem  # mask_rings: a ring per part
     k_ready, v_ready = kv_ready
     q_ready, do_ready = ready  # lse2 arrives with Q, delta with dO: two barrier phases fewer held per step
     q_free, do_free = free
@@ -230,10 +237,20 @@ def _dkv_kernel(
                     vector = plgpu.load(bias_smem.at[slot, queries], layout=_QUERY_VECTOR)
                     return lax.broadcast_in_dim(vector, s_t.shape, [1])
 
+                def vector_tile(axis, buffer):  # a hook vector as a tile: the part's queries, this consumer's keys
+                    if axis == "q":
+                        vector = plgpu.load(buffer.at[slot, queries], layout=_QUERY_VECTOR)
+                        return lax.broadcast_in_dim(vector, s_t.shape, [1])
+                    vector = plgpu.load(buffer.at[slot, pl.ds(wg * keys, keys)], layout=_KEY_VECTOR)
+                    return lax.broadcast_in_dim(vector, s_t.shape, [0])
+
+                tiles = [functools.partial(vector_tile, axis, buffer)
+                         for (axis, _), buffer in zip(vectors, vector_smem)]
                 s_t, s_scale, derivative = rule.scores(
-                    s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask, score_arrays=score_arrays,
-                    mask_arrays=mask_arrays, same_segment=same_segments, dense=dense, with_derivative=True,
-                    bias=bias_tile,
+                    s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
+                    score_arrays=views(score_groups, tiles[:num_score_vectors]),
+                    mask_arrays=views(mask_groups, tiles[num_score_vectors:]), same_segment=same_segments,
+                    dense=dense, with_derivative=True, bias=bias_tile,
                 )
                 # Rows >= q_lengths and rows with no key have lse2 = +inf, so p = 0 there (and dS = 0).
                 p_t = jnp.exp2(s_t * s_scale - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
@@ -342,6 +359,9 @@ def _dkv_kernel(
                 elif bias:
                     span = pl.ds(tile_key0, block_kv) if bias == "keys" else pl.ds(t * block_q, block_q)
                     copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), span)], bias_smem, q_ready))
+                for (axis, ref), buffer in zip(vectors, vector_smem):  # and the hooks' vectors of the head
+                    span = pl.ds(t * block_q, block_q) if axis == "q" else pl.ds(tile_key0, block_kv)
+                    copies.append((ref.at[(*mask_index(ref, batch, head), span)], buffer, q_ready))
                 fill_ring_slot(base + n, num_stages, (q_free, do_free), copies)
 
             return base + steps
@@ -353,7 +373,7 @@ def _dkv_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
                      "tables_block_q", "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions",
-                     "dropout_heads", "bias_grad"),
+                     "dropout_heads", "bias_grad", "score_vectors", "mask_vectors"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -390,6 +410,8 @@ def mosaic_backward_dkv(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     bias_grad: bool = False,
+    score_vectors: tuple = (),
+    mask_vectors: tuple = (),
 ) -> tuple[jax.Array, ...]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -408,7 +430,8 @@ def mosaic_backward_dkv(
       `[B|1, H|1, nk, nq]` of query blocks per KV block) of tiles `(tables_block_q, block_kv)`; each CTA walks
       the rows of its KV block for every query head of its group. `tables_block_q` (default block_q): a multiple
       of block_q dividing T; each table tile is then tables_block_q // block_q steps. `mask_fn`, `score_fn`,
-      `score_jvp`, `mask_arrays`, `score_arrays`, `q_segment_ids`, `kv_segment_ids`, `mask` (transposed here in
+      `score_jvp`, `mask_arrays`, `score_arrays`, `score_vectors`, `mask_vectors` (each vector in a ring beside
+      Q), `q_segment_ids`, `kv_segment_ids`, `mask` (transposed here in
       XLA: the kernel reads (keys, queries) tiles), `bias` (tiles transposed in XLA too) and the dropout
       arguments as in `mosaic_backward_dq`. `bias_grad`: with a bias whose T is 1 (keys, or one value), also
       return its gradient's parts.
@@ -424,9 +447,11 @@ def mosaic_backward_dkv(
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
     bias_grad = bias_grad and bias_kind == "keys"
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
     _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem,
                q_segment_ids is not None, mask is not None, (bias_kind, 4 if bias is None else bias.itemsize),
-               bias_grad)
+               bias_grad, counts)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
@@ -445,6 +470,7 @@ def mosaic_backward_dkv(
         rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
                             bias is not None),
         segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
+        score_vectors=score_vectors, mask_vectors=mask_vectors,
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),
                   *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if bias_grad else ())),
@@ -470,13 +496,15 @@ def mosaic_backward_dkv(
                  "rows": lambda: plgpu.SMEM((num_stages, block_q), jnp.float32),
                  None: lambda: None}[bias_kind](),
                 plgpu.SMEM((_CONSUMERS, keys), jnp.float32) if bias_grad else None,
+                tuple(plgpu.SMEM((num_stages, block_q if axis == "q" else block_kv), ref.dtype)
+                      for axis, ref in vectors),
             ),
             # With segments, K's barrier also awaits the keys' segment ids.
             (plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
              plgpu.Barrier(num_barriers=_CONSUMERS)),
             # Q's slot with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an arrival.
             (plgpu.Barrier(num_arrivals=2 + bool(segments) + (mask is not None) * (block_q // part)
-                           + {"tiles": block_q // part, "keys": 1, "rows": 1}.get(bias_kind, 0),
+                           + {"tiles": block_q // part, "keys": 1, "rows": 1}.get(bias_kind, 0) + len(vectors),
                            num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)),
             (

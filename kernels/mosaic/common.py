@@ -323,11 +323,18 @@ def check_bias(bias, batch: int, num_heads: int, q_len: int, kv_len: int) -> tup
                          f"(the padded sequences); got {list(bias.shape)}")
     if bias.dtype not in (*_DTYPES, jnp.dtype(jnp.float32)):
         raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
-    if bias.shape[2] > 1 and bias.shape[3] > 1:
-        return "tiles", bias
-    if bias.shape[2] == 1:
-        return "keys", jnp.broadcast_to(bias[:, :, 0, :], (*bias.shape[:2], kv_len)).astype(jnp.float32)
-    return "rows", bias[:, :, :, 0].astype(jnp.float32)
+    kind = bias_kind(bias.shape)
+    if kind == "tiles":
+        return kind, bias
+    if kind == "keys":
+        return kind, jnp.broadcast_to(bias[:, :, 0, :], (*bias.shape[:2], kv_len)).astype(jnp.float32)
+    return kind, bias[:, :, :, 0].astype(jnp.float32)
+
+
+def bias_kind(shape: tuple) -> str:
+    """How the kernels read a `[B|1, N|1, T|1, S|1]` bias (`check_bias`): "tiles" where T and S are whole, else
+    float32 vectors, "keys" where T is 1, "rows" where only S is."""
+    return "tiles" if shape[2] > 1 and shape[3] > 1 else "keys" if shape[2] == 1 else "rows"
 
 
 def bias_smem_bytes(kind: str | None, itemsize: int, block_q: int, block_kv: int, num_stages: int) -> int:

@@ -61,6 +61,7 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _check_tables,
     allocated_smem,
+    bias_kind,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -82,6 +83,7 @@ from probjax_kernels.mosaic.common import (
     window_options,
 )
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 
 _HEAD_DIMS = (64, 128, 256)
 # No reduction scratch (Mosaic GPU reserves 2 KiB by default): the row max / sum of WGMMA-layout tiles reduce
@@ -92,15 +94,16 @@ _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_byte
 def smem_bytes(
     head_dim: int, block_q: int, block_kv: int, num_stages: int, p_in_smem: bool = False, itemsize: int = 2,
     segments: bool = False, value_dim: int | None = None, return_max: bool = False, dense_mask: bool = False,
-    bias: str | None = None, bias_itemsize: int = 4,
+    bias: str | None = None, bias_itemsize: int = 4, vectors: tuple[int, int] = (0, 0),
 ) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it (`allocated_smem`): the Q tile (which carries O out
     when v's head dim `value_dim` is q's, else an O tile of its own), the K and V rings, the lse staging rows,
     with `p_in_smem` the P tiles and with `segments` the query rows' segment ids and a ring of the keys', with
-    `return_max` the row max staging rows, with `dense_mask` a ring of int8 mask tiles, and a bias read as
-    `bias` (`check_bias`'s kind, its tiles of `bias_itemsize` bytes an element; `bias_smem_bytes`), and the
-    barriers. The row max / sum reduce within a warp (WGMMA layout rows), so the kernel reserves no reduction
-    scratch (`_COMPILER_PARAMS`)."""
+    `return_max` the row max staging rows, with `dense_mask` a ring of int8 mask tiles, a bias read as `bias`
+    (`check_bias`'s kind, its tiles of `bias_itemsize` bytes an element; `bias_smem_bytes`), the hooks' vectors
+    (`hook_vectors`; `vectors`: how many along queries, along keys: rows, or a ring), and the barriers. The row
+    max / sum reduce within a warp (WGMMA layout rows), so the kernel reserves no reduction scratch
+    (`_COMPILER_PARAMS`)."""
     value_dim = value_dim or head_dim
     buffers = [
         itemsize * block_q * head_dim, itemsize * num_stages * block_kv * head_dim,
@@ -110,30 +113,43 @@ def smem_bytes(
         itemsize * block_q * value_dim if value_dim != head_dim else 0, 4 * block_q if return_max else 0,
         num_stages * block_q * block_kv if dense_mask else 0,
         bias_smem_bytes(bias, bias_itemsize, block_q, block_kv, num_stages),
+        *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
     ]
     return allocated_smem(buffers, barriers=_CONSUMERS + 4 * num_stages + 1)
 
 
 def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int, num_stages: int,
            p_in_smem: bool, segments: bool = False, return_max: bool = False, dense_mask: bool = False,
-           bias: str | None = None, bias_itemsize: int = 4):
+           bias: str | None = None, bias_itemsize: int = 4, vectors: tuple[int, int] = (0, 0)):
     # 64 query rows per consumer warpgroup; num_stages >= 2 because a consumer waits for the next K before
     # it frees the current V.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=_HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
-                             v.shape[-1], return_max, dense_mask, bias, bias_itemsize),
+                             v.shape[-1], return_max, dense_mask, bias, bias_itemsize, vectors),
     )
+
+
+def _bias_layout(bias) -> tuple[str | None, int]:
+    """(how the kernel reads a bias, its itemsize) for the shared-memory check, before `check_bias` checks it."""
+    if bias is None or jnp.ndim(bias) != 4:
+        return None, 4
+    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int, block_kv: int,
     num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
     has_segments: bool, has_dropout: bool, return_max: bool, has_mask: bool, bias: str | None,
+    score_vectors: tuple = (), mask_vectors: tuple = (),
 ):
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
+    # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
+    score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
+    vectors = vectors_in(score_groups + mask_groups)
+    num_score_vectors = len(vectors_in(score_groups))
     if has_tables:
         num_partial_ref, partial_ref, num_full_ref, full_ref = tables
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)  # `check_bias`'s tiles, keys or rows
@@ -141,7 +157,7 @@ def _forward_kernel(
     max_ref = refs.pop(0) if return_max else None
     smem, ready, free, turn = refs
     (qo_smem, k_smem, v_smem, lse_smem, p_smem, q_segment_smem, kv_segment_smem, own_o_smem, max_smem,
-     mask_smem, bias_smem) = smem
+     mask_smem, bias_smem, vector_smem) = smem
     o_smem = qo_smem if own_o_smem is None else own_o_smem  # Q's tile carries O out when Dv = D
     q_ready, k_ready, v_ready = ready
     k_free, v_free = free
@@ -192,7 +208,13 @@ def _forward_kernel(
         if bias == "rows":  # and so does their bias
             plgpu.copy_gmem_to_smem(bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(row0, rows))],
                                     bias_smem.at[wg], q_ready.at[wg])
+        for (axis, ref), buffer in zip(vectors, vector_smem):  # and the hooks' vectors along queries
+            if axis == "q":
+                plgpu.copy_gmem_to_smem(ref.at[(*mask_index(ref, batch, head), pl.ds(row0, rows))], buffer.at[wg],
+                                        q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
+        row_vectors = [plgpu.load(buffer.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if axis == "q" else None
+                       for (axis, _), buffer in zip(vectors, vector_smem)]
         if has_segments:
             q_segments = plgpu.load(q_segment_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         if bias == "rows":
@@ -224,11 +246,17 @@ def _forward_kernel(
                     plgpu.load(bias_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
             elif bias == "rows":
                 bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
+            key_vectors = [None if axis == "q" else plgpu.load(buffer.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                           for (axis, _), buffer in zip(vectors, vector_smem)]  # freed with K's slot
+            tiles = [functools.partial(lax.broadcast_in_dim, row, s.shape, [0]) if row is not None else
+                     functools.partial(lax.broadcast_in_dim, key, s.shape, [1])
+                     for row, key in zip(row_vectors, key_vectors)]  # the hooks' vectors as tiles
             plgpu.barrier_arrive(k_free.at[slot])
             # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
             s, s_scale, _ = rule.scores(
                 s, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, kv_len, masked=masked,
-                user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                user_mask=user_mask, score_arrays=views(score_groups, tiles[:num_score_vectors]),
+                mask_arrays=views(mask_groups, tiles[num_score_vectors:]),
                 same_segment=lambda: same_segment(q_segments, kv_segments, s.shape), dense=lambda: mask_tile != 0,
                 bias=lambda: bias_tile,
             )
@@ -343,6 +371,8 @@ def _forward_kernel(
             elif bias == "keys":
                 copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(block * block_kv, block_kv))],
                                bias_smem, k_ready))
+            copies += [(ref.at[(*mask_index(ref, batch, head), pl.ds(block * block_kv, block_kv))], buffer, k_ready)
+                       for (axis, ref), buffer in zip(vectors, vector_smem) if axis == "kv"]
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         if has_tables:  # the consumers' sequence: partial blocks, then full ones
@@ -358,7 +388,8 @@ def _forward_kernel(
     jax.jit,
     static_argnames=(
         "scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret", "mask_fn",
-        "score_fn", "dropout_rate", "dropout_positions", "dropout_heads", "return_max",
+        "score_fn", "dropout_rate", "dropout_positions", "dropout_heads", "return_max", "score_vectors",
+        "mask_vectors",
     ),
 )
 def mosaic_forward(
@@ -390,6 +421,8 @@ def mosaic_forward(
     return_max: bool = False,
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
+    score_vectors: tuple = (),
+    mask_vectors: tuple = (),
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Hopper through Pallas Mosaic GPU.
 
@@ -424,8 +457,11 @@ def mosaic_forward(
       tile of `scale * q k^T`, before any mask; indices as for `mask_fn`.
     - `mask_arrays`, `score_arrays`: arrays the hooks read, passed to them after the indices as global-memory
       refs (`mask_fn(b, h, q_idx, kv_idx, *mask_refs)`); a hook may read them only one element at a time with
-      scalar indices (`slopes_ref[h]`). Otherwise both hooks are elementwise jnp arithmetic, comparisons and
-      math on their arguments, and hashable (static arguments).
+      scalar indices (`slopes_ref[h]`), or along q_idx / kv_idx as vectors. Otherwise both hooks are
+      elementwise jnp arithmetic, comparisons and math on their arguments, and hashable (static arguments).
+    - `score_vectors`, `mask_vectors`: per hook array, the axes ("q", "kv") of the vectors it travels as
+      (`hook_vectors.vectors_of`: `[B|1, N|1, T or S]`, 32-bit, one entry of `*_arrays` each, in place of the
+      array), () for an array passed as it is; empty: every array as it is.
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: integer, both or neither (packed sequences): query
       i sees key j only where their ids are equal, on top of every other mask. Every tile then takes the
       per-element mask.
@@ -448,12 +484,13 @@ def mosaic_forward(
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     p_in_smem = p_in_smem or interpret
+    counts = tuple(sum(axes.count(axis) for axes in (*score_vectors, *mask_vectors)) for axis in ("q", "kv"))
+    # The interpreter's P staging is left out of the shared-memory check: the compiled kernel has none.
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem and not interpret,
+           q_segment_ids is not None, return_max, mask is not None, *_bias_layout(bias), counts)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
-    # The interpreter's P staging is left out of the shared-memory check: the compiled kernel has none.
-    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem and not interpret,
-           q_segment_ids is not None, return_max, mask is not None, bias_kind, 4 if bias is None else bias.itemsize)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
@@ -469,8 +506,12 @@ def mosaic_forward(
         block_q=block_q, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         interpret=interpret, has_tables=tables is not None, num_score_arrays=len(score_arrays),
         num_mask_arrays=len(mask_arrays), has_segments=segments is not None, has_dropout=bool(seed),
-        return_max=return_max, has_mask=mask is not None, bias=bias_kind,
+        return_max=return_max, has_mask=mask is not None, bias=bias_kind, score_vectors=score_vectors,
+        mask_vectors=mask_vectors,
     )
+    vectors = []  # (axis, array) of the hooks' vectors
+    if score_vectors or mask_vectors:
+        vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     rows_out = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return plgpu.kernel(
         kernel,
@@ -495,11 +536,14 @@ def mosaic_forward(
                 {"tiles": plgpu.SMEM((num_stages, block_q, block_kv), bias.dtype, transforms=bias_tiles(bias.itemsize)),
                  "keys": plgpu.SMEM((num_stages, block_kv), jnp.float32),
                  "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias is not None else None,
+                tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
+                      for axis, ref in vectors),
             ),
-            (  # with segments, a mask or a bias, Q's and K's barriers also await their copies
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + (bias_kind == "rows"), num_barriers=_CONSUMERS),
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) + (bias_kind in ("tiles", "keys")),
-                              num_barriers=num_stages),
+            (  # with segments, a mask, a bias or hook vectors, Q's and K's barriers also await their copies
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (bias_kind == "rows") + counts[0],
+                              num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) + (bias_kind in ("tiles", "keys"))
+                              + counts[1], num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
             ),
             (

@@ -17,6 +17,7 @@ from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
+from probjax_kernels.mosaic.hook_vectors import hook_arrays
 
 
 def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
@@ -57,10 +58,22 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
         block_q=cfg.block_q, block_kv=block_kv, num_stages=cfg.num_stages, interpret=interpret,
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
-        mask_arrays=optional["mask_consts"], score_arrays=optional["score_consts"],
+        **_hook_arrays(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
         **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
         return_max=f.return_max, bias=_bias(problem, optional["bias"], optional),
     )
+
+
+def _hook_arrays(problem: _Problem, score_consts, mask_consts, q_shape: tuple, kv_len: int) -> dict:
+    """The kernels' `score_arrays` / `mask_arrays` and `score_vectors` / `mask_vectors`: the hooks' captured
+    arrays, those read along q_idx / kv_idx as vectors (`hook_vectors.hook_arrays`)."""
+    f, cfg = problem.features, problem.config
+    batch, q_len, heads = q_shape[:3]
+    lengths = {"q": q_len, "kv": kv_len}
+    score_arrays, score_vectors = hook_arrays(f.score_mod, score_consts, cfg, True, batch, heads, lengths)
+    mask_arrays, mask_vectors = hook_arrays(f.mask_mod, mask_consts, cfg, False, batch, heads, lengths)
+    return dict(score_arrays=score_arrays, score_vectors=score_vectors, mask_arrays=mask_arrays,
+                mask_vectors=mask_vectors)
 
 
 def vector_mask(problem: _Problem) -> bool:
@@ -125,8 +138,8 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
-            score_jvp=_mosaic_score_jvp_fn(f.score_mod), mask_arrays=others["mask_consts"],
-            score_arrays=res["score_consts"],
+            score_jvp=_mosaic_score_jvp_fn(f.score_mod),
+            **_hook_arrays(problem, res["score_consts"], others["mask_consts"], q.shape, k.shape[1]),
         )
     if f.block_sizes is not None:  # both kernels read the tables on the forward's square tile
         tile = (problem.config.block_q, problem.config.block_k)

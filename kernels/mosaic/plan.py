@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU lowering rules, to vet hooks
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
@@ -17,15 +16,17 @@ from jax.extend import core as jex_core
 
 from probjax_kernels._backend import KernelPass, Passes, compute_capability
 from probjax_kernels._config import FlashConfig, fit_block
-from probjax_kernels._hooks import Hook
+from probjax_kernels._hooks import Hook, live_equations
 from probjax_kernels._problem import _interpreted, _Problem
 from probjax_kernels.mosaic import glue
 from probjax_kernels.mosaic.backward import DQ_TILES, dq_smem_bytes
 from probjax_kernels.mosaic.backward_dkv import DKV_TILES, dkv_smem_bytes
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
+from probjax_kernels.mosaic.common import bias_kind
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.mosaic.hook_vectors import hook_specs, vector_counts, vector_reads
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
 
@@ -65,7 +66,7 @@ def _forward_smem(problem: _Problem, head_dims: tuple[int, int], block_kv: int) 
     return mosaic_smem_bytes(
         head_dims[0], cfg.block_q, block_kv, cfg.num_stages, segments=_has_vectors(problem), value_dim=head_dims[1],
         return_max=problem.features.return_max, dense_mask=_dense_mask(problem), bias=bias,
-        bias_itemsize=_bias_itemsize(problem),
+        bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem),
     )
 
 
@@ -88,9 +89,13 @@ def _bias_kind(problem: _Problem) -> str | None:
     """How the Mosaic kernels read the call's bias, or its mask as one (`glue.mask_as_bias`; `check_bias`):
     "tiles", "keys", "rows" or None."""
     shape = problem.mask_shape if glue.mask_as_bias(problem) else problem.bias_shape
-    if shape is None:
-        return None
-    return "tiles" if shape[2] > 1 and shape[3] > 1 else "keys" if shape[2] == 1 else "rows"
+    return None if shape is None else bias_kind(shape)
+
+
+def _vector_counts(problem: _Problem) -> tuple[int, int]:
+    """How many vectors of the hooks' arrays the kernels hold along queries and along keys (`hook_vectors`)."""
+    f = problem.features
+    return vector_counts(((f.score_mod, True), (f.mask_mod, False)), problem.config)
 
 
 def _bias_itemsize(problem: _Problem) -> int:
@@ -118,23 +123,15 @@ def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     )
 
 
-def _hook_specs(config: FlashConfig, with_score: bool) -> list[jax.ShapeDtypeStruct]:
-    b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
-    specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
-    if with_score:
-        specs.insert(0, jax.ShapeDtypeStruct(score, jnp.float32))
-    return specs
-
-
 def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
     """Whether a hook can run inside the Mosaic GPU kernels (see `_runs_in_mosaic`), at their tile shapes."""
-    jaxpr = hook._jaxpr(_hook_specs(config, with_score))
+    jaxpr = hook._jaxpr(hook_specs(config, with_score))
     return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
 
 
 def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
     """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU."""
-    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *_hook_specs(config, with_score=True))
+    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *hook_specs(config, with_score=True))
     captured = closed.jaxpr.invars[: len(hook.const_avals)]  # the refs of the hook's arrays
     return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
 
@@ -142,10 +139,19 @@ def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
 def _runs_in_mosaic(jaxpr, consts: set) -> bool:
     """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
     only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
-    global memory), never as arrays; 0-d arrays (a learnable soft cap) are scalar loads wherever used."""
+    global memory) or along q_idx / kv_idx (`hook_vectors.vector_reads`: the kernels hold those as vectors,
+    and the index arithmetic of those reads is dead), never as arrays; 0-d arrays (a learnable soft cap) are
+    scalar loads wherever used."""
     elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
     consts = {var for var in consts if var.aval.shape}
-    for eqn in jaxpr.eqns:
+    reads = vector_reads(jaxpr, list(consts))
+    if reads is None:
+        return False
+    live = live_equations(jaxpr, reads) if reads else [True] * len(jaxpr.eqns)
+    vectors = {read.const for read in reads.values()}  # read only as vectors: no other use of them
+    for n, eqn in enumerate(jaxpr.eqns):
+        if not live[n] or n in reads:  # a vector read gives a plain tile
+            continue
         reads_element = (
             eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in consts
             and all(size == 1 for size in eqn.params["slice_sizes"])
@@ -157,7 +163,7 @@ def _runs_in_mosaic(jaxpr, consts: set) -> bool:
         for position, var in enumerate(eqn.invars):
             if isinstance(var, jex_core.Literal):
                 continue
-            if var in consts and not (reads_element and position == 0):
+            if var in consts and (var in vectors or not (reads_element and position == 0)):
                 return False
             if var in elements and not (eqn.primitive.name == "squeeze" and not eqn.outvars[0].aval.shape):
                 return False
@@ -194,7 +200,8 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)
     needs = dict(segments=_has_vectors(problem), value_dim=value_dim, dense_mask=_dense_mask(problem), bias=bias,
-                 bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None)
+                 bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None,
+                 vectors=_vector_counts(problem))
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
     if max(dq_smem_bytes(head_dim, *dq_tiles, 2, staged, **needs),
            dkv_smem_bytes(head_dim, *dkv_tiles, 2, staged, **needs)) > MOSAIC_SMEM_BYTES:

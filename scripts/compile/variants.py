@@ -210,11 +210,11 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (so backend "mosaic" runs them on the Triton kernels): hooks that
-# read a captured array other than one element at a time (a relative-bias table, a document mask's ids).
-# float32 inputs too (the Mosaic kernels take 16-bit). Segment ids, dense masks, dropout, a dense bias with its
+# gather a captured array per element other than at q_idx / kv_idx (a relative-bias table; a document mask's ids
+# travel as vectors). float32 inputs too (16-bit only). Segment ids, dense masks, dropout, a dense bias with its
 # gradient (not float32 tiles of it beside head dim 256: over the shared memory), v's own head dim and k / v
 # of batch 1 (`kv_batch1`) it takes.
-MOSAIC_LACKS = frozenset({"relative_bias", "document_mask"})
+MOSAIC_LACKS = frozenset({"relative_bias"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 

@@ -202,3 +202,36 @@ def test_a_dense_bias_gradient_from_the_mosaic_kernels(shape, dtype):
             assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32)))) < 0.5, name
         else:
             _assert_close(name, a, e, 2 * TOL)
+
+
+def test_a_document_mask_in_the_mosaic_kernels():
+    """Packed documents (a flex BlockMask, causal within each document): the ids travel as vectors beside Q
+    and K (`hook_vectors`), compiled, forward and gradients."""
+    from probjax_kernels import (
+        and_masks,
+        causal_mask,
+        create_block_mask,
+        document_mask,
+        flex_attention,
+        flex_attention_reference,
+    )
+
+    q, k, v = random_qkv(18, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
+    cotangent = _normal(19, q.shape)
+
+    def value_and_grads(attention, **extra):
+        def loss(q, k, v):
+            out = attention(q, k, v, None, block_mask, enable_gqa=True, **extra)
+            return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+    (value, grads), (expected_value, expected_grads) = (
+        value_and_grads(flex_attention, config=FlashConfig(backend="mosaic")),
+        value_and_grads(flex_attention_reference),
+    )
+    _assert_close("loss", value, expected_value, TOL)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        _assert_close(name, a, e, 2 * TOL)
