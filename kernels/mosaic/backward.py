@@ -57,7 +57,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
 )
 from probjax_kernels.mosaic.forward import _check
-from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
+from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
@@ -168,8 +168,6 @@ def _dq_kernel(
             q_segments = plgpu.load(own[4], layout=plgpu.Layout.WGMMA.reduce(1))
         if bias == "rows":
             row_bias = plgpu.load(row_bias_own, layout=plgpu.Layout.WGMMA.reduce(1))
-        row_vectors = [plgpu.load(buffer.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if axis == "q" else None
-                       for (axis, _), buffer in zip(vectors, vector_smem)]
 
         def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
@@ -208,10 +206,9 @@ def _dq_kernel(
                         plgpu.load(bias_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
                 elif bias == "rows":
                     bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
-                tiles = [functools.partial(lax.broadcast_in_dim, row, s.shape, [0]) if row is not None else
-                         functools.partial(lax.broadcast_in_dim, plgpu.load(
-                             buffer.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
-                         for row, buffer in zip(row_vectors, vector_smem)]  # the hooks' vectors as tiles
+                tiles = [tile_of(buffer.at[wg], plgpu.Layout.WGMMA.reduce(1), s.shape, 0) if axis == "q" else
+                         tile_of(buffer.at[slot, keys], plgpu.Layout.WGMMA.reduce(0), s.shape, 1)
+                         for (axis, _), buffer in zip(vectors, vector_smem)]  # the hooks' vectors, loaded lazily
 
                 def indices():
                     return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)

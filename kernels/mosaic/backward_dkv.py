@@ -55,7 +55,7 @@ from probjax_kernels.mosaic.common import (
     table_walk,
     union_of_ranges,
 )
-from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
+from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
 
 DKV_TILES = (64, 128)  # the dK/dV kernel's default (block_q, block_kv): 64 resident keys per consumer
@@ -237,15 +237,10 @@ def _dkv_kernel(
                     vector = plgpu.load(bias_smem.at[slot, queries], layout=_QUERY_VECTOR)
                     return lax.broadcast_in_dim(vector, s_t.shape, [1])
 
-                def vector_tile(axis, buffer):  # a hook vector as a tile: the part's queries, this consumer's keys
-                    if axis == "q":
-                        vector = plgpu.load(buffer.at[slot, queries], layout=_QUERY_VECTOR)
-                        return lax.broadcast_in_dim(vector, s_t.shape, [1])
-                    vector = plgpu.load(buffer.at[slot, pl.ds(wg * keys, keys)], layout=_KEY_VECTOR)
-                    return lax.broadcast_in_dim(vector, s_t.shape, [0])
-
-                tiles = [functools.partial(vector_tile, axis, buffer)
-                         for (axis, _), buffer in zip(vectors, vector_smem)]
+                tiles = [  # the hooks' vectors as tiles: the part's queries, this consumer's keys
+                    tile_of(buffer.at[slot, queries], _QUERY_VECTOR, s_t.shape, 1) if axis == "q" else
+                    tile_of(buffer.at[slot, pl.ds(wg * keys, keys)], _KEY_VECTOR, s_t.shape, 0)
+                    for (axis, _), buffer in zip(vectors, vector_smem)]
                 s_t, s_scale, derivative = rule.scores(
                     s_t, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
                     score_arrays=views(score_groups, tiles[:num_score_vectors]),

@@ -83,7 +83,7 @@ from probjax_kernels.mosaic.common import (
     window_options,
 )
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
-from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
+from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
 _HEAD_DIMS = (64, 128, 256)
 # No reduction scratch (Mosaic GPU reserves 2 KiB by default): the row max / sum of WGMMA-layout tiles reduce
@@ -213,8 +213,6 @@ def _forward_kernel(
                 plgpu.copy_gmem_to_smem(ref.at[(*mask_index(ref, batch, head), pl.ds(row0, rows))], buffer.at[wg],
                                         q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
-        row_vectors = [plgpu.load(buffer.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if axis == "q" else None
-                       for (axis, _), buffer in zip(vectors, vector_smem)]
         if has_segments:
             q_segments = plgpu.load(q_segment_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         if bias == "rows":
@@ -246,11 +244,11 @@ def _forward_kernel(
                     plgpu.load(bias_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
             elif bias == "rows":
                 bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
-            key_vectors = [None if axis == "q" else plgpu.load(buffer.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                           for (axis, _), buffer in zip(vectors, vector_smem)]  # freed with K's slot
-            tiles = [functools.partial(lax.broadcast_in_dim, row, s.shape, [0]) if row is not None else
-                     functools.partial(lax.broadcast_in_dim, key, s.shape, [1])
-                     for row, key in zip(row_vectors, key_vectors)]  # the hooks' vectors as tiles
+            # The hooks' vectors as tiles, loaded where a read asks: the rows', and the keys' of this slot, which the
+            # producer refills only once V's is free too.
+            tiles = [tile_of(buffer.at[wg], plgpu.Layout.WGMMA.reduce(1), s.shape, 0) if axis == "q" else
+                     tile_of(buffer.at[slot], plgpu.Layout.WGMMA.reduce(0), s.shape, 1)
+                     for (axis, _), buffer in zip(vectors, vector_smem)]
             plgpu.barrier_arrive(k_free.at[slot])
             # m_i is kept in the base-2 domain (s * s_scale); the scale > 0 commutes with the row max.
             s, s_scale, _ = rule.scores(

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jex_core
 
 from probjax_kernels._config import FlashConfig
@@ -127,6 +129,12 @@ class VectorTiles:
     def read_tile(self, read: TileRead, leading) -> jax.Array:
         del leading  # b / h are the kernel's own, the constants were taken in `vectors_of`
         return self.tiles[read.axis]().astype(read.const.aval.dtype)
+
+
+def tile_of(view, layout, shape: tuple, dim: int) -> Callable[[], jax.Array]:
+    """A hook vector's tile, loaded only when a read asks for it (nothing held in registers across the step):
+    the vector `view` in shared memory, loaded in `layout`, broadcast along `dim` of `shape`."""
+    return lambda: lax.broadcast_in_dim(plgpu.load(view, layout=layout), shape, [dim])
 
 
 def grouped(flat_refs, axes: tuple) -> list:
