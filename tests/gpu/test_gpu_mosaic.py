@@ -70,18 +70,21 @@ def test_dkv(causal, p_in_smem):
     _assert_close("dv", dv, expected_dv, 2 * TOL)
 
 
-def _assert_mosaic_matches_reference(q, k, v, seed: int, **kwargs):
-    """The loss sum(flash_attention(q, k, v, **kwargs) * cotangent) and its gradients, compiled on backend
-    "mosaic", against the plain-jnp reference's."""
+def _assert_mosaic_matches_reference(q, k, v, seed: int, *args, attention=flash_attention,
+                                     reference=flash_attention_reference, **kwargs):
+    """The loss sum(attention(q, k, v, *args, **kwargs) * cotangent) and its gradients, compiled on backend
+    "mosaic", against the plain-jnp `reference`'s."""
     cotangent = _normal(seed, (*q.shape[:3], v.shape[3]))
 
-    def value_and_grads(attention, **extra):
-        loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs, **extra).astype(jnp.float32) * cotangent)  # noqa: E731
+    def value_and_grads(fn, **extra):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v, *args, **kwargs, **extra).astype(jnp.float32) * cotangent)
+
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
 
     (value, grads), (expected_value, expected_grads) = (
-        value_and_grads(flash_attention, config=FlashConfig(backend="mosaic")),
-        value_and_grads(flash_attention_reference),
+        value_and_grads(attention, config=FlashConfig(backend="mosaic")),
+        value_and_grads(reference),
     )
     _assert_close("loss", value, expected_value, TOL)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
@@ -219,19 +222,5 @@ def test_a_document_mask_in_the_mosaic_kernels():
     q, k, v = random_qkv(18, 2, 2048, 2048, 8, 2, 64, jnp.bfloat16)  # above 64 the call runs Triton
     ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
-    cotangent = _normal(19, q.shape)
-
-    def value_and_grads(attention, **extra):
-        def loss(q, k, v):
-            out = attention(q, k, v, None, block_mask, enable_gqa=True, **extra)
-            return jnp.sum(out.astype(jnp.float32) * cotangent)
-
-        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
-
-    (value, grads), (expected_value, expected_grads) = (
-        value_and_grads(flex_attention, config=FlashConfig(backend="mosaic")),
-        value_and_grads(flex_attention_reference),
-    )
-    _assert_close("loss", value, expected_value, TOL)
-    for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
-        _assert_close(name, a, e, 2 * TOL)
+    _assert_mosaic_matches_reference(q, k, v, 19, None, block_mask, attention=flex_attention,
+                                     reference=flex_attention_reference, enable_gqa=True)
