@@ -386,22 +386,22 @@ def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape
 
 @pytest.mark.parametrize("shape, dtype, head_dim, backward", [
     # per head, the inputs' dtype: forward tiles on the config's 128-key steps, dS written by dQ
-    ((2, 2, 256, 384), jnp.bfloat16, 128, "mosaic"),
+    ((2, 2, 128, 256), jnp.bfloat16, 128, "mosaic"),
     # float32 tiles: the forward on 64-key steps to fit in shared memory; the interpreters' staging leaves no
     # room for the Mosaic backward here, so they run Triton's, the compiled kernels Mosaic's (the lowering)
-    ((1, 1, 256, 384), jnp.float32, 128, "mosaic"),
-    ((2, 1, 1, 384), jnp.float32, 64, "mosaic"),  # a key padding bias: key vectors, dK/dV sums dS
-    ((1, 2, 256, 1), jnp.bfloat16, 64, "mosaic"),  # per query row: dQ sums dS
+    ((1, 1, 128, 256), jnp.float32, 128, "mosaic"),
+    ((2, 1, 1, 256), jnp.float32, 64, "mosaic"),  # a key padding bias: key vectors, dK/dV sums dS
+    ((1, 2, 128, 1), jnp.bfloat16, 64, "mosaic"),  # per query row: dQ sums dS
     ((1, 1, 1, 1), jnp.float32, 256, "triton"),  # one value, at head dim 256: Triton's backward
 ])
 def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
     """A dense bias of every broadcast shape: the Mosaic kernels read it as tiles of its dtype or float32
     vectors, and make its gradient (dS tiles, summed in XLA over the broadcast axes; key or row sums), against
     the reference with -inf entries (masked keys), causality and lengths."""
-    q, k, v = random_qkv(31, 2, 256, 384, 2, 1, head_dim, jnp.bfloat16)
+    q, k, v = random_qkv(31, 2, 128, 256, 2, 1, head_dim, jnp.bfloat16)
     bias = 2 * jax.random.normal(jax.random.key(32), shape, jnp.float32)
     bias = jnp.where(jax.random.bernoulli(jax.random.key(33), 0.1, shape), -jnp.inf, bias).astype(dtype)
-    kwargs = dict(causal=True, kv_lengths=jnp.array([384, 300]), q_lengths=jnp.array([256, 190]))
+    kwargs = dict(window=(None, 100), kv_lengths=jnp.array([256, 200]), q_lengths=jnp.array([128, 90]))
     fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v, bias)
     assert backward_kernels(lambda config: lambda *a: jnp.sum(
@@ -467,12 +467,12 @@ def test_masks_over_keys_or_queries_alone_run_the_mosaic_kernels_as_a_bias(case)
     """A per-head key mask `[B, N, 1, S]`, a per-head query mask `[B, N, T, 1]` and a key mask beside segment
     ids reach the Mosaic kernels as a float32 bias of 0 / -inf (key or row vectors); rows that keep no key
     give 0, as the reference's."""
-    q, k, v = random_qkv(24, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
-    shape = {"per_head_keys": (2, 2, 1, 256), "per_head_rows": (2, 2, 256, 1)}.get(case, (2, 1, 1, 256))
+    q, k, v = random_qkv(24, 2, 128, 128, 2, 1, 64, jnp.bfloat16)
+    shape = {"per_head_keys": (2, 2, 1, 128), "per_head_rows": (2, 2, 128, 1)}.get(case, (2, 1, 1, 128))
     mask = jax.random.bernoulli(jax.random.key(25), 0.7, shape)
-    kwargs = dict(causal=True, mask=mask.at[1, :, :, :100].set(False) if shape[3] > 1 else mask)
+    kwargs = dict(causal=True, mask=mask.at[1, :, :, :50].set(False) if shape[3] > 1 else mask)
     if case == "keys_beside_segments":
-        segments = jnp.stack([jnp.repeat(jnp.arange(2), 128), jnp.zeros(256, jnp.int32)])
+        segments = jnp.stack([jnp.repeat(jnp.arange(2), 64), jnp.zeros(128, jnp.int32)])
         kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
     assert_mosaic_matches_reference(q, k, v, 26, **kwargs)
 
