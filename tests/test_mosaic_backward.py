@@ -172,6 +172,9 @@ def test_dkv_rejects_what_it_cannot_run():
     assert dkv_smem_bytes(128, 64, 128, 2, segments=True, dense_mask=True) == 153_696
     assert dq_smem_bytes(128, 128, 64, 2, dense_mask=True) == 149_632
     assert dq_smem_bytes(128, 128, 128, 2, segments=True) == 200_848
+    # a row / key bias's gradient sums dS in the kernel: Mosaic GPU reserves its 2 KiB of reduction scratch
+    assert dq_smem_bytes(128, 128, 64, 2, bias="rows", bias_grad=True) == 137_360
+    assert dkv_smem_bytes(128, 64, 128, 2, bias="keys", bias_grad=True) == 139_360
 
 
 def _hooked_score(score, b, h, q_idx, kv_idx):

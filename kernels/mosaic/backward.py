@@ -86,7 +86,7 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
                {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0,
                *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
     row_barriers = 4 + segments + (bias == "rows") + vectors[0]
-    return allocated_smem(buffers, barriers=_CONSUMERS * row_barriers + 4 * num_stages)
+    return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages, reductions=bias_grad and bias == "rows")
 
 
 def _dq_kernel(

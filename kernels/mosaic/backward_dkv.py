@@ -86,7 +86,7 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
                  if bias == "tiles" else [4 * num_stages * {"keys": block_kv, "rows": block_q}.get(bias, 0)]),
                4 * block_kv if bias_grad and bias == "keys" else 0,
                *[4 * num_stages * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
-    return allocated_smem(buffers, barriers=2 * _CONSUMERS + 4 * num_stages)
+    return allocated_smem(buffers, 2 * _CONSUMERS + 4 * num_stages, reductions=bias_grad and bias == "keys")
 
 
 _DKV_HEAD_DIMS = (64, 128)
