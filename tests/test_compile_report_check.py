@@ -44,7 +44,8 @@ def _clean_report() -> dict:
                          kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES and k == registry.DECODE)
                                   for k in v.requires],
                          **({"hbm": dict(arguments=2**30, outputs=2**30, temp=2**31, alias=0, generated_code=0,
-                                         total=2**32)} if v.group == "lm" else {})))
+                                         total=2**32), "collectives": {"all-reduce": 8, "collective-permute": 16}}
+                            if v.group == "lm" else {})))
     return dict(targets=list(compile_report.TARGETS), rows=rows)
 
 
@@ -315,3 +316,25 @@ def test_the_lm_programs_hbm_is_held_to_the_device(clean):
     assert compile_report.problems(broken) == []
     kernels[registry.FORWARD].update(HGMMA=0, HMMA=48)
     assert _only(compile_report.problems(broken), "lm_generate_bench_hd128_T2048", registry.FORWARD, "wgmma share 0.0")
+
+
+def test_the_lm_training_step_on_two_gpus_shows_the_collective_of_its_axis(clean):
+    """The training step on a mesh of 2 GPUs (`variants.LM_MESHES`) on each LM target: "data=2" must all-reduce
+    its gradients, "seq=2" must pass K / V round a ring (collective-permutes; without them the sequence was
+    gathered); each is one problem of its own row. A ring's second specialization of a kernel (XLA's
+    `NAME__1`: the diagonal and the full blocks) is the kernel the row requires; a kernel not required fails."""
+    names = {v.name for t, v in compile_report.expected() if t == "sm100a_b200"}
+    assert {f"lm_train_step_bench_hd{d}_T2048_{axis}2" for d in (64, 128) for axis in ("data", "seq")} <= names
+    for variant, wanted in (("lm_train_step_bench_hd128_T2048_data2", "all-reduce"),
+                            ("lm_train_step_bench_hd64_T2048_seq2", "collective-permute")):
+        broken = copy.deepcopy(clean)
+        _row(broken, "sm100a_b200", variant)["collectives"][wanted] = 0
+        found = compile_report.problems(broken)
+        assert len(found) == 1 and _only(found, variant, f"no {wanted} in the program")
+    broken = copy.deepcopy(clean)
+    kernels = _row(broken, "sm90a_h200", "lm_train_step_bench_hd64_T2048_seq2")["kernels"]
+    kernels.append(dict(kernels[0], kernel=kernels[0]["kernel"] + "__1"))
+    assert compile_report.problems(broken) == []
+    kernels.append(dict(kernels[0], kernel="probjax_flash_tangent"))
+    found = compile_report.problems(broken)
+    assert len(found) == 1 and _only(found, "seq2", "kernel(s) the registry does not expect: probjax_flash_tangent")

@@ -56,21 +56,32 @@ def device_memory(target: str) -> int:
 
 
 def lm_problems(row: dict) -> list[str]:
-    """A whole program of the LM example (group "lm"): its planned HBM (`hbm`, the worker's) present and within
-    the target's device memory."""
+    """A whole program of the LM example (group "lm"): its planned HBM per device (`hbm`, the worker's) present
+    and within the target's device memory; on a mesh, the collective of its split axis (`MESH_COLLECTIVES`)."""
     where = f"{row['target']} {row['variant']}"
     hbm, capacity = row.get("hbm") or {}, device_memory(row["target"])
     if hbm.get("total") is None:
         return [f"{where}: figure hbm missing (null or absent): the check cannot read it"]
     if hbm["total"] > capacity:
         return [f"{where}: {hbm['total']:,} B of HBM planned, over the device's {capacity:,}"]
+    mesh = re.search(r"_(data|seq)\d+$", row["variant"])
+    if mesh:  # a program on a mesh of GPUs (variants.LM_MESHES): the collective its axis stands for
+        wanted = MESH_COLLECTIVES[mesh.group(1)]
+        if not (row.get("collectives") or {}).get(wanted):
+            return [f"{where}: no {wanted} in the program: its {mesh.group(1)} axis is not split as it should be"]
     return []
+
+
+# The collective a mesh axis of the LM example's training step must show: the gradients' all-reduce over "data",
+# the ring's collective-permutes over "seq" (without them the sequence was gathered, not passed round a ring).
+MESH_COLLECTIVES = {"data": "all-reduce", "seq": "collective-permute"}
 
 
 def kernel_set_problems(where: str, found: list[str], requires: tuple[str, ...]) -> list[str]:
     """A compile must hold exactly the kernels the registry requires of it (`Variant.requires`): one missing
     (a backward kernel gone, a Mosaic call that ran on Triton) or one it does not expect fails."""
-    ours = {name for name in found if name.startswith("probjax_")}
+    # XLA names a second kernel of one entry point (other tiles, or a ring's diagonal and full blocks) `NAME__1`.
+    ours = {re.sub(r"__\d+$", "", name) for name in found if name.startswith("probjax_")}
     out = []
     if not requires:
         out.append(f"{where}: the registry requires no kernel of it (it would prove nothing)")

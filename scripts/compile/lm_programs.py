@@ -100,3 +100,63 @@ def generation(preset: str, seq_len: int):
     tokens = jax.ShapeDtypeStruct((GENERATE_BATCH, seq_len), jnp.int32)
     lengths = jax.ShapeDtypeStruct((GENERATE_BATCH,), jnp.int32)
     return _flat(run, (params, tokens, lengths, key))
+
+
+MESH_GPUS = 2  # the data x seq mesh's GPUs (one host): "data=2" splits the batch, "seq=2" runs attention as a ring
+
+
+def _mesh_of(mesh_flag: str):
+    """`mesh_flag`'s mesh (train.make_mesh's axes and order) over `MESH_GPUS` GPUs of the kind the worker
+    compiles for: its default device's, whose target description (gpu_targets/, matched by the device
+    description) XLA's deviceless topology then holds `MESH_GPUS` times on one host."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, Mesh
+
+    from lm.config import parse_mesh
+
+    kind = jax.config.jax_default_device.device_kind
+    texts = [path for path in (Path(__file__).parent / "gpu_targets").glob("*.txtpb")
+             if f'device_description_str: "{kind}"' in path.read_text()]
+    if len(texts) != 1:
+        raise ValueError(f"the default device {kind!r} matches {len(texts)} target descriptions, not 1")
+    topology = topologies.get_topology_desc(platform="cuda", topology_name=texts[0].stem,
+                                            target_config=texts[0].read_text(), topology=f"1x1x{MESH_GPUS}")
+    axes = parse_mesh(mesh_flag)
+    if axes["data"] * axes["seq"] * axes["model"] != len(topology.devices):
+        raise ValueError(f"mesh {mesh_flag!r} is not over {len(topology.devices)} GPUs")
+    devices = topologies.make_mesh(topology, tuple(axes.values()), tuple(axes)).devices
+    return Mesh(devices, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def train_step_on_mesh(preset: str, seq_len: int, mesh_flag: str):
+    """(function, argument ShapeDtypeStructs with their shardings) of `preset`'s training step on `mesh_flag`'s
+    mesh of `MESH_GPUS` GPUs, as train.run shards it: params and optimiser state by the model's partition, the
+    batch (`TRAIN_BATCH` sequences per data shard) over "data"; with a "seq" axis attention runs as a ring
+    (`AttentionConfig.context_axis`) whose blocks are the flash kernels. The function traces under the mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    _paths()
+    from lm.config import parse_mesh
+    from lm.train import Shardings, make_optimizer, make_steps
+
+    mesh = _mesh_of(mesh_flag)
+    config = _config(preset, seq_len, TRAIN_BATCH * parse_mesh(mesh_flag)["data"])
+    config = dataclasses.replace(config, mesh=mesh_flag)
+    model = _abstract_model(config)
+    with jax.default_device(jax.devices("cpu")[0]):  # optax builds its state's shardings with eager ops
+        optimizer = make_optimizer(config)
+        shardings = Shardings.on(mesh, model, optimizer)
+        opt_state = jax.eval_shape(optimizer.init, model.params)
+    step, _ = make_steps(model, optimizer, config, shardings)
+
+    def on_mesh(*flat):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*flat)
+
+    fn, specs = _flat(step, (model.params, opt_state, jax.ShapeDtypeStruct((config.batch_size, seq_len + 1),
+                                                                           jnp.int32)))
+    shardings_flat = jax.tree.leaves((shardings.params, shardings.opt_state, shardings.batch))
+    return on_mesh, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+                     for s, sharding in zip(specs, shardings_flat, strict=True)]

@@ -43,7 +43,9 @@ its own, float32's base calls and the features its rules name, float16, the ragg
 controls, and every decode and ragged variant; no Mosaic variant (backend "mosaic" refuses these GPUs: its
 kernels are Hopper's) and no peer. sm90a_h200 (the H100's SM with 141 GB) holds the LM example's whole
 programs alone (`_lm_variants`, `scripts/compile/lm_programs.py`: the `bench-hd64` / `bench-hd128` training
-step and batched generation), which sm100a_b200 compiles too, their planned HBM held to the device's memory. Target descriptions and their sources:
+step and batched generation on one GPU, the training step on a 2-GPU mesh, "data=2" and "seq=2"), which
+sm100a_b200 compiles too, their planned HBM held to the device's memory and each mesh axis to its collective
+(`check.MESH_COLLECTIVES`). Target descriptions and their sources:
 `scripts/compile/gpu_targets/`. Beside the grid, the rows of the dispatch's own plans: every call one argument
 away from a grid call that `_dispatch.plan` plans onto kernels, tiles, a dK/dV grid or splits no row compiles
 on that target, on every target (on sm_100a / sm_89 / sm_120 where the plan differs from sm_90a's / sm_86's),
@@ -211,9 +213,13 @@ def markdown(report: dict, problems: list[str]) -> str:
         out.append("\n## The LM example's programs (`--preset bench-hd128`, `scripts/compile/lm_programs.py`)\n")
         out.append("Whole programs on one GPU: the training step (4 x 2048 tokens; donation is not modelled, so "
                    "params and optimiser state count as arguments and outputs) and the batched generation (4 "
-                   "prompts of 2048, 64 decode steps). HBM as XLA plans it, against the device's memory.\n")
-        out.append("| target | program | arguments | outputs | temp | total | device | share | Pallas kernels |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+                   "prompts of 2048, 64 decode steps); and the training step on 2 GPUs of one host (`_data2`: "
+                   "4 sequences per GPU, the gradients all-reduced; `_seq2`: 4 sequences split along the sequence, "
+                   "attention as a ring of the flash kernels, K / V passed by collective-permutes). HBM per device "
+                   "as XLA plans it, against the device's memory; the collectives of the compiled program.\n")
+        out.append("| target | program | arguments | outputs | temp | total | device | share | collectives | "
+                   "Pallas kernels |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in lm:
             hbm = r.get("hbm") or {}
             capacity = report["limits"][r["target"]].get("device_memory")
@@ -221,6 +227,7 @@ def markdown(report: dict, problems: list[str]) -> str:
             share = f"{hbm['total'] / capacity:.1%}" if hbm.get("total") is not None and capacity else "?"
             out.append(f"| {r['target']} | {r['variant']} | {gib(hbm.get('arguments'))} | {gib(hbm.get('outputs'))} | "
                        f"{gib(hbm.get('temp'))} | {gib(hbm.get('total'))} | {gib(capacity)} | {share} | "
+                       f"{', '.join(f'{n} {c}' for n, c in (r.get('collectives') or {}).items() if c) or '-'} | "
                        f"{', '.join(sorted(k['kernel'].removeprefix('probjax_') for k in r['kernels']))} |")
     out.append("\n## Headline per target (worst case over our variants; peers excluded)\n")
     out.append("| target | compiles | errors | kernels | max regs | spilling kernels | max smem | "

@@ -563,7 +563,23 @@ def _lm_variants() -> list[Variant]:
             Variant(f"lm_generate_bench_hd{d}_T2048", "lm", program("generation", preset), d, "bf16", "fwd",
                     "triton", 2048, 2048 + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
         ]
+        for mesh in LM_MESHES:  # the training step on 2 GPUs: the batch split, or attention as a ring
+            out.append(Variant(f"lm_train_step_bench_hd{d}_T2048_{mesh.replace('=', '')}", "lm",
+                               mesh_program(preset, mesh), d, "bf16", "fwd+bwd", "triton", 2048, 2048,
+                               requires=(FORWARD, DQ, DKV), targets=LM_TARGETS))
     return out
+
+
+LM_MESHES = ("data=2", "seq=2")  # lm_programs.MESH_GPUS GPUs on one host
+
+
+def mesh_program(preset: str, mesh: str):
+    """The build of `preset`'s training step on `mesh` (lm_programs.train_step_on_mesh)."""
+    def build():
+        import lm_programs
+
+        return lm_programs.train_step_on_mesh(preset, 2048, mesh)
+    return build
 
 
 def variants() -> list[Variant]:

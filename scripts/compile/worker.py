@@ -152,7 +152,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         if variant.mode == "jvp":
             row["tangent_config"] = _tangent_tiles(config, variant)
         fn, specs = variant.build()
-        return fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+        return fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding or sharding) for s in specs]
 
     def compiled_kernels() -> list[dict]:
         """The kernels of the last compile (its dumps, which are then marked as read)."""
@@ -193,7 +193,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                     return row
                 compiled = lowered.compile()
             if variant.group == "lm":  # a whole program: the HBM XLA plans for it (check.py `lm_problems`)
-                row["hbm"] = _hbm(compiled)
+                row.update(_program_figures(compiled))
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
             row.update(_error_fields(error))
@@ -320,6 +320,20 @@ def _hbm(compiled) -> dict:
                generated_code=memory.generated_code_size_in_bytes)
     out["total"] = out["arguments"] + out["outputs"] - out["alias"] + out["temp"] + out["generated_code"]
     return out
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def _program_figures(compiled) -> dict:
+    """A whole program's figures (group "lm"): its planned HBM per device (`_hbm`) and the collectives of its
+    compiled HLO, counted by kind (an async pair's start once): an all-reduce of the gradients on a data axis,
+    the ring's collective-permutes on a "seq" axis."""
+    counts = {name: 0 for name in COLLECTIVES}
+    for match in _COLLECTIVE.finditer(compiled.as_text()):
+        counts[match.group(1)] += 1
+    return dict(hbm=_hbm(compiled), collectives=counts)
 
 
 def _named(fn, name: str):
