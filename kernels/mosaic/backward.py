@@ -35,6 +35,7 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _backward_rule,
     allocated_smem,
+    bias_scratch,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -411,12 +412,8 @@ def mosaic_backward_dq(
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
                 tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
                       for _ in range(block_kv // part)) if mask is not None else None,
-                {"tiles": lambda: tuple(plgpu.SMEM((num_stages, block_q, part), bias.dtype,
-                                                   transforms=bias_tiles(bias.itemsize))
-                                        for _ in range(block_kv // part)),
-                 "keys": lambda: plgpu.SMEM((num_stages, block_kv), jnp.float32),
-                 "rows": lambda: plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
-                 None: lambda: None}[bias_kind](),
+                bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
+                             keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
                 {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
                  "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias_grad else None,
                 tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)

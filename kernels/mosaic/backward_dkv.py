@@ -34,8 +34,8 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _backward_rule,
     allocated_smem,
+    bias_scratch,
     bias_smem_bytes,
-    bias_tiles,
     check_bias,
     _launch,
     _prologue,
@@ -484,12 +484,8 @@ def mosaic_backward_dkv(
                 plgpu.SMEM((num_stages, block_q), jnp.int32) if segments else None,
                 tuple(plgpu.SMEM((num_stages, block_kv, part), jnp.int8, transforms=mask_tiles(part))
                       for _ in range(block_q // part)) if mask is not None else None,
-                {"tiles": lambda: tuple(plgpu.SMEM((num_stages, block_kv, part), bias.dtype,
-                                                   transforms=bias_tiles(bias.itemsize))
-                                        for _ in range(block_q // part)),
-                 "keys": lambda: plgpu.SMEM((num_stages, block_kv), jnp.float32),
-                 "rows": lambda: plgpu.SMEM((num_stages, block_q), jnp.float32),
-                 None: lambda: None}[bias_kind](),
+                bias_scratch(bias_kind, bias, (num_stages, block_kv, part), block_q // part,
+                             keys=(num_stages, block_kv), rows=(num_stages, block_q)),
                 plgpu.SMEM((_CONSUMERS, keys), jnp.float32) if bias_grad else None,
                 tuple(plgpu.SMEM((num_stages, block_q if axis == "q" else block_kv), ref.dtype)
                       for axis, ref in vectors),

@@ -349,6 +349,15 @@ def bias_tiles(itemsize: int) -> tuple:
     return plgpu.TilingTransform((8, _SWIZZLE // itemsize)), plgpu.SwizzleTransform(_SWIZZLE)
 
 
+def bias_scratch(kind: str | None, bias, tile: tuple, parts: int, keys: tuple, rows: tuple):
+    """The shared memory a backward kernel reads a bias of `kind` (`bias_kind`) into: "tiles", `parts` rings of
+    `tile`-shaped tiles of the bias's dtype (one per part of a step); "keys" / "rows", a float32 buffer of key
+    vectors shaped `keys` or of row vectors shaped `rows`; None without a bias."""
+    if kind == "tiles":
+        return tuple(plgpu.SMEM(tile, bias.dtype, transforms=bias_tiles(bias.itemsize)) for _ in range(parts))
+    return None if kind is None else plgpu.SMEM(keys if kind == "keys" else rows, jnp.float32)
+
+
 def mask_tiles(columns: int) -> tuple:
     """The shared-memory transforms of an int8 mask tile `columns` wide (64 or 128 bytes a row)."""
     return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(columns)
