@@ -324,7 +324,8 @@ def test_the_lm_training_step_on_two_gpus_shows_the_collective_of_its_axis(clean
     gathered); each is one problem of its own row. A ring's second specialization of a kernel (XLA's
     `NAME__1`: the diagonal and the full blocks) is the kernel the row requires; a kernel not required fails."""
     names = {v.name for t, v in compile_report.expected() if t == "sm100a_b200"}
-    assert {f"lm_train_step_bench_hd{d}_T2048_{axis}2" for d in (64, 128) for axis in ("data", "seq")} <= names
+    assert {f"lm_train_step_bench_hd{d}_T{t}_{axis}2" for d in (64, 128) for t in (2048, 8192)
+            for axis in ("data", "seq")} <= names
     for variant, wanted in (("lm_train_step_bench_hd128_T2048_data2", "all-reduce"),
                             ("lm_train_step_bench_hd64_T2048_seq2", "collective-permute")):
         broken = copy.deepcopy(clean)

@@ -2,9 +2,10 @@
 as examples/compile_for_tpu.py compiles them for TPU slices: the training step of train.py (`make_steps`: loss,
 gradient and AdamW update) and the batched generation of sampling.py (`batch_generator`: a prefill of 4
 prompts of the whole sequence length, then 64 paged decode steps), of `--preset bench-hd64` / `bench-hd128` (8
-layers, 8 heads of 64 / 128, bfloat16) with `--attention pallas` (the Triton kernels on a GPU) on one GPU. The worker
-records the HBM XLA plans for each (arguments, outputs, temporaries) and the check holds it to the target's
-memory (check.py `lm_problems`). Both need examples/lm's packages in the toolchain (examples_packages.sh).
+layers, 8 heads of 64 / 128, bfloat16) with `--attention pallas` (the Triton kernels) on one GPU, and the
+training step on 2 GPUs (`train_step_on_mesh`). The worker records the HBM XLA plans for each (arguments,
+outputs, temporaries) and the check holds it to the target's memory (check.py `lm_problems`). All need
+examples/lm's packages in the toolchain (examples_packages.sh).
 
 The worker jits the program again around these functions, so the training step's donated params and
 optimiser state are not aliased to its outputs: its HBM counts them twice, an upper bound of a run's.

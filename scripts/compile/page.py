@@ -210,10 +210,11 @@ def markdown(report: dict, problems: list[str]) -> str:
     out += planned_section(rows)
     lm = [r for r in rows if r["group"] == "lm"]
     if lm:
-        out.append("\n## The LM example's programs (`--preset bench-hd128`, `scripts/compile/lm_programs.py`)\n")
-        out.append("Whole programs on one GPU: the training step (4 x 2048 tokens; donation is not modelled, so "
-                   "params and optimiser state count as arguments and outputs) and the batched generation (4 "
-                   "prompts of 2048, 64 decode steps); and the training step on 2 GPUs of one host (`_data2`: "
+        out.append("\n## The LM example's programs (`--preset bench-hd64` / `bench-hd128`, "
+                   "`scripts/compile/lm_programs.py`)\n")
+        out.append("Whole programs on one GPU: the training step (4 sequences of T = 2048 or 8192 tokens; donation "
+                   "is not modelled, so params and optimiser state count as arguments and outputs) and the batched "
+                   "generation (4 prompts of T, 64 decode steps); and the training step on 2 GPUs of one host (`_data2`: "
                    "4 sequences per GPU, the gradients all-reduced; `_seq2`: 4 sequences split along the sequence, "
                    "attention as a ring of the flash kernels, K / V passed by collective-permutes). HBM per device "
                    "as XLA plans it, against the device's memory; the collectives of the compiled program.\n")

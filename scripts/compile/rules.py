@@ -43,6 +43,8 @@ SMALL_DECODE_TILES: tuple[str, ...] = (
     "decode_paged64_d128_bf16_gqa32to8_t4",  # 4 x 4
     "lm_generate_bench_hd64_T2048",  # its decode steps: 1 x 1 (the forward of its prefill is held to 1.0)
     "lm_generate_bench_hd128_T2048",  # 1 x 1
+    "lm_generate_bench_hd64_T8192",  # 1 x 1
+    "lm_generate_bench_hd128_T8192",  # 1 x 1
 )
 SMALL_DECODE_WHY = "a decode tile of under 64 query rows: wgmma / tcgen05 need 64, Triton emits mma.sync"
 

@@ -540,45 +540,39 @@ LM_TARGETS = ("sm90a_h200", "sm100a_b200")  # the LM example's programs: one H20
 
 
 def _lm_variants() -> list[Variant]:
-    """The LM example's whole programs at `--preset bench-hd64` / `bench-hd128` on one GPU
-    (scripts/compile/lm_programs.py): the training step (loss, gradient, AdamW) on 4 sequences of 2048 tokens,
+    """The LM example's whole programs at `--preset bench-hd64` / `bench-hd128` (scripts/compile/lm_programs.py)
+    at the sequence lengths `LM_LENGTHS`: on one GPU the training step (loss, gradient, AdamW) on 4 sequences,
     which holds the flash forward, dQ and dK/dV kernels, and the batched generation (a prefill of 4 prompts of
-    2048 tokens, 64 paged decode steps), which holds the flash forward and the decode kernel (1 query row per
-    KV head: MHA, one new token); the worker records each one's HBM and the check holds it to the target's
-    memory."""
-
-    def program(name, preset):
-        def build():
-            import lm_programs
-
-            return getattr(lm_programs, name)(preset, 2048)
-        return build
-
+    the length, 64 paged decode steps), which holds the flash forward and the decode kernel (1 query row per KV
+    head: MHA, one new token); on a mesh of 2 GPUs (`LM_MESHES`) the training step. The worker records each
+    one's HBM per GPU and its collectives; the check holds them to the target's memory and each mesh axis to
+    its collective."""
     out = []
-    for d in (64, 128):
-        preset = f"bench-hd{d}"
+    for d, seq_len in [(d, seq_len) for d in (64, 128) for seq_len in LM_LENGTHS]:
+        preset, name = f"bench-hd{d}", f"bench_hd{d}_T{seq_len}"
+        train = dict(requires=(FORWARD, DQ, DKV), targets=LM_TARGETS)
         out += [
-            Variant(f"lm_train_step_bench_hd{d}_T2048", "lm", program("train_step", preset), d, "bf16", "fwd+bwd",
-                    "triton", 2048, 2048, requires=(FORWARD, DQ, DKV), targets=LM_TARGETS),
-            Variant(f"lm_generate_bench_hd{d}_T2048", "lm", program("generation", preset), d, "bf16", "fwd",
-                    "triton", 2048, 2048 + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
+            Variant(f"lm_train_step_{name}", "lm", _lm_program("train_step", preset, seq_len), d, "bf16",
+                    "fwd+bwd", "triton", seq_len, seq_len, **train),
+            Variant(f"lm_generate_{name}", "lm", _lm_program("generation", preset, seq_len), d, "bf16", "fwd",
+                    "triton", seq_len, seq_len + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
+            *(Variant(f"lm_train_step_{name}_{mesh.replace('=', '')}", "lm",
+                      _lm_program("train_step_on_mesh", preset, seq_len, mesh), d, "bf16", "fwd+bwd", "triton",
+                      seq_len, seq_len, **train) for mesh in LM_MESHES),
         ]
-        for mesh in LM_MESHES:  # the training step on 2 GPUs: the batch split, or attention as a ring
-            out.append(Variant(f"lm_train_step_bench_hd{d}_T2048_{mesh.replace('=', '')}", "lm",
-                               mesh_program(preset, mesh), d, "bf16", "fwd+bwd", "triton", 2048, 2048,
-                               requires=(FORWARD, DQ, DKV), targets=LM_TARGETS))
     return out
 
 
-LM_MESHES = ("data=2", "seq=2")  # lm_programs.MESH_GPUS GPUs on one host
+LM_LENGTHS = (2048, 8192)  # examples/compile_for_tpu.py's
+LM_MESHES = ("data=2", "seq=2")  # lm_programs.MESH_GPUS GPUs on one host: the batch split, or attention as a ring
 
 
-def mesh_program(preset: str, mesh: str):
-    """The build of `preset`'s training step on `mesh` (lm_programs.train_step_on_mesh)."""
+def _lm_program(name: str, *args):
+    """The build of the LM program `lm_programs.<name>(*args)`."""
     def build():
         import lm_programs
 
-        return lm_programs.train_step_on_mesh(preset, 2048, mesh)
+        return getattr(lm_programs, name)(*args)
     return build
 
 

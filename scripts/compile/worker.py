@@ -130,7 +130,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         for row, o in zip(rows, old):
             row.update(status="ok", fingerprint=fingerprint, reused=True, compile_s=o["compile_s"],
                        kernels=o["kernels"], **({"compiled_with": o["compiled_with"]} if o.get("compiled_with") else {}),
-                       **({"hbm": o["hbm"]} if "hbm" in o else {}))
+                       **{key: o[key] for key in ("hbm", "collectives") if key in o})
         return True
 
     def new_row(variant) -> dict:
