@@ -44,8 +44,9 @@ def _clean_report() -> dict:
                          kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES and k == registry.DECODE)
                                   for k in v.requires],
                          **({"hbm": dict(arguments=2**30, outputs=2**30, temp=2**31, alias=0, generated_code=0,
-                                         total=2**32), "collectives": {"all-reduce": 8, "collective-permute": 16}}
-                            if v.group == "lm" else {})))
+                                         total=2**32, xla_bytes=2**28),
+                             "collectives": {"all-reduce": 8, "collective-permute": 16}}
+                            if v.group == "lm" or v.name.startswith("side_") else {})))
     return dict(targets=list(compile_report.TARGETS), rows=rows)
 
 
@@ -319,7 +320,7 @@ def test_the_lm_programs_hbm_is_held_to_the_device(clean):
 
 
 def test_the_lm_training_step_on_two_gpus_shows_the_collective_of_its_axis(clean):
-    """The training step on a mesh of 2 GPUs (`variants.LM_MESHES`) on each LM target: "data=2" must all-reduce
+    """The training step on a mesh of 2 GPUs (`lm_programs.MESHES`) on each LM target: "data=2" must all-reduce
     its gradients, "seq=2" must pass K / V round a ring (collective-permutes; without them the sequence was
     gathered); each is one problem of its own row. A ring's second specialization of a kernel (XLA's
     `NAME__1`: the diagonal and the full blocks) is the kernel the row requires; a kernel not required fails."""
@@ -339,3 +340,26 @@ def test_the_lm_training_step_on_two_gpus_shows_the_collective_of_its_axis(clean
     kernels.append(dict(kernels[0], kernel="probjax_flash_tangent"))
     found = compile_report.problems(broken)
     assert len(found) == 1 and _only(found, "seq2", "kernel(s) the registry does not expect: probjax_flash_tangent")
+
+
+def test_our_programs_beside_tokamax_need_their_figures_and_show_the_ratios(clean):
+    """The `side_` rows (our fwd+bwd programs compiled alone at the tokamax peers' shapes) fail without their
+    program figures; the page prints ours beside tokamax's with the ratios of HBM temp and XLA-side bytes."""
+    assert {t for t, v in compile_report.expected() if v.name == "side_flash_grad_d128_bf16_causal_T8192"} == {
+        "sm90a_h100", "sm100a_b200"}
+    assert {t for t, v in compile_report.expected() if v.name.startswith("side_mosaic")} == {"sm90a_h100"}
+    broken = copy.deepcopy(clean)
+    del _row(broken, "sm100a_b200", "side_flash_grad_d64_bf16_causal")["hbm"]
+    found = compile_report.problems(broken)
+    assert len(found) == 1 and _only(found, "side_flash_grad_d64_bf16_causal", "xla_bytes missing")
+    report = copy.deepcopy(clean)
+    theirs = dict(_row(report, "sm90a_h100", "side_mosaic_grad_d128_bf16_causal_T8192"),
+                  variant="tokamax_mosaic_grad_d128_bf16_causal_T8192", group="peer",
+                  hbm=dict(temp=2**32, xla_bytes=2**30))
+    report["rows"].append(theirs)
+    lines = [line for line in compile_page.side_by_side_section(report["rows"])
+             if line.startswith("| sm90a_h100 | 8192 | 128 | mosaic |")]
+    assert len(lines) == 2, lines
+    assert lines[0].split(" | ")[-2:] == ["0.50", "0.25 |"], lines[0]  # 2 GiB / 4 GiB, 256 MiB / 1 GiB
+    assert lines[1].split(" | ")[4] == "tokamax"
+

@@ -46,6 +46,8 @@ def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> l
         out += gpu_kernel_problems(row, kernel, limits)
     if row["group"] == "lm":
         out += lm_problems(row)
+    if row["variant"].startswith("side_") and (row.get("hbm") or {}).get("xla_bytes") is None:
+        out.append(f"{where}: figure hbm / xla_bytes missing (null or absent): the side-by-side table cannot read it")
     return out
 
 
@@ -65,7 +67,7 @@ def lm_problems(row: dict) -> list[str]:
     if hbm["total"] > capacity:
         return [f"{where}: {hbm['total']:,} B of HBM planned, over the device's {capacity:,}"]
     mesh = re.search(r"_(data|seq)\d+$", row["variant"])
-    if mesh:  # a program on a mesh of GPUs (variants.LM_MESHES): the collective its axis stands for
+    if mesh:  # a program on a mesh of GPUs (lm_programs.MESHES): the collective its axis stands for
         wanted = MESH_COLLECTIVES[mesh.group(1)]
         if not (row.get("collectives") or {}).get(wanted):
             return [f"{where}: no {wanted} in the program: its {mesh.group(1)} axis is not split as it should be"]

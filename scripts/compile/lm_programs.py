@@ -161,3 +161,38 @@ def train_step_on_mesh(preset: str, seq_len: int, mesh_flag: str):
     shardings_flat = jax.tree.leaves((shardings.params, shardings.opt_state, shardings.batch))
     return on_mesh, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
                      for s, sharding in zip(specs, shardings_flat, strict=True)]
+
+
+# ------------------------------------------------------------------------------------- as rows of the registry
+
+TARGETS = ("sm90a_h200", "sm100a_b200")  # one H200 (the H100's SM, 141 GB) and one B200
+LENGTHS = (2048, 8192)  # examples/compile_for_tpu.py's
+MESHES = ("data=2", "seq=2")  # on `MESH_GPUS` GPUs of one host: the batch split, or attention as a ring
+
+
+def registry_variants() -> list:
+    """These programs as variants of the compile registry (variants.py, group "lm"), at `--preset bench-hd64` /
+    `bench-hd128` and each of `LENGTHS`: on one GPU the training step on 4 sequences (the flash forward, dQ and
+    dK/dV kernels) and the batched generation (the flash forward and the decode kernel, 1 query row per KV
+    head: MHA, one new token); on each of `MESHES` the training step. The worker records each one's HBM per
+    GPU and its collectives; the check holds them to the target's memory and each mesh axis to its
+    collective (check.py `lm_problems`)."""
+    from variants import DECODE, DKV, DQ, FORWARD, Variant
+
+    def build(name, *args):
+        return lambda: globals()[name](*args)
+
+    out = []
+    for d, seq_len in [(d, seq_len) for d in (64, 128) for seq_len in LENGTHS]:
+        preset, name = f"bench-hd{d}", f"bench_hd{d}_T{seq_len}"
+        train = dict(requires=(FORWARD, DQ, DKV), targets=TARGETS)
+        out += [
+            Variant(f"lm_train_step_{name}", "lm", build("train_step", preset, seq_len), d, "bf16", "fwd+bwd",
+                    "triton", seq_len, seq_len, **train),
+            Variant(f"lm_generate_{name}", "lm", build("generation", preset, seq_len), d, "bf16", "fwd", "triton",
+                    seq_len, seq_len + 64, requires=(FORWARD, DECODE), targets=TARGETS, query_rows=1),
+            *(Variant(f"lm_train_step_{name}_{mesh.replace('=', '')}", "lm",
+                      build("train_step_on_mesh", preset, seq_len, mesh), d, "bf16", "fwd+bwd", "triton", seq_len,
+                      seq_len, **train) for mesh in MESHES),
+        ]
+    return out

@@ -28,7 +28,7 @@ B, N = 4, 8
 FULL_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
 SUBSET_TARGETS = ("sm100a_b200", "sm89_rtx4090", "sm120_rtx5090")
 GPU_TARGETS = FULL_TARGETS + SUBSET_TARGETS + ("sm90a_h200",)  # the last: the LM example's programs alone
-# (`_lm_variants`, which sm100a_b200 compiles too)
+# (`lm_programs.registry_variants`, which sm100a_b200 compiles too)
 HOPPER = ("sm90a_h100",)
 
 
@@ -475,12 +475,12 @@ def _peer_variants() -> list[Variant]:
 
 def _tokamax_peer_variants() -> list[Variant]:
     """tokamax (`tokamax.dot_product_attention`, installed in the toolchain's peers/ where it installs) at
-    its default configs, with implementation "triton" (every target) and "mosaic" (its Mosaic GPU kernels,
-    Hopper only), bf16, causal, forward + backward, at the seed's shapes (seq 1024 / 8192, head dim 64 / 128).
+    its default configs, with implementation "triton" (the full targets and sm_100a) and "mosaic" (its Mosaic
+    GPU kernels, on `SIDE_TARGETS`), bf16, causal, fwd+bwd, at the seed's shapes (seq 1024 / 8192, hd 64 / 128).
     Its benchmarking module imports xprof's command-line tools, which import a module the PyPI build of xprof
     does not ship; the compile never benchmarks, so that one import is stubbed."""
     out = []
-    for implementation, targets in (("triton", FULL_TARGETS), ("mosaic", HOPPER)):
+    for implementation, targets in (("triton", FULL_TARGETS + ("sm100a_b200",)), ("mosaic", SIDE_TARGETS)):
         for seq in (1024, 8192):
             for d in (64, 128):
                 def build(d=d, seq=seq, implementation=implementation):
@@ -503,6 +503,24 @@ def _tokamax_peer_variants() -> list[Variant]:
                 suffix = "" if seq == 1024 else f"_T{seq}"
                 out.append(Variant(f"tokamax_{implementation}_grad_d{d}_bf16_causal{suffix}", "peer", build, d,
                                    "bf16", "fwd+bwd", implementation, seq, seq, targets=targets))
+    return out
+
+
+SIDE_TARGETS = ("sm90a_h100", "sm100a_b200")  # where our programs and tokamax's are compared whole
+
+
+def _side_by_side_variants() -> list[Variant]:
+    """Our calls at the shapes of the tokamax peers (bf16, causal, fwd+bwd, seq 1024 / 8192, head dim 64 / 128),
+    each compiled alone as tokamax's are (the grid compiles a call beside its jvp, as one program), so that the
+    whole program's HBM and XLA-side bytes compare (`worker._program_figures`, the page's side-by-side table):
+    backend "triton" on `SIDE_TARGETS`, backend "mosaic" on Hopper."""
+    out = []
+    for backend, targets in (("triton", SIDE_TARGETS), ("mosaic", HOPPER)):
+        for seq in (1024, 8192):
+            for d in (64, 128):
+                call = _call(backend, "bf16", d, "fwd+bwd", "causal", q_len=seq, suffix="" if seq == 1024 else f"_T{seq}",
+                             group=backend)
+                out.append(dataclasses.replace(call, name=f"side_{call.name}", targets=targets))
     return out
 
 
@@ -536,51 +554,13 @@ def _on_subset_targets(v: Variant) -> bool:
     return feature in SUBSET_F32 and (mode == "grad" or feature == "causal")
 
 
-LM_TARGETS = ("sm90a_h200", "sm100a_b200")  # the LM example's programs: one H200 (the H100's SM, 141 GB), one B200
-
-
-def _lm_variants() -> list[Variant]:
-    """The LM example's whole programs at `--preset bench-hd64` / `bench-hd128` (scripts/compile/lm_programs.py)
-    at the sequence lengths `LM_LENGTHS`: on one GPU the training step (loss, gradient, AdamW) on 4 sequences,
-    which holds the flash forward, dQ and dK/dV kernels, and the batched generation (a prefill of 4 prompts of
-    the length, 64 paged decode steps), which holds the flash forward and the decode kernel (1 query row per KV
-    head: MHA, one new token); on a mesh of 2 GPUs (`LM_MESHES`) the training step. The worker records each
-    one's HBM per GPU and its collectives; the check holds them to the target's memory and each mesh axis to
-    its collective."""
-    out = []
-    for d, seq_len in [(d, seq_len) for d in (64, 128) for seq_len in LM_LENGTHS]:
-        preset, name = f"bench-hd{d}", f"bench_hd{d}_T{seq_len}"
-        train = dict(requires=(FORWARD, DQ, DKV), targets=LM_TARGETS)
-        out += [
-            Variant(f"lm_train_step_{name}", "lm", _lm_program("train_step", preset, seq_len), d, "bf16",
-                    "fwd+bwd", "triton", seq_len, seq_len, **train),
-            Variant(f"lm_generate_{name}", "lm", _lm_program("generation", preset, seq_len), d, "bf16", "fwd",
-                    "triton", seq_len, seq_len + 64, requires=(FORWARD, DECODE), targets=LM_TARGETS, query_rows=1),
-            *(Variant(f"lm_train_step_{name}_{mesh.replace('=', '')}", "lm",
-                      _lm_program("train_step_on_mesh", preset, seq_len, mesh), d, "bf16", "fwd+bwd", "triton",
-                      seq_len, seq_len, **train) for mesh in LM_MESHES),
-        ]
-    return out
-
-
-LM_LENGTHS = (2048, 8192)  # examples/compile_for_tpu.py's
-LM_MESHES = ("data=2", "seq=2")  # lm_programs.MESH_GPUS GPUs on one host: the batch split, or attention as a ring
-
-
-def _lm_program(name: str, *args):
-    """The build of the LM program `lm_programs.<name>(*args)`."""
-    def build():
-        import lm_programs
-
-        return getattr(lm_programs, name)(*args)
-    return build
-
-
 def variants() -> list[Variant]:
     """Every variant of the registry; names are unique: the grid and the families above, then the rows the
     dispatch's plans add (`plan_space.planned_rows`)."""
+    import lm_programs
+
     out = (_grid_variants() + _control_variants() + _decode_variants() + _ragged_variants() + _peer_variants()
-           + _tokamax_peer_variants() + _lm_variants())
+           + _tokamax_peer_variants() + _side_by_side_variants() + lm_programs.registry_variants())
     out = [dataclasses.replace(v, targets=v.targets + tuple(t for t in SUBSET_TARGETS if t not in v.targets))
            if _on_subset_targets(v) else v for v in out]
     import plan_space

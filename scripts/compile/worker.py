@@ -143,9 +143,9 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         """The variant's function and argument specs, its row given the config it runs at."""
         from probjax_kernels import FlashConfig
 
-        config = default_config(FlashConfig(backend=variant.backend, **(variant.tiles or {})),
-                                q_len=variant.q_len, kv_len=variant.kv_len,
-                                head_dim=max(variant.head_dim, variant.value_dim or 0),
+        backend = "triton" if variant.group == "peer" else variant.backend  # a peer's is its own kernels' name
+        config = default_config(FlashConfig(backend=backend, **(variant.tiles or {})), q_len=variant.q_len,
+                                kv_len=variant.kv_len, head_dim=max(variant.head_dim, variant.value_dim or 0),
                                 dtype=registry.dtype_of(variant.dtype))
         if variant.group not in ("decode", "peer"):  # those have configs of their own
             row["config"] = {k: v for k, v in vars(config).items() if k not in ("backend", "fused_backward")}
@@ -192,7 +192,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
                 if may_reuse and reused([variant], [row], row["fingerprint"]):
                     return row
                 compiled = lowered.compile()
-            if variant.group == "lm":  # a whole program: the HBM XLA plans for it (check.py `lm_problems`)
+            if variant.group in ("lm", "peer") or variant.name.startswith("side_"):  # whole programs compared
                 row.update(_program_figures(compiled))
             row["status"] = "ok"
         except Exception as error:  # noqa: BLE001 - a compile error is a row of the report
@@ -327,13 +327,18 @@ _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def _program_figures(compiled) -> dict:
-    """A whole program's figures (group "lm"): its planned HBM per device (`_hbm`) and the collectives of its
-    compiled HLO, counted by kind (an async pair's start once): an all-reduce of the gradients on a data axis,
-    the ring's collective-permutes on a "seq" axis."""
+    """A whole program's figures (the LM example's, the peers', ours beside tokamax's: `side_` variants): its
+    planned HBM per device (`_hbm`) with the bytes it moves outside the Pallas kernels (`xla_bytes`, as the TPU
+    report counts them: every instruction of the entry computation but the custom calls), and the collectives
+    of its compiled HLO, counted by kind (an async pair's start once): an all-reduce of the gradients on a data
+    axis, the ring's collective-permutes on a "seq" axis."""
+    from tpu_report import xla_side_bytes
+
+    text = compiled.as_text()
     counts = {name: 0 for name in COLLECTIVES}
-    for match in _COLLECTIVE.finditer(compiled.as_text()):
+    for match in _COLLECTIVE.finditer(text):
         counts[match.group(1)] += 1
-    return dict(hbm=_hbm(compiled), collectives=counts)
+    return dict(hbm=dict(_hbm(compiled), xla_bytes=xla_side_bytes(text)), collectives=counts)
 
 
 def _named(fn, name: str):
