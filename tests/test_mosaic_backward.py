@@ -251,7 +251,7 @@ def test_score_fn_needs_its_jvp():
 def test_segment_ids_match_the_reference_in_interpreter(causal, window, q_seq, kv_seq):
     """dQ and dK/dV of packed documents (segment ids read beside the tiles), GQA, ragged lengths, documents
     ending inside tiles, with a causal mask or a two-sided window; keys past kv_lengths get zero gradient."""
-    batch, num_heads, num_kv_heads, head_dim, dtype = 2, 4, 2, 64, jnp.bfloat16
+    batch, num_heads, num_kv_heads, head_dim, dtype = 2, 2, 1, 64, jnp.bfloat16
     q, k, v = random_qkv(6, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(7, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
     rng = np.random.default_rng(8)
@@ -299,7 +299,7 @@ def test_segment_ids_lower_for_cuda(kernel):
 @pytest.mark.parametrize("head_dim, value_dim, window", [(64, 128, (None, None)), (128, 64, (50, 20))])
 def test_a_value_head_dim_of_its_own_matches_the_reference_in_interpreter(head_dim, value_dim, window):
     """dQ and dK/dV with v [B, S, K, Dv], Dv != D (dO and V in Dv columns, dK in D and dV in Dv), GQA, ragged."""
-    batch, seq, num_heads, num_kv_heads, dtype = 2, 256, 4, 2, jnp.bfloat16
+    batch, seq, num_heads, num_kv_heads, dtype = 2, 256, 2, 1, jnp.bfloat16
     q, k, _ = random_qkv(9, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
     v = random_qkv(10, batch, seq, seq, num_heads, num_kv_heads, value_dim, dtype)[2]
     d_out = random_qkv(11, batch, seq, seq, num_heads, num_heads, value_dim, dtype)[0]
@@ -353,12 +353,12 @@ def test_rejects_outputs_of_the_wrong_value_head_dim():
 
 
 @pytest.mark.parametrize("mask_shape, dq_tiles, dkv_tiles", [
-    ((2, 4, 256, 384), {}, {}),  # one part a step
+    ((2, 2, 256, 384), {}, {}),  # one part a step
     ((1, 1, 256, 384), {"block_kv": 128}, {"block_q": 128}),  # two parts a step: a ring of mask tiles each
 ])
 def test_a_dense_mask_matches_the_reference_in_interpreter(mask_shape, dq_tiles, dkv_tiles):
     """dQ (mask tiles beside K) and dK/dV (the transposed mask's tiles beside Q), GQA, lengths, causal, T < S."""
-    batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype = 2, 256, 384, 4, 2, 64, jnp.bfloat16
+    batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype = 2, 256, 384, 2, 1, 64, jnp.bfloat16
     q, k, v = random_qkv(12, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(13, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
     mask = jax.random.bernoulli(jax.random.key(14), 0.6, mask_shape)

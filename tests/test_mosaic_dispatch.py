@@ -337,17 +337,17 @@ def test_windows_run_the_mosaic_forward_and_backward(window, causal):
     assert_mosaic_matches_reference(q, k, v, 12, window=window, causal=causal, kv_lengths=jnp.array([290]))
 
 
-@pytest.mark.parametrize("causal, kv_lengths", [(True, [300, 384]), (False, [384, 200])])
+@pytest.mark.parametrize("causal, kv_lengths", [(True, [200, 256]), (False, [256, 150])])
 def test_segment_ids_run_the_mosaic_forward_and_backward(causal, kv_lengths):
     """Packed documents: the Mosaic kernels read the segment ids as vectors beside their tiles (forward, dQ and
-    dK/dV), with GQA, per-sequence lengths, a document that ends inside a tile and query rows whose document
+    dK/dV), with GQA, per-sequence lengths, documents that end inside a tile and query rows whose document
     has no key below kv_lengths (output 0, zero gradient)."""
-    q, k, v = random_qkv(13, 2, 384, 384, 2, 1, 64, jnp.bfloat16)
-    segments = jnp.array([[0] * 70 + [1] * 250 + [2] * 64, [5] * 130 + [7] * 254])
+    q, k, v = random_qkv(13, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    segments = jnp.array([[0] * 70 + [1] * 140 + [2] * 46, [5] * 130 + [7] * 126])
     out, grads = assert_mosaic_matches_reference(q, k, v, 14, causal=causal, kv_lengths=jnp.array(kv_lengths),
                                                  q_segment_ids=segments, kv_segment_ids=segments)
-    if causal:  # document 2 of sequence 0 starts at 320, past kv_lengths 300: its rows see no key
-        assert not np.any(np.asarray(out)[0, 320:]) and not np.any(np.asarray(grads[0])[0, 320:])
+    if causal:  # document 2 of sequence 0 starts at 210, past kv_lengths 200: its rows see no key
+        assert not np.any(np.asarray(out)[0, 210:]) and not np.any(np.asarray(grads[0])[0, 210:])
 
 
 @pytest.mark.parametrize("positional", [False, True])
@@ -355,33 +355,36 @@ def test_dropout_runs_the_mosaic_forward_and_backward(positional):
     """Dropout hashed in the Mosaic kernels (forward, dQ, dK/dV) drops exactly the reference's weights: the keep
     mask of `_dropout.keep_mask` on (seed, b, h, q, k), GQA, per-sequence lengths. `positional`: the seed as
     `positional_seed`'s [7] (a shard's call; here the whole sequence and heads, so the same weights)."""
-    q, k, v = random_qkv(19, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    # The positional seed on one sequence: the batch index's part of the hash is checked by the other case.
+    kv_lengths = jnp.array([170] if positional else [256, 170])
+    q, k, v = random_qkv(19, len(kv_lengths), 256, 256, 2, 1, 64, jnp.bfloat16)
     private = {"_dropout_shard": (0, 0, 2)} if positional else {}
-    assert_mosaic_matches_reference(q, k, v, 20, causal=True, kv_lengths=jnp.array([256, 170]), dropout_rate=0.3,
+    assert_mosaic_matches_reference(q, k, v, 20, causal=True, kv_lengths=kv_lengths, dropout_rate=0.3,
                                     dropout_seed=77, **private)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 256), (1, 1, 1, 256), (2, 1, 256, 1), (2, 1, 1, 1)])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 128), (1, 1, 1, 128), (2, 1, 128, 1), (2, 1, 1, 1)])
 def test_a_key_padding_or_query_mask_runs_the_mosaic_forward_and_backward(shape):
     """A dense mask that is a row or a column vector (`[B|1, 1, 1, S]` key padding, `[B, 1, T, 1]` queries,
-    `[B, 1, 1, 1]`) runs in the Mosaic kernels as segment ids; rows that keep no key give 0."""
-    q, k, v = random_qkv(21, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    `[B, 1, 1, 1]`) runs in the Mosaic kernels as segment ids; rows that keep no key give 0. One tile: the
+    kernels' segment ids across tiles are tested above and in test_mosaic_backward.py."""
+    q, k, v = random_qkv(21, 2, 128, 128, 2, 1, 64, jnp.bfloat16)
     mask = jax.random.bernoulli(jax.random.key(22), 0.7, shape)
     if shape[0] == 2 and shape[2] == 1 and shape[3] > 1:
-        mask = mask.at[1, :, :, :200].set(False)  # sequence 1's rows under 200 see no key (causal)
+        mask = mask.at[1, :, :, :100].set(False)  # sequence 1's rows under 100 see no key (causal)
     if shape == (2, 1, 1, 1):
         mask = jnp.array([True, False]).reshape(shape)
     assert_mosaic_matches_reference(q, k, v, 23, causal=True, mask=mask)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 256, 384), (1, 2, 256, 384)])
+@pytest.mark.parametrize("shape", [(2, 1, 128, 256), (1, 2, 128, 256)])
 def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape):
     """A dense mask `[B|1, N|1, T, S]` read as int8 tiles beside K (forward, dQ) and, transposed, beside Q
     (dK/dV), on top of causality, GQA and per-sequence lengths; T < S."""
-    q, k, v = random_qkv(28, 2, 256, 384, 2, 1, 64, jnp.bfloat16)
+    q, k, v = random_qkv(28, 2, 128, 256, 2, 1, 64, jnp.bfloat16)
     mask = jax.random.bernoulli(jax.random.key(29), 0.6, shape)
-    assert_mosaic_matches_reference(q, k, v, 30, causal=True, mask=mask, kv_lengths=jnp.array([384, 300]),
-                                    q_lengths=jnp.array([256, 190]))
+    assert_mosaic_matches_reference(q, k, v, 30, causal=True, mask=mask, kv_lengths=jnp.array([256, 200]),
+                                    q_lengths=jnp.array([128, 90]))
 
 
 @pytest.mark.parametrize("shape, dtype, head_dim, backward", [

@@ -36,9 +36,9 @@ def backwards(monkeypatch):
 
 
 def test_causal_gqa_lengths_float32(backwards):
-    """GQA 4:2 in float32 (the transposed layout: the kernel walks a group's two heads per key tile, each
+    """GQA 2:1 in float32 (the transposed layout: the kernel walks a group's two heads per key tile, each
     adding to its own dQ rows), ragged T / S and per-batch lengths, causal; out and lse against float64."""
-    q, k, v = random_qkv(60, 2, 300, 420, 4, 2, 64)
+    q, k, v = random_qkv(60, 2, 300, 420, 2, 1, 64)
     lengths = dict(q_lengths=jnp.array([300, 170]), kv_lengths=jnp.array([420, 250]))
     (out, lse), _ = check_gradients(
         lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True, config=FUSED, **lengths),
@@ -97,7 +97,7 @@ def test_a_bias_gradient_takes_the_two_kernels(backwards):
 
 
 def test_fused_and_two_kernels_agree():
-    q, k, v = random_qkv(65, 1, 384, 384, 4, 4, 64)
+    q, k, v = random_qkv(65, 1, 384, 384, 2, 2, 64)
 
     def grads(fused):
         config = FlashConfig(backend="tpu_interpret", fused_backward=fused)

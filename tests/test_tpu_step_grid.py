@@ -127,10 +127,10 @@ TILES = FlashConfig(backend="tpu_interpret", block_q=128, block_k=128, block_q_d
 @pytest.mark.parametrize("case", ["causal_gqa_lengths", "window_in_place_bf16"])
 def test_kernels_on_the_flattened_grid(case, grids):
     """Forward (out, lse), gradients and the jvp on flattened grids against float64 and the plain-jnp
-    reference: causal GQA 4:2 with ragged T / S and per-batch lengths in float32 (transposed, the dK/dV grid
+    reference: causal GQA 2:1 with ragged T / S and per-batch lengths in float32 (transposed, the dK/dV grid
     walking two heads), and a two-sided window on one in-place block of 8 bfloat16 heads of dim 128."""
     if case == "causal_gqa_lengths":
-        dtype, (q, k, v) = jnp.float32, random_qkv(40, 2, 300, 420, 4, 2, 64)
+        dtype, (q, k, v) = jnp.float32, random_qkv(40, 2, 300, 420, 2, 1, 64)
         kwargs = dict(causal=True, q_lengths=jnp.array([300, 170]), kv_lengths=jnp.array([420, 250]))
         allowed = numpy_allowed(2, 300, 420, causal=True, q_lengths=np.array([300, 170]),
                                 kv_lengths=np.array([420, 250]))
