@@ -52,19 +52,20 @@ def runs_triton_forward(fn, *args) -> bool:
 
 
 def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic", **kwargs):
-    """`flash_attention(q, k, v, **kwargs)` on backend "mosaic": the Mosaic forward runs, the backward runs
-    `backward`'s kernels (read from the CUDA lowering), and in the interpreters the output and the gradients of
-    every input match the plain-jnp reference's (a random cotangent from `seed`)."""
+    """`flash_attention(q, k, v, **kwargs)` on backend "mosaic_interpret": the Mosaic forward runs, the backward
+    runs `backward`'s kernels, and the output and the gradients of every input match the plain-jnp reference's
+    (a random cotangent from `seed`). The interpreters choose the backward kernels as the compiled backend
+    does, except where their staging needs more shared memory (a float32 bias: the dense-bias test below reads
+    that choice from the CUDA lowering); the compile report compiles each feature's choice for sm_90a."""
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(
-        lambda config: lambda *a: jnp.sum(flash_attention(*a, config=config, **kwargs).astype(jnp.float32)), q, k, v
-    ) == backward
     cotangent = jax.random.normal(jax.random.key(seed), (*q.shape[:3], v.shape[3]))
     reference = {key: value for key, value in kwargs.items() if not key.startswith("_")}
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v), cotangent)
-        for f in (fn, lambda *a: flash_attention_reference(*a, **reference)))
+    with counting_mosaic_backward() as backward_calls:
+        out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert bool(backward_calls) == (backward == "mosaic"), backward_calls
+    expected_out, expected_grads = output_and_grads(lambda *a: flash_attention_reference(*a, **reference), (q, k, v),
+                                                    cotangent)
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert got.shape == expected.shape
@@ -298,9 +299,7 @@ def test_a_document_mask_runs_the_mosaic_forward_and_backward():
     ids = jnp.stack([jnp.repeat(jnp.arange(4), 64), jnp.repeat(jnp.arange(2), 128)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 256, 256)
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=MOSAIC)  # noqa: E731
-    assert not runs_triton_forward(fn, q, k, v)
-    assert backward_kernels(lambda config: lambda q, k, v: jnp.sum(flex_attention(
-        q, k, v, None, block_mask, enable_gqa=True, config=config).astype(jnp.float32)), q, k, v) == "mosaic"
+    assert not runs_triton_forward(fn, q, k, v)  # the compiled backward: the report's document_mask rows
     cotangent = jax.random.normal(jax.random.key(12), q.shape)
     with counting_mosaic_backward() as backward_calls:
         out, grads = output_and_grads(fn, (q, k, v), cotangent)
