@@ -28,7 +28,8 @@ def backward_kernels(loss_of_config, *args) -> str:
     """"triton" or "mosaic": the backward kernels that jax.grad (in every argument) of `loss_of_config(config)`
     runs with FlashConfig(backend="mosaic"), read from its CUDA lowering. They are picked when the tangent map
     (custom_linear) is lowered, so the jaxpr does not show them; the interpreters cannot be lowered, and the
-    compiled backend makes the same choices as "mosaic_interpret"."""
+    compiled backend makes the same choices as "mosaic_interpret" except for float32 bias tiles (the
+    interpreters' staging needs more shared memory there)."""
     text = lower_for_cuda(jax.grad(loss_of_config(FlashConfig(backend="mosaic")), tuple(range(len(args)))),
                           *(spec(x.shape, x.dtype) for x in args))
     triton = "probjax_flash_backward" in text
@@ -38,7 +39,8 @@ def backward_kernels(loss_of_config, *args) -> str:
 
 @contextlib.contextmanager
 def counting_mosaic_backward():
-    """Counts the calls of the Mosaic dQ / dK/dV kernels (the interpreters' choice is the compiled backend's)."""
+    """Counts the calls of the Mosaic dQ / dK/dV kernels (the interpreters' choice is the compiled backend's but
+    for float32 bias tiles: `backward_kernels`)."""
     calls = []
     original = mosaic_plan.glue.backward
     with pytest.MonkeyPatch.context() as patch:
