@@ -12,12 +12,30 @@ import numpy as np
 TOLERANCE = {jnp.float32: 2e-5, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}
 
 
-def random_qkv(key: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype=jnp.float32):
-    kq, kk, kv = jax.random.split(jax.random.key(key), 3)
-    q = jax.random.normal(kq, (batch, q_len, num_heads, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (batch, kv_len, num_kv_heads, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (batch, kv_len, num_kv_heads, head_dim), jnp.float32).astype(dtype)
-    return q, k, v
+# Test inputs come from NumPy's generator on the host: a jax.random draw compiles an XLA program per shape (tens
+# of milliseconds each, a sizable share of a small-shape test). Each helper draws from a stream of its own
+# (the second word of the seed), so that equal seeds in one test do not give equal arrays.
+_NORMAL, _BERNOULLI, _QKV = 1, 2, 3
+
+
+def normal(seed: int | tuple[int, ...], shape, dtype=jnp.float32) -> jax.Array:
+    """Standard normal samples of `shape`, drawn in float32 and rounded to `dtype`."""
+    rng = np.random.default_rng((*np.atleast_1d(seed), _NORMAL))
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+
+
+def bernoulli(seed: int, p: float, shape=()) -> jax.Array:
+    """A bool array of `shape`, True with probability `p`."""
+    return jnp.asarray(np.random.default_rng((seed, _BERNOULLI)).random(shape) < p)
+
+
+def random_qkv(seed: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype=jnp.float32):
+    """q [batch, q_len, num_heads, head_dim] and k, v [batch, kv_len, num_kv_heads, head_dim], standard
+    normal, drawn in float32 and rounded to `dtype`."""
+    rng = np.random.default_rng((seed, _QKV))
+    q_shape, kv_shape = (batch, q_len, num_heads, head_dim), (batch, kv_len, num_kv_heads, head_dim)
+    return tuple(jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+                 for shape in (q_shape, kv_shape, kv_shape))
 
 
 def output_and_grads(f, args, cotangent, *, has_aux=False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import TOLERANCE, to_float32
+from helpers import TOLERANCE, normal, to_float32
 
 # Tiny shapes: Pallas runs in interpret mode on the CPU. Head dim = FEATURES / HEADS = 8.
 BATCH, SEQ, FEATURES, HEADS = 2, 12, 32, 4
@@ -13,7 +13,7 @@ KV_LENGTHS = (SEQ, 7)  # keys past these are padding; every query keeps at least
 
 
 def inputs(seed: int, shape=(BATCH, SEQ, FEATURES)) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return normal(seed, shape)
 
 
 def padding_mask() -> jax.Array:
@@ -44,4 +44,4 @@ def assert_trees_close(actual, expected, dtype=jnp.float32, name: str = "", fact
 
 def cotangent(shape, seed: int = 99) -> jax.Array:
     """A fixed random output weighting, so that a loss sees every output element differently."""
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return normal(seed, shape)

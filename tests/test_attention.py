@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import numpy_attention, random_qkv
+from helpers import bernoulli, normal, numpy_attention, random_qkv
 
 from probjax_kernels import FlashConfig, flash_attention_reference
 from probjax_nn import AttentionConfig, _attention, attention
@@ -18,7 +18,7 @@ IMPLS_HERE = ("xla", "pallas", "flex", "auto")  # the impls that run on the CPU
 
 
 def _normal(seed: int, shape, dtype=jnp.float32) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape, dtype)
+    return normal(seed, shape, dtype)
 
 
 def _qkv(kv_heads: int = KV_HEADS, dtype=jnp.float32):
@@ -28,7 +28,7 @@ def _qkv(kv_heads: int = KV_HEADS, dtype=jnp.float32):
 def _mask(shape) -> jax.Array:
     """Random bool mask that keeps the diagonal, so that causal / windowed rows never lose every key."""
     diagonal = jnp.eye(shape[-2], shape[-1], dtype=jnp.bool_)
-    return jax.random.bernoulli(jax.random.key(3), 0.6, shape) | jnp.broadcast_to(diagonal, shape)
+    return bernoulli(3, 0.6, shape) | jnp.broadcast_to(diagonal, shape)
 
 
 # Requests on which jax.nn.dot_product_attention and attention agree: no query row loses every key (rows past
@@ -466,10 +466,7 @@ def test_traced_negative_scale_with_a_bias_and_their_gradients(impl):
 def test_traced_scale_matches_jax_nn_with_its_gradient(impl):
     """A traced scale (a jit argument, a learnable temperature): values and the gradient in the scale match
     jax.nn.dot_product_attention, which takes a traced scale too."""
-    key_q, key_k, key_v = jax.random.split(jax.random.key(50), 3)
-    q = jax.random.normal(key_q, (2, 40, 4, 16), jnp.float32)
-    k = jax.random.normal(key_k, (2, 40, 2, 16), jnp.float32)
-    v = jax.random.normal(key_v, (2, 40, 2, 16), jnp.float32)
+    q, k, v = random_qkv(50, 2, 40, 40, 4, 2, 16)
 
     def loss(attention, scale):
         return jnp.sum(jnp.sin(attention(q, k, v, scale=scale, is_causal=True)))

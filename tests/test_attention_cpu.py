@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv
+from helpers import bernoulli, normal, random_qkv
 
 from probjax_kernels import _chunked
 from probjax_kernels.layer_api import attention_from_inputs, check_inputs
@@ -21,13 +21,13 @@ SMALL_CHUNK_BYTES = 4 * BATCH * HEADS * KV_LEN * 16
 
 def _mask_with_empty_rows() -> np.ndarray:
     """A random [B, 1, T, S] mask in which query rows 3 and 100 of batch 0 see no key."""
-    mask = np.array(jax.random.bernoulli(jax.random.key(3), 0.7, (BATCH, 1, Q_LEN, KV_LEN)))
+    mask = np.array(bernoulli(3, 0.7, (BATCH, 1, Q_LEN, KV_LEN)))
     mask[0, 0, [3, 100]] = False
     return mask
 
 
 def _bias_with_a_minus_inf_row() -> np.ndarray:
-    bias = np.array(jax.random.normal(jax.random.key(4), (1, HEADS, Q_LEN, KV_LEN)))
+    bias = np.array(normal(4, (1, HEADS, Q_LEN, KV_LEN)))
     bias[0, 1, 7] = -np.inf  # a bias that masks: row 7 of head 1 sees nothing
     return bias
 
@@ -36,8 +36,8 @@ def _bias_with_a_minus_inf_row() -> np.ndarray:
 CASES = {
     "plain": (HEADS, {}),
     "causal_gqa": (2, {"is_causal": True}),
-    "mqa_bias": (1, {"bias": jax.random.normal(jax.random.key(5), (BATCH, HEADS, Q_LEN, KV_LEN)), "scale": 0.3}),
-    "bias_broadcast_causal": (2, {"bias": jax.random.normal(jax.random.key(6), (1, HEADS, 1, KV_LEN)),
+    "mqa_bias": (1, {"bias": normal(5, (BATCH, HEADS, Q_LEN, KV_LEN)), "scale": 0.3}),
+    "bias_broadcast_causal": (2, {"bias": normal(6, (1, HEADS, 1, KV_LEN)),
                                   "is_causal": True}),
     "bias_minus_inf": (HEADS, {"bias": _bias_with_a_minus_inf_row()}),
     "mask_empty_rows": (2, {"mask": _mask_with_empty_rows(), "is_causal": True}),
@@ -201,7 +201,7 @@ def test_auto_shared_key_value_batch_and_value_head_dim(monkeypatch):
     monkeypatch.setattr(_chunked, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
     q, k, _ = random_qkv(4, BATCH, Q_LEN, KV_LEN, HEADS, 2, HEAD_DIM)
     k = k[:1]
-    v = jax.random.normal(jax.random.key(5), (1, KV_LEN, 2, 24))
+    v = normal(5, (1, KV_LEN, 2, 24))
     kwargs = {"is_causal": True, "local_window_size": (12, 0)}
 
     def auto(q, k, v, bias):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, normal, random_qkv
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +33,7 @@ def _loss(impl, hooks, weights, q, k, v):
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_context_parallel_eager_equals_jit(axis_type, impl):
     q, k, v = random_qkv(21, 2, 32, 32, 4, 2, 16)
-    weights = jax.random.normal(jax.random.key(22), q.shape, jnp.float32)
+    weights = normal(22, q.shape, jnp.float32)
     hooks = impl != "pallas"  # "pallas" takes no score_mod
     plain = functools.partial(_loss, AttentionConfig(impl="xla"), hooks, weights)
     expected = jax.jit(jax.value_and_grad(plain, (0, 1, 2)))(q, k, v)

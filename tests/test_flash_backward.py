@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, bernoulli, normal, random_qkv
 
 from probjax_kernels import _backend, FlashConfig, _dispatch, default_config, flash_attention, flash_attention_reference
 from probjax_kernels.triton import plan as triton_plan
@@ -19,8 +19,8 @@ def gradients(attention_fn, q, k, v, *, bias=None, with_lse=False, **kwargs):
     """Gradients of <out, c> (+ <lse, c'> with `with_lse`) in q, k, v (and bias), for fixed random c."""
     out_shape = q.shape
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    out_cotangent = jax.random.normal(jax.random.key(99), out_shape, jnp.float32)
-    lse_cotangent = jax.random.normal(jax.random.key(98), lse_shape, jnp.float32)
+    out_cotangent = normal(99, out_shape)
+    lse_cotangent = normal(98, lse_shape)
 
     def loss(q, k, v, bias):
         out, lse = attention_fn(q, k, v, bias=bias, return_lse=True, **kwargs)
@@ -73,7 +73,7 @@ def test_gradients_small_tiles_all_masks():
     q, k, v = random_qkv(22, 2, 90, 110, 4, 2, 32)
     segments_q = jnp.array([[0] * 40 + [1] * 50, [3] * 90], jnp.int32)
     segments_kv = jnp.array([[0] * 50 + [1] * 60, [3] * 110], jnp.int32)
-    mask = jax.random.bernoulli(jax.random.key(23), 0.8, (2, 1, 1, 110))
+    mask = bernoulli(23, 0.8, (2, 1, 1, 110))
     check_gradients(
         q, k, v, causal=True, window=(30, None), mask=mask, q_lengths=jnp.array([90, 61], jnp.int32),
         kv_lengths=jnp.array([100, 7], jnp.int32), q_segment_ids=segments_q, kv_segment_ids=segments_kv,
@@ -109,7 +109,7 @@ def test_gradients_local_window(window):
 @pytest.mark.parametrize("bias_shape", [(2, 4, 60, 90), (1, 4, 60, 90), (60, 90), (2, 1, 1, 90)])
 def test_bias_gradient(bias_shape):
     q, k, v = random_qkv(25, 2, 60, 90, 4, 2, 32)
-    bias = jax.random.normal(jax.random.key(26), bias_shape, jnp.float32)
+    bias = normal(26, bias_shape, jnp.float32)
     dq, dk, dv, dbias = check_gradients(q, k, v, bias=bias, causal=True, config=SMALL_TILES)
     assert dbias.shape == bias.shape
 
@@ -126,8 +126,8 @@ def test_gqa_dkv_per_query_head_and_over_the_group(per_query_head, monkeypatch):
                         lambda problem: chosen.append(choose(problem)) or per_query_head)
     q, k, v = random_qkv(29, 2, 50, 70, 4, 2, 32)
     k, v = k[:1], v[:1]
-    bias = jax.random.normal(jax.random.key(30), (1, 4, 50, 70), jnp.float32)
-    mask = jax.random.bernoulli(jax.random.key(31), 0.8, (2, 1, 50, 70))
+    bias = normal(30, (1, 4, 50, 70), jnp.float32)
+    mask = bernoulli(31, 0.8, (2, 1, 50, 70))
     check_gradients(q, k, v, bias=bias, mask=mask, causal=True, kv_lengths=jnp.array([70, 45], jnp.int32),
                     config=SMALL_TILES)
     assert chosen == [False]  # interpret mode

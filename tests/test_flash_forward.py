@@ -1,10 +1,9 @@
 """Forward pass of the Pallas kernel (interpret mode on CPU) against a float64 NumPy attention."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, bernoulli, normal, numpy_allowed, numpy_attention, random_qkv
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
 
@@ -69,14 +68,14 @@ def test_reference_matches_numpy():
 )
 def test_bias_broadcasts(bias_shape):
     q, k, v = random_qkv(3, 2, 60, 90, 4, 2, 32)
-    bias = 2.0 * jax.random.normal(jax.random.key(4), bias_shape, jnp.float32)
+    bias = 2.0 * normal(4, bias_shape, jnp.float32)
     check_forward(q, k, v, bias=bias, config=SMALL_TILES)
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 4, 60, 90), (2, 1, 60, 90), (2, 1, 1, 90), (60, 90)])
 def test_dense_mask(mask_shape):
     q, k, v = random_qkv(5, 2, 60, 90, 4, 2, 32)
-    mask = jax.random.bernoulli(jax.random.key(6), 0.7, mask_shape)
+    mask = bernoulli(6, 0.7, mask_shape)
     allowed = numpy_allowed(2, 60, 90, causal=True, mask=np.asarray(mask))
     check_forward(q, k, v, allowed=allowed, mask=mask, causal=True, config=SMALL_TILES)
 
@@ -127,7 +126,7 @@ def test_large_logits_do_not_overflow(dtype):
 
 def test_custom_scale_and_float16_bias():
     q, k, v = random_qkv(12, 1, 48, 48, 2, 2, 64, jnp.float16)
-    bias = jax.random.normal(jax.random.key(13), (1, 2, 48, 48), jnp.float16)
+    bias = normal(13, (1, 2, 48, 48), jnp.float16)
     check_forward(q, k, v, bias=bias, scale=0.3)
 
 

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_close, numpy_allowed, numpy_attention, output_and_grads
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, output_and_grads, random_qkv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -89,18 +89,16 @@ def test_tile_ranges_cover_every_pair_and_unmasked_tiles_need_no_mask(
 def test_random_shapes_forward_gradients_and_jvp(
     batch, q_len, kv_len, num_kv_heads, group, head_dim, causal, use_lengths, block_q, block_k, seed
 ):
-    keys = jax.random.split(jax.random.key(seed), 5)
     num_heads = num_kv_heads * group
-    q = jax.random.normal(keys[0], (batch, q_len, num_heads, head_dim), jnp.float32)
-    k = jax.random.normal(keys[1], (batch, kv_len, num_kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(keys[2], (batch, kv_len, num_kv_heads, head_dim), jnp.float32)
+    q, k, v = random_qkv(seed, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim)
     kwargs = dict(causal=causal)
     if use_lengths:
-        kwargs["q_lengths"] = jax.random.randint(keys[3], (batch,), 0, q_len + 1)
-        kwargs["kv_lengths"] = jax.random.randint(keys[4], (batch,), 0, kv_len + 1)
+        rng = np.random.default_rng(seed)
+        kwargs["q_lengths"] = jnp.asarray(rng.integers(0, q_len + 1, batch), jnp.int32)
+        kwargs["kv_lengths"] = jnp.asarray(rng.integers(0, kv_len + 1, batch), jnp.int32)
     config = FlashConfig(block_q=block_q, block_k=block_k, block_q_dq=block_q, block_k_dq=block_k,
                          block_q_dkv=block_k, block_k_dkv=block_q)
-    cotangent = jax.random.normal(keys[3], q.shape[:-1] + v.shape[-1:], jnp.float32)
+    cotangent = normal((seed, 1), q.shape[:-1] + v.shape[-1:])
     out, grads = output_and_grads(lambda *a: flash_attention(*a, config=config, **kwargs), (q, k, v), cotangent)
     allowed = numpy_allowed(batch, q_len, kv_len, **kwargs)
     expected, _ = numpy_attention(q, k, v, allowed=allowed)
@@ -110,7 +108,7 @@ def test_random_shapes_forward_gradients_and_jvp(
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(a, e, jnp.float32, name)
 
-    tangents = tuple(jax.random.normal(key, x.shape, jnp.float32) for key, x in zip(keys[2:], (q, k, v)))
+    tangents = tuple(normal((seed, 2 + i), x.shape) for i, x in enumerate((q, k, v)))
     _, d_out = jax.jvp(lambda *a: flash_attention(*a, config=config, **kwargs), (q, k, v), tangents)
     _, expected_d_out = jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), (q, k, v), tangents)
     assert_close(d_out, expected_d_out, jnp.float32, "d_out")

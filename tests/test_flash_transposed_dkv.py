@@ -6,10 +6,9 @@ dropout; and where the dispatch picks it."""
 import dataclasses
 import types
 
-import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, output_and_grads, random_qkv
+from helpers import assert_close, normal, output_and_grads, random_qkv
 
 from probjax_kernels import _backend
 from probjax_kernels import (
@@ -42,7 +41,7 @@ def transposed(request, monkeypatch):
 
 
 def _check(fn, reference, args, dtype, factor=1.0, value_dim=None):
-    cotangent = jax.random.normal(jax.random.key(5), (*args[0].shape[:3], value_dim or args[0].shape[3]),
+    cotangent = normal(5, (*args[0].shape[:3], value_dim or args[0].shape[3]),
                                   jnp.float32)
     out, grads = output_and_grads(fn, args, cotangent)
     expected_out, expected = output_and_grads(reference, args, cotangent)
@@ -54,7 +53,7 @@ def _check(fn, reference, args, dtype, factor=1.0, value_dim=None):
 def test_flash_masks_lengths_bias_and_gqa(transposed):
     dtype = jnp.float32  # float32's tolerance catches a wrong mask row or contraction that bfloat16's hides
     q, k, v = random_qkv(60, 2, 45, 70, 4, 2, 32, dtype)
-    bias = jax.random.normal(jax.random.key(61), (2, 1, 45, 70), jnp.float32)
+    bias = normal(61, (2, 1, 45, 70), jnp.float32)
     seg_q = jnp.array([[0] * 20 + [1] * 25, [2] * 45], jnp.int32)
     seg_kv = jnp.array([[0] * 30 + [1] * 40, [2] * 70], jnp.int32)
     kwargs = dict(causal=True, window=(20, None), q_lengths=jnp.array([45, 30], jnp.int32),
@@ -72,7 +71,7 @@ def test_flex_score_mod_block_mask_and_dropout(transposed):
     t = 64
     q, k, v = random_qkv(62, 2, t, t, 4, 2, 32, dtype)
     docs = jnp.array([[0] * 24 + [1] * 40, [0] * 50 + [1] * 14], jnp.int32)
-    score_mod = relative_bias(0.3 * jax.random.normal(jax.random.key(63), (4, 2 * t - 1)))
+    score_mod = relative_bias(0.3 * normal(63, (4, 2 * t - 1)))
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(docs)), 2, None, t, t, block_size=32)
     kwargs = dict(enable_gqa=True, dropout_rate=0.2, dropout_seed=jnp.uint32(7))
 
@@ -88,10 +87,10 @@ def test_split_grid_per_query_head_with_shared_kv_and_another_value_dim(transpos
     the batch (their float32 gradients summed by XLA) and a value head dim other than q / k's."""
     monkeypatch.setattr(triton_plan.retile, "dkv_per_query_head", lambda problem: True)
     dtype = jnp.float32
-    q = jax.random.normal(jax.random.key(64), (2, 40, 4, 32), dtype)
-    k = jax.random.normal(jax.random.key(65), (1, 50, 2, 32), dtype)
-    v = jax.random.normal(jax.random.key(66), (1, 50, 2, 16), dtype)
-    bias = jax.random.normal(jax.random.key(67), (2, 4, 40, 50), jnp.float32)
+    q = normal(64, (2, 40, 4, 32), dtype)
+    k = normal(65, (1, 50, 2, 32), dtype)
+    v = normal(66, (1, 50, 2, 16), dtype)
+    bias = normal(67, (2, 4, 40, 50), jnp.float32)
     kwargs = dict(causal=True, kv_lengths=jnp.array([50, 33], jnp.int32))
 
     def run(attention, **extra):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, output_and_grads, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, output_and_grads, random_qkv
 
 from probjax_kernels import (
     BlockMask, FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, create_mask, document_mask,
@@ -20,7 +20,7 @@ DOCS = jnp.array([[0] * 40 + [1] * 60, [0] * 10 + [1] * 85 + [2] * 5], jnp.int32
 
 
 def flex_gradients(fn, q, k, v, score_mod, block_mask, **kwargs):
-    cotangent = jax.random.normal(jax.random.key(77), q.shape, jnp.float32)
+    cotangent = normal(77, q.shape, jnp.float32)
     loss = lambda q, k, v: jnp.sum(fn(q, k, v, score_mod, block_mask, **kwargs).astype(jnp.float32) * cotangent)  # noqa: E731
     return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
@@ -29,7 +29,7 @@ def check_flex(q, k, v, score_mod=None, block_mask=None, grads=True, **kwargs):
     """out and lse, and with `grads` the gradients of sum(out * cotangent) in q, k, v (lse undifferentiated),
     kernel against reference; out, lse and the gradients come from one forward pass."""
     kwargs = dict(kwargs, enable_gqa=True)
-    cotangent = jax.random.normal(jax.random.key(77), q.shape, jnp.float32)
+    cotangent = normal(77, q.shape, jnp.float32)
 
     def run(attention):
         fn = lambda q, k, v: attention(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)  # noqa: E731
@@ -95,7 +95,7 @@ def test_sliding_window_keeps_distances_up_to_and_including_w():
 
 @pytest.mark.parametrize(
     "score_mod",
-    [alibi(alibi_slopes(4)), softcap(1.5), relative_bias(0.3 * jax.random.normal(jax.random.key(3), (4, 2 * T - 1)))],
+    [alibi(alibi_slopes(4)), softcap(1.5), relative_bias(0.3 * normal(3, (4, 2 * T - 1)))],
     ids=["alibi", "softcap", "relative_bias"],
 )
 def test_score_mods_with_causal_block_mask(score_mod):
@@ -132,8 +132,8 @@ def test_decoding_one_query_against_a_cache():
 def test_captured_array_gradients_are_exact_and_deterministic():
     q, k, v = random_qkv(46, 2, T, T, 4, 2, 32)
     slopes = alibi_slopes(4)
-    table = 0.1 * jax.random.normal(jax.random.key(47), (4, 2 * T - 1))
-    cotangent = jax.random.normal(jax.random.key(48), q.shape)
+    table = 0.1 * normal(47, (4, 2 * T - 1))
+    cotangent = normal(48, q.shape)
     block_mask = MASKS["causal_window"]()
 
     def loss(fn, slopes, table):
@@ -312,7 +312,7 @@ def test_block_mask_at_32k_costs_about_window_over_seq():
 
 def test_vmap_over_inputs_and_captured_arrays():
     """Equinox-style per-example vmap: the kernels' batching rules also batch the arrays a hook captures."""
-    q = jax.random.normal(jax.random.key(55), (3, 1, 40, 2, 16))
+    q = normal(55, (3, 1, 40, 2, 16))
     slopes = jnp.array([[0.3, 0.1], [0.6, 0.2], [0.9, 0.3]])
     block_mask = create_block_mask(causal_mask, None, None, 40, 40, block_size=16)
 
@@ -354,11 +354,11 @@ def test_kernels_retiled_per_call_stay_exact(monkeypatch):
     # the tangent's query tile below the forward's, with block tables (float32 on a GPU)
     monkeypatch.setattr(triton_plan, "tangent_config", lambda config, *_, **__: halved(config, "block_q"))
     q, k, v = random_qkv(49, 1, 64, 64, 2, 1, 16)
-    table = 0.3 * jax.random.normal(jax.random.key(50), (2, 127))
+    table = 0.3 * normal(50, (2, 127))
     block_mask = create_block_mask(causal_mask, None, None, 64, 64, block_size=32)
     config = FlashConfig(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=32, block_k_dkv=32)
     check_flex(q, k, v, relative_bias(table), block_mask, config=config)
-    d_q = jax.random.normal(jax.random.key(51), q.shape)
+    d_q = normal(51, q.shape)
     calls = ((flex_attention, dict(config=config)), (flex_attention_reference, {}))
     tangents = [jax.jit(lambda q, d_q, fn=fn, extra=extra: jax.jvp(
         lambda q: fn(q, k, v, relative_bias(table), block_mask, enable_gqa=True, **extra), (q,), (d_q,))[1])(q, d_q)

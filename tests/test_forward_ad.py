@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, normal, random_qkv
 from module_helpers import FEATURES, HEADS, SEQ, assert_trees_close, inputs, padding_mask
 
 from probjax_kernels import _backend
@@ -24,8 +24,7 @@ TILES = FlashConfig(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_
 
 
 def tangents_like(seed: int, *arrays):
-    keys = jax.random.split(jax.random.key(seed), len(arrays))
-    return tuple(jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype) for key, x in zip(keys, arrays))
+    return tuple(normal((seed, i + 1), x.shape, x.dtype) for i, x in enumerate(arrays))
 
 
 def check_jvp(fn, reference, primals, tangents, dtype, factor: float = 1.0):
@@ -58,7 +57,7 @@ FLASH_CASES = {
 def test_flash_jvp_in_q_k_v_and_bias(case):
     kwargs = FLASH_CASES[case]
     q, k, v = random_qkv(1, B, T, S, N, K, D)
-    bias = 0.5 * jax.random.normal(jax.random.key(2), (B, 1, T, S))
+    bias = 0.5 * normal(2, (B, 1, T, S))
     primals = (q, k, v, bias)
 
     def fn(attention, **extra):
@@ -72,7 +71,7 @@ def test_flash_jvp_in_q_k_v_and_bias(case):
 def test_flash_jvp_with_one_moving_input(moving):
     """Inputs without a tangent are symbolic zeros: the kernel skips their terms."""
     q, k, v = random_qkv(4, 1, 24, 24, 2, 2, 16)
-    inputs_ = {"q": q, "k": k, "v": v, "bias": jax.random.normal(jax.random.key(5), (1, 2, 24, 24))}
+    inputs_ = {"q": q, "k": k, "v": v, "bias": normal(5, (1, 2, 24, 24))}
 
     def fn(attention, **extra):
         def call(x):
@@ -145,7 +144,7 @@ def test_split_tangent_with_block_tables_a_gathered_table_and_a_dense_bias(monke
     monkeypatch.setattr(triton_plan.tangent, "tangent",
                         lambda *a, **kw: seen.append(kw["value_splits"]) or kernel(*a, **kw))
     q, k, v = random_qkv(23, 1, FLEX_T, FLEX_T, 2, 2, 64)
-    table = 0.3 * jax.random.normal(jax.random.key(24), (2, 2 * FLEX_T - 1))
+    table = 0.3 * normal(24, (2, 2 * FLEX_T - 1))
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(20)), None, None, FLEX_T, FLEX_T,
                                    block_size=16)
 
@@ -155,7 +154,7 @@ def test_split_tangent_with_block_tables_a_gathered_table_and_a_dense_bias(monke
     primals = (q, k, v, table)
     check_jvp(flex(flex_attention, config=TILES), flex(flex_attention_reference), primals,
               tangents_like(25, *primals), jnp.float32)
-    bias = 0.5 * jax.random.normal(jax.random.key(26), (1, 2, FLEX_T, FLEX_T))
+    bias = 0.5 * normal(26, (1, 2, FLEX_T, FLEX_T))
 
     def dense(attention, **extra):
         return lambda q, bias: attention(q, k, v, bias=bias, causal=True, return_lse=True, **extra)
@@ -195,7 +194,7 @@ def test_grad_of_jvp_and_hessian():
     """Second order: the tangent map's own derivative (its residuals q, k, v move)."""
     q, k, v = random_qkv(12, 1, 20, 20, 2, 1, 8)
     dq, dk, dv = tangents_like(13, q, k, v)
-    weights = jax.random.normal(jax.random.key(14), q.shape)
+    weights = normal(14, q.shape)
 
     def fn(attention, **extra):
         return lambda q, k, v: attention(q, k, v, causal=True, kv_lengths=jnp.array([17]), **extra)
@@ -256,7 +255,7 @@ def test_flex_jvp_in_captured_arrays_with_block_mask():
     """Tangents of q and of the arrays score_mod closes over (ALiBi slopes, a relative-bias table)."""
     q, k, v = random_qkv(17, 2, FLEX_T, FLEX_T, 4, 2, 16)
     slopes = jnp.array([0.5, 0.25, 0.1, 0.0])
-    table = 0.1 * jax.random.normal(jax.random.key(18), (4, 2 * FLEX_T - 1))
+    table = 0.1 * normal(18, (4, 2 * FLEX_T - 1))
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(DOCS)), 2, None, FLEX_T, FLEX_T,
                                    block_size=16)
 
@@ -277,7 +276,7 @@ def test_flex_jvp_with_an_integer_capture_and_a_sliding_window():
     """A score_mod that indexes a float table by an int array it also closes over (token types)."""
     q, k, v = random_qkv(20, 1, FLEX_T, FLEX_T, 2, 2, 16)
     token_type = jnp.arange(FLEX_T, dtype=jnp.int32) % 3
-    table = jax.random.normal(jax.random.key(21), (3, 3))
+    table = normal(21, (3, 3))
     block_mask = create_block_mask(sliding_window(10), None, None, FLEX_T, FLEX_T, block_size=16)
 
     def fn(attention):

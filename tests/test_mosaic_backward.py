@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv, to_float32
+from helpers import assert_close, bernoulli, normal, random_qkv, to_float32
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
@@ -361,7 +361,7 @@ def test_a_dense_mask_matches_the_reference_in_interpreter(mask_shape, dq_tiles,
     batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype = 2, 256, 384, 2, 1, 64, jnp.bfloat16
     q, k, v = random_qkv(12, batch, q_seq, kv_seq, num_heads, num_kv_heads, head_dim, dtype)
     d_out = random_qkv(13, batch, q_seq, q_seq, num_heads, num_heads, head_dim, dtype)[0]
-    mask = jax.random.bernoulli(jax.random.key(14), 0.6, mask_shape)
+    mask = bernoulli(14, 0.6, mask_shape)
     q_lengths, kv_lengths = jnp.asarray([256, 200], jnp.int32), jnp.asarray([384, 290], jnp.int32)
 
     def reference(q, k, v):
@@ -391,7 +391,7 @@ def test_a_bias_and_its_gradient_match_the_reference_in_interpreter(bias_shape, 
     batch, seq, num_heads, head_dim, dtype = 2, 256, 2, 64, jnp.bfloat16
     q, k, v = random_qkv(40, batch, seq, seq, num_heads, 1, head_dim, dtype)
     d_out = random_qkv(41, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
-    bias = (2 * jax.random.normal(jax.random.key(42), bias_shape)).astype(bias_dtype)
+    bias = (2 * normal(42, bias_shape)).astype(bias_dtype)
     q_lengths, kv_lengths = jnp.array([256, 190], jnp.int32), jnp.array([256, 170], jnp.int32)
     scale = head_dim**-0.5
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, output_and_grads, random_qkv, to_float32
+from helpers import assert_close, bernoulli, normal, output_and_grads, random_qkv, to_float32
 from test_flash_lowering import lower_for_cuda, spec
 
 from probjax_kernels import (
@@ -60,7 +60,7 @@ def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic"
     that choice from the CUDA lowering); the compile report compiles each feature's choice for sm_90a."""
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
-    cotangent = jax.random.normal(jax.random.key(seed), (*q.shape[:3], v.shape[3]))
+    cotangent = normal(seed, (*q.shape[:3], v.shape[3]))
     reference = {key: value for key, value in kwargs.items() if not key.startswith("_")}
     with counting_mosaic_backward() as backward_calls:
         out, grads = output_and_grads(fn, (q, k, v), cotangent)
@@ -78,7 +78,7 @@ def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
     q, k, v = random_qkv(0, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
     kwargs = {"causal": True, "q_lengths": jnp.array([256, 130]), "kv_lengths": jnp.array([200, 256])}
     assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
-    cotangent = jax.random.normal(jax.random.key(1), q.shape)
+    cotangent = normal(1, q.shape)
     tangents = (0.5 * q, 0.5 * k, -v)
 
     def loss(attention, **extra):
@@ -155,7 +155,7 @@ def test_flex_block_mask_runs_the_mosaic_forward_when_its_mask_is_index_only():
     assert_close(jax.jit(lambda q, k, v: flex_attention(q, k, v, None, documents, config=MOSAIC))(q, k, v), expected,
                  jnp.bfloat16)
     # The window's output and dq from one Mosaic forward.
-    cotangent = jax.random.normal(jax.random.key(8), q.shape)
+    cotangent = normal(8, q.shape)
     (out, (dq,)), (expected_out, (expected_dq,)) = (
         output_and_grads(lambda q, f=f: f(q, k, v, None, window), (q,), cotangent)
         for f in (lambda *a: flex_attention(*a, config=MOSAIC), flex_attention_reference))
@@ -191,7 +191,7 @@ def test_a_block_mask_coarser_than_the_tiles_runs_the_mosaic_kernels():
                                    block_size=(128, 256))
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
-    cotangent = jax.random.normal(jax.random.key(10), q.shape)
+    cotangent = normal(10, q.shape)
     with counting_mosaic_backward() as calls:
         out, grads = output_and_grads(fn, (q, k, v), cotangent)
     assert calls
@@ -283,7 +283,7 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
     if lower:
         assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
     # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
-    cotangent = jax.random.normal(jax.random.key(10), q.shape)
+    cotangent = normal(10, q.shape)
     with counting_mosaic_backward() as backward_calls:
         out, grads = output_and_grads(fn, args, cotangent)
     assert backward_calls, "the Mosaic backward did not run"
@@ -301,7 +301,7 @@ def test_a_document_mask_runs_the_mosaic_forward_and_backward():
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 256, 256)
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)  # the compiled backward: the report's document_mask rows
-    cotangent = jax.random.normal(jax.random.key(12), q.shape)
+    cotangent = normal(12, q.shape)
     with counting_mosaic_backward() as backward_calls:
         out, grads = output_and_grads(fn, (q, k, v), cotangent)
     assert backward_calls, "the Mosaic backward did not run"
@@ -369,7 +369,7 @@ def test_a_key_padding_or_query_mask_runs_the_mosaic_forward_and_backward(shape)
     `[B, 1, 1, 1]`) runs in the Mosaic kernels as segment ids; rows that keep no key give 0. One tile: the
     kernels' segment ids across tiles are tested above and in test_mosaic_backward.py."""
     q, k, v = random_qkv(21, 2, 128, 128, 2, 1, 64, jnp.bfloat16)
-    mask = jax.random.bernoulli(jax.random.key(22), 0.7, shape)
+    mask = bernoulli(22, 0.7, shape)
     if shape[0] == 2 and shape[2] == 1 and shape[3] > 1:
         mask = mask.at[1, :, :, :100].set(False)  # sequence 1's rows under 100 see no key (causal)
     if shape == (2, 1, 1, 1):
@@ -382,7 +382,7 @@ def test_a_mask_over_queries_and_keys_runs_the_mosaic_forward_and_backward(shape
     """A dense mask `[B|1, N|1, T, S]` read as int8 tiles beside K (forward, dQ) and, transposed, beside Q
     (dK/dV), on top of causality, GQA and per-sequence lengths; T < S."""
     q, k, v = random_qkv(28, 2, 128, 256, 2, 1, 64, jnp.bfloat16)
-    mask = jax.random.bernoulli(jax.random.key(29), 0.6, shape)
+    mask = bernoulli(29, 0.6, shape)
     assert_mosaic_matches_reference(q, k, v, 30, causal=True, mask=mask, kv_lengths=jnp.array([256, 200]),
                                     q_lengths=jnp.array([128, 90]))
 
@@ -402,8 +402,8 @@ def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
     vectors, and make its gradient (dS tiles, summed in XLA over the broadcast axes; key or row sums), against
     the reference with -inf entries (masked keys), causality and lengths."""
     q, k, v = random_qkv(31, 2, 128, 256, 2, 1, head_dim, jnp.bfloat16)
-    bias = 2 * jax.random.normal(jax.random.key(32), shape, jnp.float32)
-    bias = jnp.where(jax.random.bernoulli(jax.random.key(33), 0.1, shape), -jnp.inf, bias).astype(dtype)
+    bias = 2 * normal(32, shape, jnp.float32)
+    bias = jnp.where(bernoulli(33, 0.1, shape), -jnp.inf, bias).astype(dtype)
     kwargs = dict(window=(None, 100), kv_lengths=jnp.array([256, 200]), q_lengths=jnp.array([128, 90]))
     fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v, bias)
@@ -411,7 +411,7 @@ def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
     if float32_tiles:  # the interpreters run Triton's backward here: the compiled choice from the CUDA lowering
         assert backward_kernels(lambda config: lambda *a: jnp.sum(flash_attention(
             *a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == backward
-    cotangent = jax.random.normal(jax.random.key(34), q.shape)
+    cotangent = normal(34, q.shape)
     with counting_mosaic_backward() as backward_calls:
         out, grads = output_and_grads(fn, (q, k, v, bias), cotangent)
     assert bool(backward_calls) == (backward == "mosaic" and not float32_tiles)
@@ -433,7 +433,7 @@ def test_a_dense_bias_beside_a_soft_cap_runs_the_mosaic_kernels():
     """A bias under a score_mod (Gemma 2's soft cap after scale and bias): the backward on the forward's square
     tiles, dS through the cap's derivative, the bias gradient included; key padding bias, head dim 64."""
     q, k, v = random_qkv(37, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
-    bias = jnp.where(jax.random.bernoulli(jax.random.key(38), 0.2, (2, 1, 1, 256)), -jnp.inf, 0.5)
+    bias = jnp.where(bernoulli(38, 0.2, (2, 1, 1, 256)), -jnp.inf, 0.5)
     kwargs = dict(causal=True, logits_soft_cap=5.0, kv_lengths=jnp.array([256, 200]))
     fn = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, config=MOSAIC, **kwargs)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v, bias)
@@ -448,7 +448,7 @@ def test_a_dense_bias_beside_a_soft_cap_runs_the_mosaic_kernels():
         scores = jnp.where((cols <= rows) & (cols < kwargs["kv_lengths"].reshape(-1, 1, 1, 1)), scores, -jnp.inf)
         return jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(scores, axis=-1), jnp.repeat(v, 2, axis=2))
 
-    cotangent = jax.random.normal(jax.random.key(39), q.shape)
+    cotangent = normal(39, q.shape)
     (out, grads), (expected_out, expected_grads) = (
         output_and_grads(f, (q, k, v, bias), cotangent) for f in (fn, reference))
     assert_close(out, expected_out, jnp.bfloat16, "out")
@@ -461,7 +461,7 @@ def test_a_backward_over_the_shared_memory_runs_the_triton_kernels():
     ids at head dim 128: the Mosaic dQ kernel would take 233,616 B of shared memory as Mosaic GPU counts it
     (1 KiB-aligned buffers, barriers; 227 KiB is the limit), so the backward is Triton's, not a lowering error."""
     q, k, v = random_qkv(35, 1, 256, 256, 2, 2, 128, jnp.bfloat16)
-    mask = jax.random.bernoulli(jax.random.key(36), 0.8, (1, 1, 256, 256))
+    mask = bernoulli(36, 0.8, (1, 1, 256, 256))
     segments = jnp.zeros((1, 256), jnp.int32)
     kwargs = dict(mask=mask, q_segment_ids=segments, kv_segment_ids=segments, logits_soft_cap=30.0, causal=True)
     assert not runs_triton_forward(lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **kwargs), q, k, v)
@@ -476,7 +476,7 @@ def test_masks_over_keys_or_queries_alone_run_the_mosaic_kernels_as_a_bias(case)
     give 0, as the reference's."""
     q, k, v = random_qkv(24, 2, 128, 128, 2, 1, 64, jnp.bfloat16)
     shape = {"per_head_keys": (2, 2, 1, 128), "per_head_rows": (2, 2, 128, 1)}.get(case, (2, 1, 1, 128))
-    mask = jax.random.bernoulli(jax.random.key(25), 0.7, shape)
+    mask = bernoulli(25, 0.7, shape)
     kwargs = dict(causal=True, mask=mask.at[1, :, :, :50].set(False) if shape[3] > 1 else mask)
     if case == "keys_beside_segments":
         segments = jnp.stack([jnp.repeat(jnp.arange(2), 64), jnp.zeros(128, jnp.int32)])
@@ -506,7 +506,7 @@ def test_hooks_on_non_square_tiles_run_the_triton_backward():
                                                          config=dataclasses.replace(config, block_k=64))
                                           .astype(jnp.float32)), q, k, v
     ) == "triton"
-    cotangent = jax.random.normal(jax.random.key(14), q.shape)
+    cotangent = normal(14, q.shape)
     grads = [jax.jit(jax.grad(lambda q, f=f: jnp.sum(f(q).astype(jnp.float32) * cotangent)))(q)
              for f in (fn, lambda q: flex_attention_reference(q, k, v, score_mod, enable_gqa=True))]
     assert_close(grads[0], grads[1], jnp.bfloat16, "dq")

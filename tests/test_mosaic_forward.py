@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, bernoulli, normal, numpy_allowed, numpy_attention, random_qkv
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
@@ -135,7 +135,7 @@ def test_a_value_head_dim_of_its_own_matches_numpy_in_interpreter(head_dim, valu
 @pytest.mark.parametrize("mask_shape, tiles", [((2, 4, 128, 256), {}), ((1, 1, 128, 256), {"block_kv": 64})])
 def test_a_dense_mask_matches_numpy_in_interpreter(mask_shape, tiles):
     # int8 tiles of the mask beside K (128 or 64 bytes a row), per head or broadcast, with causality and lengths.
-    mask = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.5, mask_shape))
+    mask = np.asarray(bernoulli(4, 0.5, mask_shape))
     _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, True, [128, 100], [256, 170], mask=mask, **tiles)
 
 
@@ -148,8 +148,8 @@ def test_a_dense_mask_matches_numpy_in_interpreter(mask_shape, tiles):
 ])
 def test_a_dense_bias_matches_numpy_in_interpreter(bias_shape, dtype, tiles):
     # Added to the scaled scores before the masks; -inf entries mask like a mask's False.
-    bias = 3 * jax.random.normal(jax.random.key(5), bias_shape, jnp.float32)
-    bias = jnp.where(jax.random.bernoulli(jax.random.key(6), 0.1, bias_shape), -jnp.inf, bias).astype(dtype)
+    bias = 3 * normal(5, bias_shape, jnp.float32)
+    bias = jnp.where(bernoulli(6, 0.1, bias_shape), -jnp.inf, bias).astype(dtype)
     _check_against_numpy(2, 128, 256, 4, 2, 64, jnp.bfloat16, True, [128, 100], [256, 170], bias=bias, **tiles)
 
 

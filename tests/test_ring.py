@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 from jax.sharding import PartitionSpec as P
 
 from probjax_kernels import FlashConfig, create_block_mask, flex_attention_reference, ring_attention, zigzag_permutation
@@ -63,8 +63,8 @@ def run_ring(n, q, k, v, *, layout, check_vma=False, extras=(), grad_of=None, **
 
 def _cotangents(q):
     batch, length, heads, _ = q.shape
-    d_out = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
-    d_lse = jax.random.normal(jax.random.key(6), (batch, heads, length), jnp.float32)
+    d_out = normal(5, q.shape, jnp.float32).astype(q.dtype)
+    d_lse = normal(6, (batch, heads, length), jnp.float32)
     return d_out, d_lse
 
 
@@ -141,7 +141,7 @@ def test_kernels_allgather_hooks_see_global_positions():
     devices, contiguous, not causal."""
     n, length, heads = 4, 64, 2
     q, k, v = random_qkv(1, 1, length, length, heads, 2, 16)
-    table = jax.random.normal(jax.random.key(3), (heads, 2 * length - 1), jnp.float32)
+    table = normal(3, (heads, 2 * length - 1), jnp.float32)
 
     def score_mod(table, score, b, h, q_idx, kv_idx):
         return score + table[h, kv_idx - q_idx + length - 1]
@@ -231,7 +231,7 @@ def test_modules_context_parallel():
     plain = _modules(AttentionConfig(impl="xla"))
     sharded = _modules(AttentionConfig(impl="xla", context_axis="sp"))
     mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    x = jax.random.normal(jax.random.key(7), (2, 32, 32), jnp.float32)
+    x = normal(7, (2, 32, 32), jnp.float32)
 
     def loss(apply, params, x):
         return jnp.sum(jnp.sin(apply(params, x)))
@@ -330,11 +330,11 @@ def test_context_parallel_global_batch_and_head_indices():
     from probjax_kernels import alibi
 
     q, k, _ = random_qkv(9, 2, 32, 32, 4, 2, 16)
-    v = jax.random.normal(jax.random.key(15), (2, 32, 2, 24), jnp.float32)
+    v = normal(15, (2, 32, 2, 24), jnp.float32)
     lengths = jnp.asarray([32, 11], jnp.int32)
     kwargs = dict(is_causal=True, score_mod=alibi(jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)),
                   mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], dropout_rate=0.25, dropout_seed=4)
-    tangents = tuple(jax.random.normal(jax.random.key(16 + i), x.shape, jnp.float32) for i, x in enumerate((q, k, v)))
+    tangents = tuple(normal(16 + i, x.shape, jnp.float32) for i, x in enumerate((q, k, v)))
     reference = functools.partial(probjax_nn.attention, impl="xla", **kwargs)
     expected = jax.jit(lambda p, t: jax.jvp(reference, p, t))((q, k, v), tangents)
     config = probjax_nn.AttentionConfig(impl="xla", context_axis="sp")
@@ -371,7 +371,7 @@ def test_default_checks_traced_scale_value_dim():
     assert np.abs(np.asarray(lse, np.float64) - expected_lse).max() < 1e-4
 
     q, k, _ = random_qkv(11, 1, 32, 32, 4, 2, 16)
-    v = jax.random.normal(jax.random.key(12), (1, 32, 2, 8), jnp.float32)
+    v = normal(12, (1, 32, 2, 8), jnp.float32)
     slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
     block_mask = create_block_mask(causal_mask, None, None, 32, 32, block_size=16)
 
@@ -382,7 +382,7 @@ def test_default_checks_traced_scale_value_dim():
     def reference(q, k, v, slopes):
         return flex_attention_reference(q, k, v, score_mod=alibi(slopes), block_mask=block_mask, enable_gqa=True)
 
-    weights = jax.random.normal(jax.random.key(13), (1, 32, 4, 8), jnp.float32)
+    weights = normal(13, (1, 32, 4, 8), jnp.float32)
     loss = lambda attend: lambda *args: jnp.sum(attend(*args) * weights)  # noqa: E731
     # The gradient of the captured slopes too (issue 30 item 5: "Expected cotangent type float32[4] but got
     # float32[4]{V:sp}" under the default checks before).

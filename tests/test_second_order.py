@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOLERANCE, random_qkv, to_float32
+from helpers import normal, random_qkv, to_float32, TOLERANCE
 
 from probjax_kernels import (
     FlashConfig, causal_mask, create_block_mask, flash_attention, flash_attention_reference, flex_attention,
@@ -77,7 +77,7 @@ def test_gradient_penalty_gradient(case):
     """The gradient in q, k, v and a bias of loss + ||d loss / d q||^2, GQA (4 query heads on 2 KV heads)."""
     kwargs = FLASH_CASES[case]
     q, k, v = random_qkv(1, B, T, S, N, K, D)
-    bias = 0.5 * jax.random.normal(jax.random.key(2), (B, 1, T, S))
+    bias = 0.5 * normal(2, (B, 1, T, S))
 
     def penalty(reference, **extra):
         call = lambda q, k, v, bias: reference(q, k, v, bias=bias, **kwargs, **extra)  # noqa: E731
@@ -92,7 +92,7 @@ def test_grad_of_grad_with_lse_and_jacrev_of_grad():
     """grad of a weighted inner gradient in k, with a loss on the lse too (both cotangents of the backward
     kernels move); and jacrev of grad, the full Jacobian of d loss / d v in (q, v), on small shapes."""
     q, k, v = random_qkv(3, 1, 20, 28, 2, 1, 8)
-    weights = jax.random.normal(jax.random.key(4), k.shape)
+    weights = normal(4, k.shape)
     kv_lengths = jnp.array([25])
 
     def grad_of_grad(attention_fn, **extra):
@@ -127,7 +127,7 @@ def test_flex_gradient_penalty_in_a_captured_table():
     """A score_mod that closes over a relative-bias table, under a causal BlockMask with GQA: the gradient in
     q, k, v and the table of a penalty on d loss / d q, and jacrev of d loss / d table in the table."""
     q, k, v = random_qkv(6, 1, FLEX_T, FLEX_T, 4, 2, 16)
-    table = 0.3 * jax.random.normal(jax.random.key(7), (4, 2 * FLEX_T - 1))
+    table = 0.3 * normal(7, (4, 2 * FLEX_T - 1))
     block_mask = create_block_mask(causal_mask, None, None, FLEX_T, FLEX_T, block_size=16)
 
     def call(attention_fn):
@@ -147,7 +147,7 @@ def test_flex_gradient_penalty_in_a_captured_table():
 def test_attention_impl_pallas_gradient_penalty():
     """`probjax_nn.attention(impl="pallas")` under a gradient penalty, against impl "xla" in float64."""
     q, k, v = random_qkv(8, 2, 16, 24, 2, 2, 8)
-    bias = 0.5 * jax.random.normal(jax.random.key(9), (2, 2, 16, 24))
+    bias = 0.5 * normal(9, (2, 2, 16, 24))
 
     def derivative(impl):
         call = functools.partial(attention, is_causal=True, key_value_seq_lengths=jnp.array([24, 11]), impl=impl)

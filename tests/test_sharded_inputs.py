@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_close, random_qkv
+from helpers import assert_close, normal, random_qkv
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -51,7 +51,7 @@ def test_pallas_gradients_sequence_sharded():
     """impl "pallas" on Explicit axes, the batch on "data" and the sequence on "model" (not a context-parallel
     call: the sequence is gathered), GQA: outputs and gradients equal the unsharded call's."""
     q, k, v = random_qkv(1, 2, 32, 32, 4, 2, 16)
-    weights = jax.random.normal(jax.random.key(2), (2, 32, 4, 16), jnp.float32)
+    weights = normal(2, (2, 32, 4, 16), jnp.float32)
 
     def loss(impl, q, k, v):
         return jnp.sum(probjax_nn.attention(q, k, v, is_causal=True, impl=impl) * weights)
@@ -76,7 +76,7 @@ def test_modules_with_pallas_on_an_explicit_mesh():
     from probjax_nn import equinox as peqx
     from probjax_nn import nnx as pnnx
 
-    x = jax.random.normal(jax.random.key(3), (4, 16, 32), jnp.float32)
+    x = normal(3, (4, 16, 32), jnp.float32)
     nnx_ours = pnnx.MultiHeadAttention(4, 32, attention_impl="pallas", decode=False, rngs=nnx.Rngs(0))
     nnx_stock = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
     eqx_ours = peqx.MultiheadAttention(4, 32, attention_impl="pallas", key=jax.random.key(0))

@@ -19,7 +19,7 @@ import probjax_nn
 import probjax_nn.equinox as peqx
 import probjax_nn.linen as plinen
 import probjax_nn.nnx as pnnx
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 
 SINKS = np.array([0.7, -1.5, 2.0, 0.0], np.float32)
 
@@ -56,7 +56,7 @@ def test_flash_forward_grad_and_tangent_gqa_causal_with_an_empty_row():
     assert_close(lse, expected_lse, jnp.float32, "lse")
     np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
     np.testing.assert_allclose(np.asarray(lse[1]), np.broadcast_to(SINKS[:, None], (4, 20)), rtol=1e-6)
-    d_out = jax.random.normal(jax.random.key(7), out.shape)
+    d_out = normal(7, out.shape)
     grads = vjp((d_out, jnp.zeros_like(lse)))
 
     def loss(q, k, v, sinks):  # the same loss through the plain-jnp reference (Precision.HIGHEST), by jax.grad
@@ -107,9 +107,9 @@ def test_flex_with_score_mod_and_block_mask():
 def test_decode(paged):
     batch, new, heads, kv_heads, dim, page = 2, 2, 4, 2, 16, 16
     lengths = np.array([37, 5], np.int32)
-    q = jax.random.normal(jax.random.key(3), (batch, new, heads, dim))
-    keys = jax.random.normal(jax.random.key(4), (batch, 48, kv_heads, dim))
-    values = jax.random.normal(jax.random.key(5), (batch, 48, kv_heads, dim))
+    q = normal(3, (batch, new, heads, dim))
+    keys = normal(4, (batch, 48, kv_heads, dim))
+    values = normal(5, (batch, 48, kv_heads, dim))
     if paged:  # 3 pages per sequence, laid out in reverse order in the pool
         tables = jnp.array([[5, 4, 3], [2, 1, 0]], jnp.int32)
         pool = lambda x: jnp.flip(x.reshape(batch * 3, page, kv_heads, dim), 0)  # noqa: E731
@@ -137,7 +137,7 @@ def test_ring_attention_on_four_devices():
         return pk.ring_attention(q, k, v, axis_name="sp", causal=True, sinks=sinks)
 
     mapped = jax.shard_map(attend, mesh=mesh, in_specs=(seq, seq, seq, P()), out_specs=seq, check_vma=False)
-    d_out = jax.random.normal(jax.random.key(8), (1, 32, 4, 16))
+    d_out = normal(8, (1, 32, 4, 16))
     out, vjp = jax.vjp(mapped, q, k, v, jnp.asarray(SINKS))
     allowed = numpy_allowed(1, 32, 32, causal=True)
     assert_close(out, numpy_with_sinks(q, k, v, SINKS, allowed)[0], jnp.float32, "out")
@@ -193,7 +193,7 @@ def _sink_attention_fn(sinks, query, key, value, mask=None, **kwargs):
 
 
 def test_nnx_module_and_its_decode_steps():
-    x = jax.random.normal(jax.random.key(11), (2, 6, 16))
+    x = normal(11, (2, 6, 16))
     module = pnnx.MultiHeadAttention(4, 16, attention_sinks=True, decode=False, rngs=nnx.Rngs(0))
     module.sinks[...] = jnp.asarray(SINKS)
     stock = nnx.MultiHeadAttention(4, 16, decode=False, rngs=nnx.Rngs(0),
@@ -210,7 +210,7 @@ def test_nnx_module_and_its_decode_steps():
 
 
 def test_linen_module():
-    x = jax.random.normal(jax.random.key(12), (2, 6, 16))
+    x = normal(12, (2, 6, 16))
     module = plinen.MultiHeadDotProductAttention(num_heads=4, attention_sinks=True)
     variables = module.init(jax.random.key(0), x)
     params = dict(variables["params"], sinks=jnp.asarray(SINKS))
@@ -225,7 +225,7 @@ def test_linen_module():
 
 
 def test_equinox_module():
-    x = jax.random.normal(jax.random.key(13), (6, 16))
+    x = normal(13, (6, 16))
     module = peqx.MultiheadAttention(4, 16, attention_sinks=True, key=jax.random.key(0))
     module = eqx.tree_at(lambda m: m.sinks, module, jnp.asarray(SINKS))
     stock = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, output_and_grads, random_qkv, to_float32
+from helpers import assert_close, normal, numpy_allowed, output_and_grads, random_qkv, to_float32
 
 import probjax_nn
 from probjax_kernels import flash_attention, softcap
@@ -53,7 +53,7 @@ def numpy_capped(q, k, v, cap, d_out, *, allowed=None, bias=None, scale=None, sc
 
 def inputs(key, batch=1, q_len=40, kv_len=40, num_heads=4, num_kv_heads=2, head_dim=16):
     q, k, v = random_qkv(key, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim)
-    d_out = jax.random.normal(jax.random.key(key + 1000), q.shape, jnp.float32)
+    d_out = normal(key + 1000, q.shape, jnp.float32)
     return 4.0 * q, k, v, d_out
 
 
@@ -68,7 +68,7 @@ def test_flash_attention_soft_cap_against_float64(causal):
     """Forward, lse and backward kernels with GQA 4:2, causal or with a padded key length and a bias."""
     q, k, v, d_out = inputs(1)
     kwargs = dict(causal=True) if causal else dict(
-        kv_lengths=jnp.array([29], jnp.int32), bias=jax.random.normal(jax.random.key(5), (1, 4, 40, 40)))
+        kv_lengths=jnp.array([29], jnp.int32), bias=normal(5, (1, 4, 40, 40)))
     allowed = numpy_allowed(1, 40, 40, causal=causal, kv_lengths=None if causal else [29])
     result = output_and_grads(
         lambda q, k, v: flash_attention(q, k, v, logits_soft_cap=CAP, return_lse=True, **kwargs),
@@ -92,7 +92,7 @@ def test_flash_attention_soft_cap_with_a_traced_scale_and_forward_mode():
         (q, k, v), d_out, has_aux=True)
     allowed = numpy_allowed(1, 40, 40, causal=True)
     check(result, numpy_capped(q, k, v, CAP, d_out, allowed=allowed, scale=scale))
-    tangents = tuple(jax.random.normal(jax.random.key(10 + i), x.shape, jnp.float32) for i, x in enumerate((q, k, v)))
+    tangents = tuple(normal(10 + i, x.shape, jnp.float32) for i, x in enumerate((q, k, v)))
     _, d_actual = jax.jit(lambda p, t: jax.jvp(lambda q, k, v: flash_attention(
         q, k, v, causal=True, logits_soft_cap=CAP), p, t))((q, k, v), tangents)
     eps = 1e-4
@@ -114,7 +114,7 @@ def test_attention_soft_cap_every_impl(impl):
     """Causal GQA with a bias: output, lse and gradients; "flex" and "xla" with a user score_mod too, the
     cap applied after it."""
     q, k, v, d_out = inputs(3)
-    bias = jax.random.normal(jax.random.key(6), (1, 4, 40, 40))
+    bias = normal(6, (1, 4, 40, 40))
     hooks = impl != "pallas"
     score_mod = (lambda s, b, h, i, j: _linear_score_mod(0.05, s, b, h, i, j)) if hooks else None
 

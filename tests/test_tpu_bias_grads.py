@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 from test_tpu_kernels import TPU, check_gradients
 
 from probjax_kernels import flash_attention, flash_attention_reference
@@ -35,7 +35,7 @@ def has_full_scores_array(fn, *args) -> bool:
 ])
 def test_broadcast_bias_gradient_in_the_kernels(bias_shape, heads, kv_heads, head_dim, dtype):
     q, k, v = random_qkv(60, B, T, S, heads, kv_heads, head_dim, dtype)
-    bias = jax.random.normal(jax.random.key(61), bias_shape)
+    bias = normal(61, bias_shape)
     q_lengths, kv_lengths = jnp.array([T, 101]), jnp.array([S, 230])
     kwargs = dict(causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths)
 
@@ -57,6 +57,6 @@ def test_broadcast_bias_gradient_in_the_kernels(bias_shape, heads, kv_heads, hea
 def test_a_bias_with_both_axes_still_takes_ds():
     """A [1, N, T, S] bias's gradient is dS itself (summed over the batch): the dQ kernel writes it."""
     q, k, v = random_qkv(62, B, T, S, 4, 2, 64)
-    bias = jax.random.normal(jax.random.key(63), (1, 4, T, S))
+    bias = normal(63, (1, 4, T, S))
     grad = jax.grad(lambda b: jnp.sum(flash_attention(q, k, v, bias=b, causal=True, config=TPU)))
     assert has_full_scores_array(grad, bias)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 from test_tpu_tile_reads import kernel_calls, numpy_derivatives  # noqa: F401 (a fixture)
 
 from probjax_kernels import (
@@ -45,8 +45,8 @@ def run_and_check(block_mask, q, k, v, allowed, kv_bias=None):
         cotangents = (out_cotangent, jnp.isfinite(lse).astype(jnp.float32))
         return (out, lse), cotangents, vjp(cotangents), jax.jvp(call, args, tangents)[1]
 
-    tangents = tuple(jax.random.normal(jax.random.key(10 + i), x.shape) for i, x in enumerate(args))
-    (out, lse), cotangents, grads, (d_out, d_lse) = run(args, jax.random.normal(jax.random.key(9), q.shape),
+    tangents = tuple(normal(10 + i, x.shape) for i, x in enumerate(args))
+    (out, lse), cotangents, grads, (d_out, d_lse) = run(args, normal(9, q.shape),
                                                         tangents)
     bias = 0.0 if kv_bias is None else np.asarray(kv_bias, np.float64)[:, None, None, :]
     expected, expected_lse = numpy_attention(q, k, v, allowed=allowed, bias=bias)
@@ -83,7 +83,7 @@ def test_document_masks_of_small_and_mixed_blocks(kernel_calls, block_size):
     mask_mod = and_masks(causal_mask, document_mask(jnp.asarray(ids)))
     block_mask = create_block_mask(mask_mod, 2, None, 200, 200, BLOCK_SIZE=block_size)
     allowed = numpy_allowed(2, 200, 200, causal=True) & same_document(ids)
-    kv_bias = jax.random.normal(jax.random.key(2), (2, 200)) if block_size == 64 else None
+    kv_bias = normal(2, (2, 200)) if block_size == 64 else None
     run_and_check(block_mask, q, k, v, allowed, kv_bias)
     assert all(kernel_calls.values()), kernel_calls
 

@@ -19,7 +19,7 @@ import pytest
 
 from probjax_kernels import DecodeConfig, _dispatch, alibi, decode_attention, relative_bias, sliding_window, softcap
 from probjax_kernels._decode_inputs import check_decode_inputs
-from helpers import numpy_attention
+from helpers import normal, numpy_attention
 from test_decode import check, expected, make_cache, paginate, random_q
 
 TPU = "tpu_interpret"
@@ -108,12 +108,12 @@ def test_a_hook_mosaic_tpu_cannot_lower_runs_the_xla_path_with_a_warning(which):
     k, v = make_cache(12, 2, 40, 2, 16, 16, jnp.float32)
     lengths = np.array([9, 40])
     if which == "relative_bias":
-        table = jax.random.normal(jax.random.key(13), (4, 79))
+        table = normal(13, (4, 79))
         score_mod = relative_bias(table)
         q_pos = lengths[:, None, None, None] - 3 + np.arange(3)[None, None, :, None]
         bias = np.asarray(table)[np.arange(4)[None, :, None, None], np.arange(40)[None, None, None, :] - q_pos + 39]
     else:
-        kv_bias = jax.random.normal(jax.random.key(13), (2, 40))
+        kv_bias = normal(13, (2, 40))
         score_mod = lambda s, b, h, q_idx, kv_idx: s + kv_bias[b, kv_idx]  # noqa: E731
         bias = np.asarray(kv_bias)[:, None, None, :]
     with pytest.warns(UserWarning, match="score_mod cannot run in the Mosaic TPU decode kernel.*XLA path"):

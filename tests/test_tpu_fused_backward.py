@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 from test_tpu_kernels import check_gradients, finite
 
 from probjax_kernels import (
@@ -89,7 +89,7 @@ def test_flex_hook_with_a_block_mask_and_the_slopes_gradient(backwards):
 def test_a_bias_gradient_takes_the_two_kernels(backwards):
     """The bias gradient is dS summed by the dQ (or dK/dV) kernel, so such calls run the two kernels, right."""
     q, k, v = random_qkv(63, 1, 150, 150, 2, 2, 64)
-    bias = jax.random.normal(jax.random.key(64), (1, 2, 150, 150))
+    bias = normal(64, (1, 2, 150, 150))
     check_gradients(lambda q, k, v, b: flash_attention(q, k, v, bias=b, return_lse=True, config=FUSED),
                     lambda q, k, v, b: flash_attention_reference(q, k, v, bias=b, return_lse=True),
                     (q, k, v, bias), jnp.float32)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, bernoulli, normal, numpy_allowed, numpy_attention, random_qkv
 
 from probjax_kernels import (
     AuxRequest, FlashConfig, alibi, create_block_mask, flash_attention, flash_attention_reference,
@@ -36,7 +36,7 @@ def check_gradients(kernel, reference, args, dtype, factor=1.0):
     def run(args):
         outputs, kernel_vjp = jax.vjp(kernel, *args)
         expected_outputs, reference_vjp = jax.vjp(reference, *args)
-        cotangent = jax.random.normal(jax.random.key(7), outputs[0].shape, jnp.float32).astype(outputs[0].dtype)
+        cotangent = normal(7, outputs[0].shape, jnp.float32).astype(outputs[0].dtype)
         lse_cotangent = jnp.isfinite(expected_outputs[1]).astype(jnp.float32)
         rest = [jnp.zeros_like(x) for x in outputs[2:]]
         grads = kernel_vjp((cotangent, lse_cotangent, *rest))
@@ -54,8 +54,8 @@ def test_causal_gqa_lengths_bias_mask_against_float64_and_gradients():
     a broadcast [1, N, T, S] bias (differentiable) and a dense [B, 1, T, S] mask, in float32."""
     q, k, v = random_qkv(0, 2, 77, 200, 2, 1, 64)
     q_lengths, kv_lengths = jnp.array([77, 50]), jnp.array([200, 120])
-    bias = jax.random.normal(jax.random.key(4), (1, 2, 77, 200))
-    mask = jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 77, 200))
+    bias = normal(4, (1, 2, 77, 200))
+    mask = bernoulli(5, 0.8, (2, 1, 77, 200))
     kwargs = dict(causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
     (out, lse), _ = check_gradients(
         lambda q, k, v, b: flash_attention(q, k, v, bias=b, return_lse=True, config=TPU, **kwargs),
@@ -74,7 +74,7 @@ def test_bf16_window_segments_value_dim_shared_kv_and_dropout():
     keep mask every backend uses (`dropout_keep_mask`, the reference's), in bfloat16: gradients."""
     q, k, _ = random_qkv(1, 2, 130, 130, 2, 2, 64, jnp.bfloat16)
     k = k[:1]
-    v = jax.random.normal(jax.random.key(2), (1, 130, 2, 32), jnp.float32).astype(jnp.bfloat16)
+    v = normal(2, (1, 130, 2, 32), jnp.float32).astype(jnp.bfloat16)
     segments = jnp.stack([jnp.repeat(jnp.arange(2), 65), jnp.repeat(jnp.arange(3), 44)[:130]])
     kwargs = dict(window=(40, 10), q_segment_ids=segments, kv_segment_ids=segments, dropout_rate=0.3,
                   dropout_seed=11)
@@ -126,7 +126,7 @@ def test_block_mask_coarser_than_the_tiles_runs_in_the_kernels():
         return lambda q, k, v: attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
                                          **extra)
 
-    tangents = tuple(jax.random.normal(jax.random.key(40 + i), x.shape) for i, x in enumerate((q, k, v)))
+    tangents = tuple(normal(40 + i, x.shape) for i, x in enumerate((q, k, v)))
     jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the XLA fallback warns
@@ -142,8 +142,8 @@ def test_block_mask_coarser_than_the_tiles_runs_in_the_kernels():
 def test_jvp_against_reference():
     """Forward mode through the TPU tangent kernel: tangents of q, k, v and the bias."""
     q, k, v = random_qkv(9, 1, 140, 140, 2, 1, 64)
-    bias = jax.random.normal(jax.random.key(10), (1, 1, 140, 140))
-    tangents = tuple(jax.random.normal(jax.random.key(20 + i), x.shape) for i, x in enumerate((q, k, v, bias)))
+    bias = normal(10, (1, 1, 140, 140))
+    tangents = tuple(normal(20 + i, x.shape) for i, x in enumerate((q, k, v, bias)))
 
     def of(attention, **extra):
         return lambda q, k, v, b: attention(q, k, v, bias=b, causal=True, return_lse=True, **extra)
@@ -160,7 +160,7 @@ def test_jvp_against_reference():
 def test_gradient_under_jit():
     """`jit(grad)`: the backward kernels in the interpreter, reached through custom_linear's transpose."""
     q, k, v = random_qkv(15, 1, 70, 70, 2, 1, 32)
-    cotangent = jax.random.normal(jax.random.key(16), q.shape)
+    cotangent = normal(16, q.shape)
 
     def loss(attention, **extra):
         return lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, **extra) * cotangent)
@@ -186,12 +186,12 @@ def test_a_hook_with_a_gather_falls_back_to_xla_with_a_warning():
     at exactly q_idx / kv_idx is a tile: tests/test_tpu_tile_reads.py). The call warns, naming the op, and computes on XLA: forward,
     gradients (the table's too) and jvp."""
     q, k, v = random_qkv(13, 1, 24, 24, 2, 2, 32)
-    table = jax.random.normal(jax.random.key(14), (2, 47))
+    table = normal(14, (2, 47))
 
     def of(attention, **extra):
         return lambda q, k, v, table: attention(q, k, v, score_mod=relative_bias(table), return_lse=True, **extra)
 
-    tangents = tuple(jax.random.normal(jax.random.key(30 + i), x.shape) for i, x in enumerate((q, k, v, table)))
+    tangents = tuple(normal(30 + i, x.shape) for i, x in enumerate((q, k, v, table)))
     jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
     with pytest.warns(UserWarning, match="score_mod .op `gather`"):
         (out, lse), (expected, expected_lse) = check_gradients(

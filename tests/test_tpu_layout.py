@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, bernoulli, normal, numpy_allowed, numpy_attention, random_qkv
 from test_tpu_kernels import TPU, check_gradients, finite
 
 from probjax_kernels import (
@@ -86,8 +86,8 @@ def test_mha_causal_lengths_bias_mask_gradients_in_place():
     pass the in-place budget (`kernel_vmem`'s tile arrays), and that kernel runs transposed."""
     q, k, v = random_qkv(30, 2, 150, 300, 8, 8, 128, jnp.bfloat16)
     q_lengths, kv_lengths = jnp.array([150, 90]), jnp.array([300, 200])
-    bias = jax.random.normal(jax.random.key(31), (1, 8, 150, 300))
-    mask = jax.random.bernoulli(jax.random.key(32), 0.85, (2, 1, 150, 300))
+    bias = normal(31, (1, 8, 150, 300))
+    mask = bernoulli(32, 0.85, (2, 1, 150, 300))
     kwargs = dict(causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask)
     config = FlashConfig(backend="tpu_interpret", block_q_dq=128, block_k_dq=256)
     (out, lse), _ = check_gradients(
@@ -149,7 +149,7 @@ def test_hooks_with_a_block_mask_and_jvp_in_place():
         warnings.simplefilter("error")  # the XLA fallback warns
         check_gradients(attend(flex_attention, config=TPU), attend(flex_attention_reference), (q, k, v, slopes),
                         jnp.bfloat16)
-        tangents = tuple(jax.random.normal(jax.random.key(40 + i), x.shape, x.dtype)
+        tangents = tuple(normal(40 + i, x.shape, x.dtype)
                          for i, x in enumerate((q, k, v)))
         jvp = jax.jit(lambda f, p, t: jax.jvp(f, p, t), static_argnums=0)
         (_, (d_out, d_lse)) = jvp(lambda q, k, v: attend(flex_attention, config=TPU)(q, k, v, slopes), (q, k, v),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_allowed, numpy_attention, random_qkv
+from helpers import assert_close, normal, numpy_allowed, numpy_attention, random_qkv
 
 from probjax_kernels import (
     FlashConfig, and_masks, causal_mask, create_block_mask, document_mask, flex_attention, relative_bias,
@@ -84,8 +84,8 @@ def test_document_ids_and_per_token_biases_in_the_kernels(kernel_calls):
     float64, from one forward (`jax.linearize`); every pass in the kernels."""
     batch, t, s, heads = 2, 150, 300, 4
     q, k, v = random_qkv(42, batch, t, s, heads, 2, 32)
-    kv_bias = jax.random.normal(jax.random.key(43), (batch, s))
-    q_bias = jax.random.normal(jax.random.key(44), (2, t))
+    kv_bias = normal(43, (batch, s))
+    q_bias = normal(44, (2, t))
     q_doc = jnp.stack([jnp.repeat(jnp.arange(3), 50), jnp.repeat(jnp.arange(2), 75)])
     kv_doc = jnp.stack([jnp.repeat(jnp.arange(3), 100), jnp.repeat(jnp.arange(2), 150)])
 
@@ -102,7 +102,7 @@ def test_document_ids_and_per_token_biases_in_the_kernels(kernel_calls):
                               return_lse=True, config=TPU)
 
     args = (q, k, v, kv_bias, q_bias)
-    tangents = tuple(jax.random.normal(jax.random.key(50 + i), x.shape) for i, x in enumerate(args))
+    tangents = tuple(normal(50 + i, x.shape) for i, x in enumerate(args))
 
     @jax.jit  # eagerly, every op around the kernels is an XLA compile of its own
     def run(args, out_cotangent, tangents):
@@ -110,7 +110,7 @@ def test_document_ids_and_per_token_biases_in_the_kernels(kernel_calls):
         cotangents = (out_cotangent, jnp.isfinite(lse).astype(jnp.float32))
         return (out, lse), cotangents, jax.linear_transpose(linear, *args)(cotangents), linear(*tangents)
 
-    (out, lse), cotangents, grads, (d_out, d_lse) = run(args, jax.random.normal(jax.random.key(45), q.shape), tangents)
+    (out, lse), cotangents, grads, (d_out, d_lse) = run(args, normal(45, q.shape), tangents)
 
     allowed = numpy_allowed(batch, t, s, causal=True) & (
         np.asarray(q_doc)[:, None, :, None] == np.asarray(kv_doc)[:, None, None, :])

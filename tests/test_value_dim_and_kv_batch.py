@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, numpy_attention
+from helpers import assert_close, normal, numpy_attention
 
 import probjax_nn
 from probjax_nn import _protocol
@@ -16,10 +16,9 @@ from probjax_kernels import (
 
 
 def inputs(seed, batch, kv_batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, value_dim):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (batch, q_len, num_heads, head_dim))
-    k = jax.random.normal(kk, (kv_batch, kv_len, num_kv_heads, head_dim))
-    v = jax.random.normal(kv, (kv_batch, kv_len, num_kv_heads, value_dim))
+    q = normal((seed, 1), (batch, q_len, num_heads, head_dim))
+    k = normal((seed, 2), (kv_batch, kv_len, num_kv_heads, head_dim))
+    v = normal((seed, 3), (kv_batch, kv_len, num_kv_heads, value_dim))
     return q, k, v
 
 
@@ -49,7 +48,7 @@ def kernel_and_reference_agree(kernel, reference, q, k, v, jvp=True):
     plain-jnp reference."""
     # Each under jit: eagerly, every op is an XLA compile of its own.
     assert_close(jax.jit(kernel)(q, k, v), jax.jit(reference)(q, k, v), jnp.float32, "out")
-    cotangent = jax.random.normal(jax.random.key(9), (*q.shape[:-1], v.shape[-1]))
+    cotangent = normal(9, (*q.shape[:-1], v.shape[-1]))
     grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), (0, 1, 2)))(q, k, v)
              for f in (kernel, reference)]
     for name, got, want in zip(("dq", "dk", "dv"), *grads):
@@ -57,7 +56,7 @@ def kernel_and_reference_agree(kernel, reference, q, k, v, jvp=True):
         assert_close(got, want, jnp.float32, name)
     if not jvp:
         return
-    tangents = tuple(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((q, k, v)))
+    tangents = tuple(normal(i, x.shape) for i, x in enumerate((q, k, v)))
     tangent_of = jax.jit(lambda f, primals, tangents: jax.jvp(f, primals, tangents)[1], static_argnums=0)
     assert_close(tangent_of(kernel, (q, k, v), tangents), tangent_of(reference, (q, k, v), tangents), jnp.float32,
                  "jvp")

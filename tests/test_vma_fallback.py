@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import assert_close, normal, random_qkv
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -48,7 +48,7 @@ def test_gradients_inside_a_checked_shard_map(call, manual, axis_type):
     outputs and the gradients of a weighted sum equal the unsharded plain-jnp call's."""
     attend, plain = CALLS[call]
     q, k, v = random_qkv(31, 4, T, T, 4, 2, 16)
-    weights = jax.random.normal(jax.random.key(32), q.shape, jnp.float32)
+    weights = normal(32, q.shape, jnp.float32)
 
     def value_and_grads(fn, q, k, v, weights):
         def loss(q, k, v):
