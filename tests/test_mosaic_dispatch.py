@@ -48,6 +48,14 @@ def counting_mosaic_backward():
         yield calls
 
 
+def interpreted_beside_reference(fn, reference, args, cotangent):
+    """`output_and_grads` of `fn` (interpreted) and of `reference` at `args` and `cotangent`, and whether the
+    interpreted backward ran the Mosaic dQ / dK/dV kernels: ((out, grads), mosaic_backward, (out, grads))."""
+    with counting_mosaic_backward() as backward_calls:
+        interpreted = output_and_grads(fn, args, cotangent)
+    return interpreted, bool(backward_calls), output_and_grads(reference, args, cotangent)
+
+
 def runs_triton_forward(fn, *args) -> bool:
     return "probjax_flash_forward" in str(jax.make_jaxpr(fn)(*args))
 
@@ -62,11 +70,9 @@ def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic"
     assert not runs_triton_forward(fn, q, k, v)
     cotangent = normal(seed, (*q.shape[:3], v.shape[3]))
     reference = {key: value for key, value in kwargs.items() if not key.startswith("_")}
-    with counting_mosaic_backward() as backward_calls:
-        out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert bool(backward_calls) == (backward == "mosaic"), backward_calls
-    expected_out, expected_grads = output_and_grads(lambda *a: flash_attention_reference(*a, **reference), (q, k, v),
-                                                    cotangent)
+    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+        fn, lambda *a: flash_attention_reference(*a, **reference), (q, k, v), cotangent)
+    assert mosaic_backward == (backward == "mosaic")
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert got.shape == expected.shape
@@ -192,11 +198,9 @@ def test_a_block_mask_coarser_than_the_tiles_runs_the_mosaic_kernels():
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
     cotangent = normal(10, q.shape)
-    with counting_mosaic_backward() as calls:
-        out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert calls
-    expected_out, expected_grads = output_and_grads(
-        lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask), (q, k, v), cotangent)
+    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+        fn, lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask), (q, k, v), cotangent)
+    assert mosaic_backward
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, want in zip("qkv", grads, expected_grads):
         assert_close(got, want, jnp.bfloat16, f"d{name}")
@@ -284,10 +288,9 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
         assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
     # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
     cotangent = normal(10, q.shape)
-    with counting_mosaic_backward() as backward_calls:
-        out, grads = output_and_grads(fn, args, cotangent)
-    assert backward_calls, "the Mosaic backward did not run"
-    expected_out, expected_grads = output_and_grads(reference, args, cotangent)
+    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+        fn, reference, args, cotangent)
+    assert mosaic_backward, "the Mosaic backward did not run"
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv", "d_params"), grads, expected_grads):
         assert_close(got, expected, jnp.bfloat16, name)
@@ -302,11 +305,10 @@ def test_a_document_mask_runs_the_mosaic_forward_and_backward():
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)  # the compiled backward: the report's document_mask rows
     cotangent = normal(12, q.shape)
-    with counting_mosaic_backward() as backward_calls:
-        out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert backward_calls, "the Mosaic backward did not run"
-    expected_out, expected_grads = output_and_grads(
-        lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True), (q, k, v), cotangent)
+    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+        fn, lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True), (q, k, v),
+        cotangent)
+    assert mosaic_backward, "the Mosaic backward did not run"
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(got, expected, jnp.bfloat16, name)
@@ -412,11 +414,9 @@ def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
         assert backward_kernels(lambda config: lambda *a: jnp.sum(flash_attention(
             *a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == backward
     cotangent = normal(34, q.shape)
-    with counting_mosaic_backward() as backward_calls:
-        out, grads = output_and_grads(fn, (q, k, v, bias), cotangent)
-    assert bool(backward_calls) == (backward == "mosaic" and not float32_tiles)
-    expected_out, expected_grads = output_and_grads(
-        lambda q, k, v, bias: flash_attention_reference(q, k, v, bias=bias, **kwargs), (q, k, v, bias), cotangent)
+    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+        fn, lambda q, k, v, bias: flash_attention_reference(q, k, v, bias=bias, **kwargs), (q, k, v, bias), cotangent)
+    assert mosaic_backward == (backward == "mosaic" and not float32_tiles)
     assert_close(out, expected_out, jnp.bfloat16, "out")
     for name, got, expected in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
         assert got.shape == expected.shape and got.dtype == expected.dtype
