@@ -18,10 +18,13 @@ TOLERANCE = {jnp.float32: 2e-5, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}
 _NORMAL, _BERNOULLI, _QKV = 1, 2, 3
 
 
+def _standard_normal(rng: np.random.Generator, shape, dtype) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+
+
 def normal(seed: int | tuple[int, ...], shape, dtype=jnp.float32) -> jax.Array:
     """Standard normal samples of `shape`, drawn in float32 and rounded to `dtype`."""
-    rng = np.random.default_rng((*np.atleast_1d(seed), _NORMAL))
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+    return _standard_normal(np.random.default_rng((*np.atleast_1d(seed), _NORMAL)), shape, dtype)
 
 
 def bernoulli(seed: int, p: float, shape=()) -> jax.Array:
@@ -34,8 +37,7 @@ def random_qkv(seed: int, batch, q_len, kv_len, num_heads, num_kv_heads, head_di
     normal, drawn in float32 and rounded to `dtype`."""
     rng = np.random.default_rng((seed, _QKV))
     q_shape, kv_shape = (batch, q_len, num_heads, head_dim), (batch, kv_len, num_kv_heads, head_dim)
-    return tuple(jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
-                 for shape in (q_shape, kv_shape, kv_shape))
+    return tuple(_standard_normal(rng, shape, dtype) for shape in (q_shape, kv_shape, kv_shape))
 
 
 def output_and_grads(f, args, cotangent, *, has_aux=False):
