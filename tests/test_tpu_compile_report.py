@@ -85,8 +85,10 @@ def _drop(section, target, name):
     ("missing pair", lambda s: _drop(s, "tpu_v5p", KERNEL_VARIANT), "tpu_v5p tpu_grad_d128_bf16_causal: missing"),
     ("compile error", lambda s: _find(s, "tpu_v6e", KERNEL_VARIANT).update(status="error", error="E1001"),
      "compile error: E1001"),
-    ("missing kernel", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT)["kernels"].pop(),
+    ("missing kernel", lambda s: _find(s, "tpu_v6e", KERNEL_VARIANT)["kernels"].pop(),  # two kernels on v6e
      "no tpu_custom_call of probjax_tpu_backward_dkv"),
+    ("missing fused kernel", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT)["kernels"].pop(),
+     "no tpu_custom_call of probjax_tpu_backward_fused"),
     ("no kernels at all", lambda s: _find(s, "tpu_v5e", "tpu_jvp_d128_bf16_causal").update(kernels=[]),
      "no tpu_custom_call of probjax_tpu_tangent"),
     ("kernel variant fell back", lambda s: _find(s, "tpu_v5e", KERNEL_VARIANT).update(dispatch="fallback"),

@@ -5,6 +5,8 @@ interpret mode against the float64 NumPy reference and the plain-jnp one: MHA, G
 than N, per-head bias with its gradient, masks, segments, dropout, Dv != D, shared K / V, hooks with a
 BlockMask, the jvp; and which calls take the transposed layout instead."""
 
+import dataclasses
+import re
 import warnings
 
 import jax
@@ -177,15 +179,20 @@ def test_per_head_block_mask_takes_the_transposed_layout():
     assert_close(out, expected, jnp.float32, "out")
 
 
-def test_in_place_program_has_no_layout_copy():
-    """The fwd + bwd program holds no [B, T, N, D] <-> [B, N, T, D] transpose of q, k, v, dO or the results
-    at head dim 128, bf16 (the transposed layout's head dim 64 holds them; the kernels' own (rows, 1) <->
-    (1, rows) transposes of row statistics are not counted)."""
+@pytest.mark.parametrize("fused_backward", [False, True])
+def test_in_place_program_has_no_layout_copy(fused_backward):
+    """The lowered fwd + bwd program holds no [B, T, N, D] <-> [B, N, T, D] transpose of q, k, v, dO or the
+    results at head dim 128, bf16 (the transposed layout's head dim 64 holds them; the kernels' own (rows, 1)
+    <-> (1, rows) transposes of row statistics are not counted), with the two backward kernels or the fused
+    one (its float32 dQ accumulates in [B, T, N, D]). The program is lowered, not a jaxpr printed: the
+    backward kernels are reached through custom_linear's transpose only as the program is lowered."""
+    config = dataclasses.replace(TPU, fused_backward=fused_backward)
+
     def count_transposes(head_dim):
         q, k, v = random_qkv(38, 1, 256, 256, 8, 8, head_dim, jnp.bfloat16)
-        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, config=TPU).astype(jnp.float32))  # noqa: E731
-        text = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
-        return text.count("transpose[permutation=(0, 2, 1, 3)]")
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, config=config).astype(jnp.float32))  # noqa: E731
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).as_text()
+        return len(re.findall(r"stablehlo\.transpose .*dims = \[0, 2, 1, 3\]", text))
 
     assert count_transposes(128) == 0
     assert count_transposes(64) > 0

@@ -3,8 +3,9 @@ kernel's (B, K, key tile, step) walk (`backward._dkv_kernel`), which also adds e
 rows of its query tile, so QK^T and dO V^T are computed once per tile pair (5 tile matmuls against the two
 kernels' 7).
 
-dQ accumulates in a float32 `[B, N, T, D]` array in HBM (`memory_space=ANY`): a visited step reads its query
-tile's rows, adds, and writes them back, with DMAs it waits on, so the sum over key tiles happens in one
+dQ accumulates in a float32 array in HBM (`memory_space=ANY`) in the layout's own order (`[B, T, N, D]` in
+place, so that no transpose of it runs in XLA; `[B, N, T, D]` transposed): a visited step reads its query
+tile's rows of its heads, adds, and writes them back, with DMAs it waits on, so the sum over key tiles happens in one
 program in a fixed order (deterministic, no atomics). That makes the key-tile axis sequential ("arbitrary"):
 only the batch and head-block axes run in parallel. The program zeroes its heads' dQ rows at its first step.
 delta = rowsum(dO * O) - d lse comes from XLA. Calls that need the dQ kernel's own
@@ -50,8 +51,9 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
     first_head = block * program_heads + head  # of this step's `step_heads` query heads
     with_derivative = problem.features.score_mod is not None
 
-    def rows_of(first, tile):
-        return dq_hbm.at[b, pl.ds(first, step_heads), pl.ds(tile * bq, bq), :]
+    def rows_of(first, tile):  # the dQ rows of `step_heads` heads from `first` on query tile `tile`
+        heads, rows = pl.ds(first, step_heads), pl.ds(tile * bq, bq)
+        return dq_hbm.at[b, rows, heads, :] if layout.in_place else dq_hbm.at[b, heads, rows, :]
 
     @pl.when((j == 0) & (step == 0))
     def _():  # this program's dQ rows start at zero
@@ -105,7 +107,11 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
     @pl.when(visited)
     def _():
         read.wait()
-        dq_rows[...] += dq_part[...]
+        if layout.in_place:  # (heads, rows, D) parts into the (rows, heads, D) rows, head by head
+            for slot in range(step_heads):
+                layout.store(dq_rows, slot, layout.load(dq_rows, slot) + dq_part[slot])
+        else:
+            dq_rows[...] += dq_part[...]
         write.start()
         write.wait()
 
@@ -118,8 +124,8 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
 
 def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh, doh, lse2, delta,
                    scalar_inputs, optional: dict, varying):
-    """(dQ `[B, N, T, D]` float32, scaled; dK, dV in `layout`'s arrays) of padded inputs in `layout`'s arrays,
-    on the dK/dV kernel's tiles."""
+    """(dQ float32, scaled; dK, dV), each in `layout`'s arrays, of padded inputs in `layout`'s arrays, on the
+    dK/dV kernel's tiles."""
     (batch, t_pad, num_heads, d_pad), (kv_batch, s_pad, num_kv_heads, dv_pad) = shapes
     walk = two_kernels.dkv_walk(problem, layout, (t_pad, s_pad), optional)
     problem, steps = walk.problem, walk.steps
@@ -130,7 +136,7 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
     out_batch, out_dtype = (batch, jnp.float32) if problem.kv_broadcast else (kv_batch, kh.dtype)
     out_shape = [common.output(layout.shape(out_batch, s_pad, num_kv_heads, dim, kv=True), out_dtype, *varying)
                  for dim in (d_pad, dv_pad)]
-    out_shape.append(common.output((batch, num_heads, t_pad, d_pad), jnp.float32, *varying))
+    out_shape.append(common.output(layout.shape(batch, t_pad, num_heads, d_pad), jnp.float32, *varying))
     stages = [layout.stage_shape(bq, d_pad, qh.dtype), layout.stage_shape(bq, dv_pad, doh.dtype),
               layout.stage_shape(bk, d_pad, kh.dtype, kv=True), layout.stage_shape(bk, dv_pad, vh.dtype, kv=True)]
     kv_heads = layout.kv_heads
@@ -154,7 +160,7 @@ def fused_backward(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, 
                        pl.BlockSpec(memory_space=pl.ANY)],
             scratch_shapes=[pltpu.VMEM((kv_heads, bk, d_pad), jnp.float32),
                             pltpu.VMEM((kv_heads, bk, dv_pad), jnp.float32),
-                            pltpu.VMEM((step_heads, bq, d_pad), jnp.float32),
+                            pltpu.VMEM(layout.shape(1, bq, step_heads, d_pad)[1:], jnp.float32),  # dQ rows
                             pltpu.VMEM((step_heads, bq, d_pad), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
                             *(x for stage in stages for x in stage)],
         ),
@@ -183,6 +189,6 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse) ->
     kh, vh = (layout.view(x.astype(dtype), kv=True) for x in (k, v))
     dq, dk, dv = fused_backward(problem, layout, (q.shape, v.shape), qh, kh, vh, doh, base2_lse(lse), delta,
                                 scalars, optional, (q, k, v, d_out))
-    # scaled and cast before the transpose to [B, T, N, D]: no float32 copy of dQ in that layout
-    return dict(q=jnp.swapaxes(dq.astype(q.dtype), 1, 2), k=layout.unview(dk, kv=True).astype(k.dtype),
+    # scaled and cast in place (transposed: before the transpose to [B, T, N, D], no float32 copy of dQ there)
+    return dict(q=layout.unview(dq.astype(q.dtype)), k=layout.unview(dk, kv=True).astype(k.dtype),
                 v=layout.unview(dv, kv=True).astype(v.dtype))

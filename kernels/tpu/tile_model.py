@@ -134,10 +134,10 @@ def fused_step(chip: Chip, rows: int, keys: int, seed: Seed = SEED) -> float:
 def fused_xla_s(chip: Chip, seed: Seed = SEED) -> float:
     """Seconds of the HBM traffic the fused backward adds outside its steps, per program, against the two
     kernels: its dQ rows zeroed at the program's first step; in XLA, delta from O and dO (the dQ kernel reads
-    O itself), the float32 dQ read, transposed to `[B, T, N, D]` and written, read again, scaled and cast
-    (the compile report's XLA-side bytes measured this order of traffic: docs/perf-notes.md, Version 11)."""
+    O itself), the float32 dQ (already in `[B, T, N, D]` in the seed's in-place layout) read, scaled and cast
+    (the compile report's XLA-side bytes measured this traffic: docs/perf-notes.md, Version 17)."""
     values, itemsize = seed.seq_len * seed.head_dim * seed.heads, seed.itemsize
-    fused = 4 + 2 * itemsize + 4 + 4 + 4 + itemsize
+    fused = 4 + 2 * itemsize + 4 + itemsize
     two_kernels = 2 * itemsize  # the dQ kernel reads O, writes dQ
     return values * (fused - two_kernels) / chip.hbm_bandwidth
 
