@@ -60,6 +60,20 @@ def runs_triton_forward(fn, *args) -> bool:
     return "probjax_flash_forward" in str(jax.make_jaxpr(fn)(*args))
 
 
+def assert_output_and_grads_close(result, expected, names=("dq", "dk", "dv"), checks=None):
+    """`result` = (out, grads) of the Mosaic backend against `expected`, the reference's, within bfloat16's
+    tolerance: out, then each gradient `names` names (same shape and dtype as the reference's), through
+    `checks[name](got, expected)` instead where it is given."""
+    (out, grads), (expected_out, expected_grads) = result, expected
+    assert_close(out, expected_out, jnp.bfloat16, "out")
+    for name, got, want in zip(names, grads, expected_grads, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, got.dtype, want.shape)
+        if checks and name in checks:
+            checks[name](got, want)
+        else:
+            assert_close(got, want, jnp.bfloat16, name)
+
+
 def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic", **kwargs):
     """`flash_attention(q, k, v, **kwargs)` on backend "mosaic_interpret": the Mosaic forward runs, the backward
     runs `backward`'s kernels, and the output and the gradients of every input match the plain-jnp reference's
@@ -70,14 +84,11 @@ def assert_mosaic_matches_reference(q, k, v, seed: int, backward: str = "mosaic"
     assert not runs_triton_forward(fn, q, k, v)
     cotangent = normal(seed, (*q.shape[:3], v.shape[3]))
     reference = {key: value for key, value in kwargs.items() if not key.startswith("_")}
-    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+    result, mosaic_backward, expected = interpreted_beside_reference(
         fn, lambda *a: flash_attention_reference(*a, **reference), (q, k, v), cotangent)
     assert mosaic_backward == (backward == "mosaic")
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert got.shape == expected.shape
-        assert_close(got, expected, jnp.bfloat16, name)
-    return out, grads
+    assert_output_and_grads_close(result, expected)
+    return result
 
 
 def test_forward_gradients_and_jvp_through_the_mosaic_kernels():
@@ -288,33 +299,29 @@ def test_flex_score_mod_runs_in_the_mosaic_kernels_when_it_can(case):
         assert backward_kernels(loss_of_config, q, k, v) == "mosaic"
     # The slopes' gradient (ALiBi from a slope table) comes from XLA, beside the kernels' dq, dk, dv.
     cotangent = normal(10, q.shape)
-    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
-        fn, reference, args, cotangent)
+    result, mosaic_backward, expected = interpreted_beside_reference(fn, reference, args, cotangent)
     assert mosaic_backward, "the Mosaic backward did not run"
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv", "d_params"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_output_and_grads_close(result, expected, ("dq", "dk", "dv", *(f"d_params[{n}]" for n in range(len(params)))))
 
 
 def test_a_document_mask_runs_the_mosaic_forward_and_backward():
-    """Packed documents as a flex BlockMask (causal within each document) on the Mosaic forward, dQ and dK/dV:
-    the ids travel as vectors beside Q and K (dK/dV: beside each Q tile, per head), against the reference."""
-    q, k, v = random_qkv(11, 2, 256, 256, 2, 1, 64, jnp.bfloat16)
+    """Packed documents as a flex BlockMask (causal within each document) on the Mosaic forward, dQ and dK/dV
+    at head dim 128: the ids travel as vectors beside Q and K (dK/dV: beside each Q tile, per head), against
+    the reference. (Head dim 64 reads them the same way: the tests above; 256 runs the Mosaic forward and
+    Triton's backward, as every call there.)"""
+    q, k, v = random_qkv(11, 2, 256, 256, 2, 1, 128, jnp.bfloat16)
     ids = jnp.stack([jnp.repeat(jnp.arange(4), 64), jnp.repeat(jnp.arange(2), 128)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 256, 256)
     fn = lambda q, k, v: flex_attention(q, k, v, None, block_mask, enable_gqa=True, config=MOSAIC)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)  # the compiled backward: the report's document_mask rows
     cotangent = normal(12, q.shape)
-    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+    result, mosaic_backward, expected = interpreted_beside_reference(
         fn, lambda q, k, v: flex_attention_reference(q, k, v, None, block_mask, enable_gqa=True), (q, k, v),
         cotangent)
     assert mosaic_backward, "the Mosaic backward did not run"
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
-    # Above head dim 64 the vectors beside the wider accumulator spilled (4 B, sm_90a): the Triton kernels.
-    wide = random_qkv(11, 2, 256, 256, 2, 1, 128, jnp.bfloat16)
-    assert runs_triton_forward(fn, *wide)
+    assert_output_and_grads_close(result, expected)
+    for head_dim in (64, 256):
+        assert not runs_triton_forward(fn, *random_qkv(11, 2, 256, 256, 2, 1, head_dim, jnp.bfloat16))
 
 
 @pytest.mark.parametrize("score_mod", [softcap(30.0), alibi(alibi_slopes(8))], ids=["softcap", "alibi"])
@@ -414,19 +421,18 @@ def test_a_dense_bias_runs_the_mosaic_kernels(shape, dtype, head_dim, backward):
         assert backward_kernels(lambda config: lambda *a: jnp.sum(flash_attention(
             *a[:3], bias=a[3], config=config, **kwargs).astype(jnp.float32)), q, k, v, bias) == backward
     cotangent = normal(34, q.shape)
-    (out, grads), mosaic_backward, (expected_out, expected_grads) = interpreted_beside_reference(
+    result, mosaic_backward, expected = interpreted_beside_reference(
         fn, lambda q, k, v, bias: flash_attention_reference(q, k, v, bias=bias, **kwargs), (q, k, v, bias), cotangent)
     assert mosaic_backward == (backward == "mosaic" and not float32_tiles)
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
-        assert got.shape == expected.shape and got.dtype == expected.dtype
-        if name == "dbias" and shape[3] == 1:
-            # A bias constant along keys shifts whole rows of scores: its gradient is 0 up to rounding (a row's
-            # rowsum(P dP) - delta, delta from the 16-bit O: terms ~8 here), summed over the rows it spans.
-            rows_summed = q.shape[0] * q.shape[2] * q.shape[1] // np.prod(shape)
-            assert np.abs(to_float32(got) - to_float32(expected)).max() <= 0.1 * np.sqrt(rows_summed)
-        else:
-            assert_close(got, expected, jnp.bfloat16, name)
+
+    def row_bias_gradient(got, expected):
+        # A bias constant along keys shifts whole rows of scores: its gradient is 0 up to rounding (a row's
+        # rowsum(P dP) - delta, delta from the 16-bit O: terms ~8 here), summed over the rows it spans.
+        rows_summed = q.shape[0] * q.shape[2] * q.shape[1] // np.prod(shape)
+        assert np.abs(to_float32(got) - to_float32(expected)).max() <= 0.1 * np.sqrt(rows_summed)
+
+    assert_output_and_grads_close(result, expected, ("dq", "dk", "dv", "dbias"),
+                                  {"dbias": row_bias_gradient} if shape[3] == 1 else None)
 
 
 def test_a_dense_bias_beside_a_soft_cap_runs_the_mosaic_kernels():
@@ -449,11 +455,8 @@ def test_a_dense_bias_beside_a_soft_cap_runs_the_mosaic_kernels():
         return jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(scores, axis=-1), jnp.repeat(v, 2, axis=2))
 
     cotangent = normal(39, q.shape)
-    (out, grads), (expected_out, expected_grads) = (
-        output_and_grads(f, (q, k, v, bias), cotangent) for f in (fn, reference))
-    assert_close(out, expected_out, jnp.bfloat16, "out")
-    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
-        assert_close(got, expected, jnp.bfloat16, name)
+    assert_output_and_grads_close(*(output_and_grads(f, (q, k, v, bias), cotangent) for f in (fn, reference)),
+                                  ("dq", "dk", "dv", "dbias"))
 
 
 def test_a_backward_over_the_shared_memory_runs_the_triton_kernels():

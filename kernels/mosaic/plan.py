@@ -35,7 +35,7 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
     k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (hooks that read
     captured arrays other than as scalars or vectors along q_idx / kv_idx or use an op Mosaic GPU cannot lower,
-    dropout at head dim 256, hook vectors above head dim 64). Segment ids (and vector masks as such) are read as
+    dropout at head dim 256). Segment ids (and vector masks as such) are read as
     vectors beside the tiles, masks over queries and keys as int8 tiles, a bias as tiles of its dtype or float32
     vectors (`check_bias`), other masks over keys or queries alone as a 0 / -inf bias (`glue.mask_as_bias`);
     dropout hashes every backend's keep mask in the kernels."""
@@ -55,8 +55,6 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and value_dim in (64, 128, 256)
         # Dropout's hash beside a 256-column accumulator spilled (12 B on sm_90a): those calls run Triton.
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
-        # Hook vectors beside a 128- or 256-column accumulator spilled 4 B in the forward (sm_90a): Triton's.
-        and not (max(head_dim, value_dim) > 64 and _vector_counts(problem) != (0, 0))
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and forward_block_kv(problem, head_dims) is not None
     )

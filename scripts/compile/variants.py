@@ -210,7 +210,7 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
-# / kv_idx (a relative-bias table; a document mask's ids travel as vectors, at head dim 64), float32 inputs.
+# / kv_idx (a relative-bias table; a document mask's ids travel as vectors), float32 inputs.
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
 # over the shared memory), v's own head dim and k / v of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias"})
@@ -226,8 +226,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
-              and not (feature == "dense_bias_f32" and max(dims) > 128)  # over the shared memory
-              and not (feature == "document_mask" and max(dims) > 64))  # its vectors spilled 4 B
+              and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     if mode in ("fwd", "jvp"):
         return (forward,) if mode == "fwd" else (forward, TANGENT)

@@ -207,9 +207,10 @@ def test_a_dense_bias_gradient_from_the_mosaic_kernels(shape, dtype):
             _assert_close(name, a, e, 2 * TOL)
 
 
-def test_a_document_mask_in_the_mosaic_kernels():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_document_mask_in_the_mosaic_kernels(head_dim):
     """Packed documents (a flex BlockMask, causal within each document): the ids travel as vectors beside Q
-    and K (`hook_vectors`), compiled, forward and gradients."""
+    and K (`hook_vectors`), compiled, forward and gradients (at 128 on the consumers' 240 registers)."""
     from probjax_kernels import (
         and_masks,
         causal_mask,
@@ -219,7 +220,7 @@ def test_a_document_mask_in_the_mosaic_kernels():
         flex_attention_reference,
     )
 
-    q, k, v = random_qkv(18, 2, 2048, 2048, 8, 2, 64, jnp.bfloat16)  # above 64 the call runs Triton
+    q, k, v = random_qkv(18, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
     _assert_mosaic_matches_reference(q, k, v, 19, None, block_mask, attention=flex_attention,
