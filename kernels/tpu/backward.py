@@ -202,6 +202,43 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
 # ------------------------------------------------------------------------------------------ dK/dV kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyTileStep:
+    """One query head's step of the key-tile walk (the dK/dV and fused kernels): `step(slot, masked)` computes
+    the transposed (keys, queries) scores and gradient tile of query head `slot` of the program against its
+    key tile, adds dV += P^T dO and dK += dS^T Q (unscaled) to the float32 accumulators, and returns
+    (ctx, k, kq, dS, d loss / d score_mod(score)) for what the kernel adds to it."""
+
+    problem: _Problem  # on the kernel's tiles
+    layout: common.SeqLayout
+    walk: common.Walk
+    opt: object  # the kernel's optional refs (`to_refs`)
+    kv_len: jnp.ndarray
+    ids: tuple  # (batch, head block, head of the group (transposed), key tile, step of the walk)
+    blocks: tuple  # (q, q stage, k, k stage, v, v stage, dO, dO stage, lse2 rows, delta rows)
+    accs: tuple  # (dK, dV) float32 scratch
+
+    def __call__(self, slot, masked: bool):
+        problem, layout = self.problem, self.layout
+        b, block, head, j, q_step = self.ids
+        q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref = self.blocks
+        dk_acc, dv_acc = self.accs
+        kv_slot = layout.kv_slot(slot)
+        h = layout.head(block, slot) if layout.in_place else block * problem.group + head
+        ctx = common.tile_context(self.opt, problem, b, h, self.walk.tile(q_step) * problem.config.block_q,
+                                  j * problem.config.block_k, self.kv_len, True, slot=slot)
+        q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
+        k = layout.read(k_ref, k_stage, kv_slot, kv=True)
+        kq = dot(k, q, (1, 1))
+        s, derivative = _scores(kq, ctx, problem, masked, problem.features.score_mod is not None)
+        p, ds, d_modded = _tile_gradient(s, do, layout.read(v_ref, v_stage, kv_slot, kv=True),
+                                         layout.row(delta_ref, slot), layout.row(lse2_ref, slot), derivative, ctx,
+                                         problem, True)
+        dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
+        dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
+        return ctx, k, kq, ds, d_modded
+
+
 def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common.StepGrid, num_q_tiles: int,
                 steps: int, to_refs, bias_sums: bool, grads: tuple, stages: tuple[int, ...]):
     (b, block, j, step, last), refs = grid.ids(refs)
@@ -218,11 +255,9 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common
     opt = to_refs(rest[:-4 - n_grads])
     (bias_acc, *grad_accs), (bias_out, *grad_outs) = ([None, *x] if not bias_sums else x
                                                       for x in (grad_accs, grad_outs))
-    bq, bk = problem.config.block_q, problem.config.block_k
     # in place: every query head of the block each step; transposed: the group's heads one after the other
     head, q_step = (0, step) if layout.in_place else (step // steps, step % steps)
     walk = common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles)
-    with_derivative = problem.features.score_mod is not None
 
     @pl.when(step == 0)
     def _():
@@ -237,24 +272,17 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common
         layout.stage(q_ref, q_stage)
         layout.stage(do_ref, do_stage)
 
+    step_of = KeyTileStep(problem, layout, walk, opt, scalars.kv_len[b], (b, block, head, j, q_step),
+                          (q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref),
+                          (dk_acc, dv_acc))
+
     def body(masked: bool):
         def one(slot):
-            kv_slot = layout.kv_slot(slot)
-            h = layout.head(block, slot) if layout.in_place else block * problem.group + head
-            ctx = common.tile_context(opt, problem, b, h, walk.tile(q_step) * bq, j * bk, scalars.kv_len[b], True,
-                                      slot=slot)
-            q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
-            kq = dot(layout.read(k_ref, k_stage, kv_slot, kv=True), q, (1, 1))
-            s, derivative = _scores(kq, ctx, problem, masked, with_derivative)
-            p, ds, d_modded = _tile_gradient(s, do, layout.read(v_ref, v_stage, kv_slot, kv=True),
-                                             layout.row(delta_ref, slot), layout.row(lse2_ref, slot), derivative,
-                                             ctx, problem, True)
+            ctx, _, kq, ds, d_modded = step_of(slot, masked)
             hook_grads.accumulate(grads, "kv", problem, opt.score_consts, grad_accs, head,
                                   _score_before_hook(kq, ctx, problem), d_modded, ctx)
             if bias_sums:  # a bias broadcast over the queries: its gradient sums dS over them
                 bias_acc[slot if layout.in_place else head] += jnp.sum(ds, axis=1, keepdims=True)
-            dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
-            dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
 
         layout.for_heads(one)
 

@@ -21,10 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from probjax_kernels._problem import _Problem, _Tangents
-from probjax_kernels._scores import _scores, base2_lse
+from probjax_kernels._scores import base2_lse
 from probjax_kernels.tpu import backward as two_kernels
 from probjax_kernels.tpu import common
-from probjax_kernels.tpu.backward import _tile_gradient
 from probjax_kernels.tpu.common import dot
 
 
@@ -43,13 +42,12 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
     rest, (q_stage, do_stage, k_stage, v_stage) = common.split_stages(rest, stages)
     *optional, dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_rows, dq_part, sems = rest
     opt = to_refs(optional)
-    bq, bk = problem.config.block_q, problem.config.block_k
+    bq = problem.config.block_q
     # in place: every query head of the block each step; transposed: the group's heads one after the other
     head, q_step = (0, step) if layout.in_place else (step // steps, step % steps)
     walk = common.kv_walk(problem, scalars, b, block, head, j, num_q_tiles)
     q_tile = walk.tile(q_step)
     first_head = block * program_heads + head  # of this step's `step_heads` query heads
-    with_derivative = problem.features.score_mod is not None
 
     def rows_of(first, tile):  # the dQ rows of `step_heads` heads from `first` on query tile `tile`
         heads, rows = pl.ds(first, step_heads), pl.ds(tile * bq, bq)
@@ -85,19 +83,13 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
         layout.stage(q_ref, q_stage)
         layout.stage(do_ref, do_stage)
 
+    step_of = two_kernels.KeyTileStep(
+        problem, layout, walk, opt, scalars.kv_len[b], (b, block, head, j, q_step),
+        (q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref), (dk_acc, dv_acc))
+
     def body(masked: bool):
         def one(slot):
-            kv_slot = layout.kv_slot(slot)
-            h = layout.head(block, slot) if layout.in_place else block * problem.group + head
-            ctx = common.tile_context(opt, problem, b, h, q_tile * bq, j * bk, scalars.kv_len[b], True, slot=slot)
-            q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
-            k = layout.read(k_ref, k_stage, kv_slot, kv=True)
-            s, derivative = _scores(dot(k, q, (1, 1)), ctx, problem, masked, with_derivative)
-            p, ds, _ = _tile_gradient(s, do, layout.read(v_ref, v_stage, kv_slot, kv=True),
-                                      layout.row(delta_ref, slot), layout.row(lse2_ref, slot), derivative, ctx,
-                                      problem, True)
-            dv_acc[kv_slot] += dot(p.astype(do.dtype), do, (1, 0))
-            dk_acc[kv_slot] += dot(ds.astype(q.dtype), q, (1, 0))
+            _, k, _, ds, _ = step_of(slot, masked)
             dq_part[slot if layout.in_place else 0] = dot(ds.astype(k.dtype), k, (0, 0))
 
         layout.for_heads(one)
