@@ -41,8 +41,7 @@ def transposed(request, monkeypatch):
 
 
 def _check(fn, reference, args, dtype, factor=1.0, value_dim=None):
-    cotangent = normal(5, (*args[0].shape[:3], value_dim or args[0].shape[3]),
-                                  jnp.float32)
+    cotangent = normal(5, (*args[0].shape[:3], value_dim or args[0].shape[3]), jnp.float32)
     out, grads = output_and_grads(fn, args, cotangent)
     expected_out, expected = output_and_grads(reference, args, cotangent)
     assert_close(out, expected_out, dtype, "out")
