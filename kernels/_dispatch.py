@@ -114,7 +114,7 @@ def plan(features: Features, config: FlashConfig | None, *, q_shape: tuple, k_sh
     for backend in ORDER[filled.backend]:
         shapes = backend.hook_shapes(problem, dtype=dtype, head_dims=head_dims, device=device)
         _chunked._prepare_hooks(features, shapes, batch, num_heads, t_pad, s_pad)
-        reason = backend.unsupported(problem, dtype=dtype, head_dims=head_dims)
+        reason = backend.unsupported(problem, dtype=dtype, head_dims=head_dims, device=device)
         if reason is not None:
             if backend.warns_when_declining:
                 warnings.warn(f"FlashConfig(backend={filled.backend!r}): the {backend.name} kernels cannot run "

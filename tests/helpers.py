@@ -74,6 +74,15 @@ def assert_close(actual, expected, dtype, name: str = "", factor: float = 1.0):
     assert error <= TOLERANCE[jnp.dtype(dtype).type] * factor, f"{name}: normalised error {error:.3g}"
 
 
+def assert_lse_close(lse, expected_lse):
+    """A kernel's lse `[B, N, T]` against the float64 one: -inf on exactly the same rows (no key attended, or
+    past the query lengths), within 1e-5 elsewhere."""
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+
+
 def numpy_attention(q, k, v, *, allowed=None, bias=None, scale=None):
     """Float64 softmax attention from first principles; `allowed` is a bool array broadcastable to
     [B, N, T, S]. Returns (out [B, T, N, D], lse [B, N, T]); rows with no allowed key give 0 and -inf."""

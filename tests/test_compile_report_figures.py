@@ -227,16 +227,17 @@ def test_the_compile_key_follows_toolchain_target_and_figure_code(tmp_path, monk
 
 
 def test_the_figure_code_is_every_function_of_figures_py():
-    """`_compile_key` hashes the source of `FIGURE_CODE`, which must be every function of figures.py (the code
-    between a lowered module and a row's figures) and nothing else: a function added there and left out of
-    it would change figures without changing a fingerprint, and `--reuse` would keep the old figures."""
+    """`_compile_key` hashes the source of `FIGURE_CODE` on every target and of `ARCH_FIGURE_CODE` on the arches
+    that use it, which together must be every function of figures.py (the code between a lowered module and a
+    row's figures) and nothing else: a function added there and left out of both would change figures without
+    changing a fingerprint, and `--reuse` would keep the old figures."""
     import inspect
 
     import figures
 
     defined = {fn for fn in vars(figures).values() if inspect.isfunction(fn) and fn.__module__ == "figures"}
-    assert set(fingerprints.FIGURE_CODE) == defined
-    assert len(fingerprints.FIGURE_CODE) == len(defined)
+    assert set(fingerprints.FIGURE_CODE) | set(fingerprints.ARCH_FIGURE_CODE) == defined
+    assert len(fingerprints.FIGURE_CODE) + len(fingerprints.ARCH_FIGURE_CODE) == len(defined)
 
 def test_only_clean_fingerprinted_rows_of_the_target_are_reused():
     rows = [dict(target="sm90a_h100", variant="a", status="ok", fingerprint="f", kernels=[]),
@@ -281,3 +282,27 @@ def test_the_compile_key_names_the_instructions_counted_on_its_arch(tmp_path, mo
     assert compile_report._compile_key("sm90a_h100", tmp_path) == keys["sm90a_h100"]
     monkeypatch.setitem(fingerprints.ARCH_SASS_OPS, "sm_90a", ("UTCHMMA",))
     assert compile_report._compile_key("sm90a_h100", tmp_path) != keys["sm90a_h100"]
+
+
+def test_a_blackwell_listing_without_headerflags_is_read_and_keyed_on_its_arch(tmp_path, monkeypatch):
+    """nvdisasm's sm_100a listing of a Mosaic GPU kernel has no `.headerflags` line, where `_split_mosaic_stdout`
+    finds a listing: `_mark_sass_listings` marks it there on sm_100a alone (elsewhere such a dump stays an error),
+    and the code that does so is part of sm_100a's compile key, not of the other targets' keys."""
+    blackwell = _mosaic_stdout("probjax_mosaic_forward_tcgen05", 204).replace(
+        "\t.headerflags\t@\"EF_CUDA_SM90\"\n", "\t.target\tsm_100a\n\t.elftype\t@\"ET_EXEC\"\n")
+    (tmp_path / "probjax_mosaic_forward_tcgen05_0.resources.txt").write_text("Resources(smem_scratch_bytes=1)\n")
+    with pytest.raises(ValueError, match="without its PTX entry, ptxas report or SASS"):
+        compile_report._split_mosaic_stdout(fingerprints._mark_sass_listings(blackwell, "sm_90a"), tmp_path)
+    compile_report._split_mosaic_stdout(fingerprints._mark_sass_listings(blackwell, "sm_100a"), tmp_path)
+    sass = (tmp_path / "probjax_mosaic_forward_tcgen05_0.sass_ctrl").read_text()
+    assert "\t.target\tsm_100a" in sass and "HGMMA" in sass
+    assert "Used 204 registers" in (tmp_path / "probjax_mosaic_forward_tcgen05_0.ptxas").read_text()
+
+    wrapper = tmp_path / "cuda_root" / "bin" / "ptxas"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\nexec ptxas.real -v \"$@\"\n")
+    monkeypatch.setattr(fingerprints, "_versions", lambda toolchain: dict(jax="0.11.2"))
+    keys = {t: compile_report._compile_key(t, tmp_path) for t in ("sm90a_h100", "sm100a_b200")}
+    monkeypatch.setattr(fingerprints, "ARCH_FIGURE_CODE", ())
+    assert compile_report._compile_key("sm100a_b200", tmp_path) != keys["sm100a_b200"]
+    assert compile_report._compile_key("sm90a_h100", tmp_path) == keys["sm90a_h100"]

@@ -2,7 +2,8 @@
 of `_backend.target_device()`): Blackwell datacenter parts (10.x, tcgen05) take Hopper's wide-MMA tiles, whose
 every dot has at least 64 rows, not the A100's 32-row dK/dV steps; consumer Blackwell (12.x) and Ada (8.9), with
 99 KB of shared memory per block and mma.sync alone, take the RTX 3090's. And backend "mosaic", whose kernels
-target Hopper alone, refuses every other GPU by name and compute capability before building a kernel. The
+target Hopper and Blackwell (10.x), refuses every other GPU by name and compute capability before building a
+kernel. The
 compiled figures of each rule: docs/compile/index.md (sm100a_b200, sm89_rtx4090, sm120_rtx5090)."""
 
 from __future__ import annotations
@@ -149,11 +150,11 @@ def test_consumer_blackwell_backward_rules():
         assert (tangent_warps(0.1), tangent_warps(0.0), tangent_warps(0.1, 128)) == (4, 8, 8)
 
 
-@pytest.mark.parametrize("device", [B200, B300, RTX5090, RTX4090, A100])
-def test_backend_mosaic_refuses_a_gpu_other_than_hopper(device, monkeypatch):
+@pytest.mark.parametrize("device", [RTX5090, RTX4090, A100])
+def test_backend_mosaic_refuses_a_gpu_other_than_hopper_and_blackwell(device, monkeypatch):
     """FlashConfig(backend="mosaic") on a GPU its kernels cannot target fails before any kernel is built, naming
-    the device and its compute capability (ptxas would refuse its wgmma fences on Blackwell, its TMA copies
-    before Hopper), through `default_config` and through a call."""
+    the device and its compute capability (ptxas would refuse its wgmma fences and tcgen05 MMAs on consumer
+    Blackwell, its TMA copies before Hopper), through `default_config` and through a call."""
     monkeypatch.setattr(_backend, "target_device", lambda: device)
     with pytest.raises(NotImplementedError, match=rf"{device.device_kind}.*compute capability "
                                                   rf"{device.compute_capability}.*backend='triton'"):
@@ -172,6 +173,19 @@ def test_backend_mosaic_keeps_hopper(monkeypatch):
     config = default_config(FlashConfig(backend="mosaic"), q_len=1024, kv_len=1024, head_dim=128,
                             dtype=jnp.bfloat16)
     assert (config.backend, config.block_q, config.block_k) == ("mosaic", 128, 128)
+
+
+@pytest.mark.parametrize("device", [B200, B300])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backend_mosaic_on_blackwell_takes_the_triton_tiles(device, head_dim, monkeypatch):
+    """On Blackwell backend "mosaic" keeps Triton's tiles (128 rows on 64-key steps at head dims 64 / 128, which
+    the tcgen05 forward takes), so a call it leaves to Triton runs exactly backend "triton"'s kernels."""
+    monkeypatch.setattr(_backend, "target_device", lambda: device)
+    mosaic, triton = (default_config(FlashConfig(backend=backend), q_len=1024, kv_len=1024, head_dim=head_dim,
+                                     dtype=jnp.bfloat16) for backend in ("mosaic", "triton"))
+    assert mosaic.backend == "mosaic" and dataclasses.replace(mosaic, backend="triton") == triton
+    if head_dim <= 128:
+        assert (mosaic.block_q, mosaic.block_k, mosaic.num_stages) == (128, 64, 2)
 
 
 def test_blackwell_tiles_run_exactly_in_interpret_mode():
@@ -267,3 +281,34 @@ def test_consumer_blackwell_decode_steps_over_32_keys():
     assert keys_per_step(RTX5090, dtype=jnp.float32) == keys_per_step(RTX3090, dtype=jnp.float32) == 32
     assert keys_per_step(RTX5090, head_dim=256) == keys_per_step(RTX3090, head_dim=256) == 16
     assert keys_per_step(RTX5090, config=DecodeConfig(backend="triton", block_k=64)) == 64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, dropout,
+                                                                                          monkeypatch):
+    """Triton's passes of a call on backend "mosaic" on a B200 (its backward and tangent; with dropout, which the
+    tcgen05 forward lacks, its forward too) take the tiles, dK/dV orientation and tangent tiles backend "triton"
+    takes there: its tcgen05 rules (Q K^T dK/dV at head dim 128, the tangent's 64-key steps at 64), not
+    Hopper's."""
+    from probjax_kernels import _dispatch
+    from probjax_kernels._problem import Features, _Problem
+
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+
+    def as_triton(problem):  # the problem with its config's backend named "triton"
+        return dataclasses.replace(problem, config=dataclasses.replace(problem.config, backend="triton"))
+
+    def passes(backend):
+        plan = _dispatch.plan(Features(scale=1.0, window_right=0, dropout_rate=dropout), FlashConfig(backend=backend),
+                              q_shape=(4, 1024, 8, head_dim), k_shape=(4, 1024, 8, head_dim), value_dim=head_dim,
+                              dtype=jnp.bfloat16, bias_shape=None, mask_shape=None, table_shape=None,
+                              has_segments=False, num_score_consts=0, num_mask_consts=0)
+        return {name: (kernel_pass.run, as_triton(kernel_pass.problem),
+                       tuple((k, as_triton(v) if isinstance(v, _Problem) else v) for k, v in kernel_pass.options))
+                for name in ("forward", "backward", "tangent")
+                if (kernel_pass := getattr(plan, name)).run.__module__.startswith("probjax_kernels.triton")}
+
+    mosaic, triton = passes("mosaic"), passes("triton")
+    assert set(mosaic) == ({"forward", "backward", "tangent"} if dropout else {"backward", "tangent"})
+    assert mosaic == {name: triton[name] for name in mosaic}

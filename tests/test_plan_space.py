@@ -52,23 +52,29 @@ def test_every_forced_call_is_a_row_on_the_full_targets():
 
 def test_each_derived_row_requires_the_kernels_its_plan_runs():
     """The kernels a derived row must hold (`required_kernels`, the API contract restated) are the ones
-    `_dispatch.plan` runs for its call on its first target: Mosaic GPU's where the plan picks them."""
+    `_dispatch.plan` runs for its call on its first target and on Blackwell: Mosaic GPU's where the plan picks
+    them (the tcgen05 forward on sm_100a)."""
     by_name = {v.name: v for v in registry.variants()}
     rows = plan_space.derived_rows()
     assert len(rows) > 100
+    mosaic_forward = {"forward": registry.MOSAIC_FORWARD, "forward_tcgen05": registry.MOSAIC_FORWARD_TCGEN05}
+    blackwell = 0
     for row in rows:
         probe = plan_space.probe_of(row)
         name = probe.name(row["mode"])
-        plan = plan_space.plan_of(probe, row["targets"][0])
-        passes = (plan.forward, plan.backward if row["mode"] == "fwd+bwd" else plan.tangent)
-        ran = set()
-        for kernel_pass in passes:
-            if kernel_pass.run.__module__.endswith("mosaic.glue"):
-                ran |= {registry.MOSAIC_FORWARD} if kernel_pass is plan.forward else {registry.MOSAIC_DQ,
-                                                                                      registry.MOSAIC_DKV}
-            else:
-                ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
-        assert ran == set(by_name[name].requires), (name, sorted(ran))
+        for target in {row["targets"][0], *(set(row["targets"]) & set(registry.BLACKWELL))}:
+            plan = plan_space.plan_of(probe, target)
+            passes = (plan.forward, plan.backward if row["mode"] == "fwd+bwd" else plan.tangent)
+            ran = set()
+            for kernel_pass in passes:
+                if kernel_pass.run.__module__.endswith("mosaic.glue"):
+                    ran |= {mosaic_forward[kernel_pass.run.__name__]} if kernel_pass is plan.forward else {
+                        registry.MOSAIC_DQ, registry.MOSAIC_DKV}
+                else:
+                    ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
+            assert ran == set(by_name[name].requires_for(target)), (name, target, sorted(ran))
+            blackwell += registry.MOSAIC_FORWARD_TCGEN05 in ran
+    assert blackwell >= 20  # the tcgen05 forward's rows: each family it takes, at head dims 64 / 128, both modes
 
 
 def test_a_row_the_registry_lost_fails_unless_retired(monkeypatch):

@@ -17,6 +17,7 @@ from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
+from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 from probjax_kernels.mosaic.hook_vectors import hook_arrays
 
 
@@ -178,3 +179,13 @@ def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):
         parts = parts[:, :, None, :]
     broadcast = tuple(axis for axis, size in enumerate(bias.shape) if size == 1)
     return jnp.sum(parts, axis=broadcast, keepdims=True).astype(bias.dtype)
+
+
+def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
+    """(out, lse) of the padded inputs by the Blackwell forward (`forward_tcgen05`; calls that
+    `mosaic.plan._tcgen05_takes`), on the config's key steps and stages; `interpret`: in the Mosaic GPU
+    interpreter."""
+    f, cfg = problem.features, problem.config
+    return tcgen05_forward(q, k, v, q_len, kv_len, scale=f.scale, causal=False,
+                           window=(f.window_left, f.window_right), block_kv=cfg.block_k,
+                           num_stages=cfg.num_stages, interpret=interpret)

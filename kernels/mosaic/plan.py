@@ -1,8 +1,11 @@
 """The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
-plan: the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim 64 / 128 where a score_mod's
-derivative lowers too. It serves `FlashConfig.backend` "mosaic" (Hopper) and "mosaic_interpret" (the Mosaic
-GPU interpreter); what it leaves of a call runs on the next backend of the chooser's order (Triton).
+plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
+64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward
+(`forward_tcgen05`) for plain calls (a window or causal mask, lengths, GQA) at head dims 64 / 128. It serves
+`FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
+target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
+runs on the next backend of the chooser's order (Triton).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core  # the Mosaic GPU
 from jax._src.pallas.mosaic_gpu import lowering as mosaic_lowering
 from jax.extend import core as jex_core
 
-from probjax_kernels._backend import KernelPass, Passes, compute_capability
+from probjax_kernels._backend import KernelPass, Passes, compute_capability, wide_mma
 from probjax_kernels._config import FlashConfig, fit_block
 from probjax_kernels._hooks import Hook, live_equations
 from probjax_kernels._problem import _interpreted, _Problem
@@ -26,6 +29,9 @@ from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import bias_kind
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
+from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
+from probjax_kernels.mosaic.forward_tcgen05 import HEAD_DIMS as TCGEN05_HEAD_DIMS
+from probjax_kernels.mosaic.forward_tcgen05 import smem_bytes as tcgen05_smem_bytes
 from probjax_kernels.mosaic.hook_vectors import hook_specs, vector_counts, vector_reads
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
@@ -57,6 +63,23 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and forward_block_kv(problem, head_dims) is not None
+    )
+
+
+def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
+    """Whether backend "mosaic" is asked for and the Blackwell forward (`forward_tcgen05`) takes the call: 16-bit
+    inputs, q / k's and v's head dims 64 or 128, a positive scale, 128-row query tiles on 64- or 128-key steps
+    with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA and a key
+    / value batch of 1: no bias, mask, segment ids, hook, BlockMask, dropout or row max."""
+    f, cfg = problem.features, problem.config
+    return (
+        cfg.backend in ("mosaic", "mosaic_interpret")
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and set(head_dims) <= set(TCGEN05_HEAD_DIMS)
+        and f.scale > 0 and problem.bias_shape is None and problem.mask_shape is None and not problem.has_segments
+        and f.score_mod is None and f.mask_mod is None and f.block_sizes is None and not f.dropout_rate
+        and not f.return_max
+        and cfg.block_q == TCGEN05_BLOCK_Q and cfg.block_k in (64, 128) and cfg.num_stages >= 2
+        and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize) <= MOSAIC_SMEM_BYTES
     )
 
 
@@ -212,24 +235,32 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
+def on_blackwell(device) -> bool:
+    """Whether the device is a tcgen05 GPU (compute capability 10.x: B200 / GB200 / B300), where the Mosaic
+    backend runs its Blackwell kernels."""
+    return wide_mma(device) == "tcgen05"
+
+
 def refuse_target(config: FlashConfig, device) -> None:
     """Raises NotImplementedError, naming the device and its compute capability, where `backend="mosaic"` meets a
     CUDA GPU its kernels cannot target: they are written for Hopper (compute capability 9.x: wgmma, TMA,
-    warpgroup barriers). On Blackwell (10.x: tcgen05, 12.x: mma.sync) ptxas refuses their wgmma fences, and
-    before Hopper (8.x) their TMA copies; backend "triton" runs every call there. "mosaic_interpret" (the
-    Mosaic GPU interpreter) runs on any device, and a device that is not a CUDA GPU is left to the compile."""
+    warpgroup barriers) and Blackwell (10.x: tcgen05 and tensor memory). On consumer Blackwell (12.x: mma.sync)
+    ptxas refuses their wgmma fences and tcgen05 MMAs, and before Hopper (8.x) their TMA copies; backend "triton"
+    runs every call there. "mosaic_interpret" (the Mosaic GPU interpreter) runs on any device, and a device that
+    is not a CUDA GPU is left to the compile."""
     capability = compute_capability(device)
-    if config.backend != "mosaic" or capability is None or capability[0] == 9:
+    if config.backend != "mosaic" or capability is None or capability[0] in (9, 10):
         return
     kind = getattr(device, "device_kind", None) or "this GPU"
     raise NotImplementedError(
-        f"FlashConfig(backend='mosaic'): the Mosaic GPU kernels target Hopper (compute capability 9.x), and the "
-        f"target device {kind!r} has compute capability {capability[0]}.{capability[1]}; use backend='triton' "
-        f"(or leave backend unset) there.")
+        f"FlashConfig(backend='mosaic'): the Mosaic GPU kernels target Hopper (compute capability 9.x) and "
+        f"Blackwell (10.x), and the target device {kind!r} has compute capability {capability[0]}.{capability[1]}; "
+        f"use backend='triton' (or leave backend unset) there.")
 
 
 class _MosaicGpu:
-    """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper."""
+    """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper, the forward on
+    Blackwell."""
 
     name = "Mosaic GPU"
     configs = ("mosaic", "mosaic_interpret")
@@ -242,9 +273,14 @@ class _MosaicGpu:
         k's or v's head dim is 256: `head_dim` is the larger, for shared memory), a 2-slot K/V ring. float32
         inputs run on the Triton kernels (the Mosaic ones take 16-bit), so on a GPU they keep the float32 Triton
         tiles: the Mosaic forward's 128 x 128
-        needed 262,144 B of shared memory there (sm_90a has 232,448). A CUDA GPU other than Hopper refuses
-        backend "mosaic" here (`refuse_target`), before any kernel is built."""
+        needed 262,144 B of shared memory there (sm_90a has 232,448). On Blackwell it keeps Triton's tiles
+        (see the comment below). A CUDA GPU other than Hopper and Blackwell refuses backend "mosaic" here
+        (`refuse_target`), before any kernel is built."""
         refuse_target(config, device)
+        if on_blackwell(device):
+            # Triton's tiles there (128 query rows on 64-key steps at head dims 64 / 128), which the tcgen05 forward
+            # takes: a call it leaves to Triton runs exactly backend "triton"'s kernels.
+            return filled
         float32 = dtype is not None and jnp.dtype(dtype) == jnp.float32
         if config.backend != "mosaic_interpret" and float32:
             return filled
@@ -260,13 +296,20 @@ class _MosaicGpu:
         """The forward's consumer tiles and the backward's parts, where its kernels call the hooks."""
         return [mosaic_hook_shapes(problem.config), mosaic_backward_hook_shapes(problem.config)]
 
-    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> str | None:
+        if on_blackwell(device):
+            if not _tcgen05_takes(problem, dtype, head_dims):
+                return "a feature, dtype, head dim or tile the Mosaic GPU forward for Blackwell lacks"
+            return None
         if not _mosaic_takes(problem, dtype, head_dims):
             return "a feature, dtype, head dim or tile the Mosaic GPU forward lacks"
         return None
 
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
-        """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles."""
+        """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles; on
+        Blackwell the tcgen05 forward alone."""
+        if on_blackwell(device):
+            return Passes(forward=KernelPass(glue.forward_tcgen05, problem, (("interpret", _interpreted(problem)),)))
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
         forward = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
         backward = None

@@ -96,7 +96,7 @@ class _MosaicTpu:
         """The three kernels' tiles and dK/dV's transposed (keys, queries) one."""
         return flash_hook_shapes(problem.config, transposed=True)
 
-    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> str | None:
         return vet.unsupported(problem)
 
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:

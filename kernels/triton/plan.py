@@ -149,7 +149,7 @@ def dkv_transposed(config: FlashConfig, dtype, head_dim: int, bias: bool = False
     spilled 4 B (causal, 128 registers); head dim 256 takes K Q^T, all tcgen05 at 16-query steps."""
     if config.backend not in ("triton", *MOSAIC_CONFIGS) or jnp.dtype(dtype).itemsize != 2:
         return False
-    if config.backend == "triton" and _tcgen05(device) and head_dim <= 128:
+    if config.backend in ("triton", "mosaic") and _tcgen05(device) and head_dim <= 128:
         return False
     hopper = config.backend != "triton" or _wide(device)
     return (hopper and head_dim > 64 and not (bias and head_dim <= 128)
@@ -210,12 +210,13 @@ def _tangent_tiles(config: FlashConfig, head_dim: int, tables: bool, dtype, scor
     if config.backend not in ("triton", "mosaic"):
         return config, 1
     device = device if device is not None else _backend.target_device()
-    # backend "mosaic" is Hopper-only: its tangent runs on Triton there (as `dkv_transposed` reads it)
+    # backend "mosaic" runs on Hopper and Blackwell (wide-MMA GPUs): its tangent runs on Triton there (as
+    # `dkv_transposed` reads it)
     hopper = config.backend == "mosaic" or _wide(device)
     tiles, splits = tangent.tangent_tiles(config, head_dim, tables, dtype, hopper=hopper,
                                           large_smem=smem_per_block(device) >= _LARGE_SMEM, score_tile=score_tile)
     sixteen_bit = dtype is None or jnp.dtype(dtype).itemsize == 2
-    if config.backend == "triton" and _tcgen05(device) and head_dim <= 64 and sixteen_bit:
+    if config.backend in ("triton", "mosaic") and _tcgen05(device) and head_dim <= 64 and sixteen_bit:
         # tcgen05 (sm_100a), 16-bit, head dim 64: the forward's key tile (64), not the cap of 32. On 128 x 32 and
         # 8 warps ptxas held the tangent to 80 registers and spilled 4 B; 128 x 64 holds 126, all tcgen05.
         tiles = dataclasses.replace(tiles, block_k=config.block_k)
@@ -292,7 +293,7 @@ class _Triton:
             backend=backend,
         )
 
-    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> str | None:
         return None
 
     def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:

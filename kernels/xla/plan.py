@@ -30,7 +30,7 @@ class _Xla:
     def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
         return []  # the XLA passes' own shapes are traced for every call (`_chunked._prepare_hooks`)
 
-    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int]) -> str | None:
+    def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> str | None:
         return None
 
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:

@@ -162,8 +162,8 @@ def _probjax_flex(case: Case, config=None) -> Attention:
 
 
 def _probjax_flex_mosaic(case: Case) -> Attention:
-    """probjax_flex with FlashConfig(backend="mosaic"): the Mosaic GPU forward over the block tables, the
-    Triton backward."""
+    """probjax_flex with FlashConfig(backend="mosaic"): on Hopper the Mosaic GPU forward over the block tables
+    and the Triton backward; on Blackwell the Triton kernels (its tcgen05 forward takes no BlockMask)."""
     from probjax_kernels import FlashConfig
 
     return _probjax_flex(case, FlashConfig(backend="mosaic"))
@@ -174,8 +174,8 @@ def _probjax_default(case: Case) -> Attention:
 
 
 def _probjax_mosaic(case: Case) -> Attention:
-    """flash_attention with FlashConfig(backend="mosaic"): the Mosaic GPU (Hopper) kernels: forward, dQ and
-    dK/dV."""
+    """flash_attention with FlashConfig(backend="mosaic"): the Mosaic GPU kernels: on Hopper forward, dQ and
+    dK/dV; on Blackwell the tcgen05 forward and Triton's backward."""
     from probjax_kernels import FlashConfig, flash_attention
 
     config = FlashConfig(backend="mosaic")

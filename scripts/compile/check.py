@@ -41,7 +41,7 @@ def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> l
         return []  # peers (JAX's own kernels) are shown side by side, not held to our checks
     if row["status"] != "ok":
         return [f"{where}: compile error: {row.get('error')}"]
-    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires)
+    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires_for(row["target"]))
     for kernel in row["kernels"]:
         out += gpu_kernel_problems(row, kernel, limits)
     if row["group"] == "lm":
@@ -110,8 +110,9 @@ def figures_needed(arch: str) -> tuple[str, ...]:
 
 def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
     """An NVIDIA kernel's figures against the rules: every figure its checks read present (`figures_needed`), no
-    spill (outside `SPILLS`' capped entries), shared memory within the target's limit; on Hopper, Mosaic kernels
-    with TMA and wgmma; on sm_90a / sm_100a, 16-bit kernels whose matmuls are all the arch's wide instruction
+    spill (outside `SPILLS`' capped entries), shared memory within the target's limit; on Hopper and Blackwell,
+    Mosaic kernels with TMA and the arch's wide MMA (wgmma, tcgen05); on sm_90a / sm_100a, 16-bit kernels whose
+    matmuls are all the arch's wide instruction
     (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode variants
     of `SMALL_DECODE_TILES`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with mma.sync (HMMA) and
     cp.async (LDGSTS) where the kernel pipelines (its own config's num_stages >= 2, and decode)."""
@@ -128,9 +129,11 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
     if kernel["smem"] > limits["smem_per_block"]:
         out.append(f"{name}: {kernel['smem']} B shared memory over the target's {limits['smem_per_block']}")
     sixteen_bit = row["dtype"] != "f32"  # float32 dots run at Precision.HIGHEST: FMA, no tensor cores
-    if arch.startswith("sm_90") and kernel["lowering"] == "mosaic" and not (kernel["UTMALDG"] and kernel["HGMMA"]):
-        out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or wgmma "
-                   f"(HGMMA {kernel['HGMMA']})")
+    if arch in rules.WIDE_MMA and kernel["lowering"] == "mosaic":
+        op, instruction = rules.WIDE_MMA[arch]
+        if not (kernel["UTMALDG"] and kernel[op]):
+            out.append(f"{name}: a Mosaic kernel without TMA (UTMALDG {kernel['UTMALDG']}) or {instruction} "
+                       f"({op} {kernel[op]})")
     if not sixteen_bit:
         return out
     if arch in rules.WIDE_MMA:

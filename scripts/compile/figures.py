@@ -139,6 +139,19 @@ def _split_mosaic_stdout(text: str, mosaic_dir: Path):
         (mosaic_dir / f"{stem}.sass_ctrl").write_text(chunk[sass_at:])
 
 
+# Where nvdisasm's listing starts in Mosaic GPU's stdout dump on an arch whose listing has no `.headerflags` line,
+# which `_split_mosaic_stdout` looks for: on sm_100a it starts at its `.target` line (JAX's own Blackwell matmul's
+# too). Such an arch's compile key holds this and `_mark_sass_listings` (fingerprints._compile_key).
+ARCH_SASS_START = {"sm_100a": "\t.target\tsm_100a"}
+
+
+def _mark_sass_listings(text: str, arch: str) -> str:
+    """Mosaic GPU's stdout dump `text` with a `.headerflags` line where each nvdisasm listing starts on an arch of
+    `ARCH_SASS_START`, so that `_split_mosaic_stdout` reads it as it reads the other arches' dumps."""
+    start = ARCH_SASS_START.get(arch)
+    return text if start is None else text.replace(start, "\t.headerflags\n" + start)
+
+
 def _kernels_by_function(module: str, functions: list[str]) -> list[set[str]]:
     """The names of the Pallas kernels each of `functions` (its `func.func` in the lowered StableHLO text
     `module`) calls, through the functions it calls: Triton's custom calls name theirs, Mosaic GPU's carry

@@ -15,14 +15,16 @@ import subprocess
 from pathlib import Path
 
 from figures import (
-    ARCH_SASS_OPS, MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row, _kernels,
-    _kernels_by_function, _split_mosaic_stdout, elf_code, occupancy, parse_ptxas, ptx_threads, sass_counts,
-    target_limits,
+    ARCH_SASS_OPS, ARCH_SASS_START, MOSAIC_DUMPS, TARGETS_DIR, _compile_environment, _disassembled, _kernel_row,
+    _kernels, _kernels_by_function, _mark_sass_listings, _split_mosaic_stdout, elf_code, occupancy, parse_ptxas,
+    ptx_threads, sass_counts, target_limits,
 )
 
-# The code between a lowered module and a row's figures: its source is part of every fingerprint.
+# The code between a lowered module and a row's figures: its source is part of every fingerprint; that of
+# `ARCH_FIGURE_CODE` only of the fingerprints of the arches it reads (`ARCH_SASS_START`).
 FIGURE_CODE = (_compile_environment, _kernels, elf_code, _disassembled, _kernel_row, parse_ptxas, sass_counts,
                ptx_threads, occupancy, target_limits, _split_mosaic_stdout, _kernels_by_function)
+ARCH_FIGURE_CODE = (_mark_sass_listings,)
 
 
 def _versions(toolchain) -> dict:
@@ -40,14 +42,18 @@ def _compile_key(target: str, toolchain: Path) -> str:
     """What a compile's figures depend on besides its lowered module: the target's description, the toolchain's
     versions and ptxas wrapper, and the source of the code that compiles and reads the figures
     (`FIGURE_CODE`), and the instructions counted beyond `SASS_OPS` on the target's arch (`ARCH_SASS_OPS`: a
-    part only where there are some, so the keys of the earlier targets stay as they were). A change to any of
+    part only where there are some, so the keys of the earlier targets stay as they were) and how its Mosaic GPU
+    dumps are read where they differ (`ARCH_SASS_START`, likewise). A change to any of
     them makes every fingerprint new."""
     parts = [target, (TARGETS_DIR / f"{target}.txtpb").read_text(), json.dumps(_versions(toolchain), sort_keys=True),
              (Path(toolchain) / "cuda_root" / "bin" / "ptxas").read_text(), json.dumps(MOSAIC_DUMPS, sort_keys=True)]
     parts += [inspect.getsource(fn) for fn in FIGURE_CODE]
-    extra = ARCH_SASS_OPS.get(target_limits(target)["arch"])
+    arch = target_limits(target)["arch"]
+    extra = ARCH_SASS_OPS.get(arch)
     if extra:
         parts.append(json.dumps(extra))
+    if arch in ARCH_SASS_START:  # how its dumps are read (`_mark_sass_listings`)
+        parts += [ARCH_SASS_START[arch], *(inspect.getsource(fn) for fn in ARCH_FIGURE_CODE)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -315,6 +315,27 @@ def outcome(plan, mode: str) -> tuple:
                   tuple((k, tiles(v) if isinstance(v, _Problem) else v) for k, v in p.options)) for p in passes)
 
 
+def _mosaic_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets whose GPU backend "mosaic" plans for (`mosaic.plan.refuse_target` refuses the others)."""
+    from probjax_kernels import FlashConfig
+    from probjax_kernels.mosaic.plan import refuse_target
+
+    out = []
+    for target in targets:
+        try:
+            refuse_target(FlashConfig(backend="mosaic"), _device(target))
+        except NotImplementedError:
+            continue
+        out.append(target)
+    return tuple(out)
+
+
+def _triton_twin(probe: Probe) -> Probe:
+    """The probe's call on backend "triton" (its plan, not its name, is what is read of it)."""
+    options = _options(**{**dict(probe.options), "backend": "triton"})
+    return dataclasses.replace(probe, backend="triton", options=options)
+
+
 def _key(probe: Probe, target: str, mode: str, what: tuple) -> str:
     sixteen = "f32" if probe.dtype == "f32" else "16-bit"
     same_value_dim = probe.value_dim == probe.head_dim
@@ -341,12 +362,22 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
         row["covers"].append(key)
 
     plans_on: dict[str, dict] = {}
+    mosaic_targets = _mosaic_targets(tuple(dict.fromkeys(targets + tuple(REFERENCE_TARGET.values()))))
 
     def plans(target: str) -> dict:  # every probe's plan on the target, made once (a reference serves several)
         if target not in plans_on:
             plans_on[target] = {probe: plan_of(probe, target) for probe in space
-                                if probe.backend != "mosaic" or target in registry.HOPPER}
+                                if probe.backend != "mosaic" or target in mosaic_targets}
         return plans_on[target]
+
+    def base_plan(probe, target, reference):
+        """What the probe's plan on `target` is compared with: its plan on the reference target (the
+        generation's own rules make a row); for backend "mosaic" on a generation whose Mosaic kernels are its
+        own, the plan of the same call on backend "triton" there (a call they leave wholly to Triton adds no
+        row)."""
+        if probe.backend == "mosaic":
+            return plan_of(_triton_twin(probe), target)
+        return plans(reference)[probe]
 
     for target in targets:
         reference = REFERENCE_TARGET.get(target)
@@ -356,7 +387,7 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
                 if probe.name(mode) in grid and on_target:
                     covered.add(_key(probe, target, mode, outcome(plan, mode)))
         for probe, plan in plans(target).items():
-            base = plans(reference)[probe] if reference else None
+            base = base_plan(probe, target, reference) if reference else None
             for mode in MODES:
                 what = outcome(plan, mode)
                 key = _key(probe, target, mode, what)
@@ -419,26 +450,33 @@ def probe_of(row: dict) -> Probe:
 def planned_rows(out: list) -> list:
     """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
     is one no row compiles there, and the calls of `plan_space.FORCED`. A row of `out` of the same name takes
-    the targets; a new one requires the kernels `required_kernels` names for its family."""
+    the targets; a new one requires the kernels `required_kernels` names for its family, on each target (backend
+    "mosaic" runs Blackwell's kernels there: `Variant.requires_on`)."""
     import variants as registry
 
     out, index = list(out), {v.name: i for i, v in enumerate(out)}
     for row in derived_rows():
         probe, mode = probe_of(row), row["mode"]
         name = probe.name(mode)
-        if name in index:
-            v = out[index[name]]
-            out[index[name]] = dataclasses.replace(
-                v, targets=v.targets + tuple(t for t in row["targets"] if t not in v.targets))
-            continue
         options = dict(probe.options)
         feature = "kv_batch1" if options.get("kv_batch") == 1 else probe.family
         if options.get("mask") == "keys":  # a key padding mask: a vector the Mosaic kernels take, unlike [B, 1, T, S]
             feature = "dense_mask_keys"
-        requires = registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,
-                                             probe.value_dim)
-        index[name] = len(out)
-        out.append(probe.variant(mode, tuple(row["targets"]), requires))
+
+        def requires(target=None):
+            return registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,
+                                             probe.value_dim, target)
+
+        if name in index:
+            v = out[index[name]]
+            targets = tuple(t for t in row["targets"] if t not in v.targets)
+        else:
+            v = probe.variant(mode, (), requires())
+            index[name] = len(out)
+            out.append(v)
+            targets = tuple(row["targets"])
+        own = tuple((t, requires(t)) for t in targets if probe.backend == "mosaic" and t in registry.BLACKWELL)
+        out[index[name]] = dataclasses.replace(v, targets=v.targets + targets, requires_on=v.requires_on + own)
     return out
 
 

@@ -47,12 +47,18 @@ class Variant:
     kv_len: int = 1024
     value_dim: int | None = None
     tiles: dict | None = None  # FlashConfig fields set explicitly (exploration); None: default_config's
-    # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on.
+    # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on;
+    # `requires_on`: (target, kernels) where a target's differ (backend "mosaic" on Blackwell: `requires_for`).
     requires: tuple[str, ...] = ()
     targets: tuple[str, ...] = FULL_TARGETS
+    requires_on: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Decode variants: query rows per program (new tokens x query heads per KV head), which decide whether a
     # tile is large enough for wgmma / tcgen05 (rules.SMALL_DECODE_TILES); None elsewhere.
     query_rows: int | None = None
+
+    def requires_for(self, target: str) -> tuple[str, ...]:
+        """The kernels the compile on `target` must hold."""
+        return dict(self.requires_on).get(target, self.requires)
 
 
 def _spec(shape, dtype):
@@ -207,6 +213,12 @@ TANGENT, DECODE = "probjax_flash_tangent", "probjax_decode_attention"
 RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
+MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
+BLACKWELL = ("sm100a_b200",)  # where backend "mosaic" runs the Blackwell kernels
+# The calls the Blackwell forward takes (16-bit, head dims 64 / 128): no feature beyond a window (causal),
+# lengths, GQA, v's own head dim and k / v of batch 1; the rest of backend "mosaic" runs Triton there.
+TCGEN05_FAMILIES = frozenset({"full", "causal", "window", "gqa8to2_causal", "dv64", "kv_batch1"})
+TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
 # Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
@@ -218,12 +230,18 @@ FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sl
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
-                     value_dim: int | None = None) -> tuple[str, ...]:
-    """The Pallas kernels a call compiles to, by the dispatch rules: backend "triton" (what `auto` and a default
-    FlashConfig pick on every GPU) runs Triton's; "mosaic" (Hopper) runs the Mosaic GPU forward on 16-bit inputs where
-    q / k's and v's head dims (`value_dim`; "dv64": 64; padded to a power of 2) are 64 / 128 / 256 without a feature of
-    `MOSAIC_LACKS` (nor dropout or a float32 bias at 256), its dQ / dK/dV where both are 64 / 128; tangent Triton."""
+                     value_dim: int | None = None, target: str | None = None) -> tuple[str, ...]:
+    """The Pallas kernels a call compiles to on `target` (None: a Hopper or pre-Hopper one), by the dispatch rules:
+    backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
+    runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
+    to a power of 2) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor dropout or a float32 bias at
+    256), its dQ / dK/dV where both are 64 / 128; on Blackwell (`BLACKWELL`) the tcgen05 forward for the
+    families of `TCGEN05_FAMILIES` at head dims 64 / 128, and Triton's backward; tangent Triton."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
+    if backend == "mosaic" and target in BLACKWELL:
+        takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS) and feature in TCGEN05_FAMILIES
+        forward = MOSAIC_FORWARD_TCGEN05 if takes else FORWARD
+        return (forward,) if mode == "fwd" else (forward, TANGENT) if mode == "jvp" else (forward, DQ, DKV)
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory

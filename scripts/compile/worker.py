@@ -22,7 +22,8 @@ import figures
 import variants as registry
 from check import expected
 from figures import (
-    TARGETS_DIR, _compile_environment, _kernels, _kernels_by_function, _split_mosaic_stdout, target_limits,
+    TARGETS_DIR, _compile_environment, _kernels, _kernels_by_function, _mark_sass_listings, _split_mosaic_stdout,
+    target_limits,
 )
 from fingerprints import _compile_key, _fingerprint, _reproduces, _reusable_rows, _verify_units
 from kernel_tiles import _import_kernels, _tangent_tiles, _traced_tiles
@@ -137,7 +138,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         return dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                     head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
                     mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
-                    requires=list(variant.requires))
+                    requires=list(variant.requires_for(target)))
 
     def built(variant, row):
         """The variant's function and argument specs, its row given the config it runs at."""
@@ -156,7 +157,8 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
 
     def compiled_kernels() -> list[dict]:
         """The kernels of the last compile (its dumps, which are then marked as read)."""
-        _split_mosaic_stdout((scratch / "stdout.txt").read_text(errors="replace"), mosaic_dir)
+        _split_mosaic_stdout(_mark_sass_listings((scratch / "stdout.txt").read_text(errors="replace"), limits["arch"]),
+                             mosaic_dir)
         mosaic_files = _new_files(mosaic_dir, seen[mosaic_dir])
         kernels = _kernels(limits, _new_files(ptxas_dir, seen[ptxas_dir]), _new_files(xla_dir, seen[xla_dir]),
                            mosaic_files, cuda_root)

@@ -91,7 +91,8 @@ step 200 pytest-gpu pytest_gpu.log \
 # mistake hangs rather than fails (-v: a hang or a cut leaves the test names). Only when they pass do the
 # benchmark steps time them, so a hang cannot eat a benchmark step's budget.
 step 150 pytest-mosaic pytest_mosaic.log \
-    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" -v tests/gpu/test_gpu_mosaic.py
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" -v tests/gpu/test_gpu_mosaic.py \
+    tests/gpu/test_gpu_mosaic_blackwell.py
 mosaic_ok=0
 grep -q "^pytest-mosaic: exit 0 " "$log" && mosaic_ok=1
 results="$out/gpu_attention_bf16.json"
