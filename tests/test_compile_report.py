@@ -145,7 +145,7 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.FORWARD, registry.DQ, registry.DKV}
     # Blackwell: the tcgen05 forward and Triton's backward, for the families it takes (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
-    assert set(names["mosaic_grad_d128_bf16_causal"].requires_for("sm100a_b200")) == {
+    assert set(registry.requires_for(names["mosaic_grad_d128_bf16_causal"], "sm100a_b200")) == {
         registry.MOSAIC_FORWARD_TCGEN05, registry.DQ, registry.DKV}
     assert names["mosaic_grad_d128_bf16_dropout"].targets == registry.HOPPER
     assert any(name.startswith("decode_") for name in names)

@@ -42,7 +42,7 @@ def _clean_report() -> dict:
                          dtype=v.dtype, mode=v.mode, backend=v.backend, q_len=v.q_len, kv_len=v.kv_len,
                          status="ok", config={"num_stages": 2}, compile_s=1.0,
                          kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES and k == registry.DECODE)
-                                  for k in v.requires_for(target)],
+                                  for k in registry.requires_for(v, target)],
                          **({"hbm": dict(arguments=2**30, outputs=2**30, temp=2**31, alias=0, generated_code=0,
                                          total=2**32, xla_bytes=2**28),
                              "collectives": {"all-reduce": 8, "collective-permute": 16}}

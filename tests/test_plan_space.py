@@ -72,7 +72,7 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
                         registry.MOSAIC_DQ, registry.MOSAIC_DKV}
                 else:
                     ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
-            assert ran == set(by_name[name].requires_for(target)), (name, target, sorted(ran))
+            assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))
             blackwell += registry.MOSAIC_FORWARD_TCGEN05 in ran
     assert blackwell >= 20  # the tcgen05 forward's rows: each family it takes, at head dims 64 / 128, both modes
 

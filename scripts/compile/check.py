@@ -41,7 +41,8 @@ def row_problems(row: dict, limits: dict, variant: registry.Variant | None) -> l
         return []  # peers (JAX's own kernels) are shown side by side, not held to our checks
     if row["status"] != "ok":
         return [f"{where}: compile error: {row.get('error')}"]
-    out = kernel_set_problems(where, [k["kernel"] for k in row["kernels"]], variant.requires_for(row["target"]))
+    found = [k["kernel"] for k in row["kernels"]]
+    out = kernel_set_problems(where, found, registry.requires_for(variant, row["target"]))
     for kernel in row["kernels"]:
         out += gpu_kernel_problems(row, kernel, limits)
     if row["group"] == "lm":

@@ -47,18 +47,12 @@ class Variant:
     kv_len: int = 1024
     value_dim: int | None = None
     tiles: dict | None = None  # FlashConfig fields set explicitly (exploration); None: default_config's
-    # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on;
-    # `requires_on`: (target, kernels) where a target's differ (backend "mosaic" on Blackwell: `requires_for`).
+    # The kernels the compile must hold (exactly these of ours; peers: none checked), and the targets it runs on.
     requires: tuple[str, ...] = ()
     targets: tuple[str, ...] = FULL_TARGETS
-    requires_on: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # Decode variants: query rows per program (new tokens x query heads per KV head), which decide whether a
-    # tile is large enough for wgmma / tcgen05 (rules.SMALL_DECODE_TILES); None elsewhere.
+    requires_on: tuple = ()  # (target, kernels) pairs where a target's kernels differ (`requires_for`)
+    # Decode variants: query rows per program (new tokens x query heads per KV head; rules.SMALL_DECODE_TILES).
     query_rows: int | None = None
-
-    def requires_for(self, target: str) -> tuple[str, ...]:
-        """The kernels the compile on `target` must hold."""
-        return dict(self.requires_on).get(target, self.requires)
 
 
 def _spec(shape, dtype):
@@ -251,6 +245,12 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
     backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic_backward else (DQ, DKV)
     return (forward, *backward)
+
+
+def requires_for(variant: Variant, target: str) -> tuple[str, ...]:
+    """The kernels the compile of `variant` on `target` must hold (backend "mosaic" runs Blackwell's kernels on
+    `BLACKWELL`: `Variant.requires_on`)."""
+    return dict(variant.requires_on).get(target, variant.requires)
 
 
 def _flash_options(feature: str) -> dict:

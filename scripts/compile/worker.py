@@ -138,7 +138,7 @@ def worker(target: str, group: str, toolchain: Path, only: str | None, journal: 
         return dict(variant=variant.name, group=variant.group, target=target, arch=limits["arch"],
                     head_dim=variant.head_dim, value_dim=variant.value_dim, dtype=variant.dtype,
                     mode=variant.mode, backend=variant.backend, q_len=variant.q_len, kv_len=variant.kv_len,
-                    requires=list(variant.requires_for(target)))
+                    requires=list(registry.requires_for(variant, target)))
 
     def built(variant, row):
         """The variant's function and argument specs, its row given the config it runs at."""
