@@ -107,6 +107,36 @@ def numpy_attention(q, k, v, *, allowed=None, bias=None, scale=None):
     return out, lse
 
 
+def numpy_attention_vjp(q, k, v, d_out, *, allowed=None, scale=None):
+    """Float64 gradients `(dq, dk, dv)` of `numpy_attention`'s out at the cotangent d_out `[B, T, N, Dv]`, from
+    first principles: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q,
+    summed over each KV head's query heads (and over the batch where k / v have batch 1)."""
+    q, k, v, d_out = (to_float32(x).astype(np.float64) for x in (q, k, v, d_out))
+    batch, _, num_heads, head_dim = q.shape
+    kv_batch, group = k.shape[0], num_heads // k.shape[2]
+    k, v = (np.repeat(np.broadcast_to(x, (batch, *x.shape[1:])), group, axis=2) for x in (k, v))
+    out, _ = numpy_attention(q, k, v, allowed=allowed, scale=scale)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = np.einsum("btnd,bsnd->bnts", q, k) * scale
+    allowed = np.ones(scores.shape, bool) if allowed is None else np.broadcast_to(allowed, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    weights = np.where(allowed, np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    probs = weights / np.where(row_sum > 0, row_sum, 1.0)
+    dv = np.einsum("bnts,btnd->bsnd", probs, d_out)
+    d_probs = np.einsum("btnd,bsnd->bnts", d_out, v)
+    ds = probs * (d_probs - np.einsum("btnd,btnd->bnt", d_out, out)[..., None])
+    dq = scale * np.einsum("bnts,bsnd->btnd", ds, k)
+    dk = scale * np.einsum("bnts,btnd->bsnd", ds, q)
+
+    def per_kv_head(x):
+        x = x.reshape(*x.shape[:2], -1, group, x.shape[-1]).sum(axis=3)
+        return x.sum(axis=0, keepdims=True) if kv_batch == 1 < batch else x
+
+    return dq, per_kv_head(dk), per_kv_head(dv)
+
+
 def numpy_allowed(batch, q_len, kv_len, *, causal=False, window=(None, None), q_lengths=None,
                   kv_lengths=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
     """The [B, 1|N, T, S] bool mask of attended pairs, built independently of the library."""

@@ -143,10 +143,10 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
-    # Blackwell: the tcgen05 forward and Triton's backward, for the families it takes (the plans add the rows).
+    # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
     assert set(registry.requires_for(names["mosaic_grad_d128_bf16_causal"], "sm100a_b200")) == {
-        registry.MOSAIC_FORWARD_TCGEN05, registry.DQ, registry.DKV}
+        registry.MOSAIC_FORWARD_TCGEN05, registry.MOSAIC_DQ_TCGEN05, registry.MOSAIC_DKV_TCGEN05}
     assert names["mosaic_grad_d128_bf16_dropout"].targets == registry.HOPPER
     assert any(name.startswith("decode_") for name in names)
 

@@ -287,9 +287,9 @@ def test_consumer_blackwell_decode_steps_over_32_keys():
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, dropout,
                                                                                           monkeypatch):
-    """Triton's passes of a call on backend "mosaic" on a B200 (its backward and tangent; with dropout, which the
-    tcgen05 forward lacks, its forward too) take the tiles, dK/dV orientation and tangent tiles backend "triton"
-    takes there: its tcgen05 rules (Q K^T dK/dV at head dim 128, the tangent's 64-key steps at 64), not
+    """Triton's passes of a call on backend "mosaic" on a B200 (its tangent; with dropout, which the tcgen05
+    kernels lack, its forward and backward too) take the tiles, dK/dV orientation and tangent tiles backend
+    "triton" takes there: its tcgen05 rules (Q K^T dK/dV at head dim 128, the tangent's 64-key steps at 64), not
     Hopper's."""
     from probjax_kernels import _dispatch
     from probjax_kernels._problem import Features, _Problem
@@ -310,5 +310,5 @@ def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_for
                 if (kernel_pass := getattr(plan, name)).run.__module__.startswith("probjax_kernels.triton")}
 
     mosaic, triton = passes("mosaic"), passes("triton")
-    assert set(mosaic) == ({"forward", "backward", "tangent"} if dropout else {"backward", "tangent"})
+    assert set(mosaic) == ({"forward", "backward", "tangent"} if dropout else {"tangent"})
     assert mosaic == {name: triton[name] for name in mosaic}

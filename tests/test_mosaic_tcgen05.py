@@ -99,7 +99,8 @@ def _kernels(fn, *args) -> set[str]:
 
 def test_backend_mosaic_on_blackwell_runs_the_tcgen05_forward(monkeypatch):
     """On a compute capability 10.x device, backend "mosaic" runs the tcgen05 forward for a plain call (GQA and
-    ragged lengths too), the Triton kernels its backward; output and gradients match the reference."""
+    ragged lengths too), and the tcgen05 backward (tests/test_mosaic_tcgen05_backward.py); output and gradients
+    match the reference."""
     monkeypatch.setattr(_backend, "target_device", lambda: B200)
     q, k, v = random_qkv(3, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
     fn = functools.partial(flash_attention, causal=True, config=INTERPRET)

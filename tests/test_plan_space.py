@@ -53,12 +53,14 @@ def test_every_forced_call_is_a_row_on_the_full_targets():
 def test_each_derived_row_requires_the_kernels_its_plan_runs():
     """The kernels a derived row must hold (`required_kernels`, the API contract restated) are the ones
     `_dispatch.plan` runs for its call on its first target and on Blackwell: Mosaic GPU's where the plan picks
-    them (the tcgen05 forward on sm_100a)."""
+    them (the tcgen05 forward and backward on sm_100a)."""
     by_name = {v.name: v for v in registry.variants()}
     rows = plan_space.derived_rows()
     assert len(rows) > 100
-    mosaic_forward = {"forward": registry.MOSAIC_FORWARD, "forward_tcgen05": registry.MOSAIC_FORWARD_TCGEN05}
-    blackwell = 0
+    mosaic = {"forward": {registry.MOSAIC_FORWARD}, "forward_tcgen05": {registry.MOSAIC_FORWARD_TCGEN05},
+              "backward": {registry.MOSAIC_DQ, registry.MOSAIC_DKV},
+              "backward_tcgen05": {registry.MOSAIC_DQ_TCGEN05, registry.MOSAIC_DKV_TCGEN05}}
+    blackwell = blackwell_backward = 0
     for row in rows:
         probe = plan_space.probe_of(row)
         name = probe.name(row["mode"])
@@ -68,13 +70,14 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
             ran = set()
             for kernel_pass in passes:
                 if kernel_pass.run.__module__.endswith("mosaic.glue"):
-                    ran |= {mosaic_forward[kernel_pass.run.__name__]} if kernel_pass is plan.forward else {
-                        registry.MOSAIC_DQ, registry.MOSAIC_DKV}
+                    ran |= mosaic[kernel_pass.run.__name__]
                 else:
                     ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
             assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))
             blackwell += registry.MOSAIC_FORWARD_TCGEN05 in ran
+            blackwell_backward += registry.MOSAIC_DKV_TCGEN05 in ran
     assert blackwell >= 20  # the tcgen05 forward's rows: each family it takes, at head dims 64 / 128, both modes
+    assert blackwell_backward >= 10  # its grad rows
 
 
 def test_a_row_the_registry_lost_fails_unless_retired(monkeypatch):

@@ -71,7 +71,7 @@ def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, it
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
 
 
-def _masked(s, rule: ScoreRule, row0, key0, kv_len):
+def masked_scores(s, rule: ScoreRule, row0, key0, kv_len):
     """s (a tensor-memory-layout tile: rows are queries from row0, columns keys from key0) with -inf where a
     key is at or past kv_len or outside the row's window. The bounds are per-row columns, compared with the
     column index: a thread's columns are constants, where (q_idx, kv_idx) tiles took a register each."""
@@ -131,7 +131,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
                 issue_qk(n + 1)
 
             if masked:
-                s = _masked(s, rule, row0, block * block_kv, kv_len)
+                s = masked_scores(s, rule, row0, block * block_kv, kv_len)
             s_scale = rule.scale * LOG2E
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)

@@ -1,5 +1,6 @@
 """The Mosaic GPU kernels as the autodiff core calls them: a `_Problem` and its padded arrays turned into the
-arguments of `mosaic_forward`, `mosaic_backward_dq` and `mosaic_backward_dkv`, with the hooks called from their
+arguments of `mosaic_forward`, `mosaic_backward_dq` and `mosaic_backward_dkv` (Hopper's), `tcgen05_forward`,
+`tcgen05_backward_dq` and `tcgen05_backward_dkv` (Blackwell's), with the hooks called from their
 jaxprs prepared at the kernels' shapes. Which calls come here is `mosaic.plan`'s choice.
 """
 
@@ -15,6 +16,8 @@ from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
+from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
+from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
 from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
@@ -189,3 +192,24 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
     return tcgen05_forward(q, k, v, q_len, kv_len, scale=f.scale, causal=False,
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
                            num_stages=cfg.num_stages, interpret=interpret)
+
+
+def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
+    """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
+    `forward_tcgen05`); `interpret`: in the Mosaic GPU interpreter. dK/dV works on 128-key tiles: where the
+    padded S is not a multiple of 128, k and v get zero keys up to one (masked: past kv_len) and their
+    gradients are cut back."""
+    q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
+    f = problem.features
+    options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
+                   d_lse=d_lse)
+    grads = {}
+    if tangents.q:
+        grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options)
+    if tangents.k or tangents.v:
+        kv_len_padded = k.shape[1]
+        extra = ((0, 0), (0, -kv_len_padded % TCGEN05_DKV_KEYS), (0, 0), (0, 0))
+        dk, dv = tcgen05_backward_dkv(q, jnp.pad(k, extra), jnp.pad(v, extra), out, lse, d_out, q_len, kv_len,
+                                      **options)
+        grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
+    return {name: g for name, g in grads.items() if getattr(tangents, name)}

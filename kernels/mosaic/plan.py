@@ -1,8 +1,9 @@
 """The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
 plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
-64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward
-(`forward_tcgen05`) for plain calls (a window or causal mask, lengths, GQA) at head dims 64 / 128. It serves
+64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward and
+backward (`forward_tcgen05`, `backward_tcgen05`) for plain calls (a window or causal mask, lengths, GQA) at head
+dims 64 / 128; the tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -259,8 +260,7 @@ def refuse_target(config: FlashConfig, device) -> None:
 
 
 class _MosaicGpu:
-    """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper, the forward on
-    Blackwell."""
+    """The Pallas Mosaic GPU kernels (`kernels/mosaic/`): forward, dQ and dK/dV on Hopper and on Blackwell."""
 
     name = "Mosaic GPU"
     configs = ("mosaic", "mosaic_interpret")
@@ -307,9 +307,11 @@ class _MosaicGpu:
 
     def plan(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> Passes:
         """Its forward on the call's tiles, and its backward where `_mosaic_backward_tiles` finds tiles; on
-        Blackwell the tcgen05 forward alone."""
+        Blackwell the tcgen05 forward and backward (dQ, dK/dV) of the calls `_tcgen05_takes`."""
         if on_blackwell(device):
-            return Passes(forward=KernelPass(glue.forward_tcgen05, problem, (("interpret", _interpreted(problem)),)))
+            interpret = (("interpret", _interpreted(problem)),)
+            return Passes(forward=KernelPass(glue.forward_tcgen05, problem, interpret),
+                          backward=KernelPass(glue.backward_tcgen05, problem, interpret))
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
         forward = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
         backward = None

@@ -208,9 +208,11 @@ RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
+MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
+                                         "probjax_mosaic_backward_dkv_tcgen05")
 BLACKWELL = ("sm100a_b200",)  # where backend "mosaic" runs the Blackwell kernels
-# The calls the Blackwell forward takes (16-bit, head dims 64 / 128): no feature beyond a window (causal),
-# lengths, GQA, v's own head dim and k / v of batch 1; the rest of backend "mosaic" runs Triton there.
+# The calls the Blackwell forward and backward take (16-bit, head dims 64 / 128): no feature beyond a window
+# (causal), lengths, GQA, v's own head dim and k / v of batch 1; the rest of backend "mosaic" runs Triton there.
 TCGEN05_FAMILIES = frozenset({"full", "causal", "window", "gqa8to2_causal", "dv64", "kv_batch1"})
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
@@ -229,13 +231,14 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor dropout or a float32 bias at
-    256), its dQ / dK/dV where both are 64 / 128; on Blackwell (`BLACKWELL`) the tcgen05 forward for the
-    families of `TCGEN05_FAMILIES` at head dims 64 / 128, and Triton's backward; tangent Triton."""
+    256), its dQ / dK/dV where both are 64 / 128; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
+    for the families of `TCGEN05_FAMILIES` at head dims 64 / 128; tangent Triton."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     if backend == "mosaic" and target in BLACKWELL:
         takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS) and feature in TCGEN05_FAMILIES
-        forward = MOSAIC_FORWARD_TCGEN05 if takes else FORWARD
-        return (forward,) if mode == "fwd" else (forward, TANGENT) if mode == "jvp" else (forward, DQ, DKV)
+        forward, backward = (MOSAIC_FORWARD_TCGEN05, (MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05)) if takes else (
+            FORWARD, (DQ, DKV))
+        return (forward,) if mode == "fwd" else (forward, TANGENT) if mode == "jvp" else (forward, *backward)
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory

@@ -1,9 +1,9 @@
-"""The Mosaic GPU forward for Blackwell (tcgen05 into tensor memory) compiled on a compute capability 10.x GPU
-(B200 / GB200 / B300) against the plain-jnp reference: the kernel, and flash_attention with
-FlashConfig(backend="mosaic") with its gradients (Triton's backward).
+"""The Mosaic GPU kernels for Blackwell (tcgen05 into tensor memory) compiled on a compute capability 10.x GPU
+(B200 / GB200 / B300) against the plain-jnp reference: the forward, the dQ and dK/dV kernels, and
+flash_attention with FlashConfig(backend="mosaic") with its gradients.
 
-Skipped off the GPU and on other GPUs; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the same kernel
-in the Mosaic GPU interpreter (tests/test_mosaic_tcgen05.py).
+Skipped off the GPU and on other GPUs; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the same kernels
+in the Mosaic GPU interpreter (tests/test_mosaic_tcgen05.py, tests/test_mosaic_tcgen05_backward.py).
 """
 
 import jax
@@ -13,6 +13,7 @@ from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
 from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 
 
@@ -50,9 +51,32 @@ def test_flash_attention_with_the_mosaic_backend(kwargs):
 
     mosaic = lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="mosaic"), **kwargs)  # noqa: E731
     assert "probjax_mosaic_forward_tcgen05" in str(jax.make_jaxpr(mosaic)(q, k, v))
+    assert "probjax_mosaic_backward_dkv_tcgen05" in str(jax.make_jaxpr(jax.grad(loss(mosaic), (0, 1, 2)))(q, k, v))
     reference = lambda q, k, v: flash_attention_reference(q, k, v, **kwargs)  # noqa: E731
     _assert_close("out", jax.jit(mosaic)(q, k, v), reference(q, k, v), TOL)
     grads = jax.jit(jax.grad(loss(mosaic), (0, 1, 2)))(q, k, v)
     expected = jax.grad(loss(reference), (0, 1, 2))(q, k, v)
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        _assert_close(name, got, want, TOL)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_kernels(causal, head_dim):
+    """dQ and dK/dV of ragged GQA against the reference's vjp (the forward's out and lse from the reference)."""
+    q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, head_dim, jnp.bfloat16)
+    d_out = _normal(4, q.shape).astype(jnp.bfloat16)
+    q_lengths, kv_lengths = jnp.array([1024, 700]), jnp.array([1024, 333])
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                         return_lse=True)
+
+    (out, lse), vjp = jax.vjp(reference, q, k, v)
+    expected = vjp((d_out, jnp.zeros_like(lse)))
+    args = (q, k, v, out, lse, d_out, q_lengths, kv_lengths)
+    options = dict(scale=head_dim**-0.5, causal=causal)
+    dq = jax.jit(lambda *a: tcgen05_backward_dq(*a, **options))(*args)
+    dk, dv = jax.jit(lambda *a: tcgen05_backward_dkv(*a, **options))(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, strict=True):
         _assert_close(name, got, want, TOL)

@@ -1,0 +1,408 @@
+"""Flash-attention backward for Blackwell (sm_100a) in Pallas Mosaic GPU: a dQ kernel and a dK / dV kernel
+(FlashAttention-2, Alg. 2, split by query tile and by key tile, so no atomics), both with tcgen05 MMAs into
+tensor memory, TMA and a producer warpgroup, the companions of `mosaic.forward_tcgen05`.
+
+Both kernels keep the forward's orientation: a tensor-memory tile of S = Q K^T has 128 query rows (tcgen05's M,
+one row per thread of the compute warpgroup under `Layout.TCGEN05`), so a row's lse and delta are scalars of its
+thread. S and dP = dO V^T are read back in 64-column chunks, p = exp2(s * scale * log2(e) - lse2) and
+dS = p * (dP - delta) computed there and written to shared memory as 16-bit tiles, which the next MMAs read:
+
+- dQ (`tcgen05_backward_dq`): one CTA per (128 query rows, query head, batch), resident Q and dO; a producer
+  streams K / V tiles of `block_kv` keys through a ring; per tile S and dP go to tensor memory, then
+  dQ += dS K accumulates in a (128, D) float32 tensor-memory tile.
+- dK / dV (`tcgen05_backward_dkv`): one CTA per (128 keys, KV head, batch), resident K and V; a producer streams
+  Q, dO, lse2 and delta tiles of 128 rows over every query head of the GQA group (so the group's sum happens in
+  the kernel); per tile dV += P^T dO and dK += dS^T Q, the transposed left operands read from shared memory,
+  into (128, Dv) and (128, D) float32 tensor-memory tiles. S, dP, dK and dV take 256 + D + Dv of tensor memory's
+  512 columns. At head dim 128 the Q / dO ring has one slot (two do not fit in shared memory beside P and dS).
+
+`lse2` is the forward's lse in base 2, +inf for rows with no key and rows >= q_lengths[b] (the XLA preprocess,
+`common._prologue`), so p = 0 there; `delta` = rowsum(dO * O) comes from XLA. Tiles visited and the
+per-element mask (keys >= kv_lengths[b], the window / causal edge) as in the forward (`kv_tile_range`,
+`q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's plain calls
+(scale, causal / window, lengths, GQA, k / v of batch 1, Dv != D); they run in the Mosaic GPU interpreter as
+they are compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels.mosaic.common import (
+    LOG2E,
+    SMEM_BYTES,
+    ScoreRule,
+    _prologue,
+    allocated_smem,
+    check_layout,
+    check_outputs,
+    drain_ring,
+    fill_ring_slot,
+    window_options,
+)
+from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q, HEAD_DIMS, masked_scores
+
+BLOCK_KV = 128  # keys per dK / dV CTA: tcgen05's M for dV += P^T dO and dK += dS^T Q
+DQ_BLOCK_KV = 64  # keys per dQ step by default
+_CHUNK = 64  # columns of S / dP read from tensor memory at a time (registers)
+_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+_ROW = plgpu.Layout.TCGEN05.reduce(1)  # a row's scalar in its thread
+
+
+def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one dQ CTA: Q (which carries dQ out) and dO, the lse2 / delta rows, the K / V ring and
+    the dS tile, with the barriers."""
+    buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
+               itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
+               itemsize * BLOCK_Q * block_kv]
+    return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)
+
+
+def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one dK / dV CTA: K and V (which carry dK and dV out), the Q / dO / lse2 / delta ring,
+    the P and dS tiles, with the barriers."""
+    buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
+               itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
+               4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV]
+    return allocated_smem(buffers, barriers=2 + 3 * num_stages + 3)
+
+
+def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2) -> int:
+    """The Q / dO ring's slots of the dK / dV kernel: two where they fit in shared memory, else one."""
+    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize) <= SMEM_BYTES else 1
+
+
+def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, p_smem, ds_smem):
+    """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
+    memory, `_CHUNK` columns at a time; rows are queries from row0, columns keys from key0."""
+    s_scale = rule.scale * LOG2E
+    for c in range(0, s_tmem.shape[1], _CHUNK):
+        columns = pl.ds(c, _CHUNK)
+        s = plgpu.async_load_tmem(s_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
+        dp = plgpu.async_load_tmem(dp_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
+        plgpu.wait_load_tmem()
+        if masked:
+            s = masked_scores(s, rule, row0, key0 + c, kv_len)
+        p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+        if p_smem is not None:
+            p_smem[:, columns] = p.astype(p_smem.dtype)
+        ds_smem[:, columns] = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(ds_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
+    """factor * the float32 accumulator into `smem` (its dtype), 64 columns at a time; zeros where no step ran
+    (`visited` false: the tensor memory was never written)."""
+    rows = plgpu.broadcasted_iota(jnp.int32, smem.shape[:1], 0, layout=_ROW)
+    visited = jnp.full_like(rows, visited.astype(jnp.int32)) != 0  # a row vector: no implicit broadcast
+    for c in range(0, smem.shape[1], _CHUNK):
+        columns = pl.ds(c, _CHUNK)
+        acc = plgpu.async_load_tmem(acc_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
+        smem[:, columns] = jnp.where(lax.broadcast_in_dim(visited, acc.shape, [0]), acc * factor,
+                                     0.0).astype(smem.dtype)
+    plgpu.wait_load_tmem()
+    plgpu.commit_smem()
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref, smem, tmem,
+               barriers, *, rule: ScoreRule, block_kv: int, num_stages: int, group: int):
+    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
+    s_tmem, dp_tmem, dq_tmem = tmem
+    rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
+    q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    if rule.causal_only:  # heaviest tiles first
+        q_tile = q_ref.shape[1] // BLOCK_Q - 1 - q_tile
+    wg = lax.axis_index("wg")
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    row0 = q_tile * BLOCK_Q
+    lo, full_lo, full_hi, hi = kv_tile_range(row0, BLOCK_Q, q_len, kv_len, block_kv, rule.window)
+
+    @pl.when(wg == 0)
+    def _compute():
+        row_tile, row_vector = (batch, pl.ds(row0, BLOCK_Q), head), (batch, head, pl.ds(row0, BLOCK_Q))
+        for src, dst in ((q_ref.at[row_tile], q_smem), (do_ref.at[row_tile], do_smem),
+                         (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)):
+            plgpu.copy_gmem_to_smem(src, dst, rows_ready)
+        plgpu.barrier_wait(rows_ready)
+        lse2 = plgpu.load(lse2_smem, layout=_ROW)
+        delta = plgpu.load(delta_smem, layout=_ROW)
+
+        def step(block, _, masked: bool):
+            n = block - lo
+            slot = lax.rem(n, num_stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.tcgen05_mma(s_tmem, q_smem, k_smem.at[slot].transpose((1, 0)), s_done, accumulate=False)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.tcgen05_mma(dp_tmem, do_smem, v_smem.at[slot].transpose((1, 0)), dp_done, accumulate=False)
+            plgpu.barrier_wait(s_done)
+            plgpu.barrier_wait(dp_done)
+
+            @pl.when(n > 0)
+            def _():  # the previous dS K has read the dS tile
+                plgpu.barrier_wait(dq_done)
+
+            _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, row0, block * block_kv, kv_len, masked, None, ds_smem)
+            plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
+            plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
+
+        lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), None)
+        lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), None)
+        lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), None)
+
+        @pl.when(hi > lo)
+        def _():
+            plgpu.barrier_wait(dq_done)  # the last dS K
+
+        _store_accumulator(dq_tmem, q_smem, rule.scale, hi > lo)  # Q is no longer read: its tile carries dQ out
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[row_tile])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _producer():
+        kv_head = lax.div(head, jnp.int32(group))
+        steps = hi - lo
+
+        @pl.loop(0, steps)
+        def _(n):
+            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds((lo + n) * block_kv, block_kv), kv_head)
+            fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
+                                                        (v_ref.at[tile], v_smem, v_ready)])
+
+        drain_ring(steps, num_stages, kv_free)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem,
+                tmem, barriers, *, rule: ScoreRule, num_stages: int, group: int):
+    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem = smem
+    s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
+    kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
+    kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    key0 = kv_tile * BLOCK_KV
+    # The query tiles that see this CTA's keys; the same for every query head of the group.
+    lo, full_lo, full_hi, hi = q_tile_range(key0, BLOCK_KV, q_len, kv_len, BLOCK_Q, rule.window)
+    steps = hi - lo  # per head; pipeline step h * steps + t - lo uses ring slot (that) % num_stages
+
+    @pl.when(wg == 0)
+    def _compute():
+        key_tile = (batch, pl.ds(key0, BLOCK_KV), kv_head)  # of dK / dV: per query batch when k / v have batch 1
+        kv_source = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_source], k_smem, kv_ready)
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_source], v_smem, kv_ready)
+        plgpu.barrier_wait(kv_ready)
+
+        def step(t, base, masked: bool):
+            n = base + t - lo
+            slot = lax.rem(n, num_stages)
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.tcgen05_mma(s_tmem, q_smem.at[slot], k_smem.transpose((1, 0)), s_done, accumulate=False)
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.tcgen05_mma(dp_tmem, do_smem.at[slot], v_smem.transpose((1, 0)), dp_done, accumulate=False)
+            lse2 = plgpu.load(lse2_smem.at[slot], layout=_ROW)
+            delta = plgpu.load(delta_smem.at[slot], layout=_ROW)
+            plgpu.barrier_wait(s_done)
+            plgpu.barrier_wait(dp_done)
+
+            @pl.when(n > 0)
+            def _():  # the previous step's P^T dO and dS^T Q have read the P and dS tiles
+                plgpu.barrier_wait(kv_done)
+
+            _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, p_smem, ds_smem)
+            plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
+            plgpu.tcgen05_mma(dk_tmem, ds_smem.transpose((1, 0)), q_smem.at[slot], kv_done, accumulate=n > 0)
+            plgpu.tcgen05_commit_arrive(rows_free.at[slot])  # the slot is free once these MMAs complete
+            return base
+
+        @pl.loop(0, group)
+        def _(h):
+            base = h * steps
+            lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), base)
+            lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), base)
+            lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), base)
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(kv_done)  # the last MMAs
+
+        # K and V are no longer read: their tiles carry dK and dV out.
+        _store_accumulator(dk_tmem, k_smem, rule.scale, steps > 0)
+        _store_accumulator(dv_tmem, v_smem, 1.0, steps > 0)
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[key_tile])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[key_tile])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _producer():
+        @pl.loop(0, group * steps)
+        def _(n):
+            head, t = kv_head * group + lax.div(n, steps), lo + lax.rem(n, steps)
+            rows = pl.ds(t * BLOCK_Q, BLOCK_Q)
+            row_tile, row_vector = (batch, rows, head), (batch, head, rows)
+            fill_ring_slot(n, num_stages, (rows_free,), [
+                (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
+                (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
+            ])
+
+        drain_ring(group * steps, num_stages, rows_free)
+
+
+def _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_kv: int, num_stages: int,
+           smem_need: int, kernel: str):
+    if block_kv not in (64, 128):
+        raise ValueError(f"block_kv must be 64 or 128 (a tensor-memory tile of S), got {block_kv}")
+    check_layout(q, k, v, q_lengths, kv_lengths, scale, block_q=BLOCK_Q, q_multiple=BLOCK_Q, block_kv=block_kv,
+                 kv_multiple=64, num_stages=num_stages, min_stages=1, head_dims=HEAD_DIMS, smem_need=smem_need,
+                 kernel=kernel)
+    if d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must have q's dtype {q.dtype}, got {d_out.dtype}")
+    check_outputs(q, v, out, lse, d_out)
+
+
+_STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret")
+_TENSOR_CORE = dict(orders_tensor_core=True)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                        q_lengths: jax.Array, kv_lengths: jax.Array, *, scale: float, causal: bool,
+                        window: tuple[int | None, int | None] = (None, None), block_kv: int = DQ_BLOCK_KV,
+                        num_stages: int = 2, interpret: bool = False, d_lse: jax.Array | None = None) -> jax.Array:
+    """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
+
+    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
+    `tcgen05_forward`; `out` `[B, T, N, Dv]` and `lse` `[B, N, T]` (natural log, -inf for rows without a key)
+    from it; `d_out` `[B, T, N, Dv]` in q's dtype, the cotangent of out; `d_lse` `[B, N, T]`: a cotangent of
+    lse, if any. `block_kv`: keys per step, 64 or 128 (S is divisible by it); `num_stages`: K / V ring slots
+    (>= 1). `interpret`: run in the Mosaic GPU CPU interpreter.
+
+    **Returns:** dQ `[B, T, N, D]` in q's dtype; zero in rows >= q_lengths[b] and rows without a key.
+    """
+    q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
+           dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize),
+           "the Mosaic GPU dQ kernel for Blackwell")
+    batch, q_len, num_heads, _ = q.shape
+    kv_len = k.shape[1]
+    _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
+                                           "kv_tables")
+    num_stages = min(num_stages, kv_len // block_kv)
+    kernel = functools.partial(_dq_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
+                               block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2])
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=(
+            (
+                plgpu.SMEM((BLOCK_Q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q, value_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q,), jnp.float32),
+                plgpu.SMEM((BLOCK_Q,), jnp.float32),
+                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
+            ),
+            (
+                plgpu.TMEM((BLOCK_Q, block_kv), jnp.float32),
+                plgpu.TMEM((BLOCK_Q, block_kv), jnp.float32),
+                plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=4),  # Q, dO, lse2, delta
+                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+            ),
+        ),
+        grid=(q_len // BLOCK_Q, num_heads, batch),
+        grid_names=("q", "heads", "batch"),
+        num_threads=2,
+        thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dq_tcgen05",
+        compiler_params=_COMPILER_PARAMS,
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+                         d_out: jax.Array, q_lengths: jax.Array, kv_lengths: jax.Array, *, scale: float,
+                         causal: bool, window: tuple[int | None, int | None] = (None, None),
+                         block_kv: int = BLOCK_KV, num_stages: int | None = None, interpret: bool = False,
+                         d_lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
+
+    **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
+    value); `num_stages`: Q / dO ring slots, default `dkv_stages` (2 at head dims 64, 1 where two do not fit).
+
+    **Returns:** `(dK, dV)`, `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype (batch 1 when k / v have it: the
+    query batches' parts summed); summed over each KV head's query heads, zero for keys >= kv_lengths[b] and
+    keys no query attends.
+    """
+    q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if block_kv != BLOCK_KV:
+        raise ValueError(f"block_kv must be {BLOCK_KV} (tcgen05's M: the keys of a dK / dV tile), got {block_kv}")
+    num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize) if num_stages is None else num_stages
+    _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
+           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize),
+           "the Mosaic GPU dK / dV kernel for Blackwell")
+    batch, q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
+                                           "q_tables")
+    kernel = functools.partial(_dkv_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
+                               num_stages=num_stages, group=num_heads // num_kv_heads)
+    dk, dv = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
+                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
+        scratch_types=(
+            (
+                plgpu.SMEM((BLOCK_KV, head_dim), k.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_KV, value_dim), v.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, BLOCK_Q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, BLOCK_Q, value_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),
+                plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),
+                plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
+            ),
+            (
+                plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
+                plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
+                plgpu.TMEM((BLOCK_KV, head_dim), jnp.float32),
+                plgpu.TMEM((BLOCK_KV, value_dim), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=2),  # K and V
+                plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a slot's Q and lse2
+                plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # its dO and delta
+                plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+                plgpu.Barrier(**_TENSOR_CORE),
+            ),
+        ),
+        grid=(kv_len // BLOCK_KV, num_kv_heads, batch),
+        grid_names=("kv", "heads", "batch"),
+        num_threads=2,
+        thread_name="wg",
+        kernel_name="probjax_mosaic_backward_dkv_tcgen05",
+        compiler_params=_COMPILER_PARAMS,
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+    if k.shape[0] != batch:
+        dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
+    return dk, dv
