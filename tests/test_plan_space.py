@@ -76,8 +76,9 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
             assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))
             blackwell += registry.MOSAIC_FORWARD_TCGEN05 in ran
             blackwell_backward += registry.MOSAIC_DKV_TCGEN05 in ran
-    assert blackwell >= 20  # the tcgen05 forward's rows: each family it takes, at head dims 64 / 128, both modes
-    assert blackwell_backward >= 10  # its grad rows
+    # The tcgen05 kernels' rows: each family they take at head dims 64 / 128 in both modes; GQA only in its causal
+    # family's row (the tcgen05 dK/dV sums the group in the kernel, so GQA changes no other plan there).
+    assert blackwell >= 18 and blackwell_backward >= 9, (blackwell, blackwell_backward)
 
 
 def test_a_row_the_registry_lost_fails_unless_retired(monkeypatch):

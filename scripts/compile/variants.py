@@ -533,14 +533,16 @@ def _side_by_side_variants() -> list[Variant]:
     """Our calls at the shapes of the tokamax peers (bf16, causal, fwd+bwd, seq 1024 / 8192, head dim 64 / 128),
     each compiled alone as tokamax's are (the grid compiles a call beside its jvp, as one program), so that the
     whole program's HBM and XLA-side bytes compare (`worker._program_figures`, the page's side-by-side table):
-    backend "triton" on `SIDE_TARGETS`, backend "mosaic" on Hopper."""
+    backend "triton" on `SIDE_TARGETS`, backend "mosaic" on Hopper and Blackwell (its tcgen05 kernels there)."""
     out = []
-    for backend, targets in (("triton", SIDE_TARGETS), ("mosaic", HOPPER)):
+    for backend, targets in (("triton", SIDE_TARGETS), ("mosaic", HOPPER + BLACKWELL)):
         for seq in (1024, 8192):
             for d in (64, 128):
                 call = _call(backend, "bf16", d, "fwd+bwd", "causal", q_len=seq, suffix="" if seq == 1024 else f"_T{seq}",
                              group=backend)
-                out.append(dataclasses.replace(call, name=f"side_{call.name}", targets=targets))
+                own = tuple((t, required_kernels(backend, "bf16", d, "fwd+bwd", "causal", target=t))
+                            for t in targets if backend == "mosaic" and t in BLACKWELL)
+                out.append(dataclasses.replace(call, name=f"side_{call.name}", targets=targets, requires_on=own))
     return out
 
 
