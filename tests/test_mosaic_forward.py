@@ -124,9 +124,10 @@ def test_segment_ids_match_numpy_in_interpreter(causal, window, tiles):
     (64, 128, {}), (128, 64, {"num_stages": 3}), (128, 256, {"block_kv": 64}), (256, 64, {"block_kv": 64}),
 ])
 def test_a_value_head_dim_of_its_own_matches_numpy_in_interpreter(head_dim, value_dim, tiles):
-    # v [B, S, K, Dv] with Dv != D: O gets a shared-memory tile of its own instead of Q's.
-    _check_against_numpy(2, 256, 256, 2, 1, head_dim, jnp.bfloat16, True, [256, 180], [256, 200],
-                         value_dim=value_dim, **tiles)
+    # v [B, S, K, Dv] with Dv != D: O gets a shared-memory tile of its own instead of Q's. One sequence (ragged):
+    # the interpreter's time grows with the grid, and per-sequence lengths are the cases' above.
+    _check_against_numpy(1, 256, 256, 2, 1, head_dim, jnp.bfloat16, True, [180], [200], value_dim=value_dim,
+                         **tiles)
 
 
 @pytest.mark.parametrize("mask_shape, tiles", [((2, 4, 128, 256), {}), ((1, 1, 128, 256), {"block_kv": 64})])
