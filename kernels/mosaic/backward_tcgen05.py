@@ -9,7 +9,9 @@ dS = p * (dP - delta) computed there and written to shared memory as 16-bit tile
 
 - dQ (`tcgen05_backward_dq`): one CTA per (128 query rows, query head, batch), resident Q and dO; a producer
   streams K / V tiles of `block_kv` keys through a ring; per tile S and dP go to tensor memory, then
-  dQ += dS K accumulates in a (128, D) float32 tensor-memory tile.
+  dQ += dS K accumulates in a (128, D) float32 tensor-memory tile. On 64-key steps S and dP have two
+  tensor-memory pairs: the next tile's are issued before this tile's are read, so the tensor core computes them
+  while the warpgroup turns this tile into dS.
 - dK / dV (`tcgen05_backward_dkv`): one CTA per (128 keys, KV head, batch), resident K and V; a producer streams
   Q, dO, lse2 and delta tiles of 128 rows over every query head of the GQA group (so the group's sum happens in
   the kernel); per tile dV += P^T dO and dK += dS^T Q, the transposed left operands read from shared memory,
@@ -54,6 +56,7 @@ DQ_BLOCK_KV = 64  # keys per dQ step by default
 _CHUNK = 64  # columns of S / dP read from tensor memory at a time (registers)
 _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 _ROW = plgpu.Layout.TCGEN05.reduce(1)  # a row's scalar in its thread
+_TMEM_COLUMNS = 512  # 32-bit columns of tensor memory per SM
 
 
 def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
@@ -134,21 +137,43 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
         lse2 = plgpu.load(lse2_smem, layout=_ROW)
         delta = plgpu.load(delta_smem, layout=_ROW)
 
+        pairs = s_tmem.shape[0]  # S / dP tensor-memory pairs: with 2, step n + 1's run during step n's work
+
+        def issue_scores(n):
+            """S(n) = Q K(n)^T and dP(n) = dO V(n)^T into pair n % pairs, once K(n) and V(n) have landed."""
+            slot, pair = lax.rem(n, num_stages), lax.rem(n, pairs)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.tcgen05_mma(s_tmem.at[pair], q_smem, k_smem.at[slot].transpose((1, 0)), s_done.at[pair],
+                              accumulate=False)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.tcgen05_mma(dp_tmem.at[pair], do_smem, v_smem.at[slot].transpose((1, 0)), dp_done.at[pair],
+                              accumulate=False)
+
+        if pairs == 2:
+            @pl.when(hi > lo)
+            def _():
+                issue_scores(0)
+
         def step(block, _, masked: bool):
             n = block - lo
-            slot = lax.rem(n, num_stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.tcgen05_mma(s_tmem, q_smem, k_smem.at[slot].transpose((1, 0)), s_done, accumulate=False)
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.tcgen05_mma(dp_tmem, do_smem, v_smem.at[slot].transpose((1, 0)), dp_done, accumulate=False)
-            plgpu.barrier_wait(s_done)
-            plgpu.barrier_wait(dp_done)
+            slot, pair = lax.rem(n, num_stages), lax.rem(n, pairs)
+            if pairs == 1:
+                issue_scores(n)
+            else:  # the other pair was read in step n - 1: the next step's S and dP go there now
+
+                @pl.when(block + 1 < hi)
+                def _():
+                    issue_scores(n + 1)
+
+            plgpu.barrier_wait(s_done.at[pair])
+            plgpu.barrier_wait(dp_done.at[pair])
 
             @pl.when(n > 0)
             def _():  # the previous dS K has read the dS tile
                 plgpu.barrier_wait(dq_done)
 
-            _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, row0, block * block_kv, kv_len, masked, None, ds_smem)
+            _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
+                          masked, None, ds_smem)
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
 
@@ -295,6 +320,9 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
                                            "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
+    # Two S / dP pairs where they fit in tensor memory's 512 columns beside dQ (64-key steps), and the ring has a
+    # slot for the next step's K / V while this one's are read.
+    pairs = 2 if num_stages >= 2 and 4 * block_kv + head_dim <= _TMEM_COLUMNS else 1
     kernel = functools.partial(_dq_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
                                block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2])
     return plgpu.kernel(
@@ -311,8 +339,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
             ),
             (
-                plgpu.TMEM((BLOCK_Q, block_kv), jnp.float32),
-                plgpu.TMEM((BLOCK_Q, block_kv), jnp.float32),
+                plgpu.TMEM((pairs, BLOCK_Q, block_kv), jnp.float32),
+                plgpu.TMEM((pairs, BLOCK_Q, block_kv), jnp.float32),
                 plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32),
             ),
             (
@@ -320,8 +348,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
-                plgpu.Barrier(**_TENSOR_CORE),
-                plgpu.Barrier(**_TENSOR_CORE),
+                plgpu.Barrier(num_barriers=pairs, **_TENSOR_CORE),
+                plgpu.Barrier(num_barriers=pairs, **_TENSOR_CORE),
                 plgpu.Barrier(**_TENSOR_CORE),
             ),
         ),
