@@ -1,6 +1,9 @@
-"""Test helpers: random inputs, a float64 NumPy attention (independent of the jnp reference), tolerances."""
+"""Test helpers: random inputs, a float64 NumPy attention (independent of the jnp reference), tolerances, a
+stand-in for a GPU device."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +164,12 @@ def numpy_allowed(batch, q_len, kv_len, *, causal=False, window=(None, None), q_
     if mask is not None:
         allowed = allowed & np.asarray(mask)
     return allowed
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeGPU:
+    """What the dispatch reads of a device: its platform, compute capability and kind."""
+
+    compute_capability: str
+    device_kind: str = "a fake GPU"
+    platform: str = "gpu"

@@ -15,18 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import FakeGPU
 
 from probjax_kernels import FlashConfig, _backend, default_config, flash_attention
 from probjax_kernels.triton import plan as triton_plan
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeGPU:
-    """What the dispatch reads of a device: its platform, compute capability and kind."""
-
-    compute_capability: str
-    device_kind: str = "a fake GPU"
-    platform: str = "gpu"
 
 
 H100, A100, RTX3090 = FakeGPU("9.0", "NVIDIA H100"), FakeGPU("8.0", "NVIDIA A100"), FakeGPU("8.6", "RTX 3090")

@@ -5,14 +5,22 @@ The interpreter runs the kernel as it is compiled: both warpgroups, TMA, the ten
 from shared memory into tensor memory, and O's rescaling through tensor-memory loads and stores.
 """
 
-import dataclasses
 import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, assert_lse_close, normal, numpy_allowed, numpy_attention, output_and_grads, random_qkv
+from helpers import (
+    FakeGPU,
+    assert_close,
+    assert_lse_close,
+    normal,
+    numpy_allowed,
+    numpy_attention,
+    output_and_grads,
+    random_qkv,
+)
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
 
 from probjax_kernels import FlashConfig, _backend, flash_attention, flash_attention_reference
@@ -78,15 +86,6 @@ def test_bad_arguments_name_what_they_need():
 
 
 # ------------------------------------------------------------------------------------------------ the dispatch
-
-@dataclasses.dataclass(frozen=True)
-class FakeGPU:
-    """What the dispatch reads of a device: its platform, compute capability and kind."""
-
-    compute_capability: str
-    device_kind: str = "a fake GPU"
-    platform: str = "gpu"
-
 
 B200 = FakeGPU("10.0", "NVIDIA B200")
 INTERPRET = FlashConfig(backend="mosaic_interpret")

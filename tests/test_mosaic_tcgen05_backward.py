@@ -6,7 +6,6 @@ The interpreter runs the kernels as they are compiled: both warpgroups, TMA, the
 MMAs from shared memory (dK/dV's with transposed left operands) into tensor memory and its chunked loads.
 """
 
-import dataclasses
 import functools
 import re
 
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    FakeGPU,
     assert_close,
     normal,
     numpy_allowed,
@@ -134,15 +134,6 @@ def test_the_dkv_ring_has_two_slots_where_they_fit():
 
 
 # ------------------------------------------------------------------------------------------------ the dispatch
-
-@dataclasses.dataclass(frozen=True)
-class FakeGPU:
-    """What the dispatch reads of a device: its platform, compute capability and kind."""
-
-    compute_capability: str
-    device_kind: str = "a fake GPU"
-    platform: str = "gpu"
-
 
 B200 = FakeGPU("10.0", "NVIDIA B200")
 

@@ -49,23 +49,29 @@ from probjax_kernels.mosaic.common import (
     fill_ring_slot,
     window_options,
 )
-from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q, HEAD_DIMS, masked_scores
+from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q, HEAD_DIMS, fill_kv_ring, launch, masked_scores
 
 BLOCK_KV = 128  # keys per dK / dV CTA: tcgen05's M for dV += P^T dO and dK += dS^T Q
 DQ_BLOCK_KV = 64  # keys per dQ step by default
 _CHUNK = 64  # columns of S / dP read from tensor memory at a time (registers)
-_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 _ROW = plgpu.Layout.TCGEN05.reduce(1)  # a row's scalar in its thread
 _TMEM_COLUMNS = 512  # 32-bit columns of tensor memory per SM
 
 
+def dq_score_pairs(head_dim: int, block_kv: int, num_stages: int) -> int:
+    """The dQ kernel's S / dP tensor-memory pairs: 2 where they fit in tensor memory's 512 columns beside dQ
+    (64-key steps) and the ring has a slot for the next step's K / V while this one's are read, else 1."""
+    return 2 if num_stages >= 2 and 4 * block_kv + head_dim <= _TMEM_COLUMNS else 1
+
+
 def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
     """Shared memory of one dQ CTA: Q (which carries dQ out) and dO, the lse2 / delta rows, the K / V ring and
-    the dS tile, with the barriers."""
+    the dS tile, with the barriers (the rows', the ring's three, S's and dP's per pair, dQ's)."""
     buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
                itemsize * BLOCK_Q * block_kv]
-    return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)
+    pairs = dq_score_pairs(head_dim, block_kv, num_stages)
+    return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2 * pairs + 1)
 
 
 def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2) -> int:
@@ -74,7 +80,7 @@ def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int
     buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
                itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
                4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV]
-    return allocated_smem(buffers, barriers=2 + 3 * num_stages + 3)
+    return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)  # K / V's, the ring's three, S's, dP's, dK/dV's
 
 
 def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2) -> int:
@@ -191,16 +197,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
 
     @pl.when(wg == 1)
     def _producer():
-        kv_head = lax.div(head, jnp.int32(group))
-        steps = hi - lo
-
-        @pl.loop(0, steps)
-        def _(n):
-            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds((lo + n) * block_kv, block_kv), kv_head)
-            fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
-                                                        (v_ref.at[tile], v_smem, v_ready)])
-
-        drain_ring(steps, num_stages, kv_free)
+        fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
+                     kv_head=lax.div(head, jnp.int32(group)), tiles=(lo, hi), block_kv=block_kv, num_stages=num_stages)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem,
@@ -320,13 +318,11 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
                                            "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
-    # Two S / dP pairs where they fit in tensor memory's 512 columns beside dQ (64-key steps), and the ring has a
-    # slot for the next step's K / V while this one's are read.
-    pairs = 2 if num_stages >= 2 and 4 * block_kv + head_dim <= _TMEM_COLUMNS else 1
+    pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     kernel = functools.partial(_dq_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
                                block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2])
-    return plgpu.kernel(
-        kernel,
+    return launch(
+        kernel, "probjax_mosaic_backward_dq_tcgen05", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -355,12 +351,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
         ),
         grid=(q_len // BLOCK_Q, num_heads, batch),
         grid_names=("q", "heads", "batch"),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="probjax_mosaic_backward_dq_tcgen05",
-        compiler_params=_COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -392,8 +384,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                                            "q_tables")
     kernel = functools.partial(_dkv_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
                                num_stages=num_stages, group=num_heads // num_kv_heads)
-    dk, dv = plgpu.kernel(
-        kernel,
+    dk, dv = launch(
+        kernel, "probjax_mosaic_backward_dkv_tcgen05", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths),
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
@@ -425,12 +417,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
         ),
         grid=(kv_len // BLOCK_KV, num_kv_heads, batch),
         grid_names=("kv", "heads", "batch"),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="probjax_mosaic_backward_dkv_tcgen05",
-        compiler_params=_COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+        interpret=interpret,
+    )
     if k.shape[0] != batch:
         dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
     return dk, dv

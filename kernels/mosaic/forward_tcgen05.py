@@ -189,16 +189,37 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
 
     @pl.when(wg == 1)
     def _producer():
-        kv_head = lax.div(head, jnp.int32(group))
-        steps = hi - lo
+        fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
+                     kv_head=lax.div(head, jnp.int32(group)), tiles=(lo, hi), block_kv=block_kv, num_stages=num_stages)
 
-        @pl.loop(0, steps)
-        def _(n):
-            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds((lo + n) * block_kv, block_kv), kv_head)
-            fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
-                                                        (v_ref.at[tile], v_smem, v_ready)])
 
-        drain_ring(steps, num_stages, kv_free)
+def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, tiles: tuple, block_kv: int,
+                 num_stages: int) -> None:
+    """The producer warpgroup of the tcgen05 kernels that stream K / V: KV tiles [lo, hi) (`tiles`) of (batch,
+    kv_head) by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot once the MMAs
+    that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready, v_ready,
+    kv_free)."""
+    (k_smem, v_smem), (k_ready, v_ready, kv_free), (lo, hi) = rings, barriers, tiles
+    steps = hi - lo
+
+    @pl.loop(0, steps)
+    def _(n):
+        tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds((lo + n) * block_kv, block_kv), kv_head)
+        fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
+                                                    (v_ref.at[tile], v_smem, v_ready)])
+
+    drain_ring(steps, num_stages, kv_free)
+
+
+def launch(kernel, name: str, inputs: tuple, *, out_type, scratch_types, grid: tuple, grid_names: tuple,
+           interpret: bool):
+    """`kernel` over `grid` as the tcgen05 kernels run: two warpgroups ("wg": the MMA-issuing one and a TMA
+    producer), no reduction scratch; in the Mosaic GPU interpreter with `interpret`."""
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names, num_threads=2,
+        thread_name="wg", kernel_name=name, compiler_params=_COMPILER_PARAMS,
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(*inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_kv", "num_stages", "interpret"))
@@ -252,8 +273,8 @@ def tcgen05_forward(
         num_stages=num_stages, group=num_heads // num_kv_heads,
     )
     tensor_core = dict(orders_tensor_core=True)
-    return plgpu.kernel(
-        kernel,
+    return launch(
+        kernel, "probjax_mosaic_forward_tcgen05", (q, k, v, q_lengths, kv_lengths),
         out_type=(
             jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype),
             jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
@@ -282,9 +303,5 @@ def tcgen05_forward(
         ),
         grid=(q_len // BLOCK_Q, num_heads, batch),
         grid_names=("q", "heads", "batch"),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="probjax_mosaic_forward_tcgen05",
-        compiler_params=_COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v, q_lengths, kv_lengths)
+        interpret=interpret,
+    )
