@@ -21,14 +21,17 @@ dS = p * (dP - delta) computed there and written to shared memory as 16-bit tile
 `lse2` is the forward's lse in base 2, +inf for rows with no key and rows >= q_lengths[b] (the XLA preprocess,
 `common._prologue`), so p = 0 there; `delta` = rowsum(dO * O) comes from XLA. Tiles visited and the
 per-element mask (keys >= kv_lengths[b], the window / causal edge) as in the forward (`kv_tile_range`,
-`q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's plain calls
-(scale, causal / window, lengths, GQA, k / v of batch 1, Dv != D); they run in the Mosaic GPU interpreter as
-they are compiled.
+`q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's calls (scale,
+causal / window, lengths, GQA, k / v of batch 1, Dv != D, hooks that read their arrays one element at a time:
+with a score_fn dS carries its derivative, from `score_jvp`; a BlockMask's tables: dQ walks its query tile's
+row of the kv tables, dK/dV its key tile's row of the q tables for each query head of the group); they run in
+the Mosaic GPU interpreter as they are compiled.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,24 +39,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_kernels._tiles import kv_tile_range, q_tile_range
+from probjax_kernels._tiles import q_tile_range
 from probjax_kernels.mosaic.common import (
-    LOG2E,
     SMEM_BYTES,
     ScoreRule,
+    _backward_rule,
     _prologue,
     allocated_smem,
     check_layout,
     check_outputs,
     drain_ring,
     fill_ring_slot,
-    window_options,
 )
-from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q, HEAD_DIMS, fill_kv_ring, launch, masked_scores
+from probjax_kernels.mosaic.forward_tcgen05 import (
+    BLOCK_Q,
+    HEAD_DIMS,
+    fill_kv_ring,
+    kv_walk,
+    launch,
+    range_walk,
+    run_walk,
+    split_hook_arrays,
+    table_walk,
+    tile_scores,
+    walk_steps,
+)
 
 BLOCK_KV = 128  # keys per dK / dV CTA: tcgen05's M for dV += P^T dO and dK += dS^T Q
 DQ_BLOCK_KV = 64  # keys per dQ step by default
-_CHUNK = 64  # columns of S / dP read from tensor memory at a time (registers)
+CHUNK = 64  # columns of S / dP read from tensor memory at a time (registers), where the hooks are called
 _ROW = plgpu.Layout.TCGEN05.reduce(1)  # a row's scalar in its thread
 _TMEM_COLUMNS = 512  # 32-bit columns of tensor memory per SM
 
@@ -88,21 +102,26 @@ def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2) -> int:
     return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize) <= SMEM_BYTES else 1
 
 
-def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, p_smem, ds_smem):
+def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, user_mask: bool,
+                  p_smem, ds_smem, batch, head, hook_arrays: tuple):
     """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
-    memory, `_CHUNK` columns at a time; rows are queries from row0, columns keys from key0."""
-    s_scale = rule.scale * LOG2E
-    for c in range(0, s_tmem.shape[1], _CHUNK):
-        columns = pl.ds(c, _CHUNK)
+    memory, `CHUNK` columns at a time; rows are queries from row0, columns keys from key0, of query head `head`.
+    With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule)."""
+    for c in range(0, s_tmem.shape[1], CHUNK):
+        columns = pl.ds(c, CHUNK)
         s = plgpu.async_load_tmem(s_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         dp = plgpu.async_load_tmem(dp_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         plgpu.wait_load_tmem()
-        if masked:
-            s = masked_scores(s, rule, row0, key0 + c, kv_len)
+        s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
+                                             user_mask=user_mask, hook_arrays=hook_arrays,
+                                             with_derivative=rule.score_fn is not None)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         if p_smem is not None:
             p_smem[:, columns] = p.astype(p_smem.dtype)
-        ds_smem[:, columns] = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(ds_smem.dtype)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        if derivative is not None:  # the chain rule through score_fn
+            ds = ds * derivative
+        ds_smem[:, columns] = ds.astype(ds_smem.dtype)
     plgpu.commit_smem()
 
 
@@ -111,8 +130,8 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
     (`visited` false: the tensor memory was never written)."""
     rows = plgpu.broadcasted_iota(jnp.int32, smem.shape[:1], 0, layout=_ROW)
     visited = jnp.full_like(rows, visited.astype(jnp.int32)) != 0  # a row vector: no implicit broadcast
-    for c in range(0, smem.shape[1], _CHUNK):
-        columns = pl.ds(c, _CHUNK)
+    for c in range(0, smem.shape[1], CHUNK):
+        columns = pl.ds(c, CHUNK)
         acc = plgpu.async_load_tmem(acc_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         smem[:, columns] = jnp.where(lax.broadcast_in_dim(visited, acc.shape, [0]), acc * factor,
                                      0.0).astype(smem.dtype)
@@ -120,8 +139,11 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
     plgpu.commit_smem()
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dq_ref, smem, tmem,
-               barriers, *, rule: ScoreRule, block_kv: int, num_stages: int, group: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
+               block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
+               has_tables: bool):
+    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
+    hook_arrays, (dq_ref, smem, tmem, barriers) = split_hook_arrays(refs, num_score_arrays, num_mask_arrays)
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
@@ -131,7 +153,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     row0 = q_tile * BLOCK_Q
-    lo, full_lo, full_hi, hi = kv_tile_range(row0, BLOCK_Q, q_len, kv_len, block_kv, rule.window)
+    walk = kv_walk(rule, tables, batch, head, q_tile, q_len, kv_len, block_kv)
+    steps = walk_steps(walk)
 
     @pl.when(wg == 0)
     def _compute():
@@ -156,18 +179,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                               accumulate=False)
 
         if pairs == 2:
-            @pl.when(hi > lo)
+            @pl.when(steps > 0)
             def _():
                 issue_scores(0)
 
-        def step(block, _, masked: bool):
-            n = block - lo
+        def step(n, block, _, masked: bool, user_mask: bool):
             slot, pair = lax.rem(n, num_stages), lax.rem(n, pairs)
             if pairs == 1:
                 issue_scores(n)
             else:  # the other pair was read in step n - 1: the next step's S and dP go there now
 
-                @pl.when(block + 1 < hi)
+                @pl.when(n + 1 < steps)
                 def _():
                     issue_scores(n + 1)
 
@@ -179,30 +201,31 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                 plgpu.barrier_wait(dq_done)
 
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
-                          masked, None, ds_smem)
+                          masked, user_mask, None, ds_smem, batch, head, hook_arrays)
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
 
-        lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), None)
-        lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), None)
-        lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), None)
+        run_walk(walk, step, None)
 
-        @pl.when(hi > lo)
+        @pl.when(steps > 0)
         def _():
             plgpu.barrier_wait(dq_done)  # the last dS K
 
-        _store_accumulator(dq_tmem, q_smem, rule.scale, hi > lo)  # Q is no longer read: its tile carries dQ out
+        _store_accumulator(dq_tmem, q_smem, rule.scale, steps > 0)  # Q is no longer read: its tile carries dQ out
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[row_tile])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
-                     kv_head=lax.div(head, jnp.int32(group)), tiles=(lo, hi), block_kv=block_kv, num_stages=num_stages)
+                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, dk_ref, dv_ref, smem,
-                tmem, barriers, *, rule: ScoreRule, num_stages: int, group: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
+                num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool):
+    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
+    hook_arrays, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_arrays(refs, num_score_arrays,
+                                                                             num_mask_arrays)
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
@@ -210,9 +233,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     key0 = kv_tile * BLOCK_KV
-    # The query tiles that see this CTA's keys; the same for every query head of the group.
-    lo, full_lo, full_hi, hi = q_tile_range(key0, BLOCK_KV, q_len, kv_len, BLOCK_Q, rule.window)
-    steps = hi - lo  # per head; pipeline step h * steps + t - lo uses ring slot (that) % num_stages
+    # The query tiles that see this CTA's keys: without tables the same for every query head of the group.
+    shared = None if has_tables else range_walk(*q_tile_range(key0, BLOCK_KV, q_len, kv_len, BLOCK_Q, rule.window,
+                                                              mask_everywhere=rule.mask_everywhere))
+
+    def over_heads(visit: Callable):
+        """`visit(walk, head, base)` for each query head of the group in order (its walk; base: the pipeline steps
+        of the heads before it, so that a step's ring slot is its number in the CTA modulo the stages); returns
+        the CTA's steps."""
+        def body(h, base):
+            head = kv_head * group + h
+            walk = table_walk(tables, batch, head, kv_tile) if has_tables else shared
+            visit(walk, head, base)
+            return base + walk_steps(walk)
+
+        return lax.fori_loop(0, group, body, jnp.int32(0))
 
     @pl.when(wg == 0)
     def _compute():
@@ -222,8 +257,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
         plgpu.copy_gmem_to_smem(v_ref.at[kv_source], v_smem, kv_ready)
         plgpu.barrier_wait(kv_ready)
 
-        def step(t, base, masked: bool):
-            n = base + t - lo
+        def step(n, t, carry, masked: bool, user_mask: bool, head):
+            """Query tile t of query head `head` at pipeline step n."""
             slot = lax.rem(n, num_stages)
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.tcgen05_mma(s_tmem, q_smem.at[slot], k_smem.transpose((1, 0)), s_done, accumulate=False)
@@ -238,18 +273,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             def _():  # the previous step's P^T dO and dS^T Q have read the P and dS tiles
                 plgpu.barrier_wait(kv_done)
 
-            _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, p_smem, ds_smem)
+            _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
+                          ds_smem, batch, head, hook_arrays)
             plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
             plgpu.tcgen05_mma(dk_tmem, ds_smem.transpose((1, 0)), q_smem.at[slot], kv_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(rows_free.at[slot])  # the slot is free once these MMAs complete
-            return base
+            return carry
 
-        @pl.loop(0, group)
-        def _(h):
-            base = h * steps
-            lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), base)
-            lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), base)
-            lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), base)
+        steps = over_heads(lambda walk, head, base: run_walk(walk, functools.partial(step, head=head), None, base))
 
         @pl.when(steps > 0)
         def _():
@@ -264,17 +295,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
 
     @pl.when(wg == 1)
     def _producer():
-        @pl.loop(0, group * steps)
-        def _(n):
-            head, t = kv_head * group + lax.div(n, steps), lo + lax.rem(n, steps)
+        def load(n, t, carry, head, **_):
             rows = pl.ds(t * BLOCK_Q, BLOCK_Q)
             row_tile, row_vector = (batch, rows, head), (batch, head, rows)
             fill_ring_slot(n, num_stages, (rows_free,), [
                 (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
                 (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
             ])
+            return carry
 
-        drain_ring(group * steps, num_stages, rows_free)
+        steps = over_heads(lambda walk, head, base: run_walk(walk, functools.partial(load, head=head), None, base))
+        drain_ring(steps, num_stages, rows_free)
 
 
 def _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_kv: int, num_stages: int,
@@ -289,7 +320,11 @@ def _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_
     check_outputs(q, v, out, lse, d_out)
 
 
-_STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret")
+_STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "score_fn", "score_jvp", "mask_fn")
+
+
+def _hooked_rule(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn) -> ScoreRule:
+    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, None, {})
 _TENSOR_CORE = dict(orders_tensor_core=True)
 
 
@@ -297,14 +332,20 @@ _TENSOR_CORE = dict(orders_tensor_core=True)
 def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
                         q_lengths: jax.Array, kv_lengths: jax.Array, *, scale: float, causal: bool,
                         window: tuple[int | None, int | None] = (None, None), block_kv: int = DQ_BLOCK_KV,
-                        num_stages: int = 2, interpret: bool = False, d_lse: jax.Array | None = None) -> jax.Array:
+                        num_stages: int = 2, interpret: bool = False, d_lse: jax.Array | None = None,
+                        score_fn: Callable | None = None, score_jvp: Callable | None = None,
+                        mask_fn: Callable | None = None, score_arrays: tuple = (), mask_arrays: tuple = (),
+                        kv_tables: tuple | None = None) -> jax.Array:
     """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
     `tcgen05_forward`; `out` `[B, T, N, Dv]` and `lse` `[B, N, T]` (natural log, -inf for rows without a key)
     from it; `d_out` `[B, T, N, Dv]` in q's dtype, the cotangent of out; `d_lse` `[B, N, T]`: a cotangent of
     lse, if any. `block_kv`: keys per step, 64 or 128 (S is divisible by it); `num_stages`: K / V ring slots
-    (>= 1). `interpret`: run in the Mosaic GPU CPU interpreter.
+    (>= 1). `interpret`: run in the Mosaic GPU CPU interpreter. `score_fn`, `mask_fn`, `score_arrays`,
+    `mask_arrays`: the forward's hooks and their arrays (`tcgen05_forward`), called on (128, `CHUNK`) parts of
+    S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value and d score_fn / d score).
+    `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s).
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype; zero in rows >= q_lengths[b] and rows without a key.
     """
@@ -315,14 +356,17 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
            "the Mosaic GPU dQ kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
-    _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
-                                           "kv_tables")
+    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, kv_tables, BLOCK_Q,
+                                                block_kv, "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
-    kernel = functools.partial(_dq_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
-                               block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2])
+    kernel = functools.partial(_dq_kernel, rule=_hooked_rule(scale, causal, window, score_fn, score_jvp, mask_fn),
+                               block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2],
+                               num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
+                               has_tables=tables is not None)
     return launch(
-        kernel, "probjax_mosaic_backward_dq_tcgen05", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths),
+        kernel, "probjax_mosaic_backward_dq_tcgen05",
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -360,11 +404,15 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                          d_out: jax.Array, q_lengths: jax.Array, kv_lengths: jax.Array, *, scale: float,
                          causal: bool, window: tuple[int | None, int | None] = (None, None),
                          block_kv: int = BLOCK_KV, num_stages: int | None = None, interpret: bool = False,
-                         d_lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                         d_lse: jax.Array | None = None, score_fn: Callable | None = None,
+                         score_jvp: Callable | None = None, mask_fn: Callable | None = None, score_arrays: tuple = (),
+                         mask_arrays: tuple = (), q_tables: tuple | None = None) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
     value); `num_stages`: Q / dO ring slots, default `dkv_stages` (2 at head dims 64, 1 where two do not fit).
+    `q_tables` instead of kv_tables: a BlockMask's transposed tables (rows: key tiles; columns: query tiles) on
+    (128, 128) tiles: a key tile visits, per query head, its partial query tiles then its full ones.
 
     **Returns:** `(dK, dV)`, `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype (batch 1 when k / v have it: the
     query batches' parts summed); summed over each KV head's query heads, zero for keys >= kv_lengths[b] and
@@ -380,12 +428,15 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
            "the Mosaic GPU dK / dV kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
-    _, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, None, BLOCK_Q, block_kv,
-                                           "q_tables")
-    kernel = functools.partial(_dkv_kernel, rule=ScoreRule(scale, **window_options(causal, window)),
-                               num_stages=num_stages, group=num_heads // num_kv_heads)
+    tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, BLOCK_Q,
+                                                block_kv, "q_tables")
+    kernel = functools.partial(_dkv_kernel, rule=_hooked_rule(scale, causal, window, score_fn, score_jvp, mask_fn),
+                               num_stages=num_stages, group=num_heads // num_kv_heads,
+                               num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
+                               has_tables=tables is not None)
     dk, dv = launch(
-        kernel, "probjax_mosaic_backward_dkv_tcgen05", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths),
+        kernel, "probjax_mosaic_backward_dkv_tcgen05",
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
@@ -422,3 +473,4 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     if k.shape[0] != batch:
         dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
     return dk, dv
+

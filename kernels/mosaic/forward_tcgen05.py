@@ -16,22 +16,24 @@ max and sum never leave the thread. Two warpgroups:
   both copies land (`k_ready`, `v_ready`) and free once the P V that read it has completed: the softmax
   warpgroup commits each step's MMAs to that slot's `kv_free` barrier (`tcgen05_commit_arrive`).
 
-KV tiles visited: [lo, full_lo) and [full_hi, hi) with the per-element mask (keys >= kv_lengths[b], the
-window / causal edge), [full_lo, full_hi) without it (`kv_tile_range`); tiles outside every row's window are
-never loaded. Rows >= q_lengths[b] and rows that attend no key give output 0 and lse -inf (the convention of
-every backend, `_problem.py`).
+KV tiles visited (`kv_walk`): [lo, full_lo) and [full_hi, hi) with the per-element mask (keys >= kv_lengths[b],
+the window / causal edge), [full_lo, full_hi) without it (`kv_tile_range`); tiles outside every row's window are
+never loaded. With a BlockMask's tables, the query tile's partial tiles then its full ones. Rows >= q_lengths[b]
+and rows that attend no key give output 0 and lse -inf (the convention of every backend, `_problem.py`).
 
 The caller pads: T to a multiple of 128, S to a multiple of `block_kv`, with finite values (zeros); keys past
 `kv_lengths` are masked, but their V rows still meet p = 0 in the P V matmul, so they must not be NaN / inf.
 
-This kernel takes the plain call (scale, causal / window, lengths, GQA, Dv != D); the Hopper kernel's other
-features run on the Triton kernels on Blackwell (`mosaic.plan`). It runs in the Mosaic GPU interpreter as it
-is compiled.
+This kernel takes the plain call (scale, causal / window, lengths, GQA, Dv != D), FlexAttention's hooks whose
+captured arrays are read one element at a time (a soft cap, ALiBi's `slopes[h]`, a prefix-LM or per-head window
+mask_mod: `tile_scores`) with a BlockMask's tables, and the row max; the Hopper kernel's other features run on
+the Triton kernels on Blackwell (`mosaic.plan`). It runs in the Mosaic GPU interpreter as it is compiled.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +48,12 @@ from probjax_kernels.mosaic.common import (
     LN2,
     LOG2E,
     ScoreRule,
+    _check_tables,
     allocated_smem,
     check_layout,
     drain_ring,
     fill_ring_slot,
+    table_row,
     window_options,
 )
 
@@ -60,13 +64,15 @@ _RESCALE_COLUMNS = 64  # O is rescaled in tensor memory in chunks of this many c
 _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
-def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
+               return_max: bool = False) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it: the Q tile (which carries O out when Dv = D, else
-    an O tile of its own), the K and V rings, the P tile, the lse staging row and the barriers."""
+    an O tile of its own), the K and V rings, the P tile, the lse (and with `return_max` the row max) staging
+    rows and the barriers."""
     buffers = [
         itemsize * BLOCK_Q * head_dim, itemsize * num_stages * block_kv * head_dim,
         itemsize * num_stages * block_kv * value_dim, itemsize * BLOCK_Q * block_kv, 4 * BLOCK_Q,
-        itemsize * BLOCK_Q * value_dim if value_dim != head_dim else 0,
+        itemsize * BLOCK_Q * value_dim if value_dim != head_dim else 0, 4 * BLOCK_Q if return_max else 0,
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
 
@@ -86,9 +92,97 @@ def masked_scores(s, rule: ScoreRule, row0, key0, kv_len):
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref, smem, tmem, barriers, *,
-                    rule: ScoreRule, block_kv: int, num_stages: int, group: int):
-    q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem = smem
+def hook_shapes(block_kv: int) -> tuple:
+    """Shapes of (b, h, q_idx, kv_idx, score) where the tcgen05 kernels call the hooks on `block_kv`-key
+    tiles: scalar b and h, (128, block_kv) tiles of a row per thread for the rest."""
+    tile = (BLOCK_Q, block_kv)
+    return (), (), tile, tile, tile
+
+
+def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: bool, user_mask: bool = True,
+                hook_arrays: tuple = ((), ()), with_derivative: bool = False):
+    """(s, s_scale, derivative) of a tensor-memory-layout tile s = q k^T (rows: queries from row0, columns: keys
+    from key0): the base-2 scores are s * s_scale, -inf where `masked` masks them (keys >= kv_len, and with
+    `user_mask` the window and the rule's mask_fn; a BlockMask's full blocks take the length mask alone); with a
+    score_fn the scores are its output (s_scale = log2(e)), and `derivative` its derivative with
+    `with_derivative` (else None). `hook_arrays`: the score_fn's and the mask_fn's array refs."""
+    if rule.score_fn is None and rule.mask_fn is None:
+        if masked:
+            s = masked_scores(s, rule if user_mask else ScoreRule(rule.scale), row0, key0, kv_len)
+        return s, rule.scale * LOG2E, None
+
+    def indices():
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape[:1], 0, layout=plgpu.Layout.TCGEN05.reduce(1))
+        columns = key0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.TCGEN05)
+        return lax.broadcast_in_dim(rows, s.shape, [0]), columns
+
+    score_arrays, mask_arrays = hook_arrays
+    return rule.scores(s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
+                       score_arrays=score_arrays, mask_arrays=mask_arrays, with_derivative=with_derivative)
+
+
+# A CTA's walk over the tiles it visits, in order: runs of (first step, steps, tile of the run's i-th step,
+# masked, user_mask) (`tile_scores`); a step's K / V (or Q / dO) ring slot is its number modulo the stages.
+Walk = tuple
+
+
+def range_walk(lo, full_lo, full_hi, hi) -> Walk:
+    """The tiles [lo, hi) of `kv_tile_range` / `q_tile_range`: those in [full_lo, full_hi) without the mask."""
+    return ((0, full_lo - lo, lambda i: lo + i, True, True),
+            (full_lo - lo, full_hi - full_lo, lambda i: full_lo + i, False, False),
+            (full_hi - lo, hi - full_hi, lambda i: full_hi + i, True, True))
+
+
+def table_walk(tables, batch, head, row) -> Walk:
+    """The tiles of a BlockMask's table row `row` (a query tile's for kv tables, a key tile's for q tables) of
+    (batch, head): its partial tiles (every mask), then its full ones (the length mask alone)."""
+    num_partial_ref, partial_ref, num_full_ref, full_ref = tables
+    num_partial = num_partial_ref[table_row(num_partial_ref, batch, head, row)]
+    num_full = num_full_ref[table_row(num_full_ref, batch, head, row)]
+    return ((0, num_partial, lambda i: partial_ref[(*table_row(partial_ref, batch, head, row), i)], True, True),
+            (num_partial, num_full, lambda i: full_ref[(*table_row(full_ref, batch, head, row), i)], True, False))
+
+
+def kv_walk(rule: ScoreRule, tables, batch, head, q_tile, q_len, kv_len, block_kv: int) -> Walk:
+    """The KV tiles of `block_kv` keys that query tile `q_tile` (128 rows) of (batch, head) visits: its row of
+    a BlockMask's `tables`, or without them `kv_tile_range`'s."""
+    if tables is not None:
+        return table_walk(tables, batch, head, q_tile)
+    return range_walk(*kv_tile_range(q_tile * BLOCK_Q, BLOCK_Q, q_len, kv_len, block_kv, rule.window,
+                                     mask_everywhere=rule.mask_everywhere))
+
+
+def walk_steps(walk: Walk):
+    """The number of steps of a walk."""
+    return functools.reduce(lambda total, run: total + run[1], walk, jnp.int32(0))
+
+
+def run_walk(walk: Walk, step: Callable, carry, first_step=0):
+    """carry through `step(n, tile, carry, masked=, user_mask=)` for every step of the walk, n counted from
+    `first_step`."""
+    for first, count, tile_of, masked, user_mask in walk:
+        def body(i, carry, first=first, tile_of=tile_of, masked=masked, user_mask=user_mask):
+            return step(first_step + first + i, tile_of(i), carry, masked=masked, user_mask=user_mask)
+
+        carry = lax.fori_loop(0, count, body, carry)
+    return carry
+
+
+def split_hook_arrays(refs, num_score_arrays: int, num_mask_arrays: int) -> tuple:
+    """((score_fn's array refs, mask_fn's), the rest) of a tcgen05 kernel's refs after its fixed inputs."""
+    split = num_score_arrays + num_mask_arrays
+    return (refs[:num_score_arrays], refs[num_score_arrays:split]), refs[split:]
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
+                    num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
+                    has_tables: bool):
+    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
+    hook_arrays, refs = split_hook_arrays(refs, num_score_arrays, num_mask_arrays)
+    out_ref, lse_ref, *refs = refs
+    max_ref = refs.pop(0) if return_max else None
+    smem, tmem, barriers = refs
+    q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem = smem
     s_tmem, o_tmem = tmem
     q_ready, k_ready, v_ready, kv_free, s_done, o_done = barriers
     o_smem = q_smem if own_o_smem is None else own_o_smem
@@ -99,7 +193,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
     row0 = q_tile * BLOCK_Q
-    lo, full_lo, full_hi, hi = kv_tile_range(row0, BLOCK_Q, q_len, kv_len, block_kv, rule.window)
+    walk = kv_walk(rule, tables, batch, head, q_tile, q_len, kv_len, block_kv)
+    steps = walk_steps(walk)
 
     @pl.when(wg == 0)
     def _softmax():
@@ -113,26 +208,24 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
             plgpu.tcgen05_mma(s_tmem.at[lax.rem(n, 2)], q_smem, k_smem.at[slot].transpose((1, 0)),
                               s_done.at[lax.rem(n, 2)], accumulate=False)
 
-        @pl.when(hi > lo)
+        @pl.when(steps > 0)
         def _():
             issue_qk(0)
 
-        def step(block, carry, masked: bool):
-            """KV tile `block` (pipeline step block - lo, ring slot (block - lo) % num_stages)."""
+        def step(n, block, carry, masked: bool, user_mask: bool):
+            """KV tile `block` at pipeline step n (ring slot n % num_stages)."""
             m_i, l_i = carry
-            n = block - lo
             slot = lax.rem(n, num_stages)
             plgpu.barrier_wait(s_done.at[lax.rem(n, 2)])
             s = plgpu.async_load_tmem(s_tmem.at[lax.rem(n, 2)], layout=plgpu.Layout.TCGEN05)
             plgpu.wait_load_tmem()  # S(n) is read before S(n + 2) overwrites its tensor memory
 
-            @pl.when(block + 1 < hi)
+            @pl.when(n + 1 < steps)
             def _():  # the next tile's Q K^T runs while this one's softmax does
                 issue_qk(n + 1)
 
-            if masked:
-                s = masked_scores(s, rule, row0, block * block_kv, kv_len)
-            s_scale = rule.scale * LOG2E
+            s, s_scale, _ = tile_scores(s, rule, row0, block * block_kv, kv_len, batch, head, masked=masked,
+                                        user_mask=user_mask, hook_arrays=hook_arrays)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -162,15 +255,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
             plgpu.layout_cast(jnp.full((BLOCK_Q,), _M_INIT, jnp.float32), plgpu.Layout.TCGEN05.reduce(1)),
             plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.TCGEN05.reduce(1)),
         )
-        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-        m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        m_i, l_i = run_walk(walk, step, carry)
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=plgpu.Layout.TCGEN05.reduce(1))
         valid = (q_idx < q_len) & (l_i != 0)  # l_i = 0: no key attended; a NaN l_i (NaN / inf inputs) stays NaN
         inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
 
-        @pl.when(hi > lo)
+        @pl.when(steps > 0)
         def _():
             plgpu.barrier_wait(o_done)  # the last P V
 
@@ -182,33 +273,38 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref
             o_smem[:, pl.ds(c, _RESCALE_COLUMNS)] = o.astype(o_smem.dtype)
         plgpu.wait_load_tmem()
         lse_smem[...] = jnp.where(valid, m_i * LN2 + jnp.log(jnp.where(valid, l_i, 1.0)), -jnp.inf)
+        if return_max:  # the row max of the masked scores in natural units: m_i is base 2
+            max_smem[...] = jnp.where(valid, m_i * LN2, -jnp.inf)
         plgpu.commit_smem()
+        rows = (batch, head, pl.ds(row0, BLOCK_Q))
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(row0, BLOCK_Q), head])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row0, BLOCK_Q)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rows])
+        if return_max:
+            plgpu.copy_smem_to_gmem(max_smem, max_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
-                     kv_head=lax.div(head, jnp.int32(group)), tiles=(lo, hi), block_kv=block_kv, num_stages=num_stages)
+                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages)
 
 
-def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, tiles: tuple, block_kv: int,
+def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, walk: Walk, block_kv: int,
                  num_stages: int) -> None:
-    """The producer warpgroup of the tcgen05 kernels that stream K / V: KV tiles [lo, hi) (`tiles`) of (batch,
-    kv_head) by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot once the MMAs
-    that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready, v_ready,
-    kv_free)."""
-    (k_smem, v_smem), (k_ready, v_ready, kv_free), (lo, hi) = rings, barriers, tiles
-    steps = hi - lo
+    """The producer warpgroup of the tcgen05 kernels that stream K / V: the KV tiles of `walk` of (batch,
+    kv_head) in its order by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot
+    once the MMAs that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready,
+    v_ready, kv_free)."""
+    (k_smem, v_smem), (k_ready, v_ready, kv_free) = rings, barriers
 
-    @pl.loop(0, steps)
-    def _(n):
-        tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds((lo + n) * block_kv, block_kv), kv_head)
+    def load(n, block, carry, **_):
+        tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(block * block_kv, block_kv), kv_head)
         fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
                                                     (v_ref.at[tile], v_smem, v_ready)])
+        return carry
 
-    drain_ring(steps, num_stages, kv_free)
+    run_walk(walk, load, None)
+    drain_ring(walk_steps(walk), num_stages, kv_free)
 
 
 def launch(kernel, name: str, inputs: tuple, *, out_type, scratch_types, grid: tuple, grid_names: tuple,
@@ -222,7 +318,8 @@ def launch(kernel, name: str, inputs: tuple, *, out_type, scratch_types, grid: t
     )(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_kv", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_kv", "num_stages", "interpret",
+                                             "score_fn", "mask_fn", "return_max"))
 def tcgen05_forward(
     q: jax.Array,
     k: jax.Array,
@@ -236,7 +333,13 @@ def tcgen05_forward(
     block_kv: int = 128,
     num_stages: int = 2,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+    score_fn: Callable | None = None,
+    mask_fn: Callable | None = None,
+    score_arrays: tuple = (),
+    mask_arrays: tuple = (),
+    return_max: bool = False,
+    kv_tables: tuple | None = None,
+) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:**
@@ -251,9 +354,18 @@ def tcgen05_forward(
       (with `causal`, right is at most 0). Tiles outside every row's window are never loaded.
     - `block_kv`: keys per pipeline step, 64 or 128. `num_stages`: K / V slots in the shared-memory ring, >= 2.
     - `interpret`: run in the Mosaic GPU CPU interpreter instead of compiling for the GPU.
+    - `score_fn(score, b, h, q_idx, kv_idx, *score_refs) -> score` on `scale * q k^T` before any mask, and
+      `mask_fn(b, h, q_idx, kv_idx, *mask_refs) -> bool` (True = attend; every tile then takes the per-element
+      mask), as `common.ScoreRule` has them: b, h int32 scalars, the rest (128, block_kv) tiles (`hook_shapes`);
+      `score_arrays` / `mask_arrays`: the arrays they read, as global-memory refs, one element at a time.
+    - `return_max`: also return the row max of the scaled, modified, masked scores.
+    - `kv_tables`: a BlockMask's `(num_partial [B|1, H|1, nq], partial_indices [B|1, H|1, nq, nk], num_full,
+      full_indices)` on this kernel's (128, block_kv) tiles over the padded sequences: a query tile visits its
+      partial tiles (with the window and mask_fn) then its full ones (the length mask alone), and no other.
 
-    **Returns:** `(out, lse)`: out `[B, T, N, Dv]` in q's dtype, lse `[B, N, T]` float32, the natural-log
-    sum-exp of the scaled, masked scores.
+    **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype,
+    lse `[B, N, T]` float32, the natural-log sum-exp of the scaled, modified, masked scores; max_scores
+    `[B, N, T]` float32 (-inf where lse is).
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -262,23 +374,26 @@ def tcgen05_forward(
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=BLOCK_Q, q_multiple=BLOCK_Q, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=HEAD_DIMS,
-        smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize),
+        smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max),
     )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    tables = _check_tables(kv_tables, batch, num_heads, q_len // BLOCK_Q, kv_len // block_kv, BLOCK_Q, block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn)
     kernel = functools.partial(
-        _forward_kernel, rule=ScoreRule(scale, **window_options(causal, window)), block_kv=block_kv,
-        num_stages=num_stages, group=num_heads // num_kv_heads,
+        _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
+        num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
+        has_tables=tables is not None,
     )
     tensor_core = dict(orders_tensor_core=True)
+    rows = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return launch(
-        kernel, "probjax_mosaic_forward_tcgen05", (q, k, v, q_lengths, kv_lengths),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
-        ),
+        kernel, "probjax_mosaic_forward_tcgen05",
+        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
+        out_type=(jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows,
+                  *((rows,) if return_max else ())),
         scratch_types=(
             (
                 plgpu.SMEM((BLOCK_Q, head_dim), q.dtype, transforms=transforms),
@@ -287,6 +402,7 @@ def tcgen05_forward(
                 plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q,), jnp.float32),
                 plgpu.SMEM((BLOCK_Q, value_dim), q.dtype, transforms=transforms) if value_dim != head_dim else None,
+                plgpu.SMEM((BLOCK_Q,), jnp.float32) if return_max else None,
             ),
             (
                 plgpu.TMEM((2, BLOCK_Q, block_kv), jnp.float32),

@@ -10,6 +10,7 @@ import functools
 from typing import Callable
 
 import jax.numpy as jnp
+from jax import lax
 
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
@@ -17,9 +18,11 @@ from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
+from probjax_kernels.mosaic.backward_tcgen05 import DQ_BLOCK_KV as TCGEN05_DQ_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
 from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
+from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 from probjax_kernels.mosaic.hook_vectors import hook_arrays
 
@@ -46,6 +49,13 @@ def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
 def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     num_args = len(args_and_refs) - len(hook.const_avals)
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
+
+
+def _after(value, earlier, interpret: bool):
+    """`value`, held until `earlier` is computed where the kernels run in the Mosaic GPU interpreter: an
+    interpreted kernel holds one of XLA's CPU threads while its warpgroups run nested computations on others, so
+    the dQ and dK/dV kernels scheduled at once can take every thread and wait on each other for good."""
+    return value if earlier is None or not interpret else lax.optimization_barrier((value, earlier))[0]
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool, block_kv: int):
@@ -157,6 +167,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             dq, bias_parts = dq
         grads["q"] = dq
     if tangents.k or tangents.v or (tangents.bias and key_bias):
+        args = (_after(q, grads.get("q"), options["interpret"]), *args[1:])
         dk, dv, *key_sums = mosaic_backward_dkv(*args, **options, **dkv_options, bias_grad=tangents.bias and key_bias)
         grads.update({"k": dk, "v": dv})
         bias_parts = key_sums[0] if key_sums else bias_parts
@@ -184,32 +195,51 @@ def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):
     return jnp.sum(parts, axis=broadcast, keepdims=True).astype(bias.dtype)
 
 
+def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts) -> dict:
+    """The tcgen05 kernels' hooks and their arrays (read one element at a time: `plan._tcgen05_takes`)."""
+    f = problem.features
+    return dict(score_fn=_mosaic_hook_fn(f.score_mod), mask_fn=_mosaic_hook_fn(f.mask_mod),
+                score_arrays=tuple(score_consts or ()), mask_arrays=tuple(mask_consts or ()))
+
+
 def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
-    """(out, lse) of the padded inputs by the Blackwell forward (`forward_tcgen05`; calls that
-    `mosaic.plan._tcgen05_takes`), on the config's key steps and stages; `interpret`: in the Mosaic GPU
-    interpreter."""
+    """(out, lse), and max_scores with `return_max`, of the padded inputs by the Blackwell forward
+    (`forward_tcgen05`; calls that `mosaic.plan._tcgen05_takes`), on the config's key steps and stages;
+    `interpret`: in the Mosaic GPU interpreter."""
     f, cfg = problem.features, problem.config
+    kv_tables = None
+    if f.block_sizes is not None:
+        kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (TCGEN05_BLOCK_Q, cfg.block_k))
     return tcgen05_forward(q, k, v, q_len, kv_len, scale=f.scale, causal=False,
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
-                           num_stages=cfg.num_stages, interpret=interpret)
+                           num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
+                           kv_tables=kv_tables,
+                           **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"]))
 
 
 def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
-    `forward_tcgen05`); `interpret`: in the Mosaic GPU interpreter. dK/dV works on 128-key tiles: where the
-    padded S is not a multiple of 128, k and v get zero keys up to one (masked: past kv_len) and their
-    gradients are cut back."""
+    `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
+    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v get zero keys up to one
+    (masked: past kv_len) and their gradients are cut back. The gradients of a score_mod's arrays come from
+    `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
-    f = problem.features
+    f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
-                   d_lse=d_lse)
+                   d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod),
+                   **_tcgen05_hooks(problem, res["score_consts"], others["mask_consts"]))
+    dq_options, dkv_options = {}, {}
+    if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)
+        dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, (TCGEN05_BLOCK_Q, TCGEN05_DQ_KEYS))
+        dkv_options["q_tables"] = refined_tables(others["q_tables"], f.block_sizes[::-1],
+                                                 (TCGEN05_DKV_KEYS, TCGEN05_BLOCK_Q))
     grads = {}
     if tangents.q:
-        grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options)
+        grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options, **dq_options)
     if tangents.k or tangents.v:
         kv_len_padded = k.shape[1]
         extra = ((0, 0), (0, -kv_len_padded % TCGEN05_DKV_KEYS), (0, 0), (0, 0))
-        dk, dv = tcgen05_backward_dkv(q, jnp.pad(k, extra), jnp.pad(v, extra), out, lse, d_out, q_len, kv_len,
-                                      **options)
+        dk, dv = tcgen05_backward_dkv(_after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
+                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options)
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
     return {name: g for name, g in grads.items() if getattr(tangents, name)}

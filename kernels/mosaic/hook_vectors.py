@@ -54,7 +54,12 @@ def vector_reads(jaxpr, consts) -> dict | None:
 def hook_specs(config: FlashConfig, with_score: bool) -> list[jax.ShapeDtypeStruct]:
     """The argument specs of a hook where the Mosaic forward calls it (`mosaic_hook_shapes`): (score,) b, h,
     q_idx, kv_idx."""
-    b, h, q_idx, kv_idx, score = mosaic_hook_shapes(config)
+    return specs_at(mosaic_hook_shapes(config), with_score)
+
+
+def specs_at(shapes: tuple, with_score: bool) -> list[jax.ShapeDtypeStruct]:
+    """The argument specs (score,) b, h, q_idx, kv_idx of a hook at `shapes`, (b, h, q_idx, kv_idx, score)'s."""
+    b, h, q_idx, kv_idx, score = shapes
     specs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (b, h, q_idx, kv_idx)]
     return [jax.ShapeDtypeStruct(score, jnp.float32), *specs] if with_score else specs
 

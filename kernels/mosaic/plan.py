@@ -2,8 +2,9 @@
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
 plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
 64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward and
-backward (`forward_tcgen05`, `backward_tcgen05`) for plain calls (a window or causal mask, lengths, GQA) at head
-dims 64 / 128; the tangent stays Triton's. It serves
+backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
+lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
+window mask_mod) and BlockMasks of 128 x 128 blocks or coarser; the tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -25,6 +26,7 @@ from probjax_kernels._problem import _interpreted, _Problem
 from probjax_kernels.mosaic import glue
 from probjax_kernels.mosaic.backward import DQ_TILES, dq_smem_bytes
 from probjax_kernels.mosaic.backward_dkv import DKV_TILES, dkv_smem_bytes
+from probjax_kernels.mosaic.backward_tcgen05 import CHUNK as TCGEN05_CHUNK
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import bias_kind
@@ -32,8 +34,9 @@ from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_ho
 from probjax_kernels.mosaic.forward import smem_bytes as mosaic_smem_bytes
 from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
 from probjax_kernels.mosaic.forward_tcgen05 import HEAD_DIMS as TCGEN05_HEAD_DIMS
+from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_shapes
 from probjax_kernels.mosaic.forward_tcgen05 import smem_bytes as tcgen05_smem_bytes
-from probjax_kernels.mosaic.hook_vectors import hook_specs, vector_counts, vector_reads
+from probjax_kernels.mosaic.hook_vectors import hook_specs, specs_at, vector_counts, vector_reads
 
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
 
@@ -70,18 +73,40 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
 def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Blackwell forward (`forward_tcgen05`) takes the call: 16-bit
     inputs, q / k's and v's head dims 64 or 128, a positive scale, 128-row query tiles on 64- or 128-key steps
-    with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA and a key
-    / value batch of 1: no bias, mask, segment ids, hook, BlockMask, dropout or row max."""
+    with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA, a key /
+    value batch of 1, the row max, hooks that run in Mosaic GPU reading their arrays one element at a time
+    (`_is_tcgen05_hook`) and BlockMasks on 128 x 128 blocks or coarser ones (their tables refined to every
+    tcgen05 kernel's tiles): no bias, mask, segment ids or dropout."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and set(head_dims) <= set(TCGEN05_HEAD_DIMS)
         and f.scale > 0 and problem.bias_shape is None and problem.mask_shape is None and not problem.has_segments
-        and f.score_mod is None and f.mask_mod is None and f.block_sizes is None and not f.dropout_rate
-        and not f.return_max
+        and (f.block_sizes is None or all(size % TCGEN05_BLOCK_Q == 0 for size in f.block_sizes))
+        and not f.dropout_rate
         and cfg.block_q == TCGEN05_BLOCK_Q and cfg.block_k in (64, 128) and cfg.num_stages >= 2
-        and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize) <= MOSAIC_SMEM_BYTES
+        and (f.score_mod is None or _is_tcgen05_hook(f.score_mod, tcgen05_hook_shapes(cfg.block_k), True))
+        and (f.mask_mod is None or _is_tcgen05_hook(f.mask_mod, tcgen05_hook_shapes(cfg.block_k), False))
+        and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize,
+                               f.return_max) <= MOSAIC_SMEM_BYTES
     )
+
+
+def _tcgen05_backward_takes(problem: _Problem) -> bool:
+    """Whether the Blackwell dQ and dK/dV kernels take a call the tcgen05 forward takes: its hooks run in Mosaic
+    GPU on their (128, `TCGEN05_CHUNK`) parts too, and a score_mod's derivative with them."""
+    f, shapes = problem.features, tcgen05_hook_shapes(TCGEN05_CHUNK)
+    if f.mask_mod is not None and not _is_tcgen05_hook(f.mask_mod, shapes, False):
+        return False
+    return f.score_mod is None or (_is_tcgen05_hook(f.score_mod, shapes, True)
+                                   and _is_mosaic_score_derivative(f.score_mod, specs_at(shapes, True)))
+
+
+def _is_tcgen05_hook(hook: Hook, shapes: tuple, with_score: bool) -> bool:
+    """Whether a hook runs inside the tcgen05 kernels at `shapes` (`tcgen05_hook_shapes`): as in the Hopper
+    ones (`_runs_in_mosaic`), with its arrays read one element at a time (they hold no vectors)."""
+    jaxpr = hook._jaxpr(specs_at(shapes, with_score))
+    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars), vectors=False)
 
 
 def _forward_smem(problem: _Problem, head_dims: tuple[int, int], block_kv: int) -> int:
@@ -143,7 +168,7 @@ def _fits_mosaic(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     its forward and a score_mod's derivative also runs in Mosaic GPU."""
     f = problem.features
     return _mosaic_takes(problem, dtype, head_dims) and (
-        f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, problem.config)
+        f.score_mod is None or _is_mosaic_score_derivative(f.score_mod, hook_specs(problem.config, with_score=True))
     )
 
 
@@ -153,23 +178,24 @@ def _is_mosaic_hook(hook: Hook, config: FlashConfig, with_score: bool) -> bool:
     return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
 
 
-def _is_mosaic_score_derivative(hook: Hook, config: FlashConfig) -> bool:
-    """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU."""
-    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *hook_specs(config, with_score=True))
+def _is_mosaic_score_derivative(hook: Hook, specs: list) -> bool:
+    """Whether a score_mod's value and derivative (its jvp, for the backward kernels) run in Mosaic GPU, at the
+    argument `specs` (score, b, h, q_idx, kv_idx) of the backward kernels' calls."""
+    closed = hook.jvp_jaxpr((False,) * len(hook.const_avals), *specs)
     captured = closed.jaxpr.invars[: len(hook.const_avals)]  # the refs of the hook's arrays
     return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
 
 
-def _runs_in_mosaic(jaxpr, consts: set) -> bool:
+def _runs_in_mosaic(jaxpr, consts: set, vectors: bool = True) -> bool:
     """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
     only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
-    global memory) or along q_idx / kv_idx (`hook_vectors.vector_reads`: the kernels hold those as vectors,
-    and the index arithmetic of those reads is dead), never as arrays; 0-d arrays (a learnable soft cap) are
-    scalar loads wherever used."""
+    global memory) or, with `vectors`, along q_idx / kv_idx (`hook_vectors.vector_reads`: the kernels hold
+    those as vectors, and the index arithmetic of those reads is dead), never as arrays; 0-d arrays (a
+    learnable soft cap) are scalar loads wherever used."""
     elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
     consts = {var for var in consts if var.aval.shape}
     reads = vector_reads(jaxpr, list(consts))
-    if reads is None:
+    if reads is None or (reads and not vectors):
         return False
     live = live_equations(jaxpr, reads) if reads else [True] * len(jaxpr.eqns)
     vectors = {read.const for read in reads.values()}  # read only as vectors: no other use of them
@@ -293,7 +319,10 @@ class _MosaicGpu:
         )
 
     def hook_shapes(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> list[tuple]:
-        """The forward's consumer tiles and the backward's parts, where its kernels call the hooks."""
+        """The forward's consumer tiles and the backward's parts, where its kernels call the hooks (on Blackwell
+        the tcgen05 kernels': the forward's (128, block_k) tiles, the backward's (128, `TCGEN05_CHUNK`) parts)."""
+        if on_blackwell(device):
+            return [tcgen05_hook_shapes(problem.config.block_k), tcgen05_hook_shapes(TCGEN05_CHUNK)]
         return [mosaic_hook_shapes(problem.config), mosaic_backward_hook_shapes(problem.config)]
 
     def unsupported(self, problem: _Problem, *, dtype, head_dims: tuple[int, int], device) -> str | None:
@@ -310,8 +339,10 @@ class _MosaicGpu:
         Blackwell the tcgen05 forward and backward (dQ, dK/dV) of the calls `_tcgen05_takes`."""
         if on_blackwell(device):
             interpret = (("interpret", _interpreted(problem)),)
-            return Passes(forward=KernelPass(glue.forward_tcgen05, problem, interpret),
-                          backward=KernelPass(glue.backward_tcgen05, problem, interpret))
+            backward = None
+            if _tcgen05_backward_takes(problem):
+                backward = KernelPass(glue.backward_tcgen05, problem, interpret)
+            return Passes(forward=KernelPass(glue.forward_tcgen05, problem, interpret), backward=backward)
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
         forward = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
         backward = None

@@ -1,9 +1,11 @@
 """The Mosaic GPU kernels for Blackwell (tcgen05 into tensor memory) compiled on a compute capability 10.x GPU
 (B200 / GB200 / B300) against the plain-jnp reference: the forward, the dQ and dK/dV kernels, and
-flash_attention with FlashConfig(backend="mosaic") with its gradients.
+flash_attention with FlashConfig(backend="mosaic") with its gradients, flex_attention's score_mods (soft cap,
+ALiBi) and BlockMasks with theirs.
 
 Skipped off the GPU and on other GPUs; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the same kernels
-in the Mosaic GPU interpreter (tests/test_mosaic_tcgen05.py, tests/test_mosaic_tcgen05_backward.py).
+in the Mosaic GPU interpreter (tests/test_mosaic_tcgen05.py, tests/test_mosaic_tcgen05_backward.py,
+tests/test_mosaic_tcgen05_hooks.py).
 """
 
 import jax
@@ -12,7 +14,21 @@ import pytest
 from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
-from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels import (
+    FlashConfig,
+    alibi,
+    alibi_slopes,
+    and_masks,
+    causal_mask,
+    create_block_mask,
+    flash_attention,
+    flash_attention_reference,
+    flex_attention,
+    flex_attention_reference,
+    sliding_window,
+    softcap,
+)
+from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 
@@ -41,8 +57,16 @@ def test_forward(causal, head_dim, block_kv):
     _assert_close("lse", lse, expected_lse, TOL)
 
 
+def counting_tcgen05_backward(monkeypatch) -> list:
+    """A list that gets an entry each time the tcgen05 backward is built (when jax.grad's tangent map is lowered:
+    a jaxpr does not show the backward's kernels)."""
+    calls, backward = [], mosaic_glue.backward_tcgen05
+    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(256, 0)), dict()], ids=["causal", "window", "full"])
-def test_flash_attention_with_the_mosaic_backend(kwargs):
+def test_flash_attention_with_the_mosaic_backend(kwargs, monkeypatch):
     q, k, v = random_qkv(1, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
     cotangent = _normal(2, q.shape)
 
@@ -50,12 +74,19 @@ def test_flash_attention_with_the_mosaic_backend(kwargs):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
 
     mosaic = lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="mosaic"), **kwargs)  # noqa: E731
-    assert "probjax_mosaic_forward_tcgen05" in str(jax.make_jaxpr(mosaic)(q, k, v))
-    assert "probjax_mosaic_backward_dkv_tcgen05" in str(jax.make_jaxpr(jax.grad(loss(mosaic), (0, 1, 2)))(q, k, v))
     reference = lambda q, k, v: flash_attention_reference(q, k, v, **kwargs)  # noqa: E731
-    _assert_close("out", jax.jit(mosaic)(q, k, v), reference(q, k, v), TOL)
-    grads = jax.jit(jax.grad(loss(mosaic), (0, 1, 2)))(q, k, v)
-    expected = jax.grad(loss(reference), (0, 1, 2))(q, k, v)
+    _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)
+
+
+def _assert_tcgen05_matches_reference(mosaic, reference, args, loss, monkeypatch):
+    """`mosaic` runs the tcgen05 forward and backward, and its output and gradients (of `loss(fn)`) match
+    `reference`'s."""
+    assert "probjax_mosaic_forward_tcgen05" in str(jax.make_jaxpr(mosaic)(*args))
+    _assert_close("out", jax.jit(mosaic)(*args), reference(*args), TOL)
+    calls = counting_tcgen05_backward(monkeypatch)
+    grads = jax.jit(jax.grad(loss(mosaic), (0, 1, 2)))(*args)
+    assert calls, "the tcgen05 backward did not run"
+    expected = jax.grad(loss(reference), (0, 1, 2))(*args)
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
         _assert_close(name, got, want, TOL)
 
@@ -80,3 +111,27 @@ def test_backward_kernels(causal, head_dim):
     dk, dv = jax.jit(lambda *a: tcgen05_backward_dkv(*a, **options))(*args)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, strict=True):
         _assert_close(name, got, want, TOL)
+
+
+@pytest.mark.parametrize("case", ["softcap_alibi", "sliding_window_block_mask"])
+def test_flex_attention_with_the_mosaic_backend(case, monkeypatch):
+    """A soft cap then ALiBi from a slope table, and a causal sliding-window BlockMask with a soft cap: the tcgen05
+    forward and backward run them (hooks and tables in the kernels); out and gradients against the reference."""
+    q, k, v = random_qkv(5, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+    cotangent = _normal(6, q.shape)
+    cap, bias = softcap(30.0), alibi(alibi_slopes(8))
+    if case == "softcap_alibi":
+        score_mod, block_mask = (lambda s, b, h, q_idx, kv_idx: bias(cap(s, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx),
+                                 None)
+    else:
+        score_mod = cap
+        block_mask = create_block_mask(and_masks(causal_mask, sliding_window(300)), None, None, 1024, 1024)
+
+    def run(attention, **options):
+        return lambda q, k, v: attention(q, k, v, score_mod, block_mask, enable_gqa=True, **options)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
+
+    mosaic, reference = run(flex_attention, config=FlashConfig(backend="mosaic")), run(flex_attention_reference)
+    _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)

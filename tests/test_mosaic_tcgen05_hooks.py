@@ -1,0 +1,200 @@
+"""FlexAttention's hooks, BlockMasks and the row max in the Mosaic GPU kernels for Blackwell (sm_100a: tcgen05
+MMAs into tensor memory): the forward, dQ and dK / dV kernels with a score_fn and a mask_fn in the Mosaic GPU
+CPU interpreter against float64 NumPy, and the dispatch of flex_attention's score_mods and BlockMasks on a
+Blackwell device against the plain-jnp reference.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FakeGPU, assert_close, normal, output_and_grads, random_qkv, to_float32
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+from probjax_kernels import (
+    AuxRequest,
+    FlashConfig,
+    _backend,
+    create_block_mask,
+    flex_attention,
+    flex_attention_reference,
+)
+from probjax_kernels.flex.mods import alibi, alibi_slopes, relative_bias, softcap
+from probjax_kernels.mosaic import glue as mosaic_glue
+from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
+from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
+
+B200 = FakeGPU("10.0", "NVIDIA B200")
+INTERPRET = FlashConfig(backend="mosaic_interpret")
+CAP = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    # After an error inside the interpreter its global state must be reset before the next kernel runs.
+    yield
+    reset_gpu_interpret_mode_state()
+
+
+def _capped_distance(score, b, h, q_idx, kv_idx):
+    # a soft cap, then a distance penalty per head: nonlinear in the score, and it reads h
+    distance = jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+    return CAP * jnp.tanh(score / CAP) - 0.02 * (h + 1).astype(jnp.float32) * distance
+
+
+def _capped_distance_jvp(score, b, h, q_idx, kv_idx):
+    return jax.jvp(lambda s: _capped_distance(s, b, h, q_idx, kv_idx), (score,), (jnp.ones_like(score),))
+
+
+def _prefix_per_head(b, h, q_idx, kv_idx):
+    # causal, and a prefix every query sees whole: 40 keys for head 0, 100 for head 1
+    return (kv_idx <= q_idx) | (kv_idx < 40 + 60 * h)
+
+
+def _numpy_hooked(q, k, v, d_out, scale, q_length, kv_length):
+    """Float64 (out, lse, row max, dq, dk, dv) of attention with `_capped_distance` and `_prefix_per_head`, one
+    batch, rows >= q_length and keys >= kv_length masked; from first principles."""
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    group = num_heads // num_kv_heads
+    q, k, v, d_out = (to_float32(x).astype(np.float64) for x in (q, np.repeat(k, group, 2), np.repeat(v, group, 2),
+                                                                  d_out))
+    z = np.einsum("btnd,bsnd->bnts", q, k) * scale
+    rows, cols = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+    heads = np.arange(num_heads)[None, :, None, None]
+    scores = CAP * np.tanh(z / CAP) - 0.02 * (heads + 1) * np.abs(rows - cols)
+    allowed = ((cols <= rows) | (cols < 40 + 60 * heads)) & (cols < kv_length) & (rows < q_length)
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(-1)
+    lse = row_max + np.log(np.exp(scores - row_max[..., None]).sum(-1))
+    p = np.exp(scores - lse[..., None])
+    out = np.einsum("bnts,bsnd->btnd", p, v)
+    delta = np.einsum("btnd,btnd->bnt", d_out, out)[..., None]
+    ds = p * (np.einsum("btnd,bsnd->bnts", d_out, v) - delta) * (1 - np.tanh(z / CAP) ** 2)
+
+    def group_sum(x):
+        return x.reshape(*x.shape[:2], num_kv_heads, group, x.shape[-1]).sum(3)
+
+    dq = scale * np.einsum("bnts,bsnd->btnd", ds, k)
+    dk = group_sum(scale * np.einsum("bnts,btnd->bsnd", ds, q))
+    dv = group_sum(np.einsum("bnts,btnd->bsnd", p, d_out))
+    return out, lse, row_max, dq, dk, dv
+
+
+def test_hooks_and_the_row_max_match_float64_in_the_interpreter():
+    """The forward (on 64-key steps, its row max too), dQ and dK / dV with a score_fn that reads h and a
+    per-head mask_fn (every tile masked per element), GQA 2:1 (dK / dV calls the hooks with each query head of
+    the group), keys past kv_lengths, against float64."""
+    batch, seq, num_heads, num_kv_heads, head_dim, dtype = 1, 256, 2, 1, 64, jnp.bfloat16
+    q, k, v = random_qkv(0, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
+    d_out = random_qkv(2, batch, seq, seq, num_heads, num_heads, head_dim, dtype)[0]
+    scale, q_lengths, kv_lengths = head_dim**-0.5, jnp.array([256]), jnp.array([230])
+    out, lse, row_max, *grads = _numpy_hooked(q, k, v, d_out, scale, 256, 230)
+    hooks = dict(scale=scale, causal=False, interpret=True, score_fn=_capped_distance, mask_fn=_prefix_per_head)
+    got_out, got_lse, got_max = tcgen05_forward(q, k, v, q_lengths, kv_lengths, block_kv=64, return_max=True,
+                                                **hooks)
+    assert_close(got_out, out, dtype, "out")
+    np.testing.assert_allclose(np.asarray(got_lse), lse, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(got_max), row_max, rtol=1e-2, atol=1e-2)
+    args = (q, k, v, got_out, got_lse, d_out, q_lengths, kv_lengths)
+    dq = tcgen05_backward_dq(*args, score_jvp=_capped_distance_jvp, **hooks)
+    dk, dv = tcgen05_backward_dkv(*args, score_jvp=_capped_distance_jvp, **hooks)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads, strict=True):
+        assert_close(got, want, dtype, name)
+
+
+def test_a_score_fn_without_its_derivative_is_refused():
+    q, k, v = random_qkv(0, 1, 128, 128, 2, 1, 64, jnp.bfloat16)
+    lse, lengths = jnp.zeros((1, 2, 128), jnp.float32), jnp.array([128], jnp.int32)
+    with pytest.raises(ValueError, match="score_jvp"):
+        tcgen05_backward_dq(q, k, v, q, lse, q, lengths, lengths, scale=0.125, causal=False,
+                            score_fn=_capped_distance)
+
+
+def _capped_alibi(slopes):
+    cap, bias = softcap(1.5), alibi(slopes)
+    return lambda score, b, h, q_idx, kv_idx: bias(cap(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+
+def _kernels(fn, *args) -> set:
+    return set(re.findall(r"probjax_[a-z0-9_]+", str(jax.make_jaxpr(fn)(*args))))
+
+
+def test_flex_score_mods_with_scalar_reads_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
+    """On a B200, flex_attention with a soft cap then ALiBi from a slope table (`slopes[h]`: one element at a
+    time), GQA, T = S = 200 (padded to 256), lse and max_scores requested: the tcgen05 forward and backward run
+    it; out, lse, max_scores and the gradients of q, k, v and the slopes (the slopes' from XLA) match the
+    reference's."""
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+    calls = []
+    backward = mosaic_glue.backward_tcgen05
+    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    q, k, v = random_qkv(9, 1, 200, 200, 2, 1, 64, jnp.bfloat16)
+    request = AuxRequest(lse=True, max_scores=True)
+
+    def run(attention, q, k, v, slopes, **config):
+        out, aux = attention(q, k, v, _capped_alibi(slopes), None, enable_gqa=True, return_aux=request, **config)
+        return out, (aux.lse, aux.max_scores)
+
+    fn = functools.partial(run, flex_attention, config=INTERPRET)
+    args = (q, k, v, alibi_slopes(2))
+    assert _kernels(fn, *args) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(10, q.shape)
+    (out, (lse, row_max)), grads = output_and_grads(fn, args, cotangent, has_aux=True)
+    assert calls, "the tcgen05 backward did not run"
+    (want_out, (want_lse, want_max)), want_grads = output_and_grads(
+        functools.partial(run, flex_attention_reference), args, cotangent, has_aux=True)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(row_max), np.asarray(want_max), rtol=1e-2, atol=1e-2)
+    for name, got, want in zip(("dq", "dk", "dv", "dslopes"), grads, want_grads, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert_close(got, want, jnp.bfloat16, name)
+
+
+def test_score_mods_that_read_arrays_per_element_run_the_triton_kernels_on_blackwell(monkeypatch):
+    """A relative-position table (a gather per element) and a per-key bias (a vector along kv_idx, which the
+    tcgen05 kernels do not hold) leave the call to the Triton kernels on a B200."""
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+    q, k, v = random_qkv(11, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
+    token_bias = jnp.linspace(-1.0, 1.0, 128)
+    for score_mod in (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 255).reshape(2, 255)),
+                      lambda score, b, h, q_idx, kv_idx: score + token_bias[kv_idx]):
+        found = _kernels(lambda q, k, v: flex_attention(q, k, v, score_mod, config=INTERPRET), q, k, v)
+        assert "probjax_flash_forward" in found and "probjax_mosaic_forward_tcgen05" not in found
+
+
+def _head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 156 + 100 * h)
+
+
+def test_block_masks_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
+    """On a B200, flex_attention with a soft cap and a BlockMask of 128 x 128 blocks whose mask_mod reads h (a
+    causal window of 156 + 100 h keys), GQA 4:2: the forward walks the kv tables refined to its (128, 64)
+    tiles, dQ to (128, 64), dK/dV the q tables per query head of its group; the blocks below the diagonal are
+    partial for head 0 and full for the others. Output and gradients match the reference's."""
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+    calls = []
+    backward = mosaic_glue.backward_tcgen05
+    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    q, k, v = random_qkv(4, 1, 256, 256, 4, 2, 64, jnp.bfloat16)
+    block_mask = create_block_mask(_head_window, None, 4, 256, 256, block_size=(128, 128))
+    kinds = np.asarray(block_mask.to_dense())  # 0: empty, 1: partial, 2: full
+    assert (kinds[0, :, 0, 1] == 0).all() and kinds[0, 0, 1, 0] == 1 and (kinds[0, 1:, 1, 0] == 2).all()
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, softcap(2.0), block_mask, enable_gqa=True, config=INTERPRET)
+
+    def reference(q, k, v):
+        return flex_attention_reference(q, k, v, softcap(2.0), block_mask, enable_gqa=True)
+
+    assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(5, q.shape)
+    out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert calls, "the tcgen05 backward did not run"
+    want_out, want_grads = output_and_grads(reference, (q, k, v), cotangent)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+        assert_close(got, want, jnp.bfloat16, name)
