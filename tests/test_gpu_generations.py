@@ -276,10 +276,10 @@ def test_consumer_blackwell_decode_steps_over_32_keys():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, dropout,
+@pytest.mark.parametrize("segments", [False, True])
+def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, segments,
                                                                                           monkeypatch):
-    """Triton's passes of a call on backend "mosaic" on a B200 (its tangent; with dropout, which the tcgen05
+    """Triton's passes of a call on backend "mosaic" on a B200 (its tangent; with segment ids, which the tcgen05
     kernels lack, its forward and backward too) take the tiles, dK/dV orientation and tangent tiles backend
     "triton" takes there: its tcgen05 rules (Q K^T dK/dV at head dim 128, the tangent's 64-key steps at 64), not
     Hopper's."""
@@ -292,15 +292,15 @@ def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_for
         return dataclasses.replace(problem, config=dataclasses.replace(problem.config, backend="triton"))
 
     def passes(backend):
-        plan = _dispatch.plan(Features(scale=1.0, window_right=0, dropout_rate=dropout), FlashConfig(backend=backend),
+        plan = _dispatch.plan(Features(scale=1.0, window_right=0), FlashConfig(backend=backend),
                               q_shape=(4, 1024, 8, head_dim), k_shape=(4, 1024, 8, head_dim), value_dim=head_dim,
                               dtype=jnp.bfloat16, bias_shape=None, mask_shape=None, table_shape=None,
-                              has_segments=False, num_score_consts=0, num_mask_consts=0)
+                              has_segments=segments, num_score_consts=0, num_mask_consts=0)
         return {name: (kernel_pass.run, as_triton(kernel_pass.problem),
                        tuple((k, as_triton(v) if isinstance(v, _Problem) else v) for k, v in kernel_pass.options))
                 for name in ("forward", "backward", "tangent")
                 if (kernel_pass := getattr(plan, name)).run.__module__.startswith("probjax_kernels.triton")}
 
     mosaic, triton = passes("mosaic"), passes("triton")
-    assert set(mosaic) == ({"forward", "backward", "tangent"} if dropout else {"tangent"})
+    assert set(mosaic) == ({"forward", "backward", "tangent"} if segments else {"tangent"})
     assert mosaic == {name: triton[name] for name in mosaic}

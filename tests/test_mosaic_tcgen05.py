@@ -123,7 +123,7 @@ def test_windows_and_full_attention_run_the_tcgen05_forward_on_blackwell(kwargs,
 
 
 def test_features_the_tcgen05_forward_lacks_run_the_triton_kernels_on_blackwell(monkeypatch):
-    """A bias, dropout or head dim 256 on Blackwell: backend "mosaic" leaves the call to the Triton kernels (as
+    """A bias or head dim 256 on Blackwell: backend "mosaic" leaves the call to the Triton kernels (as
     on Hopper for the features its Mosaic kernels lack), and the answer is the reference's."""
     monkeypatch.setattr(_backend, "target_device", lambda: B200)
     q, k, v = random_qkv(5, 1, 128, 128, 2, 1, 64, jnp.bfloat16)

@@ -24,8 +24,8 @@ per-element mask (keys >= kv_lengths[b], the window / causal edge) as in the for
 `q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's calls (scale,
 causal / window, lengths, GQA, k / v of batch 1, Dv != D, hooks that read their arrays one element at a time:
 with a score_fn dS carries its derivative, from `score_jvp`; a BlockMask's tables: dQ walks its query tile's
-row of the kv tables, dK/dV its key tile's row of the q tables for each query head of the group); they run in
-the Mosaic GPU interpreter as they are compiled.
+row of the kv tables, dK/dV its key tile's row of the q tables for each query head of the group; dropout, its
+keep mask hashed again per 64-column chunk); they run in the Mosaic GPU interpreter as they are compiled.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from probjax_kernels.mosaic.common import (
     check_layout,
     check_outputs,
     drain_ring,
+    dropout_options,
     fill_ring_slot,
+    read_seed,
 )
 from probjax_kernels.mosaic.forward_tcgen05 import (
     BLOCK_Q,
@@ -59,8 +61,9 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     launch,
     range_walk,
     run_walk,
-    split_hook_arrays,
+    split_optional_refs,
     table_walk,
+    tile_indices,
     tile_scores,
     walk_steps,
 )
@@ -103,10 +106,11 @@ def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2) -> int:
 
 
 def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, user_mask: bool,
-                  p_smem, ds_smem, batch, head, hook_arrays: tuple):
+                  p_smem, ds_smem, batch, head, hook_arrays: tuple, seed_parts: tuple):
     """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
     memory, `CHUNK` columns at a time; rows are queries from row0, columns keys from key0, of query head `head`.
-    With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule)."""
+    With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule); with
+    dropout, dS = P (Z dP / (1 - rate) - delta) and the P for dV is Z P / (1 - rate) (Z the keep mask)."""
     for c in range(0, s_tmem.shape[1], CHUNK):
         columns = pl.ds(c, CHUNK)
         s = plgpu.async_load_tmem(s_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
@@ -116,8 +120,13 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
                                              user_mask=user_mask, hook_arrays=hook_arrays,
                                              with_derivative=rule.score_fn is not None)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+        keep = None
+        if rule.dropout_rate:  # hashed once for dP and P^T
+            keep = rule.kept(lambda: tile_indices(s.shape, row0, key0 + c), batch, head, seed_parts)
+            dp = jnp.where(keep, dp * rule.kept_scale, 0.0)
         if p_smem is not None:
-            p_smem[:, columns] = p.astype(p_smem.dtype)
+            kept = p if keep is None else jnp.where(keep, p * rule.kept_scale, 0.0)
+            p_smem[:, columns] = kept.astype(p_smem.dtype)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if derivative is not None:  # the chain rule through score_fn
             ds = ds * derivative
@@ -141,9 +150,9 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
-               has_tables: bool):
-    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
-    hook_arrays, (dq_ref, smem, tmem, barriers) = split_hook_arrays(refs, num_score_arrays, num_mask_arrays)
+               has_tables: bool, has_dropout: bool):
+    tables, hook_arrays, seed, (dq_ref, smem, tmem, barriers) = split_optional_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout)
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
@@ -158,6 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
 
     @pl.when(wg == 0)
     def _compute():
+        seed_parts = read_seed(seed)
         row_tile, row_vector = (batch, pl.ds(row0, BLOCK_Q), head), (batch, head, pl.ds(row0, BLOCK_Q))
         for src, dst in ((q_ref.at[row_tile], q_smem), (do_ref.at[row_tile], do_smem),
                          (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)):
@@ -201,7 +211,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                 plgpu.barrier_wait(dq_done)
 
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
-                          masked, user_mask, None, ds_smem, batch, head, hook_arrays)
+                          masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts)
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
 
@@ -222,10 +232,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
-                num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool):
-    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
-    hook_arrays, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_arrays(refs, num_score_arrays,
-                                                                             num_mask_arrays)
+                num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool,
+                has_dropout: bool):
+    tables, hook_arrays, seed, (dk_ref, dv_ref, smem, tmem, barriers) = split_optional_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout)
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
@@ -251,6 +261,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
 
     @pl.when(wg == 0)
     def _compute():
+        seed_parts = read_seed(seed)
         key_tile = (batch, pl.ds(key0, BLOCK_KV), kv_head)  # of dK / dV: per query batch when k / v have batch 1
         kv_source = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
         plgpu.copy_gmem_to_smem(k_ref.at[kv_source], k_smem, kv_ready)
@@ -274,7 +285,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
                 plgpu.barrier_wait(kv_done)
 
             _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
-                          ds_smem, batch, head, hook_arrays)
+                          ds_smem, batch, head, hook_arrays, seed_parts)
             plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
             plgpu.tcgen05_mma(dk_tmem, ds_smem.transpose((1, 0)), q_smem.at[slot], kv_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(rows_free.at[slot])  # the slot is free once these MMAs complete
@@ -320,11 +331,15 @@ def _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_
     check_outputs(q, v, out, lse, d_out)
 
 
-_STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "score_fn", "score_jvp", "mask_fn")
+_STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "score_fn", "score_jvp", "mask_fn",
+           "dropout_rate", "dropout_positions", "dropout_heads")
 
 
-def _hooked_rule(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn) -> ScoreRule:
-    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, None, {})
+def _backward_options(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn, num_heads: int,
+                      dropout_rate: float, dropout_seed, dropout_positions, dropout_heads) -> tuple:
+    """(the backward kernels' ScoreRule, the dropout seed's inputs: () without dropout), checked."""
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, None, dropout), seed
 _TENSOR_CORE = dict(orders_tensor_core=True)
 
 
@@ -335,7 +350,9 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                         num_stages: int = 2, interpret: bool = False, d_lse: jax.Array | None = None,
                         score_fn: Callable | None = None, score_jvp: Callable | None = None,
                         mask_fn: Callable | None = None, score_arrays: tuple = (), mask_arrays: tuple = (),
-                        kv_tables: tuple | None = None) -> jax.Array:
+                        kv_tables: tuple | None = None, dropout_rate: float = 0.0, dropout_seed=None,
+                        dropout_positions: tuple[int, int] | None = None,
+                        dropout_heads: int | None = None) -> jax.Array:
     """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
@@ -345,7 +362,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     (>= 1). `interpret`: run in the Mosaic GPU CPU interpreter. `score_fn`, `mask_fn`, `score_arrays`,
     `mask_arrays`: the forward's hooks and their arrays (`tcgen05_forward`), called on (128, `CHUNK`) parts of
     S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value and d score_fn / d score).
-    `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s).
+    `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s). `dropout_*`:
+    the forward's dropout (its keep mask hashed again here).
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype; zero in rows >= q_lengths[b] and rows without a key.
     """
@@ -360,13 +378,15 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                                                 block_kv, "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
-    kernel = functools.partial(_dq_kernel, rule=_hooked_rule(scale, causal, window, score_fn, score_jvp, mask_fn),
-                               block_kv=block_kv, num_stages=num_stages, group=num_heads // k.shape[2],
-                               num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
-                               has_tables=tables is not None)
+    rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
+                                   dropout_seed, dropout_positions, dropout_heads)
+    kernel = functools.partial(_dq_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages,
+                               group=num_heads // k.shape[2], num_score_arrays=len(score_arrays),
+                               num_mask_arrays=len(mask_arrays), has_tables=tables is not None,
+                               has_dropout=bool(seed))
     return launch(
         kernel, "probjax_mosaic_backward_dq_tcgen05",
-        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -406,7 +426,9 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                          block_kv: int = BLOCK_KV, num_stages: int | None = None, interpret: bool = False,
                          d_lse: jax.Array | None = None, score_fn: Callable | None = None,
                          score_jvp: Callable | None = None, mask_fn: Callable | None = None, score_arrays: tuple = (),
-                         mask_arrays: tuple = (), q_tables: tuple | None = None) -> tuple[jax.Array, jax.Array]:
+                         mask_arrays: tuple = (), q_tables: tuple | None = None, dropout_rate: float = 0.0,
+                         dropout_seed=None, dropout_positions: tuple[int, int] | None = None,
+                         dropout_heads: int | None = None) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
@@ -430,13 +452,14 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, BLOCK_Q,
                                                 block_kv, "q_tables")
-    kernel = functools.partial(_dkv_kernel, rule=_hooked_rule(scale, causal, window, score_fn, score_jvp, mask_fn),
-                               num_stages=num_stages, group=num_heads // num_kv_heads,
+    rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
+                                   dropout_seed, dropout_positions, dropout_heads)
+    kernel = functools.partial(_dkv_kernel, rule=rule, num_stages=num_stages, group=num_heads // num_kv_heads,
                                num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
-                               has_tables=tables is not None)
+                               has_tables=tables is not None, has_dropout=bool(seed))
     dk, dv = launch(
         kernel, "probjax_mosaic_backward_dkv_tcgen05",
-        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(

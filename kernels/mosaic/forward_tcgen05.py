@@ -26,8 +26,9 @@ The caller pads: T to a multiple of 128, S to a multiple of `block_kv`, with fin
 
 This kernel takes the plain call (scale, causal / window, lengths, GQA, Dv != D), FlexAttention's hooks whose
 captured arrays are read one element at a time (a soft cap, ALiBi's `slopes[h]`, a prefix-LM or per-head window
-mask_mod: `tile_scores`) with a BlockMask's tables, and the row max; the Hopper kernel's other features run on
-the Triton kernels on Blackwell (`mosaic.plan`). It runs in the Mosaic GPU interpreter as it is compiled.
+mask_mod: `tile_scores`) with a BlockMask's tables, the row max and dropout (every backend's keep mask, hashed
+on the P tile); the Hopper kernel's other features run on the Triton kernels on Blackwell (`mosaic.plan`). It
+runs in the Mosaic GPU interpreter as it is compiled.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from probjax_kernels.mosaic.common import (
     allocated_smem,
     check_layout,
     drain_ring,
+    dropout_options,
     fill_ring_slot,
+    read_seed,
     table_row,
     window_options,
 )
@@ -111,13 +114,9 @@ def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: 
             s = masked_scores(s, rule if user_mask else ScoreRule(rule.scale), row0, key0, kv_len)
         return s, rule.scale * LOG2E, None
 
-    def indices():
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape[:1], 0, layout=plgpu.Layout.TCGEN05.reduce(1))
-        columns = key0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.TCGEN05)
-        return lax.broadcast_in_dim(rows, s.shape, [0]), columns
-
     score_arrays, mask_arrays = hook_arrays
-    return rule.scores(s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
+    return rule.scores(s, lambda: tile_indices(s.shape, row0, key0), batch, head, kv_len, masked=masked,
+                       user_mask=user_mask,
                        score_arrays=score_arrays, mask_arrays=mask_arrays, with_derivative=with_derivative)
 
 
@@ -168,17 +167,30 @@ def run_walk(walk: Walk, step: Callable, carry, first_step=0):
     return carry
 
 
-def split_hook_arrays(refs, num_score_arrays: int, num_mask_arrays: int) -> tuple:
-    """((score_fn's array refs, mask_fn's), the rest) of a tcgen05 kernel's refs after its fixed inputs."""
+def tile_indices(shape: tuple, row0, key0) -> tuple:
+    """(q_idx, kv_idx) of a tensor-memory-layout tile whose rows are queries from row0 and columns keys from
+    key0: a row's index is its thread's scalar, broadcast along its registers."""
+    rows = row0 + plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=plgpu.Layout.TCGEN05.reduce(1))
+    columns = key0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.TCGEN05)
+    return lax.broadcast_in_dim(rows, shape, [0]), columns
+
+
+def split_optional_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
+                        has_dropout: bool) -> tuple:
+    """(tables (None without), (score_fn's array refs, mask_fn's), the dropout seed's refs (() without), the rest)
+    of a tcgen05 kernel's refs after its fixed inputs."""
+    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
     split = num_score_arrays + num_mask_arrays
-    return (refs[:num_score_arrays], refs[num_score_arrays:split]), refs[split:]
+    hook_arrays, refs = (refs[:num_score_arrays], refs[num_score_arrays:split]), refs[split:]
+    seed, refs = (refs[:1], refs[1:]) if has_dropout else ((), refs)
+    return tables, hook_arrays, seed, refs
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
-                    has_tables: bool):
-    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
-    hook_arrays, refs = split_hook_arrays(refs, num_score_arrays, num_mask_arrays)
+                    has_tables: bool, has_dropout: bool):
+    tables, hook_arrays, seed, refs = split_optional_refs(refs, has_tables, num_score_arrays, num_mask_arrays,
+                                                          has_dropout)
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
@@ -198,6 +210,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
 
     @pl.when(wg == 0)
     def _softmax():
+        seed_parts = read_seed(seed)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, BLOCK_Q), head], q_smem, q_ready)
         plgpu.barrier_wait(q_ready)
 
@@ -229,7 +242,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
+            l_i = l_i * alpha + p.sum(axis=1)  # dropout acts after the normalisation: l sums every weight
+            # The kept weights' 1 / (1 - rate) is folded into the final 1 / l.
+            p = rule.dropped(p, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, seed_parts,
+                             scaled=False)
 
             @pl.when(n > 0)
             def _():  # the previous P V is done: the P tile and O are free
@@ -259,7 +275,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
 
         q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=plgpu.Layout.TCGEN05.reduce(1))
         valid = (q_idx < q_len) & (l_i != 0)  # l_i = 0: no key attended; a NaN l_i (NaN / inf inputs) stays NaN
-        inv_l = jnp.where(valid, 1.0 / jnp.where(valid, l_i, 1.0), 0.0)
+        inv_l = jnp.where(valid, rule.kept_scale / jnp.where(valid, l_i, 1.0), 0.0)
 
         @pl.when(steps > 0)
         def _():
@@ -319,7 +335,8 @@ def launch(kernel, name: str, inputs: tuple, *, out_type, scratch_types, grid: t
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_kv", "num_stages", "interpret",
-                                             "score_fn", "mask_fn", "return_max"))
+                                             "score_fn", "mask_fn", "return_max", "dropout_rate",
+                                             "dropout_positions", "dropout_heads"))
 def tcgen05_forward(
     q: jax.Array,
     k: jax.Array,
@@ -339,6 +356,10 @@ def tcgen05_forward(
     mask_arrays: tuple = (),
     return_max: bool = False,
     kv_tables: tuple | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_positions: tuple[int, int] | None = None,
+    dropout_heads: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
@@ -362,6 +383,9 @@ def tcgen05_forward(
     - `kv_tables`: a BlockMask's `(num_partial [B|1, H|1, nq], partial_indices [B|1, H|1, nq, nk], num_full,
       full_indices)` on this kernel's (128, block_kv) tiles over the padded sequences: a query tile visits its
       partial tiles (with the window and mask_fn) then its full ones (the length mask alone), and no other.
+    - `dropout_rate`, `dropout_seed`, `dropout_positions`, `dropout_heads`: dropout of the attention weights after
+      the softmax's normalisation (kept ones scaled by 1 / (1 - rate)), every backend's keep mask
+      (`_dropout.keep_mask`), as the Hopper kernel takes them (`mosaic_forward`).
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype,
     lse `[B, N, T]` float32, the natural-log sum-exp of the scaled, modified, masked scores; max_scores
@@ -381,17 +405,18 @@ def tcgen05_forward(
     tables = _check_tables(kv_tables, batch, num_heads, q_len // BLOCK_Q, kv_len // block_kv, BLOCK_Q, block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn)
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn, **dropout)
     kernel = functools.partial(
         _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
-        has_tables=tables is not None,
+        has_tables=tables is not None, has_dropout=bool(seed),
     )
     tensor_core = dict(orders_tensor_core=True)
     rows = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return launch(
         kernel, "probjax_mosaic_forward_tcgen05",
-        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays),
+        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
         out_type=(jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows,
                   *((rows,) if return_max else ())),
         scratch_types=(

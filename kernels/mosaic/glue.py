@@ -213,7 +213,7 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
     return tcgen05_forward(q, k, v, q_len, kv_len, scale=f.scale, causal=False,
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
                            num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
-                           kv_tables=kv_tables,
+                           kv_tables=kv_tables, **_dropout(f, optional),
                            **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"]))
 
 
@@ -226,7 +226,7 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
-                   d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod),
+                   d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others),
                    **_tcgen05_hooks(problem, res["score_consts"], others["mask_consts"]))
     dq_options, dkv_options = {}, {}
     if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)

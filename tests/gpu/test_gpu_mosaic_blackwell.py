@@ -1,11 +1,11 @@
 """The Mosaic GPU kernels for Blackwell (tcgen05 into tensor memory) compiled on a compute capability 10.x GPU
 (B200 / GB200 / B300) against the plain-jnp reference: the forward, the dQ and dK/dV kernels, and
-flash_attention with FlashConfig(backend="mosaic") with its gradients, flex_attention's score_mods (soft cap,
-ALiBi) and BlockMasks with theirs.
+flash_attention with FlashConfig(backend="mosaic") with its gradients (dropout too), flex_attention's score_mods
+(soft cap, ALiBi) and BlockMasks with theirs.
 
 Skipped off the GPU and on other GPUs; tests/gpu/run_gpu_checks.sh runs it. The CPU suite runs the same kernels
 in the Mosaic GPU interpreter (tests/test_mosaic_tcgen05.py, tests/test_mosaic_tcgen05_backward.py,
-tests/test_mosaic_tcgen05_hooks.py).
+tests/test_mosaic_tcgen05_features.py).
 """
 
 import jax
@@ -134,4 +134,19 @@ def test_flex_attention_with_the_mosaic_backend(case, monkeypatch):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
 
     mosaic, reference = run(flex_attention, config=FlashConfig(backend="mosaic")), run(flex_attention_reference)
+    _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)
+
+
+def test_dropout(monkeypatch):
+    """Dropout (every backend's keep mask) in the tcgen05 forward, dQ and dK/dV, causal GQA: out and gradients
+    against the reference, which drops the same weights."""
+    q, k, v = random_qkv(7, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+    cotangent = _normal(8, q.shape)
+    options = dict(causal=True, dropout_rate=0.1, dropout_seed=3)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
+
+    mosaic = lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="mosaic"), **options)  # noqa: E731
+    reference = lambda q, k, v: flash_attention_reference(q, k, v, **options)  # noqa: E731
     _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)

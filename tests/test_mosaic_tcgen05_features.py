@@ -1,7 +1,7 @@
-"""FlexAttention's hooks, BlockMasks and the row max in the Mosaic GPU kernels for Blackwell (sm_100a: tcgen05
-MMAs into tensor memory): the forward, dQ and dK / dV kernels with a score_fn and a mask_fn in the Mosaic GPU
-CPU interpreter against float64 NumPy, and the dispatch of flex_attention's score_mods and BlockMasks on a
-Blackwell device against the plain-jnp reference.
+"""FlexAttention's hooks, BlockMasks, the row max and dropout in the Mosaic GPU kernels for Blackwell (sm_100a:
+tcgen05 MMAs into tensor memory): the forward, dQ and dK / dV kernels with a score_fn and a mask_fn in the Mosaic
+GPU CPU interpreter against float64 NumPy, and the dispatch of flex_attention's score_mods and BlockMasks and of
+flash_attention's dropout on a Blackwell device against the plain-jnp reference.
 """
 
 import functools
@@ -19,6 +19,8 @@ from probjax_kernels import (
     FlashConfig,
     _backend,
     create_block_mask,
+    flash_attention,
+    flash_attention_reference,
     flex_attention,
     flex_attention_reference,
 )
@@ -195,6 +197,32 @@ def test_block_masks_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
     out, grads = output_and_grads(fn, (q, k, v), cotangent)
     assert calls, "the tcgen05 backward did not run"
     want_out, want_grads = output_and_grads(reference, (q, k, v), cotangent)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+        assert_close(got, want, jnp.bfloat16, name)
+
+
+def test_dropout_runs_the_tcgen05_kernels_on_blackwell(monkeypatch):
+    """On a B200, flash_attention with dropout (every backend's keep mask), causal, GQA 4:2 and ragged lengths:
+    the tcgen05 forward drops P after the softmax's normalisation, dQ and dK/dV hash the same mask for dP and
+    for dV's P. Output and gradients match the reference's, which drops the same weights."""
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+    calls = []
+    backward = mosaic_glue.backward_tcgen05
+    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    q, k, v = random_qkv(3, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
+    options = dict(causal=True, dropout_rate=0.25, dropout_seed=11, q_lengths=jnp.array([200, 150]),
+                   kv_lengths=jnp.array([200, 120]))
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, config=INTERPRET, **options)
+
+    assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(4, q.shape)
+    out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert calls, "the tcgen05 backward did not run"
+    want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),
+                                            cotangent)
     assert_close(out, want_out, jnp.bfloat16, "out")
     for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
         assert_close(got, want, jnp.bfloat16, name)
