@@ -41,6 +41,16 @@ def _fresh_interpreter():
     reset_gpu_interpret_mode_state()
 
 
+@pytest.fixture
+def tcgen05_backward_calls(monkeypatch) -> list:
+    """On a fake B200: a list that gets an entry each time the tcgen05 backward is built (when jax.grad's
+    tangent map is lowered: a jaxpr does not show the backward's kernels)."""
+    monkeypatch.setattr(_backend, "target_device", lambda: B200)
+    calls, backward = [], mosaic_glue.backward_tcgen05
+    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    return calls
+
+
 def _capped_distance(score, b, h, q_idx, kv_idx):
     # a soft cap, then a distance penalty per head: nonlinear in the score, and it reads h
     distance = jnp.abs(q_idx - kv_idx).astype(jnp.float32)
@@ -124,15 +134,11 @@ def _kernels(fn, *args) -> set:
     return set(re.findall(r"probjax_[a-z0-9_]+", str(jax.make_jaxpr(fn)(*args))))
 
 
-def test_flex_score_mods_with_scalar_reads_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
+def test_flex_score_mods_with_scalar_reads_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
     """On a B200, flex_attention with a soft cap then ALiBi from a slope table (`slopes[h]`: one element at a
     time), GQA, T = S = 200 (padded to 256), lse and max_scores requested: the tcgen05 forward and backward run
     it; out, lse, max_scores and the gradients of q, k, v and the slopes (the slopes' from XLA) match the
     reference's."""
-    monkeypatch.setattr(_backend, "target_device", lambda: B200)
-    calls = []
-    backward = mosaic_glue.backward_tcgen05
-    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
     q, k, v = random_qkv(9, 1, 200, 200, 2, 1, 64, jnp.bfloat16)
     request = AuxRequest(lse=True, max_scores=True)
 
@@ -145,7 +151,7 @@ def test_flex_score_mods_with_scalar_reads_run_the_tcgen05_kernels_on_blackwell(
     assert _kernels(fn, *args) == {"probjax_mosaic_forward_tcgen05"}
     cotangent = normal(10, q.shape)
     (out, (lse, row_max)), grads = output_and_grads(fn, args, cotangent, has_aux=True)
-    assert calls, "the tcgen05 backward did not run"
+    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
     (want_out, (want_lse, want_max)), want_grads = output_and_grads(
         functools.partial(run, flex_attention_reference), args, cotangent, has_aux=True)
     assert_close(out, want_out, jnp.bfloat16, "out")
@@ -172,15 +178,11 @@ def _head_window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (q_idx - kv_idx < 156 + 100 * h)
 
 
-def test_block_masks_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
+def test_block_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
     """On a B200, flex_attention with a soft cap and a BlockMask of 128 x 128 blocks whose mask_mod reads h (a
     causal window of 156 + 100 h keys), GQA 4:2: the forward walks the kv tables refined to its (128, 64)
     tiles, dQ to (128, 64), dK/dV the q tables per query head of its group; the blocks below the diagonal are
     partial for head 0 and full for the others. Output and gradients match the reference's."""
-    monkeypatch.setattr(_backend, "target_device", lambda: B200)
-    calls = []
-    backward = mosaic_glue.backward_tcgen05
-    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
     q, k, v = random_qkv(4, 1, 256, 256, 4, 2, 64, jnp.bfloat16)
     block_mask = create_block_mask(_head_window, None, 4, 256, 256, block_size=(128, 128))
     kinds = np.asarray(block_mask.to_dense())  # 0: empty, 1: partial, 2: full
@@ -195,21 +197,17 @@ def test_block_masks_run_the_tcgen05_kernels_on_blackwell(monkeypatch):
     assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
     cotangent = normal(5, q.shape)
     out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert calls, "the tcgen05 backward did not run"
+    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
     want_out, want_grads = output_and_grads(reference, (q, k, v), cotangent)
     assert_close(out, want_out, jnp.bfloat16, "out")
     for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
         assert_close(got, want, jnp.bfloat16, name)
 
 
-def test_dropout_runs_the_tcgen05_kernels_on_blackwell(monkeypatch):
+def test_dropout_runs_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
     """On a B200, flash_attention with dropout (every backend's keep mask), causal, GQA 4:2 and ragged lengths:
     the tcgen05 forward drops P after the softmax's normalisation, dQ and dK/dV hash the same mask for dP and
     for dV's P. Output and gradients match the reference's, which drops the same weights."""
-    monkeypatch.setattr(_backend, "target_device", lambda: B200)
-    calls = []
-    backward = mosaic_glue.backward_tcgen05
-    monkeypatch.setattr(mosaic_glue, "backward_tcgen05", lambda *a, **k: calls.append(1) or backward(*a, **k))
     q, k, v = random_qkv(3, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
     options = dict(causal=True, dropout_rate=0.25, dropout_seed=11, q_lengths=jnp.array([200, 150]),
                    kv_lengths=jnp.array([200, 120]))
@@ -220,7 +218,7 @@ def test_dropout_runs_the_tcgen05_kernels_on_blackwell(monkeypatch):
     assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
     cotangent = normal(4, q.shape)
     out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert calls, "the tcgen05 backward did not run"
+    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
     want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),
                                             cotangent)
     assert_close(out, want_out, jnp.bfloat16, "out")

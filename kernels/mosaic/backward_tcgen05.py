@@ -52,6 +52,7 @@ from probjax_kernels.mosaic.common import (
     dropout_options,
     fill_ring_slot,
     read_seed,
+    split_hook_refs,
 )
 from probjax_kernels.mosaic.forward_tcgen05 import (
     BLOCK_Q,
@@ -61,7 +62,6 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     launch,
     range_walk,
     run_walk,
-    split_optional_refs,
     table_walk,
     tile_indices,
     tile_scores,
@@ -117,8 +117,7 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
         dp = plgpu.async_load_tmem(dp_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         plgpu.wait_load_tmem()
         s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
-                                             user_mask=user_mask, hook_arrays=hook_arrays,
-                                             with_derivative=rule.score_fn is not None)
+                                             user_mask=user_mask, hook_arrays=hook_arrays, with_derivative=True)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         keep = None
         if rule.dropout_rate:  # hashed once for dP and P^T
@@ -151,8 +150,9 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
                has_tables: bool, has_dropout: bool):
-    tables, hook_arrays, seed, (dq_ref, smem, tmem, barriers) = split_optional_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout)
+    tables, score_arrays, mask_arrays, _, seed, _, (dq_ref, smem, tmem, barriers) = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+    hook_arrays = (score_arrays, mask_arrays)
     q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
@@ -234,8 +234,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                 num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool,
                 has_dropout: bool):
-    tables, hook_arrays, seed, (dk_ref, dv_ref, smem, tmem, barriers) = split_optional_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout)
+    tables, score_arrays, mask_arrays, _, seed, _, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+    hook_arrays = (score_arrays, mask_arrays)
     k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers

@@ -56,6 +56,7 @@ from probjax_kernels.mosaic.common import (
     dropout_options,
     fill_ring_slot,
     read_seed,
+    split_hook_refs,
     table_row,
     window_options,
 )
@@ -175,22 +176,12 @@ def tile_indices(shape: tuple, row0, key0) -> tuple:
     return lax.broadcast_in_dim(rows, shape, [0]), columns
 
 
-def split_optional_refs(refs, has_tables: bool, num_score_arrays: int, num_mask_arrays: int,
-                        has_dropout: bool) -> tuple:
-    """(tables (None without), (score_fn's array refs, mask_fn's), the dropout seed's refs (() without), the rest)
-    of a tcgen05 kernel's refs after its fixed inputs."""
-    tables, refs = (refs[:4], refs[4:]) if has_tables else (None, refs)
-    split = num_score_arrays + num_mask_arrays
-    hook_arrays, refs = (refs[:num_score_arrays], refs[num_score_arrays:split]), refs[split:]
-    seed, refs = (refs[:1], refs[1:]) if has_dropout else ((), refs)
-    return tables, hook_arrays, seed, refs
-
-
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
                     has_tables: bool, has_dropout: bool):
-    tables, hook_arrays, seed, refs = split_optional_refs(refs, has_tables, num_score_arrays, num_mask_arrays,
-                                                          has_dropout)
+    tables, score_arrays, mask_arrays, _, seed, _, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+    hook_arrays = (score_arrays, mask_arrays)
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
