@@ -182,17 +182,30 @@ def test_a_fingerprint_is_the_lowered_module_not_the_machine():
     assert compile_report._fingerprint(_module(), key) != first  # the machine's folders are not left out
 
 
-def test_a_tpu_kernels_encoded_module_is_read_without_the_machines_folders():
-    """Mosaic TPU's module is base64 in the custom call's config: the folders are left out of it as well."""
-    import base64
+def test_a_tpu_kernels_identity_is_its_ops_not_its_source_locations():
+    """Mosaic TPU's module is MLIR bytecode, base64 in the custom call's config, with the whole traceback of
+    the call that built it in its locations: the same kernel lowered from another line (or checkout) has the
+    same fingerprint, one op changed gives a new one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
 
-    def module(root: str, op: str = "mul") -> str:
-        body = base64.b64encode(f"ML\xefR\x05{root}/kernels/tpu/forward.py\x00{op}".encode("latin-1")).decode()
-        return f'custom_call @tpu_custom_call(%0) {{backend_config = "{{\\22custom_call_config\\22: {{\\22body\\22: \\22{body}\\22}}}}"}}'
+    def lowered(op):
+        def kernel(x_ref, o_ref):
+            o_ref[...] = op(x_ref[...])
 
-    first = compile_report._fingerprint(module("/a/repo"), "k", ("/a/repo",))
-    assert compile_report._fingerprint(module("/b/longer/clone"), "k", ("/b/longer/clone",)) == first
-    assert compile_report._fingerprint(module("/a/repo", "add"), "k", ("/a/repo",)) != first
+        def call(x):
+            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="k")(x)
+
+        spec = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        return jax.jit(call).trace(spec).lower(lowering_platforms=("tpu",)).as_text()
+
+    first = compile_report._fingerprint(lowered(lambda x: x * 2), "k", ("/a/repo",))
+    assert "body" in lowered(lambda x: x * 2)
+    # Another line of this file: other locations in the kernel's bytecode, the same ops.
+    assert compile_report._fingerprint(
+        lowered(lambda x: x * 2), "k", ("/a/repo",)) == first
+    assert compile_report._fingerprint(lowered(lambda x: x + 2), "k", ("/a/repo",)) != first
 
 
 def test_source_file_names_lose_the_machines_folders():

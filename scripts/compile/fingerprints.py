@@ -7,6 +7,7 @@ reproduce. tpu_report.py fingerprints its compiles with the same functions.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import inspect
 import json
@@ -57,12 +58,32 @@ def _compile_key(target: str, toolchain: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+@functools.cache
+def _mlir_context():
+    from jax._src.interpreters import mlir
+
+    context = mlir.make_ir_context()
+    context.allow_unregistered_dialects = True  # Mosaic TPU's serialized ops ("stable_mosaic.*")
+    return context
+
+
+def _without_locations(body: bytes) -> str:
+    """A Mosaic TPU kernel's serialized module (MLIR bytecode) as text without its source locations. With
+    JAX's whole-traceback locations (which the TPU compile keeps: XLA names each kernel's instruction after
+    its location) the locations hold the line of every frame that built the call, so a line moved in the
+    compile's own scripts would otherwise change the kernel's identity; they change no figure."""
+    from jax._src.lib.mlir import ir
+
+    with _mlir_context():
+        return ir.Module.parse(body).operation.get_asm(enable_debug_info=False)
+
+
 def _fingerprint(module: str, key: str, roots=()) -> str:
-    """The identity of one compile: its lowered StableHLO text (the Pallas kernels' Triton / Mosaic GPU IR
-    inside it, Mosaic TPU's base64-encoded, with their source locations) under `key` (`_compile_key`). The
-    folders in `roots` (the checkout, the toolchain: they differ between machines) are left out of the text and
-    of the encoded kernels, and so is Mosaic GPU's `kernel_hash`, a hash of its serialized module, those paths
-    included."""
+    """The identity of one compile: its lowered StableHLO text without locations (the Pallas kernels' Triton /
+    Mosaic GPU IR inside it; Mosaic TPU's, base64-encoded, decoded and printed without its locations,
+    `_without_locations`) under `key` (`_compile_key`). The folders in `roots` (the checkout, the toolchain:
+    they differ between machines) are left out of the text and of the encoded kernels, and so is Mosaic GPU's
+    `kernel_hash`, a hash of its serialized module, those paths included."""
     spellings = [(s, f"<root {i}>") for i, root in enumerate(roots) for s in {str(root), str(Path(root).resolve())}]
 
     def without_roots(text):
@@ -71,8 +92,8 @@ def _fingerprint(module: str, key: str, roots=()) -> str:
         return text
 
     def decoded(match):  # a Mosaic TPU kernel: its module in base64
-        body = without_roots(base64.b64decode(match.group(1)).decode("latin-1")).encode("latin-1")
-        return f"body {hashlib.sha256(body).hexdigest()}"
+        body = without_roots(_without_locations(base64.b64decode(match.group(1))))
+        return f"body {hashlib.sha256(body.encode()).hexdigest()}"
 
     module = re.sub(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", decoded, module)
     module = re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "kernel_hash", without_roots(module))
