@@ -18,7 +18,6 @@ from helpers import (
     normal,
     numpy_allowed,
     numpy_attention,
-    output_and_grads,
     random_qkv,
 )
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
@@ -97,20 +96,15 @@ def _kernels(fn, *args) -> set[str]:
 
 
 def test_backend_mosaic_on_blackwell_runs_the_tcgen05_forward(monkeypatch):
-    """On a compute capability 10.x device, backend "mosaic" runs the tcgen05 forward for a plain call (GQA and
-    ragged lengths too), and the tcgen05 backward (tests/test_mosaic_tcgen05_backward.py); output and gradients
-    match the reference."""
+    """On a compute capability 10.x device, backend "mosaic" runs the tcgen05 forward for a plain causal call
+    with GQA and a length that is no multiple of the tiles; the output matches the reference. (Its gradients
+    through the tcgen05 backward: tests/test_mosaic_tcgen05_backward.py.)"""
     monkeypatch.setattr(_backend, "target_device", lambda: B200)
     q, k, v = random_qkv(3, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
     fn = functools.partial(flash_attention, causal=True, config=INTERPRET)
     assert "probjax_mosaic_forward_tcgen05" in _kernels(fn, q, k, v)
     assert "probjax_mosaic_forward" not in _kernels(fn, q, k, v)
-    cotangent = normal(4, q.shape)
-    result = output_and_grads(fn, (q, k, v), cotangent)
-    expected = output_and_grads(lambda *a: flash_attention_reference(*a, causal=True), (q, k, v), cotangent)
-    assert_close(result[0], expected[0], jnp.bfloat16, "out")
-    for name, got, want in zip(("dq", "dk", "dv"), result[1], expected[1], strict=True):
-        assert_close(got, want, jnp.bfloat16, name)
+    assert_close(jax.jit(fn)(q, k, v), flash_attention_reference(q, k, v, causal=True), jnp.bfloat16, "out")
 
 
 @pytest.mark.parametrize("kwargs", [dict(window=(100, 20)), dict()], ids=["window", "full"])
