@@ -204,28 +204,29 @@ def _backward_dq(problem: _Problem, layout: common.SeqLayout, shapes, qh, kh, vh
 
 @dataclasses.dataclass(frozen=True)
 class KeyTileStep:
-    """One query head's step of the key-tile walk (the dK/dV and fused kernels): `step(slot, masked)` computes
-    the transposed (keys, queries) scores and gradient tile of query head `slot` of the program against its
-    key tile, adds dV += P^T dO and dK += dS^T Q (unscaled) to the float32 accumulators, and returns
+    """One query head's step of the key-tile walk (the dK/dV and fused kernels): `step_of(slot, masked)`
+    computes the transposed (keys, queries) scores and gradient tile of query head `slot` of the program against
+    its key tile, adds dV += P^T dO and dK += dS^T Q (unscaled) to the float32 accumulators, and returns
     (ctx, k, kq, dS, d loss / d score_mod(score)) for what the kernel adds to it."""
 
     problem: _Problem  # on the kernel's tiles
     layout: common.SeqLayout
-    walk: common.Walk
     opt: object  # the kernel's optional refs (`to_refs`)
     kv_len: jnp.ndarray
-    ids: tuple  # (batch, head block, head of the group (transposed), key tile, step of the walk)
+    # (batch, head block, head of the group (transposed), key tile, the step's query tile: `walk.tile(step)`, read
+    # once for every head of the step)
+    ids: tuple
     blocks: tuple  # (q, q stage, k, k stage, v, v stage, dO, dO stage, lse2 rows, delta rows)
     accs: tuple  # (dK, dV) float32 scratch
 
     def __call__(self, slot, masked: bool):
         problem, layout = self.problem, self.layout
-        b, block, head, j, q_step = self.ids
+        b, block, head, j, q_tile = self.ids
         q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref = self.blocks
         dk_acc, dv_acc = self.accs
         kv_slot = layout.kv_slot(slot)
         h = layout.head(block, slot) if layout.in_place else block * problem.group + head
-        ctx = common.tile_context(self.opt, problem, b, h, self.walk.tile(q_step) * problem.config.block_q,
+        ctx = common.tile_context(self.opt, problem, b, h, q_tile * problem.config.block_q,
                                   j * problem.config.block_k, self.kv_len, True, slot=slot)
         q, do = layout.read(q_ref, q_stage, slot), layout.read(do_ref, do_stage, slot)
         k = layout.read(k_ref, k_stage, kv_slot, kv=True)
@@ -272,7 +273,7 @@ def _dkv_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: common
         layout.stage(q_ref, q_stage)
         layout.stage(do_ref, do_stage)
 
-    step_of = KeyTileStep(problem, layout, walk, opt, scalars.kv_len[b], (b, block, head, j, q_step),
+    step_of = KeyTileStep(problem, layout, opt, scalars.kv_len[b], (b, block, head, j, walk.tile(q_step)),
                           (q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref),
                           (dk_acc, dv_acc))
 

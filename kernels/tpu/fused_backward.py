@@ -84,7 +84,7 @@ def _fused_kernel(*refs, problem: _Problem, layout: common.SeqLayout, grid: comm
         layout.stage(do_ref, do_stage)
 
     step_of = two_kernels.KeyTileStep(
-        problem, layout, walk, opt, scalars.kv_len[b], (b, block, head, j, q_step),
+        problem, layout, opt, scalars.kv_len[b], (b, block, head, j, q_tile),
         (q_ref, q_stage, k_ref, k_stage, v_ref, v_stage, do_ref, do_stage, lse2_ref, delta_ref), (dk_acc, dv_acc))
 
     def body(masked: bool):
