@@ -95,7 +95,7 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     itemsize = inputs.q.dtype.itemsize
     widest = max(128, _pow2(head_dim), _pow2(value_dim))
     packed = _pow2(new_tokens * group)
-    rows = min(packed, max(_MIN_BLOCK, (MAX_ROWS if itemsize <= 2 else MAX_ROWS // 2) * 128 // widest))
+    rows = min(packed, max(_MIN_BLOCK, (MAX_ROWS if itemsize <= 2 else MAX_ROWS // 4) * 128 // widest))
     # Keys per step: 64 up to head dim 128 (32 for float32, whose tiles take twice the registers and shared
     # memory), 16 at head dim 256: the largest that ptxas compiled without a spill on sm_80, sm_86 and
     # sm_90a. Interpret mode takes 32, fewer unrolled pages to compile.
