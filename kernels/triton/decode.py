@@ -102,7 +102,7 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     if backend == "interpret":
         block_k = config.block_k or 32
     else:
-        block_k = config.block_k or ((64 if itemsize <= 2 else 16) if widest <= 128 else _MIN_BLOCK)
+        block_k = config.block_k or ((32 if itemsize <= 2 else 16) if widest <= 128 else _MIN_BLOCK)
     if inputs.paged:
         page, max_pages = inputs.page_size, inputs.block_tables.shape[1]
         tile = min(page, block_k)
