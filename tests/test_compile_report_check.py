@@ -2,6 +2,7 @@
 it broken reports."""
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import report as compile_report  # noqa: E402 - scripts/compile/report.py: the c
 import rules  # noqa: E402
 import variants as registry  # noqa: E402
 from figures import ARCH_SASS_OPS, target_limits  # noqa: E402
-from rules import SMALL_DECODE_TILES, WIDE_MMA  # noqa: E402
+from rules import WIDE_MMA, small_decode_tiles  # noqa: E402
 
 
 
@@ -36,12 +37,12 @@ def _kernel(name: str, target: str, dtype: str, small_decode: bool = False) -> d
 
 def _clean_report() -> dict:
     """A report of every (target, variant) pair of the registry, each with exactly its required kernels."""
-    rows = []
+    rows, small = [], set(small_decode_tiles(registry.variants()))
     for target, v in compile_report.expected():
         rows.append(dict(variant=v.name, group=v.group, target=target, head_dim=v.head_dim, value_dim=v.value_dim,
                          dtype=v.dtype, mode=v.mode, backend=v.backend, q_len=v.q_len, kv_len=v.kv_len,
                          status="ok", config={"num_stages": 2}, compile_s=1.0,
-                         kernels=[_kernel(k, target, v.dtype, v.name in SMALL_DECODE_TILES and k == registry.DECODE)
+                         kernels=[_kernel(k, target, v.dtype, v.name in small and k == registry.DECODE)
                                   for k in registry.requires_for(v, target)],
                          **({"hbm": dict(arguments=2**30, outputs=2**30, temp=2**31, alias=0, generated_code=0,
                                          total=2**32, xla_bytes=2**28),
@@ -184,28 +185,31 @@ def test_blackwell_kernels_must_be_all_tcgen05(clean):
     assert compile_report.problems(broken) == []
 
 
-def test_small_decode_tiles_are_named_exactly(clean, monkeypatch):
-    """The decode variants under 64 query rows may run mma.sync on sm_90a / sm_100a; the T = 16, GQA 32:8 ones
-    (64 rows), which the earlier regex exempted too, may not. A name in the exemption with 64 rows, or one the
-    registry lacks, fails."""
+def test_small_decode_tiles_are_those_under_64_query_rows(clean):
+    """The decode variants under 64 query rows may run mma.sync on sm_90a / sm_100a, their decode kernel only:
+    the seeds and LM programs the earlier hand list named, and the rows decode_space.py derives; the T = 16,
+    GQA 32:8 ones (64 rows, which an earlier regex exempted too) may not. A decode variant that does not state
+    its query rows fails."""
     names = {v.name: v for v in registry.variants()}
-    assert {n for n, v in names.items() if v.query_rows is not None and v.query_rows < 64 and v.dtype != "f32"} \
-        == set(SMALL_DECODE_TILES)
+    small = set(small_decode_tiles(names.values()))
+    assert small == {n for n, v in names.items() if v.query_rows is not None and v.query_rows < 64
+                     and v.dtype != "f32"}
+    assert {"decode_d64_bf16_cache8192_gqa8to2", "decode_paged64_d128_bf16_gqa32to8_t4",
+            "lm_generate_bench_hd128_T8192", "decode_paged64_d128_bf16_gqa8to1_t4"} <= small
     broken = copy.deepcopy(clean)
     for target in ("sm90a_h100", "sm100a_b200"):
         for name in ("decode_paged16_d128_bf16_gqa32to8_t16_alibi_window",
-                     "decode_paged64_d128_f16_gqa32to8_t16_alibi_window"):
+                     "decode_paged64_d128_f16_gqa32to8_t16_alibi_window", "decode_cache8192_d128_bf16_gqa8to2_t16"):
             assert names[name].query_rows == 64
             kernel = _row(broken, target, name)["kernels"][0]
             kernel.update(HGMMA=0, HMMA=24, UTCHMMA=0)
             assert _only(compile_report.problems(broken), target, name, "share 0.0")
             kernel.update(_kernel(registry.DECODE, target, "bf16"))
     assert compile_report.problems(broken) == []
-    monkeypatch.setattr(rules, "SMALL_DECODE_TILES", ("decode_paged64_d128_f16_gqa32to8_t16_alibi_window",
-                                                      "decode_d96_bf16_gone"))
-    found = compile_report.problems(clean)
-    assert _only(found, "SMALL_DECODE_TILES names decode_paged64_d128_f16_gqa32to8_t16_alibi_window", "64 query rows")
-    assert _only(found, "SMALL_DECODE_TILES names decode_d96_bf16_gone", "not a decode variant")
+    unstated = dataclasses.replace(names["decode_d64_bf16_cache8192_gqa8to2"], query_rows=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "variants", lambda: [*names.values(), dataclasses.replace(unstated, name="x")])
+        assert compile_report.rule_problems() == ["x: a decode variant without its query rows (Variant.query_rows)"]
 
 
 @pytest.mark.parametrize("target, figure", [("sm90a_h100", "smem"), ("sm90a_h100", "HGMMA"),

@@ -95,14 +95,18 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
     itemsize = inputs.q.dtype.itemsize
     widest = max(128, _pow2(head_dim), _pow2(value_dim))
     packed = _pow2(new_tokens * group)
-    rows = min(packed, max(_MIN_BLOCK, (MAX_ROWS if itemsize <= 2 else MAX_ROWS // 2) * 128 // widest))
-    # Keys per step: 64 up to head dim 128 (32 for float32, whose tiles take twice the registers and shared
-    # memory), 16 at head dim 256: the largest that ptxas compiled without a spill on sm_80, sm_86 and
-    # sm_90a. Interpret mode takes 32, fewer unrolled pages to compile.
+    rows = min(packed, max(_MIN_BLOCK, (MAX_ROWS if itemsize <= 2 else MAX_ROWS // 8) * 128 // widest))
+    # Keys per step: 64 up to head dim 128 (16 for float32, whose tiles take twice the registers and shared
+    # memory), 16 at head dim 256: the largest that ptxas compiled without a spill on every target. A paged
+    # cache whose pages are shorter than that reads each page of a step as a tile of its own (its own page
+    # table entry and addresses): 16-bit steps there take 32 keys (64 keys over pages of 16 spilled 8 B at 128
+    # registers on sm_86 / sm_89 / sm_100a). Interpret mode takes 32, fewer unrolled pages to compile.
     if backend == "interpret":
         block_k = config.block_k or 32
     else:
-        block_k = config.block_k or ((64 if itemsize <= 2 else 32) if widest <= 128 else _MIN_BLOCK)
+        block_k = config.block_k or ((64 if itemsize <= 2 else 16) if widest <= 128 else _MIN_BLOCK)
+        if not config.block_k and inputs.paged and itemsize <= 2 and inputs.page_size < block_k:
+            block_k = max(_MIN_BLOCK, block_k // 2)
     if inputs.paged:
         page, max_pages = inputs.page_size, inputs.block_tables.shape[1]
         tile = min(page, block_k)
@@ -131,7 +135,7 @@ def plan_for(inputs: DecodeInputs, config: DecodeConfig, score_mod: Hook | None,
 def _default_warps(rows: int, value_dim: int, itemsize: int) -> int:
     """8 warps once the float32 accumulator (rows x Dv) or float32 inputs would need over ~128 registers per
     thread at 4 (ptxas spilled there: rows 128 x Dv 128 in bfloat16, float32 at hd 128, sm_80 / sm_90a)."""
-    return 8 if rows * value_dim >= 64 * 128 or itemsize == 4 else 4
+    return 8 if rows * value_dim >= 32 * 128 or itemsize == 4 else 4
 
 
 def _default_stages(keys: int, head_dims: tuple[int, int], itemsize: int) -> int:

@@ -7,6 +7,7 @@ instructions its target should use each fail; and the verdicts a report carries 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -114,8 +115,8 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
     spill (outside `SPILLS`' capped entries), shared memory within the target's limit; on Hopper and Blackwell,
     Mosaic kernels with TMA and the arch's wide MMA (wgmma, tcgen05); on sm_90a / sm_100a, 16-bit kernels whose
     matmuls are all the arch's wide instruction
-    (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode variants
-    of `SMALL_DECODE_TILES`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with mma.sync (HMMA) and
+    (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode kernels
+    of `rules.small_decode_tiles`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with mma.sync (HMMA) and
     cp.async (LDGSTS) where the kernel pipelines (its own config's num_stages >= 2, and decode)."""
     name = f"{row['target']} {row['variant']} {kernel['kernel']}"
     arch = limits["arch"]
@@ -139,7 +140,7 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
         return out
     if arch in rules.WIDE_MMA:
         op, instruction = rules.WIDE_MMA[arch]
-        if row["variant"] in rules.SMALL_DECODE_TILES and kernel["kernel"] == registry.DECODE:
+        if row["variant"] in _small_decode_tiles() and kernel["kernel"] == registry.DECODE:
             return out
         share = wide_share(kernel, op)
         least, _ = rules.LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),
@@ -173,20 +174,16 @@ def wide_share(kernel: dict, op: str = "HGMMA") -> float | None:
     return kernel[op] / total if total else None
 
 
+@functools.cache
+def _small_decode_tiles() -> frozenset:
+    return frozenset(rules.small_decode_tiles(registry.variants()))
+
+
 def rule_problems() -> list[str]:
-    """The rules against the registry: each name of `SMALL_DECODE_TILES` must be a decode variant of the registry
-    whose tile holds fewer than 64 query rows (a stale name, or one of 64 rows, fails)."""
-    by_name = {v.name: v for v in registry.variants()}
-    out = []
-    for name in rules.SMALL_DECODE_TILES:
-        v = by_name.get(name)
-        if v is None or registry.DECODE not in v.requires or v.query_rows is None:
-            out.append(f"rules.SMALL_DECODE_TILES names {name}: not a decode variant of the registry with its "
-                       "query rows")
-        elif v.query_rows >= 64:
-            out.append(f"rules.SMALL_DECODE_TILES names {name}: its tile holds {v.query_rows} query rows, "
-                       "enough for wgmma / tcgen05")
-    return out
+    """The rules against the registry: every decode variant states its query rows (`Variant.query_rows`, which
+    `rules.small_decode_tiles` reads: one without them would be held to the full share by accident)."""
+    return [f"{v.name}: a decode variant without its query rows (Variant.query_rows)" for v in registry.variants()
+            if registry.DECODE in v.requires and v.query_rows is None]
 
 
 def problems(report: dict, targets=None, only: str | None = None) -> list[str]:
@@ -263,7 +260,7 @@ def _with_verdicts(report: dict) -> dict:
     report.update(
         min_wide_share=rules.MIN_WIDE_SHARE,
         wide_mma={arch: dict(sass=op, name=name) for arch, (op, name) in rules.WIDE_MMA.items()},
-        tolerances=rules.tolerances(),
+        tolerances=rules.tolerances(registry.variants()),
         spills=[dict(kernel=k, target=t, variant=v, max_stores=c[0], max_loads=c[1], why=c[2])
                 for (k, t, v), c in rules.SPILLS.items()],
     )

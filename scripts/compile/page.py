@@ -319,22 +319,29 @@ def _kernel_cells(row: dict, wide: str) -> list[str]:
 
 
 def planned_section(rows: list[dict]) -> list[str]:
-    """The rows that come from the dispatch's plans (`plan_space.py`): how many per target, and the calls that
-    are rows whatever their plans (`plan_space.FORCED`) with why."""
+    """The rows that come from the dispatch's plans (`plan_space.py`) and the decode planner's (`decode_space.py`):
+    how many per target, and the calls that are rows whatever their plans (`plan_space.FORCED`) with why."""
+    import decode_space
     import plan_space
 
     planned = {plan_space.probe_of(r).name(r["mode"]) for r in plan_space.derived_rows()}
+    decode = {decode_space.probe_of(r).name for r in plan_space.derived_decode_rows()}
     out = ["\n## Rows from the dispatch's plans\n",
            "Beside the grid, the registry holds the calls one argument away from a grid call (float16, head dim "
            "16 / 32, ragged and long sequences, keys longer or shorter than queries, other GQA ratios, key / value "
            "batch 1, other value head dims and windows, broadcast bias and mask shapes) whose plan, made by "
            "`_dispatch.plan` for the target, runs kernels, tiles, a dK/dV grid or splits that no row before it "
            "compiles there (`scripts/compile/plan_space.py`). A new rule in a backend's plan thus adds its rows "
-           "by itself, and a row that disappears fails the check unless `rules.RETIRED` names it.\n",
-           "| target | rows | from the plans |", "|---|---|---|"]
+           "by itself, and a row that disappears fails the check unless `rules.RETIRED` names it. The decode "
+           "kernel's rows come the same way from its own planner (`triton.decode.plan_for`, "
+           "`scripts/compile/decode_space.py`): the calls one argument away from its seed calls (dtype, head "
+           "dims, Dv, new tokens, GQA, page size or cache length, hooks) whose row tile, key tile, tiles a step, "
+           "warps, stages or kernel code no call before them has on some target, each a row on every target.\n",
+           "| target | rows | from the plans | decode, from its planner |", "|---|---|---|---|"]
     for target in dict.fromkeys(r["target"] for r in rows):
         mine = [r for r in rows if r["target"] == target]
-        out.append(f"| {target} | {len(mine)} | {sum(r['variant'] in planned for r in mine)} |")
+        out.append(f"| {target} | {len(mine)} | {sum(r['variant'] in planned for r in mine)} | "
+                   f"{sum(r['variant'] in decode for r in mine)} |")
     out.append("\nRows whatever their plans (their code, not their tiles, differs from every grid call's):\n")
     out += [f"- `{name}`: {why}" for name, why in plan_space.FORCED.items()]
     return out

@@ -25,7 +25,8 @@ the others): the generation's own rules.
 
 Deriving plans every call costs about a minute; `derived_rows()` keeps them in a cache folder keyed by the
 source of the kernels and of the registry, and derives in a subprocess on the CPU (a worker lists the
-registry before it imports jax). `python plan_space.py derive` prints the rows and what each one covers.
+registry before it imports jax). `python plan_space.py derive` prints the rows and what each one covers. The
+decode kernel's rows are derived beside these, from its own planner (`decode_space.py`), into the same cache.
 """
 
 from __future__ import annotations
@@ -238,22 +239,27 @@ FORCED = {
 }
 
 
-def probes() -> list[Probe]:
-    """The whole probe space, grid calls first, in a fixed order (the first probe of a new plan names its row)."""
-    grid = grid_probes()
-    out, seen = list(grid), {p.stem for p in grid}
-    for probe in grid:
-        for moved in _deviations(probe):
-            if moved.stem not in seen:
-                seen.add(moved.stem)
+def with_deviations(seeds: list, deviations, key) -> list:
+    """`seeds`, then the `deviations(seed)` of each, every `key` once, in a fixed order (the first probe of a new
+    plan names its row)."""
+    out, seen = list(seeds), {key(p) for p in seeds}
+    for seed in seeds:
+        for moved in deviations(seed):
+            if key(moved) not in seen:
+                seen.add(key(moved))
                 out.append(moved)
     return out
+
+
+def probes() -> list[Probe]:
+    """The whole probe space: the grid's calls, then the calls one argument away from them."""
+    return with_deviations(grid_probes(), _deviations, lambda probe: probe.stem)
 
 
 # ------------------------------------------------------------------------------------------------ the plans
 
 class _Planned(Exception):
-    """Stops a traced call once `_dispatch.plan` has returned (nothing after it decides a kernel)."""
+    """Stops a traced call once the function whose result is wanted has returned."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,20 +277,20 @@ def _device(target: str) -> _FakeGPU:
     return _FakeGPU(f"{major}.{minor}")
 
 
-def plan_of(probe: Probe, target: str):
-    """The `_dispatch.plan` of the probe's call on the target (its forward traced until the plan is made)."""
+def first_result(fn, specs, owner, name: str, device):
+    """What `owner.name` (a module's function, called through the module) returns first while `fn` is traced
+    on `specs` with `device` as the target device; the trace stops there (nothing after it decides a kernel)."""
     import jax
-    from probjax_kernels import _backend, _dispatch
+    from probjax_kernels import _backend
 
-    fn, specs = probe.variant("fwd", (), ()).build()
-    made, real_plan, real_device = [], _dispatch.plan, _backend.target_device
-    device = _device(target)
+    made, real, real_device = [], getattr(owner, name), _backend.target_device
 
-    def planned(*args, **kwargs):
-        made.append(real_plan(*args, **kwargs))
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
         raise _Planned
 
-    _dispatch.plan, _backend.target_device = planned, lambda: device
+    setattr(owner, name, recording)
+    _backend.target_device = lambda: device
     # jax filters the traceback of every exception raised through its API (a third of derive()'s time when on).
     filtering = jax.config.jax_traceback_filtering
     jax.config.update("jax_traceback_filtering", "off")
@@ -293,11 +299,20 @@ def plan_of(probe: Probe, target: str):
     except _Planned:
         pass
     finally:
-        _dispatch.plan, _backend.target_device = real_plan, real_device
+        setattr(owner, name, real)
+        _backend.target_device = real_device
         jax.config.update("jax_traceback_filtering", filtering)
     if not made:
-        raise RuntimeError(f"{probe.stem}: the call made no plan")
+        raise RuntimeError(f"the call never reached {owner.__name__}.{name}")
     return made[0]
+
+
+def plan_of(probe: Probe, target: str):
+    """The `_dispatch.plan` of the probe's call on the target (its forward traced until the plan is made)."""
+    from probjax_kernels import _dispatch
+
+    fn, specs = probe.variant("fwd", (), ()).build()
+    return first_result(fn, specs, _dispatch, "plan", _device(target))
 
 
 def outcome(plan, mode: str) -> tuple:
@@ -403,7 +418,8 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
 def _source_key() -> str:
     """A hash of what the plans depend on: the kernels' source, the registry and this file, the targets."""
     files = sorted((REPO / "kernels").rglob("*.py")) + [HERE / "variants.py", Path(__file__).resolve(),
-                                                         HERE / "figures.py", HERE / "serving_step.py"]
+                                                         HERE / "figures.py", HERE / "serving_step.py",
+                                                         HERE / "decode_space.py"]
     files += sorted((HERE / "gpu_targets").glob("*.txtpb"))
     digest = hashlib.sha256()
     for path in files:
@@ -420,8 +436,18 @@ def cache_folder() -> Path:
 
 
 def derived_rows() -> list[dict]:
-    """`derive()`'s rows for this checkout, from the cache or derived in a subprocess on the CPU (one process
-    at a time: concurrent callers wait for the first)."""
+    """`derive()`'s rows for this checkout (`_cached_rows`)."""
+    return [row for row in _cached_rows() if "decode" not in row]
+
+
+def derived_decode_rows() -> list[dict]:
+    """`decode_space.derive()`'s rows for this checkout (`_cached_rows`)."""
+    return [row for row in _cached_rows() if "decode" in row]
+
+
+def _cached_rows() -> list[dict]:
+    """The flash and decode rows for this checkout, from the cache or derived in a subprocess on the CPU (one
+    process at a time: concurrent callers wait for the first)."""
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{_source_key()}.json"
@@ -449,12 +475,20 @@ def probe_of(row: dict) -> Probe:
 
 def planned_rows(out: list) -> list:
     """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
-    is one no row compiles there, and the calls of `plan_space.FORCED`. A row of `out` of the same name takes
-    the targets; a new one requires the kernels `required_kernels` names for its family, on each target (backend
-    "mosaic" runs Blackwell's kernels there: `Variant.requires_on`)."""
+    is one no row compiles there, and the calls of `plan_space.FORCED`; and decode calls whose decode plan no row
+    before them has (`decode_space`). A row of `out` of the same name takes the targets; a new one requires the
+    kernels `required_kernels` names for its family, on each target (backend "mosaic" runs Blackwell's kernels
+    there: `Variant.requires_on`)."""
     import variants as registry
 
+    import decode_space
+
     out, index = list(out), {v.name: i for i, v in enumerate(out)}
+    for row in derived_decode_rows():
+        variant = decode_space.probe_of(row).variant(tuple(row["targets"]))
+        assert variant.name not in index, f"{variant.name}: a decode row named twice"
+        index[variant.name] = len(out)
+        out.append(variant)
     for row in derived_rows():
         probe, mode = probe_of(row), row["mode"]
         name = probe.name(mode)
@@ -497,12 +531,16 @@ def main() -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    rows = derive()
+    import decode_space
+    import variants as registry
+
+    rows = derive() + decode_space.derive(registry.FULL_TARGETS + registry.SUBSET_TARGETS, _device)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for row in rows:
-            print(probe_of(row).name(row["mode"]), ",".join(row["targets"]))
+            name = decode_space.probe_of(row).name if "decode" in row else probe_of(row).name(row["mode"])
+            print(name, ",".join(row["targets"]))
         print(f"{len(rows)} rows")
     return 0
 

@@ -13,7 +13,7 @@ report, a row the registry lacks, a required kernel missing (or one not expected
 that raised while being built included), or an empty expected set fails it; then, per kernel, a spill outside
 `SPILLS`' capped entries, shared memory over the target's limit, a figure those checks read missing, and the
 instruction checks: on Hopper, TMA and wgmma in Mosaic kernels; on sm_90a / sm_100a, 16-bit matmuls all wgmma /
-tcgen05 (`MIN_WIDE_SHARE`, `LOW_WIDE_SHARE` per kernel, the small decode tiles of `SMALL_DECODE_TILES`); on
+tcgen05 (`MIN_WIDE_SHARE`, `LOW_WIDE_SHARE` per kernel, the small decode tiles of `small_decode_tiles`); on
 sm_80 / sm_86 / sm_89 / sm_120, mma.sync and cp.async in 16-bit kernels. rules.py lists every tolerance.
 
 This file is the command line; the jobs live beside it: worker.py (a shard's compiles), figures.py (the figures
@@ -49,7 +49,7 @@ from fingerprints import (  # noqa: E402, F401
     FIGURE_CODE, _compile_key, _fingerprint, _reproduces, _reusable_rows, _verify_units, _versions,
 )
 from kernel_tiles import _fallback_tiles, _import_kernels, _tangent_tiles, _traced_tiles  # noqa: E402, F401
-from rules import LOW_WIDE_SHARE, MIN_WIDE_SHARE, SMALL_DECODE_TILES, SPILLS, WIDE_MMA  # noqa: E402, F401
+from rules import LOW_WIDE_SHARE, MIN_WIDE_SHARE, SPILLS, WIDE_MMA, small_decode_tiles  # noqa: E402, F401
 # (check.py reads them from `rules` as it runs: a test that patches one patches `rules`)
 from sources import REPO, head_commit, source_paths_regex  # noqa: E402, F401
 from worker import _compile_units, _error_fields, _named, _new_files, _stdout_to, worker  # noqa: E402, F401

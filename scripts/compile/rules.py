@@ -28,24 +28,22 @@ MIN_WIDE_SHARE = 1.0
 # fails) and why: (kernel, arch, head dim): (least share, why). None remain.
 LOW_WIDE_SHARE: dict[tuple[str, str, int], tuple[float, str]] = {}
 
-# The decode variants whose program holds fewer than 64 query rows (new tokens x query heads per KV head, padded
-# to 16: `Variant.query_rows`): wgmma (M = 64 per warpgroup) and tcgen05 (M = 64 or 128) do not apply and
-# Triton emits mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls, bounds it.
-# Exactly these names, and only their decode kernel: check.py fails a name here that is not such a variant of the
-# registry, and a 16-bit decode kernel of any other variant (the T = 16, GQA 32:8 ones hold 64 rows) is held to
-# the full share.
-SMALL_DECODE_TILES: tuple[str, ...] = (
-    "decode_d64_bf16_cache8192_gqa8to2",  # 1 token x 4 heads
-    "decode_d128_bf16_cache8192_gqa8to2",  # 1 x 4
-    "decode_d256_bf16_cache8192_gqa8to2",  # 1 x 4
-    "decode_d80_bf16_cache1000_gqa8to2",  # 1 x 4
-    "decode_paged16_d128_bf16_gqa32to8_t1",  # 1 x 4
-    "decode_paged64_d128_bf16_gqa32to8_t4",  # 4 x 4
-    "lm_generate_bench_hd64_T2048",  # its decode steps: 1 x 1 (the forward of its prefill is held to 1.0)
-    "lm_generate_bench_hd128_T2048",  # 1 x 1
-    "lm_generate_bench_hd64_T8192",  # 1 x 1
-    "lm_generate_bench_hd128_T8192",  # 1 x 1
-)
+# The decode variants whose program holds fewer than 64 query rows (new tokens x query heads per KV head:
+# `Variant.query_rows`): wgmma (M = 64 per warpgroup) and tcgen05 (M = 64 or 128) do not apply and Triton emits
+# mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls, bounds it. The names are
+# computed from the registry (`small_decode_tiles`: the seeds, the decode rows decode_space.py derives and the
+# LM example's generation), and only their decode kernel is exempt: a 16-bit decode kernel of any other variant
+# (the T = 16, GQA 32:8 ones hold 64 rows) is held to the full share, and check.py fails a decode variant that
+# does not state its query rows.
+SMALL_DECODE_ROWS = 64
+
+
+def small_decode_tiles(variants) -> tuple[str, ...]:
+    """The 16-bit variants among `variants` whose decode program holds fewer than `SMALL_DECODE_ROWS` query rows."""
+    return tuple(v.name for v in variants
+                 if v.query_rows is not None and v.query_rows < SMALL_DECODE_ROWS and v.dtype != "f32")
+
+
 SMALL_DECODE_WHY = "a decode tile of under 64 query rows: wgmma / tcgen05 need 64, Triton emits mma.sync"
 
 # Variants of an earlier report (the committed record) that the registry no longer has, on purpose, each with
@@ -74,9 +72,10 @@ RETIRED: dict[str, str] = dict.fromkeys((
    "GQA call is its family's and mosaic_grad_d64 / d128_bf16_gqa8to2_causal hold GQA on sm_100a")
 
 
-def tolerances() -> list[dict]:
-    """Every tolerance of the check, one entry each: `rule` (what it is), `covers` (exactly what it exempts)
-    and `why`. The report carries this list and its page prints it."""
+def tolerances(variants=()) -> list[dict]:
+    """Every tolerance of the check, one entry each: `rule` (what it is), `covers` (exactly what it exempts,
+    the small decode tiles among the registry's `variants`) and `why`. The report carries this list and its page
+    prints it."""
     out = [
         dict(rule="float32 inputs: no tensor-core check",
              covers="kernels of rows with dtype f32 (the MMA share, mma.sync and cp.async checks; spills, shared "
@@ -91,7 +90,7 @@ def tolerances() -> list[dict]:
              covers="Triton kernels on mma.sync GPUs whose own config has num_stages 1",
              why="a one-stage loop issues no asynchronous copy; decode and ragged kernels always pipeline"),
         dict(rule="small decode tiles on mma.sync",
-             covers="the decode kernel of " + ", ".join(SMALL_DECODE_TILES) + " on sm_90a and sm_100a",
+             covers="the decode kernel of " + ", ".join(small_decode_tiles(variants)) + " on sm_90a and sm_100a",
              why=SMALL_DECODE_WHY),
     ]
     out += [dict(rule="retired variant", covers=name, why=why) for name, why in RETIRED.items()]

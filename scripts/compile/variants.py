@@ -51,7 +51,8 @@ class Variant:
     requires: tuple[str, ...] = ()
     targets: tuple[str, ...] = FULL_TARGETS
     requires_on: tuple = ()  # (target, kernels) pairs where a target's kernels differ (`requires_for`)
-    # Decode variants: query rows per program (new tokens x query heads per KV head; rules.SMALL_DECODE_TILES).
+    # Decode variants: query rows per program (new tokens x query heads per KV head), which decide whether a
+    # tile is large enough for wgmma / tcgen05 (rules.small_decode_tiles); None elsewhere.
     query_rows: int | None = None
 
 
@@ -355,70 +356,14 @@ def _control_variants() -> list[Variant]:
 
 
 def _decode_variants() -> list[Variant]:
-    """The decode kernel (`probjax_kernels.decode_attention`), where this checkout has it, at its own default
-    tiles (`DecodeConfig`): a dense cache (GQA 8 -> 2, hd 64 / 128 / 256), and paged caches with the serving
-    shapes of the decode benchmark (pages of 16 and 64, GQA 32:8, T = 1 / 4 / 16, ALiBi with a sliding
-    window, float32 with Dv != D); and a dense cache read in place with a masked tail and lanes (S = 1000,
-    head dim 80). The kernels are imported when a variant is built: an import that fails is a failing row of
-    the report, never a shorter registry."""
-    cache_len = 8192
+    """The decode kernel's seed calls (`decode_space.SEEDS`: a dense cache, GQA 8 -> 2, hd 64 / 128 / 256; paged
+    caches at the serving shapes of the decode benchmark; a dense cache with a masked tail and lanes, S = 1000,
+    head dim 80), at its own default tiles; plan_space.py adds the calls around them whose decode plans differ
+    (`decode_space.derive`). The kernels are imported when a variant is built: an import that fails is a
+    failing row of the report, never a shorter registry."""
+    import decode_space
 
-    def decode_kernels():
-        from probjax_kernels import DecodeConfig, alibi, decode_attention, sliding_window
-
-        return DecodeConfig(backend="triton"), alibi, decode_attention, sliding_window
-
-    def dense(name, d, dtype="bf16", heads=(N, 2), new_tokens=1, cache_len=cache_len):
-        def build():
-            import jax.numpy as jnp
-
-            q_heads, kv_heads = heads
-            specs = [_spec((B, new_tokens, q_heads, d), dtype_of(dtype)),
-                     _spec((B, cache_len, kv_heads, d), dtype_of(dtype)),
-                     _spec((B, cache_len, kv_heads, d), dtype_of(dtype)), _spec((B,), jnp.int32)]
-
-            config, _, decode_attention, _ = decode_kernels()
-
-            def attend(q, k, v, lengths):
-                return decode_attention(q, k, v, kv_lengths=lengths, config=config)
-
-            return attend, specs
-        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len,
-                       requires=(DECODE,), query_rows=new_tokens * heads[0] // heads[1])
-
-    def paged(name, page_size, new_tokens, dtype="bf16", d=128, value_dim=None, heads=(32, 8), hooks=False):
-        def build():
-            import jax.numpy as jnp
-
-            q_heads, kv_heads = heads
-            max_pages = cache_len // page_size
-            pages = B * max_pages
-            specs = [_spec((B, new_tokens, q_heads, d), dtype_of(dtype)),
-                     _spec((pages, page_size, kv_heads, d), dtype_of(dtype)),
-                     _spec((pages, page_size, kv_heads, value_dim or d), dtype_of(dtype)),
-                     _spec((B,), jnp.int32), _spec((B, max_pages), jnp.int32), _spec((q_heads,), jnp.float32)]
-
-            config, alibi, decode_attention, sliding_window = decode_kernels()
-
-            def attend(q, k, v, lengths, tables, slopes):
-                mods = dict(score_mod=alibi(slopes), mask_mod=sliding_window(1024)) if hooks else {}
-                return decode_attention(q, k, v, kv_lengths=lengths, block_tables=tables, config=config, **mods)
-
-            return attend, specs
-        return Variant(name, "decode", build, d, dtype, "fwd", "triton", new_tokens, cache_len, value_dim,
-                       requires=(DECODE,), query_rows=new_tokens * heads[0] // heads[1])
-
-    return [
-        dense("decode_d64_bf16_cache8192_gqa8to2", 64),
-        dense("decode_d128_bf16_cache8192_gqa8to2", 128),
-        dense("decode_d256_bf16_cache8192_gqa8to2", 256),
-        paged("decode_paged16_d128_bf16_gqa32to8_t1", 16, 1),
-        paged("decode_paged64_d128_bf16_gqa32to8_t4", 64, 4),
-        paged("decode_paged16_d128_bf16_gqa32to8_t16_alibi_window", 16, 16, hooks=True),
-        paged("decode_paged64_d128_f16_gqa32to8_t16_alibi_window", 64, 16, dtype="f16", hooks=True),
-        paged("decode_paged16_d128_dv64_gqa32to8_t4_float32", 16, 4, dtype="f32", value_dim=64),
-        dense("decode_d80_bf16_cache1000_gqa8to2", 80, cache_len=1000),
-    ]
+    return [probe.variant() for probe in decode_space.SEEDS]
 
 
 def _ragged_variants() -> list[Variant]:

@@ -123,6 +123,8 @@ decode_bench=("$python" -m probjax_nn.benchmark decode --batch 1 8 64 --heads 8:
     --page-sizes 0 16 64 --dtypes bfloat16)
 step 240 benchmark-decode benchmark_decode.log "${decode_bench[@]}" --output "$out/gpu_decode_bf16.json" \
     --cache-lens 1024 8192 32768
+# pages of 16 on 32-key steps (the planner's default, perf-notes Version 22) against 64-key steps
+step 90 decode-key-steps decode_key_steps.log "$python" tests/gpu/decode_key_steps_ab.py "$out/decode_key_steps.jsonl"
 step 180 benchmark-decode-128k benchmark_decode_128k.log "${decode_bench[@]}" \
     --output "$out/gpu_decode_bf16_128k.json" --cache-lens 131072
 
