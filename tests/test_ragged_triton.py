@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax_kernels import RaggedConfig, alibi, alibi_slopes, ragged_paged_attention
+from helpers import FakeGPU
+from probjax_kernels import RaggedConfig, _backend, alibi, alibi_slopes, ragged_paged_attention
 from test_ragged import FP8, assert_matches, expected, make_batch, quantize_np
 
 
@@ -109,9 +110,7 @@ def test_under_jit_with_a_traced_num_seqs_and_the_append():
 def test_float8_pages_before_sm89_run_the_xla_path_with_a_warning(monkeypatch):
     """Triton casts float8 only from compute capability 8.9 on: on an A100 (8.0) the dispatch warns and the
     call runs the XLA path, with the reference's rows."""
-    from probjax_kernels.triton import ragged as triton_ragged
-
-    monkeypatch.setattr(triton_ragged, "compute_capability", lambda device: (8, 0))
+    monkeypatch.setattr(_backend, "target_device", lambda: FakeGPU("8.0", "NVIDIA A100"))
     b = make_batch(8)
     scale = np.array([0.03, 0.05], np.float32)
     quantized = dataclasses.replace(b, k_pages=quantize_np(np.nan_to_num(b.k_pages), scale, FP8),

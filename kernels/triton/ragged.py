@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from probjax_kernels._backend import compute_capability, is_hopper, target_device
+from probjax_kernels import _backend
 from probjax_kernels._decode_inputs import decode_hook_args
 from probjax_kernels._hooks import Hook
 from probjax_kernels._ragged_schedule import WorkItems, item_steps, ragged_work_items
@@ -77,7 +77,7 @@ def _plan(q, k_pages, v_pages, page_indices, *, block_q: int, interpret: bool, n
     # in interpret mode. Before Hopper, a 64-row tile's step holds 32 (four 16-key pages of scores and
     # tiles in flight spilled on sm_80 and sm_86; wgmma's accumulators live elsewhere on sm_90a).
     block_k = 32 if interpret else (64 if itemsize <= 2 else 32) if widest <= 128 else 16
-    if not interpret and rows >= 64 and not is_hopper(target_device()):
+    if not interpret and rows >= 64 and not _backend.is_hopper(_backend.target_device()):
         block_k = min(block_k, 32)
     tile = min(page, block_k)
     pages_per_seq = page_indices.shape[1]
@@ -278,7 +278,7 @@ def pages_refused(page_dtype, interpret: bool) -> str | None:
     float8_e4m3fn only from compute capability 8.9 on (sm_80 / sm_86 fail to compile the cast)."""
     if interpret or jnp.dtype(page_dtype) != jnp.float8_e4m3fn:
         return None
-    capability = compute_capability(target_device())
+    capability = _backend.compute_capability(_backend.target_device())
     if capability is not None and capability < (8, 9):
         return (f"float8_e4m3fn pages on a GPU of compute capability {capability[0]}.{capability[1]} (Triton "
                 "converts float8 from 8.9 on: L4 / L40S, H100 and later)")

@@ -319,13 +319,16 @@ def _kernel_cells(row: dict, wide: str) -> list[str]:
 
 
 def planned_section(rows: list[dict]) -> list[str]:
-    """The rows that come from the dispatch's plans (`plan_space.py`) and the decode planner's (`decode_space.py`):
-    how many per target, and the calls that are rows whatever their plans (`plan_space.FORCED`) with why."""
+    """The rows that come from the dispatch's plans (`plan_space.py`) and from the decode and ragged kernels'
+    planners (`decode_space.py`, `ragged_space.py`): how many per target, and the calls that are rows whatever
+    their plans (`plan_space.FORCED`) with why."""
     import decode_space
     import plan_space
+    import ragged_space
 
     planned = {plan_space.probe_of(r).name(r["mode"]) for r in plan_space.derived_rows()}
     decode = {decode_space.probe_of(r).name for r in plan_space.derived_decode_rows()}
+    ragged = {ragged_space.probe_of(r).name for r in plan_space.derived_ragged_rows()}
     out = ["\n## Rows from the dispatch's plans\n",
            "Beside the grid, the registry holds the calls one argument away from a grid call (float16, head dim "
            "16 / 32, ragged and long sequences, keys longer or shorter than queries, other GQA ratios, key / value "
@@ -336,12 +339,16 @@ def planned_section(rows: list[dict]) -> list[str]:
            "kernel's rows come the same way from its own planner (`triton.decode.plan_for`, "
            "`scripts/compile/decode_space.py`): the calls one argument away from its seed calls (dtype, head "
            "dims, Dv, new tokens, GQA, page size or cache length, hooks) whose row tile, key tile, tiles a step, "
-           "warps, stages or kernel code no call before them has on some target, each a row on every target.\n",
-           "| target | rows | from the plans | decode, from its planner |", "|---|---|---|---|"]
+           "warps, stages or kernel code no call before them has on some target, each a row on every target. "
+           "So do the ragged (serving) kernel's (`triton.ragged._plan`, `scripts/compile/ragged_space.py`: head "
+           "dim, GQA, page size, page dtype, tokens a program, window + soft cap + sinks, hooks, the append), "
+           "each a row on the targets where the kernel takes it.\n",
+           "| target | rows | from the plans | decode, from its planner | ragged, from its planner |",
+           "|---|---|---|---|---|"]
     for target in dict.fromkeys(r["target"] for r in rows):
         mine = [r for r in rows if r["target"] == target]
         out.append(f"| {target} | {len(mine)} | {sum(r['variant'] in planned for r in mine)} | "
-                   f"{sum(r['variant'] in decode for r in mine)} |")
+                   f"{sum(r['variant'] in decode for r in mine)} | {sum(r['variant'] in ragged for r in mine)} |")
     out.append("\nRows whatever their plans (their code, not their tiles, differs from every grid call's):\n")
     out += [f"- `{name}`: {why}" for name, why in plan_space.FORCED.items()]
     return out

@@ -419,7 +419,7 @@ def _source_key() -> str:
     """A hash of what the plans depend on: the kernels' source, the registry and this file, the targets."""
     files = sorted((REPO / "kernels").rglob("*.py")) + [HERE / "variants.py", Path(__file__).resolve(),
                                                          HERE / "figures.py", HERE / "serving_step.py",
-                                                         HERE / "decode_space.py"]
+                                                         HERE / "decode_space.py", HERE / "ragged_space.py"]
     files += sorted((HERE / "gpu_targets").glob("*.txtpb"))
     digest = hashlib.sha256()
     for path in files:
@@ -437,7 +437,7 @@ def cache_folder() -> Path:
 
 def derived_rows() -> list[dict]:
     """`derive()`'s rows for this checkout (`_cached_rows`)."""
-    return [row for row in _cached_rows() if "decode" not in row]
+    return [row for row in _cached_rows() if "decode" not in row and "ragged" not in row]
 
 
 def derived_decode_rows() -> list[dict]:
@@ -445,8 +445,13 @@ def derived_decode_rows() -> list[dict]:
     return [row for row in _cached_rows() if "decode" in row]
 
 
+def derived_ragged_rows() -> list[dict]:
+    """`ragged_space.derive()`'s rows for this checkout (`_cached_rows`)."""
+    return [row for row in _cached_rows() if "ragged" in row]
+
+
 def _cached_rows() -> list[dict]:
-    """The flash and decode rows for this checkout, from the cache or derived in a subprocess on the CPU (one
+    """The flash, decode and ragged rows for this checkout, from the cache or derived in a subprocess on the CPU (one
     process at a time: concurrent callers wait for the first)."""
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
@@ -475,18 +480,21 @@ def probe_of(row: dict) -> Probe:
 
 def planned_rows(out: list) -> list:
     """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
-    is one no row compiles there, and the calls of `plan_space.FORCED`; and decode calls whose decode plan no row
-    before them has (`decode_space`). A row of `out` of the same name takes the targets; a new one requires the
+    is one no row compiles there, and the calls of `plan_space.FORCED`; and decode and ragged calls whose plan by
+    their kernel's planner no row before them has (`decode_space`, `ragged_space`). A row of `out` of the same name takes the targets; a new one requires the
     kernels `required_kernels` names for its family, on each target (backend "mosaic" runs Blackwell's kernels
     there: `Variant.requires_on`)."""
     import variants as registry
 
     import decode_space
+    import ragged_space
 
     out, index = list(out), {v.name: i for i, v in enumerate(out)}
-    for row in derived_decode_rows():
-        variant = decode_space.probe_of(row).variant(tuple(row["targets"]))
-        assert variant.name not in index, f"{variant.name}: a decode row named twice"
+    own_space = [(decode_space, row) for row in derived_decode_rows()]
+    own_space += [(ragged_space, row) for row in derived_ragged_rows()]
+    for space, row in own_space:
+        variant = space.probe_of(row).variant(tuple(row["targets"]))
+        assert variant.name not in index, f"{variant.name}: a row named twice"
         index[variant.name] = len(out)
         out.append(variant)
     for row in derived_rows():
@@ -532,14 +540,17 @@ def main() -> int:
 
     warnings.filterwarnings("ignore")
     import decode_space
+    import ragged_space
     import variants as registry
 
-    rows = derive() + decode_space.derive(registry.FULL_TARGETS + registry.SUBSET_TARGETS, _device)
+    targets = registry.FULL_TARGETS + registry.SUBSET_TARGETS
+    rows = derive() + decode_space.derive(targets, _device) + ragged_space.derive(targets, _device)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for row in rows:
-            name = decode_space.probe_of(row).name if "decode" in row else probe_of(row).name(row["mode"])
+            name = (decode_space.probe_of(row).name if "decode" in row else ragged_space.probe_of(row).name
+                    if "ragged" in row else probe_of(row).name(row["mode"]))
             print(name, ",".join(row["targets"]))
         print(f"{len(rows)} rows")
     return 0

@@ -23,47 +23,50 @@ ROOT = Path(__file__).resolve().parents[2]  # probjax_nn's folder is here; examp
 TOKENS, SEQS, HEADS, KV_HEADS, HEAD_DIM, CONTEXT, PAGE = 256, 16, 32, 8, 128, 2048, 16
 
 
-def ragged_specs(page: int, dtype, page_dtype, kv_heads: int = KV_HEADS) -> list:
+def ragged_specs(page: int, dtype, page_dtype, kv_heads: int = KV_HEADS, heads: int = HEADS,
+                 head_dim: int = HEAD_DIM) -> list:
     """ShapeDtypeStructs of (q, pages, kv_lens, page_indices, cu_q_lens, num_seqs) at the packed batch."""
     import jax
     import jax.numpy as jnp
 
     pages_per_seq, i32 = CONTEXT // page, jnp.int32
-    return [jax.ShapeDtypeStruct((TOKENS, HEADS, HEAD_DIM), dtype),
-            jax.ShapeDtypeStruct((SEQS * pages_per_seq, page, kv_heads, HEAD_DIM), page_dtype),
+    return [jax.ShapeDtypeStruct((TOKENS, heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((SEQS * pages_per_seq, page, kv_heads, head_dim), page_dtype),
             jax.ShapeDtypeStruct((SEQS,), i32), jax.ShapeDtypeStruct((SEQS, pages_per_seq), i32),
             jax.ShapeDtypeStruct((SEQS + 1,), i32), jax.ShapeDtypeStruct((), i32)]
 
 
 def ragged_call(backend: str, page: int = PAGE, pages: str = "bf16", append: bool = False, hooks: bool = False,
-                sinks: bool = False, **options):
-    """(function, argument ShapeDtypeStructs) of `ragged_paged_attention` with `RaggedConfig(backend)` at the
-    packed batch: bf16 queries; `pages` "bf16", "int8" or "fp8" (float8_e4m3fn, with per-head scales);
-    `append`: the step's keys and values written in the call; `hooks`: an ALiBi score_mod and a
-    `sliding_window(1024)` mask_mod; `sinks`: a sink per head; `options` go to the call (sliding_window,
-    soft_cap)."""
+                sinks: bool = False, heads: tuple[int, int] = (HEADS, KV_HEADS), head_dim: int = HEAD_DIM,
+                block_q: int | None = None, **options):
+    """(function, argument ShapeDtypeStructs) of `ragged_paged_attention` with `RaggedConfig(backend, block_q)`
+    at the packed batch: bf16 queries of `heads` (query, kv) heads of `head_dim`; `pages` "bf16", "int8" or
+    "fp8" (float8_e4m3fn, with per-head scales); `append`: the step's keys and values written in the call;
+    `hooks`: an ALiBi score_mod and a `sliding_window(1024)` mask_mod; `sinks`: a sink per head; `options` go to
+    the call (sliding_window, soft_cap)."""
     import jax
     import jax.numpy as jnp
     from probjax_kernels import RaggedConfig, alibi, ragged_paged_attention, sliding_window
 
+    num_heads, kv_heads = heads
     page_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[pages]
-    q, cache, *tables = ragged_specs(page, jnp.bfloat16, page_dtype)
+    q, cache, *tables = ragged_specs(page, jnp.bfloat16, page_dtype, kv_heads, num_heads, head_dim)
     specs = [q, cache, cache, *tables]
     if append:
-        specs += [jax.ShapeDtypeStruct((TOKENS, KV_HEADS, HEAD_DIM), jnp.bfloat16)] * 2
+        specs += [jax.ShapeDtypeStruct((TOKENS, kv_heads, head_dim), jnp.bfloat16)] * 2
 
     def attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *new):
         extra = dict(options)
         if pages != "bf16":
-            extra.update(k_scale=jnp.full((KV_HEADS,), 0.05, jnp.float32), v_scale=0.05)
+            extra.update(k_scale=jnp.full((kv_heads,), 0.05, jnp.float32), v_scale=0.05)
         if hooks:
-            extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, HEADS)), mask_mod=sliding_window(1024))
+            extra.update(score_mod=alibi(jnp.linspace(0.05, 0.5, num_heads)), mask_mod=sliding_window(1024))
         if sinks:
-            extra["sinks"] = jnp.linspace(-1.0, 1.0, HEADS, dtype=jnp.float32)
+            extra["sinks"] = jnp.linspace(-1.0, 1.0, num_heads, dtype=jnp.float32)
         if new:
             extra.update(new_k=new[0], new_v=new[1])
         return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                      config=RaggedConfig(backend=backend), **extra)
+                                      config=RaggedConfig(block_q=block_q, backend=backend), **extra)
 
     return attend, specs
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Callable
-from serving_step import CONTEXT, HEAD_DIM, TOKENS, ragged_call, serving_step
+from serving_step import CONTEXT, HEAD_DIM, TOKENS, serving_step
 
 # jax is imported inside the functions: the worker sets its environment (JAX_PLATFORMS, XLA_FLAGS, Mosaic GPU's
 # dump options) before jax is imported, and lists the registry first.
@@ -369,27 +369,17 @@ def _decode_variants() -> list[Variant]:
 def _ragged_variants() -> list[Variant]:
     """`ragged_paged_attention` through its public front-end with `RaggedConfig(backend="triton")` at a serving
     step's packed batch (serving_step.py: 256 new tokens over 16 sequences of up to 2048 keys, GQA 32:8, head
-    dim 128): bf16 pages of 16 and 64 keys, a sliding window with a soft cap and sinks, int8 pages with the
-    append of the step's keys and values, float8_e4m3fn pages, an ALiBi score_mod with a window mask_mod;
-    default block_q (16 tokens x 4 heads); and the LM example's serving step."""
+    dim 128): the seed calls of `ragged_space.SEEDS` (bf16 pages of 16 and 64 keys, a sliding window with a soft
+    cap and sinks, int8 pages with the append of the step's keys and values, float8_e4m3fn pages, an ALiBi
+    score_mod with a window mask_mod; default block_q, 16 tokens x 4 heads), where plan_space.py adds the calls
+    around them whose plans differ (`ragged_space.derive`); and the LM example's serving step."""
+    import ragged_space
 
-    def ragged(name, targets=FULL_TARGETS, **options):
-        return Variant(name, "decode", lambda: ragged_call("triton", **options), HEAD_DIM, "bf16", "fwd",
-                       "triton", TOKENS, CONTEXT, requires=(RAGGED,), targets=targets)
-
-    return [
-        ragged("ragged_page16_d128_bf16_gqa32to8"),
-        ragged("ragged_page64_d128_bf16_gqa32to8", page=64),
-        ragged("ragged_page16_d128_bf16_gqa32to8_window_softcap_sinks", sliding_window=1024, soft_cap=30.0,
-               sinks=True),
-        ragged("ragged_page16_d128_int8_gqa32to8_append", pages="int8", append=True),
-        # Triton casts float8 from sm_89 on; before, the dispatch takes the XLA path with a warning.
-        ragged("ragged_page16_d128_fp8_gqa32to8", pages="fp8", targets=HOPPER),
-        ragged("ragged_page16_d128_bf16_gqa32to8_alibi_window", hooks=True),
-        # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
-        Variant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("triton"), HEAD_DIM,
-                "bf16", "fwd", "triton", TOKENS, CONTEXT, requires=(RAGGED,)),
-    ]
+    # Triton casts float8 from sm_89 on; before, the dispatch takes the XLA path with a warning.
+    out = [probe.variant(HOPPER if probe.pages == "fp8" else FULL_TARGETS) for probe in ragged_space.SEEDS]
+    # The LM example's continuous-batching step (scripts/compile/serving_step.py): 8 layers, 8 ragged calls.
+    return out + [Variant("lm_serving_step_bench_hd128_int8_t256", "decode", lambda: serving_step("triton"),
+                          HEAD_DIM, "bf16", "fwd", "triton", TOKENS, CONTEXT, requires=(RAGGED,))]
 
 
 def _peer_variants() -> list[Variant]:
