@@ -19,8 +19,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from dkv_split_ab import error  # the normalised max error (this folder's scripts run from it)
 from probjax_kernels import DecodeConfig, decode_attention, decode_attention_reference
 from probjax_nn.benchmark._timing import time_steps
 
@@ -39,11 +39,6 @@ def inputs(batch: int, heads: tuple[int, int], new_tokens: int, cache_len: int):
     tables = jax.random.permutation(keys[3], batch * pages_per_seq).reshape(batch, pages_per_seq).astype(jnp.int32)
     lengths = jnp.linspace(cache_len * 3 // 4, cache_len, batch).astype(jnp.int32)
     return q, k, v, lengths, tables
-
-
-def error(actual, expected) -> float:
-    actual, expected = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (actual, expected))
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-6))
 
 
 def main(argv: list[str] | None = None) -> None:
