@@ -13,7 +13,7 @@ import plan_space  # noqa: E402 - scripts/compile/plan_space.py
 import ragged_space  # noqa: E402
 import variants as registry  # noqa: E402
 
-TARGETS = ("sm86_rtx3090", "sm90a_h100")
+TARGETS = ("sm90a_h100",)
 
 
 def _names(rows) -> set[str]:
