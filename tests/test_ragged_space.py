@@ -52,3 +52,12 @@ def test_derived_ragged_rows_are_registry_rows_where_the_kernel_plans_them():
         assert v.group == "decode" and v.requires == (registry.RAGGED,)
         fp8 = ragged_space.probe_of(row).pages == "fp8"
         assert set(v.targets) == (everywhere - {"sm80_a100", "sm86_rtx3090"} if fp8 else everywhere), v.name
+
+
+def test_query_rows_are_the_planners_rows():
+    """`RaggedProbe.query_rows` (what the small-tile rule reads: rows under 64 run mma.sync on sm_90a / sm_100a)
+    is the row tile the planner gives every probe."""
+    for probe in ragged_space.probes():
+        plan = ragged_space.plan_of(probe, plan_space._device("sm90a_h100"))
+        assert probe.query_rows == plan.rows, probe.name
+

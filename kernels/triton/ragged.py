@@ -32,7 +32,7 @@ from probjax_kernels._hooks import Hook
 from probjax_kernels._ragged_schedule import WorkItems, item_steps, ragged_work_items
 from probjax_kernels._scores import LOG2E
 from probjax_kernels.triton import lowering
-from probjax_kernels.triton.decode import _default_stages, _default_warps, _pad_last, _pow2, _precision
+from probjax_kernels.triton.decode import _default_stages, _pad_last, _pow2, _precision
 from probjax_kernels.triton.forward import _M_INIT
 from probjax_kernels.triton.specs import _output
 from probjax_kernels.triton.tiles import _dot, _run_ranges, online_softmax_step
@@ -75,20 +75,29 @@ def _plan(q, k_pages, v_pages, page_indices, *, block_q: int, interpret: bool, n
     rows = _pow2(block_q * group)
     # Keys per step as the decode kernel takes them: 64 up to head dim 128 (32 for float32), 16 at 256; 32
     # in interpret mode. Before Hopper, a 64-row tile's step holds 32 (four 16-key pages of scores and
-    # tiles in flight spilled on sm_80 and sm_86; wgmma's accumulators live elsewhere on sm_90a).
+    # tiles in flight spilled on sm_80 and sm_86; wgmma's accumulators live elsewhere on sm_90a), and 16 over
+    # quantized pages with a soft cap (their dequantized tiles beside the cap's tanh spilled 8 B at 255
+    # registers on sm_80 at 32).
     block_k = 32 if interpret else (64 if itemsize <= 2 else 32) if widest <= 128 else 16
     if not interpret and rows >= 64 and not _backend.is_hopper(_backend.target_device()):
-        block_k = min(block_k, 32)
+        block_k = min(block_k, 16 if fields["quantized"] and fields["soft_cap"] is not None else 32)
     tile = min(page, block_k)
     pages_per_seq = page_indices.shape[1]
     tiles_per_step = min(block_k // tile, _pow2(pages_per_seq))
     return RaggedPlan(
         block_q=block_q, group=group, rows=rows, page=page, pages_per_seq=pages_per_seq, tile=tile,
         tiles_per_step=tiles_per_step, interpret=interpret,
-        num_warps=num_warps or _default_warps(rows, _pow2(v_pages.shape[3]), itemsize),
+        num_warps=num_warps or _ragged_warps(rows, _pow2(v_pages.shape[3]), itemsize),
         num_stages=num_stages or _default_stages(tile * tiles_per_step, (head_dim, v_pages.shape[3]), itemsize),
         **fields,
     )
+
+
+def _ragged_warps(rows: int, value_dim: int, itemsize: int) -> int:
+    """8 warps from a 64 x 128 (rows x Dv) float32 accumulator on, or float32 inputs; else 4. (The decode kernel
+    takes 8 from 32 x 128, `decode._default_warps`; here a 64 x 64 tile on 8 warps spilled 8 B at 128 registers
+    with the ALiBi and window hooks on sm_120.)"""
+    return 8 if rows * value_dim >= 64 * 128 or itemsize == 4 else 4
 
 
 # ------------------------------------------------------------------------------------------------ the kernel

@@ -115,9 +115,10 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
     spill (outside `SPILLS`' capped entries), shared memory within the target's limit; on Hopper and Blackwell,
     Mosaic kernels with TMA and the arch's wide MMA (wgmma, tcgen05); on sm_90a / sm_100a, 16-bit kernels whose
     matmuls are all the arch's wide instruction
-    (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode kernels
-    of `rules.small_decode_tiles`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with mma.sync (HMMA) and
-    cp.async (LDGSTS) where the kernel pipelines (its own config's num_stages >= 2, and decode)."""
+    (`WIDE_MMA`: wgmma, tcgen05; `MIN_WIDE_SHARE`, with the entries of `LOW_WIDE_SHARE` and the decode and
+    ragged kernels of `rules.small_decode_tiles`); elsewhere (sm_80, sm_86, sm_89, sm_120), 16-bit kernels with
+    mma.sync (HMMA) and cp.async (LDGSTS) where the kernel pipelines (its own config's num_stages >= 2, and
+    decode)."""
     name = f"{row['target']} {row['variant']} {kernel['kernel']}"
     arch = limits["arch"]
     missing = [f for f in figures_needed(arch) if kernel.get(f) is None]
@@ -140,7 +141,7 @@ def gpu_kernel_problems(row: dict, kernel: dict, limits: dict) -> list[str]:
         return out
     if arch in rules.WIDE_MMA:
         op, instruction = rules.WIDE_MMA[arch]
-        if row["variant"] in _small_decode_tiles() and kernel["kernel"] == registry.DECODE:
+        if row["variant"] in _small_decode_tiles() and kernel["kernel"] in (registry.DECODE, registry.RAGGED):
             return out
         share = wide_share(kernel, op)
         least, _ = rules.LOW_WIDE_SHARE.get((kernel["kernel"], arch, max(row["head_dim"], row["value_dim"] or 0)),

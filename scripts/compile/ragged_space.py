@@ -35,6 +35,15 @@ class RaggedProbe:
     hooks: bool = False
     append: bool = False
 
+    @property
+    def query_rows(self) -> int:
+        """Query rows of a program: its tokens (`block_q`; by default 16 tokens x 4 heads at the packed batch,
+        about 64 rows: `RaggedConfig`) x the query heads of a KV head, padded to a power of two (the planner's
+        `rows`; tests/test_ragged_space.py checks they agree)."""
+        group = self.heads[0] // self.heads[1]
+        tokens = self.block_q or 1 << (max(1, 64 // group).bit_length() - 1)  # `_ragged_inputs.default_block_q`
+        return 1 << max(tokens * group - 1, 0).bit_length()
+
     def build(self):
         from serving_step import ragged_call
 
@@ -48,7 +57,8 @@ class RaggedProbe:
         from serving_step import CONTEXT, TOKENS
 
         return registry.Variant(self.name, "decode", self.build, self.head_dim, "bf16", "fwd", "triton", TOKENS,
-                                CONTEXT, requires=(registry.RAGGED,), targets=tuple(targets))
+                                CONTEXT, requires=(registry.RAGGED,), targets=tuple(targets),
+                                query_rows=self.query_rows)
 
 
 # The serving step's calls: bf16 pages of 16 and 64 keys, a sliding window with a soft cap and sinks, int8 pages

@@ -28,23 +28,26 @@ MIN_WIDE_SHARE = 1.0
 # fails) and why: (kernel, arch, head dim): (least share, why). None remain.
 LOW_WIDE_SHARE: dict[tuple[str, str, int], tuple[float, str]] = {}
 
-# The decode variants whose program holds fewer than 64 query rows (new tokens x query heads per KV head:
-# `Variant.query_rows`): wgmma (M = 64 per warpgroup) and tcgen05 (M = 64 or 128) do not apply and Triton emits
-# mma.sync. Decoding reads the whole cache for a few rows, so memory, not the matmuls, bounds it. The names are
-# computed from the registry (`small_decode_tiles`: the seeds, the decode rows decode_space.py derives and the
-# LM example's generation), and only their decode kernel is exempt: a 16-bit decode kernel of any other variant
-# (the T = 16, GQA 32:8 ones hold 64 rows) is held to the full share, and check.py fails a decode variant that
+# The decode and ragged variants whose program holds fewer than 64 query rows (decode: new tokens x query heads
+# per KV head; ragged: its tokens a program x query heads per KV head; `Variant.query_rows`): wgmma (M = 64 per
+# warpgroup) and tcgen05 (M = 64 or 128) do not apply and Triton emits mma.sync. Decoding reads the whole cache
+# for a few rows, so memory, not the matmuls, bounds it. The names are computed from the registry
+# (`small_decode_tiles`: the seeds, the rows decode_space.py and ragged_space.py derive and the LM example's
+# generation), and only their decode or ragged kernel is exempt: such a kernel of any other variant (the T =
+# 16, GQA 32:8 decode ones hold 64 rows) is held to the full share, and check.py fails a decode variant that
 # does not state its query rows.
 SMALL_DECODE_ROWS = 64
 
 
 def small_decode_tiles(variants) -> tuple[str, ...]:
-    """The 16-bit variants among `variants` whose decode program holds fewer than `SMALL_DECODE_ROWS` query rows."""
+    """The 16-bit variants among `variants` whose decode or ragged program holds fewer than `SMALL_DECODE_ROWS`
+    query rows."""
     return tuple(v.name for v in variants
                  if v.query_rows is not None and v.query_rows < SMALL_DECODE_ROWS and v.dtype != "f32")
 
 
-SMALL_DECODE_WHY = "a decode tile of under 64 query rows: wgmma / tcgen05 need 64, Triton emits mma.sync"
+SMALL_DECODE_WHY = ("a decode or ragged tile of under 64 query rows: wgmma / tcgen05 need 64, Triton emits "
+                    "mma.sync")
 
 # Variants of an earlier report (the committed record) that the registry no longer has, on purpose, each with
 # why: any other row that disappears fails the check (`check.retired_problems`).
@@ -90,7 +93,8 @@ def tolerances(variants=()) -> list[dict]:
              covers="Triton kernels on mma.sync GPUs whose own config has num_stages 1",
              why="a one-stage loop issues no asynchronous copy; decode and ragged kernels always pipeline"),
         dict(rule="small decode tiles on mma.sync",
-             covers="the decode kernel of " + ", ".join(small_decode_tiles(variants)) + " on sm_90a and sm_100a",
+             covers="the decode or ragged kernel of " + ", ".join(small_decode_tiles(variants))
+             + " on sm_90a and sm_100a",
              why=SMALL_DECODE_WHY),
     ]
     out += [dict(rule="retired variant", covers=name, why=why) for name, why in RETIRED.items()]
