@@ -481,9 +481,9 @@ def probe_of(row: dict) -> Probe:
 def planned_rows(out: list) -> list:
     """`out` with the rows of plan_space.py: calls whose plan (kernels, tiles, dK/dV grid, splits) on a target
     is one no row compiles there, and the calls of `plan_space.FORCED`; and decode and ragged calls whose plan by
-    their kernel's planner no row before them has (`decode_space`, `ragged_space`). A row of `out` of the same name takes the targets; a new one requires the
-    kernels `required_kernels` names for its family, on each target (backend "mosaic" runs Blackwell's kernels
-    there: `Variant.requires_on`)."""
+    their kernel's planner no row before them has (`decode_space`, `ragged_space`). A row of `out` of the same
+    name takes the targets; a new one requires the kernels `required_kernels` names for its family, on each
+    target (backend "mosaic" runs Blackwell's kernels there: `Variant.requires_on`)."""
     import variants as registry
 
     import decode_space
