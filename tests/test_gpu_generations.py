@@ -253,14 +253,15 @@ def test_blackwell_backward_with_a_block_mask_or_a_gathered_table_runs_one_stage
 
 
 def test_consumer_blackwell_decode_steps_over_32_keys():
-    """The decode kernel on sm_120 reads 32 keys per step up to head dim 128 in 16 bits (64 spilled 16 B there
-    with pages of 16); sm_86 keeps 64, float32 and head dim 256 their own, and an explicit block_k stands."""
+    """The decode kernel on sm_120 reads 32 keys per step up to head dim 128 in 16 bits (64 spilled 16 B there);
+    sm_86 and sm_100a keep 64 on pages of 64, every target takes 32 on pages of 16 (four pages a step spilled on
+    sm_86 / sm_89 / sm_100a), float32 and head dim 256 their own 16, and an explicit block_k stands."""
     from probjax_kernels import DecodeConfig, _dispatch
     from probjax_kernels._decode_inputs import DecodeInputs
 
-    def keys_per_step(device, head_dim=128, dtype=jnp.bfloat16, config=None):
+    def keys_per_step(device, head_dim=128, dtype=jnp.bfloat16, config=None, page=64):
         q = jnp.zeros((2, 1, 8, head_dim), dtype)
-        pages = jnp.zeros((16, 16, 2, head_dim), dtype)
+        pages = jnp.zeros((16, page, 2, head_dim), dtype)
         inputs = DecodeInputs(q=q, k=pages, v=pages, kv_lengths=jnp.array([40, 100], jnp.int32),
                               block_tables=jnp.zeros((2, 8), jnp.int32), scale=head_dim ** -0.5, num_splits=1,
                               return_lse=False)
@@ -270,7 +271,8 @@ def test_consumer_blackwell_decode_steps_over_32_keys():
         return plan.tile * plan.tiles_per_step
 
     assert (keys_per_step(RTX5090), keys_per_step(RTX3090), keys_per_step(B200)) == (32, 64, 64)
-    assert keys_per_step(RTX5090, dtype=jnp.float32) == keys_per_step(RTX3090, dtype=jnp.float32) == 32
+    assert {keys_per_step(device, page=16) for device in (RTX5090, RTX3090, B200)} == {32}
+    assert keys_per_step(RTX5090, dtype=jnp.float32) == keys_per_step(RTX3090, dtype=jnp.float32) == 16
     assert keys_per_step(RTX5090, head_dim=256) == keys_per_step(RTX3090, head_dim=256) == 16
     assert keys_per_step(RTX5090, config=DecodeConfig(backend="triton", block_k=64)) == 64
 
