@@ -136,9 +136,7 @@ def plan_of(probe: DecodeProbe, device):
 
 def outcome(probe: DecodeProbe, plan) -> tuple:
     """What the plan compiles: its tiles, warps and stages, and what shapes the kernel's code."""
-
-    def pow2(n):
-        return 1 << max(n - 1, 0).bit_length()
+    from plan_space import pow2
 
     dims = (pow2(probe.head_dim), pow2(probe.value_dim or probe.head_dim))
     return (plan.rows, plan.tile, plan.tiles_per_step, plan.num_warps, plan.num_stages, dims,

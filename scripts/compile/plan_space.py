@@ -239,6 +239,11 @@ FORCED = {
 }
 
 
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): head dims and row tiles as the planners pad them."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def with_deviations(seeds: list, deviations, key) -> list:
     """`seeds`, then the `deviations(seed)` of each, every `key` once, in a fixed order (the first probe of a new
     plan names its row)."""

@@ -40,9 +40,11 @@ class RaggedProbe:
         """Query rows of a program: its tokens (`block_q`; by default 16 tokens x 4 heads at the packed batch,
         about 64 rows: `RaggedConfig`) x the query heads of a KV head, padded to a power of two (the planner's
         `rows`; tests/test_ragged_space.py checks they agree)."""
+        from plan_space import pow2
+
         group = self.heads[0] // self.heads[1]
         tokens = self.block_q or 1 << (max(1, 64 // group).bit_length() - 1)  # `_ragged_inputs.default_block_q`
-        return 1 << max(tokens * group - 1, 0).bit_length()
+        return pow2(tokens * group)
 
     def build(self):
         from serving_step import ragged_call
@@ -121,9 +123,7 @@ def plan_of(probe: RaggedProbe, device):
 
 def outcome(probe: RaggedProbe, plan) -> tuple:
     """What the plan compiles: its tiles, warps and stages, and what shapes the kernel's code."""
-
-    def pow2(n):
-        return 1 << max(n - 1, 0).bit_length()
+    from plan_space import pow2
 
     return (plan.rows, plan.tile, plan.tiles_per_step, plan.num_warps, plan.num_stages, pow2(probe.head_dim),
             plan.quantized, probe.pages, plan.sliding_window is not None, plan.soft_cap is not None,
@@ -142,11 +142,6 @@ def derive(targets: tuple[str, ...], device_of) -> list[dict]:
             rows.append(dict(ragged=dataclasses.asdict(probe), targets=planned))
         covered |= keys
     return rows
-
-
-def seed_targets(probe: RaggedProbe, targets: tuple[str, ...], device_of) -> tuple[str, ...]:
-    """The targets where the kernel plans a seed call (float8 pages: compute capability 8.9 on)."""
-    return tuple(target for target in targets if plan_of(probe, device_of(target)) is not None)
 
 
 def probe_of(row: dict) -> RaggedProbe:
