@@ -125,13 +125,21 @@ def probes() -> list[DecodeProbe]:
     return with_deviations(list(SEEDS), deviations, lambda probe: probe.name)
 
 
-def plan_of(probe: DecodeProbe, device):
-    """The decode kernel's plan of the probe's call on `device` (a stand-in with the target's compute
-    capability: `plan_space._device`), its call traced until the plan is made."""
-    from plan_space import first_result
+def plans_of(probe: DecodeProbe, devices: dict) -> dict:
+    """The decode kernel's plan of the probe's call on each of `devices` (stand-ins with the targets' compute
+    capabilities: `plan_space._device`), its call traced until the plan is made (`plan_space.first_results`)."""
+    from plan_space import first_results
     from probjax_kernels.triton import decode as triton_decode
 
-    return first_result(*probe._build(), triton_decode, "plan_for", device)
+    made = first_results(*probe._build(), triton_decode, "plan_for", devices)
+    if any(plan is None for plan in made.values()):
+        raise RuntimeError(f"{probe.name}: the call never reached the decode kernel's plan_for")
+    return made
+
+
+def plan_of(probe: DecodeProbe, device):
+    """The decode kernel's plan of the probe's call on `device`."""
+    return plans_of(probe, {None: device})[None]
 
 
 def outcome(probe: DecodeProbe, plan) -> tuple:
@@ -149,7 +157,8 @@ def derive(targets: tuple[str, ...], device_of) -> list[dict]:
     no probe before it has there, a row on every target (decode rows compile on all of them)."""
     covered, rows = set(), []
     for probe in probes():
-        keys = {json.dumps([target, outcome(probe, plan_of(probe, device_of(target)))]) for target in targets}
+        plans = plans_of(probe, {target: device_of(target) for target in targets})
+        keys = {json.dumps([target, outcome(probe, plan)]) for target, plan in plans.items()}
         if probe not in SEEDS and keys - covered:
             rows.append(dict(decode=dataclasses.asdict(probe), targets=list(targets)))
         covered |= keys

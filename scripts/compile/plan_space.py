@@ -282,42 +282,75 @@ def _device(target: str) -> _FakeGPU:
     return _FakeGPU(f"{major}.{minor}")
 
 
-def first_result(fn, specs, owner, name: str, device):
-    """What `owner.name` (a module's function, called through the module) returns first while `fn` is traced
-    on `specs` with `device` as the target device; the trace stops there (nothing after it decides a kernel)."""
+def first_results(fn, specs, owner, name: str, devices: dict) -> dict:
+    """For each key of `devices`, what `owner.name` (a module's function, called through the module) returns
+    first while `fn` is traced on `specs` with that device as the target device, or None where the call never
+    reaches it; the trace stops there (nothing after it decides a kernel). One trace serves every device when
+    nothing before `owner.name` read the target device (its arguments then cannot depend on it): `owner.name`
+    is called on those arguments once per device. Else `fn` is traced again for each device."""
     import jax
     from probjax_kernels import _backend
 
-    made, real, real_device = [], getattr(owner, name), _backend.target_device
+    real, real_device = getattr(owner, name), _backend.target_device
+    made, state = {}, {}
+
+    def reading():
+        state["read"] = True
+        return devices[state["key"]]
 
     def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
+        for key in (state["key"],) if state["read"] else devices:
+            _backend.target_device = lambda device=devices[key]: device
+            made[key] = real(*args, **kwargs)
         raise _Planned
 
     setattr(owner, name, recording)
-    _backend.target_device = lambda: device
     # jax filters the traceback of every exception raised through its API (a third of derive()'s time when on).
     filtering = jax.config.jax_traceback_filtering
     jax.config.update("jax_traceback_filtering", "off")
     try:
-        jax.eval_shape(fn, *specs)
-    except _Planned:
-        pass
+        for key in devices:
+            if key in made:
+                continue
+            state.update(key=key, read=False)
+            _backend.target_device = reading
+            try:
+                jax.eval_shape(fn, *specs)
+            except _Planned:
+                pass
+            if key not in made and not state["read"]:  # never reached, whatever the device
+                return {key: made.get(key) for key in devices}
+            made.setdefault(key, None)
     finally:
         setattr(owner, name, real)
         _backend.target_device = real_device
         jax.config.update("jax_traceback_filtering", filtering)
-    if not made:
+    return made
+
+
+def first_result(fn, specs, owner, name: str, device):
+    """`first_results` for one device; a RuntimeError where the call never reaches `owner.name`."""
+    made = first_results(fn, specs, owner, name, {None: device})[None]
+    if made is None:
         raise RuntimeError(f"the call never reached {owner.__name__}.{name}")
-    return made[0]
+    return made
 
 
-def plan_of(probe: Probe, target: str):
-    """The `_dispatch.plan` of the probe's call on the target (its forward traced until the plan is made)."""
+def plans_of(probe: Probe, targets) -> dict:
+    """The `_dispatch.plan` of the probe's call on each of the targets (its forward traced until the plan is
+    made, once for all of them: `first_results`)."""
     from probjax_kernels import _dispatch
 
     fn, specs = probe.variant("fwd", (), ()).build()
-    return first_result(fn, specs, _dispatch, "plan", _device(target))
+    made = first_results(fn, specs, _dispatch, "plan", {target: _device(target) for target in targets})
+    if any(plan is None for plan in made.values()):
+        raise RuntimeError(f"{probe.stem}: the call never reached _dispatch.plan")
+    return made
+
+
+def plan_of(probe: Probe, target: str):
+    """The `_dispatch.plan` of the probe's call on the target."""
+    return plans_of(probe, (target,))[target]
 
 
 def outcome(plan, mode: str) -> tuple:
@@ -381,14 +414,14 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
         row["targets"].append(target)
         row["covers"].append(key)
 
-    plans_on: dict[str, dict] = {}
-    mosaic_targets = _mosaic_targets(tuple(dict.fromkeys(targets + tuple(REFERENCE_TARGET.values()))))
+    planned = tuple(dict.fromkeys(targets + tuple(REFERENCE_TARGET[t] for t in targets if t in REFERENCE_TARGET)))
+    mosaic_targets = _mosaic_targets(planned)
+    # Every probe's plan on every target and reference target it is planned on, made once.
+    plans_on = {probe: plans_of(probe, [t for t in planned if probe.backend != "mosaic" or t in mosaic_targets])
+                for probe in space}
 
-    def plans(target: str) -> dict:  # every probe's plan on the target, made once (a reference serves several)
-        if target not in plans_on:
-            plans_on[target] = {probe: plan_of(probe, target) for probe in space
-                                if probe.backend != "mosaic" or target in mosaic_targets}
-        return plans_on[target]
+    def plans(target: str) -> dict:  # every probe's plan on the target, in the probe space's order
+        return {probe: made[target] for probe, made in plans_on.items() if target in made}
 
     def base_plan(probe, target, reference):
         """What the probe's plan on `target` is compared with: its plan on the reference target (the

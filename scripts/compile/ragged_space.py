@@ -104,21 +104,24 @@ def probes() -> list[RaggedProbe]:
     return with_deviations(list(SEEDS), deviations, lambda probe: probe.name)
 
 
-def plan_of(probe: RaggedProbe, device):
-    """The Triton ragged kernel's plan of the probe's call on `device` (a stand-in with the target's compute
-    capability: `plan_space._device`), its call traced until the plan is made; None where the dispatch takes
-    the XLA path (pages the kernel cannot read there)."""
+def plans_of(probe: RaggedProbe, devices: dict) -> dict:
+    """The Triton ragged kernel's plan of the probe's call on each of `devices` (stand-ins with the targets'
+    compute capabilities: `plan_space._device`), its call traced until the plan is made
+    (`plan_space.first_results`); None where the dispatch takes the XLA path (pages the kernel cannot read
+    there)."""
     import warnings
 
-    from plan_space import first_result
+    from plan_space import first_results
     from probjax_kernels.triton import ragged as triton_ragged
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the XLA path's warning: that call has no plan here
-        try:
-            return first_result(*probe.build(), triton_ragged, "_plan", device)
-        except RuntimeError:
-            return None
+        return first_results(*probe.build(), triton_ragged, "_plan", devices)
+
+
+def plan_of(probe: RaggedProbe, device):
+    """The Triton ragged kernel's plan of the probe's call on `device`, or None (`plans_of`)."""
+    return plans_of(probe, {None: device})[None]
 
 
 def outcome(probe: RaggedProbe, plan) -> tuple:
@@ -135,7 +138,7 @@ def derive(targets: tuple[str, ...], device_of) -> list[dict]:
     probe before it has there, a row on the targets where the kernel plans it."""
     covered, rows = set(), []
     for probe in probes():
-        plans = {target: plan_of(probe, device_of(target)) for target in targets}
+        plans = plans_of(probe, {target: device_of(target) for target in targets})
         planned = [target for target, plan in plans.items() if plan is not None]
         keys = {json.dumps([target, outcome(probe, plans[target])]) for target in planned}
         if probe not in SEEDS and keys - covered:
