@@ -278,10 +278,10 @@ def test_consumer_blackwell_decode_steps_over_32_keys():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("segments", [False, True])
-def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, segments,
+@pytest.mark.parametrize("bias", [False, True])
+def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_forward_stops(head_dim, bias,
                                                                                           monkeypatch):
-    """Triton's passes of a call on backend "mosaic" on a B200 (its tangent; with segment ids, which the tcgen05
+    """Triton's passes of a call on backend "mosaic" on a B200 (its tangent; with a dense bias, which the tcgen05
     kernels lack, its forward and backward too) take the tiles, dK/dV orientation and tangent tiles backend
     "triton" takes there: its tcgen05 rules (Q K^T dK/dV at head dim 128, the tangent's 64-key steps at 64), not
     Hopper's."""
@@ -296,13 +296,14 @@ def test_backend_mosaic_on_blackwell_runs_what_triton_runs_where_the_tcgen05_for
     def passes(backend):
         plan = _dispatch.plan(Features(scale=1.0, window_right=0), FlashConfig(backend=backend),
                               q_shape=(4, 1024, 8, head_dim), k_shape=(4, 1024, 8, head_dim), value_dim=head_dim,
-                              dtype=jnp.bfloat16, bias_shape=None, mask_shape=None, table_shape=None,
-                              has_segments=segments, num_score_consts=0, num_mask_consts=0)
+                              dtype=jnp.bfloat16, bias_shape=(4, 1, 1024, 1024) if bias else None,
+                              mask_shape=None, table_shape=None, has_segments=False, num_score_consts=0,
+                              num_mask_consts=0)
         return {name: (kernel_pass.run, as_triton(kernel_pass.problem),
                        tuple((k, as_triton(v) if isinstance(v, _Problem) else v) for k, v in kernel_pass.options))
                 for name in ("forward", "backward", "tangent")
                 if (kernel_pass := getattr(plan, name)).run.__module__.startswith("probjax_kernels.triton")}
 
     mosaic, triton = passes("mosaic"), passes("triton")
-    assert set(mosaic) == ({"forward", "backward", "tangent"} if segments else {"tangent"})
+    assert set(mosaic) == ({"forward", "backward", "tangent"} if bias else {"tangent"})
     assert mosaic == {name: triton[name] for name in mosaic}

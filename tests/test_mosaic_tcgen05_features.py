@@ -1,7 +1,8 @@
-"""FlexAttention's hooks, BlockMasks, the row max and dropout in the Mosaic GPU kernels for Blackwell (sm_100a:
-tcgen05 MMAs into tensor memory): the forward, dQ and dK / dV kernels with a score_fn and a mask_fn in the Mosaic
-GPU CPU interpreter against float64 NumPy, and the dispatch of flex_attention's score_mods and BlockMasks and of
-flash_attention's dropout on a Blackwell device against the plain-jnp reference.
+"""FlexAttention's hooks, BlockMasks, the row max, dropout and segment ids in the Mosaic GPU kernels for
+Blackwell (sm_100a: tcgen05 MMAs into tensor memory): the forward, dQ and dK / dV kernels with a score_fn and a
+mask_fn in the Mosaic GPU CPU interpreter against float64 NumPy, and the dispatch of flex_attention's score_mods
+and BlockMasks and of flash_attention's dropout, segment ids and key padding masks on a Blackwell device against
+the plain-jnp reference.
 """
 
 import functools
@@ -217,6 +218,36 @@ def test_dropout_runs_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
 
     assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
     cotangent = normal(4, q.shape)
+    out, grads = output_and_grads(fn, (q, k, v), cotangent)
+    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
+    want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),
+                                            cotangent)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+        assert_close(got, want, jnp.bfloat16, name)
+
+
+@pytest.mark.parametrize("masking", ["segments", "key_padding_mask"])
+def test_segments_and_key_padding_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls, masking):
+    """On a B200, flash_attention with packed sequences (segment ids of three documents a batch row, the
+    boundaries inside the kernels' tiles, causal, GQA 4:2, ragged lengths) or with a key padding mask
+    `[B, 1, 1, S]` (which reaches the kernels as segment ids): the tcgen05 forward, dQ and dK/dV mask across
+    segments. S = 200 pads to 256 keys, 320 in dK/dV's 128-key tiles. Output and gradients match the
+    reference's."""
+    q, k, v = random_qkv(6, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
+    if masking == "segments":
+        ids = jnp.array([[0] * 70 + [1] * 61 + [2] * 69, [0] * 10 + [1] * 150 + [2] * 40], jnp.int32)
+        options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([200, 170]),
+                       kv_lengths=jnp.array([200, 150]))
+    else:
+        keep = jnp.arange(200)[None, :] < jnp.array([[190], [77]])
+        options = dict(mask=keep[:, None, None, :])
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, config=INTERPRET, **options)
+
+    assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(8, q.shape)
     out, grads = output_and_grads(fn, (q, k, v), cotangent)
     assert tcgen05_backward_calls, "the tcgen05 backward did not run"
     want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),

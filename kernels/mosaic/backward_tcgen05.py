@@ -25,7 +25,8 @@ per-element mask (keys >= kv_lengths[b], the window / causal edge) as in the for
 causal / window, lengths, GQA, k / v of batch 1, Dv != D, hooks that read their arrays one element at a time:
 with a score_fn dS carries its derivative, from `score_jvp`; a BlockMask's tables: dQ walks its query tile's
 row of the kv tables, dK/dV its key tile's row of the q tables for each query head of the group; dropout, its
-keep mask hashed again per 64-column chunk); they run in the Mosaic GPU interpreter as they are compiled.
+keep mask hashed again per 64-column chunk; segment ids: dQ's rows' with Q and its keys' with each K tile,
+dK/dV's keys' with K and its rows' with each Q tile); they run in the Mosaic GPU interpreter as they are compiled.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from probjax_kernels.mosaic.common import (
     allocated_smem,
     check_layout,
     check_outputs,
+    check_segments,
     drain_ring,
     dropout_options,
     fill_ring_slot,
@@ -60,8 +62,10 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     fill_kv_ring,
     kv_walk,
     launch,
+    load_segments,
     range_walk,
     run_walk,
+    segment_smem_bytes,
     table_walk,
     tile_indices,
     tile_scores,
@@ -81,34 +85,38 @@ def dq_score_pairs(head_dim: int, block_kv: int, num_stages: int) -> int:
     return 2 if num_stages >= 2 and 4 * block_kv + head_dim <= _TMEM_COLUMNS else 1
 
 
-def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2) -> int:
+def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
+                  segments: bool = False) -> int:
     """Shared memory of one dQ CTA: Q (which carries dQ out) and dO, the lse2 / delta rows, the K / V ring and
-    the dS tile, with the barriers (the rows', the ring's three, S's and dP's per pair, dQ's)."""
+    the dS tile, with `segments` the rows' segment ids and a ring of the keys', with the barriers (the rows', the
+    ring's three, S's and dP's per pair, dQ's)."""
     buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
-               itemsize * BLOCK_Q * block_kv]
+               itemsize * BLOCK_Q * block_kv, *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments)]
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2 * pairs + 1)
 
 
-def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2) -> int:
+def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2, segments: bool = False) -> int:
     """Shared memory of one dK / dV CTA: K and V (which carry dK and dV out), the Q / dO / lse2 / delta ring,
-    the P and dS tiles, with the barriers."""
+    the P and dS tiles, with `segments` a ring of the rows' segment ids and the keys' ids, with the barriers."""
     buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
                itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
-               4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV]
+               4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV,
+               *segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments)]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)  # K / V's, the ring's three, S's, dP's, dK/dV's
 
 
-def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2) -> int:
+def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2, segments: bool = False) -> int:
     """The Q / dO ring's slots of the dK / dV kernel: two where they fit in shared memory, else one."""
-    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize) <= SMEM_BYTES else 1
+    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize, segments) <= SMEM_BYTES else 1
 
 
 def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, user_mask: bool,
-                  p_smem, ds_smem, batch, head, hook_arrays: tuple, seed_parts: tuple):
+                  p_smem, ds_smem, batch, head, hook_arrays: tuple, seed_parts: tuple, segments: tuple | None):
     """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
     memory, `CHUNK` columns at a time; rows are queries from row0, columns keys from key0, of query head `head`.
+    `segments`: the rows' segment ids (`load_segments`) and the shared-memory ref of the tile's keys' ids.
     With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule); with
     dropout, dS = P (Z dP / (1 - rate) - delta) and the P for dV is Z P / (1 - rate) (Z the keep mask)."""
     for c in range(0, s_tmem.shape[1], CHUNK):
@@ -116,8 +124,12 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
         s = plgpu.async_load_tmem(s_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         dp = plgpu.async_load_tmem(dp_tmem.at[:, columns], layout=plgpu.Layout.TCGEN05)
         plgpu.wait_load_tmem()
+        chunk_segments = None
+        if segments is not None:
+            chunk_segments = (segments[0], load_segments(segments[1].at[columns], 1))
         s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
-                                             user_mask=user_mask, hook_arrays=hook_arrays, with_derivative=True)
+                                             user_mask=user_mask, hook_arrays=hook_arrays, with_derivative=True,
+                                             segments=chunk_segments)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         keep = None
         if rule.dropout_rate:  # hashed once for dP and P^T
@@ -149,11 +161,11 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
-               has_tables: bool, has_dropout: bool):
-    tables, score_arrays, mask_arrays, _, seed, _, (dq_ref, smem, tmem, barriers) = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+               has_tables: bool, has_dropout: bool, has_segments: bool):
+    tables, score_arrays, mask_arrays, segments, seed, _, (dq_ref, smem, tmem, barriers) = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     hook_arrays = (score_arrays, mask_arrays)
-    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem = smem
+    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
     q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -169,12 +181,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     def _compute():
         seed_parts = read_seed(seed)
         row_tile, row_vector = (batch, pl.ds(row0, BLOCK_Q), head), (batch, head, pl.ds(row0, BLOCK_Q))
-        for src, dst in ((q_ref.at[row_tile], q_smem), (do_ref.at[row_tile], do_smem),
-                         (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)):
+        copies = [(q_ref.at[row_tile], q_smem), (do_ref.at[row_tile], do_smem),
+                  (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)]
+        if has_segments:
+            copies.append((segments[0].at[batch, pl.ds(row0, BLOCK_Q)], q_segment_smem))
+        for src, dst in copies:
             plgpu.copy_gmem_to_smem(src, dst, rows_ready)
         plgpu.barrier_wait(rows_ready)
         lse2 = plgpu.load(lse2_smem, layout=_ROW)
         delta = plgpu.load(delta_smem, layout=_ROW)
+        q_segments = load_segments(q_segment_smem, 0) if has_segments else None
 
         pairs = s_tmem.shape[0]  # S / dP tensor-memory pairs: with 2, step n + 1's run during step n's work
 
@@ -210,8 +226,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
             def _():  # the previous dS K has read the dS tile
                 plgpu.barrier_wait(dq_done)
 
+            tile_segments = (q_segments, kv_segment_smem.at[slot]) if has_segments else None
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
-                          masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts)
+                          masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
 
@@ -228,16 +245,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     @pl.when(wg == 1)
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
-                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages)
+                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
+                     segments=None if segments is None else (segments[1], kv_segment_smem))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                 num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool,
-                has_dropout: bool):
-    tables, score_arrays, mask_arrays, _, seed, _, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+                has_dropout: bool, has_segments: bool):
+    tables, score_arrays, mask_arrays, segments, seed, _, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     hook_arrays = (score_arrays, mask_arrays)
-    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem = smem
+    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -267,6 +285,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
         kv_source = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
         plgpu.copy_gmem_to_smem(k_ref.at[kv_source], k_smem, kv_ready)
         plgpu.copy_gmem_to_smem(v_ref.at[kv_source], v_smem, kv_ready)
+        if has_segments:  # the keys' segment ids arrive with K and V, each query tile's with its Q
+            plgpu.copy_gmem_to_smem(segments[1].at[batch, pl.ds(key0, BLOCK_KV)], kv_segment_smem, kv_ready)
         plgpu.barrier_wait(kv_ready)
 
         def step(n, t, carry, masked: bool, user_mask: bool, head):
@@ -278,6 +298,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             plgpu.tcgen05_mma(dp_tmem, do_smem.at[slot], v_smem.transpose((1, 0)), dp_done, accumulate=False)
             lse2 = plgpu.load(lse2_smem.at[slot], layout=_ROW)
             delta = plgpu.load(delta_smem.at[slot], layout=_ROW)
+            tile_segments = None
+            if has_segments:
+                tile_segments = (load_segments(q_segment_smem.at[slot], 0), kv_segment_smem)
             plgpu.barrier_wait(s_done)
             plgpu.barrier_wait(dp_done)
 
@@ -286,7 +309,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
                 plgpu.barrier_wait(kv_done)
 
             _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
-                          ds_smem, batch, head, hook_arrays, seed_parts)
+                          ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
             plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
             plgpu.tcgen05_mma(dk_tmem, ds_smem.transpose((1, 0)), q_smem.at[slot], kv_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(rows_free.at[slot])  # the slot is free once these MMAs complete
@@ -310,10 +333,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
         def load(n, t, carry, head, **_):
             rows = pl.ds(t * BLOCK_Q, BLOCK_Q)
             row_tile, row_vector = (batch, rows, head), (batch, head, rows)
-            fill_ring_slot(n, num_stages, (rows_free,), [
+            copies = [
                 (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
                 (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
-            ])
+            ]
+            if has_segments:
+                copies.append((segments[0].at[batch, rows], q_segment_smem, q_ready))
+            fill_ring_slot(n, num_stages, (rows_free,), copies)
             return carry
 
         steps = over_heads(lambda walk, head, base: run_walk(walk, functools.partial(load, head=head), None, base))
@@ -337,10 +363,11 @@ _STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "
 
 
 def _backward_options(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn, num_heads: int,
-                      dropout_rate: float, dropout_seed, dropout_positions, dropout_heads) -> tuple:
-    """(the backward kernels' ScoreRule, the dropout seed's inputs: () without dropout), checked."""
+                      dropout_rate: float, dropout_seed, dropout_positions, dropout_heads, segments) -> tuple:
+    """(the backward kernels' ScoreRule, the dropout seed's inputs: () without dropout), checked; `segments`:
+    `check_segments`' ids or None."""
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
-    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, None, dropout), seed
+    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout), seed
 _TENSOR_CORE = dict(orders_tensor_core=True)
 
 
@@ -352,8 +379,9 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                         score_fn: Callable | None = None, score_jvp: Callable | None = None,
                         mask_fn: Callable | None = None, score_arrays: tuple = (), mask_arrays: tuple = (),
                         kv_tables: tuple | None = None, dropout_rate: float = 0.0, dropout_seed=None,
-                        dropout_positions: tuple[int, int] | None = None,
-                        dropout_heads: int | None = None) -> jax.Array:
+                        dropout_positions: tuple[int, int] | None = None, dropout_heads: int | None = None,
+                        q_segment_ids: jax.Array | None = None,
+                        kv_segment_ids: jax.Array | None = None) -> jax.Array:
     """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
@@ -364,30 +392,33 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     `mask_arrays`: the forward's hooks and their arrays (`tcgen05_forward`), called on (128, `CHUNK`) parts of
     S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value and d score_fn / d score).
     `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s). `dropout_*`:
-    the forward's dropout (its keep mask hashed again here).
+    the forward's dropout (its keep mask hashed again here). `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`:
+    the forward's segment ids.
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype; zero in rows >= q_lengths[b] and rows without a key.
     """
     q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
-           dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize),
+           dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize, q_segment_ids is not None),
            "the Mosaic GPU dQ kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, kv_tables, BLOCK_Q,
                                                 block_kv, "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
-                                   dropout_seed, dropout_positions, dropout_heads)
+                                   dropout_seed, dropout_positions, dropout_heads, segments)
     kernel = functools.partial(_dq_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages,
                                group=num_heads // k.shape[2], num_score_arrays=len(score_arrays),
                                num_mask_arrays=len(mask_arrays), has_tables=tables is not None,
-                               has_dropout=bool(seed))
+                               has_dropout=bool(seed), has_segments=segments is not None)
     return launch(
         kernel, "probjax_mosaic_backward_dq_tcgen05",
-        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
+         *(segments or ()), *seed),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -398,6 +429,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
             ),
             (
                 plgpu.TMEM((pairs, BLOCK_Q, block_kv), jnp.float32),
@@ -405,8 +438,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32),
             ),
             (
-                plgpu.Barrier(num_arrivals=4),  # Q, dO, lse2, delta
-                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=4 + bool(segments)),  # Q, dO, lse2, delta (and the rows' segment ids)
+                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),  # K (and its keys' ids)
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(num_barriers=pairs, **_TENSOR_CORE),
@@ -429,7 +462,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                          score_jvp: Callable | None = None, mask_fn: Callable | None = None, score_arrays: tuple = (),
                          mask_arrays: tuple = (), q_tables: tuple | None = None, dropout_rate: float = 0.0,
                          dropout_seed=None, dropout_positions: tuple[int, int] | None = None,
-                         dropout_heads: int | None = None) -> tuple[jax.Array, jax.Array]:
+                         dropout_heads: int | None = None, q_segment_ids: jax.Array | None = None,
+                         kv_segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
@@ -445,22 +479,27 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     if block_kv != BLOCK_KV:
         raise ValueError(f"block_kv must be {BLOCK_KV} (tcgen05's M: the keys of a dK / dV tile), got {block_kv}")
-    num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize) if num_stages is None else num_stages
+    has_segments = q_segment_ids is not None
+    if num_stages is None:
+        num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
-           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize),
+           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize, has_segments),
            "the Mosaic GPU dK / dV kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, BLOCK_Q,
                                                 block_kv, "q_tables")
     rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
-                                   dropout_seed, dropout_positions, dropout_heads)
+                                   dropout_seed, dropout_positions, dropout_heads, segments)
     kernel = functools.partial(_dkv_kernel, rule=rule, num_stages=num_stages, group=num_heads // num_kv_heads,
                                num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
-                               has_tables=tables is not None, has_dropout=bool(seed))
+                               has_tables=tables is not None, has_dropout=bool(seed),
+                               has_segments=segments is not None)
     dk, dv = launch(
         kernel, "probjax_mosaic_backward_dkv_tcgen05",
-        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
+        (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
+         *(segments or ()), *seed),
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
@@ -473,6 +512,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                 plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),
                 plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, BLOCK_Q), jnp.int32) if segments else None,
+                plgpu.SMEM((BLOCK_KV,), jnp.int32) if segments else None,
             ),
             (
                 plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
@@ -481,8 +522,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                 plgpu.TMEM((BLOCK_KV, value_dim), jnp.float32),
             ),
             (
-                plgpu.Barrier(num_arrivals=2),  # K and V
-                plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a slot's Q and lse2
+                plgpu.Barrier(num_arrivals=2 + bool(segments)),  # K and V (and the keys' segment ids)
+                plgpu.Barrier(num_arrivals=2 + bool(segments), num_barriers=num_stages),  # a slot's Q, lse2 (ids)
                 plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # its dO and delta
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(**_TENSOR_CORE),

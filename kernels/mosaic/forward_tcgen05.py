@@ -26,9 +26,10 @@ The caller pads: T to a multiple of 128, S to a multiple of `block_kv`, with fin
 
 This kernel takes the plain call (scale, causal / window, lengths, GQA, Dv != D), FlexAttention's hooks whose
 captured arrays are read one element at a time (a soft cap, ALiBi's `slopes[h]`, a prefix-LM or per-head window
-mask_mod: `tile_scores`) with a BlockMask's tables, the row max and dropout (every backend's keep mask, hashed
-on the P tile); the Hopper kernel's other features run on the Triton kernels on Blackwell (`mosaic.plan`). It
-runs in the Mosaic GPU interpreter as it is compiled.
+mask_mod: `tile_scores`) with a BlockMask's tables, the row max, dropout (every backend's keep mask, hashed
+on the P tile) and segment ids (packed sequences; a key padding or query mask comes as them, `glue._segments`):
+the rows' ids arrive with Q, the keys' with each K tile into a ring beside it. The Hopper kernel's other features
+run on the Triton kernels on Blackwell (`mosaic.plan`). It runs in the Mosaic GPU interpreter as it is compiled.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ from probjax_kernels.mosaic.common import (
     _check_tables,
     allocated_smem,
     check_layout,
+    check_segments,
     drain_ring,
     dropout_options,
     fill_ring_slot,
     read_seed,
+    same_segment,
     split_hook_refs,
     table_row,
     window_options,
@@ -69,16 +72,29 @@ _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_byte
 
 
 def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
-               return_max: bool = False) -> int:
+               return_max: bool = False, segments: bool = False) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it: the Q tile (which carries O out when Dv = D, else
     an O tile of its own), the K and V rings, the P tile, the lse (and with `return_max` the row max) staging
-    rows and the barriers."""
+    rows, with `segments` the query rows' segment ids and a ring of the keys', and the barriers."""
     buffers = [
         itemsize * BLOCK_Q * head_dim, itemsize * num_stages * block_kv * head_dim,
         itemsize * num_stages * block_kv * value_dim, itemsize * BLOCK_Q * block_kv, 4 * BLOCK_Q,
         itemsize * BLOCK_Q * value_dim if value_dim != head_dim else 0, 4 * BLOCK_Q if return_max else 0,
+        *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
+
+
+def segment_smem_bytes(rows: int, keys: int, segments: bool) -> list[int]:
+    """The shared-memory buffers of the int32 segment ids a tcgen05 kernel holds: `rows` queries' and `keys`
+    keys' (none without `segments`)."""
+    return [4 * rows, 4 * keys] if segments else []
+
+
+def load_segments(ref, axis: int):
+    """int32 segment ids from shared memory as a vector along a tensor-memory tile's rows (`axis` 0: one per
+    query row) or columns (`axis` 1: one per key column), ready for `same_segment`."""
+    return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
 
 
 def masked_scores(s, rule: ScoreRule, row0, key0, kv_len):
@@ -104,21 +120,24 @@ def hook_shapes(block_kv: int) -> tuple:
 
 
 def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: bool, user_mask: bool = True,
-                hook_arrays: tuple = ((), ()), with_derivative: bool = False):
+                hook_arrays: tuple = ((), ()), with_derivative: bool = False, segments: tuple | None = None):
     """(s, s_scale, derivative) of a tensor-memory-layout tile s = q k^T (rows: queries from row0, columns: keys
-    from key0): the base-2 scores are s * s_scale, -inf where `masked` masks them (keys >= kv_len, and with
-    `user_mask` the window and the rule's mask_fn; a BlockMask's full blocks take the length mask alone); with a
-    score_fn the scores are its output (s_scale = log2(e)), and `derivative` its derivative with
-    `with_derivative` (else None). `hook_arrays`: the score_fn's and the mask_fn's array refs."""
-    if rule.score_fn is None and rule.mask_fn is None:
+    from key0): the base-2 scores are s * s_scale, -inf where `masked` masks them (keys >= kv_len, with the
+    rule's `segments` a query and a key of different segments, and with `user_mask` the window and the rule's
+    mask_fn; a BlockMask's full blocks take the length and segment masks alone); with a score_fn the scores are
+    its output (s_scale = log2(e)), and `derivative` its derivative with `with_derivative` (else None).
+    `hook_arrays`: the score_fn's and the mask_fn's array refs; `segments`: the tile's rows' and columns' segment
+    ids (`load_segments`)."""
+    if rule.score_fn is None and rule.mask_fn is None and not rule.segments:
         if masked:
             s = masked_scores(s, rule if user_mask else ScoreRule(rule.scale), row0, key0, kv_len)
         return s, rule.scale * LOG2E, None
 
     score_arrays, mask_arrays = hook_arrays
     return rule.scores(s, lambda: tile_indices(s.shape, row0, key0), batch, head, kv_len, masked=masked,
-                       user_mask=user_mask,
-                       score_arrays=score_arrays, mask_arrays=mask_arrays, with_derivative=with_derivative)
+                       user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
+                       same_segment=segments and (lambda: same_segment(*segments, s.shape)),
+                       with_derivative=with_derivative)
 
 
 # A CTA's walk over the tiles it visits, in order: runs of (first step, steps, tile of the run's i-th step,
@@ -178,14 +197,14 @@ def tile_indices(shape: tuple, row0, key0) -> tuple:
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
-                    has_tables: bool, has_dropout: bool):
-    tables, score_arrays, mask_arrays, _, seed, _, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_dropout=has_dropout)
+                    has_tables: bool, has_dropout: bool, has_segments: bool):
+    tables, score_arrays, mask_arrays, segments, seed, _, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
     hook_arrays = (score_arrays, mask_arrays)
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
-    q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem = smem
+    q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem, q_segment_smem, kv_segment_smem = smem
     s_tmem, o_tmem = tmem
     q_ready, k_ready, v_ready, kv_free, s_done, o_done = barriers
     o_smem = q_smem if own_o_smem is None else own_o_smem
@@ -203,7 +222,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     def _softmax():
         seed_parts = read_seed(seed)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, BLOCK_Q), head], q_smem, q_ready)
+        if has_segments:  # the rows' segment ids arrive with Q
+            plgpu.copy_gmem_to_smem(segments[0].at[batch, pl.ds(row0, BLOCK_Q)], q_segment_smem, q_ready)
         plgpu.barrier_wait(q_ready)
+        q_segments = load_segments(q_segment_smem, 0) if has_segments else None
 
         def issue_qk(n):
             """S(n) = Q K(n)^T into tensor-memory tile n % 2, once K(n) has landed."""
@@ -228,8 +250,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
             def _():  # the next tile's Q K^T runs while this one's softmax does
                 issue_qk(n + 1)
 
+            tile_segments = None
+            if has_segments:  # the keys' segment ids arrived with K(n); their slot is freed with it
+                tile_segments = (q_segments, load_segments(kv_segment_smem.at[slot], 1))
             s, s_scale, _ = tile_scores(s, rule, row0, block * block_kv, kv_len, batch, head, masked=masked,
-                                        user_mask=user_mask, hook_arrays=hook_arrays)
+                                        user_mask=user_mask, hook_arrays=hook_arrays, segments=tile_segments)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -293,21 +318,25 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     @pl.when(wg == 1)
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
-                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages)
+                     kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
+                     segments=None if segments is None else (segments[1], kv_segment_smem))
 
 
 def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, walk: Walk, block_kv: int,
-                 num_stages: int) -> None:
+                 num_stages: int, segments: tuple | None = None) -> None:
     """The producer warpgroup of the tcgen05 kernels that stream K / V: the KV tiles of `walk` of (batch,
     kv_head) in its order by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot
     once the MMAs that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready,
-    v_ready, kv_free)."""
+    v_ready, kv_free). `segments`: (the keys' segment ids `[B, S]`, their ring), whose tiles arrive with K's."""
     (k_smem, v_smem), (k_ready, v_ready, kv_free) = rings, barriers
 
     def load(n, block, carry, **_):
-        tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(block * block_kv, block_kv), kv_head)
-        fill_ring_slot(n, num_stages, (kv_free,), [(k_ref.at[tile], k_smem, k_ready),
-                                                    (v_ref.at[tile], v_smem, v_ready)])
+        keys = pl.ds(block * block_kv, block_kv)
+        tile = (batch if k_ref.shape[0] > 1 else 0, keys, kv_head)
+        copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+        if segments is not None:
+            copies.append((segments[0].at[batch, keys], segments[1], k_ready))
+        fill_ring_slot(n, num_stages, (kv_free,), copies)
         return carry
 
     run_walk(walk, load, None)
@@ -351,6 +380,8 @@ def tcgen05_forward(
     dropout_seed: jax.Array | None = None,
     dropout_positions: tuple[int, int] | None = None,
     dropout_heads: int | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
@@ -377,6 +408,8 @@ def tcgen05_forward(
     - `dropout_rate`, `dropout_seed`, `dropout_positions`, `dropout_heads`: dropout of the attention weights after
       the softmax's normalisation (kept ones scaled by 1 / (1 - rate)), every backend's keep mask
       (`_dropout.keep_mask`), as the Hopper kernel takes them (`mosaic_forward`).
+    - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: integer, both or neither (packed sequences): a query
+      attends only keys of its own segment, on every tile (full BlockMask blocks included).
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype,
     lse `[B, N, T]` float32, the natural-log sum-exp of the scaled, modified, masked scores; max_scores
@@ -389,25 +422,28 @@ def tcgen05_forward(
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=BLOCK_Q, q_multiple=BLOCK_Q, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=HEAD_DIMS,
-        smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max),
+        smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max,
+                             q_segment_ids is not None),
     )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // BLOCK_Q, kv_len // block_kv, BLOCK_Q, block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
-    rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn, **dropout)
+    rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn,
+                     segments=segments is not None, **dropout)
     kernel = functools.partial(
         _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
-        has_tables=tables is not None, has_dropout=bool(seed),
+        has_tables=tables is not None, has_dropout=bool(seed), has_segments=segments is not None,
     )
     tensor_core = dict(orders_tensor_core=True)
     rows = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return launch(
         kernel, "probjax_mosaic_forward_tcgen05",
-        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *seed),
+        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed),
         out_type=(jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows,
                   *((rows,) if return_max else ())),
         scratch_types=(
@@ -419,14 +455,16 @@ def tcgen05_forward(
                 plgpu.SMEM((BLOCK_Q,), jnp.float32),
                 plgpu.SMEM((BLOCK_Q, value_dim), q.dtype, transforms=transforms) if value_dim != head_dim else None,
                 plgpu.SMEM((BLOCK_Q,), jnp.float32) if return_max else None,
+                plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
             ),
             (
                 plgpu.TMEM((2, BLOCK_Q, block_kv), jnp.float32),
                 plgpu.TMEM((BLOCK_Q, value_dim), jnp.float32),
             ),
-            (
-                plgpu.Barrier(),
-                plgpu.Barrier(num_barriers=num_stages),
+            (  # with segments, Q's and K's barriers also await their segment ids
+                plgpu.Barrier(num_arrivals=1 + bool(segments)),
+                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **tensor_core),
                 plgpu.Barrier(num_barriers=2, **tensor_core),

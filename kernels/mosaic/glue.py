@@ -202,6 +202,14 @@ def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts) -> dict:
                 score_arrays=tuple(score_consts or ()), mask_arrays=tuple(mask_consts or ()))
 
 
+def _tcgen05_segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
+    """The tcgen05 kernels' segment ids: the call's, or its `vector_mask` as them (`_segments`); they take no
+    other mask (`plan._tcgen05_takes`)."""
+    segments = _segments(problem, optional, batch, q_len, kv_len)
+    segments.pop("mask", None)
+    return segments
+
+
 def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
     """(out, lse), and max_scores with `return_max`, of the padded inputs by the Blackwell forward
     (`forward_tcgen05`; calls that `mosaic.plan._tcgen05_takes`), on the config's key steps and stages;
@@ -214,20 +222,22 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
                            num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
                            kv_tables=kv_tables, **_dropout(f, optional),
+                           **_tcgen05_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
                            **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"]))
 
 
 def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
     `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
-    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v get zero keys up to one
-    (masked: past kv_len) and their gradients are cut back. The gradients of a score_mod's arrays come from
-    `_chunked`, as on Triton."""
+    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids)
+    get zero keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
+    score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others),
                    **_tcgen05_hooks(problem, res["score_consts"], others["mask_consts"]))
+    segments = _tcgen05_segments(problem, others, *q.shape[:2], k.shape[1])
     dq_options, dkv_options = {}, {}
     if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)
         dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, (TCGEN05_BLOCK_Q, TCGEN05_DQ_KEYS))
@@ -235,11 +245,14 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
                                                  (TCGEN05_DKV_KEYS, TCGEN05_BLOCK_Q))
     grads = {}
     if tangents.q:
-        grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options, **dq_options)
+        grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options, **dq_options,
+                                         **segments)
     if tangents.k or tangents.v:
         kv_len_padded = k.shape[1]
         extra = ((0, 0), (0, -kv_len_padded % TCGEN05_DKV_KEYS), (0, 0), (0, 0))
+        if segments.get("kv_segment_ids") is not None:
+            segments["kv_segment_ids"] = jnp.pad(segments["kv_segment_ids"], extra[:2])
         dk, dv = tcgen05_backward_dkv(_after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
-                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options)
+                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options, **segments)
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
     return {name: g for name, g in grads.items() if getattr(tangents, name)}

@@ -4,7 +4,8 @@ plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ 
 64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward and
 backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
 lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
-window mask_mod), BlockMasks of 128 x 128 blocks or coarser and dropout; the tangent stays Triton's. It serves
+window mask_mod), BlockMasks of 128 x 128 blocks or coarser, dropout and segment ids (a key padding mask as
+them); the tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -76,18 +77,21 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
     with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA, a key /
     value batch of 1, the row max, hooks that run in Mosaic GPU reading their arrays one element at a time
     (`_is_tcgen05_hook`), BlockMasks on 128 x 128 blocks or coarser ones (their tables refined to every tcgen05
-    kernel's tiles) and dropout (every backend's keep mask): no bias, mask or segment ids."""
+    kernel's tiles), dropout (every backend's keep mask), segment ids and a mask over keys or queries alone that
+    is one vector for all heads (`glue.vector_mask`: it reaches the kernels as segment ids): no bias, no other
+    mask."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and set(head_dims) <= set(TCGEN05_HEAD_DIMS)
-        and f.scale > 0 and problem.bias_shape is None and problem.mask_shape is None and not problem.has_segments
+        and f.scale > 0 and problem.bias_shape is None
+        and (problem.mask_shape is None or glue.vector_mask(problem))
         and (f.block_sizes is None or all(size % TCGEN05_BLOCK_Q == 0 for size in f.block_sizes))
         and cfg.block_q == TCGEN05_BLOCK_Q and cfg.block_k in (64, 128) and cfg.num_stages >= 2
         and (f.score_mod is None or _is_tcgen05_hook(f.score_mod, tcgen05_hook_shapes(cfg.block_k), True))
         and (f.mask_mod is None or _is_tcgen05_hook(f.mask_mod, tcgen05_hook_shapes(cfg.block_k), False))
         and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize,
-                               f.return_max) <= MOSAIC_SMEM_BYTES
+                               f.return_max, _has_vectors(problem)) <= MOSAIC_SMEM_BYTES
     )
 
 
