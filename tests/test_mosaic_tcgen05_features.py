@@ -230,11 +230,11 @@ def test_dropout_runs_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
 @pytest.mark.parametrize("masking", ["segments", "key_padding_mask"])
 def test_segments_and_key_padding_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls, masking):
     """On a B200, flash_attention with packed sequences (segment ids of three documents a batch row, the
-    boundaries inside the kernels' tiles, causal, GQA 4:2, ragged lengths) or with a key padding mask
+    boundaries inside the kernels' tiles, causal, GQA 2:1, ragged lengths) or with a key padding mask
     `[B, 1, 1, S]` (which reaches the kernels as segment ids): the tcgen05 forward, dQ and dK/dV mask across
-    segments. S = 200 pads to 256 keys, 320 in dK/dV's 128-key tiles. Output and gradients match the
+    segments. T = S = 200 pad to 256 (two of dK/dV's 128-key tiles). Output and gradients match the
     reference's."""
-    q, k, v = random_qkv(6, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
+    q, k, v = random_qkv(6, 2, 200, 200, 2, 1, 64, jnp.bfloat16)
     if masking == "segments":
         ids = jnp.array([[0] * 70 + [1] * 61 + [2] * 69, [0] * 10 + [1] * 150 + [2] * 40], jnp.int32)
         options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([200, 170]),

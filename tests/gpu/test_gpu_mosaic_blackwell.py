@@ -150,3 +150,26 @@ def test_dropout(monkeypatch):
     mosaic = lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="mosaic"), **options)  # noqa: E731
     reference = lambda q, k, v: flash_attention_reference(q, k, v, **options)  # noqa: E731
     _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)
+
+
+@pytest.mark.parametrize("masking", ["segments", "key_padding_mask"])
+def test_segment_ids_and_key_padding_masks(masking, monkeypatch):
+    """Segment ids (three packed documents a row, causal, GQA 8:2, ragged lengths) and a `[B, 1, 1, S]` key
+    padding mask (which reaches the kernels as segment ids) in the tcgen05 forward, dQ and dK/dV: out and
+    gradients against the reference."""
+    q, k, v = random_qkv(9, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+    cotangent = _normal(10, q.shape)
+    if masking == "segments":
+        ids = jnp.concatenate([jnp.zeros((2, 300), jnp.int32), jnp.ones((2, 500), jnp.int32),
+                               jnp.full((2, 224), 2, jnp.int32)], axis=1)
+        options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([1024, 900]),
+                       kv_lengths=jnp.array([1024, 700]))
+    else:
+        options = dict(mask=(jnp.arange(1024)[None, :] < jnp.array([[1000], [333]]))[:, None, None, :])
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
+
+    mosaic = lambda q, k, v: flash_attention(q, k, v, config=FlashConfig(backend="mosaic"), **options)  # noqa: E731
+    reference = lambda q, k, v: flash_attention_reference(q, k, v, **options)  # noqa: E731
+    _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)
