@@ -25,7 +25,7 @@ from probjax_kernels import (
     flex_attention,
     flex_attention_reference,
 )
-from probjax_kernels.flex.mods import alibi, alibi_slopes, relative_bias, softcap
+from probjax_kernels.flex.mods import alibi, alibi_slopes, and_masks, causal_mask, document_mask, relative_bias, softcap
 from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
@@ -163,16 +163,46 @@ def test_flex_score_mods_with_scalar_reads_run_the_tcgen05_kernels_on_blackwell(
         assert_close(got, want, jnp.bfloat16, name)
 
 
-def test_score_mods_that_read_arrays_per_element_run_the_triton_kernels_on_blackwell(monkeypatch):
-    """A relative-position table (a gather per element) and a per-key bias (a vector along kv_idx, which the
-    tcgen05 kernels do not hold) leave the call to the Triton kernels on a B200."""
+def test_score_mods_that_gather_per_element_run_the_triton_kernels_on_blackwell(monkeypatch):
+    """A relative-position table (a gather per element, at q_idx - kv_idx: not a vector along either) leaves the
+    call to the Triton kernels on a B200."""
     monkeypatch.setattr(_backend, "target_device", lambda: B200)
     q, k, v = random_qkv(11, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
-    token_bias = jnp.linspace(-1.0, 1.0, 128)
-    for score_mod in (relative_bias(jnp.linspace(-1.0, 1.0, 2 * 255).reshape(2, 255)),
-                      lambda score, b, h, q_idx, kv_idx: score + token_bias[kv_idx]):
-        found = _kernels(lambda q, k, v: flex_attention(q, k, v, score_mod, config=INTERPRET), q, k, v)
-        assert "probjax_flash_forward" in found and "probjax_mosaic_forward_tcgen05" not in found
+    score_mod = relative_bias(jnp.linspace(-1.0, 1.0, 2 * 255).reshape(2, 255))
+    found = _kernels(lambda q, k, v: flex_attention(q, k, v, score_mod, config=INTERPRET), q, k, v)
+    assert "probjax_flash_forward" in found and "probjax_mosaic_forward_tcgen05" not in found
+
+
+def test_document_masks_and_per_token_biases_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
+    """On a B200, flex_attention with a causal document mask (`ids[b, q_idx] == ids[b, kv_idx]`: int32 vectors
+    along queries and keys) and a score_mod adding per-key and per-query biases of each head (float32 vectors
+    `[N, S]` / `[N, T]` read at h), GQA 2:1, T = S = 200 (256 keys, two of dK/dV's tiles): the vectors travel
+    beside Q and each K tile in the forward and dQ, in the Q ring of dK/dV. Output and the gradients of q, k, v
+    and the key bias (the bias's from XLA) match the reference's."""
+    q, k, v = random_qkv(12, 2, 200, 200, 2, 1, 64, jnp.bfloat16)
+    ids = jnp.array([[0] * 70 + [1] * 61 + [2] * 69, [0] * 10 + [1] * 150 + [2] * 40], jnp.int32)
+    key_bias = jnp.linspace(-1.0, 1.0, 400).reshape(2, 200)
+    row_bias = jnp.cos(jnp.arange(400.0)).reshape(2, 200)
+    mask_mod = and_masks(causal_mask, document_mask(ids))
+
+    def run(attention, q, k, v, key_bias, **config):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + key_bias[h, kv_idx] - 0.5 * row_bias[h, q_idx]
+
+        block_mask = create_block_mask(mask_mod, 2, 2, 200, 200)
+        return attention(q, k, v, biased, block_mask, enable_gqa=True, **config)
+
+    fn = functools.partial(run, flex_attention, config=INTERPRET)
+    args = (q, k, v, key_bias)
+    assert _kernels(fn, *args) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(13, q.shape)
+    out, grads = output_and_grads(fn, args, cotangent)
+    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
+    want_out, want_grads = output_and_grads(functools.partial(run, flex_attention_reference), args, cotangent)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    for name, got, want in zip(("dq", "dk", "dv", "dkey_bias"), grads, want_grads, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert_close(got, want, jnp.bfloat16, name)
 
 
 def _head_window(b, h, q_idx, kv_idx):

@@ -60,6 +60,8 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     BLOCK_Q,
     HEAD_DIMS,
     fill_kv_ring,
+    hook_views,
+    key_vectors,
     kv_walk,
     launch,
     load_segments,
@@ -69,8 +71,13 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     table_walk,
     tile_indices,
     tile_scores,
+    vector_counts,
+    vector_scratch,
+    vector_source,
+    vector_tiles,
     walk_steps,
 )
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in
 
 BLOCK_KV = 128  # keys per dK / dV CTA: tcgen05's M for dV += P^T dO and dK += dS^T Q
 DQ_BLOCK_KV = 64  # keys per dQ step by default
@@ -86,36 +93,44 @@ def dq_score_pairs(head_dim: int, block_kv: int, num_stages: int) -> int:
 
 
 def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
-                  segments: bool = False) -> int:
+                  segments: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one dQ CTA: Q (which carries dQ out) and dO, the lse2 / delta rows, the K / V ring and
-    the dS tile, with `segments` the rows' segment ids and a ring of the keys', with the barriers (the rows', the
+    the dS tile, with `segments` the rows' segment ids and a ring of the keys', the hooks' vectors (`vectors`:
+    how many along queries, along keys: the rows' values, a ring beside K), with the barriers (the rows', the
     ring's three, S's and dP's per pair, dQ's)."""
     buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
-               itemsize * BLOCK_Q * block_kv, *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments)]
+               itemsize * BLOCK_Q * block_kv, *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
+               *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2 * pairs + 1)
 
 
-def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2, segments: bool = False) -> int:
+def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2, segments: bool = False,
+                   vectors: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one dK / dV CTA: K and V (which carry dK and dV out), the Q / dO / lse2 / delta ring,
-    the P and dS tiles, with `segments` a ring of the rows' segment ids and the keys' ids, with the barriers."""
+    the P and dS tiles, with `segments` a ring of the rows' segment ids and the keys' ids, the hooks' vectors
+    in the ring (`vectors`: how many along queries, along keys; a query head's key vectors change with it),
+    with the barriers."""
     buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
                itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
                4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV,
-               *segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments)]
+               *segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments),
+               *[4 * num_stages * BLOCK_Q] * vectors[0], *[4 * num_stages * BLOCK_KV] * vectors[1]]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)  # K / V's, the ring's three, S's, dP's, dK/dV's
 
 
-def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2, segments: bool = False) -> int:
+def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2, segments: bool = False,
+               vectors: tuple[int, int] = (0, 0)) -> int:
     """The Q / dO ring's slots of the dK / dV kernel: two where they fit in shared memory, else one."""
-    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize, segments) <= SMEM_BYTES else 1
+    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize, segments, vectors) <= SMEM_BYTES else 1
 
 
 def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, user_mask: bool,
-                  p_smem, ds_smem, batch, head, hook_arrays: tuple, seed_parts: tuple, segments: tuple | None):
+                  p_smem, ds_smem, batch, head, hook_arrays: Callable, seed_parts: tuple, segments: tuple | None):
     """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
     memory, `CHUNK` columns at a time; rows are queries from row0, columns keys from key0, of query head `head`.
+    `hook_arrays(columns)`: the hooks' (score_arrays, mask_arrays) for a chunk's columns of the tile;
     `segments`: the rows' segment ids (`load_segments`) and the shared-memory ref of the tile's keys' ids.
     With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule); with
     dropout, dS = P (Z dP / (1 - rate) - delta) and the P for dV is Z P / (1 - rate) (Z the keep mask)."""
@@ -128,8 +143,8 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
         if segments is not None:
             chunk_segments = (segments[0], load_segments(segments[1].at[columns], 1))
         s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
-                                             user_mask=user_mask, hook_arrays=hook_arrays, with_derivative=True,
-                                             segments=chunk_segments)
+                                             user_mask=user_mask, hook_arrays=hook_arrays(columns),
+                                             with_derivative=True, segments=chunk_segments)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         keep = None
         if rule.dropout_rate:  # hashed once for dP and P^T
@@ -161,11 +176,14 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
-               has_tables: bool, has_dropout: bool, has_segments: bool):
+               has_tables: bool, has_dropout: bool, has_segments: bool, score_vectors: tuple = (),
+               mask_vectors: tuple = ()):
     tables, score_arrays, mask_arrays, segments, seed, _, (dq_ref, smem, tmem, barriers) = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
-    hook_arrays = (score_arrays, mask_arrays)
-    q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
+    groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
+    vectors = vectors_in(groups[0] + groups[1])
+    (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
+     vector_smem) = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
     q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -185,6 +203,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                   (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)]
         if has_segments:
             copies.append((segments[0].at[batch, pl.ds(row0, BLOCK_Q)], q_segment_smem))
+        copies += [(vector_source(ref, batch, head, row0, BLOCK_Q), buffer)  # the hooks' vectors along queries
+                   for (axis, ref), buffer in zip(vectors, vector_smem) if axis == "q"]
         for src, dst in copies:
             plgpu.copy_gmem_to_smem(src, dst, rows_ready)
         plgpu.barrier_wait(rows_ready)
@@ -227,6 +247,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                 plgpu.barrier_wait(dq_done)
 
             tile_segments = (q_segments, kv_segment_smem.at[slot]) if has_segments else None
+
+            def hook_arrays(columns):
+                return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
+
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
                           masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
@@ -246,16 +270,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     segments=None if segments is None else (segments[1], kv_segment_smem))
+                     segments=None if segments is None else (segments[1], kv_segment_smem),
+                     vectors=key_vectors(vectors, vector_smem, batch, head))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                 num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool,
-                has_dropout: bool, has_segments: bool):
+                has_dropout: bool, has_segments: bool, score_vectors: tuple = (), mask_vectors: tuple = ()):
     tables, score_arrays, mask_arrays, segments, seed, _, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
-    hook_arrays = (score_arrays, mask_arrays)
-    k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem, q_segment_smem, kv_segment_smem = smem
+    groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
+    vectors = vectors_in(groups[0] + groups[1])
+    (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem, q_segment_smem, kv_segment_smem,
+     vector_smem) = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -308,6 +335,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             def _():  # the previous step's P^T dO and dS^T Q have read the P and dS tiles
                 plgpu.barrier_wait(kv_done)
 
+            def hook_arrays(columns):  # every vector in the ring: the step's query head's
+                return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
+
             _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
                           ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
             plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
@@ -339,6 +369,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             ]
             if has_segments:
                 copies.append((segments[0].at[batch, rows], q_segment_smem, q_ready))
+            copies += [(vector_source(ref, batch, head, *((t * BLOCK_Q, BLOCK_Q) if axis == "q" else (key0, BLOCK_KV))),
+                        buffer, q_ready) for (axis, ref), buffer in zip(vectors, vector_smem)]
             fill_ring_slot(n, num_stages, (rows_free,), copies)
             return carry
 
@@ -359,7 +391,7 @@ def _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_
 
 
 _STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "score_fn", "score_jvp", "mask_fn",
-           "dropout_rate", "dropout_positions", "dropout_heads")
+           "dropout_rate", "dropout_positions", "dropout_heads", "score_vectors", "mask_vectors")
 
 
 def _backward_options(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn, num_heads: int,
@@ -380,8 +412,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                         mask_fn: Callable | None = None, score_arrays: tuple = (), mask_arrays: tuple = (),
                         kv_tables: tuple | None = None, dropout_rate: float = 0.0, dropout_seed=None,
                         dropout_positions: tuple[int, int] | None = None, dropout_heads: int | None = None,
-                        q_segment_ids: jax.Array | None = None,
-                        kv_segment_ids: jax.Array | None = None) -> jax.Array:
+                        q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                        score_vectors: tuple = (), mask_vectors: tuple = ()) -> jax.Array:
     """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
@@ -389,8 +421,9 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     from it; `d_out` `[B, T, N, Dv]` in q's dtype, the cotangent of out; `d_lse` `[B, N, T]`: a cotangent of
     lse, if any. `block_kv`: keys per step, 64 or 128 (S is divisible by it); `num_stages`: K / V ring slots
     (>= 1). `interpret`: run in the Mosaic GPU CPU interpreter. `score_fn`, `mask_fn`, `score_arrays`,
-    `mask_arrays`: the forward's hooks and their arrays (`tcgen05_forward`), called on (128, `CHUNK`) parts of
-    S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value and d score_fn / d score).
+    `mask_arrays`, `score_vectors`, `mask_vectors`: the forward's hooks and their arrays (`tcgen05_forward`),
+    called on (128, `CHUNK`) parts of S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value
+    and d score_fn / d score).
     `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s). `dropout_*`:
     the forward's dropout (its keep mask hashed again here). `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`:
     the forward's segment ids.
@@ -399,8 +432,10 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     """
     q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
+    counts = vector_counts(score_vectors, mask_vectors)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
-           dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize, q_segment_ids is not None),
+           dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize, q_segment_ids is not None,
+                         counts),
            "the Mosaic GPU dQ kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
@@ -414,7 +449,9 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     kernel = functools.partial(_dq_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages,
                                group=num_heads // k.shape[2], num_score_arrays=len(score_arrays),
                                num_mask_arrays=len(mask_arrays), has_tables=tables is not None,
-                               has_dropout=bool(seed), has_segments=segments is not None)
+                               has_dropout=bool(seed), has_segments=segments is not None,
+                               score_vectors=score_vectors, mask_vectors=mask_vectors)
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     return launch(
         kernel, "probjax_mosaic_backward_dq_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
@@ -431,6 +468,7 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
             ),
             (
                 plgpu.TMEM((pairs, BLOCK_Q, block_kv), jnp.float32),
@@ -438,8 +476,10 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32),
             ),
             (
-                plgpu.Barrier(num_arrivals=4 + bool(segments)),  # Q, dO, lse2, delta (and the rows' segment ids)
-                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),  # K (and its keys' ids)
+                # Q, dO, lse2, delta (and the rows' segment ids and hook vectors)
+                plgpu.Barrier(num_arrivals=4 + bool(segments) + counts[0]),
+                # K (and its keys' segment ids and hook vectors)
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1], num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(num_barriers=pairs, **_TENSOR_CORE),
@@ -463,7 +503,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                          mask_arrays: tuple = (), q_tables: tuple | None = None, dropout_rate: float = 0.0,
                          dropout_seed=None, dropout_positions: tuple[int, int] | None = None,
                          dropout_heads: int | None = None, q_segment_ids: jax.Array | None = None,
-                         kv_segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                         kv_segment_ids: jax.Array | None = None, score_vectors: tuple = (),
+                         mask_vectors: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
@@ -479,11 +520,11 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     if block_kv != BLOCK_KV:
         raise ValueError(f"block_kv must be {BLOCK_KV} (tcgen05's M: the keys of a dK / dV tile), got {block_kv}")
-    has_segments = q_segment_ids is not None
+    has_segments, counts = q_segment_ids is not None, vector_counts(score_vectors, mask_vectors)
     if num_stages is None:
-        num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments)
+        num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments, counts)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
-           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize, has_segments),
+           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize, has_segments, counts),
            "the Mosaic GPU dK / dV kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -495,7 +536,9 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     kernel = functools.partial(_dkv_kernel, rule=rule, num_stages=num_stages, group=num_heads // num_kv_heads,
                                num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
                                has_tables=tables is not None, has_dropout=bool(seed),
-                               has_segments=segments is not None)
+                               has_segments=segments is not None, score_vectors=score_vectors,
+                               mask_vectors=mask_vectors)
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     dk, dv = launch(
         kernel, "probjax_mosaic_backward_dkv_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
@@ -514,6 +557,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                 plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, BLOCK_Q), jnp.int32) if segments else None,
                 plgpu.SMEM((BLOCK_KV,), jnp.int32) if segments else None,
+                vector_scratch(vectors, None, BLOCK_Q, BLOCK_KV, num_stages),
             ),
             (
                 plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
@@ -523,7 +567,8 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
             ),
             (
                 plgpu.Barrier(num_arrivals=2 + bool(segments)),  # K and V (and the keys' segment ids)
-                plgpu.Barrier(num_arrivals=2 + bool(segments), num_barriers=num_stages),  # a slot's Q, lse2 (ids)
+                # a slot's Q, lse2 (and its segment ids and the hook vectors of its query head)
+                plgpu.Barrier(num_arrivals=2 + bool(segments) + sum(counts), num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # its dO and delta
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(**_TENSOR_CORE),

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 from probjax_kernels.mosaic.common import (
     _M_INIT,
     _SWIZZLE,
@@ -57,6 +58,7 @@ from probjax_kernels.mosaic.common import (
     drain_ring,
     dropout_options,
     fill_ring_slot,
+    mask_index,
     read_seed,
     same_segment,
     split_hook_refs,
@@ -72,15 +74,18 @@ _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_byte
 
 
 def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
-               return_max: bool = False, segments: bool = False) -> int:
+               return_max: bool = False, segments: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it: the Q tile (which carries O out when Dv = D, else
     an O tile of its own), the K and V rings, the P tile, the lse (and with `return_max` the row max) staging
-    rows, with `segments` the query rows' segment ids and a ring of the keys', and the barriers."""
+    rows, with `segments` the query rows' segment ids and a ring of the keys', the hooks' vectors (`vectors`:
+    how many along queries, each the rows' 32-bit values; along keys, each a ring beside K), and the
+    barriers."""
     buffers = [
         itemsize * BLOCK_Q * head_dim, itemsize * num_stages * block_kv * head_dim,
         itemsize * num_stages * block_kv * value_dim, itemsize * BLOCK_Q * block_kv, 4 * BLOCK_Q,
         itemsize * BLOCK_Q * value_dim if value_dim != head_dim else 0, 4 * BLOCK_Q if return_max else 0,
         *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
+        *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
 
@@ -92,9 +97,44 @@ def segment_smem_bytes(rows: int, keys: int, segments: bool) -> list[int]:
 
 
 def load_segments(ref, axis: int):
-    """int32 segment ids from shared memory as a vector along a tensor-memory tile's rows (`axis` 0: one per
-    query row) or columns (`axis` 1: one per key column), ready for `same_segment`."""
+    """A 32-bit vector from shared memory (segment ids, a hook's vector) along a tensor-memory tile's rows
+    (`axis` 0: one per query row) or columns (`axis` 1: one per key column)."""
     return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
+
+
+def vector_counts(score_vectors: tuple, mask_vectors: tuple) -> tuple[int, int]:
+    """How many hook vectors a kernel holds along queries and along keys (`score_vectors` / `mask_vectors`: per
+    hook array, the axes of its vectors)."""
+    axes = [axis for array_axes in (*score_vectors, *mask_vectors) for axis in array_axes]
+    return axes.count("q"), axes.count("kv")
+
+
+def vector_scratch(vectors: list, resident: str, rows: int, keys: int, num_stages: int) -> tuple:
+    """The shared-memory buffers of the hooks' vectors (`hook_vectors.vectors_in`'s (axis, array) pairs) in a
+    tcgen05 kernel: a vector along the `resident` axis ("q", "kv", or None) holds the CTA's `rows` queries' or
+    `keys` keys' values; the others a ring of `num_stages` slots, one per step."""
+    def buffer(axis, array):
+        length = rows if axis == "q" else keys
+        return plgpu.SMEM((length,) if axis == resident else (num_stages, length), array.dtype)
+    return tuple(buffer(axis, array) for axis, array in vectors)
+
+
+def vector_source(ref, batch, head, start, length: int):
+    """The global-memory part of a hook vector `[B|1, N|1, L]` that a CTA of (batch, head) reads from `start`."""
+    return ref.at[(*mask_index(ref, batch, head), pl.ds(start, length))]
+
+
+def vector_tiles(vectors: list, buffers, shape: tuple, slot=None, columns=None) -> list:
+    """Per hook vector, a function giving its tile of `shape` (a tensor-memory-layout tile or chunk), loaded
+    from shared memory when a hook reads it: a vector along queries broadcast along the columns, one along keys
+    (restricted to `columns` of it) along the rows. A buffer with a ring (two axes) is read at `slot`."""
+    def tile(axis, buffer):
+        view = buffer.at[slot] if len(buffer.shape) == 2 else buffer
+        if axis == "kv" and columns is not None:
+            view = view.at[columns]
+        return lambda: lax.broadcast_in_dim(load_segments(view, 0 if axis == "q" else 1), shape,
+                                            [0 if axis == "q" else 1])
+    return [tile(axis, buffer) for (axis, _), buffer in zip(vectors, buffers)]
 
 
 def masked_scores(s, rule: ScoreRule, row0, key0, kv_len):
@@ -197,14 +237,18 @@ def tile_indices(shape: tuple, row0, key0) -> tuple:
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
-                    has_tables: bool, has_dropout: bool, has_segments: bool):
+                    has_tables: bool, has_dropout: bool, has_segments: bool, score_vectors: tuple = (),
+                    mask_vectors: tuple = ()):
     tables, score_arrays, mask_arrays, segments, seed, _, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
-    hook_arrays = (score_arrays, mask_arrays)
+    # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
+    groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
+    vectors = vectors_in(groups[0] + groups[1])
     out_ref, lse_ref, *refs = refs
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
-    q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem, q_segment_smem, kv_segment_smem = smem
+    (q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem, q_segment_smem, kv_segment_smem,
+     vector_smem) = smem
     s_tmem, o_tmem = tmem
     q_ready, k_ready, v_ready, kv_free, s_done, o_done = barriers
     o_smem = q_smem if own_o_smem is None else own_o_smem
@@ -224,6 +268,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, BLOCK_Q), head], q_smem, q_ready)
         if has_segments:  # the rows' segment ids arrive with Q
             plgpu.copy_gmem_to_smem(segments[0].at[batch, pl.ds(row0, BLOCK_Q)], q_segment_smem, q_ready)
+        for (axis, ref), buffer in zip(vectors, vector_smem):  # and so do the hooks' vectors along queries
+            if axis == "q":
+                plgpu.copy_gmem_to_smem(vector_source(ref, batch, head, row0, BLOCK_Q), buffer, q_ready)
         plgpu.barrier_wait(q_ready)
         q_segments = load_segments(q_segment_smem, 0) if has_segments else None
 
@@ -253,6 +300,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
             tile_segments = None
             if has_segments:  # the keys' segment ids arrived with K(n); their slot is freed with it
                 tile_segments = (q_segments, load_segments(kv_segment_smem.at[slot], 1))
+            hook_arrays = hook_views(groups, vector_tiles(vectors, vector_smem, s.shape, slot))
             s, s_scale, _ = tile_scores(s, rule, row0, block * block_kv, kv_len, batch, head, masked=masked,
                                         user_mask=user_mask, hook_arrays=hook_arrays, segments=tile_segments)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
@@ -319,15 +367,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     segments=None if segments is None else (segments[1], kv_segment_smem))
+                     segments=None if segments is None else (segments[1], kv_segment_smem),
+                     vectors=key_vectors(vectors, vector_smem, batch, head))
+
+
+def key_vectors(vectors: list, buffers, batch, head) -> list:
+    """(source, ring) of each hook vector along keys, for `fill_kv_ring`: `source(start, length)` is the part of
+    (batch, head)'s vector that a K tile from key `start` reads."""
+    return [(functools.partial(vector_source, ref, batch, head), buffer)
+            for (axis, ref), buffer in zip(vectors, buffers) if axis == "kv"]
+
+
+def hook_views(groups: tuple, tiles: list) -> tuple:
+    """(score_arrays, mask_arrays) as the hooks get them in a step: refs as they are, vectors as `VectorTiles`
+    whose tiles are `tiles` (`vector_tiles`, in `vectors_in` order: the score_fn's, then the mask_fn's)."""
+    score_count = len(vectors_in(groups[0]))
+    return views(groups[0], tiles[:score_count]), views(groups[1], tiles[score_count:])
 
 
 def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, walk: Walk, block_kv: int,
-                 num_stages: int, segments: tuple | None = None) -> None:
+                 num_stages: int, segments: tuple | None = None, vectors: list = ()) -> None:
     """The producer warpgroup of the tcgen05 kernels that stream K / V: the KV tiles of `walk` of (batch,
     kv_head) in its order by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot
     once the MMAs that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready,
-    v_ready, kv_free). `segments`: (the keys' segment ids `[B, S]`, their ring), whose tiles arrive with K's."""
+    v_ready, kv_free). `segments`: (the keys' segment ids `[B, S]`, their ring), and `vectors` (`key_vectors`),
+    whose tiles arrive with K's."""
     (k_smem, v_smem), (k_ready, v_ready, kv_free) = rings, barriers
 
     def load(n, block, carry, **_):
@@ -336,6 +400,7 @@ def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head,
         copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
         if segments is not None:
             copies.append((segments[0].at[batch, keys], segments[1], k_ready))
+        copies += [(source(block * block_kv, block_kv), ring, k_ready) for source, ring in vectors]
         fill_ring_slot(n, num_stages, (kv_free,), copies)
         return carry
 
@@ -356,7 +421,8 @@ def launch(kernel, name: str, inputs: tuple, *, out_type, scratch_types, grid: t
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_kv", "num_stages", "interpret",
                                              "score_fn", "mask_fn", "return_max", "dropout_rate",
-                                             "dropout_positions", "dropout_heads"))
+                                             "dropout_positions", "dropout_heads", "score_vectors",
+                                             "mask_vectors"))
 def tcgen05_forward(
     q: jax.Array,
     k: jax.Array,
@@ -382,6 +448,8 @@ def tcgen05_forward(
     dropout_heads: int | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    score_vectors: tuple = (),
+    mask_vectors: tuple = (),
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
@@ -400,7 +468,10 @@ def tcgen05_forward(
     - `score_fn(score, b, h, q_idx, kv_idx, *score_refs) -> score` on `scale * q k^T` before any mask, and
       `mask_fn(b, h, q_idx, kv_idx, *mask_refs) -> bool` (True = attend; every tile then takes the per-element
       mask), as `common.ScoreRule` has them: b, h int32 scalars, the rest (128, block_kv) tiles (`hook_shapes`);
-      `score_arrays` / `mask_arrays`: the arrays they read, as global-memory refs, one element at a time.
+      `score_arrays` / `mask_arrays`: the arrays they read, as global-memory refs, one element at a time, or
+      along q_idx / kv_idx as vectors (`score_vectors` / `mask_vectors`: per array, the axes of its vectors,
+      `hook_vectors.hook_arrays`; the vectors `[B|1, N|1, T or S]`, 32-bit, in place of the array), which
+      arrive with Q and with each K tile.
     - `return_max`: also return the row max of the scaled, modified, masked scores.
     - `kv_tables`: a BlockMask's `(num_partial [B|1, H|1, nq], partial_indices [B|1, H|1, nq, nk], num_full,
       full_indices)` on this kernel's (128, block_kv) tiles over the padded sequences: a query tile visits its
@@ -423,7 +494,7 @@ def tcgen05_forward(
         q, k, v, q_lengths, kv_lengths, scale, block_q=BLOCK_Q, q_multiple=BLOCK_Q, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max,
-                             q_segment_ids is not None),
+                             q_segment_ids is not None, vector_counts(score_vectors, mask_vectors)),
     )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -438,7 +509,10 @@ def tcgen05_forward(
         _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
         has_tables=tables is not None, has_dropout=bool(seed), has_segments=segments is not None,
+        score_vectors=score_vectors, mask_vectors=mask_vectors,
     )
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    counts = vector_counts(score_vectors, mask_vectors)
     tensor_core = dict(orders_tensor_core=True)
     rows = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return launch(
@@ -457,14 +531,15 @@ def tcgen05_forward(
                 plgpu.SMEM((BLOCK_Q,), jnp.float32) if return_max else None,
                 plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
             ),
             (
                 plgpu.TMEM((2, BLOCK_Q, block_kv), jnp.float32),
                 plgpu.TMEM((BLOCK_Q, value_dim), jnp.float32),
             ),
-            (  # with segments, Q's and K's barriers also await their segment ids
-                plgpu.Barrier(num_arrivals=1 + bool(segments)),
-                plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=num_stages),
+            (  # with segments or hook vectors, Q's and K's barriers also await their copies
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[0]),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1], num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **tensor_core),
                 plgpu.Barrier(num_barriers=2, **tensor_core),

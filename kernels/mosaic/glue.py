@@ -23,6 +23,7 @@ from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen0
 from probjax_kernels.mosaic.common import allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
 from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
+from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_shapes
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 from probjax_kernels.mosaic.hook_vectors import hook_arrays
 
@@ -78,14 +79,16 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
     )
 
 
-def _hook_arrays(problem: _Problem, score_consts, mask_consts, q_shape: tuple, kv_len: int) -> dict:
+def _hook_arrays(problem: _Problem, score_consts, mask_consts, q_shape: tuple, kv_len: int,
+                 shapes: tuple | None = None) -> dict:
     """The kernels' `score_arrays` / `mask_arrays` and `score_vectors` / `mask_vectors`: the hooks' captured
-    arrays, those read along q_idx / kv_idx as vectors (`hook_vectors.hook_arrays`)."""
+    arrays, those read along q_idx / kv_idx as vectors (`hook_vectors.hook_arrays`; `shapes`: where the kernels
+    call the hooks, else the Hopper forward's tiles)."""
     f, cfg = problem.features, problem.config
     batch, q_len, heads = q_shape[:3]
     lengths = {"q": q_len, "kv": kv_len}
-    score_arrays, score_vectors = hook_arrays(f.score_mod, score_consts, cfg, True, batch, heads, lengths)
-    mask_arrays, mask_vectors = hook_arrays(f.mask_mod, mask_consts, cfg, False, batch, heads, lengths)
+    score_arrays, score_vectors = hook_arrays(f.score_mod, score_consts, cfg, True, batch, heads, lengths, shapes)
+    mask_arrays, mask_vectors = hook_arrays(f.mask_mod, mask_consts, cfg, False, batch, heads, lengths, shapes)
     return dict(score_arrays=score_arrays, score_vectors=score_vectors, mask_arrays=mask_arrays,
                 mask_vectors=mask_vectors)
 
@@ -195,11 +198,13 @@ def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):
     return jnp.sum(parts, axis=broadcast, keepdims=True).astype(bias.dtype)
 
 
-def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts) -> dict:
-    """The tcgen05 kernels' hooks and their arrays (read one element at a time: `plan._tcgen05_takes`)."""
+def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts, q_shape: tuple, kv_len: int) -> dict:
+    """The tcgen05 kernels' hooks and their arrays, read one element at a time or as vectors along q_idx /
+    kv_idx at the padded lengths (`_hook_arrays`; `plan._tcgen05_takes`)."""
     f = problem.features
     return dict(score_fn=_mosaic_hook_fn(f.score_mod), mask_fn=_mosaic_hook_fn(f.mask_mod),
-                score_arrays=tuple(score_consts or ()), mask_arrays=tuple(mask_consts or ()))
+                **_hook_arrays(problem, score_consts or (), mask_consts or (), q_shape, kv_len,
+                               tcgen05_hook_shapes(problem.config.block_k)))
 
 
 def _tcgen05_segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
@@ -223,21 +228,22 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
                            num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
                            kv_tables=kv_tables, **_dropout(f, optional),
                            **_tcgen05_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
-                           **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"]))
+                           **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape,
+                                            k.shape[1]))
 
 
 def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
     `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
-    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids)
-    get zero keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
+    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids
+    and hook vectors) get keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
     score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
-                   d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others),
-                   **_tcgen05_hooks(problem, res["score_consts"], others["mask_consts"]))
+                   d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others))
     segments = _tcgen05_segments(problem, others, *q.shape[:2], k.shape[1])
+    hooks = functools.partial(_tcgen05_hooks, problem, res["score_consts"], others["mask_consts"], q.shape)
     dq_options, dkv_options = {}, {}
     if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)
         dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, (TCGEN05_BLOCK_Q, TCGEN05_DQ_KEYS))
@@ -246,13 +252,14 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     grads = {}
     if tangents.q:
         grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options, **dq_options,
-                                         **segments)
+                                         **segments, **hooks(k.shape[1]))
     if tangents.k or tangents.v:
         kv_len_padded = k.shape[1]
         extra = ((0, 0), (0, -kv_len_padded % TCGEN05_DKV_KEYS), (0, 0), (0, 0))
         if segments.get("kv_segment_ids") is not None:
             segments["kv_segment_ids"] = jnp.pad(segments["kv_segment_ids"], extra[:2])
         dk, dv = tcgen05_backward_dkv(_after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
-                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options, **segments)
+                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options, **segments,
+                                      **hooks(kv_len_padded + extra[1][1]))
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
     return {name: g for name, g in grads.items() if getattr(tangents, name)}

@@ -64,13 +64,18 @@ def specs_at(shapes: tuple, with_score: bool) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(score, jnp.float32), *specs] if with_score else specs
 
 
-def vector_counts(hooks, config: FlashConfig) -> tuple[int, int]:
+def _specs(config: FlashConfig, with_score: bool, shapes: tuple | None) -> list[jax.ShapeDtypeStruct]:
+    """A hook's argument specs at `shapes` (the kernels' where they call it), else the Hopper forward's."""
+    return hook_specs(config, with_score) if shapes is None else specs_at(shapes, with_score)
+
+
+def vector_counts(hooks, config: FlashConfig, shapes: tuple | None = None) -> tuple[int, int]:
     """How many vectors the kernels hold for the `hooks` ((hook or None, with_score) pairs): along queries,
-    along keys."""
+    along keys. `shapes`: where the kernels call the hooks (`specs_at`'s), else the Hopper forward's tiles."""
     vectors = set()  # (hook, array, axis): one vector however often the hook reads it
     for hook, with_score in hooks:
         if hook is not None:
-            jaxpr = hook._jaxpr(hook_specs(config, with_score))
+            jaxpr = hook._jaxpr(_specs(config, with_score, shapes))
             reads = vector_reads(jaxpr, jaxpr.constvars) or {}
             vectors |= {(id(jaxpr), read.const, read.axis) for read in reads.values()}
     axes = [axis for *_, axis in vectors]
@@ -78,13 +83,13 @@ def vector_counts(hooks, config: FlashConfig) -> tuple[int, int]:
 
 
 def hook_arrays(hook: Hook | None, consts, config: FlashConfig, with_score: bool, batch: int, heads: int,
-                lengths: dict[str, int]) -> tuple[tuple, tuple]:
+                lengths: dict[str, int], shapes: tuple | None = None) -> tuple[tuple, tuple]:
     """(arrays, axes): a hook's captured arrays `consts` as the kernels take them, each as it is or as its
     vectors along q_idx / kv_idx (`vectors_of`, at the padded lengths {"q": T, "kv": S}), and per array the
-    axes of its vectors (the kernels' `score_vectors` / `mask_vectors`)."""
+    axes of its vectors (the kernels' `score_vectors` / `mask_vectors`); `shapes` as in `vector_counts`."""
     if hook is None or not consts:
         return tuple(consts), ()
-    jaxpr = hook._jaxpr(hook_specs(config, with_score))
+    jaxpr = hook._jaxpr(_specs(config, with_score, shapes))
     reads = vector_reads(jaxpr, jaxpr.constvars) or {}
     arrays, axes = [], []
     for var, const in zip(jaxpr.constvars, consts):

@@ -4,8 +4,8 @@ plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ 
 64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward and
 backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
 lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
-window mask_mod), BlockMasks of 128 x 128 blocks or coarser, dropout and segment ids (a key padding mask as
-them); the tangent stays Triton's. It serves
+window mask_mod) or along q_idx / kv_idx (document masks, per-token biases), BlockMasks of 128 x 128 blocks or
+coarser, dropout and segment ids (a key padding mask as them); the tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -75,11 +75,11 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
     """Whether backend "mosaic" is asked for and the Blackwell forward (`forward_tcgen05`) takes the call: 16-bit
     inputs, q / k's and v's head dims 64 or 128, a positive scale, 128-row query tiles on 64- or 128-key steps
     with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA, a key /
-    value batch of 1, the row max, hooks that run in Mosaic GPU reading their arrays one element at a time
-    (`_is_tcgen05_hook`), BlockMasks on 128 x 128 blocks or coarser ones (their tables refined to every tcgen05
-    kernel's tiles), dropout (every backend's keep mask), segment ids and a mask over keys or queries alone that
-    is one vector for all heads (`glue.vector_mask`: it reaches the kernels as segment ids): no bias, no other
-    mask."""
+    value batch of 1, the row max, hooks that run in Mosaic GPU reading their arrays one element at a time or as
+    vectors along q_idx / kv_idx (`_is_tcgen05_hook`), BlockMasks on 128 x 128 blocks or coarser ones (their
+    tables refined to every tcgen05 kernel's tiles), dropout (every backend's keep mask), segment ids and a mask
+    over keys or queries alone that is one vector for all heads (`glue.vector_mask`: it reaches the kernels as
+    segment ids): no bias, no other mask."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
@@ -91,7 +91,8 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
         and (f.score_mod is None or _is_tcgen05_hook(f.score_mod, tcgen05_hook_shapes(cfg.block_k), True))
         and (f.mask_mod is None or _is_tcgen05_hook(f.mask_mod, tcgen05_hook_shapes(cfg.block_k), False))
         and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize,
-                               f.return_max, _has_vectors(problem)) <= MOSAIC_SMEM_BYTES
+                               f.return_max, _has_vectors(problem),
+                               _vector_counts(problem, tcgen05_hook_shapes(cfg.block_k))) <= MOSAIC_SMEM_BYTES
     )
 
 
@@ -107,9 +108,9 @@ def _tcgen05_backward_takes(problem: _Problem) -> bool:
 
 def _is_tcgen05_hook(hook: Hook, shapes: tuple, with_score: bool) -> bool:
     """Whether a hook runs inside the tcgen05 kernels at `shapes` (`tcgen05_hook_shapes`): as in the Hopper
-    ones (`_runs_in_mosaic`), with its arrays read one element at a time (they hold no vectors)."""
+    ones (`_runs_in_mosaic`), its arrays read one element at a time or along q_idx / kv_idx as vectors."""
     jaxpr = hook._jaxpr(specs_at(shapes, with_score))
-    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars), vectors=False)
+    return _runs_in_mosaic(jaxpr, set(jaxpr.constvars))
 
 
 def _forward_smem(problem: _Problem, head_dims: tuple[int, int], block_kv: int) -> int:
@@ -144,10 +145,11 @@ def _bias_kind(problem: _Problem) -> str | None:
     return None if shape is None else bias_kind(shape)
 
 
-def _vector_counts(problem: _Problem) -> tuple[int, int]:
-    """How many vectors of the hooks' arrays the kernels hold along queries and along keys (`hook_vectors`)."""
+def _vector_counts(problem: _Problem, shapes: tuple | None = None) -> tuple[int, int]:
+    """How many vectors of the hooks' arrays the kernels hold along queries and along keys (`hook_vectors`;
+    `shapes`: where the kernels call the hooks, else the Hopper forward's tiles)."""
     f = problem.features
-    return vector_counts(((f.score_mod, True), (f.mask_mod, False)), problem.config)
+    return vector_counts(((f.score_mod, True), (f.mask_mod, False)), problem.config, shapes)
 
 
 def _bias_itemsize(problem: _Problem) -> int:
@@ -189,16 +191,16 @@ def _is_mosaic_score_derivative(hook: Hook, specs: list) -> bool:
     return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(captured))
 
 
-def _runs_in_mosaic(jaxpr, consts: set, vectors: bool = True) -> bool:
+def _runs_in_mosaic(jaxpr, consts: set) -> bool:
     """Whether every primitive of `jaxpr` has a Mosaic GPU lowering rule, and it reads the arrays `consts`
     only one element at a time (`slopes[h]`: a `dynamic_slice` of size 1 then squeezed, a scalar load from
-    global memory) or, with `vectors`, along q_idx / kv_idx (`hook_vectors.vector_reads`: the kernels hold
+    global memory) or along q_idx / kv_idx (`hook_vectors.vector_reads`: the kernels hold
     those as vectors, and the index arithmetic of those reads is dead), never as arrays; 0-d arrays (a
     learnable soft cap) are scalar loads wherever used."""
     elements = set()  # the size-1 slices of constants, which may only be squeezed to scalars
     consts = {var for var in consts if var.aval.shape}
     reads = vector_reads(jaxpr, list(consts))
-    if reads is None or (reads and not vectors):
+    if reads is None:
         return False
     live = live_equations(jaxpr, reads) if reads else [True] * len(jaxpr.eqns)
     vectors = {read.const for read in reads.values()}  # read only as vectors: no other use of them
