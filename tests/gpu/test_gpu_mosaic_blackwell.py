@@ -21,6 +21,7 @@ from probjax_kernels import (
     and_masks,
     causal_mask,
     create_block_mask,
+    document_mask,
     flash_attention,
     flash_attention_reference,
     flex_attention,
@@ -113,16 +114,22 @@ def test_backward_kernels(causal, head_dim):
         _assert_close(name, got, want, TOL)
 
 
-@pytest.mark.parametrize("case", ["softcap_alibi", "sliding_window_block_mask"])
+@pytest.mark.parametrize("case", ["softcap_alibi", "sliding_window_block_mask", "document_mask_token_bias"])
 def test_flex_attention_with_the_mosaic_backend(case, monkeypatch):
-    """A soft cap then ALiBi from a slope table, and a causal sliding-window BlockMask with a soft cap: the tcgen05
-    forward and backward run them (hooks and tables in the kernels); out and gradients against the reference."""
+    """A soft cap then ALiBi from a slope table, a causal sliding-window BlockMask with a soft cap, and a causal
+    document mask with a per-key bias (vectors along q_idx / kv_idx): the tcgen05 forward and backward run them
+    (hooks, their vectors and tables in the kernels); out and gradients against the reference."""
     q, k, v = random_qkv(5, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
     cotangent = _normal(6, q.shape)
     cap, bias = softcap(30.0), alibi(alibi_slopes(8))
     if case == "softcap_alibi":
         score_mod, block_mask = (lambda s, b, h, q_idx, kv_idx: bias(cap(s, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx),
                                  None)
+    elif case == "document_mask_token_bias":
+        ids = jnp.repeat(jnp.array([[0, 1, 2, 3], [0, 0, 1, 1]]), 256, axis=1)
+        token_bias = jnp.linspace(-1.0, 1.0, 2 * 1024).reshape(2, 1024)
+        score_mod = lambda s, b, h, q_idx, kv_idx: s + token_bias[b, kv_idx]  # noqa: E731
+        block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 1024, 1024)
     else:
         score_mod = cap
         block_mask = create_block_mask(and_masks(causal_mask, sliding_window(300)), None, None, 1024, 1024)
