@@ -242,15 +242,21 @@ def test_dropout_runs_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
     q, k, v = random_qkv(3, 2, 200, 200, 4, 2, 64, jnp.bfloat16)
     options = dict(causal=True, dropout_rate=0.25, dropout_seed=11, q_lengths=jnp.array([200, 150]),
                    kv_lengths=jnp.array([200, 120]))
+    _assert_flash_runs_tcgen05_as_the_reference((q, k, v), options, tcgen05_backward_calls, seed=4)
 
+
+def _assert_flash_runs_tcgen05_as_the_reference(qkv: tuple, options: dict, backward_calls: list, seed: int):
+    """flash_attention(**options) on the fake B200 runs the tcgen05 forward and backward (`backward_calls`:
+    the `tcgen05_backward_calls` fixture's list), and its output and gradients (for a normal cotangent of
+    `seed`) match the reference's."""
     def fn(q, k, v):
         return flash_attention(q, k, v, config=INTERPRET, **options)
 
-    assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
-    cotangent = normal(4, q.shape)
-    out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
-    want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),
+    assert _kernels(fn, *qkv) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(seed, qkv[0].shape)
+    out, grads = output_and_grads(fn, qkv, cotangent)
+    assert backward_calls, "the tcgen05 backward did not run"
+    want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), qkv,
                                             cotangent)
     assert_close(out, want_out, jnp.bfloat16, "out")
     for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
@@ -272,16 +278,4 @@ def test_segments_and_key_padding_masks_run_the_tcgen05_kernels_on_blackwell(tcg
     else:
         keep = jnp.arange(200)[None, :] < jnp.array([[190], [77]])
         options = dict(mask=keep[:, None, None, :])
-
-    def fn(q, k, v):
-        return flash_attention(q, k, v, config=INTERPRET, **options)
-
-    assert _kernels(fn, q, k, v) == {"probjax_mosaic_forward_tcgen05"}
-    cotangent = normal(8, q.shape)
-    out, grads = output_and_grads(fn, (q, k, v), cotangent)
-    assert tcgen05_backward_calls, "the tcgen05 backward did not run"
-    want_out, want_grads = output_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v),
-                                            cotangent)
-    assert_close(out, want_out, jnp.bfloat16, "out")
-    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
-        assert_close(got, want, jnp.bfloat16, name)
+    _assert_flash_runs_tcgen05_as_the_reference((q, k, v), options, tcgen05_backward_calls, seed=8)
