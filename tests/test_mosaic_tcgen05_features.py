@@ -263,19 +263,22 @@ def _assert_flash_runs_tcgen05_as_the_reference(qkv: tuple, options: dict, backw
         assert_close(got, want, jnp.bfloat16, name)
 
 
-@pytest.mark.parametrize("masking", ["segments", "key_padding_mask"])
-def test_segments_and_key_padding_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls, masking):
+@pytest.mark.parametrize("masking", ["segments", "key_padding_mask", "dense_mask_per_head"])
+def test_segments_and_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls, masking):
     """On a B200, flash_attention with packed sequences (segment ids of three documents a batch row, the
-    boundaries inside the kernels' tiles, causal, GQA 2:1, ragged lengths) or with a key padding mask
-    `[B, 1, 1, S]` (which reaches the kernels as segment ids): the tcgen05 forward, dQ and dK/dV mask across
-    segments. T = S = 200 pad to 256 (two of dK/dV's 128-key tiles). Output and gradients match the
-    reference's."""
+    boundaries inside the kernels' tiles, causal, GQA 2:1, ragged lengths), with a key padding mask
+    `[B, 1, 1, S]` (which reaches the kernels as segment ids) or with a random mask per batch row and head
+    `[B, N, T, S]` (int8 tiles beside K; some rows keep no key): the tcgen05 forward, dQ and dK/dV apply them.
+    T = S = 200 pad to 256 (two of dK/dV's 128-key tiles). Output and gradients match the reference's."""
     q, k, v = random_qkv(6, 2, 200, 200, 2, 1, 64, jnp.bfloat16)
     if masking == "segments":
         ids = jnp.array([[0] * 70 + [1] * 61 + [2] * 69, [0] * 10 + [1] * 150 + [2] * 40], jnp.int32)
         options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([200, 170]),
                        kv_lengths=jnp.array([200, 150]))
-    else:
+    elif masking == "key_padding_mask":
         keep = jnp.arange(200)[None, :] < jnp.array([[190], [77]])
         options = dict(mask=keep[:, None, None, :])
+    if masking == "dense_mask_per_head":
+        keep = jax.random.bernoulli(jax.random.key(7), 0.6, (2, 2, 200, 200)).at[0, 1, 5:9].set(False)
+        options = dict(mask=keep)
     _assert_flash_runs_tcgen05_as_the_reference((q, k, v), options, tcgen05_backward_calls, seed=8)

@@ -48,11 +48,14 @@ from probjax_kernels.mosaic.common import (
     _prologue,
     allocated_smem,
     check_layout,
+    check_dense_mask,
     check_outputs,
     check_segments,
     drain_ring,
     dropout_options,
     fill_ring_slot,
+    mask_index,
+    mask_tiles,
     read_seed,
     split_hook_refs,
 )
@@ -61,9 +64,10 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     HEAD_DIMS,
     fill_kv_ring,
     hook_views,
-    key_vectors,
+    key_sources,
     kv_walk,
     launch,
+    load_mask,
     load_segments,
     range_walk,
     run_walk,
@@ -93,45 +97,50 @@ def dq_score_pairs(head_dim: int, block_kv: int, num_stages: int) -> int:
 
 
 def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
-                  segments: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
+                  segments: bool = False, vectors: tuple[int, int] = (0, 0), dense_mask: bool = False) -> int:
     """Shared memory of one dQ CTA: Q (which carries dQ out) and dO, the lse2 / delta rows, the K / V ring and
     the dS tile, with `segments` the rows' segment ids and a ring of the keys', the hooks' vectors (`vectors`:
-    how many along queries, along keys: the rows' values, a ring beside K), with the barriers (the rows', the
-    ring's three, S's and dP's per pair, dQ's)."""
+    how many along queries, along keys: the rows' values, a ring beside K), with `dense_mask` a ring of int8
+    mask tiles beside K, with the barriers (the rows', the ring's three, S's and dP's per pair, dQ's)."""
     buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
                itemsize * BLOCK_Q * block_kv, *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
-               *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
+               *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
+               num_stages * BLOCK_Q * block_kv if dense_mask else 0]
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2 * pairs + 1)
 
 
 def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int = 2, segments: bool = False,
-                   vectors: tuple[int, int] = (0, 0)) -> int:
+                   vectors: tuple[int, int] = (0, 0), dense_mask: bool = False) -> int:
     """Shared memory of one dK / dV CTA: K and V (which carry dK and dV out), the Q / dO / lse2 / delta ring,
     the P and dS tiles, with `segments` a ring of the rows' segment ids and the keys' ids, the hooks' vectors
     in the ring (`vectors`: how many along queries, along keys; a query head's key vectors change with it),
-    with the barriers."""
+    with `dense_mask` the mask's int8 tiles in the ring too, with the barriers."""
     buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
                itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
                4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV,
                *segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments),
-               *[4 * num_stages * BLOCK_Q] * vectors[0], *[4 * num_stages * BLOCK_KV] * vectors[1]]
+               *[4 * num_stages * BLOCK_Q] * vectors[0], *[4 * num_stages * BLOCK_KV] * vectors[1],
+               num_stages * BLOCK_Q * BLOCK_KV if dense_mask else 0]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)  # K / V's, the ring's three, S's, dP's, dK/dV's
 
 
 def dkv_stages(head_dim: int, value_dim: int, itemsize: int = 2, segments: bool = False,
-               vectors: tuple[int, int] = (0, 0)) -> int:
+               vectors: tuple[int, int] = (0, 0), dense_mask: bool = False) -> int:
     """The Q / dO ring's slots of the dK / dV kernel: two where they fit in shared memory, else one."""
-    return 2 if dkv_smem_bytes(head_dim, value_dim, 2, itemsize, segments, vectors) <= SMEM_BYTES else 1
+    fits = dkv_smem_bytes(head_dim, value_dim, 2, itemsize, segments, vectors, dense_mask) <= SMEM_BYTES
+    return 2 if fits else 1
 
 
 def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_len, masked: bool, user_mask: bool,
-                  p_smem, ds_smem, batch, head, hook_arrays: Callable, seed_parts: tuple, segments: tuple | None):
+                  p_smem, ds_smem, batch, head, hook_arrays: Callable, seed_parts: tuple, segments: tuple | None,
+                  mask_parts: tuple = ()):
     """P (with `p_smem`) and dS of a (128, keys) tile into 16-bit shared-memory tiles, from S and dP in tensor
     memory, `CHUNK` columns at a time; rows are queries from row0, columns keys from key0, of query head `head`.
     `hook_arrays(columns)`: the hooks' (score_arrays, mask_arrays) for a chunk's columns of the tile;
-    `segments`: the rows' segment ids (`load_segments`) and the shared-memory ref of the tile's keys' ids.
+    `segments`: the rows' segment ids (`load_segments`) and the shared-memory ref of the tile's keys' ids;
+    `mask_parts`: a dense mask's int8 (128, `CHUNK`) tiles in shared memory, one per chunk.
     With a score_fn, dS carries its derivative (the caller's factor `scale` completes the chain rule); with
     dropout, dS = P (Z dP / (1 - rate) - delta) and the P for dV is Z P / (1 - rate) (Z the keep mask)."""
     for c in range(0, s_tmem.shape[1], CHUNK):
@@ -144,7 +153,9 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
             chunk_segments = (segments[0], load_segments(segments[1].at[columns], 1))
         s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
                                              user_mask=user_mask, hook_arrays=hook_arrays(columns),
-                                             with_derivative=True, segments=chunk_segments)
+                                             with_derivative=True, segments=chunk_segments,
+                                             dense=(lambda c=c: load_mask(mask_parts[c // CHUNK])) if mask_parts
+                                             else None)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         keep = None
         if rule.dropout_rate:  # hashed once for dP and P^T
@@ -177,13 +188,13 @@ def _store_accumulator(acc_tmem, smem, factor: float, visited) -> None:
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                block_kv: int, num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int,
                has_tables: bool, has_dropout: bool, has_segments: bool, score_vectors: tuple = (),
-               mask_vectors: tuple = ()):
-    tables, score_arrays, mask_arrays, segments, seed, _, (dq_ref, smem, tmem, barriers) = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+               mask_vectors: tuple = (), has_mask: bool = False):
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, (dq_ref, smem, tmem, barriers) = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
     vectors = vectors_in(groups[0] + groups[1])
     (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
-     vector_smem) = smem
+     vector_smem, mask_rings) = smem
     s_tmem, dp_tmem, dq_tmem = tmem
     rows_ready, k_ready, v_ready, kv_free, s_done, dp_done, dq_done = barriers
     q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -252,7 +263,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                 return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
 
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
-                          masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
+                          masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts, tile_segments,
+                          tuple(ring.at[slot] for ring in mask_rings))
             plgpu.tcgen05_mma(dq_tmem, ds_smem, k_smem.at[slot], dq_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(kv_free.at[slot])  # the slot is free once these MMAs complete
 
@@ -270,19 +282,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     segments=None if segments is None else (segments[1], kv_segment_smem),
-                     vectors=key_vectors(vectors, vector_smem, batch, head))
+                     beside_k=key_sources(batch, head, row0, (segments, kv_segment_smem), (vectors, vector_smem),
+                                          (mask_ref, mask_rings)))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
                 num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, has_tables: bool,
-                has_dropout: bool, has_segments: bool, score_vectors: tuple = (), mask_vectors: tuple = ()):
-    tables, score_arrays, mask_arrays, segments, seed, _, (dk_ref, dv_ref, smem, tmem, barriers) = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+                has_dropout: bool, has_segments: bool, score_vectors: tuple = (), mask_vectors: tuple = (),
+                has_mask: bool = False):
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, (dk_ref, dv_ref, smem, tmem, barriers) = (
+        split_hook_refs(refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask))
     groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
     vectors = vectors_in(groups[0] + groups[1])
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, ds_smem, q_segment_smem, kv_segment_smem,
-     vector_smem) = smem
+     vector_smem, mask_rings) = smem
     s_tmem, dp_tmem, dk_tmem, dv_tmem = tmem
     kv_ready, q_ready, do_ready, rows_free, s_done, dp_done, kv_done = barriers
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -339,7 +352,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
                 return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
 
             _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
-                          ds_smem, batch, head, hook_arrays, seed_parts, tile_segments)
+                          ds_smem, batch, head, hook_arrays, seed_parts, tile_segments,
+                          tuple(ring.at[slot] for ring in mask_rings))
             plgpu.tcgen05_mma(dv_tmem, p_smem.transpose((1, 0)), do_smem.at[slot], accumulate=n > 0)
             plgpu.tcgen05_mma(dk_tmem, ds_smem.transpose((1, 0)), q_smem.at[slot], kv_done, accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(rows_free.at[slot])  # the slot is free once these MMAs complete
@@ -371,6 +385,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
                 copies.append((segments[0].at[batch, rows], q_segment_smem, q_ready))
             copies += [(vector_source(ref, batch, head, *((t * BLOCK_Q, BLOCK_Q) if axis == "q" else (key0, BLOCK_KV))),
                         buffer, q_ready) for (axis, ref), buffer in zip(vectors, vector_smem)]
+            for part, ring in enumerate(mask_rings):  # the mask's tile of (head, t), in CHUNK-column parts
+                columns = pl.ds(key0 + part * CHUNK, CHUNK)
+                copies.append((mask_ref.at[(*mask_index(mask_ref, batch, head), rows, columns)], ring, q_ready))
             fill_ring_slot(n, num_stages, (rows_free,), copies)
             return carry
 
@@ -395,11 +412,20 @@ _STATIC = ("scale", "causal", "window", "block_kv", "num_stages", "interpret", "
 
 
 def _backward_options(scale: float, causal: bool, window, score_fn, score_jvp, mask_fn, num_heads: int,
-                      dropout_rate: float, dropout_seed, dropout_positions, dropout_heads, segments) -> tuple:
+                      dropout_rate: float, dropout_seed, dropout_positions, dropout_heads, segments, mask) -> tuple:
     """(the backward kernels' ScoreRule, the dropout seed's inputs: () without dropout), checked; `segments`:
-    `check_segments`' ids or None."""
+    `check_segments`' ids or None; `mask`: `check_dense_mask`'s or None."""
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
-    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout), seed
+    return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask), seed
+
+
+def _mask_rings(mask, num_stages: int, keys: int) -> tuple:
+    """The shared-memory rings of a dense mask's int8 tiles (none without one): a tile of `keys` keys in
+    `CHUNK`-column parts, a ring each, so that each chunk of S reads its part whole."""
+    if mask is None:
+        return ()
+    return tuple(plgpu.SMEM((num_stages, BLOCK_Q, CHUNK), jnp.int8, transforms=mask_tiles(CHUNK))
+                 for _ in range(keys // CHUNK))
 _TENSOR_CORE = dict(orders_tensor_core=True)
 
 
@@ -413,7 +439,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                         kv_tables: tuple | None = None, dropout_rate: float = 0.0, dropout_seed=None,
                         dropout_positions: tuple[int, int] | None = None, dropout_heads: int | None = None,
                         q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                        score_vectors: tuple = (), mask_vectors: tuple = ()) -> jax.Array:
+                        score_vectors: tuple = (), mask_vectors: tuple = (),
+                        mask: jax.Array | None = None) -> jax.Array:
     """dQ of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the padding contract as in
@@ -425,8 +452,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     called on (128, `CHUNK`) parts of S; with a score_fn, `score_jvp` (score_fn's arguments; returns its value
     and d score_fn / d score).
     `kv_tables`: a BlockMask's tables on this kernel's (128, block_kv) tiles (`tcgen05_forward`'s). `dropout_*`:
-    the forward's dropout (its keep mask hashed again here). `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`:
-    the forward's segment ids.
+    the forward's dropout (its keep mask hashed again here). `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`,
+    `mask` `[B|1, N|1, T, S]`: the forward's segment ids and dense mask.
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype; zero in rows >= q_lengths[b] and rows without a key.
     """
@@ -435,27 +462,29 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     counts = vector_counts(score_vectors, mask_vectors)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
            dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize, q_segment_ids is not None,
-                         counts),
+                         counts, mask is not None),
            "the Mosaic GPU dQ kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, kv_tables, BLOCK_Q,
                                                 block_kv, "kv_tables")
     num_stages = min(num_stages, kv_len // block_kv)
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
     rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
-                                   dropout_seed, dropout_positions, dropout_heads, segments)
+                                   dropout_seed, dropout_positions, dropout_heads, segments, mask)
     kernel = functools.partial(_dq_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages,
                                group=num_heads // k.shape[2], num_score_arrays=len(score_arrays),
                                num_mask_arrays=len(mask_arrays), has_tables=tables is not None,
                                has_dropout=bool(seed), has_segments=segments is not None,
-                               score_vectors=score_vectors, mask_vectors=mask_vectors)
+                               score_vectors=score_vectors, mask_vectors=mask_vectors, has_mask=mask is not None)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    mask_rings = _mask_rings(mask, num_stages, block_kv)
     return launch(
         kernel, "probjax_mosaic_backward_dq_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
-         *(segments or ()), *seed),
+         *(segments or ()), *seed, *(() if mask is None else (mask,))),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -469,6 +498,7 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
                 vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
+                mask_rings,
             ),
             (
                 plgpu.TMEM((pairs, BLOCK_Q, block_kv), jnp.float32),
@@ -478,8 +508,8 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
             (
                 # Q, dO, lse2, delta (and the rows' segment ids and hook vectors)
                 plgpu.Barrier(num_arrivals=4 + bool(segments) + counts[0]),
-                # K (and its keys' segment ids and hook vectors)
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1], num_barriers=num_stages),
+                # K (and its keys' segment ids, hook vectors and mask parts)
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1] + len(mask_rings), num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(num_barriers=pairs, **_TENSOR_CORE),
@@ -504,7 +534,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                          dropout_seed=None, dropout_positions: tuple[int, int] | None = None,
                          dropout_heads: int | None = None, q_segment_ids: jax.Array | None = None,
                          kv_segment_ids: jax.Array | None = None, score_vectors: tuple = (),
-                         mask_vectors: tuple = ()) -> tuple[jax.Array, jax.Array]:
+                         mask_vectors: tuple = (), mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """dK and dV of `tcgen05_forward` on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
     **Arguments:** as `tcgen05_backward_dq`, except: S a multiple of 128 (`block_kv`: 128 keys per CTA, the only
@@ -522,27 +552,29 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
         raise ValueError(f"block_kv must be {BLOCK_KV} (tcgen05's M: the keys of a dK / dV tile), got {block_kv}")
     has_segments, counts = q_segment_ids is not None, vector_counts(score_vectors, mask_vectors)
     if num_stages is None:
-        num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments, counts)
+        num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments, counts, mask is not None)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
-           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize, has_segments, counts),
+           dkv_smem_bytes(head_dim, value_dim, num_stages, q.dtype.itemsize, has_segments, counts, mask is not None),
            "the Mosaic GPU dK / dV kernel for Blackwell")
     batch, q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, BLOCK_Q,
                                                 block_kv, "q_tables")
     rule, seed = _backward_options(scale, causal, window, score_fn, score_jvp, mask_fn, num_heads, dropout_rate,
-                                   dropout_seed, dropout_positions, dropout_heads, segments)
+                                   dropout_seed, dropout_positions, dropout_heads, segments, mask)
     kernel = functools.partial(_dkv_kernel, rule=rule, num_stages=num_stages, group=num_heads // num_kv_heads,
                                num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays),
                                has_tables=tables is not None, has_dropout=bool(seed),
                                has_segments=segments is not None, score_vectors=score_vectors,
-                               mask_vectors=mask_vectors)
+                               mask_vectors=mask_vectors, has_mask=mask is not None)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    mask_rings = _mask_rings(mask, num_stages, BLOCK_KV)
     dk, dv = launch(
         kernel, "probjax_mosaic_backward_dkv_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
-         *(segments or ()), *seed),
+         *(segments or ()), *seed, *(() if mask is None else (mask,))),
         out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
                   jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype)),
         scratch_types=(
@@ -558,6 +590,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                 plgpu.SMEM((num_stages, BLOCK_Q), jnp.int32) if segments else None,
                 plgpu.SMEM((BLOCK_KV,), jnp.int32) if segments else None,
                 vector_scratch(vectors, None, BLOCK_Q, BLOCK_KV, num_stages),
+                mask_rings,
             ),
             (
                 plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
@@ -567,8 +600,9 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
             ),
             (
                 plgpu.Barrier(num_arrivals=2 + bool(segments)),  # K and V (and the keys' segment ids)
-                # a slot's Q, lse2 (and its segment ids and the hook vectors of its query head)
-                plgpu.Barrier(num_arrivals=2 + bool(segments) + sum(counts), num_barriers=num_stages),
+                # a slot's Q, lse2 (and its segment ids, the hook vectors of its query head, its mask parts)
+                plgpu.Barrier(num_arrivals=2 + bool(segments) + sum(counts) + len(mask_rings),
+                              num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # its dO and delta
                 plgpu.Barrier(num_barriers=num_stages, **_TENSOR_CORE),
                 plgpu.Barrier(**_TENSOR_CORE),

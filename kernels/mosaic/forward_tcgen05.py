@@ -53,12 +53,14 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _check_tables,
     allocated_smem,
+    check_dense_mask,
     check_layout,
     check_segments,
     drain_ring,
     dropout_options,
     fill_ring_slot,
     mask_index,
+    mask_tiles,
     read_seed,
     same_segment,
     split_hook_refs,
@@ -74,18 +76,20 @@ _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_byte
 
 
 def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
-               return_max: bool = False, segments: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
+               return_max: bool = False, segments: bool = False, vectors: tuple[int, int] = (0, 0),
+               dense_mask: bool = False) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it: the Q tile (which carries O out when Dv = D, else
     an O tile of its own), the K and V rings, the P tile, the lse (and with `return_max` the row max) staging
     rows, with `segments` the query rows' segment ids and a ring of the keys', the hooks' vectors (`vectors`:
-    how many along queries, each the rows' 32-bit values; along keys, each a ring beside K), and the
-    barriers."""
+    how many along queries, each the rows' 32-bit values; along keys, each a ring beside K), with `dense_mask`
+    a ring of int8 mask tiles beside K, and the barriers."""
     buffers = [
         itemsize * BLOCK_Q * head_dim, itemsize * num_stages * block_kv * head_dim,
         itemsize * num_stages * block_kv * value_dim, itemsize * BLOCK_Q * block_kv, 4 * BLOCK_Q,
         itemsize * BLOCK_Q * value_dim if value_dim != head_dim else 0, 4 * BLOCK_Q if return_max else 0,
         *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
         *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
+        num_stages * BLOCK_Q * block_kv if dense_mask else 0,
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
 
@@ -100,6 +104,11 @@ def load_segments(ref, axis: int):
     """A 32-bit vector from shared memory (segment ids, a hook's vector) along a tensor-memory tile's rows
     (`axis` 0: one per query row) or columns (`axis` 1: one per key column)."""
     return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
+
+
+def load_mask(view) -> jax.Array:
+    """A dense mask's int8 tile (or chunk) in shared memory as a boolean tensor-memory-layout tile."""
+    return plgpu.load(view, layout=plgpu.Layout.TCGEN05) != 0
 
 
 def vector_counts(score_vectors: tuple, mask_vectors: tuple) -> tuple[int, int]:
@@ -160,15 +169,16 @@ def hook_shapes(block_kv: int) -> tuple:
 
 
 def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: bool, user_mask: bool = True,
-                hook_arrays: tuple = ((), ()), with_derivative: bool = False, segments: tuple | None = None):
+                hook_arrays: tuple = ((), ()), with_derivative: bool = False, segments: tuple | None = None,
+                dense: Callable | None = None):
     """(s, s_scale, derivative) of a tensor-memory-layout tile s = q k^T (rows: queries from row0, columns: keys
     from key0): the base-2 scores are s * s_scale, -inf where `masked` masks them (keys >= kv_len, with the
     rule's `segments` a query and a key of different segments, and with `user_mask` the window and the rule's
     mask_fn; a BlockMask's full blocks take the length and segment masks alone); with a score_fn the scores are
     its output (s_scale = log2(e)), and `derivative` its derivative with `with_derivative` (else None).
     `hook_arrays`: the score_fn's and the mask_fn's array refs; `segments`: the tile's rows' and columns' segment
-    ids (`load_segments`)."""
-    if rule.score_fn is None and rule.mask_fn is None and not rule.segments:
+    ids (`load_segments`); `dense()`: the tile of a dense mask (True = attend), with the rule's `dense_mask`."""
+    if rule.score_fn is None and rule.mask_fn is None and not rule.segments and not rule.dense_mask:
         if masked:
             s = masked_scores(s, rule if user_mask else ScoreRule(rule.scale), row0, key0, kv_len)
         return s, rule.scale * LOG2E, None
@@ -176,7 +186,7 @@ def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: 
     score_arrays, mask_arrays = hook_arrays
     return rule.scores(s, lambda: tile_indices(s.shape, row0, key0), batch, head, kv_len, masked=masked,
                        user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
-                       same_segment=segments and (lambda: same_segment(*segments, s.shape)),
+                       same_segment=segments and (lambda: same_segment(*segments, s.shape)), dense=dense,
                        with_derivative=with_derivative)
 
 
@@ -238,9 +248,9 @@ def tile_indices(shape: tuple, row0, key0) -> tuple:
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
                     has_tables: bool, has_dropout: bool, has_segments: bool, score_vectors: tuple = (),
-                    mask_vectors: tuple = ()):
-    tables, score_arrays, mask_arrays, segments, seed, _, refs = split_hook_refs(
-        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout)
+                    mask_vectors: tuple = (), has_mask: bool = False):
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
     groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
     vectors = vectors_in(groups[0] + groups[1])
@@ -248,7 +258,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
     (q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem, q_segment_smem, kv_segment_smem,
-     vector_smem) = smem
+     vector_smem, mask_smem) = smem
     s_tmem, o_tmem = tmem
     q_ready, k_ready, v_ready, kv_free, s_done, o_done = barriers
     o_smem = q_smem if own_o_smem is None else own_o_smem
@@ -302,7 +312,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
                 tile_segments = (q_segments, load_segments(kv_segment_smem.at[slot], 1))
             hook_arrays = hook_views(groups, vector_tiles(vectors, vector_smem, s.shape, slot))
             s, s_scale, _ = tile_scores(s, rule, row0, block * block_kv, kv_len, batch, head, masked=masked,
-                                        user_mask=user_mask, hook_arrays=hook_arrays, segments=tile_segments)
+                                        user_mask=user_mask, hook_arrays=hook_arrays, segments=tile_segments,
+                                        dense=(lambda: load_mask(mask_smem.at[slot])) if has_mask else None)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -367,15 +378,30 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     segments=None if segments is None else (segments[1], kv_segment_smem),
-                     vectors=key_vectors(vectors, vector_smem, batch, head))
+                     beside_k=key_sources(batch, head, row0, (segments, kv_segment_smem), (vectors, vector_smem),
+                                          (mask_ref, (mask_smem,) if has_mask else ())))
 
 
-def key_vectors(vectors: list, buffers, batch, head) -> list:
-    """(source, ring) of each hook vector along keys, for `fill_kv_ring`: `source(start, length)` is the part of
-    (batch, head)'s vector that a K tile from key `start` reads."""
-    return [(functools.partial(vector_source, ref, batch, head), buffer)
-            for (axis, ref), buffer in zip(vectors, buffers) if axis == "kv"]
+def key_sources(batch, head, row0, segments: tuple, vectors: tuple, mask: tuple) -> list:
+    """(source, ring) of what arrives with each K tile of the forward and dQ kernels, for `fill_kv_ring`;
+    `source(start, length)` is the global-memory part that a tile of `length` keys from `start` reads:
+    - `segments`: (both segment ids' refs or None, the keys' ring);
+    - `vectors`: the hooks' (axis, ref) vectors and their buffers: those along keys, (batch, head)'s;
+    - `mask`: (the dense mask's ref or None, its rings): the query tile's rows from `row0`, the tile's keys split
+      evenly over the rings (64-column parts where the kernel reads the mask in chunks)."""
+    (segment_refs, segment_ring), (hook_vectors, buffers), (mask_ref, mask_rings) = segments, vectors, mask
+    out = []
+    if segment_refs is not None:
+        out.append((lambda start, length: segment_refs[1].at[batch, pl.ds(start, length)], segment_ring))
+    out += [(functools.partial(vector_source, ref, batch, head), buffer)
+            for (axis, ref), buffer in zip(hook_vectors, buffers) if axis == "kv"]
+    for part, ring in enumerate(mask_rings):
+        def mask_part(start, length, part=part):
+            width = length // len(mask_rings)
+            return mask_ref.at[(*mask_index(mask_ref, batch, head), pl.ds(row0, BLOCK_Q),
+                                pl.ds(start + part * width, width))]
+        out.append((mask_part, ring))
+    return out
 
 
 def hook_views(groups: tuple, tiles: list) -> tuple:
@@ -386,21 +412,17 @@ def hook_views(groups: tuple, tiles: list) -> tuple:
 
 
 def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, walk: Walk, block_kv: int,
-                 num_stages: int, segments: tuple | None = None, vectors: list = ()) -> None:
+                 num_stages: int, beside_k: list = ()) -> None:
     """The producer warpgroup of the tcgen05 kernels that stream K / V: the KV tiles of `walk` of (batch,
     kv_head) in its order by TMA into the `rings` (K's, V's), batch 0 where k / v have batch 1; step n's slot
     once the MMAs that read it have completed (`kv_free`); then waits the last slots out. `barriers`: (k_ready,
-    v_ready, kv_free). `segments`: (the keys' segment ids `[B, S]`, their ring), and `vectors` (`key_vectors`),
-    whose tiles arrive with K's."""
+    v_ready, kv_free). `beside_k`: (source, ring) of what arrives with K's tiles (`key_sources`)."""
     (k_smem, v_smem), (k_ready, v_ready, kv_free) = rings, barriers
 
     def load(n, block, carry, **_):
-        keys = pl.ds(block * block_kv, block_kv)
-        tile = (batch if k_ref.shape[0] > 1 else 0, keys, kv_head)
+        tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(block * block_kv, block_kv), kv_head)
         copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
-        if segments is not None:
-            copies.append((segments[0].at[batch, keys], segments[1], k_ready))
-        copies += [(source(block * block_kv, block_kv), ring, k_ready) for source, ring in vectors]
+        copies += [(source(block * block_kv, block_kv), ring, k_ready) for source, ring in beside_k]
         fill_ring_slot(n, num_stages, (kv_free,), copies)
         return carry
 
@@ -450,6 +472,7 @@ def tcgen05_forward(
     kv_segment_ids: jax.Array | None = None,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
@@ -481,6 +504,8 @@ def tcgen05_forward(
       (`_dropout.keep_mask`), as the Hopper kernel takes them (`mosaic_forward`).
     - `q_segment_ids` `[B, T]`, `kv_segment_ids` `[B, S]`: integer, both or neither (packed sequences): a query
       attends only keys of its own segment, on every tile (full BlockMask blocks included).
+    - `mask`: a dense `[B|1, N|1, T, S]` mask (bool or integer, nonzero = attend) over the padded sequences,
+      read as int8 tiles beside K, on every tile.
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype,
     lse `[B, N, T]` float32, the natural-log sum-exp of the scaled, modified, masked scores; max_scores
@@ -494,22 +519,24 @@ def tcgen05_forward(
         q, k, v, q_lengths, kv_lengths, scale, block_q=BLOCK_Q, q_multiple=BLOCK_Q, block_kv=block_kv,
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max,
-                             q_segment_ids is not None, vector_counts(score_vectors, mask_vectors)),
+                             q_segment_ids is not None, vector_counts(score_vectors, mask_vectors),
+                             mask is not None),
     )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // BLOCK_Q, kv_len // block_kv, BLOCK_Q, block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn,
-                     segments=segments is not None, **dropout)
+                     segments=segments is not None, dense_mask=mask is not None, **dropout)
     kernel = functools.partial(
         _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
         has_tables=tables is not None, has_dropout=bool(seed), has_segments=segments is not None,
-        score_vectors=score_vectors, mask_vectors=mask_vectors,
+        score_vectors=score_vectors, mask_vectors=mask_vectors, has_mask=mask is not None,
     )
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = vector_counts(score_vectors, mask_vectors)
@@ -517,7 +544,8 @@ def tcgen05_forward(
     rows = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
     return launch(
         kernel, "probjax_mosaic_forward_tcgen05",
-        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed),
+        (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
+         *(() if mask is None else (mask,))),
         out_type=(jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows,
                   *((rows,) if return_max else ())),
         scratch_types=(
@@ -532,14 +560,17 @@ def tcgen05_forward(
                 plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
                 vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
+                None if mask is None else plgpu.SMEM((num_stages, BLOCK_Q, block_kv), jnp.int8,
+                                                     transforms=mask_tiles(block_kv)),
             ),
             (
                 plgpu.TMEM((2, BLOCK_Q, block_kv), jnp.float32),
                 plgpu.TMEM((BLOCK_Q, value_dim), jnp.float32),
             ),
-            (  # with segments or hook vectors, Q's and K's barriers also await their copies
+            (  # with segments, hook vectors or a mask, Q's and K's barriers also await their copies
                 plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[0]),
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1], num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1] + (mask is not None),
+                              num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **tensor_core),
                 plgpu.Barrier(num_barriers=2, **tensor_core),

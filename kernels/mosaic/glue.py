@@ -207,12 +207,11 @@ def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts, q_shape: tuple,
                                tcgen05_hook_shapes(problem.config.block_k)))
 
 
-def _tcgen05_segments(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
-    """The tcgen05 kernels' segment ids: the call's, or its `vector_mask` as them (`_segments`); they take no
-    other mask (`plan._tcgen05_takes`)."""
-    segments = _segments(problem, optional, batch, q_len, kv_len)
-    segments.pop("mask", None)
-    return segments
+def _tcgen05_masks(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
+    """The tcgen05 kernels' segment ids and dense mask (`_segments`: the call's, a `vector_mask` as segment ids);
+    they take no mask as a bias (`plan._tcgen05_takes`)."""
+    assert not mask_as_bias(problem), "the tcgen05 kernels take no bias"
+    return _segments(problem, optional, batch, q_len, kv_len)
 
 
 def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
@@ -227,7 +226,7 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
                            num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
                            kv_tables=kv_tables, **_dropout(f, optional),
-                           **_tcgen05_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
+                           **_tcgen05_masks(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
                            **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape,
                                             k.shape[1]))
 
@@ -235,14 +234,14 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
 def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
     """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
     `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
-    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids
-    and hook vectors) get keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
+    dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids,
+    hook vectors and mask columns) get keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
     score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others))
-    segments = _tcgen05_segments(problem, others, *q.shape[:2], k.shape[1])
+    masks = _tcgen05_masks(problem, others, *q.shape[:2], k.shape[1])
     hooks = functools.partial(_tcgen05_hooks, problem, res["score_consts"], others["mask_consts"], q.shape)
     dq_options, dkv_options = {}, {}
     if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)
@@ -252,14 +251,16 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     grads = {}
     if tangents.q:
         grads["q"] = tcgen05_backward_dq(q, k, v, out, lse, d_out, q_len, kv_len, **options, **dq_options,
-                                         **segments, **hooks(k.shape[1]))
+                                         **masks, **hooks(k.shape[1]))
     if tangents.k or tangents.v:
         kv_len_padded = k.shape[1]
         extra = ((0, 0), (0, -kv_len_padded % TCGEN05_DKV_KEYS), (0, 0), (0, 0))
-        if segments.get("kv_segment_ids") is not None:
-            segments["kv_segment_ids"] = jnp.pad(segments["kv_segment_ids"], extra[:2])
+        if masks.get("kv_segment_ids") is not None:
+            masks["kv_segment_ids"] = jnp.pad(masks["kv_segment_ids"], extra[:2])
+        if masks.get("mask") is not None:  # its padded keys are masked: past kv_len
+            masks["mask"] = jnp.pad(masks["mask"], extra[:3] + ((0, extra[1][1]),))
         dk, dv = tcgen05_backward_dkv(_after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
-                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options, **segments,
+                                      out, lse, d_out, q_len, kv_len, **options, **dkv_options, **masks,
                                       **hooks(kv_len_padded + extra[1][1]))
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
     return {name: g for name, g in grads.items() if getattr(tangents, name)}

@@ -77,22 +77,24 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
     with two stages or more (within shared memory), and nothing beyond a window (causal), lengths, GQA, a key /
     value batch of 1, the row max, hooks that run in Mosaic GPU reading their arrays one element at a time or as
     vectors along q_idx / kv_idx (`_is_tcgen05_hook`), BlockMasks on 128 x 128 blocks or coarser ones (their
-    tables refined to every tcgen05 kernel's tiles), dropout (every backend's keep mask), segment ids and a mask
+    tables refined to every tcgen05 kernel's tiles), dropout (every backend's keep mask), segment ids, a mask
     over keys or queries alone that is one vector for all heads (`glue.vector_mask`: it reaches the kernels as
-    segment ids): no bias, no other mask."""
+    segment ids) and a mask over queries and keys (`[B|1, N|1, T, S]`: int8 tiles beside K): no bias, no mask
+    per head over keys or queries alone (the Hopper kernels take that as a bias)."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and set(head_dims) <= set(TCGEN05_HEAD_DIMS)
         and f.scale > 0 and problem.bias_shape is None
-        and (problem.mask_shape is None or glue.vector_mask(problem))
+        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem))
         and (f.block_sizes is None or all(size % TCGEN05_BLOCK_Q == 0 for size in f.block_sizes))
         and cfg.block_q == TCGEN05_BLOCK_Q and cfg.block_k in (64, 128) and cfg.num_stages >= 2
         and (f.score_mod is None or _is_tcgen05_hook(f.score_mod, tcgen05_hook_shapes(cfg.block_k), True))
         and (f.mask_mod is None or _is_tcgen05_hook(f.mask_mod, tcgen05_hook_shapes(cfg.block_k), False))
         and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize,
                                f.return_max, _has_vectors(problem),
-                               _vector_counts(problem, tcgen05_hook_shapes(cfg.block_k))) <= MOSAIC_SMEM_BYTES
+                               _vector_counts(problem, tcgen05_hook_shapes(cfg.block_k)),
+                               _dense_mask(problem)) <= MOSAIC_SMEM_BYTES
     )
 
 

@@ -215,11 +215,11 @@ BLACKWELL = ("sm100a_b200",)  # where backend "mosaic" runs the Blackwell kernel
 # The calls the Blackwell forward and backward take (16-bit, head dims 64 / 128): no feature beyond a window
 # (causal), lengths, GQA, v's own head dim, k / v of batch 1, hooks that read their arrays one element at a time
 # (a soft cap; ALiBi's slopes[h]) or along q_idx / kv_idx as vectors (a document mask's ids), BlockMasks of
-# 128 x 128 blocks, dropout, segment ids and a key padding mask (which reaches them as segment ids); the rest of
-# backend "mosaic" runs Triton there (a relative-bias table's gather included).
+# 128 x 128 blocks, dropout, segment ids, a key padding mask (which reaches them as segment ids) and a mask over
+# queries and keys; the rest of backend "mosaic" runs Triton there (a bias, a relative-bias table's gather).
 TCGEN05_FAMILIES = frozenset({"full", "causal", "window", "gqa8to2_causal", "dv64", "kv_batch1", "softcap", "alibi",
                               "sliding_window", "softcap_sliding_window", "dropout", "segments_lengths",
-                              "dense_mask_keys", "document_mask"})
+                              "dense_mask_keys", "document_mask", "dense_mask"})
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)

@@ -159,11 +159,11 @@ def test_dropout(monkeypatch):
     _assert_tcgen05_matches_reference(mosaic, reference, (q, k, v), loss, monkeypatch)
 
 
-@pytest.mark.parametrize("masking", ["segments", "key_padding_mask"])
+@pytest.mark.parametrize("masking", ["segments", "key_padding_mask", "dense_mask"])
 def test_segment_ids_and_key_padding_masks(masking, monkeypatch):
-    """Segment ids (three packed documents a row, causal, GQA 8:2, ragged lengths) and a `[B, 1, 1, S]` key
-    padding mask (which reaches the kernels as segment ids) in the tcgen05 forward, dQ and dK/dV: out and
-    gradients against the reference."""
+    """Segment ids (three packed documents a row, causal, GQA 8:2, ragged lengths), a `[B, 1, 1, S]` key
+    padding mask (which reaches the kernels as segment ids) and a random `[B, N, T, S]` mask (int8 tiles) in the
+    tcgen05 forward, dQ and dK/dV: out and gradients against the reference."""
     q, k, v = random_qkv(9, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
     cotangent = _normal(10, q.shape)
     if masking == "segments":
@@ -171,8 +171,10 @@ def test_segment_ids_and_key_padding_masks(masking, monkeypatch):
                                jnp.full((2, 224), 2, jnp.int32)], axis=1)
         options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, q_lengths=jnp.array([1024, 900]),
                        kv_lengths=jnp.array([1024, 700]))
-    else:
+    elif masking == "key_padding_mask":
         options = dict(mask=(jnp.arange(1024)[None, :] < jnp.array([[1000], [333]]))[:, None, None, :])
+    else:
+        options = dict(mask=jax.random.bernoulli(jax.random.key(3), 0.7, (2, 8, 1024, 1024)))
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
