@@ -151,7 +151,9 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.MOSAIC_FORWARD_TCGEN05, registry.MOSAIC_DQ_TCGEN05, registry.MOSAIC_DKV_TCGEN05}
     assert set(registry.requires_for(names["mosaic_grad_d128_bf16_segments_lengths"], "sm100a_b200")) == {
         registry.MOSAIC_FORWARD_TCGEN05, registry.MOSAIC_DQ_TCGEN05, registry.MOSAIC_DKV_TCGEN05}
-    assert names["mosaic_grad_d128_bf16_dense_bias"].targets == registry.HOPPER  # Triton's plan there
+    assert set(registry.requires_for(names["mosaic_grad_d128_bf16_dense_bias"], "sm100a_b200")) == {
+        registry.MOSAIC_FORWARD_TCGEN05, registry.DQ, registry.DKV}  # a bias's backward: Triton's
+    assert names["mosaic_flex_grad_d128_bf16_relative_bias"].targets == registry.HOPPER  # Triton's plan there
     assert any(name.startswith("decode_") for name in names)
 
 

@@ -117,15 +117,15 @@ def test_windows_and_full_attention_run_the_tcgen05_forward_on_blackwell(kwargs,
 
 
 def test_features_the_tcgen05_forward_lacks_run_the_triton_kernels_on_blackwell(monkeypatch):
-    """A bias or head dim 256 on Blackwell: backend "mosaic" leaves the call to the Triton kernels (as
-    on Hopper for the features its Mosaic kernels lack), and the answer is the reference's."""
+    """float32 inputs or head dim 256 on Blackwell: backend "mosaic" leaves the call to the Triton kernels (as
+    on Hopper for what its Mosaic kernels lack), and the answer is the reference's."""
     monkeypatch.setattr(_backend, "target_device", lambda: B200)
-    q, k, v = random_qkv(5, 1, 128, 128, 2, 1, 64, jnp.bfloat16)
+    q, k, v = random_qkv(5, 1, 128, 128, 2, 1, 64, jnp.float32)
     bias = normal(6, (1, 2, 128, 128))
     fn = functools.partial(flash_attention, config=INTERPRET, bias=bias)
     found = _kernels(fn, q, k, v)
     assert "probjax_flash_forward" in found and not any(name.startswith("probjax_mosaic") for name in found)
-    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, bias=bias), jnp.bfloat16, "out")
+    assert_close(fn(q, k, v), flash_attention_reference(q, k, v, bias=bias), jnp.float32, "out")
     wide = random_qkv(7, 1, 128, 128, 2, 1, 256, jnp.bfloat16)
     assert "probjax_mosaic_forward_tcgen05" not in _kernels(functools.partial(flash_attention, config=INTERPRET),
                                                           *wide)

@@ -282,3 +282,38 @@ def test_segments_and_masks_run_the_tcgen05_kernels_on_blackwell(tcgen05_backwar
         keep = jax.random.bernoulli(jax.random.key(7), 0.6, (2, 2, 200, 200)).at[0, 1, 5:9].set(False)
         options = dict(mask=keep)
     _assert_flash_runs_tcgen05_as_the_reference((q, k, v), options, tcgen05_backward_calls, seed=8)
+
+
+@pytest.mark.parametrize("case", ["tiles_bf16", "tiles_f32", "keys", "rows", "per_head_key_mask"])
+def test_a_bias_runs_the_tcgen05_forward_and_the_triton_backward_on_blackwell(tcgen05_backward_calls, case):
+    """On a B200, flash_attention with a dense bias of each way the kernels read one (`check_bias`): tiles of
+    its dtype `[B, N, T, S]` (bfloat16, float32), float32 key vectors `[B, 1, 1, S]`, row vectors `[1, N, T, 1]`;
+    and a per-head key mask `[B, N, 1, S]` (a 0 / -inf bias), causal, GQA 2:1, T = S = 200. The tcgen05
+    forward adds it to the scaled scores; the backward (the bias's gradient included) is Triton's. Output and
+    the gradients of q, k, v and the bias match the reference's."""
+    q, k, v = random_qkv(14, 2, 200, 200, 2, 1, 64, jnp.bfloat16)
+    shape = {"tiles_bf16": (2, 2, 200, 200), "tiles_f32": (2, 2, 200, 200), "keys": (2, 1, 1, 200),
+             "rows": (1, 2, 200, 1), "per_head_key_mask": (2, 2, 1, 200)}[case]
+    if case == "per_head_key_mask":
+        extra = jax.random.bernoulli(jax.random.key(15), 0.7, shape)
+        name = "mask"
+    else:
+        extra = normal(15, shape).astype(jnp.bfloat16 if case == "tiles_bf16" else jnp.float32)
+        name = "bias"
+
+    def run(attention, q, k, v, extra, **config):
+        return attention(q, k, v, causal=True, **{name: extra}, **config)
+
+    fn = functools.partial(run, flash_attention, config=INTERPRET)
+    args = (q, k, v, extra)
+    assert _kernels(fn, *args) == {"probjax_mosaic_forward_tcgen05"}
+    cotangent = normal(16, q.shape)
+    wrt = 4 if name == "bias" else 3
+    out, grads = output_and_grads(lambda *a: fn(*a[:3], *a[3:] or (extra,)), args[:wrt], cotangent)
+    assert not tcgen05_backward_calls, "a bias's backward runs on Triton"
+    want_out, want_grads = output_and_grads(
+        lambda *a: run(flash_attention_reference, *a[:3], *a[3:] or (extra,)), args[:wrt], cotangent)
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    for label, got, want in zip(("dq", "dk", "dv", "dbias")[:wrt], grads, want_grads, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, label
+        assert_close(got, want, jnp.bfloat16, label)

@@ -53,6 +53,10 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _check_tables,
     allocated_smem,
+    bias_kind,
+    bias_smem_bytes,
+    bias_tiles,
+    check_bias,
     check_dense_mask,
     check_layout,
     check_segments,
@@ -77,12 +81,13 @@ _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_byte
 
 def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, itemsize: int = 2,
                return_max: bool = False, segments: bool = False, vectors: tuple[int, int] = (0, 0),
-               dense_mask: bool = False) -> int:
+               dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it: the Q tile (which carries O out when Dv = D, else
     an O tile of its own), the K and V rings, the P tile, the lse (and with `return_max` the row max) staging
     rows, with `segments` the query rows' segment ids and a ring of the keys', the hooks' vectors (`vectors`:
     how many along queries, each the rows' 32-bit values; along keys, each a ring beside K), with `dense_mask`
-    a ring of int8 mask tiles beside K, and the barriers."""
+    a ring of int8 mask tiles beside K, a bias read as `bias` (`check_bias`'s kind, tiles of `bias_itemsize`
+    bytes an element; `bias_smem_bytes`), and the barriers."""
     buffers = [
         itemsize * BLOCK_Q * head_dim, itemsize * num_stages * block_kv * head_dim,
         itemsize * num_stages * block_kv * value_dim, itemsize * BLOCK_Q * block_kv, 4 * BLOCK_Q,
@@ -90,6 +95,7 @@ def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, it
         *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
         *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
         num_stages * BLOCK_Q * block_kv if dense_mask else 0,
+        bias_smem_bytes(bias, bias_itemsize, BLOCK_Q, block_kv, num_stages),
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
 
@@ -104,6 +110,27 @@ def load_segments(ref, axis: int):
     """A 32-bit vector from shared memory (segment ids, a hook's vector) along a tensor-memory tile's rows
     (`axis` 0: one per query row) or columns (`axis` 1: one per key column)."""
     return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
+
+
+def bias_layout(bias) -> tuple[str | None, int]:
+    """(how the kernel reads a bias, its itemsize) for the shared-memory check, before `check_bias` checks it."""
+    if bias is None or jnp.ndim(bias) != 4:
+        return None, 4
+    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
+
+
+def bias_tile(kind: str, buffer, slot, shape: tuple, columns=None) -> jax.Array:
+    """A bias's float32 tile of `shape` from shared memory, read as `check_bias`'s `kind`: a tile of the
+    ring's `slot` (its `columns`), the slot's key vector (its `columns`) along the rows, or the CTA's row vector
+    along the columns."""
+    if kind == "rows":
+        return lax.broadcast_in_dim(load_segments(buffer, 0), shape, [0])
+    view = buffer.at[slot]
+    if columns is not None:
+        view = view.at[:, columns] if kind == "tiles" else view.at[columns]
+    if kind == "keys":
+        return lax.broadcast_in_dim(load_segments(view, 1), shape, [1])
+    return plgpu.load(view, layout=plgpu.Layout.TCGEN05).astype(jnp.float32)
 
 
 def load_mask(view) -> jax.Array:
@@ -170,15 +197,17 @@ def hook_shapes(block_kv: int) -> tuple:
 
 def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: bool, user_mask: bool = True,
                 hook_arrays: tuple = ((), ()), with_derivative: bool = False, segments: tuple | None = None,
-                dense: Callable | None = None):
+                dense: Callable | None = None, bias: Callable | None = None):
     """(s, s_scale, derivative) of a tensor-memory-layout tile s = q k^T (rows: queries from row0, columns: keys
     from key0): the base-2 scores are s * s_scale, -inf where `masked` masks them (keys >= kv_len, with the
     rule's `segments` a query and a key of different segments, and with `user_mask` the window and the rule's
     mask_fn; a BlockMask's full blocks take the length and segment masks alone); with a score_fn the scores are
     its output (s_scale = log2(e)), and `derivative` its derivative with `with_derivative` (else None).
     `hook_arrays`: the score_fn's and the mask_fn's array refs; `segments`: the tile's rows' and columns' segment
-    ids (`load_segments`); `dense()`: the tile of a dense mask (True = attend), with the rule's `dense_mask`."""
-    if rule.score_fn is None and rule.mask_fn is None and not rule.segments and not rule.dense_mask:
+    ids (`load_segments`); `dense()`: the tile of a dense mask (True = attend), with the rule's `dense_mask`;
+    `bias()`: the tile's float32 bias, added to the scaled scores, with the rule's `bias`."""
+    plain = not (rule.segments or rule.dense_mask or rule.bias)
+    if rule.score_fn is None and rule.mask_fn is None and plain:
         if masked:
             s = masked_scores(s, rule if user_mask else ScoreRule(rule.scale), row0, key0, kv_len)
         return s, rule.scale * LOG2E, None
@@ -187,7 +216,7 @@ def tile_scores(s, rule: ScoreRule, row0, key0, kv_len, batch, head, *, masked: 
     return rule.scores(s, lambda: tile_indices(s.shape, row0, key0), batch, head, kv_len, masked=masked,
                        user_mask=user_mask, score_arrays=score_arrays, mask_arrays=mask_arrays,
                        same_segment=segments and (lambda: same_segment(*segments, s.shape)), dense=dense,
-                       with_derivative=with_derivative)
+                       bias=bias, with_derivative=with_derivative)
 
 
 # A CTA's walk over the tiles it visits, in order: runs of (first step, steps, tile of the run's i-th step,
@@ -248,9 +277,10 @@ def tile_indices(shape: tuple, row0, key0) -> tuple:
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_kv: int,
                     num_stages: int, group: int, num_score_arrays: int, num_mask_arrays: int, return_max: bool,
                     has_tables: bool, has_dropout: bool, has_segments: bool, score_vectors: tuple = (),
-                    mask_vectors: tuple = (), has_mask: bool = False):
+                    mask_vectors: tuple = (), has_mask: bool = False, bias: str | None = None):
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
+    bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)  # `check_bias`'s tiles, keys or rows
     # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
     groups = (grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors))
     vectors = vectors_in(groups[0] + groups[1])
@@ -258,7 +288,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     max_ref = refs.pop(0) if return_max else None
     smem, tmem, barriers = refs
     (q_smem, k_smem, v_smem, p_smem, lse_smem, own_o_smem, max_smem, q_segment_smem, kv_segment_smem,
-     vector_smem, mask_smem) = smem
+     vector_smem, mask_smem, bias_smem) = smem
     s_tmem, o_tmem = tmem
     q_ready, k_ready, v_ready, kv_free, s_done, o_done = barriers
     o_smem = q_smem if own_o_smem is None else own_o_smem
@@ -281,6 +311,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
         for (axis, ref), buffer in zip(vectors, vector_smem):  # and so do the hooks' vectors along queries
             if axis == "q":
                 plgpu.copy_gmem_to_smem(vector_source(ref, batch, head, row0, BLOCK_Q), buffer, q_ready)
+        if bias == "rows":  # and the rows' bias
+            plgpu.copy_gmem_to_smem(vector_source(bias_ref, batch, head, row0, BLOCK_Q), bias_smem, q_ready)
         plgpu.barrier_wait(q_ready)
         q_segments = load_segments(q_segment_smem, 0) if has_segments else None
 
@@ -313,7 +345,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
             hook_arrays = hook_views(groups, vector_tiles(vectors, vector_smem, s.shape, slot))
             s, s_scale, _ = tile_scores(s, rule, row0, block * block_kv, kv_len, batch, head, masked=masked,
                                         user_mask=user_mask, hook_arrays=hook_arrays, segments=tile_segments,
-                                        dense=(lambda: load_mask(mask_smem.at[slot])) if has_mask else None)
+                                        dense=(lambda: load_mask(mask_smem.at[slot])) if has_mask else None,
+                                        bias=(lambda: bias_tile(bias, bias_smem, slot, s.shape)) if bias else None)
             m_new = jnp.maximum(m_i, s.max(axis=1) * s_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -379,16 +412,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
                      beside_k=key_sources(batch, head, row0, (segments, kv_segment_smem), (vectors, vector_smem),
-                                          (mask_ref, (mask_smem,) if has_mask else ())))
+                                          (mask_ref, (mask_smem,) if has_mask else ()),
+                                          (bias_ref, bias_smem if bias in ("tiles", "keys") else None)))
 
 
-def key_sources(batch, head, row0, segments: tuple, vectors: tuple, mask: tuple) -> list:
+def key_sources(batch, head, row0, segments: tuple, vectors: tuple, mask: tuple, bias: tuple = (None, None)) -> list:
     """(source, ring) of what arrives with each K tile of the forward and dQ kernels, for `fill_kv_ring`;
     `source(start, length)` is the global-memory part that a tile of `length` keys from `start` reads:
     - `segments`: (both segment ids' refs or None, the keys' ring);
     - `vectors`: the hooks' (axis, ref) vectors and their buffers: those along keys, (batch, head)'s;
     - `mask`: (the dense mask's ref or None, its rings): the query tile's rows from `row0`, the tile's keys split
-      evenly over the rings (64-column parts where the kernel reads the mask in chunks)."""
+      evenly over the rings (64-column parts where the kernel reads the mask in chunks);
+    - `bias`: (a bias's ref read as tiles or key vectors, its ring; or None): the tile's part of it."""
     (segment_refs, segment_ring), (hook_vectors, buffers), (mask_ref, mask_rings) = segments, vectors, mask
     out = []
     if segment_refs is not None:
@@ -401,6 +436,13 @@ def key_sources(batch, head, row0, segments: tuple, vectors: tuple, mask: tuple)
             return mask_ref.at[(*mask_index(mask_ref, batch, head), pl.ds(row0, BLOCK_Q),
                                 pl.ds(start + part * width, width))]
         out.append((mask_part, ring))
+    bias_ref, bias_ring = bias
+    if bias_ring is not None:
+        def bias_part(start, length):
+            keys = pl.ds(start, length)
+            index = mask_index(bias_ref, batch, head)
+            return bias_ref.at[(*index, pl.ds(row0, BLOCK_Q), keys) if len(bias_ref.shape) == 4 else (*index, keys)]
+        out.append((bias_part, bias_ring))
     return out
 
 
@@ -473,6 +515,7 @@ def tcgen05_forward(
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
     mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Flash-attention forward on Blackwell (sm_100a) through Pallas Mosaic GPU's tcgen05 MMAs.
 
@@ -506,6 +549,9 @@ def tcgen05_forward(
       attends only keys of its own segment, on every tile (full BlockMask blocks included).
     - `mask`: a dense `[B|1, N|1, T, S]` mask (bool or integer, nonzero = attend) over the padded sequences,
       read as int8 tiles beside K, on every tile.
+    - `bias`: `[B|1, N|1, T|1, S|1]` bfloat16, float16 or float32, added to the scaled scores before a score_fn:
+      tiles of its dtype beside K where T and S are whole, else float32 key vectors beside K or row vectors
+      beside Q (`check_bias`).
 
     **Returns:** `(out, lse)`, with `return_max` `(out, lse, max_scores)`: out `[B, T, N, Dv]` in q's dtype,
     lse `[B, N, T]` float32, the natural-log sum-exp of the scaled, modified, masked scores; max_scores
@@ -520,23 +566,24 @@ def tcgen05_forward(
         kv_multiple=64, num_stages=num_stages, min_stages=2, head_dims=HEAD_DIMS,
         smem_need=smem_bytes(q.shape[-1], v.shape[-1], block_kv, num_stages, q.dtype.itemsize, return_max,
                              q_segment_ids is not None, vector_counts(score_vectors, mask_vectors),
-                             mask is not None),
+                             mask is not None, *bias_layout(bias)),
     )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
     mask = check_dense_mask(mask, batch, num_heads, q_len, kv_len)
+    bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
     tables = _check_tables(kv_tables, batch, num_heads, q_len // BLOCK_Q, kv_len // block_kv, BLOCK_Q, block_kv)
     num_stages = min(num_stages, kv_len // block_kv)
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     rule = ScoreRule(scale, **window_options(causal, window), score_fn=score_fn, mask_fn=mask_fn,
-                     segments=segments is not None, dense_mask=mask is not None, **dropout)
+                     segments=segments is not None, dense_mask=mask is not None, bias=bias is not None, **dropout)
     kernel = functools.partial(
         _forward_kernel, rule=rule, block_kv=block_kv, num_stages=num_stages, group=num_heads // num_kv_heads,
         num_score_arrays=len(score_arrays), num_mask_arrays=len(mask_arrays), return_max=return_max,
         has_tables=tables is not None, has_dropout=bool(seed), has_segments=segments is not None,
-        score_vectors=score_vectors, mask_vectors=mask_vectors, has_mask=mask is not None,
+        score_vectors=score_vectors, mask_vectors=mask_vectors, has_mask=mask is not None, bias=bias_kind,
     )
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = vector_counts(score_vectors, mask_vectors)
@@ -545,7 +592,7 @@ def tcgen05_forward(
     return launch(
         kernel, "probjax_mosaic_forward_tcgen05",
         (q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
-         *(() if mask is None else (mask,))),
+         *(() if mask is None else (mask,)), *(() if bias is None else (bias,))),
         out_type=(jax.ShapeDtypeStruct((batch, q_len, num_heads, value_dim), q.dtype), rows,
                   *((rows,) if return_max else ())),
         scratch_types=(
@@ -562,15 +609,18 @@ def tcgen05_forward(
                 vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
                 None if mask is None else plgpu.SMEM((num_stages, BLOCK_Q, block_kv), jnp.int8,
                                                      transforms=mask_tiles(block_kv)),
+                {"tiles": plgpu.SMEM((num_stages, BLOCK_Q, block_kv), bias.dtype, transforms=bias_tiles(bias.itemsize)),
+                 "keys": plgpu.SMEM((num_stages, block_kv), jnp.float32),
+                 "rows": plgpu.SMEM((BLOCK_Q,), jnp.float32)}[bias_kind] if bias is not None else None,
             ),
             (
                 plgpu.TMEM((2, BLOCK_Q, block_kv), jnp.float32),
                 plgpu.TMEM((BLOCK_Q, value_dim), jnp.float32),
             ),
             (  # with segments, hook vectors or a mask, Q's and K's barriers also await their copies
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[0]),
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1] + (mask is not None),
-                              num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[0] + (bias_kind == "rows")),
+                plgpu.Barrier(num_arrivals=1 + bool(segments) + counts[1] + (mask is not None)
+                              + (bias_kind in ("tiles", "keys")), num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=num_stages, **tensor_core),
                 plgpu.Barrier(num_barriers=2, **tensor_core),

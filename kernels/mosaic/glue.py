@@ -209,8 +209,7 @@ def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts, q_shape: tuple,
 
 def _tcgen05_masks(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
     """The tcgen05 kernels' segment ids and dense mask (`_segments`: the call's, a `vector_mask` as segment ids);
-    they take no mask as a bias (`plan._tcgen05_takes`)."""
-    assert not mask_as_bias(problem), "the tcgen05 kernels take no bias"
+    a mask over keys or queries alone that is not a `vector_mask` reaches the forward as a bias (`_bias`)."""
     return _segments(problem, optional, batch, q_len, kv_len)
 
 
@@ -226,6 +225,7 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
                            window=(f.window_left, f.window_right), block_kv=cfg.block_k,
                            num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
                            kv_tables=kv_tables, **_dropout(f, optional),
+                           bias=_bias(problem, optional["bias"], optional),
                            **_tcgen05_masks(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
                            **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape,
                                             k.shape[1]))
@@ -235,8 +235,8 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     """Gradients of q, k, v (those flagged in `tangents`) by the Blackwell dQ and dK/dV kernels (the calls of
     `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
     dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids,
-    hook vectors and mask columns) get keys up to one (masked: past kv_len) and their gradients are cut back. The gradients of a
-    score_mod's arrays come from `_chunked`, as on Triton."""
+    hook vectors and mask columns) get keys up to one (masked: past kv_len) and their gradients are cut back.
+    The gradients of a score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,

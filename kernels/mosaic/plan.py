@@ -79,14 +79,16 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
     vectors along q_idx / kv_idx (`_is_tcgen05_hook`), BlockMasks on 128 x 128 blocks or coarser ones (their
     tables refined to every tcgen05 kernel's tiles), dropout (every backend's keep mask), segment ids, a mask
     over keys or queries alone that is one vector for all heads (`glue.vector_mask`: it reaches the kernels as
-    segment ids) and a mask over queries and keys (`[B|1, N|1, T, S]`: int8 tiles beside K): no bias, no mask
-    per head over keys or queries alone (the Hopper kernels take that as a bias)."""
+    segment ids), a mask over queries and keys (`[B|1, N|1, T, S]`: int8 tiles beside K), and a dense bias of
+    every broadcast shape or another mask over keys or queries alone as one (`glue.mask_as_bias`), whose
+    backward runs on Triton (`_tcgen05_backward_takes`)."""
     f, cfg = problem.features, problem.config
     return (
         cfg.backend in ("mosaic", "mosaic_interpret")
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and set(head_dims) <= set(TCGEN05_HEAD_DIMS)
-        and f.scale > 0 and problem.bias_shape is None
-        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem))
+        and f.scale > 0 and problem.bias_dtype in (None, "bfloat16", "float16", "float32")
+        and (problem.mask_shape is None or glue.vector_mask(problem) or _dense_mask(problem)
+             or glue.mask_as_bias(problem))
         and (f.block_sizes is None or all(size % TCGEN05_BLOCK_Q == 0 for size in f.block_sizes))
         and cfg.block_q == TCGEN05_BLOCK_Q and cfg.block_k in (64, 128) and cfg.num_stages >= 2
         and (f.score_mod is None or _is_tcgen05_hook(f.score_mod, tcgen05_hook_shapes(cfg.block_k), True))
@@ -94,14 +96,17 @@ def _tcgen05_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool
         and tcgen05_smem_bytes(*head_dims, cfg.block_k, cfg.num_stages, jnp.dtype(dtype).itemsize,
                                f.return_max, _has_vectors(problem),
                                _vector_counts(problem, tcgen05_hook_shapes(cfg.block_k)),
-                               _dense_mask(problem)) <= MOSAIC_SMEM_BYTES
+                               _dense_mask(problem), _bias_kind(problem), _bias_itemsize(problem)) <= MOSAIC_SMEM_BYTES
     )
 
 
 def _tcgen05_backward_takes(problem: _Problem) -> bool:
-    """Whether the Blackwell dQ and dK/dV kernels take a call the tcgen05 forward takes: its hooks run in Mosaic
+    """Whether the Blackwell dQ and dK/dV kernels take a call the tcgen05 forward takes: it has no bias (nor a
+    mask read as one: the Triton backward takes those, a bias's gradient included), and its hooks run in Mosaic
     GPU on their (128, `TCGEN05_CHUNK`) parts too, and a score_mod's derivative with them."""
     f, shapes = problem.features, tcgen05_hook_shapes(TCGEN05_CHUNK)
+    if _bias_kind(problem) is not None:
+        return False
     if f.mask_mod is not None and not _is_tcgen05_hook(f.mask_mod, shapes, False):
         return False
     return f.score_mod is None or (_is_tcgen05_hook(f.score_mod, shapes, True)

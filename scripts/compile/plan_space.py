@@ -5,8 +5,9 @@ compiles something no row before it compiles on that target.
 
 What a plan compiles, for one mode (`outcome`): each pass the mode runs (the forward; the backward's dQ and dK/dV
 in fwd+bwd; the tangent in jvp), as the kernel entry that runs it, its tiles, warps and stages, the dK/dV
-kernel's orientation and program grid (per query head, split in dV and dK) and the tangent's value splits. A
-row covers (target, backend, 16-bit or float32, mode, family, head dim, Dv equal to D or not, outcome); the
+kernel's orientation and program grid (per query head, split in dV and dK) and the tangent's value splits, and
+for the Mosaic GPU kernels how they read the call's bias and mask (float32 key or row vectors, tiles, segment
+ids: code, not tiles, that differs between calls of one family). A row covers (target, backend, 16-bit or float32, mode, family, head dim, Dv equal to D or not, outcome); the
 family is the grid's feature (a window, GQA, a dense bias, a flex hook, ...), and head dims under 64 count as
 64 (they take its tiles: a rule of their own makes their plan differ, and then they get a row).
 
@@ -86,14 +87,16 @@ def shaped_flash(name: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", backe
                  kv_heads=8, kv_batch=4, bias=None, mask=None, causal=True, requires=(), targets=()):
     """A `flash_attention` call with the arguments variants.py's `flash` does not take: key / value batch
     `kv_batch` (1: shared by every query batch), a bias of a broadcast shape ("keys": [B, 1, 1, S], a key
-    padding bias; "heads": [1, N, T, S]; "same" / "f32": [B, N, T, S] in the inputs' dtype / float32) with its
-    gradient, a mask of a broadcast shape ("keys": [B, 1, 1, S]; True: [B, 1, T, S])."""
+    padding bias; "heads": [1, N, T, S]; "rows": [1, N, T, 1]; "same" / "f32": [B, N, T, S] in the inputs' dtype /
+    float32) with its gradient, a mask of a broadcast shape ("keys": [B, 1, 1, S]; "head_keys": [B, N, 1, S];
+    True: [B, 1, T, S])."""
     import variants as registry
 
     batch, heads = registry.B, registry.N
     full = (batch, heads, q_len, q_len)
-    bias_shapes = {"same": full, "f32": full, "keys": (batch, 1, 1, q_len), "heads": (1, heads, q_len, q_len)}
-    mask_shapes = {True: (batch, 1, q_len, q_len), "keys": (batch, 1, 1, q_len)}
+    bias_shapes = {"same": full, "f32": full, "keys": (batch, 1, 1, q_len), "heads": (1, heads, q_len, q_len),
+                   "rows": (1, heads, q_len, 1)}
+    mask_shapes = {True: (batch, 1, q_len, q_len), "keys": (batch, 1, 1, q_len), "head_keys": (batch, heads, 1, q_len)}
 
     def build():
         import jax.numpy as jnp
@@ -160,7 +163,8 @@ def _probe(backend, dtype, d, feature, seed=False, suffix="", changes=None, labe
         options = dict(head_dim=d, dtype=dtype, backend=backend, **registry._flash_options(feature))
         builder = "flash"
     options.update(changes or {})
-    if "kv_batch" in options or options.get("bias") in ("keys", "heads") or options.get("mask") == "keys":
+    shaped = options.get("bias") in ("keys", "heads", "rows") or options.get("mask") in ("keys", "head_keys")
+    if "kv_batch" in options or shaped:
         builder = "shaped"
     dim = options.get("head_dim", d)
     stem = f"{prefix}_{{mode}}_d{dim}_{options['dtype']}_{label or feature}{suffix}"
@@ -203,9 +207,10 @@ def _deviations(probe: Probe) -> list[Probe]:
         causal = family != "full"
         out.append(moved("_kvbatch1", kv_batch=1, causal=causal))
     if family == "dense_bias" and dtype != "f32":
-        out += [moved("_keys", bias="keys", causal=False), moved("_heads", bias="heads", causal=False)]
+        out += [moved("_keys", bias="keys", causal=False), moved("_heads", bias="heads", causal=False),
+                moved("_rows", bias="rows", causal=False)]
     if family == "dense_mask":
-        out.append(moved("_keys", mask="keys", causal=False))
+        out += [moved("_keys", mask="keys", causal=False), moved("_headkeys", mask="head_keys", causal=False)]
     return out
 
 
@@ -355,7 +360,8 @@ def plan_of(probe: Probe, target: str):
 
 def outcome(plan, mode: str) -> tuple:
     """What the plan compiles in `mode`: each pass's kernel entry, tiles, warps, stages, dK/dV orientation and
-    grid, and its options (a second kernel's tiles, the tangent's value splits)."""
+    grid, its options (a second kernel's tiles, the tangent's value splits) and, for a Mosaic GPU pass, how its
+    kernels read the bias and the mask."""
     from probjax_kernels._problem import _Problem
 
     def tiles(problem):
@@ -363,9 +369,22 @@ def outcome(plan, mode: str) -> tuple:
         return (c.block_q, c.block_k, c.block_q_dkv, c.block_k_dkv, c.block_q_dq, c.block_k_dq, c.num_warps,
                 c.num_stages, problem.dkv_transposed, problem.dkv_per_query_head, problem.dkv_split)
 
+    def inputs(kernel_pass) -> tuple:
+        """How the Mosaic GPU kernels read the call's bias and mask (their code, not their tiles, differs)."""
+        problem = kernel_pass.problem
+        if not kernel_pass.run.__module__.endswith("mosaic.glue"):
+            return ()
+        from probjax_kernels.mosaic import glue
+        from probjax_kernels.mosaic.common import bias_kind
+
+        bias = problem.mask_shape if glue.mask_as_bias(problem) else problem.bias_shape
+        mask = "vector" if glue.vector_mask(problem) else None if glue.mask_as_bias(problem) else problem.mask_shape
+        return (None if bias is None else bias_kind(bias), mask is not None and (mask == "vector" or "dense"))
+
     passes = (plan.forward, plan.backward if mode == "fwd+bwd" else plan.tangent)
     return tuple((f"{p.run.__module__}.{p.run.__qualname__}", tiles(p.problem),
-                  tuple((k, tiles(v) if isinstance(v, _Problem) else v) for k, v in p.options)) for p in passes)
+                  tuple((k, tiles(v) if isinstance(v, _Problem) else v) for k, v in p.options), *inputs(p))
+                 for p in passes)
 
 
 def _mosaic_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -542,6 +561,8 @@ def planned_rows(out: list) -> list:
         feature = "kv_batch1" if options.get("kv_batch") == 1 else probe.family
         if options.get("mask") == "keys":  # a key padding mask: a vector the Mosaic kernels take, unlike [B, 1, T, S]
             feature = "dense_mask_keys"
+        if options.get("mask") == "head_keys":  # a key mask per head: a 0 / -inf bias in the Mosaic kernels
+            feature = "dense_mask_head_keys"
 
         def requires(target=None):
             return registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,

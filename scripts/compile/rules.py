@@ -63,9 +63,6 @@ RETIRED: dict[str, str] = dict.fromkeys((
     "mosaic_grad_d256_bf16_causal_kvbatch1", "mosaic_jvp_d256_bf16_full_kvbatch1",
     "mosaic_jvp_d256_bf16_causal_kvbatch1",
 ), _MOSAIC_TOOK_IT) | dict.fromkeys((
-    "mosaic_grad_d64_bf16_dense_bias_gqa8to2", "mosaic_grad_d128_bf16_dense_bias_gqa8to2",
-    "mosaic_grad_d64_bf16_dense_bias_f32_gqa8to2", "mosaic_grad_d128_bf16_dense_bias_f32_gqa8to2",
-), _MOSAIC_TOOK_IT.replace("Version 13", "Version 14")) | dict.fromkeys((
     "mosaic_grad_d64_bf16_full_gqa8to2", "mosaic_grad_d128_bf16_full_gqa8to2",
     "mosaic_grad_d64_bf16_causal_gqa8to2", "mosaic_grad_d128_bf16_causal_gqa8to2",
     "mosaic_grad_d64_bf16_window_gqa8to2", "mosaic_grad_d128_bf16_window_gqa8to2",

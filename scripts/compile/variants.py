@@ -216,10 +216,12 @@ BLACKWELL = ("sm100a_b200",)  # where backend "mosaic" runs the Blackwell kernel
 # (causal), lengths, GQA, v's own head dim, k / v of batch 1, hooks that read their arrays one element at a time
 # (a soft cap; ALiBi's slopes[h]) or along q_idx / kv_idx as vectors (a document mask's ids), BlockMasks of
 # 128 x 128 blocks, dropout, segment ids, a key padding mask (which reaches them as segment ids) and a mask over
-# queries and keys; the rest of backend "mosaic" runs Triton there (a bias, a relative-bias table's gather).
+# queries and keys; the rest of backend "mosaic" runs Triton there (a relative-bias table's gather). A dense bias
+# (`TCGEN05_FORWARD_ONLY`) runs the tcgen05 forward and Triton's backward (its gradient there).
 TCGEN05_FAMILIES = frozenset({"full", "causal", "window", "gqa8to2_causal", "dv64", "kv_batch1", "softcap", "alibi",
                               "sliding_window", "softcap_sliding_window", "dropout", "segments_lengths",
                               "dense_mask_keys", "document_mask", "dense_mask"})
+TCGEN05_FORWARD_ONLY = frozenset({"dense_bias", "dense_bias_f32", "dense_mask_head_keys"})
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
@@ -238,12 +240,13 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor dropout or a float32 bias at
     256), its dQ / dK/dV where both are 64 / 128; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
-    for the families of `TCGEN05_FAMILIES` at head dims 64 / 128; tangent Triton."""
+    for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
+    `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     if backend == "mosaic" and target in BLACKWELL:
-        takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS) and feature in TCGEN05_FAMILIES
-        forward, backward = (MOSAIC_FORWARD_TCGEN05, (MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05)) if takes else (
-            FORWARD, (DQ, DKV))
+        takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS)
+        forward = MOSAIC_FORWARD_TCGEN05 if takes and feature in TCGEN05_FAMILIES | TCGEN05_FORWARD_ONLY else FORWARD
+        backward = (MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05) if takes and feature in TCGEN05_FAMILIES else (DQ, DKV)
         return (forward,) if mode == "fwd" else (forward, TANGENT) if mode == "jvp" else (forward, *backward)
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
