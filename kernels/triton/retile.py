@@ -219,9 +219,14 @@ def tcgen05_backward_configs(problem: _Problem, dtype, head_dim: int, dq: FlashC
     - dK/dV at head dim 256 with a BlockMask or a score_mod that gathers a score tile (a relative-bias table:
       split in two programs, `dkv_split`): 1 stage. On 2 the BlockMask's 16 x 64 on K Q^T spilled 756-792 B (split at 32
       x 64 still 60-64 B, 4 warps 5.8 KB) and the split relative-bias kernel 8 B at 128 registers; on 1 they hold
-      178-255 registers without a spill, all tcgen05."""
+      178-255 registers without a spill, all tcgen05;
+    - dK/dV at head dim 64 with a dense bias and GQA (its per-query-head grid, `dkv_per_query_head`): 1 stage.
+      On 2 the bfloat16 bias's 64 x 64 tile spilled 4 B at 128 registers on sm_100a (sm_90a holds it in 227
+      without a spill); the row of backend "mosaic" with a bias found it (docs/perf-notes.md, Version 25)."""
     if jnp.dtype(dtype).itemsize != 2:
         return dq, dkv
+    if head_dim <= 64 and problem.bias_shape is not None and problem.group > 1:
+        dkv = dataclasses.replace(dkv, num_stages=1)
     masked = problem.features.block_sizes is not None
     if masked and (head_dim > 128 or (head_dim <= 64 and problem.features.score_mod is not None)):
         dq = dataclasses.replace(dq, num_stages=1)

@@ -7,9 +7,10 @@ What a plan compiles, for one mode (`outcome`): each pass the mode runs (the for
 in fwd+bwd; the tangent in jvp), as the kernel entry that runs it, its tiles, warps and stages, the dK/dV
 kernel's orientation and program grid (per query head, split in dV and dK) and the tangent's value splits, and
 for the Mosaic GPU kernels how they read the call's bias and mask (float32 key or row vectors, tiles, segment
-ids: code, not tiles, that differs between calls of one family). A row covers (target, backend, 16-bit or float32, mode, family, head dim, Dv equal to D or not, outcome); the
-family is the grid's feature (a window, GQA, a dense bias, a flex hook, ...), and head dims under 64 count as
-64 (they take its tiles: a rule of their own makes their plan differ, and then they get a row).
+ids: code, not tiles, that differs between calls of one family). A row covers (target, backend, 16-bit or
+float32, mode, family, head dim, Dv equal to D or not, outcome); the family is the grid's feature (a window,
+GQA, a dense bias, a flex hook, ...), and head dims under 64 count as 64 (they take its tiles: a rule of their
+own makes their plan differ, and then they get a row).
 
 The probe space is the grid (variants.py `_grid_variants`) and, from each of its calls, one argument moved at a
 time to another value a user may pass (`_deviations`): float16 for bfloat16, head dim 16 and 32 for 64,
