@@ -21,12 +21,11 @@ dS = p * (dP - delta) computed there and written to shared memory as 16-bit tile
 `lse2` is the forward's lse in base 2, +inf for rows with no key and rows >= q_lengths[b] (the XLA preprocess,
 `common._prologue`), so p = 0 there; `delta` = rowsum(dO * O) comes from XLA. Tiles visited and the
 per-element mask (keys >= kv_lengths[b], the window / causal edge) as in the forward (`kv_tile_range`,
-`q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's calls (scale,
-causal / window, lengths, GQA, k / v of batch 1, Dv != D, hooks that read their arrays one element at a time:
-with a score_fn dS carries its derivative, from `score_jvp`; a BlockMask's tables: dQ walks its query tile's
-row of the kv tables, dK/dV its key tile's row of the q tables for each query head of the group; dropout, its
-keep mask hashed again per 64-column chunk; segment ids: dQ's rows' with Q and its keys' with each K tile,
-dK/dV's keys' with K and its rows' with each Q tile); they run in the Mosaic GPU interpreter as they are compiled.
+`q_tile_range`); the caller's padding contract is the forward's. The kernels take the forward's calls but a
+bias: with a score_fn dS carries its derivative (`score_jvp`); dQ walks its query tile's row of a BlockMask's
+kv tables, dK/dV its key tile's row of the q tables per query head; dropout's keep mask is hashed again per
+chunk; what arrives beside Q and K (`tcgen05_inputs`) comes with Q and each K tile in dQ, with each Q tile in
+dK/dV (segment ids of the keys with K). They run in the Mosaic GPU interpreter as they are compiled.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from probjax_kernels.mosaic.common import (
     dropout_options,
     fill_ring_slot,
     mask_index,
-    mask_tiles,
     read_seed,
     split_hook_refs,
 )
@@ -63,25 +61,17 @@ from probjax_kernels.mosaic.forward_tcgen05 import (
     BLOCK_Q,
     HEAD_DIMS,
     fill_kv_ring,
-    hook_views,
-    key_sources,
     kv_walk,
     launch,
-    load_mask,
-    load_segments,
     range_walk,
     run_walk,
-    segment_smem_bytes,
     table_walk,
     tile_indices,
     tile_scores,
-    vector_counts,
-    vector_scratch,
-    vector_source,
-    vector_tiles,
     walk_steps,
 )
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in
+from probjax_kernels.mosaic import tcgen05_inputs as inputs
 
 BLOCK_KV = 128  # keys per dK / dV CTA: tcgen05's M for dV += P^T dO and dK += dS^T Q
 DQ_BLOCK_KV = 64  # keys per dQ step by default
@@ -104,7 +94,7 @@ def dq_smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int,
     mask tiles beside K, with the barriers (the rows', the ring's three, S's and dP's per pair, dQ's)."""
     buffers = [itemsize * BLOCK_Q * head_dim, itemsize * BLOCK_Q * value_dim, 4 * BLOCK_Q, 4 * BLOCK_Q,
                itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim,
-               itemsize * BLOCK_Q * block_kv, *segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
+               itemsize * BLOCK_Q * block_kv, *inputs.segment_smem_bytes(BLOCK_Q, num_stages * block_kv, segments),
                *[4 * BLOCK_Q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
                num_stages * BLOCK_Q * block_kv if dense_mask else 0]
     pairs = dq_score_pairs(head_dim, block_kv, num_stages)
@@ -120,7 +110,7 @@ def dkv_smem_bytes(head_dim: int, value_dim: int, num_stages: int, itemsize: int
     buffers = [itemsize * BLOCK_KV * head_dim, itemsize * BLOCK_KV * value_dim,
                itemsize * num_stages * BLOCK_Q * head_dim, itemsize * num_stages * BLOCK_Q * value_dim,
                4 * num_stages * BLOCK_Q, 4 * num_stages * BLOCK_Q, 2 * itemsize * BLOCK_Q * BLOCK_KV,
-               *segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments),
+               *inputs.segment_smem_bytes(num_stages * BLOCK_Q, BLOCK_KV, segments),
                *[4 * num_stages * BLOCK_Q] * vectors[0], *[4 * num_stages * BLOCK_KV] * vectors[1],
                num_stages * BLOCK_Q * BLOCK_KV if dense_mask else 0]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 3)  # K / V's, the ring's three, S's, dP's, dK/dV's
@@ -150,11 +140,11 @@ def _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule: ScoreRule, row0, key0, kv_
         plgpu.wait_load_tmem()
         chunk_segments = None
         if segments is not None:
-            chunk_segments = (segments[0], load_segments(segments[1].at[columns], 1))
+            chunk_segments = (segments[0], inputs.load_segments(segments[1].at[columns], 1))
         s, s_scale, derivative = tile_scores(s, rule, row0, key0 + c, kv_len, batch, head, masked=masked,
                                              user_mask=user_mask, hook_arrays=hook_arrays(columns),
                                              with_derivative=True, segments=chunk_segments,
-                                             dense=(lambda c=c: load_mask(mask_parts[c // CHUNK])) if mask_parts
+                                             dense=(lambda c=c: inputs.load_mask(mask_parts[c // CHUNK])) if mask_parts
                                              else None)
         p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
         keep = None
@@ -214,14 +204,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                   (lse2_ref.at[row_vector], lse2_smem), (delta_ref.at[row_vector], delta_smem)]
         if has_segments:
             copies.append((segments[0].at[batch, pl.ds(row0, BLOCK_Q)], q_segment_smem))
-        copies += [(vector_source(ref, batch, head, row0, BLOCK_Q), buffer)  # the hooks' vectors along queries
+        copies += [(inputs.vector_source(ref, batch, head, row0, BLOCK_Q), buffer)  # the hooks' vectors along queries
                    for (axis, ref), buffer in zip(vectors, vector_smem) if axis == "q"]
         for src, dst in copies:
             plgpu.copy_gmem_to_smem(src, dst, rows_ready)
         plgpu.barrier_wait(rows_ready)
         lse2 = plgpu.load(lse2_smem, layout=_ROW)
         delta = plgpu.load(delta_smem, layout=_ROW)
-        q_segments = load_segments(q_segment_smem, 0) if has_segments else None
+        q_segments = inputs.load_segments(q_segment_smem, 0) if has_segments else None
 
         pairs = s_tmem.shape[0]  # S / dP tensor-memory pairs: with 2, step n + 1's run during step n's work
 
@@ -258,10 +248,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
                 plgpu.barrier_wait(dq_done)
 
             tile_segments = (q_segments, kv_segment_smem.at[slot]) if has_segments else None
-
-            def hook_arrays(columns):
-                return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
-
+            hook_arrays = inputs.chunk_views(groups, vectors, vector_smem, (BLOCK_Q, CHUNK), slot)
             _scores_to_ds(s_tmem.at[pair], dp_tmem.at[pair], lse2, delta, rule, row0, block * block_kv, kv_len,
                           masked, user_mask, None, ds_smem, batch, head, hook_arrays, seed_parts, tile_segments,
                           tuple(ring.at[slot] for ring in mask_rings))
@@ -282,8 +269,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_l
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     beside_k=key_sources(batch, head, row0, (segments, kv_segment_smem), (vectors, vector_smem),
-                                          (mask_ref, mask_rings)))
+                     beside_k=inputs.key_sources(batch, head, pl.ds(row0, BLOCK_Q), (segments, kv_segment_smem),
+                                                 (vectors, vector_smem), (mask_ref, mask_rings)))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule,
@@ -340,17 +327,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             delta = plgpu.load(delta_smem.at[slot], layout=_ROW)
             tile_segments = None
             if has_segments:
-                tile_segments = (load_segments(q_segment_smem.at[slot], 0), kv_segment_smem)
+                tile_segments = (inputs.load_segments(q_segment_smem.at[slot], 0), kv_segment_smem)
             plgpu.barrier_wait(s_done)
             plgpu.barrier_wait(dp_done)
 
             @pl.when(n > 0)
             def _():  # the previous step's P^T dO and dS^T Q have read the P and dS tiles
                 plgpu.barrier_wait(kv_done)
-
-            def hook_arrays(columns):  # every vector in the ring: the step's query head's
-                return hook_views(groups, vector_tiles(vectors, vector_smem, (BLOCK_Q, CHUNK), slot, columns))
-
+            # every vector in the ring: the step's query head's
+            hook_arrays = inputs.chunk_views(groups, vectors, vector_smem, (BLOCK_Q, CHUNK), slot)
             _scores_to_ds(s_tmem, dp_tmem, lse2, delta, rule, t * BLOCK_Q, key0, kv_len, masked, user_mask, p_smem,
                           ds_smem, batch, head, hook_arrays, seed_parts, tile_segments,
                           tuple(ring.at[slot] for ring in mask_rings))
@@ -383,8 +368,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_
             ]
             if has_segments:
                 copies.append((segments[0].at[batch, rows], q_segment_smem, q_ready))
-            copies += [(vector_source(ref, batch, head, *((t * BLOCK_Q, BLOCK_Q) if axis == "q" else (key0, BLOCK_KV))),
-                        buffer, q_ready) for (axis, ref), buffer in zip(vectors, vector_smem)]
+            spans = {"q": (t * BLOCK_Q, BLOCK_Q), "kv": (key0, BLOCK_KV)}  # the hooks' vectors of (head, t)
+            copies += [(inputs.vector_source(ref, batch, head, *spans[axis]), buffer, q_ready)
+                       for (axis, ref), buffer in zip(vectors, vector_smem)]
             for part, ring in enumerate(mask_rings):  # the mask's tile of (head, t), in CHUNK-column parts
                 columns = pl.ds(key0 + part * CHUNK, CHUNK)
                 copies.append((mask_ref.at[(*mask_index(mask_ref, batch, head), rows, columns)], ring, q_ready))
@@ -418,14 +404,6 @@ def _backward_options(scale: float, causal: bool, window, score_fn, score_jvp, m
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     return _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask), seed
 
-
-def _mask_rings(mask, num_stages: int, keys: int) -> tuple:
-    """The shared-memory rings of a dense mask's int8 tiles (none without one): a tile of `keys` keys in
-    `CHUNK`-column parts, a ring each, so that each chunk of S reads its part whole."""
-    if mask is None:
-        return ()
-    return tuple(plgpu.SMEM((num_stages, BLOCK_Q, CHUNK), jnp.int8, transforms=mask_tiles(CHUNK))
-                 for _ in range(keys // CHUNK))
 _TENSOR_CORE = dict(orders_tensor_core=True)
 
 
@@ -459,7 +437,7 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
     """
     q_lengths, kv_lengths = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
-    counts = vector_counts(score_vectors, mask_vectors)
+    counts = inputs.vector_counts(score_vectors, mask_vectors)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
            dq_smem_bytes(head_dim, value_dim, block_kv, num_stages, q.dtype.itemsize, q_segment_ids is not None,
                          counts, mask is not None),
@@ -480,7 +458,7 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                                has_dropout=bool(seed), has_segments=segments is not None,
                                score_vectors=score_vectors, mask_vectors=mask_vectors, has_mask=mask is not None)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
-    mask_rings = _mask_rings(mask, num_stages, block_kv)
+    mask_rings = inputs.mask_rings(mask, num_stages, BLOCK_Q, block_kv, CHUNK)
     return launch(
         kernel, "probjax_mosaic_backward_dq_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
@@ -497,7 +475,7 @@ def tcgen05_backward_dq(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array
                 plgpu.SMEM((BLOCK_Q, block_kv), q.dtype, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q,), jnp.int32) if segments else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
-                vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
+                inputs.vector_scratch(vectors, "q", BLOCK_Q, block_kv, num_stages),
                 mask_rings,
             ),
             (
@@ -550,7 +528,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     if block_kv != BLOCK_KV:
         raise ValueError(f"block_kv must be {BLOCK_KV} (tcgen05's M: the keys of a dK / dV tile), got {block_kv}")
-    has_segments, counts = q_segment_ids is not None, vector_counts(score_vectors, mask_vectors)
+    has_segments, counts = q_segment_ids is not None, inputs.vector_counts(score_vectors, mask_vectors)
     if num_stages is None:
         num_stages = dkv_stages(head_dim, value_dim, q.dtype.itemsize, has_segments, counts, mask is not None)
     _check(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale, block_kv, num_stages,
@@ -570,7 +548,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                                has_segments=segments is not None, score_vectors=score_vectors,
                                mask_vectors=mask_vectors, has_mask=mask is not None)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
-    mask_rings = _mask_rings(mask, num_stages, BLOCK_KV)
+    mask_rings = inputs.mask_rings(mask, num_stages, BLOCK_Q, BLOCK_KV, CHUNK)
     dk, dv = launch(
         kernel, "probjax_mosaic_backward_dkv_tcgen05",
         (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays,
@@ -589,7 +567,7 @@ def tcgen05_backward_dkv(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Arra
                 plgpu.SMEM((BLOCK_Q, BLOCK_KV), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, BLOCK_Q), jnp.int32) if segments else None,
                 plgpu.SMEM((BLOCK_KV,), jnp.int32) if segments else None,
-                vector_scratch(vectors, None, BLOCK_Q, BLOCK_KV, num_stages),
+                inputs.vector_scratch(vectors, None, BLOCK_Q, BLOCK_KV, num_stages),
                 mask_rings,
             ),
             (

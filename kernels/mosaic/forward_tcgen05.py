@@ -44,7 +44,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_kernels._tiles import kv_tile_range
-from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 from probjax_kernels.mosaic.common import (
     _M_INIT,
     _SWIZZLE,
@@ -53,7 +52,6 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _check_tables,
     allocated_smem,
-    bias_kind,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -63,13 +61,26 @@ from probjax_kernels.mosaic.common import (
     drain_ring,
     dropout_options,
     fill_ring_slot,
-    mask_index,
     mask_tiles,
     read_seed,
     same_segment,
     split_hook_refs,
     table_row,
     window_options,
+)
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in
+from probjax_kernels.mosaic.tcgen05_inputs import (
+    bias_layout,
+    bias_tile,
+    hook_views,
+    key_sources,
+    load_mask,
+    load_segments,
+    segment_smem_bytes,
+    vector_counts,
+    vector_scratch,
+    vector_source,
+    vector_tiles,
 )
 
 BLOCK_Q = 128  # tcgen05's M, and one row per thread of the softmax warpgroup
@@ -98,79 +109,6 @@ def smem_bytes(head_dim: int, value_dim: int, block_kv: int, num_stages: int, it
         bias_smem_bytes(bias, bias_itemsize, BLOCK_Q, block_kv, num_stages),
     ]
     return allocated_smem(buffers, barriers=1 + 3 * num_stages + 2)
-
-
-def segment_smem_bytes(rows: int, keys: int, segments: bool) -> list[int]:
-    """The shared-memory buffers of the int32 segment ids a tcgen05 kernel holds: `rows` queries' and `keys`
-    keys' (none without `segments`)."""
-    return [4 * rows, 4 * keys] if segments else []
-
-
-def load_segments(ref, axis: int):
-    """A 32-bit vector from shared memory (segment ids, a hook's vector) along a tensor-memory tile's rows
-    (`axis` 0: one per query row) or columns (`axis` 1: one per key column)."""
-    return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
-
-
-def bias_layout(bias) -> tuple[str | None, int]:
-    """(how the kernel reads a bias, its itemsize) for the shared-memory check, before `check_bias` checks it."""
-    if bias is None or jnp.ndim(bias) != 4:
-        return None, 4
-    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
-
-
-def bias_tile(kind: str, buffer, slot, shape: tuple, columns=None) -> jax.Array:
-    """A bias's float32 tile of `shape` from shared memory, read as `check_bias`'s `kind`: a tile of the
-    ring's `slot` (its `columns`), the slot's key vector (its `columns`) along the rows, or the CTA's row vector
-    along the columns."""
-    if kind == "rows":
-        return lax.broadcast_in_dim(load_segments(buffer, 0), shape, [0])
-    view = buffer.at[slot]
-    if columns is not None:
-        view = view.at[:, columns] if kind == "tiles" else view.at[columns]
-    if kind == "keys":
-        return lax.broadcast_in_dim(load_segments(view, 1), shape, [1])
-    return plgpu.load(view, layout=plgpu.Layout.TCGEN05).astype(jnp.float32)
-
-
-def load_mask(view) -> jax.Array:
-    """A dense mask's int8 tile (or chunk) in shared memory as a boolean tensor-memory-layout tile."""
-    return plgpu.load(view, layout=plgpu.Layout.TCGEN05) != 0
-
-
-def vector_counts(score_vectors: tuple, mask_vectors: tuple) -> tuple[int, int]:
-    """How many hook vectors a kernel holds along queries and along keys (`score_vectors` / `mask_vectors`: per
-    hook array, the axes of its vectors)."""
-    axes = [axis for array_axes in (*score_vectors, *mask_vectors) for axis in array_axes]
-    return axes.count("q"), axes.count("kv")
-
-
-def vector_scratch(vectors: list, resident: str, rows: int, keys: int, num_stages: int) -> tuple:
-    """The shared-memory buffers of the hooks' vectors (`hook_vectors.vectors_in`'s (axis, array) pairs) in a
-    tcgen05 kernel: a vector along the `resident` axis ("q", "kv", or None) holds the CTA's `rows` queries' or
-    `keys` keys' values; the others a ring of `num_stages` slots, one per step."""
-    def buffer(axis, array):
-        length = rows if axis == "q" else keys
-        return plgpu.SMEM((length,) if axis == resident else (num_stages, length), array.dtype)
-    return tuple(buffer(axis, array) for axis, array in vectors)
-
-
-def vector_source(ref, batch, head, start, length: int):
-    """The global-memory part of a hook vector `[B|1, N|1, L]` that a CTA of (batch, head) reads from `start`."""
-    return ref.at[(*mask_index(ref, batch, head), pl.ds(start, length))]
-
-
-def vector_tiles(vectors: list, buffers, shape: tuple, slot=None, columns=None) -> list:
-    """Per hook vector, a function giving its tile of `shape` (a tensor-memory-layout tile or chunk), loaded
-    from shared memory when a hook reads it: a vector along queries broadcast along the columns, one along keys
-    (restricted to `columns` of it) along the rows. A buffer with a ring (two axes) is read at `slot`."""
-    def tile(axis, buffer):
-        view = buffer.at[slot] if len(buffer.shape) == 2 else buffer
-        if axis == "kv" and columns is not None:
-            view = view.at[columns]
-        return lambda: lax.broadcast_in_dim(load_segments(view, 0 if axis == "q" else 1), shape,
-                                            [0 if axis == "q" else 1])
-    return [tile(axis, buffer) for (axis, _), buffer in zip(vectors, buffers)]
 
 
 def masked_scores(s, rule: ScoreRule, row0, key0, kv_len):
@@ -411,46 +349,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs, rule: Sco
     def _producer():
         fill_kv_ring(k_ref, v_ref, (k_smem, v_smem), (k_ready, v_ready, kv_free), batch=batch,
                      kv_head=lax.div(head, jnp.int32(group)), walk=walk, block_kv=block_kv, num_stages=num_stages,
-                     beside_k=key_sources(batch, head, row0, (segments, kv_segment_smem), (vectors, vector_smem),
-                                          (mask_ref, (mask_smem,) if has_mask else ()),
+                     beside_k=key_sources(batch, head, pl.ds(row0, BLOCK_Q), (segments, kv_segment_smem),
+                                          (vectors, vector_smem), (mask_ref, (mask_smem,) if has_mask else ()),
                                           (bias_ref, bias_smem if bias in ("tiles", "keys") else None)))
-
-
-def key_sources(batch, head, row0, segments: tuple, vectors: tuple, mask: tuple, bias: tuple = (None, None)) -> list:
-    """(source, ring) of what arrives with each K tile of the forward and dQ kernels, for `fill_kv_ring`;
-    `source(start, length)` is the global-memory part that a tile of `length` keys from `start` reads:
-    - `segments`: (both segment ids' refs or None, the keys' ring);
-    - `vectors`: the hooks' (axis, ref) vectors and their buffers: those along keys, (batch, head)'s;
-    - `mask`: (the dense mask's ref or None, its rings): the query tile's rows from `row0`, the tile's keys split
-      evenly over the rings (64-column parts where the kernel reads the mask in chunks);
-    - `bias`: (a bias's ref read as tiles or key vectors, its ring; or None): the tile's part of it."""
-    (segment_refs, segment_ring), (hook_vectors, buffers), (mask_ref, mask_rings) = segments, vectors, mask
-    out = []
-    if segment_refs is not None:
-        out.append((lambda start, length: segment_refs[1].at[batch, pl.ds(start, length)], segment_ring))
-    out += [(functools.partial(vector_source, ref, batch, head), buffer)
-            for (axis, ref), buffer in zip(hook_vectors, buffers) if axis == "kv"]
-    for part, ring in enumerate(mask_rings):
-        def mask_part(start, length, part=part):
-            width = length // len(mask_rings)
-            return mask_ref.at[(*mask_index(mask_ref, batch, head), pl.ds(row0, BLOCK_Q),
-                                pl.ds(start + part * width, width))]
-        out.append((mask_part, ring))
-    bias_ref, bias_ring = bias
-    if bias_ring is not None:
-        def bias_part(start, length):
-            keys = pl.ds(start, length)
-            index = mask_index(bias_ref, batch, head)
-            return bias_ref.at[(*index, pl.ds(row0, BLOCK_Q), keys) if len(bias_ref.shape) == 4 else (*index, keys)]
-        out.append((bias_part, bias_ring))
-    return out
-
-
-def hook_views(groups: tuple, tiles: list) -> tuple:
-    """(score_arrays, mask_arrays) as the hooks get them in a step: refs as they are, vectors as `VectorTiles`
-    whose tiles are `tiles` (`vector_tiles`, in `vectors_in` order: the score_fn's, then the mask_fn's)."""
-    score_count = len(vectors_in(groups[0]))
-    return views(groups[0], tiles[:score_count]), views(groups[1], tiles[score_count:])
 
 
 def fill_kv_ring(k_ref, v_ref, rings: tuple, barriers: tuple, *, batch, kv_head, walk: Walk, block_kv: int,

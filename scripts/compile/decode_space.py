@@ -128,7 +128,7 @@ def probes() -> list[DecodeProbe]:
 def plans_of(probe: DecodeProbe, devices: dict) -> dict:
     """The decode kernel's plan of the probe's call on each of `devices` (stand-ins with the targets' compute
     capabilities: `plan_space._device`), its call traced until the plan is made (`plan_space.first_results`)."""
-    from plan_space import first_results
+    from plan_trace import first_results
     from probjax_kernels.triton import decode as triton_decode
 
     made = first_results(*probe._build(), triton_decode, "plan_for", devices)

@@ -39,11 +39,12 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from plan_trace import _device, first_results  # this folder's (tests read plan_space._device)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -269,79 +270,6 @@ def probes() -> list[Probe]:
 
 # ------------------------------------------------------------------------------------------------ the plans
 
-class _Planned(Exception):
-    """Stops a traced call once the function whose result is wanted has returned."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _FakeGPU:
-    """What the dispatch reads of a device: its platform and compute capability."""
-
-    compute_capability: str
-    platform: str = "gpu"
-
-
-def _device(target: str) -> _FakeGPU:
-    from figures import target_limits
-
-    major, minor = re.fullmatch(r"sm_(\d+)(\d)a?", target_limits(target)["arch"]).groups()
-    return _FakeGPU(f"{major}.{minor}")
-
-
-def first_results(fn, specs, owner, name: str, devices: dict) -> dict:
-    """For each key of `devices`, what `owner.name` (a module's function, called through the module) returns
-    first while `fn` is traced on `specs` with that device as the target device, or None where the call never
-    reaches it; the trace stops there (nothing after it decides a kernel). One trace serves every device when
-    nothing before `owner.name` read the target device (its arguments then cannot depend on it): `owner.name`
-    is called on those arguments once per device. Else `fn` is traced again for each device."""
-    import jax
-    from probjax_kernels import _backend
-
-    real, real_device = getattr(owner, name), _backend.target_device
-    made, state = {}, {}
-
-    def reading():
-        state["read"] = True
-        return devices[state["key"]]
-
-    def recording(*args, **kwargs):
-        for key in (state["key"],) if state["read"] else devices:
-            _backend.target_device = lambda device=devices[key]: device
-            made[key] = real(*args, **kwargs)
-        raise _Planned
-
-    setattr(owner, name, recording)
-    # jax filters the traceback of every exception raised through its API (a third of derive()'s time when on).
-    filtering = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", "off")
-    try:
-        for key in devices:
-            if key in made:
-                continue
-            state.update(key=key, read=False)
-            _backend.target_device = reading
-            try:
-                jax.eval_shape(fn, *specs)
-            except _Planned:
-                pass
-            if key not in made and not state["read"]:  # never reached, whatever the device
-                return {key: made.get(key) for key in devices}
-            made.setdefault(key, None)
-    finally:
-        setattr(owner, name, real)
-        _backend.target_device = real_device
-        jax.config.update("jax_traceback_filtering", filtering)
-    return made
-
-
-def first_result(fn, specs, owner, name: str, device):
-    """`first_results` for one device; a RuntimeError where the call never reaches `owner.name`."""
-    made = first_results(fn, specs, owner, name, {None: device})[None]
-    if made is None:
-        raise RuntimeError(f"the call never reached {owner.__name__}.{name}")
-    return made
-
-
 def plans_of(probe: Probe, targets) -> dict:
     """The `_dispatch.plan` of the probe's call on each of the targets (its forward traced until the plan is
     made, once for all of them: `first_results`)."""
@@ -477,7 +405,8 @@ def _source_key() -> str:
     """A hash of what the plans depend on: the kernels' source, the registry and this file, the targets."""
     files = sorted((REPO / "kernels").rglob("*.py")) + [HERE / "variants.py", Path(__file__).resolve(),
                                                          HERE / "figures.py", HERE / "serving_step.py",
-                                                         HERE / "decode_space.py", HERE / "ragged_space.py"]
+                                                         HERE / "decode_space.py", HERE / "ragged_space.py",
+                                                         HERE / "plan_trace.py"]
     files += sorted((HERE / "gpu_targets").glob("*.txtpb"))
     digest = hashlib.sha256()
     for path in files:

@@ -111,7 +111,7 @@ def plans_of(probe: RaggedProbe, devices: dict) -> dict:
     there)."""
     import warnings
 
-    from plan_space import first_results
+    from plan_trace import first_results
     from probjax_kernels.triton import ragged as triton_ragged
 
     with warnings.catch_warnings():
