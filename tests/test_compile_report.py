@@ -143,6 +143,10 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
+    # The Mosaic tangent beside the Mosaic backward; Triton's with a bias, ALiBi's slopes or at head dim 256.
+    assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
+    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi", "mosaic_jvp_d256_bf16_causal"):
+        assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}, name
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
     assert set(registry.requires_for(names["mosaic_grad_d128_bf16_causal"], "sm100a_b200")) == {

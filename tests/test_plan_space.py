@@ -62,7 +62,7 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
     rows = plan_space.derived_rows()
     assert len(rows) > 100
     mosaic = {"forward": {registry.MOSAIC_FORWARD}, "forward_tcgen05": {registry.MOSAIC_FORWARD_TCGEN05},
-              "backward": {registry.MOSAIC_DQ, registry.MOSAIC_DKV},
+              "backward": {registry.MOSAIC_DQ, registry.MOSAIC_DKV}, "tangent": {registry.MOSAIC_TANGENT},
               "backward_tcgen05": {registry.MOSAIC_DQ_TCGEN05, registry.MOSAIC_DKV_TCGEN05}}
     blackwell = blackwell_backward = 0
     for row in rows:

@@ -47,9 +47,7 @@ from probjax_kernels.mosaic.common import (
     drain_ring,
     dropout_options,
     fill_ring_slot,
-    mask_index,
     mask_tiles,
-    own_ranges,
     read_seed,
     same_segment,
     split_hook_refs,
@@ -58,7 +56,8 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
 )
 from probjax_kernels.mosaic.forward import _check
-from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
+from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
@@ -109,6 +108,8 @@ def _dq_kernel(
     smem, row_ready, ready, free = refs
     (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
      mask_rings, bias_smem, dbias_smem, vector_smem) = smem  # mask_rings: a (block_q, part) int8 ring per part
+    side = SideInputs(segments, q_segment_smem, kv_segment_smem, mask_ref, mask_rings, bias, bias_ref, bias_smem,
+                      vectors, vector_smem)
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -145,30 +146,16 @@ def _dq_kernel(
         seed_parts = read_seed(seed)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
-        sources = [q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector]]
-        own = [x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)]
-        if has_segments:
-            sources.append(segments[0].at[batch, pl.ds(row0, rows)])
-            own.append(q_segment_smem.at[wg])
-        if bias == "rows":
-            sources.append(bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(row0, rows))])
-            own.append(bias_smem.at[wg])
-        row_bias_own = own[-1]
-        for (axis, ref), buffer in zip(vectors, vector_smem):  # the hooks' vectors along queries
-            if axis == "q":
-                sources.append(ref.at[(*mask_index(ref, batch, head), pl.ds(row0, rows))])
-                own.append(buffer.at[wg])
+        sources, own = side.row_copies(batch, head, row0, rows, wg)
+        sources = [q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector], *sources]
+        own = [*(x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)), *own]
         for src, dst, barrier in zip(sources, own, row_ready):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         for barrier in row_ready:
             plgpu.barrier_wait(barrier.at[wg])
-        q_own, do_own, lse2_own, delta_own = own[:4]
-        lse2 = plgpu.load(lse2_own, layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(delta_own, layout=plgpu.Layout.WGMMA.reduce(1))
-        if has_segments:
-            q_segments = plgpu.load(own[4], layout=plgpu.Layout.WGMMA.reduce(1))
-        if bias == "rows":
-            row_bias = plgpu.load(row_bias_own, layout=plgpu.Layout.WGMMA.reduce(1))
+        lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        q_segments, row_bias = side.row_values(wg)
 
         def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
             def body(acc_ref):
@@ -193,23 +180,7 @@ def _dq_kernel(
                 dp = matmul_t(do_own, v_part)
                 if j == block_kv // part - 1:
                     plgpu.barrier_arrive(v_free.at[slot])
-                kv_segments = mask_tile = None
-                if has_segments:  # its slot is freed with K's, after the last part
-                    kv_segments = plgpu.load(kv_segment_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0))
-                if has_mask:  # so is the mask tile's
-                    mask_tile = plgpu.load(mask_rings[j].at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
-                bias_tile = None
-                if bias == "tiles":  # and the bias tile's, or the keys' bias
-                    bias_tile = plgpu.load(bias_smem[j].at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
-                    bias_tile = bias_tile.astype(jnp.float32)
-                elif bias == "keys":
-                    bias_tile = lax.broadcast_in_dim(
-                        plgpu.load(bias_smem.at[slot, keys], layout=plgpu.Layout.WGMMA.reduce(0)), s.shape, [1])
-                elif bias == "rows":
-                    bias_tile = lax.broadcast_in_dim(row_bias, s.shape, [0])
-                tiles = [tile_of(buffer.at[wg], plgpu.Layout.WGMMA.reduce(1), s.shape, 0) if axis == "q" else
-                         tile_of(buffer.at[slot, keys], plgpu.Layout.WGMMA.reduce(0), s.shape, 1)
-                         for (axis, _), buffer in zip(vectors, vector_smem)]  # the hooks' vectors, loaded lazily
+                kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
 
                 def indices():
                     return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
@@ -253,17 +224,11 @@ def _dq_kernel(
                  plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                  if dbias_ref is not None and bias == "rows" else None)
         if has_tables:  # partial blocks: every mask; full blocks: the length mask only
-            carry = lax.fori_loop(0, num_partial, functools.partial(step, masked=True, user_mask=True), carry)
-            carry = lax.fori_loop(num_partial, cta_steps, functools.partial(step, masked=True, user_mask=False),
-                                  carry)
+            carry = run_steps(step, skip, carry, tables=(num_partial, cta_steps))
         else:
-            lo, full_lo, full_hi, hi = own_ranges(tile_ranges(row0), cta_lo)
-            lax.fori_loop(0, lo - cta_lo, skip, None)  # steps only the other consumer needs, before and after
-            for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
-                carry = lax.fori_loop(start - cta_lo, end - cta_lo,
-                                      functools.partial(step, masked=masked, user_mask=masked), carry)
-            lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
+            carry = run_steps(step, skip, carry, own=tile_ranges(row0), cta_lo=cta_lo, cta_steps=cta_steps)
         dq, row_sums = carry
+        q_own = q_smem.at[wg]
         q_own[...] = (dq * rule.scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
         if row_sums is not None:
             dbias_smem.at[wg][...] = row_sums
@@ -283,21 +248,7 @@ def _dq_kernel(
             key0 = block_of(kv_step) * block_kv
             tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(key0, block_kv), kv_head)
             copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
-            if has_segments:  # the keys' segment ids arrive with K
-                copies.append((segments[1].at[batch, pl.ds(key0, block_kv)], kv_segment_smem, k_ready))
-            if has_mask:  # and the CTA's rows of the dense mask, a tile per part
-                index = (*mask_index(mask_ref, batch, head), pl.ds(tile_row0, block_q))
-                copies += [(mask_ref.at[(*index, pl.ds(key0 + j * part, part))], ring, k_ready)
-                           for j, ring in enumerate(mask_rings)]
-            if bias == "tiles":  # and of the bias, a tile per part, or the keys' bias
-                index = (*mask_index(bias_ref, batch, head), pl.ds(tile_row0, block_q))
-                copies += [(bias_ref.at[(*index, pl.ds(key0 + j * part, part))], ring, k_ready)
-                           for j, ring in enumerate(bias_smem)]
-            elif bias == "keys":
-                copies.append((bias_ref.at[(*mask_index(bias_ref, batch, head), pl.ds(key0, block_kv))], bias_smem,
-                               k_ready))
-            copies += [(ref.at[(*mask_index(ref, batch, head), pl.ds(key0, block_kv))], buffer, k_ready)
-                       for (axis, ref), buffer in zip(vectors, vector_smem) if axis == "kv"]
+            copies += side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)

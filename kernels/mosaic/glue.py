@@ -26,6 +26,7 @@ from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
 from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_shapes
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 from probjax_kernels.mosaic.hook_vectors import hook_arrays
+from probjax_kernels.mosaic.tangent import TANGENT_TILES, mosaic_tangent
 
 
 def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
@@ -178,6 +179,28 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
     if tangents.bias:
         grads["bias"] = _bias_gradient(problem, bias, bias_parts, q_len, kv_len)
     return grads
+
+
+def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict, optional: dict,
+            *, interpret: bool):
+    """(d out, d lse) for the tangents of q, k, v in `linear` by the Mosaic GPU tangent kernel (calls that
+    `mosaic.plan._mosaic_tangent_takes`: no bias tangent, no score_mod arrays, so `tangents` moves q, k, v alone)
+    on (block_q, 64) tiles; a BlockMask's tables refined to them."""
+    f = problem.features
+    options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
+                   block_q=TANGENT_TILES[0], block_kv=TANGENT_TILES[1],
+                   **_segments(problem, optional, *q.shape[:2], k.shape[1]), **_dropout(f, optional),
+                   bias=_bias(problem, optional["bias"], optional))
+    if f.score_mod is not None or f.mask_mod is not None:
+        options.update(
+            mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),
+            score_jvp=_mosaic_score_jvp_fn(f.score_mod),
+            **_hook_arrays(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
+        )
+    if f.block_sizes is not None:
+        options["kv_tables"] = refined_tables(optional["kv_tables"], f.block_sizes, TANGENT_TILES)
+    return mosaic_tangent(q, k, v, out, lse2, q_len, kv_len, dq=linear.get("q"), dk=linear.get("k"),
+                          dv=linear.get("v"), **options)
 
 
 def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):

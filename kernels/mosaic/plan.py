@@ -1,11 +1,12 @@
 """The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
 plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
-64 / 128 where a score_mod's derivative lowers too. On Blackwell (10.x, tcgen05): the tcgen05 forward and
+64 / 128 where a score_mod's derivative lowers too, and there the Mosaic tangent kernel for calls without a
+bias or a score_mod's arrays (`_mosaic_tangent_takes`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
 backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
 lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
 window mask_mod) or along q_idx / kv_idx (document masks, per-token biases), BlockMasks of 128 x 128 blocks or
-coarser, dropout and segment ids (a key padding mask as them); the tangent stays Triton's. It serves
+coarser, dropout and segment ids (a key padding mask as them); their tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -38,7 +39,10 @@ from probjax_kernels.mosaic.forward_tcgen05 import HEAD_DIMS as TCGEN05_HEAD_DIM
 from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_shapes
 from probjax_kernels.mosaic.forward_tcgen05 import smem_bytes as tcgen05_smem_bytes
 from probjax_kernels.mosaic.hook_vectors import hook_specs, specs_at, vector_counts, vector_reads
+from probjax_kernels.mosaic.tangent import TANGENT_TILES, tangent_smem_bytes
 
+TANGENT_HOOK_SHAPES = ((), (), (TANGENT_TILES[0] // 2, MOSAIC_PART), (TANGENT_TILES[0] // 2, MOSAIC_PART),
+                      (TANGENT_TILES[0] // 2, MOSAIC_PART))  # where the tangent kernel calls the hooks
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
 
 
@@ -274,6 +278,24 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
+def _mosaic_tangent_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
+    """Whether the Mosaic tangent kernel (`mosaic.tangent`, Hopper) runs this call's forward-mode pass: calls
+    whose backward the Mosaic kernels take (`_fits_mosaic`) at head dims 64 / 128, without a bias or a
+    score_mod that captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on
+    `TANGENT_TILES` with every tangent moving within shared memory."""
+    head_dim, value_dim = head_dims
+    if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS)
+            or problem.bias_shape is not None or problem.num_score_consts):
+        return False
+    f = problem.features
+    if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
+        return False
+    return tangent_smem_bytes(
+        head_dim, *TANGENT_TILES, 2, _interpreted(problem), segments=_has_vectors(problem), value_dim=value_dim,
+        dense_mask=_dense_mask(problem), bias=_bias_kind(problem), bias_itemsize=_bias_itemsize(problem),
+        vectors=_vector_counts(problem)) <= MOSAIC_SMEM_BYTES
+
+
 def on_blackwell(device) -> bool:
     """Whether the device is a tcgen05 GPU (compute capability 10.x: B200 / GB200 / B300), where the Mosaic
     backend runs its Blackwell kernels."""
@@ -357,10 +379,13 @@ class _MosaicGpu:
             return Passes(forward=KernelPass(glue.forward_tcgen05, problem, interpret), backward=backward)
         tiles = _mosaic_backward_tiles(problem, dtype, head_dims)
         forward = (("interpret", _interpreted(problem)), ("block_kv", forward_block_kv(problem, head_dims)))
-        backward = None
+        backward = tangent = None
         if tiles is not None:
             backward = KernelPass(glue.backward, problem, (("tiles", tuple(tuple(t.items()) for t in tiles)),))
-        return Passes(forward=KernelPass(glue.forward, problem, forward), backward=backward)
+        if _mosaic_tangent_takes(problem, dtype, head_dims):
+            tangent = KernelPass(glue.tangent, problem, (("interpret", _interpreted(problem)),))
+        return Passes(forward=KernelPass(glue.forward, problem, forward), backward=backward, tangent=tangent,
+                      hook_shapes=(TANGENT_HOOK_SHAPES,) if tangent is not None else ())
 
 
 BACKEND = _MosaicGpu()

@@ -1,6 +1,7 @@
 """The forward-mode tangent kernel in Pallas Triton (see docs/forward_mode.md): (d out, d lse) of one query
-tile for tangents of q, k, v, the bias and score_mod constants, in one pass over the KV tiles. Every backend
-runs it: the Mosaic kernels have no tangent kernel."""
+tile for tangents of q, k, v, the bias and score_mod constants, in one pass over the KV tiles. Backend
+"triton" runs it, and backend "mosaic" where its own tangent kernel (`mosaic.tangent`, Hopper) does not: a bias,
+a score_mod's captured arrays, head dim 256, float32, Blackwell."""
 
 from __future__ import annotations
 

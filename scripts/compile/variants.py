@@ -208,6 +208,7 @@ TANGENT, DECODE = "probjax_flash_tangent", "probjax_decode_attention"
 RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
+MOSAIC_TANGENT = "probjax_mosaic_tangent"  # Hopper's Mosaic tangent kernel
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -230,6 +231,9 @@ MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head di
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
 # over the shared memory), v's own head dim and k / v of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias"})
+# Calls whose tangent the Mosaic tangent kernel leaves to Triton's: a bias (its tangent) and a score_mod's captured
+# arrays (theirs: ALiBi's slopes), whose tangents are known only when the jvp runs.
+MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 
 
@@ -239,7 +243,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor dropout or a float32 bias at
-    256), its dQ / dK/dV where both are 64 / 128; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
+    256), its dQ / dK/dV where both are 64 / 128, and its tangent there too without a bias or a feature of
+    `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
     for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
     `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
@@ -252,9 +257,11 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory
     forward = MOSAIC_FORWARD if mosaic else FORWARD
-    if mode in ("fwd", "jvp"):
-        return (forward,) if mode == "fwd" else (forward, TANGENT)
     mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
+    if mode in ("fwd", "jvp"):
+        mosaic_tangent = (mosaic_backward and not feature.startswith("dense_bias")
+                          and feature not in MOSAIC_TANGENT_LACKS)
+        return (forward,) if mode == "fwd" else (forward, MOSAIC_TANGENT if mosaic_tangent else TANGENT)
     backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic_backward else (DQ, DKV)
     return (forward, *backward)
 

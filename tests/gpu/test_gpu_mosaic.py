@@ -225,3 +225,29 @@ def test_a_document_mask_in_the_mosaic_kernels(head_dim):
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
     _assert_mosaic_matches_reference(q, k, v, 19, None, block_mask, attention=flex_attention,
                                      reference=flex_attention_reference, enable_gqa=True)
+
+
+@pytest.mark.parametrize("case", ["causal_hd64", "causal_hd128", "dropout", "segments", "dense_mask"])
+def test_the_mosaic_tangent_kernel(case):
+    """jax.jvp through FlashConfig(backend="mosaic") compiled: the Mosaic forward and the Mosaic tangent kernel
+    (`mosaic.tangent`: four K / V-shaped rings, the final `- c out` from Q's tile) against the reference's jvp,
+    GQA 4:1, ragged key lengths, every input moving."""
+    head_dim = 64 if case == "causal_hd64" else 128
+    q, k, v = random_qkv(20, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    tangents = random_qkv(21, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    kwargs = {"causal": True, "kv_lengths": jnp.array([2048, 1500])}
+    if case == "dropout":
+        kwargs |= {"dropout_rate": 0.1, "dropout_seed": 5}
+    elif case == "segments":
+        segments = jnp.stack([jnp.repeat(jnp.arange(4), 512), jnp.repeat(jnp.arange(2), 1024)])
+        kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
+    elif case == "dense_mask":
+        kwargs |= {"mask": jax.random.bernoulli(jax.random.key(22), 0.8, (2, 8, 2048, 2048))}
+    mosaic = FlashConfig(backend="mosaic")
+    out, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention(*a, config=mosaic, **kwargs), p, t))(
+        (q, k, v), tangents)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    want, want_d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), p, t))(
+        f32, tuple(t.astype(jnp.float32) for t in tangents))
+    _assert_close("out", out, want, TOL)
+    _assert_close("d out", d_out, want_d_out, 2 * TOL)

@@ -1,0 +1,391 @@
+"""Forward-mode tangent kernel for Hopper (sm_90) in Pallas Mosaic GPU: (d out, d lse) of one query tile for
+tangents of q, k and v, in one pass over the KV tiles (docs/forward_mode.md; Triton's is `triton.tangent`).
+
+CTA layout of the dQ kernel (`mosaic.backward`): one CTA per (query tile of `block_q` rows, query head, batch),
+two consumer warpgroups owning `block_q // 2` rows each and a producer warpgroup feeding a ring of K / V slots
+(and of the tangents dK / dV) by TMA. With p = softmax(s) known from the forward's lse, d p_j = p_j (t_j - c)
+for the tangent t of the natural-log scores and c = sum_j p_j t_j, so per part of `PART` keys a consumer
+computes S = Q K^T and S' = dQ K^T + Q dK^T (wgmma from SMEM), p = exp2(s * scale * log2(e) - lse2),
+t = scale * S' (times d score_fn / d score with a score_fn), then c += rowsum(p t) and
+acc += (Z p t) V + (Z p) dV (Z: the dropout factor; wgmma, P from registers). At the end
+d out = acc - c out and d lse = c. Rows without a key (lse2 = +inf) get p = 0, so zero tangents.
+
+Window (causal) tile skipping, lengths, segment ids, dense masks, a bias without a tangent, block tables,
+hooks and dropout are those of the dQ kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax_kernels._tiles import kv_tile_range
+from probjax_kernels.mosaic.common import (
+    _CONSUMERS,
+    PART,
+    SMEM_BYTES,
+    ScoreRule,
+    _accumulate_pv,
+    _backward_rule,
+    _check_tables,
+    _launch,
+    allocated_smem,
+    bias_scratch,
+    bias_smem_bytes,
+    check_bias,
+    check_dense_mask,
+    check_segments,
+    drain_ring,
+    dropout_options,
+    fill_ring_slot,
+    mask_tiles,
+    read_seed,
+    same_segment,
+    split_hook_refs,
+    table_walk,
+    tile_indices,
+    union_of_ranges,
+    _SWIZZLE,
+)
+from probjax_kernels.mosaic.forward import _check
+from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
+from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
+
+TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-key slots fit at head dim 128
+
+
+def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, staged: bool = False,
+                       itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
+                       dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
+                       vectors: tuple[int, int] = (0, 0), moving: tuple[bool, bool, bool] = (True, True, True)) -> int:
+    """Shared memory of one tangent CTA as Mosaic GPU allocates it (`allocated_smem`), for the tangents of
+    (q, k, v) flagged in `moving`: Q (it takes `out` after the loop, and carries d out) and dQ tiles, lse2
+    rows, the K / V rings and those of dK / dV (v's head dim `value_dim`, default q's), a separate `out` tile
+    when v's head dim is not q's, with `staged` the P tile of one part (the interpreter's wgmma reads SMEM
+    operands), then the dQ kernel's segment ids, mask tiles, bias and hook vectors, and the barriers."""
+    value_dim = value_dim or head_dim
+    moves_q, moves_k, moves_v = moving
+    part = min(block_kv, PART)
+    parts = block_kv // part
+    q_tile, v_tile = itemsize * block_q * head_dim, itemsize * block_q * value_dim
+    k_ring, v_ring = itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim
+    buffers = [q_tile, q_tile if moves_q else 0, 4 * block_q, k_ring, v_ring, k_ring if moves_k else 0,
+               v_ring if moves_v else 0, v_tile if value_dim != head_dim else 0,
+               itemsize * block_q * part if staged else 0, 4 * block_q if segments else 0,
+               4 * num_stages * block_kv if segments else 0,
+               *([num_stages * block_q * part] * parts if dense_mask else []),
+               *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
+               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
+    row_barriers = 3 + moves_q + segments + (bias == "rows") + vectors[0]
+    return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages)
+
+
+def _tangent_kernel(
+    q_ref, k_ref, v_ref, out_ref, lse2_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
+    block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
+    num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
+    moving: tuple[bool, bool, bool], score_vectors: tuple = (), mask_vectors: tuple = (),
+):
+    moves_q, moves_k, moves_v = moving
+    refs = list(refs)
+    dq_ref = refs.pop(0) if moves_q else None
+    dk_ref = refs.pop(0) if moves_k else None
+    dv_ref = refs.pop(0) if moves_v else None
+    tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
+        refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
+    score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
+    vectors = vectors_in(score_groups + mask_groups)
+    num_score_vectors = len(vectors_in(score_groups))
+    bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    d_out_ref, d_lse_ref, smem, (row_ready, out_ready), ready, free = refs
+    (q_smem, dq_smem, lse2_smem, k_smem, v_smem, dk_smem, dv_smem, out_smem, p_smem, q_segment_smem,
+     kv_segment_smem, mask_rings, bias_smem, vector_smem) = smem
+    side = SideInputs(segments, q_segment_smem, kv_segment_smem, mask_ref, mask_rings, bias, bias_ref, bias_smem,
+                      vectors, vector_smem)
+    k_ready, v_ready = ready
+    k_free, v_free = free
+    rows = block_q // _CONSUMERS
+    part = min(block_kv, PART)
+    value_dim = v_ref.shape[-1]
+    num_q_tiles = q_ref.shape[1] // block_q
+    q_tile = lax.axis_index("q")
+    if rule.causal_only:  # heaviest tiles first
+        q_tile = num_q_tiles - 1 - q_tile
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    tile_row0 = q_tile * block_q
+
+    def tile_ranges(row0):
+        return kv_tile_range(row0, rows, q_len, kv_len, block_kv, rule.window, mask_everywhere=rule.mask_everywhere)
+
+    if has_tables:
+        num_partial, cta_steps, block_of = table_walk(tables, batch, head, q_tile)
+    else:
+        cta_lo, cta_hi = union_of_ranges([tile_ranges(tile_row0 + c * rows) for c in range(_CONSUMERS)])
+        cta_steps = cta_hi - cta_lo
+
+        def block_of(n):
+            return cta_lo + n
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = tile_row0 + wg * rows
+        seed_parts = read_seed(seed)
+        row_tile = (batch, pl.ds(row0, rows), head)
+        row_vector = (batch, head, pl.ds(row0, rows))
+        sources, own = side.row_copies(batch, head, row0, rows, wg)
+        sources = [q_ref.at[row_tile], lse2_ref.at[row_vector], *([dq_ref.at[row_tile]] if moves_q else []), *sources]
+        own = [q_smem.at[wg], lse2_smem.at[wg], *([dq_smem.at[wg]] if moves_q else []), *own]
+        for src, dst, barrier in zip(sources, own, row_ready):
+            plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
+        for barrier in row_ready:
+            plgpu.barrier_wait(barrier.at[wg])
+        lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        q_segments, row_bias = side.row_values(wg)
+
+        def scores(pairs):  # the sum over (a, b) of a (rows, D) @ b^T (D, part)
+            def body(acc_ref):
+                for a_smem, b_smem in pairs:
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(body, plgpu.ACC((rows, part), jnp.float32))
+
+        def step(kv_step, carry, masked: bool, user_mask: bool):
+            acc, c = carry
+            slot = lax.rem(kv_step, num_stages)
+            # The resident tiles through an opaque copy of wg: see the dK/dV kernel's step.
+            own = lax.optimization_barrier(wg)
+            q_own = q_smem.at[own]
+            plgpu.barrier_wait(k_ready.at[slot])
+            for j in range(block_kv // part):
+                keys = pl.ds(j * part, part)
+                k_part = k_smem.at[slot, keys]
+                s = scores([(q_own, k_part)])
+                pairs = [(dq_smem.at[own], k_part)] if moves_q else []
+                if moves_k:
+                    pairs.append((q_own, dk_smem.at[slot, keys]))
+                s_dot = scores(pairs) if pairs else None
+                kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
+
+                def indices():
+                    return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
+
+                s, s_scale, derivative = rule.scores(
+                    s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
+                    score_arrays=views(score_groups, tiles[:num_score_vectors]),
+                    mask_arrays=views(mask_groups, tiles[num_score_vectors:]),
+                    same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
+                    dense=lambda: mask_tile != 0, with_derivative=s_dot is not None and rule.score_fn is not None,
+                    bias=lambda: bias_tile,
+                )
+                p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                keep = rule.kept(indices, batch, head, seed_parts) if rule.dropout_rate else None
+
+                def dropped(x):
+                    return x if keep is None else jnp.where(keep, x * rule.kept_scale, jnp.zeros_like(x))
+
+                staged = None if p_smem is None else p_smem.at[wg]
+                if j == 0:
+                    plgpu.barrier_wait(v_ready.at[slot])
+                if s_dot is not None:
+                    t = s_dot * rule.scale if derivative is None else s_dot * rule.scale * derivative
+                    p_t = jnp.where(p > 0, p * t, 0.0)  # a non-finite tangent where p = 0 must not leak
+                    c = c + p_t.sum(axis=1)
+                    acc = _accumulate_pv(acc, dropped(p_t).astype(v_smem.dtype), v_smem.at[slot, keys], staged,
+                                         not interpret, lambda: None)
+                if moves_v:
+                    acc = _accumulate_pv(acc, dropped(p).astype(v_smem.dtype), dv_smem.at[slot, keys], staged,
+                                         not interpret, lambda: None)
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            return acc, c
+
+        def skip(kv_step, _):
+            slot = lax.rem(kv_step, num_stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+
+        carry = (plgpu.layout_cast(jnp.zeros((rows, value_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+        if has_tables:
+            acc, c = run_steps(step, skip, carry, tables=(num_partial, cta_steps))
+        else:
+            acc, c = run_steps(step, skip, carry, own=tile_ranges(row0), cta_lo=cta_lo, cta_steps=cta_steps)
+        # Q is no longer read: its tile (or out's own, where v's head dim is not q's) takes out, then d out.
+        out_own = (q_smem if out_smem is None else out_smem).at[wg]
+        plgpu.copy_gmem_to_smem(out_ref.at[row_tile], out_own, out_ready.at[wg])
+        plgpu.barrier_wait(out_ready.at[wg])
+        out = plgpu.load(out_own, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        out_own[...] = (acc - lax.broadcast_in_dim(c, acc.shape, [0]) * out).astype(out_own.dtype)
+        lse2_smem.at[wg][...] = c
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_own, d_out_ref.at[row_tile])
+        plgpu.copy_smem_to_gmem(lse2_smem.at[wg], d_lse_ref.at[row_vector])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
+
+        @pl.loop(0, cta_steps)
+        def _(kv_step):
+            key0 = block_of(kv_step) * block_kv
+            tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(key0, block_kv), kv_head)
+            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+            if moves_k:  # the tangents arrive with their primals
+                copies.append((dk_ref.at[tile], dk_smem, k_ready))
+            if moves_v:
+                copies.append((dv_ref.at[tile], dv_smem, v_ready))
+            copies += side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
+            fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
+
+        drain_ring(cta_steps, num_stages, k_free, v_free)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "interpret", "mask_fn",
+                     "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads", "score_vectors",
+                     "mask_vectors"),
+)
+def mosaic_tangent(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse2: jax.Array,
+    q_lengths: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    dq: jax.Array | None = None,
+    dk: jax.Array | None = None,
+    dv: jax.Array | None = None,
+    scale: float,
+    causal: bool,
+    window: tuple[int | None, int | None] = (None, None),
+    block_q: int = TANGENT_TILES[0],
+    block_kv: int = TANGENT_TILES[1],
+    num_stages: int = 2,
+    interpret: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_positions: tuple[int, int] | None = None,
+    dropout_heads: int | None = None,
+    kv_tables: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    mask_fn: Callable[..., jax.Array] | None = None,
+    score_fn: Callable[..., jax.Array] | None = None,
+    score_jvp: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+    mask_arrays: tuple[jax.Array, ...] = (),
+    score_arrays: tuple[jax.Array, ...] = (),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    score_vectors: tuple = (),
+    mask_vectors: tuple = (),
+) -> tuple[jax.Array, jax.Array]:
+    """The tangent of `mosaic_forward`'s (out, lse) on Hopper through Pallas Mosaic GPU, for tangents `dq`,
+    `dk`, `dv` of q, k, v (None: zero; the bias and the hooks' arrays hold still).
+
+    **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
+    (same padding contract; head dims 64 or 128, v's `[B, S, K, Dv]`); `out` `[B, T, N, Dv]` from the forward
+    and `lse2` `[B, N, T]`, its lse in base 2 and +inf for rows with no key (`_scores.base2_lse`); dq, dk, dv
+    shaped as q, k, v, at least one of them given.
+    The dropout arguments, `kv_tables`, the hooks (a score_fn with its `score_jvp`), segment ids, `mask` and
+    `bias` as in `mosaic_backward_dq`.
+
+    **Returns:** (d out `[B, T, N, Dv]` in out's dtype, d lse `[B, N, T]` float32, natural log; 0 for rows with
+    no key).
+    """
+    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
+    batch, q_len, num_heads, head_dim = q.shape
+    value_dim = v.shape[3]
+    for name, tangent, primal in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if tangent is not None and (tangent.shape != primal.shape or tangent.dtype != primal.dtype):
+            raise ValueError(f"{name} must have the shape and dtype of its primal {primal.shape} {primal.dtype}; "
+                             f"got {tangent.shape} {tangent.dtype}")
+    if out.shape != (batch, q_len, num_heads, value_dim) or lse2.shape != (batch, num_heads, q_len):
+        raise ValueError(f"out must be [B, T, N, Dv] = {[batch, q_len, num_heads, value_dim]} and lse2 [B, N, T]; "
+                         f"got {out.shape=}, {lse2.shape=}")
+    moving = (dq is not None, dk is not None, dv is not None)
+    if not any(moving):
+        raise ValueError("mosaic_tangent needs a tangent of q, k or v (dq, dk, dv are all None)")
+    segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
+    dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
+    mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
+    bias_kind, bias = check_bias(bias, batch, num_heads, q_len, k.shape[1])
+    vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
+    counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
+    if (need := tangent_smem_bytes(head_dim, block_q, block_kv, num_stages, interpret, q.dtype.itemsize,
+                                   segments is not None, value_dim, mask is not None, bias_kind,
+                                   4 if bias is None else bias.itemsize, counts, moving)) > SMEM_BYTES:
+        raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
+    kv_len = k.shape[1]
+    tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv,
+                           name="kv_tables")
+    lse2 = lse2.astype(jnp.float32)
+    transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    num_stages = min(num_stages, kv_len // block_kv)
+    rows, part = block_q // _CONSUMERS, min(block_kv, PART)
+    lin = tuple(t for t in (dq, dk, dv) if t is not None)
+    row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") + counts[0]
+    d_out, d_lse = _launch(
+        _tangent_kernel, "probjax_mosaic_tangent", (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
+        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                            bias is not None),
+        segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, moving=moving,
+        score_vectors=score_vectors, mask_vectors=mask_vectors,
+        out_type=(jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse2.shape, jnp.float32)),
+        scratch_types=(
+            (
+                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms) if moving[0] else None,
+                plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms) if moving[1] else None,
+                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms) if moving[2] else None,
+                plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
+                if value_dim != head_dim else None,
+                plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if interpret else None,
+                plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
+                      for _ in range(block_kv // part)) if mask is not None else None,
+                bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
+                             keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
+                tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
+                      for axis, ref in vectors),
+            ),
+            (tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(row_barriers)),
+             plgpu.Barrier(num_barriers=_CONSUMERS)),
+            (  # K's barrier also awaits dK, the segment ids, mask and bias tiles and key vectors; V's awaits dV
+                plgpu.Barrier(num_arrivals=1 + moving[1] + bool(segments) + (mask is not None) * (block_kv // part)
+                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
+                              num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=1 + moving[2], num_barriers=num_stages),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+            ),
+        ),
+        grid=(q_len // block_q, num_heads, batch),
+        grid_names=("q", "heads", "batch"),
+    )
+    return d_out, d_lse
