@@ -245,6 +245,14 @@ def test_dropout_runs_the_tcgen05_kernels_on_blackwell(tcgen05_backward_calls):
     _assert_flash_runs_tcgen05_as_the_reference((q, k, v), options, tcgen05_backward_calls, seed=4)
 
 
+def test_a_head_dim_under_64_runs_the_tcgen05_kernels_widened(tcgen05_backward_calls):
+    """On a B200, head dim 32 (the LM example's tiny preset's): q, k and v widened to 64 with zero columns, the
+    tcgen05 forward and backward run, and out and the gradients (cut back to 32) match the reference's."""
+    q, k, v = random_qkv(5, 1, 192, 192, 2, 1, 32, jnp.bfloat16)
+    _assert_flash_runs_tcgen05_as_the_reference((q, k, v), dict(causal=True, kv_lengths=jnp.array([150])),
+                                                tcgen05_backward_calls, seed=6)
+
+
 def _assert_flash_runs_tcgen05_as_the_reference(qkv: tuple, options: dict, backward_calls: list, seed: int):
     """flash_attention(**options) on the fake B200 runs the tcgen05 forward and backward (`backward_calls`:
     the `tcgen05_backward_calls` fixture's list), and its output and gradients (for a normal cotangent of

@@ -74,7 +74,9 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
             ran = set()
             for kernel_pass in passes:
                 if kernel_pass.run.__module__.endswith("mosaic.glue"):
-                    ran |= mosaic[kernel_pass.run.__name__]
+                    split = "'split', True" in str(kernel_pass.options)  # dK / dV as two programs (head dim 256)
+                    ran |= {registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV} if split else mosaic[
+                        kernel_pass.run.__name__]
                 else:
                     ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
             assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))
@@ -98,16 +100,33 @@ def test_a_row_the_registry_lost_fails_unless_retired(monkeypatch):
 
 
 def test_a_generation_rule_is_a_row_on_that_generation_only():
-    """On sm_100a a row appears where its plan differs from sm_90a's (tcgen05's own rules), and only there."""
-    rows = [r for r in plan_space.derived_rows() if "sm100a_b200" in r["targets"]]
+    """On sm_89 / sm_120 a row appears where its plan differs from sm_86's (their own rules), and only there."""
+    rows = [(t, r) for r in plan_space.derived_rows() for t in ("sm89_rtx4090", "sm120_rtx5090") if t in r["targets"]]
     assert rows
-    for row in rows:
+    for target, row in rows:
         probe = plan_space.probe_of(row)
         if probe.forced:
             continue
-        on_b200 = plan_space.outcome(plan_space.plan_of(probe, "sm100a_b200"), row["mode"])
-        on_h100 = plan_space.outcome(plan_space.plan_of(probe, "sm90a_h100"), row["mode"])
-        assert on_b200 != on_h100, probe.name(row["mode"])
+        on_target = plan_space.outcome(plan_space.plan_of(probe, target), row["mode"])
+        on_sm86 = plan_space.outcome(plan_space.plan_of(probe, "sm86_rtx3090"), row["mode"])
+        assert on_target != on_sm86, (target, probe.name(row["mode"]))
+
+
+def test_sm100a_compiles_every_triton_plan():
+    """sm_100a (`WHOLE_TARGETS`) compiles every Triton grid row, and a derived Triton row whose plan there equals
+    its plan on sm_90a too (the old subset rule skipped those: the same plan compiles to tcgen05 code of its own,
+    and one spilled only there)."""
+    by_name = {v.name: v for v in registry.variants()}
+    grid = [v for v in registry._grid_variants() if registry._whole_row(v)]
+    assert grid and all("sm100a_b200" in by_name[v.name].targets for v in grid)
+    same = []
+    for row in plan_space.derived_rows():
+        if "sm100a_b200" not in row["targets"] or row["probe"]["backend"] == "mosaic":
+            continue
+        probe = plan_space.probe_of(row)
+        plans = [plan_space.outcome(plan_space.plan_of(probe, t), row["mode"]) for t in ("sm100a_b200", "sm90a_h100")]
+        same += [probe.name(row["mode"])] if plans[0] == plans[1] else []
+    assert "flash_grad_d64_bf16_full_gqa8to2" in same
 
 
 def test_probes_are_unique_and_the_grid_comes_first():

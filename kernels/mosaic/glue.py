@@ -16,7 +16,7 @@ from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
-from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
+from probjax_kernels.mosaic.backward_dkv import DKV_TILES, mosaic_backward_dkv
 from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import DQ_BLOCK_KV as TCGEN05_DQ_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
@@ -27,6 +27,27 @@ from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_s
 from probjax_kernels.mosaic.forward_tcgen05 import tcgen05_forward
 from probjax_kernels.mosaic.hook_vectors import hook_arrays
 from probjax_kernels.mosaic.tangent import TANGENT_TILES, mosaic_tangent
+
+
+MIN_HEAD_DIM = 64  # the kernels' narrowest head dim: a row of 128-byte swizzled 16-bit columns
+
+
+def kernel_head_dims(head_dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The head dims the kernels run a call at: the padded ones, those under `MIN_HEAD_DIM` widened to it with
+    zero columns (`_widened`), which change no score and add zero columns to out (as FlashAttention-3 rounds
+    head dims up)."""
+    return tuple(max(MIN_HEAD_DIM, d) for d in head_dims)
+
+
+def _widened(*arrays):
+    """`arrays` (None kept) with the last axis zero-padded to `MIN_HEAD_DIM` where it is narrower."""
+    return tuple(x if x is None or x.shape[-1] >= MIN_HEAD_DIM else
+                 jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, MIN_HEAD_DIM - x.shape[-1]),)) for x in arrays)
+
+
+def _narrowed(results: tuple, head_dim: int) -> tuple:
+    """`results` with the first (out, or its tangent) cut back to `head_dim` columns."""
+    return (results[0][..., :head_dim], *results[1:])
 
 
 def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
@@ -64,20 +85,22 @@ def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interp
     """(out, lse), and max_scores with `return_max`, of the padded inputs by the Mosaic GPU forward (calls that
     `mosaic.plan` takes; `interpret`: in the Mosaic GPU interpreter) on steps of `block_kv` keys
     (`plan.forward_block_kv`); a BlockMask's tables coarser than the kernel's tiles are refined to them
-    (`refined_tables`)."""
+    (`refined_tables`); head dims under 64 widened (`kernel_head_dims`)."""
     f, cfg = problem.features, problem.config
     mask_fn, score_fn = _mosaic_hook_fn(f.mask_mod), _mosaic_hook_fn(f.score_mod)
     kv_tables = None
     if f.block_sizes is not None:
         kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (cfg.block_q, cfg.block_k))
-    return mosaic_forward(
+    value_dim = v.shape[-1]
+    q, k, v = _widened(q, k, v)
+    return _narrowed(mosaic_forward(
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
         block_q=cfg.block_q, block_kv=block_kv, num_stages=cfg.num_stages, interpret=interpret,
         kv_tables=kv_tables, mask_fn=mask_fn, score_fn=score_fn,
         **_hook_arrays(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
         **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]), **_dropout(f, optional),
         return_max=f.return_max, bias=_bias(problem, optional["bias"], optional),
-    )
+    ), value_dim)
 
 
 def _hook_arrays(problem: _Problem, score_consts, mask_consts, q_shape: tuple, kv_len: int,
@@ -148,6 +171,8 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
     T is 1, from dK/dV (key sums). The gradients of a score_mod's arrays come from `_chunked`, as on Triton."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others, bias = problem.features, res["others"], res["bias"]
+    dims = {"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]}  # head dims under 64 run widened
+    q, k, v, out, d_out = _widened(q, k, v, out, d_out)
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right),
                    interpret=_interpreted(problem), d_lse=d_lse, **_segments(problem, others, *q.shape[:2], k.shape[1]),
                    **_dropout(f, others), bias=_bias(problem, bias, others))
@@ -171,22 +196,44 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             dq, bias_parts = dq
         grads["q"] = dq
     if tangents.k or tangents.v or (tangents.bias and key_bias):
-        args = (_after(q, grads.get("q"), options["interpret"]), *args[1:])
-        dk, dv, *key_sums = mosaic_backward_dkv(*args, **options, **dkv_options, bias_grad=tangents.bias and key_bias)
-        grads.update({"k": dk, "v": dv})
-        bias_parts = key_sums[0] if key_sums else bias_parts
-    grads = {name: g for name, g in grads.items() if getattr(tangents, name)}
+        kv_len_padded = k.shape[1]
+        args = (_after(q, grads.get("q"), options["interpret"]), *_keys_up_to(DKV_TILES[1], k, v), *args[3:])
+        dk, dv, *key_sums = mosaic_backward_dkv(*args, **_key_inputs_up_to(DKV_TILES[1], options), **dkv_options,
+                                                bias_grad=tangents.bias and key_bias)
+        grads.update({"k": dk[:, :kv_len_padded], "v": dv[:, :kv_len_padded]})
+        bias_parts = key_sums[0][..., :kv_len_padded] if key_sums else bias_parts
+    grads = {name: g[..., :dims[name]] for name, g in grads.items() if getattr(tangents, name)}
     if tangents.bias:
         grads["bias"] = _bias_gradient(problem, bias, bias_parts, q_len, kv_len)
     return grads
+
+
+def _keys_up_to(multiple: int, *arrays) -> tuple:
+    """k, v (`[B, S, K, D]`) with zero keys up to a multiple of `multiple`: the dK/dV kernel's 128-key CTA, where
+    the forward's 64-key steps at head dim 256 padded S to 64 only (the new keys lie past kv_len)."""
+    return tuple(jnp.pad(x, ((0, 0), (0, -x.shape[1] % multiple), (0, 0), (0, 0))) for x in arrays)
+
+
+def _key_inputs_up_to(multiple: int, options: dict) -> dict:
+    """The kernels' `options` with their arrays along keys (segment ids, a dense mask, a bias over keys) padded
+    as `_keys_up_to` pads k and v."""
+    options = dict(options)
+    for name, axis in (("kv_segment_ids", 1), ("mask", 3), ("bias", 3)):
+        x = options.get(name)
+        if x is not None and x.shape[axis] > 1:
+            options[name] = jnp.pad(x, [(0, -x.shape[axis] % multiple if i == axis else 0) for i in range(x.ndim)])
+    return options
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict, optional: dict,
             *, interpret: bool):
     """(d out, d lse) for the tangents of q, k, v in `linear` by the Mosaic GPU tangent kernel (calls that
     `mosaic.plan._mosaic_tangent_takes`: no bias tangent, no score_mod arrays, so `tangents` moves q, k, v alone)
-    on (block_q, 64) tiles; a BlockMask's tables refined to them."""
+    on (block_q, 64) tiles; a BlockMask's tables refined to them; head dims under 64 widened."""
     f = problem.features
+    value_dim = v.shape[-1]
+    q, k, v, out = _widened(q, k, v, out)
+    dq, dk, dv = _widened(linear.get("q"), linear.get("k"), linear.get("v"))
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    block_q=TANGENT_TILES[0], block_kv=TANGENT_TILES[1],
                    **_segments(problem, optional, *q.shape[:2], k.shape[1]), **_dropout(f, optional),
@@ -199,8 +246,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
         )
     if f.block_sizes is not None:
         options["kv_tables"] = refined_tables(optional["kv_tables"], f.block_sizes, TANGENT_TILES)
-    return mosaic_tangent(q, k, v, out, lse2, q_len, kv_len, dq=linear.get("q"), dk=linear.get("k"),
-                          dv=linear.get("v"), **options)
+    return _narrowed(mosaic_tangent(q, k, v, out, lse2, q_len, kv_len, dq=dq, dk=dk, dv=dv, **options), value_dim)
 
 
 def _bias_gradient(problem: _Problem, bias, parts, q_len, kv_len):
@@ -239,19 +285,20 @@ def _tcgen05_masks(problem: _Problem, optional: dict, batch: int, q_len: int, kv
 def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
     """(out, lse), and max_scores with `return_max`, of the padded inputs by the Blackwell forward
     (`forward_tcgen05`; calls that `mosaic.plan._tcgen05_takes`), on the config's key steps and stages;
-    `interpret`: in the Mosaic GPU interpreter."""
+    `interpret`: in the Mosaic GPU interpreter; head dims under 64 widened."""
     f, cfg = problem.features, problem.config
     kv_tables = None
     if f.block_sizes is not None:
         kv_tables = refined_tables(optional["kv_tables"], f.block_sizes, (TCGEN05_BLOCK_Q, cfg.block_k))
-    return tcgen05_forward(q, k, v, q_len, kv_len, scale=f.scale, causal=False,
-                           window=(f.window_left, f.window_right), block_kv=cfg.block_k,
-                           num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
-                           kv_tables=kv_tables, **_dropout(f, optional),
-                           bias=_bias(problem, optional["bias"], optional),
-                           **_tcgen05_masks(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
-                           **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape,
-                                            k.shape[1]))
+    value_dim = v.shape[-1]
+    q, k, v = _widened(q, k, v)
+    return _narrowed(tcgen05_forward(
+        q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
+        block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
+        kv_tables=kv_tables, **_dropout(f, optional), bias=_bias(problem, optional["bias"], optional),
+        **_tcgen05_masks(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
+        **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
+    ), value_dim)
 
 
 def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, *, interpret: bool) -> dict:
@@ -259,9 +306,11 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     `forward_tcgen05` whose score_mod's derivative lowers too); `interpret`: in the Mosaic GPU interpreter.
     dK/dV works on 128-key tiles: where the padded S is not a multiple of 128, k and v (and the keys' segment ids,
     hook vectors and mask columns) get keys up to one (masked: past kv_len) and their gradients are cut back.
-    The gradients of a score_mod's arrays come from `_chunked`, as on Triton."""
+    The gradients of a score_mod's arrays come from `_chunked`, as on Triton. Head dims under 64 run widened."""
     q, k, v, out, lse, q_len, kv_len = (res[name] for name in ("q", "k", "v", "out", "lse", "q_len", "kv_len"))
     f, others = problem.features, res["others"]
+    dims = {"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]}
+    q, k, v, out, d_out = _widened(q, k, v, out, d_out)
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others))
     masks = _tcgen05_masks(problem, others, *q.shape[:2], k.shape[1])
@@ -286,4 +335,4 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
                                       out, lse, d_out, q_len, kv_len, **options, **dkv_options, **masks,
                                       **hooks(kv_len_padded + extra[1][1]))
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
-    return {name: g for name, g in grads.items() if getattr(tangents, name)}
+    return {name: g[..., :dims[name]] for name, g in grads.items() if getattr(tangents, name)}

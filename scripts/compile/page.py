@@ -36,12 +36,14 @@ table; each at every head dim on both backends), ragged lengths, seq 8192 beside
 kernel. Each variant names the kernels its compile must hold (forward, dQ, dK/dV, tangent, decode;
 `probjax_mosaic_*` where the Mosaic kernels take the call). Left out until a per-call rule makes them clean
 (`NOT_YET_CLEAN`, with the figures of their last compile; docs/perf-notes.md, Version 7c): {pending}.
-sm_90a, sm_80 and sm_86 compile the whole registry; the later targets (`SUBSET_TARGETS`: sm_100a B200, sm_89,
-sm_120) a subset of it (`_on_subset_targets`) that holds each family whose tiles or code differ once: every
-feature in fwd+bwd at head dim 64 / 128 / 256 in bfloat16, the jvp of the calls whose tangent has rules of
-its own, float32's base calls and the features its rules name, float16, the ragged tails, the seq 8192 causal
-controls, and every decode and ragged variant; no Mosaic variant (backend "mosaic" refuses these GPUs: its
-kernels are Hopper's) and no peer. sm90a_h200 (the H100's SM with 141 GB) holds the LM example's whole
+sm_90a, sm_80 and sm_86 compile the whole registry, and sm_100a B200 every Triton, decode and control row of it
+(`WHOLE_TARGETS`: the same plan as sm_90a's compiles to tcgen05 code of its own) beside the backend "mosaic"
+rows whose plan there differs from backend "triton"'s; sm_89 and sm_120 (`SUBSET_TARGETS`) a subset of it
+(`_on_subset_targets`) that holds each family whose tiles or code differ once: every feature in fwd+bwd at
+head dim 64 / 128 / 256 in bfloat16, the jvp of the calls whose tangent has rules of its own, float32's base
+calls and the features its rules name, float16, the ragged tails, the seq 8192 causal controls, and every
+decode and ragged variant, and the calls whose plan differs from sm_86's; no Mosaic variant (backend "mosaic"
+refuses these GPUs) and no peer. sm90a_h200 (the H100's SM with 141 GB) holds the LM example's whole
 programs alone (`scripts/compile/lm_programs.py`, `registry_variants`: the `bench-hd64` / `bench-hd128` training
 step and batched generation on one GPU, the training step on a 2-GPU mesh, "data=2" and "seq=2"), which
 sm100a_b200 compiles too, their planned HBM held to the device's memory and each mesh axis to its collective

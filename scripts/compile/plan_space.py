@@ -23,7 +23,8 @@ committed record's rows the registry lost (`check.retired_problems`) until the r
 
 On `SUBSET_TARGETS` (sm_100a, sm_89, sm_120) only the registry's subset is compiled: there a probe becomes a
 row where its plan differs from its plan on the reference target of that class (sm_90a for sm_100a, sm_86 for
-the others): the generation's own rules.
+the others): the generation's own rules. sm_100a (`WHOLE_TARGETS`) compiles every Triton plan all the same, as
+a full target does; its backend "mosaic" rows are those whose plan differs from backend "triton"'s there.
 
 Deriving plans every call costs about a minute; `derived_rows()` keeps them in a cache folder keyed by the
 source of the kernels and of the registry, and derives in a subprocess on the CPU (a worker lists the
@@ -384,11 +385,15 @@ def derive(targets: tuple[str, ...] | None = None) -> list[dict]:
         reference = REFERENCE_TARGET.get(target)
         for probe, plan in plans(target).items():
             for mode in MODES:  # the rows compiled on this target whatever the plans: they cover first
-                on_target = reference is None or registry._on_subset_targets(probe.variant(mode, (), ()))
+                variant = probe.variant(mode, (), ())
+                on_target = (reference is None or registry._on_subset_targets(variant)
+                             or (target in registry.WHOLE_TARGETS and registry._whole_row(variant)))
                 if probe.name(mode) in grid and on_target:
                     covered.add(_key(probe, target, mode, outcome(plan, mode)))
         for probe, plan in plans(target).items():
-            base = base_plan(probe, target, reference) if reference else None
+            # On a whole target every Triton plan no row covers there is a row (`variants.WHOLE_TARGETS`).
+            whole = target in registry.WHOLE_TARGETS and probe.backend != "mosaic"
+            base = base_plan(probe, target, reference) if reference and not whole else None
             for mode in MODES:
                 what = outcome(plan, mode)
                 key = _key(probe, target, mode, what)
@@ -493,6 +498,10 @@ def planned_rows(out: list) -> list:
             feature = "dense_mask_keys"
         if options.get("mask") == "head_keys":  # a key mask per head: a 0 / -inf bias in the Mosaic kernels
             feature = "dense_mask_head_keys"
+        if options.get("bias") in ("keys", "rows"):  # float32 vectors in the Mosaic kernels, unlike bias tiles
+            feature = f"dense_bias_{options['bias']}"
+        if options.get("logits_soft_cap"):  # a score_mod, as flex's softcap (the Mosaic backward's hooks)
+            feature = "softcap"
 
         def requires(target=None):
             return registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,

@@ -27,6 +27,10 @@ B, N = 4, 8
 # one variant per family whose tiles or code differ, to keep a fresh compile of each under ~150 rows.
 FULL_TARGETS = ("sm90a_h100", "sm80_a100", "sm86_rtx3090")
 SUBSET_TARGETS = ("sm100a_b200", "sm89_rtx4090", "sm120_rtx5090")
+# Subset targets that compile every Triton, decode and control row all the same (`_whole_row`): on sm_100a the
+# same Triton plan as sm_90a's compiles to other code (tcgen05), and one spilled there and not on sm_90a
+# (docs/perf-notes.md, Version 25), so a plan equal to the reference target's proves nothing there.
+WHOLE_TARGETS = ("sm100a_b200",)
 GPU_TARGETS = FULL_TARGETS + SUBSET_TARGETS + ("sm90a_h200",)  # the last: the LM example's programs alone
 # (`lm_programs.registry_variants`, which sm100a_b200 compiles too)
 HOPPER = ("sm90a_h100",)
@@ -209,6 +213,7 @@ RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_TANGENT = "probjax_mosaic_tangent"  # Hopper's Mosaic tangent kernel
+MOSAIC_DK, MOSAIC_DV = MOSAIC_DKV + "_dk", MOSAIC_DKV + "_dv"  # its dK/dV as two programs, at head dim 256
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -222,10 +227,12 @@ BLACKWELL = ("sm100a_b200",)  # where backend "mosaic" runs the Blackwell kernel
 TCGEN05_FAMILIES = frozenset({"full", "causal", "window", "gqa8to2_causal", "dv64", "kv_batch1", "softcap", "alibi",
                               "sliding_window", "softcap_sliding_window", "dropout", "segments_lengths",
                               "dense_mask_keys", "document_mask", "dense_mask"})
-TCGEN05_FORWARD_ONLY = frozenset({"dense_bias", "dense_bias_f32", "dense_mask_head_keys"})
+TCGEN05_FORWARD_ONLY = frozenset({"dense_bias", "dense_bias_f32", "dense_bias_keys", "dense_bias_rows",
+                                  "dense_mask_head_keys"})
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV kernels' (head dim 256: Triton's backward)
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ / dK/dV kernels' (at 256: dK and dV split)
+MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's (head dim 256: Triton's tangent)
 # Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
 # / kv_idx (a relative-bias table; a document mask's ids travel as vectors), float32 inputs.
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
@@ -235,6 +242,9 @@ MOSAIC_LACKS = frozenset({"relative_bias"})
 # arrays (theirs: ALiBi's slopes), whose tangents are known only when the jvp runs.
 MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
+# At head dim 256 the Mosaic backward takes calls without hooks or block tables and without bias tiles (their ring
+# and the float32 dS staging overflow shared memory beside the one-slot tiles): those run Triton's backward.
+MOSAIC_WIDE_BACKWARD_LACKS = frozenset(FLEX_HOOKS) | {"dense_bias", "dense_bias_f32"}
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
@@ -242,12 +252,14 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     """The Pallas kernels a call compiles to on `target` (None: a Hopper or pre-Hopper one), by the dispatch rules:
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
-    to a power of 2) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor dropout or a float32 bias at
-    256), its dQ / dK/dV where both are 64 / 128, and its tangent there too without a bias or a feature of
+    to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
+    dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, without a feature of
+    `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent at 64 / 128 without a bias or a feature of
     `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
     for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
     `TCGEN05_FORWARD_ONLY`; tangent Triton."""
-    dims = {1 << (d - 1).bit_length() for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
+    # padded to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
+    dims = {max(64, 1 << (d - 1).bit_length()) for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     if backend == "mosaic" and target in BLACKWELL:
         takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS)
         forward = MOSAIC_FORWARD_TCGEN05 if takes and feature in TCGEN05_FAMILIES | TCGEN05_FORWARD_ONLY else FORWARD
@@ -257,12 +269,14 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory
     forward = MOSAIC_FORWARD if mosaic else FORWARD
-    mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
+    wide = max(dims) > 128
+    mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
+                       and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
     if mode in ("fwd", "jvp"):
-        mosaic_tangent = (mosaic_backward and not feature.startswith("dense_bias")
+        mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS) and not feature.startswith("dense_bias")
                           and feature not in MOSAIC_TANGENT_LACKS)
         return (forward,) if mode == "fwd" else (forward, MOSAIC_TANGENT if mosaic_tangent else TANGENT)
-    backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic_backward else (DQ, DKV)
+    backward = (MOSAIC_DQ, *((MOSAIC_DK, MOSAIC_DV) if wide else (MOSAIC_DKV,))) if mosaic_backward else (DQ, DKV)
     return (forward, *backward)
 
 
@@ -507,6 +521,18 @@ SUBSET_BF16_JVP = ("causal", "dense_bias", "relative_bias", "softcap_sliding_win
 SUBSET_F32 = ("full", "causal", "window", "gqa8to2_causal", "dense_mask", "document_mask")
 
 
+def _whole_row(v: Variant) -> bool:
+    """Whether variant `v` is compiled on `WHOLE_TARGETS` beside the full targets: the Triton grid, decode and
+    control rows (not backend "mosaic", whose Blackwell rows come from its plans, nor a peer or the LM's)."""
+    return v.backend != "mosaic" and v.group in ("triton", "decode", "control")
+
+
+def _subset_targets(v: Variant) -> tuple[str, ...]:
+    """The subset targets variant `v` is compiled on beside its own."""
+    return tuple(t for t in SUBSET_TARGETS if t not in v.targets
+                 and (_on_subset_targets(v) or (t in WHOLE_TARGETS and _whole_row(v))))
+
+
 def _on_subset_targets(v: Variant) -> bool:
     """Whether variant `v` is compiled for `SUBSET_TARGETS` too (see above)."""
     if v.group == "peer" or v.backend == "mosaic":
@@ -533,8 +559,7 @@ def variants() -> list[Variant]:
 
     out = (_grid_variants() + _control_variants() + _decode_variants() + _ragged_variants() + _peer_variants()
            + _tokamax_peer_variants() + _side_by_side_variants() + lm_programs.registry_variants())
-    out = [dataclasses.replace(v, targets=v.targets + tuple(t for t in SUBSET_TARGETS if t not in v.targets))
-           if _on_subset_targets(v) else v for v in out]
+    out = [dataclasses.replace(v, targets=v.targets + _subset_targets(v)) for v in out]
     import plan_space
 
     out = plan_space.planned_rows(out)
