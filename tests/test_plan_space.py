@@ -74,9 +74,7 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
             ran = set()
             for kernel_pass in passes:
                 if kernel_pass.run.__module__.endswith("mosaic.glue"):
-                    split = "'split', True" in str(kernel_pass.options)  # dK / dV as two programs (head dim 256)
-                    ran |= {registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV} if split else mosaic[
-                        kernel_pass.run.__name__]
+                    ran |= mosaic[kernel_pass.run.__name__]
                 else:
                     ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
             assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))

@@ -42,7 +42,6 @@ from probjax_kernels.mosaic.common import (
     _launch,
     _prologue,
     check_dense_mask,
-    check_layout,
     check_outputs,
     check_segments,
     drain_ring,
@@ -56,6 +55,7 @@ from probjax_kernels.mosaic.common import (
     tile_indices,
     union_of_ranges,
 )
+from probjax_kernels.mosaic.forward import _check
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
 
@@ -318,11 +318,7 @@ def mosaic_backward_dq(
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     ds_in_smem = ds_in_smem or interpret
-    # The shapes' checks (shared memory below). One stage is enough (the producer refills a slot once both
-    # consumers have freed its K and V): at head dim 256, Q, dO and two 64-key K / V slots would need 256 KiB.
-    check_layout(q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS,
-                 block_kv=block_kv, kv_multiple=64, num_stages=num_stages, min_stages=1, head_dims=(64, 128, 256),
-                 smem_need=0, kernel="the Mosaic GPU dQ kernel")
+    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
     batch, q_len, num_heads, head_dim = q.shape
     value_dim = v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])

@@ -89,7 +89,7 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
     return allocated_smem(buffers, 2 * _CONSUMERS + 4 * num_stages, reductions=bias_grad and bias == "keys")
 
 
-_DKV_HEAD_DIMS = (64, 128, 256)
+_DKV_HEAD_DIMS = (64, 128)
 # The layouts of a (keys, queries) part's key and query index vectors (S^T's rows and columns).
 _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -97,8 +97,8 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
                num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False,
                bias: tuple = (None, 4), bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)):
-    # 64 keys per consumer warpgroup. D = 256 takes one Q / dO stage (K, V and two 64-query stages need 256 KiB of
-    # SMEM) and `split` programs (the dK + dV accumulators would take 256 float32 registers a thread).
+    # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
+    # dK + dV accumulators alone would take 256 float32 registers per thread.
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
@@ -116,9 +116,7 @@ def _dkv_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool, has_mask: bool,
     bias: str | None = None, bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (),
-    split: str | None = None,
 ):
-    # `split` "dk" / "dv": this program computes that gradient alone (`mosaic_backward_dkv`'s `split`).
     # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape; so
     # is `bias_ref` with bias tiles, else its keys' [B|1, N|1, S] or rows' [B|1, N|1, T] float32 vectors.
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
@@ -128,9 +126,7 @@ def _dkv_kernel(
     vectors = vectors_in(score_groups + mask_groups)
     num_score_vectors = len(vectors_in(score_groups))
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-    refs = list(refs)
-    dk_ref = refs.pop(0) if split != "dv" else None
-    dv_ref = refs.pop(0) if split != "dk" else None
+    dk_ref, dv_ref, *refs = refs
     dbias_ref = refs.pop(0) if bias_grad else None  # a key bias's gradient: dS summed over queries, [B, N, S]
     smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
@@ -175,13 +171,11 @@ def _dkv_kernel(
         key_tile = (batch, pl.ds(key0, keys), kv_head)  # of dK / dV: per query batch when k / v have batch 1
         kv_tile = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
         plgpu.copy_gmem_to_smem(k_ref.at[kv_tile], k_own, k_ready.at[wg])
-        if split != "dv":  # dV alone needs no V (dP^T = V dO^T is dK's)
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
         if has_segments:  # the keys' segment ids arrive with K
             plgpu.copy_gmem_to_smem(segments[1].at[batch, pl.ds(key0, keys)], kv_segment_smem.at[wg], k_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
-        if split != "dv":
-            plgpu.barrier_wait(v_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
         # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
         # in registers across them with hooks (spills, docs/perf-notes.md, Version 7m): each thread stores the
         # entries of its own layout once and loads them back per step, which no loop invariant code motion lifts
@@ -262,15 +256,10 @@ def _dkv_kernel(
                 staging = None if p_smem is None else p_smem.at[wg]
                 # Dropout: dV takes the kept P^T / (1 - rate); dP^T gets the same mask (hashed again below
                 # rather than held across the dP^T matmul).
-                if dv is not None:
-                    p_bf16 = rule.dropped(p_t, indices, batch, head, seed_parts).astype(do_part.dtype)
-                    dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
-                if dk is None:
-                    if j == block_q // part - 1:
-                        plgpu.barrier_arrive(do_free.at[slot])
-                    continue
+                p_bf16 = rule.dropped(p_t, indices, batch, head, seed_parts).astype(do_part.dtype)
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
                     p_t = p_t * derivative  # live: P^T and the derivative held beside dP^T spilled
+                dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
                 dp_t = transposed_scores(v_own, do_part)  # dP^T = V dO^T
                 delta = plgpu.load(delta_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 if j == block_q // part - 1:
@@ -323,20 +312,16 @@ def _dkv_kernel(
                 plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[batch, head, pl.ds(key0, keys)])
             return carry, base + steps
 
-        zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA) if split != other
-                 else None for dim, other in ((head_dim, "dv"), (value_dim, "dk"))]
+        zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA)
+                 for dim in (head_dim, value_dim)]
         key_sums = None if dbias_ref is None else plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), _KEY_VECTOR)
         (dk, dv, _), _ = lax.fori_loop(0, group, head_body, ((*zeros, key_sums), jnp.int32(0)))
         # K and V are no longer read: their tiles carry dK and dV out.
-        if dk is not None:
-            k_own[...] = (dk * rule.scale).astype(k_own.dtype)
-        if dv is not None:
-            v_own[...] = dv.astype(v_own.dtype)
+        k_own[...] = (dk * rule.scale).astype(k_own.dtype)
+        v_own[...] = dv.astype(v_own.dtype)
         plgpu.commit_smem()
-        if dk is not None:
-            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[key_tile])
-        if dv is not None:
-            plgpu.copy_smem_to_gmem(v_own, dv_ref.at[key_tile])
+        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[key_tile])
+        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[key_tile])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
@@ -383,7 +368,7 @@ def _dkv_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
                      "tables_block_q", "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions",
-                     "dropout_heads", "bias_grad", "score_vectors", "mask_vectors", "split"),
+                     "dropout_heads", "bias_grad", "score_vectors", "mask_vectors"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -422,7 +407,6 @@ def mosaic_backward_dkv(
     bias_grad: bool = False,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
-    split: bool = False,
 ) -> tuple[jax.Array, ...]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -446,9 +430,6 @@ def mosaic_backward_dkv(
       XLA: the kernel reads (keys, queries) tiles), `bias` (tiles transposed in XLA too) and the dropout
       arguments as in `mosaic_backward_dq`. `bias_grad`: with a bias whose T is 1 (keys, or one value), also
       return its gradient's parts.
-    - `split`: dV and dK from two programs (kernels `..._dv` and `..._dk`), each holding one accumulator and
-      recomputing S^T (dV's skips dP^T and V): at head dim 256 the two 64 x 256 float32 accumulators of one
-      program would take 256 registers per thread.
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
     k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again). With `bias_grad`
@@ -459,9 +440,6 @@ def mosaic_backward_dkv(
     p_in_smem = p_in_smem or interpret
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    if max(head_dim, value_dim) > 128 and not split:
-        raise ValueError(f"head dims {head_dim} / {value_dim}: above 128 the dK / dV kernel needs split=True (one "
-                         "accumulator per program)")
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
     bias_grad = bias_grad and bias_kind == "keys"
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
@@ -481,25 +459,17 @@ def mosaic_backward_dkv(
         raise ValueError(f"{tables_block_q=} must be a multiple of {block_q=} dividing T={q_len}")
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
                                                 block_kv, "q_tables")
-    def launch(program: str | None, q=q):  # both gradients, or one ("dk" / "dv") of a split
-        return _launch(
-            _dkv_kernel, "probjax_mosaic_backward_dkv" + (f"_{program}" if program else ""),
-            (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables, score_arrays, mask_arrays,
-            interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-            rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
-                                bias is not None),
-            segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind,
-            bias_grad=bias_grad and program != "dv", score_vectors=score_vectors, mask_vectors=mask_vectors,
-            split=program, out_type=(
-                *((jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),) if program != "dv" else ()),
-                *((jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),) if program != "dk" else ()),
-                *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),)
-                  if bias_grad and program != "dv" else ())),
-            scratch_types=scratch_types, grid=(kv_len // block_kv, num_kv_heads, batch),
-            grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
-        )
-
-    scratch_types = (
+    outputs = _launch(
+        _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
+        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                            bias is not None),
+        segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
+        score_vectors=score_vectors, mask_vectors=mask_vectors,
+        out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
+                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),
+                  *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if bias_grad else ())),
+        scratch_types=(
             (
                 plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
                 plgpu.SMEM((_CONSUMERS, keys, value_dim), v.dtype, transforms=transforms),
@@ -532,13 +502,11 @@ def mosaic_backward_dkv(
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
             ),
-        )
-    if split:
-        (dv,) = launch("dv")
-        # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
-        dk, *key_sums = launch("dk", lax.optimization_barrier((q, dv))[0] if interpret else q)
-    else:
-        dk, dv, *key_sums = launch(None)
+        ),
+        grid=(kv_len // block_kv, num_kv_heads, batch),
+        grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
+    )
+    dk, dv, *key_sums = outputs
     if k.shape[0] != batch:
         dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
     return dk, dv, *key_sums

@@ -43,13 +43,7 @@ from probjax_kernels.mosaic.tangent import TANGENT_TILES, tangent_smem_bytes
 
 TANGENT_HOOK_SHAPES = ((), (), (TANGENT_TILES[0] // 2, MOSAIC_PART), (TANGENT_TILES[0] // 2, MOSAIC_PART),
                       (TANGENT_TILES[0] // 2, MOSAIC_PART))  # where the tangent kernel calls the hooks
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ and dK/dV kernels', for q / k and v
-MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's; 256 keeps the Triton tangent
-# At head dim 256 (q / k's or v's), for calls without hooks or block tables, the dQ and dK/dV kernels hold one K / V
-# (Q / dO) slot, as Q, dO (K, V) and two 64-key (-query) slots would need 256 KiB of shared memory (32-key steps do
-# not lower: wgmma's K over a 128-byte swizzled operand is a multiple of 64), and dK/dV runs dK and dV as programs
-# of their own (`mosaic_backward_dkv`'s `split`: both float32 accumulators would take 256 registers a thread).
-WIDE_STAGES = 1
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
 
 
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
@@ -260,15 +254,14 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
     128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y). Either way both
     kernels' shared memory must fit, a bias's tiles and its gradient's staging included (whether the bias gets
-    a gradient is known only when the backward runs). At head dim 256: `WIDE_STAGES`, dK/dV split."""
+    a gradient is known only when the backward runs)."""
     head_dim, value_dim = head_dims
     if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
     f, cfg = problem.features, problem.config
     hooked = not (f.score_mod is None and f.mask_mod is None and f.block_sizes is None)
-    wide = max(head_dims) > 128
     tile = cfg.block_q
-    if hooked and (cfg.block_k != tile or wide):
+    if hooked and cfg.block_k != tile:
         return None
     dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)
@@ -276,12 +269,9 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
                  bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None,
                  vectors=_vector_counts(problem))
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
-    stages = WIDE_STAGES if wide else 2
-    if max(dq_smem_bytes(head_dim, *dq_tiles, stages, staged, **needs),
-           dkv_smem_bytes(head_dim, *dkv_tiles, stages, staged, **needs)) > MOSAIC_SMEM_BYTES:
+    if max(dq_smem_bytes(head_dim, *dq_tiles, 2, staged, **needs),
+           dkv_smem_bytes(head_dim, *dkv_tiles, 2, staged, **needs)) > MOSAIC_SMEM_BYTES:
         return None
-    if wide:
-        return {"num_stages": WIDE_STAGES}, {"num_stages": WIDE_STAGES, "split": True}
     if not hooked:
         return {}, {}
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
@@ -294,7 +284,7 @@ def _mosaic_tangent_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) 
     score_mod that captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on
     `TANGENT_TILES` with every tangent moving within shared memory."""
     head_dim, value_dim = head_dims
-    if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
+    if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS)
             or problem.bias_shape is not None or problem.num_score_consts):
         return False
     f = problem.features
