@@ -61,7 +61,7 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _check_tables,
     allocated_smem,
-    bias_kind,
+    bias_layout,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -133,13 +133,6 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
                              v.shape[-1], return_max, dense_mask, bias, bias_itemsize, vectors),
     )
-
-
-def _bias_layout(bias) -> tuple[str | None, int]:
-    """(how the kernel reads a bias, its itemsize) for the shared-memory check, before `check_bias` checks it."""
-    if bias is None or jnp.ndim(bias) != 4:
-        return None, 4
-    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
 
 
 def _forward_kernel(
@@ -489,7 +482,7 @@ def mosaic_forward(
     counts = tuple(sum(axes.count(axis) for axes in (*score_vectors, *mask_vectors)) for axis in ("q", "kv"))
     # The interpreter's P staging is left out of the shared-memory check: the compiled kernel has none.
     _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, p_in_smem and not interpret,
-           q_segment_ids is not None, return_max, mask is not None, *_bias_layout(bias), counts)
+           q_segment_ids is not None, return_max, mask is not None, *bias_layout(bias), counts)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)

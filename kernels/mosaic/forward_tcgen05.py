@@ -52,6 +52,7 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _check_tables,
     allocated_smem,
+    bias_layout,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -70,7 +71,6 @@ from probjax_kernels.mosaic.common import (
 )
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in
 from probjax_kernels.mosaic.tcgen05_inputs import (
-    bias_layout,
     bias_tile,
     hook_views,
     key_sources,

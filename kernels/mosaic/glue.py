@@ -262,12 +262,6 @@ def _tcgen05_hooks(problem: _Problem, score_consts, mask_consts, q_shape: tuple,
                                tcgen05_hook_shapes(problem.config.block_k)))
 
 
-def _tcgen05_masks(problem: _Problem, optional: dict, batch: int, q_len: int, kv_len: int) -> dict:
-    """The tcgen05 kernels' segment ids and dense mask (`_segments`: the call's, a `vector_mask` as segment ids);
-    a mask over keys or queries alone that is not a `vector_mask` reaches the forward as a bias (`_bias`)."""
-    return _segments(problem, optional, batch, q_len, kv_len)
-
-
 def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool):
     """(out, lse), and max_scores with `return_max`, of the padded inputs by the Blackwell forward
     (`forward_tcgen05`; calls that `mosaic.plan._tcgen05_takes`), on the config's key steps and stages;
@@ -282,7 +276,7 @@ def forward_tcgen05(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *
         q, k, v, q_len, kv_len, scale=f.scale, causal=False, window=(f.window_left, f.window_right),
         block_kv=cfg.block_k, num_stages=cfg.num_stages, interpret=interpret, return_max=f.return_max,
         kv_tables=kv_tables, **_dropout(f, optional), bias=_bias(problem, optional["bias"], optional),
-        **_tcgen05_masks(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
+        **_segments(problem, optional, q.shape[0], q.shape[1], k.shape[1]),
         **_tcgen05_hooks(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
     ), value_dim)
 
@@ -299,7 +293,7 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
     q, k, v, out, d_out = _widened(q, k, v, out, d_out)
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    d_lse=d_lse, score_jvp=_mosaic_score_jvp_fn(f.score_mod), **_dropout(f, others))
-    masks = _tcgen05_masks(problem, others, *q.shape[:2], k.shape[1])
+    masks = _segments(problem, others, *q.shape[:2], k.shape[1])
     hooks = functools.partial(_tcgen05_hooks, problem, res["score_consts"], others["mask_consts"], q.shape)
     dq_options, dkv_options = {}, {}
     if f.block_sizes is not None:  # dQ's tiles are (128, DQ_BLOCK_KV), dK/dV's (128 keys, 128 queries)

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_kernels.mosaic.common import bias_kind, mask_index, mask_tiles
+from probjax_kernels.mosaic.common import mask_index, mask_tiles
 from probjax_kernels.mosaic.hook_vectors import vectors_in, views
 
 
@@ -31,22 +31,12 @@ def load_segments(ref, axis: int):
     return plgpu.load(ref, layout=plgpu.Layout.TCGEN05.reduce(1 - axis))
 
 
-def bias_layout(bias) -> tuple[str | None, int]:
-    """(how the kernel reads a bias, its itemsize) for the shared-memory check, before `check_bias` checks it."""
-    if bias is None or jnp.ndim(bias) != 4:
-        return None, 4
-    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
-
-
-def bias_tile(kind: str, buffer, slot, shape: tuple, columns=None) -> jax.Array:
+def bias_tile(kind: str, buffer, slot, shape: tuple) -> jax.Array:
     """A bias's float32 tile of `shape` from shared memory, read as `check_bias`'s `kind`: a tile of the
-    ring's `slot` (its `columns`), the slot's key vector (its `columns`) along the rows, or the CTA's row vector
-    along the columns."""
+    ring's `slot`, the slot's key vector along the rows, or the CTA's row vector along the columns."""
     if kind == "rows":
         return lax.broadcast_in_dim(load_segments(buffer, 0), shape, [0])
     view = buffer.at[slot]
-    if columns is not None:
-        view = view.at[:, columns] if kind == "tiles" else view.at[columns]
     if kind == "keys":
         return lax.broadcast_in_dim(load_segments(view, 1), shape, [1])
     return plgpu.load(view, layout=plgpu.Layout.TCGEN05).astype(jnp.float32)

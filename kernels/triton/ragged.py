@@ -80,9 +80,10 @@ def _plan(q, k_pages, v_pages, page_indices, *, block_q: int, interpret: bool, n
     # registers on sm_80 at 32) and, on sm_120, at head dims up to 64 (8 B at 128 registers on 32-key steps
     # with 4 warps, or with the hooks on 8; 96-113 registers on 16).
     block_k = 32 if interpret else (64 if itemsize <= 2 else 32) if widest <= 128 else 16
-    if not interpret and rows >= 64 and not _backend.is_hopper(_backend.target_device()):
+    device = _backend.target_device()
+    if not interpret and rows >= 64 and not _backend.is_hopper(device):
         block_k = min(block_k, 16 if fields["quantized"] and fields["soft_cap"] is not None else 32)
-        if widest <= 64 and _backend.is_consumer_blackwell(_backend.target_device()):
+        if widest <= 64 and _backend.is_consumer_blackwell(device):
             block_k = 16
     tile = min(page, block_k)
     pages_per_seq = page_indices.shape[1]
