@@ -337,13 +337,6 @@ def bias_kind(shape: tuple) -> str:
     return "tiles" if shape[2] > 1 and shape[3] > 1 else "keys" if shape[2] == 1 else "rows"
 
 
-def bias_layout(bias) -> tuple[str | None, int]:
-    """(how the kernels read a bias, its itemsize) for their shared-memory checks, before `check_bias` checks it."""
-    if bias is None or jnp.ndim(bias) != 4:
-        return None, 4
-    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
-
-
 def bias_smem_bytes(kind: str | None, itemsize: int, block_q: int, block_kv: int, num_stages: int) -> int:
     """Shared memory of a bias read as `check_bias`'s `kind`: a ring of (block_q, block_kv) tiles of
     `itemsize` bytes, a ring of float32 key vectors, or the CTA's float32 rows."""

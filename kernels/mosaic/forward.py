@@ -61,7 +61,7 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _check_tables,
     allocated_smem,
-    bias_layout,
+    bias_kind,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -133,6 +133,14 @@ def _check(q, k, v, q_lengths, kv_lengths, scale: float, block_q: int, block_kv:
         smem_need=smem_bytes(q.shape[-1], block_q, block_kv, num_stages, p_in_smem, q.dtype.itemsize, segments,
                              v.shape[-1], return_max, dense_mask, bias, bias_itemsize, vectors),
     )
+
+
+def bias_layout(bias) -> tuple[str | None, int]:
+    """(how the kernels read a bias, its itemsize) for their shared-memory checks, before `check_bias` checks it
+    (the Blackwell forward's too)."""
+    if bias is None or jnp.ndim(bias) != 4:
+        return None, 4
+    return bias_kind(jnp.shape(bias)), jnp.dtype(bias.dtype).itemsize
 
 
 def _forward_kernel(

@@ -52,7 +52,6 @@ from probjax_kernels.mosaic.common import (
     ScoreRule,
     _check_tables,
     allocated_smem,
-    bias_layout,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -69,6 +68,7 @@ from probjax_kernels.mosaic.common import (
     table_row,
     window_options,
 )
+from probjax_kernels.mosaic.forward import bias_layout
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in
 from probjax_kernels.mosaic.tcgen05_inputs import (
     bias_tile,
