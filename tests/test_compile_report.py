@@ -139,7 +139,12 @@ def test_the_registry_covers_the_dispatch_grid():
     assert len(registry.NOT_YET_CLEAN) < len(grid) // 4
     assert set(names["mosaic_grad_d128_bf16_causal"].requires) == {
         registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DKV}
-    assert set(names["mosaic_grad_d256_bf16_causal"].requires) == {registry.MOSAIC_FORWARD, registry.DQ, registry.DKV}
+    assert set(names["mosaic_grad_d256_bf16_causal"].requires) == {
+        registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.MOSAIC_DK_PIECES, registry.MOSAIC_DV}
+    assert set(names["mosaic_grad_d128_bf16_dv256"].requires) == {
+        registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV}
+    assert set(names["mosaic_flex_grad_d256_bf16_softcap"].requires) == {registry.MOSAIC_FORWARD, registry.DQ,
+                                                                         registry.DKV}
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}

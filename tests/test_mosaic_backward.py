@@ -159,9 +159,15 @@ def test_dkv_rejects_what_it_cannot_run():
         mosaic_backward_dkv(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args), scale=0.125,
                             causal=False)
     big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        mosaic_backward_dkv(big, big, big, big, jnp.zeros((1, 1, 128)), big, lengths, lengths, scale=0.1,
-                            causal=False)
+    big_args = (big, big, big, big, jnp.zeros((1, 1, 128)), big, lengths, lengths)
+    with pytest.raises(ValueError, match="needs split=True"):  # two 64 x 256 float32 accumulators
+        mosaic_backward_dkv(*big_args, scale=0.1, causal=False, num_stages=1)
+    with pytest.raises(ValueError, match="SMEM"):  # K, V and two Q / dO slots of 256 columns
+        mosaic_backward_dkv(*big_args, scale=0.1, causal=False, split=True, pieces=2)
+    narrow = jnp.zeros((1, 128, 1, 32), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="head_dim"):  # the glue widens it (`glue.kernel_head_dims`)
+        mosaic_backward_dkv(narrow, narrow, narrow, narrow, jnp.zeros((1, 1, 128)), narrow, lengths, lengths,
+                            scale=0.1, causal=False)
     with pytest.raises(ValueError, match="tables_block_q"):  # a table tile must be whole steps
         mosaic_backward_dkv(*args, scale=0.125, causal=False, tables_block_q=96)
     assert dkv_smem_bytes(128, 64, 128, 2) <= 227 * 1024 < dkv_smem_bytes(128, 64, 128, 6)
@@ -351,7 +357,7 @@ def test_rejects_outputs_of_the_wrong_value_head_dim():
         with pytest.raises(ValueError, match=r"out / d_out must be \[B, T, N, Dv\] = \[1, 256, 2, 128\]"):
             jax.eval_shape(functools.partial(kernel, scale=0.1, causal=False), q, q, v, q, lse, q, lengths, lengths)
     wide = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)  # dK + dV accumulators of 64 + 256 columns
-    with pytest.raises(NotImplementedError, match="v's head dim"):
+    with pytest.raises(ValueError, match="needs split=True"):
         jax.eval_shape(functools.partial(mosaic_backward_dkv, scale=0.1, causal=False), q, q, wide, wide, lse, wide,
                        lengths, lengths)
 

@@ -54,6 +54,19 @@ def test_every_forced_call_is_a_row_on_the_full_targets():
             by_name[name].targets), name
 
 
+def _mosaic_kernels(kernel_pass, by_run: dict) -> set:
+    """The Mosaic kernels a pass runs: by its glue function, and for the Hopper backward at head dim 256 by its
+    tiles' options (dK / dV as two programs: `split`; dQ and dK a program per 128 columns: `pieces`)."""
+    if kernel_pass.run.__name__ != "backward":
+        return by_run[kernel_pass.run.__name__]
+    dq_options, dkv_options = (dict(tiles) for tiles in dict(kernel_pass.options)["tiles"])
+    dq = registry.MOSAIC_DQ_PIECES if dq_options.get("pieces", 1) > 1 else (registry.MOSAIC_DQ,)
+    if not dkv_options.get("split"):
+        return {*dq, registry.MOSAIC_DKV}
+    dk = registry.MOSAIC_DK_PIECES if dkv_options.get("pieces", 1) > 1 else (registry.MOSAIC_DK,)
+    return {*dq, *dk, registry.MOSAIC_DV}
+
+
 def test_each_derived_row_requires_the_kernels_its_plan_runs():
     """The kernels a derived row must hold (`required_kernels`, the API contract restated) are the ones
     `_dispatch.plan` runs for its call on its first target and on Blackwell: Mosaic GPU's where the plan picks
@@ -74,7 +87,7 @@ def test_each_derived_row_requires_the_kernels_its_plan_runs():
             ran = set()
             for kernel_pass in passes:
                 if kernel_pass.run.__module__.endswith("mosaic.glue"):
-                    ran |= mosaic[kernel_pass.run.__name__]
+                    ran |= _mosaic_kernels(kernel_pass, mosaic)
                 else:
                     ran |= set(TRITON_KERNELS[kernel_pass.run.__name__])
             assert ran == set(registry.requires_for(by_name[name], target)), (name, target, sorted(ran))

@@ -29,7 +29,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_kernels._tiles import kv_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
+    CONSUMER_REGISTERS,
     PART,
+    PIECE,
+    PRODUCER_REGISTERS,
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
@@ -42,11 +45,13 @@ from probjax_kernels.mosaic.common import (
     _launch,
     _prologue,
     check_dense_mask,
+    check_layout,
     check_outputs,
     check_segments,
     drain_ring,
     dropout_options,
     fill_ring_slot,
+    last_piece,
     mask_tiles,
     read_seed,
     same_segment,
@@ -55,7 +60,6 @@ from probjax_kernels.mosaic.common import (
     tile_indices,
     union_of_ranges,
 )
-from probjax_kernels.mosaic.forward import _check
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
 from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
 
@@ -66,14 +70,14 @@ DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
                   itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
                   dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
-                  bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)) -> int:
+                  bias_grad: bool = False, vectors: tuple[int, int] = (0, 0), pieces: int = 1) -> int:
     """Shared memory of one dQ CTA as Mosaic GPU allocates it (`allocated_smem`): Q (reused for dQ) and dO
     tiles, the K / V rings (dO and V of v's head dim `value_dim`, default q's), lse2 / delta rows, with
     `ds_in_smem` the dS tiles of one part, with `segments` the rows' segment ids and a ring of the keys', with
     `dense_mask` a ring of int8 mask tiles per part, a bias read as `bias` (`check_bias`'s kind; tiles of
     `bias_itemsize` bytes, a ring per part) and with `bias_grad` its float32 dS tiles (one part) or row sums
     staged for their copy out, the hooks' vectors (`vectors`: how many along queries, along keys), and the
-    barriers."""
+    barriers (a row barrier per piece of Q: `pieces`)."""
     value_dim = value_dim or head_dim
     part = min(block_kv, PART)
     parts = block_kv // part
@@ -85,7 +89,7 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
                {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0,
                *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
-    row_barriers = 4 + segments + (bias == "rows") + vectors[0]
+    row_barriers = 3 + pieces + segments + (bias == "rows") + vectors[0]
     return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages, reductions=bias_grad and bias == "rows")
 
 
@@ -93,8 +97,11 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
-    bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (),
+    bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (), piece: int | None = None,
 ):
+    # `piece`: this program computes dQ's columns [piece * PIECE, (piece + 1) * PIECE) alone (head dim 256). Q and
+    # K then sit in shared memory as PIECE-column pieces (`q_smem[p][wg]`, `k_smem[p][slot]`): S sums their
+    # products, dQ's columns take K's piece, and Q's piece carries them out (a TMA copy reads contiguous tiles).
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     # The hooks' arrays: global-memory refs, or vectors along q_idx / kv_idx (`hook_vectors`).
@@ -114,7 +121,7 @@ def _dq_kernel(
     k_free, v_free = free
     rows = block_q // _CONSUMERS
     part = min(block_kv, PART)  # keys per part of a step
-    head_dim = q_ref.shape[-1]  # dQ's; dO and V have v's
+    columns = q_ref.shape[-1] if piece is None else PIECE  # of dQ this program computes; dO and V have v's
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
     if rule.causal_only:  # heaviest tiles first
@@ -141,14 +148,19 @@ def _dq_kernel(
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(232 if piece is None else CONSUMER_REGISTERS, action="increase")
         row0 = tile_row0 + wg * rows
         seed_parts = read_seed(seed)
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         sources, own = side.row_copies(batch, head, row0, rows, wg)
-        sources = [q_ref.at[row_tile], do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector], *sources]
-        own = [*(x.at[wg] for x in (q_smem, do_smem, lse2_smem, delta_smem)), *own]
+        if piece is None:
+            q_sources, q_own = [q_ref.at[row_tile]], [q_smem.at[wg]]
+        else:
+            q_sources = [q_ref.at[(*row_tile, pl.ds(p * PIECE, PIECE))] for p in range(len(q_smem))]
+            q_own = [buffer.at[wg] for buffer in q_smem]
+        sources = [*q_sources, do_ref.at[row_tile], lse2_ref.at[row_vector], delta_ref.at[row_vector], *sources]
+        own = [*q_own, *(x.at[wg] for x in (do_smem, lse2_smem, delta_smem)), *own]
         for src, dst, barrier in zip(sources, own, row_ready):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         for barrier in row_ready:
@@ -157,29 +169,27 @@ def _dq_kernel(
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         q_segments, row_bias = side.row_values(wg)
 
-        def matmul_t(a_smem, b_smem):  # a (rows, D) @ b^T (D, keys)
+        def matmul_t(a_pieces, b_pieces):  # the sum of a (rows, D) @ b^T (D, keys) over the pieces
             def body(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+                for a_smem, b_smem in zip(a_pieces, b_pieces, strict=True):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
                 return acc_ref[...]
 
-            return pl.run_scoped(body, plgpu.ACC((rows, b_smem.shape[0]), jnp.float32))
+            return pl.run_scoped(body, plgpu.ACC((rows, b_pieces[0].shape[0]), jnp.float32))
 
         def step(kv_step, carry, masked: bool, user_mask: bool):
             dq, row_sums = carry  # row_sums: dS summed over keys, for a row bias's gradient (else None)
             slot = lax.rem(kv_step, num_stages)
             # The resident Q / dO tiles through an opaque copy of wg: see the dK/dV kernel's step.
             own = lax.optimization_barrier(wg)
-            q_own, do_own = q_smem.at[own], do_smem.at[own]
+            q_own = [q_smem.at[own]] if piece is None else [buffer.at[own] for buffer in q_smem]
+            do_own = do_smem.at[own]
             plgpu.barrier_wait(k_ready.at[slot])
             for j in range(block_kv // part):
                 keys = pl.ds(j * part, part)
-                k_part, v_part = k_smem.at[slot, keys], v_smem.at[slot, keys]
-                s = matmul_t(q_own, k_part)
-                if j == 0:
-                    plgpu.barrier_wait(v_ready.at[slot])
-                dp = matmul_t(do_own, v_part)
-                if j == block_kv // part - 1:
-                    plgpu.barrier_arrive(v_free.at[slot])
+                k_part = [k_smem.at[slot, keys]] if piece is None else [ring.at[slot, keys] for ring in k_smem]
+                v_part = v_smem.at[slot, keys]
+                s = matmul_t(*(q_own, k_part) if piece is None else last_piece(piece, q_own, k_part))
                 kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
 
                 def indices():
@@ -192,11 +202,18 @@ def _dq_kernel(
                     same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
                     dense=lambda: mask_tile != 0, with_derivative=True, bias=lambda: bias_tile,
                 )
-                dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
+                # P, with a score_mod's derivative folded in (the chain rule), before dP is live: S, dP and the
+                # masks' index tiles held together spilled at head dim 256 (docs/perf-notes.md, Version 27).
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                if derivative is not None:
+                    p = p * derivative
+                if j == 0:
+                    plgpu.barrier_wait(v_ready.at[slot])
+                dp = matmul_t([do_own], [v_part])
+                if j == block_kv // part - 1:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                dp = rule.dropped(dp, indices, batch, head, seed_parts)  # dS = P (Z dP / (1 - rate) - delta)
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                if derivative is not None:  # the chain rule through score_mod
-                    ds = ds * derivative
                 if dbias_ref is not None and bias == "tiles":  # the bias gradient's tile, by TMA from shared memory
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous part's copy has read the tile
                     dbias_smem.at[wg][...] = ds
@@ -207,7 +224,7 @@ def _dq_kernel(
                 elif row_sums is not None:
                     row_sums = row_sums + ds.sum(axis=1)
                 dq = _accumulate_pv(
-                    dq, ds.astype(k_smem.dtype), k_part, None if ds_smem is None else ds_smem.at[wg],
+                    dq, ds.astype(do_smem.dtype), k_part[piece or 0], None if ds_smem is None else ds_smem.at[wg],
                     not interpret, lambda: None,
                 )
             plgpu.barrier_arrive(k_free.at[slot])
@@ -220,7 +237,7 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
 
-        carry = (plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+        carry = (plgpu.layout_cast(jnp.zeros((rows, columns), jnp.float32), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                  if dbias_ref is not None and bias == "rows" else None)
         if has_tables:  # partial blocks: every mask; full blocks: the length mask only
@@ -228,7 +245,7 @@ def _dq_kernel(
         else:
             carry = run_steps(step, skip, carry, own=tile_ranges(row0), cta_lo=cta_lo, cta_steps=cta_steps)
         dq, row_sums = carry
-        q_own = q_smem.at[wg]
+        q_own = q_smem.at[wg] if piece is None else q_smem[piece].at[wg]
         q_own[...] = (dq * rule.scale).astype(q_own.dtype)  # Q is no longer read: its tile carries dQ out
         if row_sums is not None:
             dbias_smem.at[wg][...] = row_sums
@@ -240,14 +257,18 @@ def _dq_kernel(
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(40 if piece is None else PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
             key0 = block_of(kv_step) * block_kv
             tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(key0, block_kv), kv_head)
-            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+            if piece is None:
+                copies = [(k_ref.at[tile], k_smem, k_ready)]
+            else:
+                copies = [(k_ref.at[(*tile, pl.ds(p * PIECE, PIECE))], ring, k_ready) for p, ring in enumerate(k_smem)]
+            copies.append((v_ref.at[tile], v_smem, v_ready))
             copies += side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
@@ -258,7 +279,7 @@ def _dq_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "ds_in_smem", "interpret",
                      "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads",
-                     "bias_grad", "score_vectors", "mask_vectors"),
+                     "bias_grad", "score_vectors", "mask_vectors", "pieces"),
 )
 def mosaic_backward_dq(
     q: jax.Array,
@@ -296,6 +317,7 @@ def mosaic_backward_dq(
     bias_grad: bool = False,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
+    pieces: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """dQ of `mosaic_forward` on Hopper through Pallas Mosaic GPU.
 
@@ -309,7 +331,9 @@ def mosaic_backward_dq(
     `score_jvp` (see `ScoreRule`).
     `q_segment_ids`, `kv_segment_ids`, `mask`, `bias` and the dropout arguments as in `mosaic_forward` (the
     forward's). `bias_grad`: also return what the bias gradient is made of, where this kernel makes it (bias
-    tiles or rows; a key bias's is `mosaic_backward_dkv`'s).
+    tiles or rows; a key bias's is `mosaic_backward_dkv`'s). `pieces`: dQ from that many programs, each
+    computing `PIECE` (128) of its columns with S and dP recomputed, Q and K held as pieces of that width (head
+    dim 256 needs 2: one program's 64 x 256 float32 accumulator spilled beside S and dP); otherwise 1.
 
     **Returns:** dQ `[B, T, N, D]` in q's dtype; with `bias_grad` and a bias of whole T and S, `(dQ, dS)`, dS
     `[B, N, T, S]` float32 (d loss / d biased score; undefined outside the window and lengths, whose tiles are
@@ -318,7 +342,11 @@ def mosaic_backward_dq(
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     ds_in_smem = ds_in_smem or interpret
-    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
+    # The shapes' checks (shared memory below). One stage is enough (the producer refills a slot once both
+    # consumers have freed its K and V): at head dim 256, Q, dO and two 64-key K / V slots would need 256 KiB.
+    check_layout(q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS,
+                 block_kv=block_kv, kv_multiple=64, num_stages=num_stages, min_stages=1, head_dims=(64, 128, 256),
+                 smem_need=0, kernel="the Mosaic GPU dQ kernel")
     batch, q_len, num_heads, head_dim = q.shape
     value_dim = v.shape[3]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
@@ -329,10 +357,13 @@ def mosaic_backward_dq(
     check_outputs(q, v, out, lse, d_out)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
+    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)):
+        raise ValueError(f"pieces={pieces} at {head_dim=}: the dQ kernel takes pieces=1 up to head dim {PIECE} and "
+                         f"head_dim / {PIECE} pieces above it")
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem, segments=segments is not None,
                               value_dim=value_dim, dense_mask=mask is not None, bias=bias_kind,
                               bias_itemsize=4 if bias is None else bias.itemsize, bias_grad=bias_grad,
-                              vectors=counts)) > SMEM_BYTES:
+                              vectors=counts, pieces=pieces)) > SMEM_BYTES:
         raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
     kv_len = k.shape[1]
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, None, kv_tables, block_q, block_kv,
@@ -340,49 +371,69 @@ def mosaic_backward_dq(
     num_stages = min(num_stages, kv_len // block_kv)
     rows, part = block_q // _CONSUMERS, min(block_kv, PART)
     dbias_type = {"tiles": (batch, num_heads, q_len, kv_len), "rows": (batch, num_heads, q_len)}.get(bias_kind)
-    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if bias_grad:
-        out_type = (out_type, jax.ShapeDtypeStruct(dbias_type, jnp.float32))
-    return _launch(
-        _dq_kernel, "probjax_mosaic_backward_dq", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
-        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
-                            bias is not None),
-        segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
-        score_vectors=score_vectors, mask_vectors=mask_vectors, out_type=out_type,
-        scratch_types=(
-            (
-                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
-                plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
-                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
-                plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
-                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
-                tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
-                      for _ in range(block_kv // part)) if mask is not None else None,
-                bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
-                             keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
-                {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
-                 "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if bias_grad else None,
-                tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
-                      for axis, ref in vectors),
+
+    def q_buffer(width: int):
+        return plgpu.SMEM((_CONSUMERS, rows, width), q.dtype, transforms=transforms)
+
+    def k_ring(width: int):
+        return plgpu.SMEM((num_stages, block_kv, width), q.dtype, transforms=transforms)
+
+    def launch(piece: int | None, q=q):  # dQ, or its columns of `piece` (with the bias gradient's parts: piece 0)
+        grads_bias = bias_grad and not piece
+        out_type = jax.ShapeDtypeStruct((*q.shape[:3], PIECE if piece is not None else head_dim), q.dtype)
+        if grads_bias:
+            out_type = (out_type, jax.ShapeDtypeStruct(dbias_type, jnp.float32))
+        return _launch(
+            _dq_kernel, "probjax_mosaic_backward_dq" + ("" if piece is None else f"_piece{piece}"),
+            (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables, score_arrays, mask_arrays,
+            interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+            rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                                bias is not None),
+            segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, bias_grad=grads_bias,
+            score_vectors=score_vectors, mask_vectors=mask_vectors, piece=piece, out_type=out_type,
+            scratch_types=(
+                (
+                    q_buffer(head_dim) if piece is None else (q_buffer(PIECE),) * pieces,
+                    plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms),
+                    plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                    plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                    k_ring(head_dim) if piece is None else (k_ring(PIECE),) * pieces,
+                    plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
+                    plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
+                    plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
+                    plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+                    tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
+                          for _ in range(block_kv // part)) if mask is not None else None,
+                    bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
+                                 keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
+                    {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
+                     "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if grads_bias else None,
+                    tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
+                          for axis, ref in vectors),
+                ),
+                tuple(plgpu.Barrier(num_barriers=_CONSUMERS)  # a copy a barrier: Q's pieces, dO, lse2, delta, ...
+                      for _ in range(3 + pieces + bool(segments) + (bias_kind == "rows") + counts[0])),
+                (  # with Q's pieces / segments / a mask / a bias / hook vectors, K's barrier awaits their copies
+                    plgpu.Barrier(num_arrivals=pieces + bool(segments) + (mask is not None) * (block_kv // part)
+                                  + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
+                                  num_barriers=num_stages),
+                    plgpu.Barrier(num_barriers=num_stages),
+                ),
+                (
+                    plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                    plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                ),
             ),
-            tuple(plgpu.Barrier(num_barriers=_CONSUMERS)
-                  for _ in range(4 + bool(segments) + (bias_kind == "rows") + counts[0])),
-            (  # with segments / a mask / a bias / hook vectors, K's barrier also awaits their copies
-                plgpu.Barrier(num_arrivals=1 + bool(segments) + (mask is not None) * (block_kv // part)
-                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
-                              num_barriers=num_stages),
-                plgpu.Barrier(num_barriers=num_stages),
-            ),
-            (
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-            ),
-        ),
-        grid=(q_len // block_q, num_heads, batch),
-        grid_names=("q", "heads", "batch"),
-    )
+            grid=(q_len // block_q, num_heads, batch),
+            grid_names=("q", "heads", "batch"),
+        )
+
+    if pieces == 1:
+        return launch(None)
+    results = [launch(0)]
+    for piece in range(1, pieces):
+        # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
+        results.append(launch(piece, lax.optimization_barrier((q, results[-1]))[0] if interpret else q))
+    first = results[0] if not bias_grad else results[0][0]
+    dq = jnp.concatenate([first, *results[1:]], axis=-1)
+    return (dq, results[0][1]) if bias_grad else dq

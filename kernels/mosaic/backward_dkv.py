@@ -29,7 +29,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_kernels._tiles import q_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
+    CONSUMER_REGISTERS,
     PART,
+    PIECE,
+    PRODUCER_REGISTERS,
     ScoreRule,
     _accumulate_pv,
     _backward_rule,
@@ -89,7 +92,7 @@ def dkv_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, 
     return allocated_smem(buffers, 2 * _CONSUMERS + 4 * num_stages, reductions=bias_grad and bias == "keys")
 
 
-_DKV_HEAD_DIMS = (64, 128)
+_DKV_HEAD_DIMS = (64, 128, 256)
 # The layouts of a (keys, queries) part's key and query index vectors (S^T's rows and columns).
 _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -97,8 +100,8 @@ _KEY_VECTOR, _QUERY_VECTOR = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.re
 def _check_dkv(q, k, v, out, lse, d_out, q_lengths, kv_lengths, scale: float, block_q: int, block_kv: int,
                num_stages: int, p_in_smem: bool, segments: bool = False, dense_mask: bool = False,
                bias: tuple = (None, 4), bias_grad: bool = False, vectors: tuple[int, int] = (0, 0)):
-    # 64 keys per consumer warpgroup. D = 256 is out: K, V and two Q / dO stages need 256 KiB of SMEM, and the
-    # dK + dV accumulators alone would take 256 float32 registers per thread.
+    # 64 keys per consumer warpgroup. D = 256 takes one Q / dO stage (K, V and two 64-query stages need 256 KiB of
+    # SMEM) and `split` programs (the dK + dV accumulators would take 256 float32 registers a thread).
     check_layout(
         q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64, block_kv=block_kv,
         kv_multiple=64 * _CONSUMERS, num_stages=num_stages, min_stages=1, head_dims=_DKV_HEAD_DIMS,
@@ -116,7 +119,11 @@ def _dkv_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, table_split: int, has_segments: bool, has_dropout: bool, has_mask: bool,
     bias: str | None = None, bias_grad: bool = False, score_vectors: tuple = (), mask_vectors: tuple = (),
+    split: str | None = None, piece: int | None = None,
 ):
+    # `split` "dk" / "dv": this program computes that gradient alone (`mosaic_backward_dkv`'s `split`); with
+    # `piece` (dK at head dim 256) dK's columns [piece * PIECE, (piece + 1) * PIECE) alone, K and Q then sitting
+    # in shared memory as PIECE-column pieces (`k_smem[p][wg]`, `q_smem[p][slot]`), as in the dQ kernel.
     # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape; so
     # is `bias_ref` with bias tiles, else its keys' [B|1, N|1, S] or rows' [B|1, N|1, T] float32 vectors.
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
@@ -126,7 +133,9 @@ def _dkv_kernel(
     vectors = vectors_in(score_groups + mask_groups)
     num_score_vectors = len(vectors_in(score_groups))
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-    dk_ref, dv_ref, *refs = refs
+    refs = list(refs)
+    dk_ref = refs.pop(0) if split != "dv" else None
+    dv_ref = refs.pop(0) if split != "dk" else None
     dbias_ref = refs.pop(0) if bias_grad else None  # a key bias's gradient: dS summed over queries, [B, N, S]
     smem, kv_ready, ready, free = refs
     (k_smem, v_smem, q_smem, do_smem, lse2_smem, delta_smem, p_smem, key_iota, query_iota, kv_segment_smem,
@@ -137,6 +146,10 @@ def _dkv_kernel(
     keys = block_kv // _CONSUMERS
     part = min(block_q, PART)  # queries per part of a step
     head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
+    dk_columns = head_dim if piece is None else PIECE
+
+    def k_pieces(own):
+        return [k_smem.at[own]] if piece is None else [buffer.at[own] for buffer in k_smem]
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
@@ -164,18 +177,24 @@ def _dkv_kernel(
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(232 if piece is None else CONSUMER_REGISTERS, action="increase")
         key0 = tile_key0 + wg * keys
         seed_parts = read_seed(seed)
-        k_own, v_own = k_smem.at[wg], v_smem.at[wg]
+        v_own = v_smem.at[wg]
         key_tile = (batch, pl.ds(key0, keys), kv_head)  # of dK / dV: per query batch when k / v have batch 1
         kv_tile = (batch if k_ref.shape[0] > 1 else 0, *key_tile[1:])
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_tile], k_own, k_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
+        if piece is None:
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_tile], k_smem.at[wg], k_ready.at[wg])
+        else:
+            for p, buffer in enumerate(k_smem):
+                plgpu.copy_gmem_to_smem(k_ref.at[(*kv_tile, pl.ds(p * PIECE, PIECE))], buffer.at[wg], k_ready.at[wg])
+        if split != "dv":  # dV alone needs no V (dP^T = V dO^T is dK's)
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
         if has_segments:  # the keys' segment ids arrive with K
             plgpu.copy_gmem_to_smem(segments[1].at[batch, pl.ds(key0, keys)], kv_segment_smem.at[wg], k_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
-        plgpu.barrier_wait(v_ready.at[wg])
+        if split != "dv":
+            plgpu.barrier_wait(v_ready.at[wg])
         # The index tiles' iotas (functions of the thread index only) were hoisted out of the step loops and held
         # in registers across them with hooks (spills, docs/perf-notes.md, Version 7m): each thread stores the
         # entries of its own layout once and loads them back per step, which no loop invariant code motion lifts
@@ -191,12 +210,13 @@ def _dkv_kernel(
             kv_idx = tile_key0 + own * keys + lax.broadcast_in_dim(keys_of, shape, [0])
             return row0 + lax.broadcast_in_dim(queries_of, shape, [1]), kv_idx
 
-        def transposed_scores(a_smem, b_smem):  # a (keys, D) @ b^T (D, queries)
+        def transposed_scores(a_pieces, b_pieces):  # the sum of a (keys, D) @ b^T (D, queries) over the pieces
             def body(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+                for a_smem, b_smem in zip(a_pieces, b_pieces, strict=True):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
                 return acc_ref[...]
 
-            return pl.run_scoped(body, plgpu.ACC((keys, b_smem.shape[0]), jnp.float32))
+            return pl.run_scoped(body, plgpu.ACC((keys, b_pieces[0].shape[0]), jnp.float32))
 
         def step(g, t, carry, head, masked: bool, user_mask: bool):
             """Step g: query tile t of query head `head`, in parts of `part` queries; `key_sums`: dS^T summed
@@ -207,11 +227,12 @@ def _dkv_kernel(
             # held in registers across them (spills, docs/perf-notes.md, Version 6): an opaque copy of wg keeps
             # them in the step.
             own = lax.optimization_barrier(wg)
-            k_own, v_own = k_smem.at[own], v_smem.at[own]
+            k_own, v_own = k_pieces(own), v_smem.at[own]
             plgpu.barrier_wait(q_ready.at[slot])
             for j in range(block_q // part):
                 queries = pl.ds(j * part, part)
-                q_part, do_part = q_smem.at[slot, queries], do_smem.at[slot, queries]
+                q_part = [q_smem.at[slot, queries]] if piece is None else [ring.at[slot, queries] for ring in q_smem]
+                do_part = do_smem.at[slot, queries]
                 s_t = transposed_scores(k_own, q_part)  # S^T = K Q^T, keys x queries
                 lse2 = plgpu.load(lse2_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
 
@@ -256,11 +277,16 @@ def _dkv_kernel(
                 staging = None if p_smem is None else p_smem.at[wg]
                 # Dropout: dV takes the kept P^T / (1 - rate); dP^T gets the same mask (hashed again below
                 # rather than held across the dP^T matmul).
-                p_bf16 = rule.dropped(p_t, indices, batch, head, seed_parts).astype(do_part.dtype)
+                if dv is not None:
+                    p_bf16 = rule.dropped(p_t, indices, batch, head, seed_parts).astype(do_part.dtype)
+                    dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
+                if dk is None:
+                    if j == block_q // part - 1:
+                        plgpu.barrier_arrive(do_free.at[slot])
+                    continue
                 if derivative is not None:  # the chain rule through score_mod, folded into P^T before dP^T is
                     p_t = p_t * derivative  # live: P^T and the derivative held beside dP^T spilled
-                dv = _accumulate_pv(dv, p_bf16, do_part, staging, not interpret, lambda: None)
-                dp_t = transposed_scores(v_own, do_part)  # dP^T = V dO^T
+                dp_t = transposed_scores([v_own], [do_part])  # dP^T = V dO^T
                 delta = plgpu.load(delta_smem.at[slot, queries], layout=plgpu.Layout.WGMMA.reduce(0))
                 if j == block_q // part - 1:
                     plgpu.barrier_arrive(do_free.at[slot])
@@ -268,7 +294,8 @@ def _dkv_kernel(
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
                 if key_sums is not None:
                     key_sums = key_sums + ds_t.sum(axis=1)
-                dk = _accumulate_pv(dk, ds_t.astype(q_part.dtype), q_part, staging, not interpret, lambda: None)
+                dk = _accumulate_pv(dk, ds_t.astype(do_part.dtype), q_part[piece or 0], staging, not interpret,
+                                    lambda: None)
             plgpu.barrier_arrive(q_free.at[slot])
             return dk, dv, key_sums
 
@@ -312,21 +339,26 @@ def _dkv_kernel(
                 plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[batch, head, pl.ds(key0, keys)])
             return carry, base + steps
 
-        zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA)
-                 for dim in (head_dim, value_dim)]
+        zeros = [plgpu.layout_cast(jnp.zeros((keys, dim), jnp.float32), plgpu.Layout.WGMMA) if split != other
+                 else None for dim, other in ((dk_columns, "dv"), (value_dim, "dk"))]
         key_sums = None if dbias_ref is None else plgpu.layout_cast(jnp.zeros((keys,), jnp.float32), _KEY_VECTOR)
         (dk, dv, _), _ = lax.fori_loop(0, group, head_body, ((*zeros, key_sums), jnp.int32(0)))
         # K and V are no longer read: their tiles carry dK and dV out.
-        k_own[...] = (dk * rule.scale).astype(k_own.dtype)
-        v_own[...] = dv.astype(v_own.dtype)
+        k_out = k_smem.at[wg] if piece is None else k_smem[piece].at[wg]
+        if dk is not None:
+            k_out[...] = (dk * rule.scale).astype(k_out.dtype)
+        if dv is not None:
+            v_own[...] = dv.astype(v_own.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[key_tile])
-        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[key_tile])
+        if dk is not None:
+            plgpu.copy_smem_to_gmem(k_out, dk_ref.at[key_tile])
+        if dv is not None:
+            plgpu.copy_smem_to_gmem(v_own, dv_ref.at[key_tile])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(40 if piece is None else PRODUCER_REGISTERS, action="decrease")
 
         def head_loads(h, base):
             head = kv_head * group + h
@@ -337,8 +369,13 @@ def _dkv_kernel(
                 t = tile_of(n)
                 row_tile = (batch, pl.ds(t * block_q, block_q), head)
                 row_vector = (batch, head, pl.ds(t * block_q, block_q))
-                copies = [
-                    (q_ref.at[row_tile], q_smem, q_ready), (lse2_ref.at[row_vector], lse2_smem, q_ready),
+                if piece is None:
+                    copies = [(q_ref.at[row_tile], q_smem, q_ready)]
+                else:
+                    copies = [(q_ref.at[(*row_tile, pl.ds(p * PIECE, PIECE))], ring, q_ready)
+                              for p, ring in enumerate(q_smem)]
+                copies += [
+                    (lse2_ref.at[row_vector], lse2_smem, q_ready),
                     (do_ref.at[row_tile], do_smem, do_ready), (delta_ref.at[row_vector], delta_smem, do_ready),
                 ]
                 if has_segments:  # the rows' segment ids arrive with Q
@@ -368,7 +405,7 @@ def _dkv_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "p_in_smem", "interpret",
                      "tables_block_q", "mask_fn", "score_fn", "score_jvp", "dropout_rate", "dropout_positions",
-                     "dropout_heads", "bias_grad", "score_vectors", "mask_vectors"),
+                     "dropout_heads", "bias_grad", "score_vectors", "mask_vectors", "split", "pieces"),
 )
 def mosaic_backward_dkv(
     q: jax.Array,
@@ -407,6 +444,8 @@ def mosaic_backward_dkv(
     bias_grad: bool = False,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
+    split: bool = False,
+    pieces: int = 1,
 ) -> tuple[jax.Array, ...]:
     """dK and dV of `mosaic_forward` on Hopper through Pallas Mosaic GPU (FlashAttention-2, Alg. 2, split by
     KV tile, so no atomics; the GQA group sum happens in the kernel).
@@ -430,6 +469,10 @@ def mosaic_backward_dkv(
       XLA: the kernel reads (keys, queries) tiles), `bias` (tiles transposed in XLA too) and the dropout
       arguments as in `mosaic_backward_dq`. `bias_grad`: with a bias whose T is 1 (keys, or one value), also
       return its gradient's parts.
+    - `split`: dV and dK from two programs (kernels `..._dv` and `..._dk`), each holding one accumulator and
+      recomputing S^T (dV's skips dP^T and V): at head dim 256 the two 64 x 256 float32 accumulators of one
+      program would take 256 registers per thread. `pieces`: with `split`, dK from that many programs, each
+      computing `PIECE` (128) of its columns (q / k's head dim 256 needs 2, as in `mosaic_backward_dq`).
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
     k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again). With `bias_grad`
@@ -440,6 +483,12 @@ def mosaic_backward_dkv(
     p_in_smem = p_in_smem or interpret
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    if max(head_dim, value_dim) > 128 and not split:
+        raise ValueError(f"head dims {head_dim} / {value_dim}: above 128 the dK / dV kernel needs split=True (one "
+                         "accumulator per program)")
+    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)) or (pieces > 1 and not split):
+        raise ValueError(f"pieces={pieces} at {head_dim=}, split={split}: dK takes pieces=1 up to head dim {PIECE} "
+                         f"and head_dim / {PIECE} pieces (with split=True) above it")
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
     bias_grad = bias_grad and bias_kind == "keys"
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
@@ -459,21 +508,40 @@ def mosaic_backward_dkv(
         raise ValueError(f"{tables_block_q=} must be a multiple of {block_q=} dividing T={q_len}")
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
                                                 block_kv, "q_tables")
-    outputs = _launch(
-        _dkv_kernel, "probjax_mosaic_backward_dkv", (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables,
-        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
-                            bias is not None),
-        segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind, bias_grad=bias_grad,
-        score_vectors=score_vectors, mask_vectors=mask_vectors,
-        out_type=(jax.ShapeDtypeStruct((batch, *k.shape[1:]), k.dtype),
-                  jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),
-                  *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if bias_grad else ())),
-        scratch_types=(
+
+    def launch(program: str | None, piece: int | None = None, q=q):
+        """Both gradients, or one ("dk" / "dv") of a split, or dK's columns of `piece`."""
+        key_sums = bias_grad and program != "dv" and not piece
+        return _launch(
+            _dkv_kernel, "probjax_mosaic_backward_dkv" + (f"_{program}" if program else "")
+            + ("" if piece is None else f"_piece{piece}"),
+            (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths), tables, score_arrays, mask_arrays,
+            interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+            rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                                bias is not None),
+            segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind,
+            bias_grad=key_sums, score_vectors=score_vectors, mask_vectors=mask_vectors, split=program, piece=piece,
+            out_type=(
+                *((jax.ShapeDtypeStruct((batch, *k.shape[1:3], head_dim if piece is None else PIECE), k.dtype),)
+                  if program != "dv" else ()),
+                *((jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),) if program != "dk" else ()),
+                *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if key_sums else ())),
+            scratch_types=scratch_types(1 if piece is None else head_dim // PIECE),
+            grid=(kv_len // block_kv, num_kv_heads, batch), grid_names=("kv", "heads", "batch"),
+            table_split=tables_block_q // block_q,
+        )
+
+    def in_pieces(shape: tuple, pieces: int, dtype):  # a buffer of `shape`, or its head dim as pieces of PIECE
+        if pieces == 1:
+            return plgpu.SMEM(shape, dtype, transforms=transforms)
+        return (plgpu.SMEM((*shape[:-1], PIECE), dtype, transforms=transforms),) * pieces
+
+    def scratch_types(pieces: int):
+        return (
             (
-                plgpu.SMEM((_CONSUMERS, keys, head_dim), k.dtype, transforms=transforms),
+                in_pieces((_CONSUMERS, keys, head_dim), pieces, k.dtype),
                 plgpu.SMEM((_CONSUMERS, keys, value_dim), v.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+                in_pieces((num_stages, block_q, head_dim), pieces, q.dtype),
                 plgpu.SMEM((num_stages, block_q, value_dim), q.dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
                 plgpu.SMEM((num_stages, block_q), jnp.float32),
@@ -490,11 +558,12 @@ def mosaic_backward_dkv(
                 tuple(plgpu.SMEM((num_stages, block_q if axis == "q" else block_kv), ref.dtype)
                       for axis, ref in vectors),
             ),
-            # With segments, K's barrier also awaits the keys' segment ids.
-            (plgpu.Barrier(num_arrivals=1 + bool(segments), num_barriers=_CONSUMERS),
+            # With K's pieces or segments, K's barrier also awaits them.
+            (plgpu.Barrier(num_arrivals=pieces + bool(segments), num_barriers=_CONSUMERS),
              plgpu.Barrier(num_barriers=_CONSUMERS)),
-            # Q's slot with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an arrival.
-            (plgpu.Barrier(num_arrivals=2 + bool(segments) + (mask is not None) * (block_q // part)
+            # Q's slot (its pieces) with its lse2 rows (and segment ids), dO's with its delta rows: a copy is an
+            # arrival.
+            (plgpu.Barrier(num_arrivals=1 + pieces + bool(segments) + (mask is not None) * (block_q // part)
                            + {"tiles": block_q // part, "keys": 1, "rows": 1}.get(bias_kind, 0) + len(vectors),
                            num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)),
@@ -502,11 +571,17 @@ def mosaic_backward_dkv(
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
             ),
-        ),
-        grid=(kv_len // block_kv, num_kv_heads, batch),
-        grid_names=("kv", "heads", "batch"), table_split=tables_block_q // block_q,
-    )
-    dk, dv, *key_sums = outputs
+        )
+    if split:
+        (dv,) = launch("dv")
+        # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
+        dk, *key_sums = launch("dk", None if pieces == 1 else 0,
+                               lax.optimization_barrier((q, dv))[0] if interpret else q)
+        for piece in range(1, pieces):  # dK's other columns (head dim 256)
+            (columns,) = launch("dk", piece, lax.optimization_barrier((q, dk))[0] if interpret else q)
+            dk = jnp.concatenate([dk, columns], axis=-1)
+    else:
+        dk, dv, *key_sums = launch(None)
     if k.shape[0] != batch:
         dk, dv = (g.sum(0, keepdims=True, dtype=jnp.float32).astype(g.dtype) for g in (dk, dv))
     return dk, dv, *key_sums

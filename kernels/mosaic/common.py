@@ -26,6 +26,11 @@ LN2 = math.log(2.0)
 _M_INIT = float(jnp.finfo(jnp.float32).min)  # finite, so exp2(m_old - m_new) is never (-inf) - (-inf)
 _BIG = jnp.iinfo(jnp.int32).max
 _CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup _CONSUMERS
+# Registers per thread after `set_max_registers`: the two consumer warpgroups take what the producer (TMA
+# issue only) gives up, 2 x 240 + 24 = 504 of the 3 x 168 a 384-thread CTA launches with. 232 / 40 left the
+# forward with hook vectors beside a 128-column accumulator 4 B short (a spill on sm_90a), and the backward's
+# programs on head-dim pieces (`PIECE`) 8-36 B short. The other backward kernels keep 232 / 40.
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 240, 24
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on sm_90
 _SWIZZLE = 128  # bytes; the head dim is tiled in 64-element (128-byte) columns
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -496,6 +501,17 @@ def mosaic_hook_shapes(config: FlashConfig) -> tuple:
 # with the forward's 128 x 128 tiles (hooks, block tables) a whole step's S / dP tiles of 128 columns beside the
 # accumulators spilled at head dim 128 (docs/perf-notes.md, Version 6).
 PART = 64
+# Columns of a head-dim piece: at head dim 256 the dQ kernel and dK/dV's dK program run as one program per piece of
+# their gradient's columns, their 64 x 256 float32 accumulators having spilled beside S and dP (Version 26).
+PIECE = 128
+
+
+def last_piece(piece: int, *operands: list) -> tuple[list, ...]:
+    """Each list of per-piece operands (a sum's wgmmas) reordered so that `piece`'s comes last: the sum then ends
+    on the piece the gradient's matmul reads next, whose operand was otherwise held across the other piece's
+    wgmma (dQ's piece 0 spilled 12 B on sm_90a with it first)."""
+    order = [p for p in range(len(operands[0])) if p != piece] + [piece]
+    return tuple([pieces[p] for p in order] for pieces in operands)
 
 
 def mosaic_backward_hook_shapes(config: FlashConfig) -> tuple:

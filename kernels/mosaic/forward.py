@@ -82,6 +82,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
     window_options,
 )
+from probjax_kernels.mosaic.common import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
@@ -89,10 +90,6 @@ _HEAD_DIMS = (64, 128, 256)
 # No reduction scratch (Mosaic GPU reserves 2 KiB by default): the row max / sum of WGMMA-layout tiles reduce
 # within each warp's rows, and those 2 KiB are what 16-bit bias tiles lacked at 128 x 128, head dim 128.
 _COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
-# Registers per thread after `set_max_registers`: the two consumer warpgroups take what the producer (TMA
-# issue only) gives up, 2 x 240 + 24 = 504 of the 3 x 168 a 384-thread CTA launches with. 232 / 40 left the
-# forward with hook vectors beside a 128-column accumulator 4 B short (a spill on sm_90a).
-_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 240, 24
 
 
 def smem_bytes(
@@ -198,7 +195,7 @@ def _forward_kernel(
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         row0 = tile_row0 + wg * rows
         seed_parts = read_seed(seed)
         if has_tables:
@@ -356,7 +353,7 @@ def _forward_kernel(
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
         def load(kv_step, block):

@@ -16,7 +16,7 @@ from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
-from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
+from probjax_kernels.mosaic.backward_dkv import DKV_TILES, mosaic_backward_dkv
 from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import DQ_BLOCK_KV as TCGEN05_DQ_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
@@ -47,12 +47,7 @@ def _widened(*arrays):
 
 def _narrowed(results: tuple, head_dim: int) -> tuple:
     """`results` with the first (out, or its tangent) cut back to `head_dim` columns."""
-    return (_cut(results[0], head_dim), *results[1:])
-
-
-def _cut(x, head_dim: int):
-    """x with its last axis cut back to `head_dim` (a gradient of a widened input)."""
-    return x if x.shape[-1] == head_dim else x[..., :head_dim]
+    return (results[0][..., :head_dim], *results[1:])
 
 
 def _mosaic_score_jvp_fn(hook: Hook | None) -> Callable | None:
@@ -201,14 +196,33 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             dq, bias_parts = dq
         grads["q"] = dq
     if tangents.k or tangents.v or (tangents.bias and key_bias):
-        args = (_after(q, grads.get("q"), options["interpret"]), *args[1:])
-        dk, dv, *key_sums = mosaic_backward_dkv(*args, **options, **dkv_options, bias_grad=tangents.bias and key_bias)
-        grads.update({"k": dk, "v": dv})
-        bias_parts = key_sums[0] if key_sums else bias_parts
-    grads = {name: _cut(g, dims[name]) for name, g in grads.items() if getattr(tangents, name)}
+        kv_len_padded = k.shape[1]
+        args = (_after(q, grads.get("q"), options["interpret"]), *_keys_up_to(DKV_TILES[1], k, v), *args[3:])
+        dk, dv, *key_sums = mosaic_backward_dkv(*args, **_key_inputs_up_to(DKV_TILES[1], options), **dkv_options,
+                                                bias_grad=tangents.bias and key_bias)
+        grads.update({"k": dk[:, :kv_len_padded], "v": dv[:, :kv_len_padded]})
+        bias_parts = key_sums[0][..., :kv_len_padded] if key_sums else bias_parts
+    grads = {name: g[..., :dims[name]] for name, g in grads.items() if getattr(tangents, name)}
     if tangents.bias:
         grads["bias"] = _bias_gradient(problem, bias, bias_parts, q_len, kv_len)
     return grads
+
+
+def _keys_up_to(multiple: int, *arrays) -> tuple:
+    """k, v (`[B, S, K, D]`) with zero keys up to a multiple of `multiple`: the dK/dV kernel's 128-key CTA, where
+    the forward's 64-key steps at head dim 256 padded S to 64 only (the new keys lie past kv_len)."""
+    return tuple(jnp.pad(x, ((0, 0), (0, -x.shape[1] % multiple), (0, 0), (0, 0))) for x in arrays)
+
+
+def _key_inputs_up_to(multiple: int, options: dict) -> dict:
+    """The kernels' `options` with their arrays along keys (segment ids, a dense mask, a bias over keys) padded
+    as `_keys_up_to` pads k and v."""
+    options = dict(options)
+    for name, axis in (("kv_segment_ids", 1), ("mask", 3), ("bias", 3)):
+        x = options.get(name)
+        if x is not None and x.shape[axis] > 1:
+            options[name] = jnp.pad(x, [(0, -x.shape[axis] % multiple if i == axis else 0) for i in range(x.ndim)])
+    return options
 
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict, optional: dict,
@@ -315,4 +329,4 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
                                       out, lse, d_out, q_len, kv_len, **options, **dkv_options, **masks,
                                       **hooks(kv_len_padded + extra[1][1]))
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])
-    return {name: _cut(g, dims[name]) for name, g in grads.items() if getattr(tangents, name)}
+    return {name: g[..., :dims[name]] for name, g in grads.items() if getattr(tangents, name)}

@@ -30,6 +30,7 @@ from probjax_kernels.mosaic.backward import DQ_TILES, dq_smem_bytes
 from probjax_kernels.mosaic.backward_dkv import DKV_TILES, dkv_smem_bytes
 from probjax_kernels.mosaic.backward_tcgen05 import CHUNK as TCGEN05_CHUNK
 from probjax_kernels.mosaic.common import PART as MOSAIC_PART
+from probjax_kernels.mosaic.common import PIECE as MOSAIC_PIECE
 from probjax_kernels.mosaic.common import SMEM_BYTES as MOSAIC_SMEM_BYTES
 from probjax_kernels.mosaic.common import bias_kind
 from probjax_kernels.mosaic.common import mosaic_backward_hook_shapes, mosaic_hook_shapes
@@ -43,7 +44,15 @@ from probjax_kernels.mosaic.tangent import TANGENT_TILES, tangent_smem_bytes
 
 TANGENT_HOOK_SHAPES = ((), (), (TANGENT_TILES[0] // 2, MOSAIC_PART), (TANGENT_TILES[0] // 2, MOSAIC_PART),
                       (TANGENT_TILES[0] // 2, MOSAIC_PART))  # where the tangent kernel calls the hooks
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dK/dV kernel's, for q / k and v; 256 keeps the Triton backward
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ and dK/dV kernels', for q / k and v
+MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's; 256 keeps the Triton tangent
+# At head dim 256 (q / k's or v's), for calls without hooks or block tables, the dQ and dK/dV kernels hold one K / V
+# (Q / dO) slot, as Q, dO (K, V) and two 64-key (-query) slots would need 256 KiB of shared memory (32-key steps do
+# not lower: wgmma's K over a 128-byte swizzled operand is a multiple of 64), and dK/dV runs dK and dV as programs
+# of their own (`mosaic_backward_dkv`'s `split`: both float32 accumulators would take 256 registers a thread). At
+# q / k's head dim 256 dQ and dK come from a program per 128 of their columns (`pieces`: a 64 x 256 float32
+# accumulator beside S and dP spilled 460-796 B on sm_90a, docs/perf-notes.md, Version 26).
+WIDE_STAGES = 1
 
 
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
@@ -254,14 +263,20 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     were traced. dK/dV steps over `PART` queries (one part; a table tile in block_q // PART steps): its
     128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y). Either way both
     kernels' shared memory must fit, a bias's tiles and its gradient's staging included (whether the bias gets
-    a gradient is known only when the backward runs)."""
+    a gradient is known only when the backward runs). At head dim 256: `WIDE_STAGES`, dK/dV split, dQ and dK in
+    pieces, for calls without GQA or a sliding window."""
     head_dim, value_dim = head_dims
     if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
     f, cfg = problem.features, problem.config
     hooked = not (f.score_mod is None and f.mask_mod is None and f.block_sizes is None)
+    wide = max(head_dims) > 128
     tile = cfg.block_q
-    if hooked and cfg.block_k != tile:
+    if hooked and (cfg.block_k != tile or wide):
+        return None
+    # At head dim 256 a GQA group (dK's pieces, the group's loop beside them) and a sliding window (dQ's pieces)
+    # spilled 4-8 B on sm_90a (docs/perf-notes.md, Version 27): those keep Triton's backward.
+    if wide and (problem.group > 1 or f.window_left is not None):
         return None
     dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)
@@ -269,9 +284,14 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
                  bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None,
                  vectors=_vector_counts(problem))
     staged = _interpreted(problem)  # the interpreters stage dS / P in shared memory
-    if max(dq_smem_bytes(head_dim, *dq_tiles, 2, staged, **needs),
-           dkv_smem_bytes(head_dim, *dkv_tiles, 2, staged, **needs)) > MOSAIC_SMEM_BYTES:
+    stages = WIDE_STAGES if wide else 2
+    pieces = max(1, head_dim // MOSAIC_PIECE)
+    if max(dq_smem_bytes(head_dim, *dq_tiles, stages, staged, **needs, pieces=pieces),
+           dkv_smem_bytes(head_dim, *dkv_tiles, stages, staged, **needs)) > MOSAIC_SMEM_BYTES:
         return None
+    if wide:  # dQ and dK in pieces of MOSAIC_PIECE columns where q / k's head dim is 256
+        dq = {"num_stages": WIDE_STAGES, "pieces": pieces}
+        return dq, {**dq, "split": True}
     if not hooked:
         return {}, {}
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
@@ -284,7 +304,7 @@ def _mosaic_tangent_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) 
     score_mod that captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on
     `TANGENT_TILES` with every tangent moving within shared memory."""
     head_dim, value_dim = head_dims
-    if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS)
+    if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
             or problem.bias_shape is not None or problem.num_score_consts):
         return False
     f = problem.features

@@ -213,6 +213,10 @@ RAGGED = "probjax_ragged_paged_attention"
 MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosaic_backward_dq",
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_TANGENT = "probjax_mosaic_tangent"  # Hopper's Mosaic tangent kernel
+MOSAIC_DK, MOSAIC_DV = MOSAIC_DKV + "_dk", MOSAIC_DKV + "_dv"  # its dK/dV as two programs, at head dim 256
+# At q / k's head dim 256 dQ and dK run as a program per 128-column piece of their columns (`mosaic.common.PIECE`).
+MOSAIC_DQ_PIECES = tuple(f"{MOSAIC_DQ}_piece{p}" for p in range(2))
+MOSAIC_DK_PIECES = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(2))
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -230,7 +234,8 @@ TCGEN05_FORWARD_ONLY = frozenset({"dense_bias", "dense_bias_f32", "dense_bias_ke
                                   "dense_mask_head_keys"})
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)  # the Mosaic dQ / dK/dV and tangent kernels' (head dim 256: Triton's)
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ / dK/dV kernels' (at 256: dK and dV split)
+MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's (head dim 256: Triton's tangent)
 # Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
 # / kv_idx (a relative-bias table; a document mask's ids travel as vectors), float32 inputs.
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
@@ -240,16 +245,23 @@ MOSAIC_LACKS = frozenset({"relative_bias"})
 # arrays (theirs: ALiBi's slopes), whose tangents are known only when the jvp runs.
 MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
+# At head dim 256 the Mosaic backward takes calls without hooks or block tables and without bias tiles (their ring
+# and the float32 dS staging overflow shared memory beside the one-slot tiles): those run Triton's backward.
+MOSAIC_WIDE_BACKWARD_LACKS = frozenset(FLEX_HOOKS) | {"dense_bias", "dense_bias_f32"}
+# Nor a GQA group (dK's pieces spilled 8 B) or a sliding window (dQ's pieces 4-8 B): the families naming one.
+WIDE_BACKWARD_SPILLED = ("gqa", "window")
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
-                     value_dim: int | None = None, target: str | None = None) -> tuple[str, ...]:
+                     value_dim: int | None = None, target: str | None = None, group: int = 1) -> tuple[str, ...]:
     """The Pallas kernels a call compiles to on `target` (None: a Hopper or pre-Hopper one), by the dispatch rules:
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
-    dropout or a float32 bias at 256), its dQ / dK/dV where both are 64 / 128, and its tangent there too without
-    a bias or a feature of `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
+    dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS` or `WIDE_BACKWARD_SPILLED` nor a GQA
+    `group`), its tangent at 64 / 128 without a bias or a feature of
+    `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
     for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
     `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     # padded to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
@@ -263,13 +275,19 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
               and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory
     forward = MOSAIC_FORWARD if mosaic else FORWARD
-    mosaic_backward = mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
+    wide = max(dims) > 128
+    mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
+                       and not (wide and (feature in MOSAIC_WIDE_BACKWARD_LACKS or group > 1
+                                          or any(word in feature for word in WIDE_BACKWARD_SPILLED))))
     if mode in ("fwd", "jvp"):
-        mosaic_tangent = (mosaic_backward and not feature.startswith("dense_bias")
+        mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS) and not feature.startswith("dense_bias")
                           and feature not in MOSAIC_TANGENT_LACKS)
         return (forward,) if mode == "fwd" else (forward, MOSAIC_TANGENT if mosaic_tangent else TANGENT)
-    backward = (MOSAIC_DQ, MOSAIC_DKV) if mosaic_backward else (DQ, DKV)
-    return (forward, *backward)
+    if not mosaic_backward:
+        return (forward, DQ, DKV)
+    pieces = max(64, 1 << (head_dim - 1).bit_length()) > 128  # q / k's head dim 256: dQ and dK in pieces
+    dq, dk = (MOSAIC_DQ_PIECES, MOSAIC_DK_PIECES) if pieces else ((MOSAIC_DQ,), (MOSAIC_DK,))
+    return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
 
 def requires_for(variant: Variant, target: str) -> tuple[str, ...]:

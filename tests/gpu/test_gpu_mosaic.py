@@ -258,3 +258,16 @@ def test_a_head_dim_under_64_runs_the_mosaic_kernels_widened():
     FlashConfig(backend="mosaic") compiled: loss and gradients against the reference, GQA 4:1, ragged keys."""
     q, k, v = random_qkv(30, 2, 2048, 2048, 8, 2, 32, jnp.bfloat16)
     _assert_mosaic_matches_reference(q, k, v, 32, causal=True, kv_lengths=jnp.array([2048, 1500]))
+
+
+@pytest.mark.parametrize("head_dims, num_kv_heads, window", [((256, 256), 2, None), ((256, 256), 8, (255, 0)),
+                                                             ((128, 256), 8, None), ((256, 64), 2, None)])
+def test_the_mosaic_backward_at_head_dim_256(head_dims, num_kv_heads, window):
+    """Head dim 256 (q / k's, v's): the Mosaic forward, dQ and dK from a program per 128 of their columns, dV from
+    its own, on one K / V (Q / dO) slot, compiled; loss and gradients against the reference, causal or a
+    sliding window, GQA 4:1 or none, ragged keys."""
+    head_dim, value_dim = head_dims
+    q, k, _ = random_qkv(31, 2, 2048, 2048, 8, num_kv_heads, head_dim, jnp.bfloat16)
+    v = random_qkv(32, 2, 2048, 2048, 8, num_kv_heads, value_dim, jnp.bfloat16)[2]
+    kwargs = dict(causal=True) if window is None else dict(window=window)
+    _assert_mosaic_matches_reference(q, k, v, 33, kv_lengths=jnp.array([2048, 1500]), **kwargs)
