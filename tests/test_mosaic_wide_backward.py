@@ -77,11 +77,12 @@ def test_the_split_and_the_pieces_are_required_above_128():
                            num_stages=1, pieces=2)
 
 
-@pytest.mark.parametrize("case", ["lengths", "value_dim_64", "segments_and_mask", "key_bias"])
+@pytest.mark.parametrize("case", ["gqa_lengths", "value_dim_64", "segments_and_mask", "key_bias"])
 def test_flash_attention_runs_the_mosaic_backward_at_head_dim_256(case):
     """flash_attention on backend "mosaic_interpret" at head dim 256: the Mosaic forward and backward, out and
-    the gradients (a key bias's too) against the reference."""
-    q, k, v = random_qkv(4, 2, 192, 192, 2, 2, 256, jnp.bfloat16)
+    the gradients (a key bias's too) against the reference; GQA 2:1 (dK's programs per query head) but with the
+    key bias."""
+    q, k, v = random_qkv(4, 2, 192, 192, 4, 4 if case == "key_bias" else 2, 256, jnp.bfloat16)
     rng = np.random.default_rng(5)
     kwargs = dict(causal=True, kv_lengths=jnp.array([192, 130]))
     if case == "value_dim_64":
@@ -89,9 +90,9 @@ def test_flash_attention_runs_the_mosaic_backward_at_head_dim_256(case):
     elif case == "segments_and_mask":
         segment_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, 192)), axis=1), jnp.int32)
         kwargs.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                      mask=jnp.asarray(rng.random((2, 2, 192, 192)) < 0.8))
+                      mask=jnp.asarray(rng.random((2, 4, 192, 192)) < 0.8))
     if case == "key_bias":  # float32 key vectors; the gradient's key sums come from the dK program
-        bias = jnp.asarray(rng.normal(size=(2, 2, 1, 192)), jnp.float32)
+        bias = jnp.asarray(rng.normal(size=(2, 4, 1, 192)), jnp.float32)
         result, mosaic_backward, expected = interpreted_beside_reference(
             lambda q, k, v, b: flash_attention(q, k, v, bias=b, config=MOSAIC, **kwargs),
             lambda q, k, v, b: flash_attention_reference(q, k, v, bias=b, **kwargs), (q, k, v, bias),
@@ -113,17 +114,11 @@ def test_bias_tiles_at_head_dim_256(dtype, backward):
         *a[:3], bias=a[3], causal=True, config=config).astype(jnp.float32)), q, k, v, bias) == backward
 
 
-@pytest.mark.parametrize("head_dims, kwargs", [
-    ((256, 256), dict(causal=True, _kv_heads=2)),  # dK's pieces beside the group's loop spilled 8 B
-    ((256, 256), dict(window=(100, 0))),  # dQ's pieces beside the window's masks spilled 4-8 B
-    ((128, 256), dict(window=(100, 0), _kv_heads=2)),
-])
-def test_gqa_and_sliding_windows_at_head_dim_256_keep_the_triton_backward(head_dims, kwargs):
-    """At head dim 256 a GQA group or a sliding window keep Triton's backward (`plan._mosaic_backward_tiles`:
-    their programs spilled on sm_90a), under the Mosaic forward; the gradients match the reference."""
-    kwargs = dict(kwargs)
-    num_kv_heads = kwargs.pop("_kv_heads", 4)
+@pytest.mark.parametrize("head_dims, num_kv_heads", [((256, 256), 4), ((256, 256), 2), ((128, 256), 2)])
+def test_sliding_windows_at_head_dim_256_run_the_mosaic_backward(head_dims, num_kv_heads):
+    """A sliding window at head dim 256, with GQA or without (the dQ pieces read their index vectors from shared
+    memory per step: held in registers they spilled on sm_90a): the Mosaic backward, against the reference."""
     head_dim, value_dim = head_dims
-    q, k, _ = random_qkv(8, 1, 128, 128, 4, num_kv_heads, head_dim, jnp.bfloat16)
-    v = random_qkv(9, 1, 128, 128, 4, num_kv_heads, value_dim, jnp.bfloat16)[2]
-    assert_mosaic_matches_reference(q, k, v, 10, backward="triton", **kwargs)
+    q, k, _ = random_qkv(8, 1, 256, 256, 4, num_kv_heads, head_dim, jnp.bfloat16)
+    v = random_qkv(9, 1, 256, 256, 4, num_kv_heads, value_dim, jnp.bfloat16)[2]
+    assert_mosaic_matches_reference(q, k, v, 10, window=(100, 0), kv_lengths=jnp.array([230]))

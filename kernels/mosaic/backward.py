@@ -12,7 +12,7 @@ Window (causal) tile skipping, lengths masking and the caller's padding contract
 `mosaic.forward`. Both backward kernels run a step in parts of at most `PART` (64) columns of S (dQ: keys) /
 S^T (dK/dV: queries), so that the forward's 128 x 128 tiles (hooks, block tables) do not spill; with those
 the dispatch runs dK/dV on one-part 64-query steps (a table tile in two, `tables_block_q`): its two-part steps
-spilled with a score_mod.
+spilled with a score_mod. At head dim 256 dQ comes from a program per `PIECE` (128) of its columns (`pieces`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
+# The layouts of a (rows, keys) part's row and key index vectors (S's rows and columns).
+_ROW_AND_KEY_VECTORS = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0))
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
@@ -77,7 +79,7 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
     `dense_mask` a ring of int8 mask tiles per part, a bias read as `bias` (`check_bias`'s kind; tiles of
     `bias_itemsize` bytes, a ring per part) and with `bias_grad` its float32 dS tiles (one part) or row sums
     staged for their copy out, the hooks' vectors (`vectors`: how many along queries, along keys), and the
-    barriers (a row barrier per piece of Q: `pieces`)."""
+    barriers (a row barrier per piece of Q: `pieces`, whose programs also hold their index vectors)."""
     value_dim = value_dim or head_dim
     part = min(block_kv, PART)
     parts = block_kv // part
@@ -88,7 +90,8 @@ def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, d
                *([num_stages * block_q * part] * parts if dense_mask else []),
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
                {"tiles": 4 * block_q * part, "rows": 4 * block_q}.get(bias, 0) if bias_grad else 0,
-               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
+               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
+               *([4 * block_q, 4 * _CONSUMERS * part] if pieces > 1 else [])]  # the pieces' index vectors
     row_barriers = 3 + pieces + segments + (bias == "rows") + vectors[0]
     return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages, reductions=bias_grad and bias == "rows")
 
@@ -114,7 +117,7 @@ def _dq_kernel(
     dbias_ref = refs.pop(0) if bias_grad and bias in ("tiles", "rows") else None
     smem, row_ready, ready, free = refs
     (q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem, q_segment_smem, kv_segment_smem,
-     mask_rings, bias_smem, dbias_smem, vector_smem) = smem  # mask_rings: a (block_q, part) int8 ring per part
+     mask_rings, bias_smem, dbias_smem, vector_smem, iota_smem) = smem  # mask_rings: a (block_q, part) ring per part
     side = SideInputs(segments, q_segment_smem, kv_segment_smem, mask_ref, mask_rings, bias, bias_ref, bias_smem,
                       vectors, vector_smem)
     k_ready, v_ready = ready
@@ -168,6 +171,9 @@ def _dq_kernel(
         lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         q_segments, row_bias = side.row_values(wg)
+        if iota_smem is not None:  # each thread stores the entries of its own layout, and reads them back per step
+            for ref, layout in zip(iota_smem, _ROW_AND_KEY_VECTORS):
+                ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, ref.shape[1:], 0, layout=layout)
 
         def matmul_t(a_pieces, b_pieces):  # the sum of a (rows, D) @ b^T (D, keys) over the pieces
             def body(acc_ref):
@@ -193,7 +199,15 @@ def _dq_kernel(
                 kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
 
                 def indices():
-                    return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
+                    key0 = block_of(kv_step) * block_kv + j * part
+                    if iota_smem is None:
+                        return tile_indices(s.shape, row0, key0)
+                    # The piece programs read their index vectors from shared memory per step, as the dK/dV
+                    # kernel does: iotas hoisted out of the steps and held across them spilled with a window.
+                    rows_of, keys_of = (plgpu.load(ref.at[own], layout=layout)
+                                        for ref, layout in zip(iota_smem, _ROW_AND_KEY_VECTORS))
+                    return (row0 + lax.broadcast_in_dim(rows_of, s.shape, [0]),
+                            key0 + lax.broadcast_in_dim(keys_of, s.shape, [1]))
 
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
@@ -410,6 +424,8 @@ def mosaic_backward_dq(
                      "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if grads_bias else None,
                     tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
                           for axis, ref in vectors),
+                    None if piece is None else (plgpu.SMEM((_CONSUMERS, rows), jnp.int32),
+                                                plgpu.SMEM((_CONSUMERS, part), jnp.int32)),
                 ),
                 tuple(plgpu.Barrier(num_barriers=_CONSUMERS)  # a copy a barrier: Q's pieces, dO, lse2, delta, ...
                       for _ in range(3 + pieces + bool(segments) + (bias_kind == "rows") + counts[0])),

@@ -5,7 +5,8 @@ masks as there).
 dK / dV (`mosaic_backward_dkv`): one CTA per (KV tile of `block_kv` keys, KV head, batch). Each of the two
 consumer warpgroups keeps its `block_kv // 2` keys of K and V resident in SMEM; the producer warpgroup streams
 Q, dO, lse2 and delta tiles of `block_q` rows through a ring of `num_stages` slots, over the query tiles of
-every query head of the GQA group (so the group sum happens in the kernel). Per tile a consumer computes
+every query head of the GQA group (so the group sum happens in the kernel; the dK programs of a `split` run per
+query head instead, and at head dim 256 per `PIECE` of dK's columns). Per tile a consumer computes
 S^T = K Q^T and dP^T = V dO^T (wgmma from SMEM), P^T = exp2(S^T * scale * log2(e) - lse2),
 dS^T = P^T * (dP^T - delta), then dV += P^T dO and dK += dS^T Q (wgmma, the left operand from registers;
 staged in SMEM in interpret mode, through the same `_accumulate_pv` helper as the forward). With a window
@@ -472,7 +473,9 @@ def mosaic_backward_dkv(
     - `split`: dV and dK from two programs (kernels `..._dv` and `..._dk`), each holding one accumulator and
       recomputing S^T (dV's skips dP^T and V): at head dim 256 the two 64 x 256 float32 accumulators of one
       program would take 256 registers per thread. `pieces`: with `split`, dK from that many programs, each
-      computing `PIECE` (128) of its columns (q / k's head dim 256 needs 2, as in `mosaic_backward_dq`).
+      computing `PIECE` (128) of its columns (q / k's head dim 256 needs 2, as in `mosaic_backward_dq`). With
+      GQA the dK programs run per query head on copies of k and v, their partial dK summed over the group in
+      XLA (in k's dtype, then float32).
 
     **Returns:** `(dk, dv)`: `[B, S, K, D]` and `[B, S, K, Dv]` in k's dtype; zero for keys >= kv_lengths[b]. With
     k / v of batch 1 each query batch's part is written, then summed in float32 (batch 1 again). With `bias_grad`
@@ -509,8 +512,10 @@ def mosaic_backward_dkv(
     tables, delta, lse2, transforms = _prologue(q, k, out, lse, d_out, d_lse, q_lengths, q_tables, tables_block_q,
                                                 block_kv, "q_tables")
 
-    def launch(program: str | None, piece: int | None = None, q=q):
-        """Both gradients, or one ("dk" / "dv") of a split, or dK's columns of `piece`."""
+    def launch(program: str | None, piece: int | None = None, q=q, kv=(k, v)):
+        """Both gradients, or one ("dk" / "dv") of a split, or dK's columns of `piece`, of the keys and values
+        `kv` (k and v, or their copies per query head)."""
+        k, v = kv
         key_sums = bias_grad and program != "dv" and not piece
         return _launch(
             _dkv_kernel, "probjax_mosaic_backward_dkv" + (f"_{program}" if program else "")
@@ -527,7 +532,7 @@ def mosaic_backward_dkv(
                 *((jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),) if program != "dk" else ()),
                 *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if key_sums else ())),
             scratch_types=scratch_types(1 if piece is None else head_dim // PIECE),
-            grid=(kv_len // block_kv, num_kv_heads, batch), grid_names=("kv", "heads", "batch"),
+            grid=(kv_len // block_kv, k.shape[2], batch), grid_names=("kv", "heads", "batch"),
             table_split=tables_block_q // block_q,
         )
 
@@ -574,12 +579,18 @@ def mosaic_backward_dkv(
         )
     if split:
         (dv,) = launch("dv")
+        # dK's programs take each query head of a GQA group on its own (k and v copied per query head, dK summed
+        # over the group in XLA): beside the group's loop, the dK piece spilled 8 B on sm_90a.
+        group = num_heads // num_kv_heads
+        kv = (k, v) if group == 1 else tuple(jnp.repeat(x, group, axis=2) for x in (k, v))
         # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
         dk, *key_sums = launch("dk", None if pieces == 1 else 0,
-                               lax.optimization_barrier((q, dv))[0] if interpret else q)
+                               lax.optimization_barrier((q, dv))[0] if interpret else q, kv)
         for piece in range(1, pieces):  # dK's other columns (head dim 256)
-            (columns,) = launch("dk", piece, lax.optimization_barrier((q, dk))[0] if interpret else q)
+            (columns,) = launch("dk", piece, lax.optimization_barrier((q, dk))[0] if interpret else q, kv)
             dk = jnp.concatenate([dk, columns], axis=-1)
+        if group > 1:
+            dk = dk.reshape(*dk.shape[:2], num_kv_heads, group, head_dim).sum(3, dtype=jnp.float32).astype(k.dtype)
     else:
         dk, dv, *key_sums = launch(None)
     if k.shape[0] != batch:

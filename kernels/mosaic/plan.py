@@ -264,7 +264,7 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y). Either way both
     kernels' shared memory must fit, a bias's tiles and its gradient's staging included (whether the bias gets
     a gradient is known only when the backward runs). At head dim 256: `WIDE_STAGES`, dK/dV split, dQ and dK in
-    pieces, for calls without GQA or a sliding window."""
+    pieces."""
     head_dim, value_dim = head_dims
     if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
@@ -273,10 +273,6 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     wide = max(head_dims) > 128
     tile = cfg.block_q
     if hooked and (cfg.block_k != tile or wide):
-        return None
-    # At head dim 256 a GQA group (dK's pieces, the group's loop beside them) and a sliding window (dQ's pieces)
-    # spilled 4-8 B on sm_90a (docs/perf-notes.md, Version 27): those keep Triton's backward.
-    if wide and (problem.group > 1 or f.window_left is not None):
         return None
     dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)

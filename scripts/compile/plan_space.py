@@ -505,7 +505,7 @@ def planned_rows(out: list) -> list:
 
         def requires(target=None):
             return registry.required_kernels(probe.backend, probe.dtype, probe.head_dim, mode, feature,
-                                             probe.value_dim, target, group=8 // options.get("kv_heads", 8))
+                                             probe.value_dim, target)
 
         if name in index:
             v = out[index[name]]

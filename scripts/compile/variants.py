@@ -248,20 +248,17 @@ FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sl
 # At head dim 256 the Mosaic backward takes calls without hooks or block tables and without bias tiles (their ring
 # and the float32 dS staging overflow shared memory beside the one-slot tiles): those run Triton's backward.
 MOSAIC_WIDE_BACKWARD_LACKS = frozenset(FLEX_HOOKS) | {"dense_bias", "dense_bias_f32"}
-# Nor a GQA group (dK's pieces spilled 8 B) or a sliding window (dQ's pieces 4-8 B): the families naming one.
-WIDE_BACKWARD_SPILLED = ("gqa", "window")
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
-                     value_dim: int | None = None, target: str | None = None, group: int = 1) -> tuple[str, ...]:
+                     value_dim: int | None = None, target: str | None = None) -> tuple[str, ...]:
     """The Pallas kernels a call compiles to on `target` (None: a Hopper or pre-Hopper one), by the dispatch rules:
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS` or `WIDE_BACKWARD_SPILLED` nor a GQA
-    `group`), its tangent at 64 / 128 without a bias or a feature of
-    `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent at 64 / 128 without a bias
+    or a feature of `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
     for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
     `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     # padded to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
@@ -277,8 +274,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     wide = max(dims) > 128
     mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
-                       and not (wide and (feature in MOSAIC_WIDE_BACKWARD_LACKS or group > 1
-                                          or any(word in feature for word in WIDE_BACKWARD_SPILLED))))
+                       and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
     if mode in ("fwd", "jvp"):
         mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS) and not feature.startswith("dense_bias")
                           and feature not in MOSAIC_TANGENT_LACKS)
