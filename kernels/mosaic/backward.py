@@ -38,7 +38,6 @@ from probjax_kernels.mosaic.common import (
     _accumulate_pv,
     _backward_rule,
     allocated_smem,
-    bias_scratch,
     bias_smem_bytes,
     bias_tiles,
     check_bias,
@@ -52,7 +51,6 @@ from probjax_kernels.mosaic.common import (
     dropout_options,
     fill_ring_slot,
     last_piece,
-    mask_tiles,
     read_seed,
     same_segment,
     split_hook_refs,
@@ -61,7 +59,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
 )
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
-from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
+from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps, side_scratch, vector_scratch
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
@@ -414,16 +412,10 @@ def mosaic_backward_dq(
                     k_ring(head_dim) if piece is None else (k_ring(PIECE),) * pieces,
                     plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
                     plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if ds_in_smem else None,
-                    plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
-                    plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
-                    tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
-                          for _ in range(block_kv // part)) if mask is not None else None,
-                    bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
-                                 keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
+                    *side_scratch(segments, mask, bias_kind, bias, num_stages, block_q, block_kv, part, rows),
                     {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
                      "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if grads_bias else None,
-                    tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
-                          for axis, ref in vectors),
+                    vector_scratch(vectors, num_stages, block_kv, rows),
                     None if piece is None else (plgpu.SMEM((_CONSUMERS, rows), jnp.int32),
                                                 plgpu.SMEM((_CONSUMERS, part), jnp.int32)),
                 ),

@@ -14,8 +14,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_kernels.mosaic.common import mask_index, own_ranges
+from probjax_kernels.mosaic.common import _CONSUMERS, bias_scratch, mask_index, mask_tiles, own_ranges
 from probjax_kernels.mosaic.hook_vectors import tile_of
+
+
+def side_scratch(segments, mask, bias_kind: str | None, bias, num_stages: int, block_q: int, block_kv: int,
+                 part: int, rows: int) -> tuple:
+    """The shared memory of `SideInputs` but the hook vectors', in its order: the rows' segment ids (a buffer
+    per consumer of `rows`), a ring of the keys', an int8 ring of (block_q, part) mask tiles per part of a step,
+    and the bias's (`bias_scratch`); None for each the call lacks."""
+    return (
+        plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
+        plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
+        tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
+              for _ in range(block_kv // part)) if mask is not None else None,
+        bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part, keys=(num_stages, block_kv),
+                     rows=(_CONSUMERS, rows)),
+    )
+
+
+def vector_scratch(vectors, num_stages: int, block_kv: int, rows: int) -> tuple:
+    """The hook vectors' shared memory: a buffer per consumer of `rows` along queries, a ring along keys."""
+    return tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
+                 for axis, ref in vectors)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,6 @@ from probjax_kernels.mosaic.common import (
     _check_tables,
     _launch,
     allocated_smem,
-    bias_scratch,
     bias_smem_bytes,
     check_bias,
     check_dense_mask,
@@ -44,7 +43,6 @@ from probjax_kernels.mosaic.common import (
     drain_ring,
     dropout_options,
     fill_ring_slot,
-    mask_tiles,
     read_seed,
     same_segment,
     split_hook_refs,
@@ -55,7 +53,7 @@ from probjax_kernels.mosaic.common import (
 )
 from probjax_kernels.mosaic.forward import _check
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
-from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps
+from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps, side_scratch, vector_scratch
 
 TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-key slots fit at head dim 128
 
@@ -363,14 +361,8 @@ def mosaic_tangent(
                 plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
                 if value_dim != head_dim else None,
                 plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if interpret else None,
-                plgpu.SMEM((_CONSUMERS, rows), jnp.int32) if segments else None,
-                plgpu.SMEM((num_stages, block_kv), jnp.int32) if segments else None,
-                tuple(plgpu.SMEM((num_stages, block_q, part), jnp.int8, transforms=mask_tiles(part))
-                      for _ in range(block_kv // part)) if mask is not None else None,
-                bias_scratch(bias_kind, bias, (num_stages, block_q, part), block_kv // part,
-                             keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)),
-                tuple(plgpu.SMEM((_CONSUMERS, rows) if axis == "q" else (num_stages, block_kv), ref.dtype)
-                      for axis, ref in vectors),
+                *side_scratch(segments, mask, bias_kind, bias, num_stages, block_q, block_kv, part, rows),
+                vector_scratch(vectors, num_stages, block_kv, rows),
             ),
             (tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(row_barriers)),
              plgpu.Barrier(num_barriers=_CONSUMERS)),
