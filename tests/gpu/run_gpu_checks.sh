@@ -110,6 +110,9 @@ for seq in 4096 8192 1024 2048; do
         # the Mosaic tile configs, hd 128 at seq 8192 first; one JSON line per config
         ((mosaic_ok)) && step 120 mosaic-sweep mosaic_sweep.log "$python" tests/gpu/mosaic_sweep.py \
             "$out/mosaic_sweep.jsonl"
+        # head dim 256 fwd+bwd: the Mosaic backward's 128-column pieces against Triton's (perf-notes item 21)
+        ((mosaic_ok)) && step 120 benchmark-hd256 benchmark_hd256.log "${bench[@]}" --head-dims 256 \
+            --seq-lens 4096 8192 --modes fwd_bwd --causal 1 --impls probjax_mosaic probjax_default
     fi
 done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \
