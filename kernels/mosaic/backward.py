@@ -36,6 +36,7 @@ from probjax_kernels.mosaic.common import (
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
+    after,
     _backward_rule,
     allocated_smem,
     bias_smem_bytes,
@@ -46,6 +47,7 @@ from probjax_kernels.mosaic.common import (
     check_dense_mask,
     check_layout,
     check_outputs,
+    check_pieces,
     check_segments,
     drain_ring,
     dropout_options,
@@ -369,9 +371,7 @@ def mosaic_backward_dq(
     check_outputs(q, v, out, lse, d_out)
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
-    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)):
-        raise ValueError(f"pieces={pieces} at {head_dim=}: the dQ kernel takes pieces=1 up to head dim {PIECE} and "
-                         f"head_dim / {PIECE} pieces above it")
+    check_pieces(head_dim, pieces, "the dQ kernel")
     if (need := dq_smem_bytes(head_dim, block_q, block_kv, num_stages, ds_in_smem, segments=segments is not None,
                               value_dim=value_dim, dense_mask=mask is not None, bias=bias_kind,
                               bias_itemsize=4 if bias is None else bias.itemsize, bias_grad=bias_grad,
@@ -439,9 +439,8 @@ def mosaic_backward_dq(
     if pieces == 1:
         return launch(None)
     results = [launch(0)]
-    for piece in range(1, pieces):
-        # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
-        results.append(launch(piece, lax.optimization_barrier((q, results[-1]))[0] if interpret else q))
+    for piece in range(1, pieces):  # in the interpreter one program at a time (`after`)
+        results.append(launch(piece, after(q, results[-1], interpret)))
     first = results[0] if not bias_grad else results[0][0]
     dq = jnp.concatenate([first, *results[1:]], axis=-1)
     return (dq, results[0][1]) if bias_grad else dq

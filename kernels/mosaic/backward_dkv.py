@@ -36,6 +36,7 @@ from probjax_kernels.mosaic.common import (
     PRODUCER_REGISTERS,
     ScoreRule,
     _accumulate_pv,
+    after,
     _backward_rule,
     allocated_smem,
     bias_scratch,
@@ -46,6 +47,7 @@ from probjax_kernels.mosaic.common import (
     check_dense_mask,
     check_layout,
     check_outputs,
+    check_pieces,
     check_segments,
     drain_ring,
     dropout_options,
@@ -489,9 +491,9 @@ def mosaic_backward_dkv(
     if max(head_dim, value_dim) > 128 and not split:
         raise ValueError(f"head dims {head_dim} / {value_dim}: above 128 the dK / dV kernel needs split=True (one "
                          "accumulator per program)")
-    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)) or (pieces > 1 and not split):
-        raise ValueError(f"pieces={pieces} at {head_dim=}, split={split}: dK takes pieces=1 up to head dim {PIECE} "
-                         f"and head_dim / {PIECE} pieces (with split=True) above it")
+    check_pieces(head_dim, pieces, "dK")
+    if pieces > 1 and not split:
+        raise ValueError(f"pieces={pieces}: dK's pieces are programs of a split, and split=False")
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
     bias_grad = bias_grad and bias_kind == "keys"
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
@@ -583,11 +585,10 @@ def mosaic_backward_dkv(
         # over the group in XLA): beside the group's loop, the dK piece spilled 8 B on sm_90a.
         group = num_heads // num_kv_heads
         kv = (k, v) if group == 1 else tuple(jnp.repeat(x, group, axis=2) for x in (k, v))
-        # In the interpreter one program at a time: two at once can hold every CPU thread (see `glue._after`).
-        dk, *key_sums = launch("dk", None if pieces == 1 else 0,
-                               lax.optimization_barrier((q, dv))[0] if interpret else q, kv)
+        # In the interpreter one program at a time (`after`).
+        dk, *key_sums = launch("dk", None if pieces == 1 else 0, after(q, dv, interpret), kv)
         for piece in range(1, pieces):  # dK's other columns (head dim 256)
-            (columns,) = launch("dk", piece, lax.optimization_barrier((q, dk))[0] if interpret else q, kv)
+            (columns,) = launch("dk", piece, after(q, dk, interpret), kv)
             dk = jnp.concatenate([dk, columns], axis=-1)
         if group > 1:
             dk = dk.reshape(*dk.shape[:2], num_kv_heads, group, head_dim).sum(3, dtype=jnp.float32).astype(k.dtype)

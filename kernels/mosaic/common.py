@@ -568,3 +568,18 @@ def _backward_rule(scale: float, causal: bool, window, mask_fn, score_fn, score_
         raise ValueError("the backward kernels need score_jvp (the score_fn's value and derivative) with a score_fn")
     return ScoreRule(scale, **window_options(causal, window), mask_fn=mask_fn, score_fn=score_fn, score_jvp=score_jvp,
                      segments=segments is not None, dense_mask=mask is not None, bias=bias, **dropout)
+
+
+def after(value, earlier, interpret: bool):
+    """`value`, held until `earlier` is computed where the kernels run in the Mosaic GPU interpreter: an
+    interpreted kernel holds one of XLA's CPU threads while its warpgroups run nested computations on others, so
+    two kernels scheduled at once can take every thread and wait on each other for good."""
+    return value if earlier is None or not interpret else lax.optimization_barrier((value, earlier))[0]
+
+
+def check_pieces(head_dim: int, pieces: int, kernel: str) -> None:
+    """Raises ValueError unless `pieces` (programs of `PIECE` columns each) fits q / k's head dim: 1 up to
+    `PIECE`, head_dim / `PIECE` above it (one program's 64 x 256 float32 accumulator spilled)."""
+    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)):
+        raise ValueError(f"pieces={pieces} at {head_dim=}: {kernel} takes pieces=1 up to head dim {PIECE} and "
+                         f"head_dim / {PIECE} pieces above it")

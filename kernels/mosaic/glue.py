@@ -10,7 +10,6 @@ import functools
 from typing import Callable
 
 import jax.numpy as jnp
-from jax import lax
 
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
@@ -20,7 +19,7 @@ from probjax_kernels.mosaic.backward_dkv import DKV_TILES, mosaic_backward_dkv
 from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import DQ_BLOCK_KV as TCGEN05_DQ_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import tcgen05_backward_dkv, tcgen05_backward_dq
-from probjax_kernels.mosaic.common import allowed_in_window
+from probjax_kernels.mosaic.common import after, allowed_in_window
 from probjax_kernels.mosaic.forward import mosaic_forward
 from probjax_kernels.mosaic.forward_tcgen05 import BLOCK_Q as TCGEN05_BLOCK_Q
 from probjax_kernels.mosaic.forward_tcgen05 import hook_shapes as tcgen05_hook_shapes
@@ -72,13 +71,6 @@ def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
 def _call_hook_in_mosaic(hook: Hook, *args_and_refs):
     num_args = len(args_and_refs) - len(hook.const_avals)
     return hook.in_kernel(args_and_refs[num_args:], *args_and_refs[:num_args])
-
-
-def _after(value, earlier, interpret: bool):
-    """`value`, held until `earlier` is computed where the kernels run in the Mosaic GPU interpreter: an
-    interpreted kernel holds one of XLA's CPU threads while its warpgroups run nested computations on others, so
-    the dQ and dK/dV kernels scheduled at once can take every thread and wait on each other for good."""
-    return value if earlier is None or not interpret else lax.optimization_barrier((value, earlier))[0]
 
 
 def forward(problem: _Problem, q, k, v, q_len, kv_len, optional: dict, *, interpret: bool, block_kv: int):
@@ -197,7 +189,7 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
         grads["q"] = dq
     if tangents.k or tangents.v or (tangents.bias and key_bias):
         kv_len_padded = k.shape[1]
-        args = (_after(q, grads.get("q"), options["interpret"]), *_keys_up_to(DKV_TILES[1], k, v), *args[3:])
+        args = (after(q, grads.get("q"), options["interpret"]), *_keys_up_to(DKV_TILES[1], k, v), *args[3:])
         dk, dv, *key_sums = mosaic_backward_dkv(*args, **_key_inputs_up_to(DKV_TILES[1], options), **dkv_options,
                                                 bias_grad=tangents.bias and key_bias)
         grads.update({"k": dk[:, :kv_len_padded], "v": dv[:, :kv_len_padded]})
@@ -325,7 +317,7 @@ def backward_tcgen05(problem: _Problem, tangents: _Tangents, res: dict, d_out, d
             masks["kv_segment_ids"] = jnp.pad(masks["kv_segment_ids"], extra[:2])
         if masks.get("mask") is not None:  # its padded keys are masked: past kv_len
             masks["mask"] = jnp.pad(masks["mask"], extra[:3] + ((0, extra[1][1]),))
-        dk, dv = tcgen05_backward_dkv(_after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
+        dk, dv = tcgen05_backward_dkv(after(q, grads.get("q"), interpret), jnp.pad(k, extra), jnp.pad(v, extra),
                                       out, lse, d_out, q_len, kv_len, **options, **dkv_options, **masks,
                                       **hooks(kv_len_padded + extra[1][1]))
         grads.update(k=dk[:, :kv_len_padded], v=dv[:, :kv_len_padded])

@@ -261,8 +261,10 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     or a feature of `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
     for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
     `TCGEN05_FORWARD_ONLY`; tangent Triton."""
-    # padded to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
-    dims = {max(64, 1 << (d - 1).bit_length()) for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
+    def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
+        return max(64, 1 << (d - 1).bit_length())
+
+    dims = {padded(d) for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
     if backend == "mosaic" and target in BLACKWELL:
         takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS)
         forward = MOSAIC_FORWARD_TCGEN05 if takes and feature in TCGEN05_FAMILIES | TCGEN05_FORWARD_ONLY else FORWARD
@@ -281,7 +283,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
         return (forward,) if mode == "fwd" else (forward, MOSAIC_TANGENT if mosaic_tangent else TANGENT)
     if not mosaic_backward:
         return (forward, DQ, DKV)
-    pieces = max(64, 1 << (head_dim - 1).bit_length()) > 128  # q / k's head dim 256: dQ and dK in pieces
+    pieces = padded(head_dim) > 128  # q / k's head dim 256: dQ and dK in pieces
     dq, dk = (MOSAIC_DQ_PIECES, MOSAIC_DK_PIECES) if pieces else ((MOSAIC_DQ,), (MOSAIC_DK,))
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
