@@ -49,6 +49,17 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("lm_data"))
 
 
+@pytest.fixture
+def tangent_calls(monkeypatch) -> list:
+    """A list that gets an entry each time the Mosaic GPU tangent kernel is built (jax.jvp's tangent map is a
+    primitive: a jaxpr does not show its kernel)."""
+    from probjax_kernels.mosaic import glue
+
+    calls, kernel = [], glue.mosaic_tangent
+    monkeypatch.setattr(glue, "mosaic_tangent", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return calls
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None and not hasattr(config, "workerinput"):  # the run's own process, not a worker
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

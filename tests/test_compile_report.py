@@ -148,9 +148,16 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
-    # The Mosaic tangent beside the Mosaic backward; Triton's with a bias, ALiBi's slopes or at head dim 256.
+    # The Mosaic tangent beside the Mosaic backward (at head dim 256: the tangents of q, k and v apart, d out in
+    # 128-column pieces); Triton's with a bias, ALiBi's slopes or a hook at head dim 256.
     assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
-    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi", "mosaic_jvp_d256_bf16_causal"):
+    assert set(names["mosaic_jvp_d256_bf16_causal"].requires) == {
+        registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
+                                   for piece in ("_piece0", "_piece1"))}
+    assert set(names["mosaic_jvp_d128_bf16_dv256"].requires) == {registry.MOSAIC_FORWARD,
+                                                                 *registry.MOSAIC_TANGENT_PIECES}
+    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi",
+                 "mosaic_flex_jvp_d256_bf16_softcap"):
         assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}, name
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL

@@ -1,7 +1,8 @@
 """The Mosaic GPU (Hopper) tangent kernel: (d out, d lse) in the Mosaic GPU CPU interpreter against `jax.jvp` of
 the float32 plain-jnp reference, for tangents of any of q, k, v; through `flash_attention` / `flex_attention`
 on backend "mosaic_interpret" with the features it takes (segment ids, masks, dropout, hooks, BlockMasks); and
-the calls it leaves to Triton's tangent (a bias, a score_mod's arrays, head dim 256).
+the calls it leaves to Triton's tangent (a bias, a score_mod's arrays, hooks at head dim 256; the kernel at head
+dim 256: test_mosaic_wide_tangent.py).
 """
 
 import functools
@@ -24,7 +25,6 @@ from probjax_kernels import (
 from probjax_kernels._scores import base2_lse
 from probjax_kernels._tiles import refined_tables
 from probjax_kernels.flex.mods import alibi, alibi_slopes, document_mask, softcap
-from probjax_kernels.mosaic import glue as mosaic_glue
 from probjax_kernels.mosaic.tangent import mosaic_tangent, tangent_smem_bytes
 
 MOSAIC = FlashConfig(backend="mosaic_interpret")
@@ -34,15 +34,6 @@ MOSAIC = FlashConfig(backend="mosaic_interpret")
 def _fresh_interpreter():
     yield
     reset_gpu_interpret_mode_state()
-
-
-@pytest.fixture
-def tangent_calls(monkeypatch) -> list:
-    """A list that gets an entry each time the Mosaic tangent kernel is built (jax.jvp's tangent map is a
-    primitive: a jaxpr does not show its kernel)."""
-    calls, kernel = [], mosaic_glue.mosaic_tangent
-    monkeypatch.setattr(mosaic_glue, "mosaic_tangent", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    return calls
 
 
 def _float32(*xs):
@@ -74,6 +65,14 @@ def assert_lse_tangent_close(got, want, lse):
 )
 def test_tangent_matches_the_reference_in_interpreter(causal, q_lengths, kv_lengths, num_kv_heads, window,
                                                       moving, head_dims):
+    assert_kernel_matches_reference(head_dims, moving, num_kv_heads, q_lengths, kv_lengths, causal=causal,
+                                    window=window)
+
+
+def assert_kernel_matches_reference(head_dims, moving: str, num_kv_heads: int, q_lengths, kv_lengths, *, causal,
+                                    window, **options):
+    """`mosaic_tangent` (with `options`) in the interpreter against the reference's jvp: 2 heads, 256 rows and
+    keys, bfloat16, the tangents of the inputs named in `moving` ("q", "k", "v")."""
     batch, seq, num_heads, dtype = len(q_lengths), 256, 2, jnp.bfloat16
     head_dim, value_dim = head_dims
     q, k, _ = random_qkv(0, batch, seq, seq, num_heads, num_kv_heads, head_dim, dtype)
@@ -91,7 +90,7 @@ def test_tangent_matches_the_reference_in_interpreter(causal, q_lengths, kv_leng
     zero_or = [tangents.get(name, jnp.zeros_like(x)) for name, x in (("dq", q), ("dk", k), ("dv", v))]
     (out, lse), (d_out, d_lse) = reference_jvp(reference, _float32(q, k, v), _float32(*zero_or))
     got_out, got_lse = jax.jit(functools.partial(mosaic_tangent, scale=scale, causal=causal, window=window,
-                                                 interpret=True))(
+                                                 interpret=True, **options))(
         q, k, v, out.astype(dtype), base2_lse(lse), q_lengths, kv_lengths, **tangents)
     assert got_out.shape == out.shape and got_out.dtype == dtype and got_lse.shape == lse.shape
     assert_close(got_out, d_out, dtype, "d out")
@@ -190,21 +189,22 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
     assert_close(got[1], want[1], jnp.bfloat16, "d out")
 
 
-@pytest.mark.parametrize("case", ["bias", "score_mod_arrays", "head_dim_256"])
+@pytest.mark.parametrize("case", ["bias", "score_mod_arrays", "hook_at_head_dim_256"])
 def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
-    """A bias (its tangent), a score_mod's captured arrays (theirs: ALiBi's slopes) and head dim 256 take Triton's
-    tangent kernel beside the Mosaic forward; the jvp still matches the reference's."""
-    head_dim = 256 if case == "head_dim_256" else 64
+    """A bias (its tangent), a score_mod's captured arrays (theirs: ALiBi's slopes) and a hook at head dim 256 (a
+    soft cap; as in the backward there) take Triton's tangent kernel beside the Mosaic forward; the jvp still
+    matches the reference's."""
+    head_dim = 256 if case == "hook_at_head_dim_256" else 64
     batch, seq, num_heads = 1, 128, 2
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     tangents = random_qkv(12, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
-    if case == "score_mod_arrays":
-        score_mod = alibi(alibi_slopes(num_heads))
+    if case != "bias":
+        score_mod = alibi(alibi_slopes(num_heads)) if case == "score_mod_arrays" else softcap(20.0)
         fn = functools.partial(flex_attention, score_mod=score_mod, config=MOSAIC)
         reference = functools.partial(flex_attention_reference, score_mod=score_mod)
     else:
         bias = jnp.asarray(np.random.default_rng(13).normal(size=(batch, num_heads, seq, seq)), jnp.bfloat16)
-        options = dict(causal=True, bias=bias) if case == "bias" else dict(causal=True)
+        options = dict(causal=True, bias=bias)
         fn = functools.partial(flash_attention, config=MOSAIC, **options)
         reference = functools.partial(flash_attention_reference, **options)
     got, want = _jvp_through(fn, reference, (q, k, v), tangents)

@@ -61,12 +61,18 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
 )
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
-from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps, side_scratch, vector_scratch
+from probjax_kernels.mosaic.side_inputs import (
+    SideInputs,
+    index_scratch,
+    run_steps,
+    side_scratch,
+    store_indices,
+    stored_indices,
+    vector_scratch,
+)
 
 
 DQ_TILES = (128, 64)  # the dQ kernel's default (block_q, block_kv): one 64-key part a step
-# The layouts of a (rows, keys) part's row and key index vectors (S's rows and columns).
-_ROW_AND_KEY_VECTORS = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0))
 
 
 def dq_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, ds_in_smem: bool = False,
@@ -171,9 +177,8 @@ def _dq_kernel(
         lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         q_segments, row_bias = side.row_values(wg)
-        if iota_smem is not None:  # each thread stores the entries of its own layout, and reads them back per step
-            for ref, layout in zip(iota_smem, _ROW_AND_KEY_VECTORS):
-                ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, ref.shape[1:], 0, layout=layout)
+        if iota_smem is not None:  # the piece programs read their index vectors from shared memory per step
+            store_indices(iota_smem, wg)
 
         def matmul_t(a_pieces, b_pieces):  # the sum of a (rows, D) @ b^T (D, keys) over the pieces
             def body(acc_ref):
@@ -202,12 +207,7 @@ def _dq_kernel(
                     key0 = block_of(kv_step) * block_kv + j * part
                     if iota_smem is None:
                         return tile_indices(s.shape, row0, key0)
-                    # The piece programs read their index vectors from shared memory per step, as the dK/dV
-                    # kernel does: iotas hoisted out of the steps and held across them spilled with a window.
-                    rows_of, keys_of = (plgpu.load(ref.at[own], layout=layout)
-                                        for ref, layout in zip(iota_smem, _ROW_AND_KEY_VECTORS))
-                    return (row0 + lax.broadcast_in_dim(rows_of, s.shape, [0]),
-                            key0 + lax.broadcast_in_dim(keys_of, s.shape, [1]))
+                    return stored_indices(iota_smem, own, s.shape, row0, key0)
 
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
@@ -416,8 +416,7 @@ def mosaic_backward_dq(
                     {"tiles": plgpu.SMEM((_CONSUMERS, rows, part), jnp.float32, transforms=bias_tiles(4)),
                      "rows": plgpu.SMEM((_CONSUMERS, rows), jnp.float32)}[bias_kind] if grads_bias else None,
                     vector_scratch(vectors, num_stages, block_kv, rows),
-                    None if piece is None else (plgpu.SMEM((_CONSUMERS, rows), jnp.int32),
-                                                plgpu.SMEM((_CONSUMERS, part), jnp.int32)),
+                    None if piece is None else index_scratch(rows, part),
                 ),
                 tuple(plgpu.Barrier(num_barriers=_CONSUMERS)  # a copy a barrier: Q's pieces, dO, lse2, delta, ...
                       for _ in range(3 + pieces + bool(segments) + (bias_kind == "rows") + counts[0])),

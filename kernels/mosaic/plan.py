@@ -2,7 +2,7 @@
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
 plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
 64 / 128 where a score_mod's derivative lowers too, and there the Mosaic tangent kernel for calls without a
-bias or a score_mod's arrays (`_mosaic_tangent_takes`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
+bias or a score_mod's arrays (`_mosaic_tangent_options`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
 backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
 lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
 window mask_mod) or along q_idx / kv_idx (document masks, per-token biases), BlockMasks of 128 x 128 blocks or
@@ -45,7 +45,7 @@ from probjax_kernels.mosaic.tangent import TANGENT_TILES, tangent_smem_bytes
 TANGENT_HOOK_SHAPES = ((), (), (TANGENT_TILES[0] // 2, MOSAIC_PART), (TANGENT_TILES[0] // 2, MOSAIC_PART),
                       (TANGENT_TILES[0] // 2, MOSAIC_PART))  # where the tangent kernel calls the hooks
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ and dK/dV kernels', for q / k and v
-MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's; 256 keeps the Triton tangent
+MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256: in pieces, or split)
 # At head dim 256 (q / k's or v's), for calls without hooks or block tables, the dQ and dK/dV kernels hold one K / V
 # (Q / dO) slot, as Q, dO (K, V) and two 64-key (-query) slots would need 256 KiB of shared memory (32-key steps do
 # not lower: wgmma's K over a 128-byte swizzled operand is a multiple of 64), and dK/dV runs dK and dV as programs
@@ -294,22 +294,38 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
 
 
-def _mosaic_tangent_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
-    """Whether the Mosaic tangent kernel (`mosaic.tangent`, Hopper) runs this call's forward-mode pass: calls
-    whose backward the Mosaic kernels take (`_fits_mosaic`) at head dims 64 / 128, without a bias or a
-    score_mod that captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on
-    `TANGENT_TILES` with every tangent moving within shared memory."""
+def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
+    """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
+    None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`, and at
+    head dim 256 `_mosaic_backward_tiles`: no hooks or block tables), without a bias or a score_mod that
+    captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on `TANGENT_TILES`
+    with every tangent moving within shared memory. At v's head dim 256 d out comes in `pieces` of 128 columns
+    (a 64 x 256 float32 accumulator beside S and S' spills, as dQ's did); at q / k's, the tangents of q, k and v
+    `split` into programs of their own on one ring slot (Q, dQ, K and dK whole with V, dV and out overflow shared
+    memory; k's and v's in one program spilled 8-148 B, docs/perf-notes.md, Version 28)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
             or problem.bias_shape is not None or problem.num_score_consts):
-        return False
+        return None
     f = problem.features
+    wide = max(head_dims) > MOSAIC_PIECE
+    if wide and _mosaic_backward_tiles(problem, dtype, head_dims) is None:
+        return None
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
-        return False
-    return tangent_smem_bytes(
-        head_dim, *TANGENT_TILES, 2, _interpreted(problem), segments=_has_vectors(problem), value_dim=value_dim,
-        dense_mask=_dense_mask(problem), bias=_bias_kind(problem), bias_itemsize=_bias_itemsize(problem),
-        vectors=_vector_counts(problem)) <= MOSAIC_SMEM_BYTES
+        return None
+    pieces = value_dim // MOSAIC_PIECE if value_dim > MOSAIC_PIECE else 1
+    split = head_dim > MOSAIC_PIECE
+    stages = WIDE_STAGES if split else 2
+    groups = [(True, False, False), (False, True, False), (False, False, True)] if split else [(True, True, True)]
+    if any(tangent_smem_bytes(
+            head_dim, *TANGENT_TILES, stages, segments=_has_vectors(problem),  # the GPU's (see `mosaic_tangent`)
+            value_dim=value_dim // pieces, dense_mask=_dense_mask(problem), bias=_bias_kind(problem),
+            bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem), moving=group,
+            indices=wide) > MOSAIC_SMEM_BYTES
+           for group in groups):
+        return None
+    return {"num_stages": stages, "pieces": pieces, "split": True} if split else (
+        {"pieces": pieces} if pieces > 1 else {})
 
 
 def on_blackwell(device) -> bool:
@@ -401,8 +417,10 @@ class _MosaicGpu:
         backward = tangent = None
         if tiles is not None:
             backward = KernelPass(glue.backward, problem, (("tiles", tuple(tuple(t.items()) for t in tiles)),))
-        if _mosaic_tangent_takes(problem, dtype, head_dims):
-            tangent = KernelPass(glue.tangent, problem, (("interpret", _interpreted(problem)),))
+        tangent_options = _mosaic_tangent_options(problem, dtype, head_dims)
+        if tangent_options is not None:
+            tangent = KernelPass(glue.tangent, problem, (("interpret", _interpreted(problem)),
+                                                         ("options", tuple(tangent_options.items()))))
         return Passes(forward=KernelPass(glue.forward, problem, forward), backward=backward, tangent=tangent,
                       hook_shapes=(TANGENT_HOOK_SHAPES,) if tangent is not None else ())
 

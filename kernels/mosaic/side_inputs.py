@@ -140,3 +140,26 @@ def run_steps(step, skip, carry, *, tables: tuple | None = None, own: tuple | No
                               carry)
     lax.fori_loop(hi - cta_lo, cta_steps, skip, None)
     return carry
+
+
+# The layouts of a consumer's row and key index vectors: those of a WGMMA tile's rows and columns.
+ROW_AND_KEY_VECTORS = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0))
+
+
+def index_scratch(rows: int, part: int) -> tuple:
+    """The shared memory of each consumer's row and key index vectors (`store_indices`): int32 [2, rows], [2, part]."""
+    return plgpu.SMEM((_CONSUMERS, rows), jnp.int32), plgpu.SMEM((_CONSUMERS, part), jnp.int32)
+
+
+def store_indices(index_smem: tuple, wg) -> None:
+    """Each thread of consumer `wg` stores the entries of the row and key iotas its layout holds, once. Read back per
+    step (`stored_indices`), the iotas are not hoisted out of the step loops and held in registers by LLVM, which
+    spilled the head dim 256 programs (dQ's and the tangent's pieces) on sm_90a."""
+    for ref, layout in zip(index_smem, ROW_AND_KEY_VECTORS):
+        ref.at[wg][...] = plgpu.broadcasted_iota(jnp.int32, ref.shape[1:], 0, layout=layout)
+
+
+def stored_indices(index_smem: tuple, own, shape: tuple, row0, key0) -> tuple:
+    """(query, key) index tiles of `shape` from rows `row0` and keys `key0` on, from `store_indices`' vectors."""
+    rows_of, keys_of = (plgpu.load(ref.at[own], layout=layout) for ref, layout in zip(index_smem, ROW_AND_KEY_VECTORS))
+    return row0 + lax.broadcast_in_dim(rows_of, shape, [0]), key0 + lax.broadcast_in_dim(keys_of, shape, [1])

@@ -28,7 +28,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_kernels._tiles import kv_tile_range
 from probjax_kernels.mosaic.common import (
     _CONSUMERS,
+    CONSUMER_REGISTERS,
     PART,
+    PRODUCER_REGISTERS,
     SMEM_BYTES,
     ScoreRule,
     _accumulate_pv,
@@ -38,6 +40,7 @@ from probjax_kernels.mosaic.common import (
     allocated_smem,
     bias_smem_bytes,
     check_bias,
+    check_layout,
     check_dense_mask,
     check_segments,
     drain_ring,
@@ -46,14 +49,23 @@ from probjax_kernels.mosaic.common import (
     read_seed,
     same_segment,
     split_hook_refs,
+    after,
+    check_pieces,
     table_walk,
     tile_indices,
     union_of_ranges,
     _SWIZZLE,
 )
-from probjax_kernels.mosaic.forward import _check
 from probjax_kernels.mosaic.hook_vectors import grouped, vectors_in, views
-from probjax_kernels.mosaic.side_inputs import SideInputs, run_steps, side_scratch, vector_scratch
+from probjax_kernels.mosaic.side_inputs import (
+    SideInputs,
+    index_scratch,
+    run_steps,
+    side_scratch,
+    store_indices,
+    stored_indices,
+    vector_scratch,
+)
 
 TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-key slots fit at head dim 128
 
@@ -61,12 +73,14 @@ TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-
 def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, staged: bool = False,
                        itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
                        dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
-                       vectors: tuple[int, int] = (0, 0), moving: tuple[bool, bool, bool] = (True, True, True)) -> int:
+                       vectors: tuple[int, int] = (0, 0), moving: tuple[bool, bool, bool] = (True, True, True),
+                       indices: bool = False) -> int:
     """Shared memory of one tangent CTA as Mosaic GPU allocates it (`allocated_smem`), for the tangents of
     (q, k, v) flagged in `moving`: Q (it takes `out` after the loop, and carries d out) and dQ tiles, lse2
     rows, the K / V rings and those of dK / dV (v's head dim `value_dim`, default q's), a separate `out` tile
     when v's head dim is not q's, with `staged` the P tile of one part (the interpreter's wgmma reads SMEM
-    operands), then the dQ kernel's segment ids, mask tiles, bias and hook vectors, and the barriers."""
+    operands), then the dQ kernel's segment ids, mask tiles, bias and hook vectors, with `indices` the row and key
+    index vectors (the programs of a head dim 256 call: `store_indices`), and the barriers."""
     value_dim = value_dim or head_dim
     moves_q, moves_k, moves_v = moving
     part = min(block_kv, PART)
@@ -79,7 +93,8 @@ def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: i
                4 * num_stages * block_kv if segments else 0,
                *([num_stages * block_q * part] * parts if dense_mask else []),
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
-               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1]]
+               *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
+               *([4 * block_q, 4 * _CONSUMERS * part] if indices else [])]
     row_barriers = 3 + moves_q + segments + (bias == "rows") + vectors[0]
     return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages)
 
@@ -88,8 +103,11 @@ def _tangent_kernel(
     q_ref, k_ref, v_ref, out_ref, lse2_ref, q_len_ref, kv_len_ref, *refs, rule: ScoreRule, block_q: int,
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
-    moving: tuple[bool, bool, bool], score_vectors: tuple = (), mask_vectors: tuple = (),
+    moving: tuple[bool, bool, bool], score_vectors: tuple = (), mask_vectors: tuple = (), piece: int | None = None,
 ):
+    # `piece` (the programs of a head dim 256 call, `mosaic_tangent`'s pieces / split): this program computes d
+    # out's columns [piece * C, (piece + 1) * C) alone, C = d_out_ref's (at v's head dim 256 a 64 x 256 float32
+    # accumulator beside S and S' would spill); V, dV and out are read in those columns only, S and S' whole.
     moves_q, moves_k, moves_v = moving
     refs = list(refs)
     dq_ref = refs.pop(0) if moves_q else None
@@ -103,14 +121,15 @@ def _tangent_kernel(
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
     d_out_ref, d_lse_ref, smem, (row_ready, out_ready), ready, free = refs
     (q_smem, dq_smem, lse2_smem, k_smem, v_smem, dk_smem, dv_smem, out_smem, p_smem, q_segment_smem,
-     kv_segment_smem, mask_rings, bias_smem, vector_smem) = smem
+     kv_segment_smem, mask_rings, bias_smem, vector_smem, index_smem) = smem
     side = SideInputs(segments, q_segment_smem, kv_segment_smem, mask_ref, mask_rings, bias, bias_ref, bias_smem,
                       vectors, vector_smem)
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
     part = min(block_kv, PART)
-    value_dim = v_ref.shape[-1]
+    value_dim = d_out_ref.shape[-1]  # v's, or a piece's
+    columns = () if piece is None else (pl.ds(piece * value_dim, value_dim),)
     num_q_tiles = q_ref.shape[1] // block_q
     q_tile = lax.axis_index("q")
     if rule.causal_only:  # heaviest tiles first
@@ -134,7 +153,7 @@ def _tangent_kernel(
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(232 if piece is None else CONSUMER_REGISTERS, action="increase")
         row0 = tile_row0 + wg * rows
         seed_parts = read_seed(seed)
         row_tile = (batch, pl.ds(row0, rows), head)
@@ -148,6 +167,8 @@ def _tangent_kernel(
             plgpu.barrier_wait(barrier.at[wg])
         lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         q_segments, row_bias = side.row_values(wg)
+        if index_smem is not None:
+            store_indices(index_smem, wg)
 
         def scores(pairs):  # the sum over (a, b) of a (rows, D) @ b^T (D, part)
             def body(acc_ref):
@@ -175,14 +196,17 @@ def _tangent_kernel(
                 kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
 
                 def indices():
-                    return tile_indices(s.shape, row0, block_of(kv_step) * block_kv + j * part)
+                    key0 = block_of(kv_step) * block_kv + j * part
+                    if index_smem is None:
+                        return tile_indices(s.shape, row0, key0)
+                    return stored_indices(index_smem, own, s.shape, row0, key0)
 
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
                     score_arrays=views(score_groups, tiles[:num_score_vectors]),
                     mask_arrays=views(mask_groups, tiles[num_score_vectors:]),
                     same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
-                    dense=lambda: mask_tile != 0, with_derivative=s_dot is not None and rule.score_fn is not None,
+                    dense=lambda: mask_tile != 0, with_derivative=bool(pairs) and rule.score_fn is not None,
                     bias=lambda: bias_tile,
                 )
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
@@ -222,7 +246,7 @@ def _tangent_kernel(
             acc, c = run_steps(step, skip, carry, own=tile_ranges(row0), cta_lo=cta_lo, cta_steps=cta_steps)
         # Q is no longer read: its tile (or out's own, where v's head dim is not q's) takes out, then d out.
         out_own = (q_smem if out_smem is None else out_smem).at[wg]
-        plgpu.copy_gmem_to_smem(out_ref.at[row_tile], out_own, out_ready.at[wg])
+        plgpu.copy_gmem_to_smem(out_ref.at[(*row_tile, *columns)], out_own, out_ready.at[wg])
         plgpu.barrier_wait(out_ready.at[wg])
         out = plgpu.load(out_own, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         out_own[...] = (acc - lax.broadcast_in_dim(c, acc.shape, [0]) * out).astype(out_own.dtype)
@@ -234,18 +258,18 @@ def _tangent_kernel(
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(40 if piece is None else PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
         @pl.loop(0, cta_steps)
         def _(kv_step):
             key0 = block_of(kv_step) * block_kv
             tile = (batch if k_ref.shape[0] > 1 else 0, pl.ds(key0, block_kv), kv_head)
-            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[tile], v_smem, v_ready)]
+            copies = [(k_ref.at[tile], k_smem, k_ready), (v_ref.at[(*tile, *columns)], v_smem, v_ready)]
             if moves_k:  # the tangents arrive with their primals
                 copies.append((dk_ref.at[tile], dk_smem, k_ready))
             if moves_v:
-                copies.append((dv_ref.at[tile], dv_smem, v_ready))
+                copies.append((dv_ref.at[(*tile, *columns)], dv_smem, v_ready))
             copies += side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
@@ -256,7 +280,7 @@ def _tangent_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "interpret", "mask_fn",
                      "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads", "score_vectors",
-                     "mask_vectors"),
+                     "mask_vectors", "pieces", "split"),
 )
 def mosaic_tangent(
     q: jax.Array,
@@ -293,6 +317,8 @@ def mosaic_tangent(
     bias: jax.Array | None = None,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
+    pieces: int = 1,
+    split: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The tangent of `mosaic_forward`'s (out, lse) on Hopper through Pallas Mosaic GPU, for tangents `dq`,
     `dk`, `dv` of q, k, v (None: zero; the bias and the hooks' arrays hold still).
@@ -303,13 +329,21 @@ def mosaic_tangent(
     shaped as q, k, v, at least one of them given.
     The dropout arguments, `kv_tables`, the hooks (a score_fn with its `score_jvp`), segment ids, `mask` and
     `bias` as in `mosaic_backward_dq`.
+    `pieces`: d out from that many programs, each computing `PIECE` (128) of its columns (v's head dim 256: 2;
+    else 1), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
+    (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out overflow shared
+    memory, and a program moving k and v together spilled 8-148 B on sm_90a), d out rounded to out's dtype in
+    each before the sum.
 
     **Returns:** (d out `[B, T, N, Dv]` in out's dtype, d lse `[B, N, T]` float32, natural log; 0 for rows with
     no key).
     """
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
-    _check(q, k, v, q_lengths, kv_lengths, scale, block_q, block_kv, num_stages, False)
+    # One ring slot suffices (head dim 256): a consumer frees a slot's K and V before it waits on the next.
+    check_layout(q, k, v, q_lengths, kv_lengths, scale, block_q=block_q, q_multiple=64 * _CONSUMERS,
+                 block_kv=block_kv, kv_multiple=64, num_stages=num_stages, min_stages=1, head_dims=(64, 128, 256),
+                 smem_need=0, kernel="the Mosaic GPU tangent kernel")
     batch, q_len, num_heads, head_dim = q.shape
     value_dim = v.shape[3]
     for name, tangent, primal in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -322,16 +356,24 @@ def mosaic_tangent(
     moving = (dq is not None, dk is not None, dv is not None)
     if not any(moving):
         raise ValueError("mosaic_tangent needs a tangent of q, k or v (dq, dk, dv are all None)")
+    check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)")
+    groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(3)] if split else [moving]
+    groups = [group for group in groups if any(group)]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, k.shape[1])
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
-    if (need := tangent_smem_bytes(head_dim, block_q, block_kv, num_stages, interpret, q.dtype.itemsize,
-                                   segments is not None, value_dim, mask is not None, bias_kind,
-                                   4 if bias is None else bias.itemsize, counts, moving)) > SMEM_BYTES:
-        raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at {head_dim=} need {need} bytes of SMEM")
+    columns = value_dim // pieces
+    for group in groups:  # against the GPU's limit: the interpreter's P tile (`staged`) is not counted
+        if (need := tangent_smem_bytes(head_dim, block_q, block_kv, num_stages, False, q.dtype.itemsize,
+                                       segments is not None, columns, mask is not None, bias_kind,
+                                       4 if bias is None else bias.itemsize, counts, group,
+                                       pieces > 1 or split)) > SMEM_BYTES:
+            raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at head dims {head_dim} / {columns} (v's, per "
+                             f"piece) need {need} bytes of SMEM for the tangents of "
+                             f"{[n for n, m in zip('qkv', group) if m]} (split={split})")
     kv_len = k.shape[1]
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv,
                            name="kv_tables")
@@ -339,45 +381,64 @@ def mosaic_tangent(
     transforms = (plgpu.TilingTransform((8, _SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     num_stages = min(num_stages, kv_len // block_kv)
     rows, part = block_q // _CONSUMERS, min(block_kv, PART)
-    lin = tuple(t for t in (dq, dk, dv) if t is not None)
-    row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") + counts[0]
-    d_out, d_lse = _launch(
-        _tangent_kernel, "probjax_mosaic_tangent", (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
-        score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-        rule=_backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
-                            bias is not None),
-        segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, moving=moving,
-        score_vectors=score_vectors, mask_vectors=mask_vectors,
-        out_type=(jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse2.shape, jnp.float32)),
-        scratch_types=(
-            (
-                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms) if moving[0] else None,
-                plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
-                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms) if moving[1] else None,
-                plgpu.SMEM((num_stages, block_kv, value_dim), q.dtype, transforms=transforms) if moving[2] else None,
-                plgpu.SMEM((_CONSUMERS, rows, value_dim), q.dtype, transforms=transforms)
-                if value_dim != head_dim else None,
-                plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if interpret else None,
-                *side_scratch(segments, mask, bias_kind, bias, num_stages, block_q, block_kv, part, rows),
-                vector_scratch(vectors, num_stages, block_kv, rows),
+    rule = _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
+                          bias is not None)
+
+    def launch(moving: tuple[bool, bool, bool], piece: int | None, name: str, q=q):
+        lin = tuple(t for t, moves in zip((dq, dk, dv), moving) if moves)
+        row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") + counts[0]
+        return _launch(
+            _tangent_kernel, name, (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
+            score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+            rule=rule, segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, moving=moving,
+            score_vectors=score_vectors, mask_vectors=mask_vectors, piece=piece,
+            out_type=(jax.ShapeDtypeStruct((*out.shape[:3], columns), out.dtype),
+                      jax.ShapeDtypeStruct(lse2.shape, jnp.float32)),
+            scratch_types=(
+                (
+                    plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms),
+                    plgpu.SMEM((_CONSUMERS, rows, head_dim), q.dtype, transforms=transforms) if moving[0] else None,
+                    plgpu.SMEM((_CONSUMERS, rows), jnp.float32),
+                    plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms),
+                    plgpu.SMEM((num_stages, block_kv, columns), q.dtype, transforms=transforms),
+                    plgpu.SMEM((num_stages, block_kv, head_dim), q.dtype, transforms=transforms) if moving[1] else None,
+                    plgpu.SMEM((num_stages, block_kv, columns), q.dtype, transforms=transforms) if moving[2] else None,
+                    plgpu.SMEM((_CONSUMERS, rows, columns), q.dtype, transforms=transforms)
+                    if columns != head_dim else None,
+                    plgpu.SMEM((_CONSUMERS, rows, part), q.dtype, transforms=transforms) if interpret else None,
+                    *side_scratch(segments, mask, bias_kind, bias, num_stages, block_q, block_kv, part, rows),
+                    vector_scratch(vectors, num_stages, block_kv, rows),
+                    None if piece is None else index_scratch(rows, part),
+                ),
+                (tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(row_barriers)),
+                 plgpu.Barrier(num_barriers=_CONSUMERS)),
+                (  # K's barrier also awaits dK, the segment ids, mask and bias tiles and key vectors; V's awaits dV
+                    plgpu.Barrier(num_arrivals=1 + moving[1] + bool(segments) + (mask is not None) * (block_kv // part)
+                                  + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
+                                  num_barriers=num_stages),
+                    plgpu.Barrier(num_arrivals=1 + moving[2], num_barriers=num_stages),
+                ),
+                (
+                    plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                    plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+                ),
             ),
-            (tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(row_barriers)),
-             plgpu.Barrier(num_barriers=_CONSUMERS)),
-            (  # K's barrier also awaits dK, the segment ids, mask and bias tiles and key vectors; V's awaits dV
-                plgpu.Barrier(num_arrivals=1 + moving[1] + bool(segments) + (mask is not None) * (block_kv // part)
-                              + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
-                              num_barriers=num_stages),
-                plgpu.Barrier(num_arrivals=1 + moving[2], num_barriers=num_stages),
-            ),
-            (
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-            ),
-        ),
-        grid=(q_len // block_q, num_heads, batch),
-        grid_names=("q", "heads", "batch"),
-    )
-    return d_out, d_lse
+            grid=(q_len // block_q, num_heads, batch),
+            grid_names=("q", "heads", "batch"),
+        )
+
+    if pieces == 1 and not split:
+        return launch(moving, None, "probjax_mosaic_tangent")
+    results, sums = [], []
+    for group in groups:  # in the interpreter one program at a time (`after`)
+        prefix = "probjax_mosaic_tangent" + ("" if not split else "_d" + "qkv"[group.index(True)])
+        for piece in range(pieces):
+            name = prefix + ("" if pieces == 1 else f"_piece{piece}")
+            earlier = results[-1][0] if results else None
+            results.append(launch(group, piece, name, after(q, earlier, interpret)))
+        d_out = jnp.concatenate([r[0] for r in results[-pieces:]], axis=-1)
+        sums.append((d_out, results[-pieces][1]))
+    if len(sums) == 1:
+        return sums[0]
+    d_out = sum(d.astype(jnp.float32) for d, _ in sums).astype(out.dtype)
+    return d_out, sum(d_lse for _, d_lse in sums)

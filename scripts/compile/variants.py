@@ -217,6 +217,9 @@ MOSAIC_DK, MOSAIC_DV = MOSAIC_DKV + "_dk", MOSAIC_DKV + "_dv"  # its dK/dV as tw
 # At q / k's head dim 256 dQ and dK run as a program per 128-column piece of their columns (`mosaic.common.PIECE`).
 MOSAIC_DQ_PIECES = tuple(f"{MOSAIC_DQ}_piece{p}" for p in range(2))
 MOSAIC_DK_PIECES = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(2))
+# At head dim 256 the tangent's programs: d out's 128-column pieces where v's head dim is 256, and the tangent of q
+# , k and v each in programs of their own ("_dq" / "_dk" / "_dv", `split`) where q / k's is.
+MOSAIC_TANGENT_PIECES = tuple(f"{MOSAIC_TANGENT}_piece{p}" for p in range(2))
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -235,7 +238,7 @@ TCGEN05_FORWARD_ONLY = frozenset({"dense_bias", "dense_bias_f32", "dense_bias_ke
 TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ / dK/dV kernels' (at 256: dK and dV split)
-MOSAIC_TANGENT_HEAD_DIMS = (64, 128)  # the Mosaic tangent kernel's (head dim 256: Triton's tangent)
+MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256: in pieces, or split)
 # Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
 # / kv_idx (a relative-bias table; a document mask's ids travel as vectors), float32 inputs.
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
@@ -257,14 +260,15 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent at 64 / 128 without a bias
-    or a feature of `MOSAIC_TANGENT_LACKS`; on Blackwell (`BLACKWELL`) the tcgen05 forward and backward
-    for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of
-    `TCGEN05_FORWARD_ONLY`; tangent Triton."""
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent where it runs that backward,
+    without a bias or a feature of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`); on Blackwell
+    (`BLACKWELL`) the tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128,
+    the tcgen05 forward alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
         return max(64, 1 << (d - 1).bit_length())
 
-    dims = {padded(d) for d in (head_dim, value_dim or {"dv64": 64}.get(feature, head_dim))}
+    padded_dims = padded(head_dim), padded(value_dim or {"dv64": 64}.get(feature, head_dim))
+    dims = set(padded_dims)
     if backend == "mosaic" and target in BLACKWELL:
         takes = dtype != "f32" and dims <= set(TCGEN05_HEAD_DIMS)
         forward = MOSAIC_FORWARD_TCGEN05 if takes and feature in TCGEN05_FAMILIES | TCGEN05_FORWARD_ONLY else FORWARD
@@ -278,14 +282,23 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
                        and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
     if mode in ("fwd", "jvp"):
-        mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS) and not feature.startswith("dense_bias")
-                          and feature not in MOSAIC_TANGENT_LACKS)
-        return (forward,) if mode == "fwd" else (forward, MOSAIC_TANGENT if mosaic_tangent else TANGENT)
+        mosaic_tangent = (mosaic_backward and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
+                          and not feature.startswith("dense_bias") and feature not in MOSAIC_TANGENT_LACKS)
+        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims) if mosaic_tangent
+                                                           else (TANGENT,)))
     if not mosaic_backward:
         return (forward, DQ, DKV)
     pieces = padded(head_dim) > 128  # q / k's head dim 256: dQ and dK in pieces
     dq, dk = (MOSAIC_DQ_PIECES, MOSAIC_DK_PIECES) if pieces else ((MOSAIC_DQ,), (MOSAIC_DK,))
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
+
+
+def mosaic_tangent_kernels(head_dim: int, value_dim: int) -> tuple[str, ...]:
+    """The Mosaic tangent's programs at (padded) head dims: one up to 128; at 256 d out's pieces where v's head dim
+    is 256 (`MOSAIC_TANGENT_PIECES`), the tangents of q, k and v apart where q / k's is."""
+    groups = ("_dq", "_dk", "_dv") if head_dim > 128 else ("",)
+    pieces = MOSAIC_TANGENT_PIECES if value_dim > 128 else (MOSAIC_TANGENT,)
+    return tuple(piece.replace(MOSAIC_TANGENT, MOSAIC_TANGENT + group) for group in groups for piece in pieces)
 
 
 def requires_for(variant: Variant, target: str) -> tuple[str, ...]:

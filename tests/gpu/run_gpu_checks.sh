@@ -113,6 +113,9 @@ for seq in 4096 8192 1024 2048; do
         # head dim 256 fwd+bwd: the Mosaic backward's 128-column pieces against Triton's (perf-notes item 21)
         ((mosaic_ok)) && step 120 benchmark-hd256 benchmark_hd256.log "${bench[@]}" --head-dims 256 \
             --seq-lens 4096 8192 --modes fwd_bwd --causal 1 --impls probjax_mosaic probjax_default
+        # and the jvp: the Mosaic tangent's programs (q's, k's, v's; d out in pieces) against Triton's (item 22)
+        ((mosaic_ok)) && step 90 benchmark-hd256-jvp benchmark_hd256_jvp.log "${bench[@]}" --head-dims 256 \
+            --seq-lens 4096 --modes jvp --causal 1 --impls probjax_mosaic probjax_default
     fi
 done
 step 300 benchmark-torch-flex benchmark_torch_flex.log "${bench[@]}" --seq-lens 1024 2048 4096 8192 \

@@ -271,3 +271,26 @@ def test_the_mosaic_backward_at_head_dim_256(head_dims, num_kv_heads, window):
     v = random_qkv(32, 2, 2048, 2048, 8, num_kv_heads, value_dim, jnp.bfloat16)[2]
     kwargs = dict(causal=True) if window is None else dict(window=window)
     _assert_mosaic_matches_reference(q, k, v, 33, kv_lengths=jnp.array([2048, 1500]), **kwargs)
+
+
+@pytest.mark.parametrize("head_dims, num_kv_heads, window", [((256, 256), 2, None), ((256, 64), 8, (255, 0)),
+                                                             ((128, 256), 8, None)])
+def test_the_mosaic_tangent_at_head_dim_256(head_dims, num_kv_heads, window):
+    """jax.jvp at head dim 256 through FlashConfig(backend="mosaic") compiled: d out in 128-column pieces where v's
+    head dim is 256, the tangents of q, k and v from programs of their own (one slot) where q / k's is, added in
+    XLA; against the reference's jvp, causal or a sliding window, GQA 4:1 or none, ragged keys, every input
+    moving."""
+    head_dim, value_dim = head_dims
+    q, k, _ = random_qkv(34, 2, 2048, 2048, 8, num_kv_heads, head_dim, jnp.bfloat16)
+    v = random_qkv(35, 2, 2048, 2048, 8, num_kv_heads, value_dim, jnp.bfloat16)[2]
+    dq, dk, _ = random_qkv(36, 2, 2048, 2048, 8, num_kv_heads, head_dim, jnp.bfloat16)
+    dv = random_qkv(37, 2, 2048, 2048, 8, num_kv_heads, value_dim, jnp.bfloat16)[2]
+    kwargs = {"kv_lengths": jnp.array([2048, 1500]), **(dict(causal=True) if window is None else dict(window=window))}
+    mosaic = FlashConfig(backend="mosaic")
+    out, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention(*a, config=mosaic, **kwargs), p, t))(
+        (q, k, v), (dq, dk, dv))
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    want, want_d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), p, t))(
+        f32, tuple(t.astype(jnp.float32) for t in (dq, dk, dv)))
+    _assert_close("out", out, want, TOL)
+    _assert_close("d out", d_out, want_d_out, 2 * TOL)

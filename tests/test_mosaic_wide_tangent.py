@@ -1,0 +1,82 @@
+"""The Mosaic GPU (Hopper) tangent kernel at head dim 256, in the Mosaic GPU CPU interpreter against `jax.jvp` of
+the float32 plain-jnp reference: d out in 128-column pieces where v's head dim is 256, the tangents of q, k and v
+each from programs of their own (`split`, on one ring slot) where q / k's is; through `flash_attention` on
+backend "mosaic_interpret" with the features the plan gives it there; and the refusals of the spilling or
+overflowing forms.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, random_qkv
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+from test_mosaic_tangent import MOSAIC, _jvp_through, assert_kernel_matches_reference
+
+from probjax_kernels import flash_attention, flash_attention_reference
+from probjax_kernels.mosaic.plan import WIDE_STAGES
+from probjax_kernels.mosaic.tangent import mosaic_tangent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    yield
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize(
+    "head_dims, moving, causal, window, num_kv_heads",
+    [
+        ((256, 256), "qkv", True, (None, None), 1),  # pieces and split; GQA 2:1
+        ((256, 64), "qv", False, (100, 20), 2),  # split, one piece: out its own tile
+        ((128, 256), "k", True, (None, None), 2),  # pieces on two ring slots, no split
+    ],
+)
+def test_the_kernel_at_head_dim_256_matches_the_reference(head_dims, moving, causal, window, num_kv_heads):
+    """(d out, d lse) on ragged lengths (a sequence whose last rows and keys are padding; one whose keys all
+    are, whose rows get zero tangents)."""
+    head_dim, value_dim = head_dims
+    split = head_dim > 128
+    assert_kernel_matches_reference(head_dims, moving, num_kv_heads, [200, 256], [77, 0], causal=causal,
+                                    window=window, pieces=max(1, value_dim // 128), split=split,
+                                    num_stages=WIDE_STAGES if split else 2)
+
+
+def test_the_pieces_and_the_split_are_required_at_256():
+    """One program for v's 256 columns (its accumulator spills) and Q, dQ, K, dK, V, dV and out in one program's
+    shared memory are refused, naming what to pass."""
+    q, k, v = random_qkv(0, 1, 128, 128, 2, 2, 256, jnp.bfloat16)
+    lengths = jnp.full((1,), 128, jnp.int32)
+    lse2 = jnp.zeros((1, 2, 128), jnp.float32)
+    tangents = dict(dq=q, dk=k, dv=v)
+    with pytest.raises(ValueError, match="pieces=1 at head_dim=256"):
+        mosaic_tangent(q, k, v, q, lse2, lengths, lengths, **tangents, scale=0.1, causal=True, interpret=True)
+    with pytest.raises(ValueError, match="bytes of SMEM for the tangents of"):
+        mosaic_tangent(q, k, v, q, lse2, lengths, lengths, **tangents, scale=0.1, causal=True, interpret=True,
+                       pieces=2, num_stages=1)
+    with pytest.raises(ValueError, match="pieces=2 at head_dim=128"):
+        mosaic_tangent(q, k, v[..., :128], q[..., :128], lse2, lengths, lengths, dq=q, scale=0.1, causal=True,
+                       interpret=True, pieces=2)
+
+
+@pytest.mark.parametrize("case", ["gqa_lengths", "value_dim_64", "segments_and_mask"])
+def test_flash_attention_jvp_at_head_dim_256_runs_the_mosaic_tangent(case, tangent_calls):
+    """jax.jvp of flash_attention on backend "mosaic_interpret" at head dim 256 runs the Mosaic tangent kernel
+    (split; in pieces where v's head dim is 256 too) and matches the reference's: GQA 2:1 on ragged keys, v's
+    head dim 64, segment ids with a dense mask (their shared memory beside the one-slot rings)."""
+    batch, seq, num_heads = 2, 192, 4
+    q, k, v = random_qkv(4, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
+    tangents = list(random_qkv(5, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16))
+    rng = np.random.default_rng(6)
+    options = dict(causal=True, kv_lengths=jnp.array([192, 130]))
+    if case == "value_dim_64":
+        v, tangents[2] = v[..., :64], tangents[2][..., :64]
+    elif case == "segments_and_mask":
+        segment_ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq)), axis=1), jnp.int32)
+        options.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                       mask=jnp.asarray(rng.random((batch, num_heads, seq, seq)) < 0.8))
+    (out, d_out), (want_out, want_d_out) = _jvp_through(
+        lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **options),
+        lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents)
+    assert tangent_calls
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    assert_close(d_out, want_d_out, jnp.bfloat16, "d out")
