@@ -215,9 +215,14 @@ def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
 def test_shared_memory_and_argument_checks():
     """Shared memory for the tiles, with and without each tangent's ring, and the checks of the arguments."""
     # Q, dQ; the K, V, dK, dV rings of 2 x 64 keys at head dim 128 (32 KiB each); lse2's rows (1 KiB aligned);
-    # 8-byte barriers: 4 per consumer (Q, dQ, lse2, out) and 4 per ring slot
-    assert tangent_smem_bytes(128, 128, 64, 2) == 6 * 32768 + 1024 + 8 * (2 * 4 + 8)
+    # Mosaic GPU's 2 KiB reduction scratch where the tangent of q or k moves (c's row sums; the compile record has
+    # 199,680 B for the first); 8-byte barriers: 4 per consumer (Q, dQ, lse2, out) and 4 per ring slot
+    assert tangent_smem_bytes(128, 128, 64, 2) == 6 * 32768 + 1024 + 2048 + 8 * (2 * 4 + 8)
     assert tangent_smem_bytes(128, 128, 64, 2, moving=(False, False, True)) == 4 * 32768 + 1024 + 8 * (2 * 3 + 8)
+    # Head dim 256, k's program: Q (64 KiB), K and dK (one 32 KiB slot each), V's 128 columns, out's (a tile of its
+    # own: 32 KiB), the index vectors (1 KiB each); the compile record has 185,344 B
+    assert tangent_smem_bytes(256, 128, 64, 1, value_dim=128, moving=(False, True, False), indices=True) == (
+        65536 + 1024 + 2 * 32768 + 16384 + 32768 + 2 * 1024 + 2048 + 8 * (2 * 3 + 4))
     q, k, v = random_qkv(0, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
     lengths = jnp.full((1,), 128, jnp.int32)
     out, lse2 = jnp.zeros_like(q), jnp.zeros((1, 2, 128), jnp.float32)

@@ -96,7 +96,8 @@ def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: i
                *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
                *([4 * block_q, 4 * _CONSUMERS * part] if indices else [])]
     row_barriers = 3 + moves_q + segments + (bias == "rows") + vectors[0]
-    return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages)
+    # c's row sums (the tangents of q or k) reduce across threads: Mosaic GPU's reduction scratch
+    return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages, reductions=moves_q or moves_k)
 
 
 def _tangent_kernel(
