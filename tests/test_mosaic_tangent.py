@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) tangent kernel: (d out, d lse) in the Mosaic GPU CPU interpreter against `jax.jvp` of
 the float32 plain-jnp reference, for tangents of any of q, k, v; through `flash_attention` / `flex_attention`
 on backend "mosaic_interpret" with the features it takes (segment ids, masks, dropout, hooks, BlockMasks); and
-the calls it leaves to Triton's tangent (a bias, a score_mod's arrays, hooks at head dim 256; the kernel at head
-dim 256: test_mosaic_wide_tangent.py).
+the calls it leaves to Triton's tangent (a bias, a score_mod's arrays, a score_mod at head dim 256; the kernel at
+head dim 256: test_mosaic_wide_tangent.py).
 """
 
 import functools
@@ -191,9 +191,9 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
 
 @pytest.mark.parametrize("case", ["bias", "score_mod_arrays", "hook_at_head_dim_256"])
 def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
-    """A bias (its tangent), a score_mod's captured arrays (theirs: ALiBi's slopes) and a hook at head dim 256 (a
-    soft cap; as in the backward there) take Triton's tangent kernel beside the Mosaic forward; the jvp still
-    matches the reference's."""
+    """A bias (its tangent), a score_mod's captured arrays (theirs: ALiBi's slopes) and a score_mod at head dim 256
+    (a soft cap: its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward; the jvp
+    still matches the reference's."""
     head_dim = 256 if case == "hook_at_head_dim_256" else 64
     batch, seq, num_heads = 1, 128, 2
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)

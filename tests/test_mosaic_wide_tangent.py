@@ -12,7 +12,14 @@ from helpers import assert_close, random_qkv
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
 from test_mosaic_tangent import MOSAIC, _jvp_through, assert_kernel_matches_reference
 
-from probjax_kernels import flash_attention, flash_attention_reference
+from probjax_kernels import (
+    create_block_mask,
+    flash_attention,
+    flash_attention_reference,
+    flex_attention,
+    flex_attention_reference,
+)
+from probjax_kernels.flex.mods import document_mask
 from probjax_kernels.mosaic.plan import WIDE_STAGES
 from probjax_kernels.mosaic.tangent import mosaic_tangent
 
@@ -80,3 +87,21 @@ def test_flash_attention_jvp_at_head_dim_256_runs_the_mosaic_tangent(case, tange
     assert tangent_calls
     assert_close(out, want_out, jnp.bfloat16, "out")
     assert_close(d_out, want_d_out, jnp.bfloat16, "d out")
+
+
+def test_flex_mask_mods_at_head_dim_256_run_the_mosaic_tangent(tangent_calls):
+    """A document mask (ids read as vectors along q_idx / kv_idx) under its BlockMask (the tables refined to the
+    tangent's tiles) at head dim 256: jax.jvp of flex_attention on backend "mosaic_interpret" against the
+    reference's, GQA 2:1."""
+    batch, seq, num_heads = 1, 256, 4
+    q, k, v = random_qkv(9, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
+    tangents = random_qkv(10, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
+    mask_mod = document_mask(jnp.asarray(np.repeat([0, 1, 2], [90, 100, 66])[None], jnp.int32))
+    block_mask = create_block_mask(mask_mod, batch, None, seq, seq, block_size=(128, 128))
+    got, want = _jvp_through(
+        lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, config=MOSAIC),
+        lambda q, k, v: flex_attention_reference(q, k, v, block_mask=block_mask, enable_gqa=True), (q, k, v),
+        tangents)
+    assert tangent_calls
+    assert_close(got[0], want[0], jnp.bfloat16, "out")
+    assert_close(got[1], want[1], jnp.bfloat16, "d out")

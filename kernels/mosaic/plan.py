@@ -296,10 +296,9 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
 
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
-    None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`, and at
-    head dim 256 `_mosaic_backward_tiles`: no hooks or block tables), without a bias or a score_mod that
-    captures arrays (whose tangents it does not take; a mask sent as a bias holds still), on `TANGENT_TILES`
-    with every tangent moving within shared memory. At v's head dim 256 d out comes in `pieces` of 128 columns
+    None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
+    dim 256 without a score_mod), without a bias or a score_mod that captures arrays (whose tangents it does not
+    take; a mask sent as a bias holds still), on `TANGENT_TILES` with every tangent moving within shared memory. At v's head dim 256 d out comes in `pieces` of 128 columns
     (a 64 x 256 float32 accumulator beside S and S' spills, as dQ's did); at q / k's, the tangents of q, k and v
     `split` into programs of their own on one ring slot (Q, dQ, K and dK whole with V, dV and out overflow shared
     memory; k's and v's in one program spilled 8-148 B, docs/perf-notes.md, Version 28)."""
@@ -309,7 +308,7 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
-    if wide and _mosaic_backward_tiles(problem, dtype, head_dims) is None:
+    if wide and f.score_mod is not None:  # its derivative beside S' spilled k's program 4-16 B (Version 28)
         return None
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
         return None

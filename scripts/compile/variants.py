@@ -251,6 +251,9 @@ FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sl
 # At head dim 256 the Mosaic backward takes calls without hooks or block tables and without bias tiles (their ring
 # and the float32 dS staging overflow shared memory beside the one-slot tiles): those run Triton's backward.
 MOSAIC_WIDE_BACKWARD_LACKS = frozenset(FLEX_HOOKS) | {"dense_bias", "dense_bias_f32"}
+# At head dim 256 the Mosaic tangent takes mask_mods and block tables but not a score_mod (its derivative beside S'
+# spilled k's program): those run Triton's tangent.
+MOSAIC_WIDE_TANGENT_LACKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
@@ -261,7 +264,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
     head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent where it runs that backward,
-    without a bias or a feature of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`); on Blackwell
+    without a bias or a feature of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`, without a feature
+    of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell
     (`BLACKWELL`) the tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128,
     the tcgen05 forward alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
@@ -282,8 +286,9 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
                        and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
     if mode in ("fwd", "jvp"):
-        mosaic_tangent = (mosaic_backward and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
-                          and not feature.startswith("dense_bias") and feature not in MOSAIC_TANGENT_LACKS)
+        mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
+                          and not feature.startswith("dense_bias") and feature not in MOSAIC_TANGENT_LACKS
+                          and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
         return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims) if mosaic_tangent
                                                            else (TANGENT,)))
     if not mosaic_backward:
