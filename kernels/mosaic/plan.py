@@ -298,10 +298,11 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
     None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
     dim 256 without a score_mod), without a bias or a score_mod that captures arrays (whose tangents it does not
-    take; a mask sent as a bias holds still), on `TANGENT_TILES` with every tangent moving within shared memory. At v's head dim 256 d out comes in `pieces` of 128 columns
-    (a 64 x 256 float32 accumulator beside S and S' spills, as dQ's did); at q / k's, the tangents of q, k and v
-    `split` into programs of their own on one ring slot (Q, dQ, K and dK whole with V, dV and out overflow shared
-    memory; k's and v's in one program spilled 8-148 B, docs/perf-notes.md, Version 28)."""
+    take; a mask sent as a bias holds still), on `TANGENT_TILES` with every tangent moving within shared memory.
+    At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
+    spills, as dQ's did); at q / k's, the tangents of q, k and v `split` into programs of their own on one ring
+    slot (Q, dQ, K and dK whole with V, dV and out overflow shared memory; k's and v's in one program spilled
+    8-148 B, docs/perf-notes.md, Version 28)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
             or problem.bias_shape is not None or problem.num_score_consts):
