@@ -141,6 +141,15 @@ def _jvp_through(fn, reference, args, tangents):
     return got, want
 
 
+def assert_the_mosaic_tangent_matches(fn, reference, args, tangents, tangent_calls: list):
+    """`_jvp_through` `fn` and `reference`: the Mosaic tangent kernel ran (`tangent_calls`), and out and d out
+    match the reference's."""
+    (out, d_out), (want_out, want_d_out) = _jvp_through(fn, reference, args, tangents)
+    assert tangent_calls
+    assert_close(out, want_out, jnp.bfloat16, "out")
+    assert_close(d_out, want_d_out, jnp.bfloat16, "d out")
+
+
 @pytest.mark.parametrize("feature", ["segments_and_padding", "dense_mask", "head_key_mask", "dropout"])
 def test_flash_attention_features_run_the_mosaic_tangent(feature, tangent_calls):
     """jax.jvp of flash_attention on backend "mosaic_interpret" runs the Mosaic tangent kernel, and matches the
@@ -163,12 +172,9 @@ def test_flash_attention_features_run_the_mosaic_tangent(feature, tangent_calls)
         options.update(mask=jnp.asarray(rng.random((batch, num_heads, 1, seq)) < 0.7))
     else:
         options.update(dropout_rate=0.25, dropout_seed=5, kv_lengths=jnp.array([150, 192]))
-    (out, d_out), (want_out, want_d_out) = _jvp_through(
+    assert_the_mosaic_tangent_matches(
         lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **options),
-        lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents)
-    assert tangent_calls
-    assert_close(out, want_out, jnp.bfloat16, "out")
-    assert_close(d_out, want_d_out, jnp.bfloat16, "d out")
+        lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents, tangent_calls)
 
 
 def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
@@ -181,12 +187,10 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
     mask_mod = document_mask(documents)
     block_mask = create_block_mask(mask_mod, batch, None, seq, seq, block_size=(128, 128))
     score_mod = softcap(3.0)
-    got, want = _jvp_through(
+    assert_the_mosaic_tangent_matches(
         lambda q, k, v: flex_attention(q, k, v, score_mod, block_mask, config=MOSAIC),
-        lambda q, k, v: flex_attention_reference(q, k, v, score_mod, block_mask), (q, k, v), tangents)
-    assert tangent_calls
-    assert_close(got[0], want[0], jnp.bfloat16, "out")
-    assert_close(got[1], want[1], jnp.bfloat16, "d out")
+        lambda q, k, v: flex_attention_reference(q, k, v, score_mod, block_mask), (q, k, v), tangents,
+        tangent_calls)
 
 
 @pytest.mark.parametrize("case", ["bias", "score_mod_arrays", "hook_at_head_dim_256"])

@@ -8,9 +8,9 @@ overflowing forms.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, random_qkv
+from helpers import random_qkv
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-from test_mosaic_tangent import MOSAIC, _jvp_through, assert_kernel_matches_reference
+from test_mosaic_tangent import MOSAIC, assert_kernel_matches_reference, assert_the_mosaic_tangent_matches
 
 from probjax_kernels import (
     create_block_mask,
@@ -81,12 +81,9 @@ def test_flash_attention_jvp_at_head_dim_256_runs_the_mosaic_tangent(case, tange
         segment_ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq)), axis=1), jnp.int32)
         options.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                        mask=jnp.asarray(rng.random((batch, num_heads, seq, seq)) < 0.8))
-    (out, d_out), (want_out, want_d_out) = _jvp_through(
+    assert_the_mosaic_tangent_matches(
         lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **options),
-        lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents)
-    assert tangent_calls
-    assert_close(out, want_out, jnp.bfloat16, "out")
-    assert_close(d_out, want_d_out, jnp.bfloat16, "d out")
+        lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents, tangent_calls)
 
 
 def test_flex_mask_mods_at_head_dim_256_run_the_mosaic_tangent(tangent_calls):
@@ -98,10 +95,7 @@ def test_flex_mask_mods_at_head_dim_256_run_the_mosaic_tangent(tangent_calls):
     tangents = random_qkv(10, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
     mask_mod = document_mask(jnp.asarray(np.repeat([0, 1, 2], [90, 100, 66])[None], jnp.int32))
     block_mask = create_block_mask(mask_mod, batch, None, seq, seq, block_size=(128, 128))
-    got, want = _jvp_through(
+    assert_the_mosaic_tangent_matches(
         lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, config=MOSAIC),
         lambda q, k, v: flex_attention_reference(q, k, v, block_mask=block_mask, enable_gqa=True), (q, k, v),
-        tangents)
-    assert tangent_calls
-    assert_close(got[0], want[0], jnp.bfloat16, "out")
-    assert_close(got[1], want[1], jnp.bfloat16, "d out")
+        tangents, tangent_calls)

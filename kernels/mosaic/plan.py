@@ -318,7 +318,7 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
     stages = WIDE_STAGES if split else 2
     groups = [(True, False, False), (False, True, False), (False, False, True)] if split else [(True, True, True)]
     if any(tangent_smem_bytes(
-            head_dim, *TANGENT_TILES, stages, segments=_has_vectors(problem),  # the GPU's (see `mosaic_tangent`)
+            head_dim, *TANGENT_TILES, stages, segments=_has_vectors(problem),
             value_dim=value_dim // pieces, dense_mask=_dense_mask(problem), bias=_bias_kind(problem),
             bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem), moving=group,
             indices=wide) > MOSAIC_SMEM_BYTES

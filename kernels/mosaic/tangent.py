@@ -70,17 +70,16 @@ from probjax_kernels.mosaic.side_inputs import (
 TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-key slots fit at head dim 128
 
 
-def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, staged: bool = False,
-                       itemsize: int = 2, segments: bool = False, value_dim: int | None = None,
-                       dense_mask: bool = False, bias: str | None = None, bias_itemsize: int = 4,
-                       vectors: tuple[int, int] = (0, 0), moving: tuple[bool, bool, bool] = (True, True, True),
-                       indices: bool = False) -> int:
+def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, itemsize: int = 2,
+                       segments: bool = False, value_dim: int | None = None, dense_mask: bool = False,
+                       bias: str | None = None, bias_itemsize: int = 4, vectors: tuple[int, int] = (0, 0),
+                       moving: tuple[bool, bool, bool] = (True, True, True), indices: bool = False) -> int:
     """Shared memory of one tangent CTA as Mosaic GPU allocates it (`allocated_smem`), for the tangents of
     (q, k, v) flagged in `moving`: Q (it takes `out` after the loop, and carries d out) and dQ tiles, lse2
     rows, the K / V rings and those of dK / dV (v's head dim `value_dim`, default q's), a separate `out` tile
-    when v's head dim is not q's, with `staged` the P tile of one part (the interpreter's wgmma reads SMEM
-    operands), then the dQ kernel's segment ids, mask tiles, bias and hook vectors, with `indices` the row and key
-    index vectors (the programs of a head dim 256 call: `store_indices`), and the barriers."""
+    when v's head dim is not q's, then the dQ kernel's segment ids, mask tiles, bias and hook vectors, with
+    `indices` the row and key index vectors (the programs of a head dim 256 call: `store_indices`), and the
+    barriers. The GPU's figure: the interpreter's P tile (its wgmma reads shared memory) is not counted."""
     value_dim = value_dim or head_dim
     moves_q, moves_k, moves_v = moving
     part = min(block_kv, PART)
@@ -88,8 +87,7 @@ def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: i
     q_tile, v_tile = itemsize * block_q * head_dim, itemsize * block_q * value_dim
     k_ring, v_ring = itemsize * num_stages * block_kv * head_dim, itemsize * num_stages * block_kv * value_dim
     buffers = [q_tile, q_tile if moves_q else 0, 4 * block_q, k_ring, v_ring, k_ring if moves_k else 0,
-               v_ring if moves_v else 0, v_tile if value_dim != head_dim else 0,
-               itemsize * block_q * part if staged else 0, 4 * block_q if segments else 0,
+               v_ring if moves_v else 0, v_tile if value_dim != head_dim else 0, 4 * block_q if segments else 0,
                4 * num_stages * block_kv if segments else 0,
                *([num_stages * block_q * part] * parts if dense_mask else []),
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
@@ -367,11 +365,12 @@ def mosaic_tangent(
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
     columns = value_dim // pieces
-    for group in groups:  # against the GPU's limit: the interpreter's P tile (`staged`) is not counted
-        if (need := tangent_smem_bytes(head_dim, block_q, block_kv, num_stages, False, q.dtype.itemsize,
-                                       segments is not None, columns, mask is not None, bias_kind,
-                                       4 if bias is None else bias.itemsize, counts, group,
-                                       pieces > 1 or split)) > SMEM_BYTES:
+    for group in groups:  # the GPU's shared memory: the interpreter's P tile (it has no limit) is not counted
+        if (need := tangent_smem_bytes(
+                head_dim, block_q, block_kv, num_stages, q.dtype.itemsize, segments=segments is not None,
+                value_dim=columns, dense_mask=mask is not None, bias=bias_kind,
+                bias_itemsize=4 if bias is None else bias.itemsize, vectors=counts, moving=group,
+                indices=pieces > 1 or split)) > SMEM_BYTES:
             raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at head dims {head_dim} / {columns} (v's, per "
                              f"piece) need {need} bytes of SMEM for the tangents of "
                              f"{[n for n, m in zip('qkv', group) if m]} (split={split})")

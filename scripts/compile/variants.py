@@ -217,8 +217,8 @@ MOSAIC_DK, MOSAIC_DV = MOSAIC_DKV + "_dk", MOSAIC_DKV + "_dv"  # its dK/dV as tw
 # At q / k's head dim 256 dQ and dK run as a program per 128-column piece of their columns (`mosaic.common.PIECE`).
 MOSAIC_DQ_PIECES = tuple(f"{MOSAIC_DQ}_piece{p}" for p in range(2))
 MOSAIC_DK_PIECES = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(2))
-# At head dim 256 the tangent's programs: d out's 128-column pieces where v's head dim is 256, and the tangent of q
-# , k and v each in programs of their own ("_dq" / "_dk" / "_dv", `split`) where q / k's is.
+# At head dim 256 the tangent's programs: d out's 128-column pieces where v's head dim is 256, and the tangents of
+# q, k and v each in programs of their own ("_dq" / "_dk" / "_dv", `split`) where q / k's is.
 MOSAIC_TANGENT_PIECES = tuple(f"{MOSAIC_TANGENT}_piece{p}" for p in range(2))
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
@@ -263,11 +263,11 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent where it runs that backward,
-    without a bias or a feature of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`, without a feature
-    of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell
-    (`BLACKWELL`) the tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128,
-    the tcgen05 forward alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent without a bias or a feature
+    of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`, without a feature of
+    `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the tcgen05 forward and backward for the families of
+    `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of `TCGEN05_FORWARD_ONLY`;
+    tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
         return max(64, 1 << (d - 1).bit_length())
 

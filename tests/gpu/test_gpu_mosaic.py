@@ -11,7 +11,21 @@ import pytest
 from helpers import random_qkv
 from test_gpu_flash import TOLERANCE, _assert_close, _normal
 
-from probjax_kernels import FlashConfig, flash_attention, flash_attention_reference
+from probjax_kernels import (
+    FlashConfig,
+    alibi,
+    alibi_slopes,
+    and_masks,
+    causal_mask,
+    create_block_mask,
+    document_mask,
+    flash_attention,
+    flash_attention_reference,
+    flex_attention,
+    flex_attention_reference,
+    sliding_window,
+    softcap,
+)
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.forward import mosaic_forward
@@ -99,15 +113,6 @@ def test_flash_attention_with_the_mosaic_backend(causal):
 
 def test_flex_block_mask_through_the_mosaic_forward():
     """Block tables walked by the compiled Mosaic forward (partial and full tiles, ring wrap-around)."""
-    from probjax_kernels import (
-        and_masks,
-        causal_mask,
-        create_block_mask,
-        flex_attention,
-        flex_attention_reference,
-        sliding_window,
-    )
-
     q, k, v = random_qkv(7, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
     block_mask = create_block_mask(and_masks(causal_mask, sliding_window(700)), None, None, 2048, 2048)
     out = jax.jit(lambda q, k, v: flex_attention(q, k, v, None, block_mask,
@@ -119,15 +124,6 @@ def test_flex_block_mask_through_the_mosaic_forward():
 def test_flex_score_mod_inside_the_mosaic_forward(hook):
     """score_mod in the compiled Mosaic kernels (tanh; a scalar GMEM read of the slope table) with a per-head
     mask_mod over block tables: the forward, and dQ / dK/dV with the score_mod's derivative."""
-    from probjax_kernels import (
-        alibi,
-        alibi_slopes,
-        create_block_mask,
-        flex_attention,
-        flex_attention_reference,
-        softcap,
-    )
-
     q, k, v = random_qkv(8, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     score_mod = softcap(20.0) if hook == "softcap" else alibi(alibi_slopes(8))
 
@@ -211,15 +207,6 @@ def test_a_dense_bias_gradient_from_the_mosaic_kernels(shape, dtype):
 def test_a_document_mask_in_the_mosaic_kernels(head_dim):
     """Packed documents (a flex BlockMask, causal within each document): the ids travel as vectors beside Q
     and K (`hook_vectors`), compiled, forward and gradients (at 128 on the consumers' 240 registers)."""
-    from probjax_kernels import (
-        and_masks,
-        causal_mask,
-        create_block_mask,
-        document_mask,
-        flex_attention,
-        flex_attention_reference,
-    )
-
     q, k, v = random_qkv(18, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
@@ -300,15 +287,6 @@ def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     """jax.jvp of flex_attention at head dim 256 under packed documents, causal within each (a BlockMask, the
     ids as vectors beside Q and K), compiled: the tangent's programs read the tables refined to their 128 x 64
     tiles; against the reference's jvp, GQA 4:1."""
-    from probjax_kernels import (
-        and_masks,
-        causal_mask,
-        create_block_mask,
-        document_mask,
-        flex_attention,
-        flex_attention_reference,
-    )
-
     q, k, v = random_qkv(38, 2, 2048, 2048, 8, 2, 256, jnp.bfloat16)
     tangents = random_qkv(39, 2, 2048, 2048, 8, 2, 256, jnp.bfloat16)
     ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
