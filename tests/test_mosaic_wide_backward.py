@@ -2,7 +2,8 @@
 and dV from two programs (`split`: one float32 accumulator each), dQ and dK from a program per 128 of their
 columns where q / k's head dim is 256 (`pieces`), in the Mosaic GPU CPU interpreter against
 `jax.vjp` of the float32 plain-jnp reference, and through `flash_attention` on backend "mosaic_interpret" (v's
-head dim its own, GQA, lengths, masks, segment ids, a key bias with its gradient); bias tiles keep Triton's."""
+head dim its own, GQA, lengths, masks, segment ids, a key bias with its gradient, BlockMasks with their
+mask_mods); bias tiles, score_mods and BlockMasks of 64-key blocks keep Triton's."""
 
 import functools
 
@@ -21,7 +22,14 @@ from test_mosaic_dispatch import (
     interpreted_beside_reference,
 )
 
-from probjax_kernels import flash_attention, flash_attention_reference
+from probjax_kernels import (
+    create_block_mask,
+    flash_attention,
+    flash_attention_reference,
+    flex_attention,
+    flex_attention_reference,
+)
+from probjax_kernels.flex.mods import document_mask, sliding_window, softcap
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.plan import WIDE_STAGES
@@ -122,3 +130,45 @@ def test_sliding_windows_at_head_dim_256_run_the_mosaic_backward(head_dims, num_
     q, k, _ = random_qkv(8, 1, 256, 256, 4, num_kv_heads, head_dim, jnp.bfloat16)
     v = random_qkv(9, 1, 256, 256, 4, num_kv_heads, value_dim, jnp.bfloat16)[2]
     assert_mosaic_matches_reference(q, k, v, 10, window=(100, 0), kv_lengths=jnp.array([230]))
+
+
+def _flex_beside_reference(q, k, v, seed: int, **kwargs):
+    """`interpreted_beside_reference` of flex_attention (GQA) on backend "mosaic_interpret" and of its reference."""
+    return interpreted_beside_reference(
+        lambda q, k, v: flex_attention(q, k, v, enable_gqa=True, config=MOSAIC, **kwargs),
+        lambda q, k, v: flex_attention_reference(q, k, v, enable_gqa=True, **kwargs), (q, k, v),
+        normal(seed, (*q.shape[:3], v.shape[3])))
+
+
+@pytest.mark.parametrize("mod, head_dims", [("document", (256, 256)), ("sliding_window", (256, 128))])
+def test_flex_block_masks_at_head_dim_256_run_the_mosaic_backward(mod, head_dims):
+    """A BlockMask's mask_mod at head dim 256 (a document mask's ids read as vectors along q_idx / kv_idx; a
+    sliding window), its tables refined to dQ's 128 x 64 and dK/dV's 128 x 128 tiles, on 320 queries and keys
+    (padded to 384): flex_attention runs the Mosaic backward (dQ and dK in pieces where q / k's head dim is 256,
+    dV alone) and matches the reference's output and gradients, GQA 2:1."""
+    (head_dim, value_dim), batch, seq = head_dims, 1, 320
+    q, k, _ = random_qkv(11, batch, seq, seq, 4, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(12, batch, seq, seq, 4, 2, value_dim, jnp.bfloat16)[2]
+    if mod == "document":
+        mask_mod = document_mask(jnp.asarray(np.repeat([0, 1, 2], [90, 150, 80])[None], jnp.int32))
+    else:
+        mask_mod = sliding_window(70)
+    block_mask = create_block_mask(mask_mod, batch, None, seq, seq, block_size=(128, 128))
+    result, mosaic_backward, expected = _flex_beside_reference(q, k, v, 13, block_mask=block_mask)
+    assert mosaic_backward
+    assert_output_and_grads_close(result, expected)
+
+
+@pytest.mark.parametrize("case", ["softcap", "blocks_of_64_keys"])
+def test_what_keeps_triton_backward_at_head_dim_256(case):
+    """At head dim 256 a score_mod (a soft cap's derivative spilled the dK pieces on sm_90a) and a BlockMask of
+    64-key blocks (finer than dK/dV's 128-key tiles; the forward's 64-key steps take it) run Triton's backward
+    beside the Mosaic forward, and match the reference."""
+    q, k, v = random_qkv(14, 1, 256, 256, 4, 2, 256, jnp.bfloat16)
+    if case == "softcap":
+        kwargs = dict(score_mod=softcap(20.0))
+    else:
+        kwargs = dict(block_mask=create_block_mask(sliding_window(70), 1, None, 256, 256, block_size=(128, 64)))
+    result, mosaic_backward, expected = _flex_beside_reference(q, k, v, 15, **kwargs)
+    assert not mosaic_backward
+    assert_output_and_grads_close(result, expected)

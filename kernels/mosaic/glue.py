@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from probjax_kernels._hooks import Hook
 from probjax_kernels._problem import _interpreted, _Problem, _Tangents
 from probjax_kernels._tiles import refined_tables
-from probjax_kernels.mosaic.backward import mosaic_backward_dq
+from probjax_kernels.mosaic.backward import DQ_TILES, mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import DKV_TILES, mosaic_backward_dkv
 from probjax_kernels.mosaic.backward_tcgen05 import BLOCK_KV as TCGEN05_DKV_KEYS
 from probjax_kernels.mosaic.backward_tcgen05 import DQ_BLOCK_KV as TCGEN05_DQ_KEYS
@@ -176,10 +176,12 @@ def backward(problem: _Problem, tangents: _Tangents, res: dict, d_out, d_lse, ti
             score_jvp=_mosaic_score_jvp_fn(f.score_mod),
             **_hook_arrays(problem, res["score_consts"], others["mask_consts"], q.shape, k.shape[1]),
         )
-    if f.block_sizes is not None:  # both kernels read the tables on the forward's square tile
-        tile = (problem.config.block_q, problem.config.block_k)
-        dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, tile)
-        dkv_options["q_tables"] = refined_tables(others["q_tables"], f.block_sizes[::-1], tile[::-1])
+    if f.block_sizes is not None:  # each kernel reads the tables on its tile: (queries, keys), (keys, queries)
+        dq_tile = (dq_options.get("block_q", DQ_TILES[0]), dq_options.get("block_kv", DQ_TILES[1]))
+        dkv_tile = (dkv_options.get("block_kv", DKV_TILES[1]),
+                    dkv_options.get("tables_block_q", dkv_options.get("block_q", DKV_TILES[0])))
+        dq_options["kv_tables"] = refined_tables(others["kv_tables"], f.block_sizes, dq_tile)
+        dkv_options["q_tables"] = refined_tables(others["q_tables"], f.block_sizes[::-1], dkv_tile)
     args = (q, k, v, out, lse, d_out, q_len, kv_len)
     grads, bias_parts = {}, None
     if tangents.q or (tangents.bias and not key_bias):

@@ -1,8 +1,8 @@
 """The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
-plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels at head dim
-64 / 128 where a score_mod's derivative lowers too, and there the Mosaic tangent kernel for calls without a
-bias or a score_mod's arrays (`_mosaic_tangent_options`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
+plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels where a
+score_mod's derivative lowers too (at head dim 256 without a score_mod), and there the Mosaic tangent kernel for
+calls without a bias or a score_mod's arrays (`_mosaic_tangent_options`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
 backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
 lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
 window mask_mod) or along q_idx / kv_idx (document masks, per-token biases), BlockMasks of 128 x 128 blocks or
@@ -46,7 +46,7 @@ TANGENT_HOOK_SHAPES = ((), (), (TANGENT_TILES[0] // 2, MOSAIC_PART), (TANGENT_TI
                       (TANGENT_TILES[0] // 2, MOSAIC_PART))  # where the tangent kernel calls the hooks
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ and dK/dV kernels', for q / k and v
 MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256: in pieces, or split)
-# At head dim 256 (q / k's or v's), for calls without hooks or block tables, the dQ and dK/dV kernels hold one K / V
+# At head dim 256 (q / k's or v's), for calls without a score_mod, the dQ and dK/dV kernels hold one K / V
 # (Q / dO) slot, as Q, dO (K, V) and two 64-key (-query) slots would need 256 KiB of shared memory (32-key steps do
 # not lower: wgmma's K over a 128-byte swizzled operand is a multiple of 64), and dK/dV runs dK and dV as programs
 # of their own (`mosaic_backward_dkv`'s `split`: both float32 accumulators would take 256 registers a thread). At
@@ -264,7 +264,7 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     128-query steps with a score_mod spilled at head dim 128 (docs/perf-notes.md, Version 7y). Either way both
     kernels' shared memory must fit, a bias's tiles and its gradient's staging included (whether the bias gets
     a gradient is known only when the backward runs). At head dim 256: `WIDE_STAGES`, dK/dV split, dQ and dK in
-    pieces."""
+    pieces, each kernel on its default tiles, a mask_mod and block tables too (`_wide_backward_takes_hooks`)."""
     head_dim, value_dim = head_dims
     if not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_BACKWARD_HEAD_DIMS):
         return None
@@ -272,9 +272,11 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     hooked = not (f.score_mod is None and f.mask_mod is None and f.block_sizes is None)
     wide = max(head_dims) > 128
     tile = cfg.block_q
-    if hooked and (cfg.block_k != tile or wide):
+    if hooked and not wide and cfg.block_k != tile:
         return None
-    dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked else (DQ_TILES, DKV_TILES)
+    if hooked and wide and not _wide_backward_takes_hooks(problem):
+        return None
+    dq_tiles, dkv_tiles = ((tile, tile), (MOSAIC_PART, tile)) if hooked and not wide else (DQ_TILES, DKV_TILES)
     bias = _bias_kind(problem)
     needs = dict(segments=_has_vectors(problem), value_dim=value_dim, dense_mask=_dense_mask(problem), bias=bias,
                  bias_itemsize=_bias_itemsize(problem), bias_grad=problem.bias_shape is not None,
@@ -287,11 +289,26 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
         return None
     if wide:  # dQ and dK in pieces of MOSAIC_PIECE columns where q / k's head dim is 256
         dq = {"num_stages": WIDE_STAGES, "pieces": pieces}
-        return dq, {**dq, "split": True}
+        tables = {} if f.block_sizes is None else {"tables_block_q": DQ_TILES[0]}
+        return dq, {**dq, "split": True, **tables}
     if not hooked:
         return {}, {}
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
     return {"block_q": tile, "block_kv": tile}, dkv if f.block_sizes is None else {**dkv, "tables_block_q": tile}
+
+
+def _wide_backward_takes_hooks(problem: _Problem) -> bool:
+    """Whether the head dim 256 backward (`DQ_TILES`, `DKV_TILES`) takes the call's mask_mod and block tables: the
+    hooks were traced on the parts of those tiles (`mosaic_backward_hook_shapes` of 128-query tiles), and the
+    BlockMask's blocks are multiples of both kernels' tiles (dQ's 128 x 64, dK/dV's 128 keys x 128 queries), so
+    that S is padded to dK/dV's 128-key CTAs and the hooks' vectors along keys span them. A score_mod keeps
+    Triton's backward: a soft cap's derivative beside S^T and dP^T spilled the dK pieces 24-48 B
+    (docs/perf-notes.md, Version 29)."""
+    f = problem.features
+    parts = (DQ_TILES[0] // 2, MOSAIC_PART)
+    return (mosaic_backward_hook_shapes(problem.config)[2] == parts and f.score_mod is None
+            and f.block_sizes is not None and f.block_sizes[0] % DQ_TILES[0] == 0
+            and f.block_sizes[1] % DKV_TILES[1] == 0)
 
 
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:

@@ -248,12 +248,14 @@ MOSAIC_LACKS = frozenset({"relative_bias"})
 # arrays (theirs: ALiBi's slopes), whose tangents are known only when the jvp runs.
 MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
-# At head dim 256 the Mosaic backward takes calls without hooks or block tables and without bias tiles (their ring
-# and the float32 dS staging overflow shared memory beside the one-slot tiles): those run Triton's backward.
-MOSAIC_WIDE_BACKWARD_LACKS = frozenset(FLEX_HOOKS) | {"dense_bias", "dense_bias_f32"}
+SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})  # FLEX_HOOKS' score_mods
+# At head dim 256 the Mosaic backward takes mask_mods and block tables but not a score_mod (a soft cap's derivative
+# spilled the dK pieces) nor bias tiles (their ring and the float32 dS staging overflow shared memory beside the
+# one-slot tiles): those run Triton's backward.
+MOSAIC_WIDE_BACKWARD_LACKS = SCORE_MOD_HOOKS | {"dense_bias", "dense_bias_f32"}
 # At head dim 256 the Mosaic tangent takes mask_mods and block tables but not a score_mod (its derivative beside S'
 # spilled k's program): those run Triton's tangent.
-MOSAIC_WIDE_TANGENT_LACKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})
+MOSAIC_WIDE_TANGENT_LACKS = SCORE_MOD_HOOKS
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,

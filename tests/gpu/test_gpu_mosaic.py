@@ -283,6 +283,20 @@ def test_the_mosaic_tangent_at_head_dim_256(head_dims, num_kv_heads, window):
     _assert_close("d out", d_out, want_d_out, 2 * TOL)
 
 
+@pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)])
+def test_the_mosaic_backward_at_head_dim_256_under_a_document_mask(head_dims):
+    """Loss and gradients of flex_attention at head dim 256 under packed documents, causal within each (a
+    BlockMask, the ids as vectors beside the tiles), compiled: dQ's pieces read the tables refined to their
+    128 x 64 tiles, dK/dV's programs to their 128 x 128 ones; against the reference, GQA 4:1."""
+    head_dim, value_dim = head_dims
+    q, k, _ = random_qkv(40, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(41, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
+    ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
+    block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
+    _assert_mosaic_matches_reference(q, k, v, 42, None, block_mask, attention=flex_attention,
+                                     reference=flex_attention_reference, enable_gqa=True)
+
+
 def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     """jax.jvp of flex_attention at head dim 256 under packed documents, causal within each (a BlockMask, the
     ids as vectors beside Q and K), compiled: the tangent's programs read the tables refined to their 128 x 64
