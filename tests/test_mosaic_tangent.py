@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) tangent kernel: (d out, d lse) in the Mosaic GPU CPU interpreter against `jax.jvp` of
 the float32 plain-jnp reference, for tangents of any of q, k, v; through `flash_attention` / `flex_attention`
 on backend "mosaic_interpret" with the features it takes (segment ids, masks, dropout, hooks, BlockMasks); and
-the calls it leaves to Triton's tangent (a bias, a score_mod's arrays, a score_mod at head dim 256; the kernel at
-head dim 256: test_mosaic_wide_tangent.py).
+the calls it leaves to Triton's tangent (a score_mod's arrays, a score_mod at head dim 256; the kernel at head dim
+256: test_mosaic_wide_tangent.py; a bias's tangent: test_mosaic_bias_tangent.py).
 """
 
 import functools
@@ -193,24 +193,18 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
         tangent_calls)
 
 
-@pytest.mark.parametrize("case", ["bias", "score_mod_arrays", "hook_at_head_dim_256"])
+@pytest.mark.parametrize("case", ["score_mod_arrays", "hook_at_head_dim_256"])
 def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
-    """A bias (its tangent), a score_mod's captured arrays (theirs: ALiBi's slopes) and a score_mod at head dim 256
-    (a soft cap: its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward; the jvp
-    still matches the reference's."""
+    """A score_mod's captured arrays (their tangents: ALiBi's slopes) and a score_mod at head dim 256 (a soft cap:
+    its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward; the jvp still
+    matches the reference's."""
     head_dim = 256 if case == "hook_at_head_dim_256" else 64
     batch, seq, num_heads = 1, 128, 2
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     tangents = random_qkv(12, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
-    if case != "bias":
-        score_mod = alibi(alibi_slopes(num_heads)) if case == "score_mod_arrays" else softcap(20.0)
-        fn = functools.partial(flex_attention, score_mod=score_mod, config=MOSAIC)
-        reference = functools.partial(flex_attention_reference, score_mod=score_mod)
-    else:
-        bias = jnp.asarray(np.random.default_rng(13).normal(size=(batch, num_heads, seq, seq)), jnp.bfloat16)
-        options = dict(causal=True, bias=bias)
-        fn = functools.partial(flash_attention, config=MOSAIC, **options)
-        reference = functools.partial(flash_attention_reference, **options)
+    score_mod = alibi(alibi_slopes(num_heads)) if case == "score_mod_arrays" else softcap(20.0)
+    fn = functools.partial(flex_attention, score_mod=score_mod, config=MOSAIC)
+    reference = functools.partial(flex_attention_reference, score_mod=score_mod)
     got, want = _jvp_through(fn, reference, (q, k, v), tangents)
     assert not tangent_calls
     assert_close(got[1], want[1], jnp.bfloat16, "d out")
@@ -230,7 +224,7 @@ def test_shared_memory_and_argument_checks():
     q, k, v = random_qkv(0, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
     lengths = jnp.full((1,), 128, jnp.int32)
     out, lse2 = jnp.zeros_like(q), jnp.zeros((1, 2, 128), jnp.float32)
-    with pytest.raises(ValueError, match="needs a tangent of q, k or v"):
+    with pytest.raises(ValueError, match="needs a tangent of q, k, v or the bias"):
         mosaic_tangent(q, k, v, out, lse2, lengths, lengths, scale=0.125, causal=True, interpret=True)
     with pytest.raises(ValueError, match="dk must have the shape and dtype"):
         mosaic_tangent(q, k, v, out, lse2, lengths, lengths, dk=k.astype(jnp.float16), scale=0.125, causal=True,

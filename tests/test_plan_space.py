@@ -57,10 +57,11 @@ def test_every_forced_call_is_a_row_on_the_full_targets():
 def _mosaic_kernels(kernel_pass, by_run: dict) -> set:
     """The Mosaic kernels a pass runs: by its glue function, and for the Hopper backward at head dim 256 by its
     tiles' options (dK / dV as two programs: `split`; dQ and dK a program per 128 columns: `pieces`)."""
-    if kernel_pass.run.__name__ == "tangent":  # at head dim 256: d out's pieces; the tangents of q, k and v apart
+    if kernel_pass.run.__name__ == "tangent":  # at head dim 256: d out's pieces; the tangents of q, k, v, bias apart
         options = dict(dict(kernel_pass.options).get("options", ()))
         pieces = [f"_piece{p}" for p in range(options["pieces"])] if options.get("pieces", 1) > 1 else [""]
-        groups = ["_dq", "_dk", "_dv"] if options.get("split") else [""]
+        bias = kernel_pass.problem.bias_shape is not None  # its tangent: programs of its own too
+        groups = ["_dq", "_dk", "_dv", *(["_dbias"] if bias else [])] if options.get("split") else [""]
         return {registry.MOSAIC_TANGENT + group + piece for group in groups for piece in pieces}
     if kernel_pass.run.__name__ != "backward":
         return by_run[kernel_pass.run.__name__]

@@ -221,9 +221,9 @@ def _key_inputs_up_to(multiple: int, options: dict) -> dict:
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict, optional: dict,
             *, interpret: bool, options: tuple = ()):
-    """(d out, d lse) for the tangents of q, k, v in `linear` by the Mosaic GPU tangent kernel (calls that
-    `mosaic.plan._mosaic_tangent_options`: no bias tangent, no score_mod arrays, so `tangents` moves q, k, v alone)
-    on (block_q, 64) tiles with that plan's `options` (at head dim 256: ring slots, pieces, split); a BlockMask's
+    """(d out, d lse) for the tangents of q, k, v and the bias in `linear` by the Mosaic GPU tangent kernel (calls
+    that `mosaic.plan._mosaic_tangent_options`: no score_mod arrays, so `tangents` moves those alone) on
+    (block_q, 64) tiles with that plan's `options` (at head dim 256: ring slots, pieces, split); a BlockMask's
     tables refined to them; head dims under 64 widened."""
     f = problem.features
     value_dim = v.shape[-1]
@@ -232,7 +232,7 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
     options = dict(scale=f.scale, causal=False, window=(f.window_left, f.window_right), interpret=interpret,
                    block_q=TANGENT_TILES[0], block_kv=TANGENT_TILES[1],
                    **_segments(problem, optional, *q.shape[:2], k.shape[1]), **_dropout(f, optional),
-                   bias=_bias(problem, optional["bias"], optional), **dict(options))
+                   bias=_bias(problem, optional["bias"], optional), d_bias=linear.get("bias"), **dict(options))
     if f.score_mod is not None or f.mask_mod is not None:
         options.update(
             mask_fn=_mosaic_hook_fn(f.mask_mod), score_fn=_mosaic_hook_fn(f.score_mod),

@@ -314,15 +314,16 @@ def _wide_backward_takes_hooks(problem: _Problem) -> bool:
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
     None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
-    dim 256 without a score_mod), without a bias or a score_mod that captures arrays (whose tangents it does not
-    take; a mask sent as a bias holds still), on `TANGENT_TILES` with every tangent moving within shared memory.
+    dim 256 without a score_mod), without a score_mod that captures arrays (whose tangents it does not take), on
+    `TANGENT_TILES` with every tangent moving within shared memory (a bias's too, read as the bias is: which
+    tangents move is known only when the jvp runs; a mask sent as a bias holds still).
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
     spills, as dQ's did); at q / k's, the tangents of q, k and v `split` into programs of their own on one ring
     slot (Q, dQ, K and dK whole with V, dV and out overflow shared memory; k's and v's in one program spilled
     8-148 B, docs/perf-notes.md, Version 28)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
-            or problem.bias_shape is not None or problem.num_score_consts):
+            or problem.num_score_consts):
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
@@ -333,13 +334,15 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
     pieces = value_dim // MOSAIC_PIECE if value_dim > MOSAIC_PIECE else 1
     split = head_dim > MOSAIC_PIECE
     stages = WIDE_STAGES if split else 2
-    groups = [(True, False, False), (False, True, False), (False, False, True)] if split else [(True, True, True)]
+    moves_bias = problem.bias_shape is not None
+    groups = ([(True, False, False, False), (False, True, False, False), (False, False, True, False),
+               (False, False, False, moves_bias)] if split else [(True, True, True, moves_bias)])
     if any(tangent_smem_bytes(
             head_dim, *TANGENT_TILES, stages, segments=_has_vectors(problem),
             value_dim=value_dim // pieces, dense_mask=_dense_mask(problem), bias=_bias_kind(problem),
-            bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem), moving=group,
-            indices=wide) > MOSAIC_SMEM_BYTES
-           for group in groups):
+            bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem), moving=group[:3],
+            indices=wide, d_bias=group[3]) > MOSAIC_SMEM_BYTES
+           for group in groups if any(group)):
         return None
     return {"num_stages": stages, "pieces": pieces, "split": True} if split else (
         {"pieces": pieces} if pieces > 1 else {})

@@ -10,8 +10,8 @@ t = scale * S' (times d score_fn / d score with a score_fn), then c += rowsum(p 
 acc += (Z p t) V + (Z p) dV (Z: the dropout factor; wgmma, P from registers). At the end
 d out = acc - c out and d lse = c. Rows without a key (lse2 = +inf) get p = 0, so zero tangents.
 
-Window (causal) tile skipping, lengths, segment ids, dense masks, a bias without a tangent, block tables,
-hooks and dropout are those of the dQ kernel.
+Window (causal) tile skipping, lengths, segment ids, dense masks, a bias, block tables, hooks and dropout are
+those of the dQ kernel; the bias's tangent is read as the bias is and adds to t before the score_fn's derivative.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from probjax_kernels.mosaic.common import (
     _launch,
     after,
     allocated_smem,
+    bias_scratch,
     bias_smem_bytes,
     check_bias,
     check_dense_mask,
@@ -73,13 +74,15 @@ TANGENT_TILES = (128, 64)  # (block_q, block_kv): four K / V-shaped rings of 64-
 def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int, itemsize: int = 2,
                        segments: bool = False, value_dim: int | None = None, dense_mask: bool = False,
                        bias: str | None = None, bias_itemsize: int = 4, vectors: tuple[int, int] = (0, 0),
-                       moving: tuple[bool, bool, bool] = (True, True, True), indices: bool = False) -> int:
+                       moving: tuple[bool, bool, bool] = (True, True, True), indices: bool = False,
+                       d_bias: bool = False) -> int:
     """Shared memory of one tangent CTA as Mosaic GPU allocates it (`allocated_smem`), for the tangents of
     (q, k, v) flagged in `moving`: Q (it takes `out` after the loop, and carries d out) and dQ tiles, lse2
     rows, the K / V rings and those of dK / dV (v's head dim `value_dim`, default q's), a separate `out` tile
     when v's head dim is not q's, then the dQ kernel's segment ids, mask tiles, bias and hook vectors, with
-    `indices` the row and key index vectors (the programs of a head dim 256 call: `store_indices`), and the
-    barriers. The GPU's figure: the interpreter's P tile (its wgmma reads shared memory) is not counted."""
+    `indices` the row and key index vectors (the programs of a head dim 256 call: `store_indices`), with
+    `d_bias` the bias's tangent read as the bias is, and the barriers. The GPU's figure: the interpreter's P tile
+    (its wgmma reads shared memory) is not counted."""
     value_dim = value_dim or head_dim
     moves_q, moves_k, moves_v = moving
     part = min(block_kv, PART)
@@ -92,8 +95,10 @@ def tangent_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: i
                *([num_stages * block_q * part] * parts if dense_mask else []),
                *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)),
                *[4 * block_q] * vectors[0], *[4 * num_stages * block_kv] * vectors[1],
-               *([4 * block_q, 4 * _CONSUMERS * part] if indices else [])]
-    row_barriers = 3 + moves_q + segments + (bias == "rows") + vectors[0]
+               *([4 * block_q, 4 * _CONSUMERS * part] if indices else []),
+               *([bias_smem_bytes(bias, bias_itemsize, block_q, part, num_stages)] * (parts if bias == "tiles" else 1)
+                 if d_bias else [])]
+    row_barriers = 3 + moves_q + segments + (bias == "rows") * (1 + d_bias) + vectors[0]
     # c's row sums (the tangents of q or k) reduce across threads: Mosaic GPU's reduction scratch
     return allocated_smem(buffers, _CONSUMERS * row_barriers + 4 * num_stages, reductions=moves_q or moves_k)
 
@@ -103,15 +108,18 @@ def _tangent_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
     moving: tuple[bool, bool, bool], score_vectors: tuple = (), mask_vectors: tuple = (), piece: int | None = None,
+    moves_bias: bool = False,
 ):
     # `piece` (the programs of a head dim 256 call, `mosaic_tangent`'s pieces / split): this program computes d
     # out's columns [piece * C, (piece + 1) * C) alone, C = d_out_ref's (at v's head dim 256 a 64 x 256 float32
     # accumulator beside S and S' would spill); V, dV and out are read in those columns only, S and S' whole.
+    # `moves_bias`: the bias's tangent (read as the bias is, `d_side`) adds to the scores' tangent t.
     moves_q, moves_k, moves_v = moving
     refs = list(refs)
     dq_ref = refs.pop(0) if moves_q else None
     dk_ref = refs.pop(0) if moves_k else None
     dv_ref = refs.pop(0) if moves_v else None
+    d_bias_ref = refs.pop(0) if moves_bias else None
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
@@ -120,9 +128,10 @@ def _tangent_kernel(
     bias_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
     d_out_ref, d_lse_ref, smem, (row_ready, out_ready), ready, free = refs
     (q_smem, dq_smem, lse2_smem, k_smem, v_smem, dk_smem, dv_smem, out_smem, p_smem, q_segment_smem,
-     kv_segment_smem, mask_rings, bias_smem, vector_smem, index_smem) = smem
+     kv_segment_smem, mask_rings, bias_smem, vector_smem, index_smem, d_bias_smem) = smem
     side = SideInputs(segments, q_segment_smem, kv_segment_smem, mask_ref, mask_rings, bias, bias_ref, bias_smem,
                       vectors, vector_smem)
+    d_side = SideInputs(None, None, None, None, None, bias, d_bias_ref, d_bias_smem, (), ()) if moves_bias else None
     k_ready, v_ready = ready
     k_free, v_free = free
     rows = block_q // _CONSUMERS
@@ -158,6 +167,8 @@ def _tangent_kernel(
         row_tile = (batch, pl.ds(row0, rows), head)
         row_vector = (batch, head, pl.ds(row0, rows))
         sources, own = side.row_copies(batch, head, row0, rows, wg)
+        if d_side is not None:  # the bias tangent's rows
+            sources, own = (a + b for a, b in zip((sources, own), d_side.row_copies(batch, head, row0, rows, wg)))
         sources = [q_ref.at[row_tile], lse2_ref.at[row_vector], *([dq_ref.at[row_tile]] if moves_q else []), *sources]
         own = [q_smem.at[wg], lse2_smem.at[wg], *([dq_smem.at[wg]] if moves_q else []), *own]
         for src, dst, barrier in zip(sources, own, row_ready):
@@ -166,6 +177,7 @@ def _tangent_kernel(
             plgpu.barrier_wait(barrier.at[wg])
         lse2 = plgpu.load(lse2_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         q_segments, row_bias = side.row_values(wg)
+        d_row_bias = None if d_side is None else d_side.row_values(wg)[1]
         if index_smem is not None:
             store_indices(index_smem, wg)
 
@@ -193,6 +205,8 @@ def _tangent_kernel(
                     pairs.append((q_own, dk_smem.at[slot, keys]))
                 s_dot = scores(pairs) if pairs else None
                 kv_segments, mask_tile, bias_tile, tiles = side.part_tiles(slot, j, keys, wg, rows, s.shape, row_bias)
+                d_bias_tile = None if d_side is None else d_side.part_tiles(slot, j, keys, wg, rows, s.shape,
+                                                                            d_row_bias)[2]
 
                 def indices():
                     key0 = block_of(kv_step) * block_kv + j * part
@@ -205,7 +219,8 @@ def _tangent_kernel(
                     score_arrays=views(score_groups, tiles[:num_score_vectors]),
                     mask_arrays=views(mask_groups, tiles[num_score_vectors:]),
                     same_segment=lambda: same_segment(q_segments, kv_segments, s.shape),
-                    dense=lambda: mask_tile != 0, with_derivative=bool(pairs) and rule.score_fn is not None,
+                    dense=lambda: mask_tile != 0,
+                    with_derivative=(bool(pairs) or moves_bias) and rule.score_fn is not None,
                     bias=lambda: bias_tile,
                 )
                 p = jnp.exp2(s * s_scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
@@ -217,8 +232,12 @@ def _tangent_kernel(
                 staged = None if p_smem is None else p_smem.at[wg]
                 if j == 0:
                     plgpu.barrier_wait(v_ready.at[slot])
-                if s_dot is not None:
-                    t = s_dot * rule.scale if derivative is None else s_dot * rule.scale * derivative
+                if s_dot is not None or d_bias_tile is not None:
+                    if d_bias_tile is None:
+                        t = s_dot * rule.scale if derivative is None else s_dot * rule.scale * derivative
+                    else:  # the tangent of the biased scores, then through the score_fn
+                        t = d_bias_tile if s_dot is None else s_dot * rule.scale + d_bias_tile
+                        t = t if derivative is None else t * derivative
                     p_t = jnp.where(p > 0, p * t, 0.0)  # a non-finite tangent where p = 0 must not leak
                     c = c + p_t.sum(axis=1)
                     acc = _accumulate_pv(acc, dropped(p_t).astype(v_smem.dtype), v_smem.at[slot, keys], staged,
@@ -270,6 +289,8 @@ def _tangent_kernel(
             if moves_v:
                 copies.append((dv_ref.at[(*tile, *columns)], dv_smem, v_ready))
             copies += side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
+            if d_side is not None:
+                copies += d_side.key_copies(key0, tile_row0, block_q, block_kv, part, batch, head, k_ready)
             fill_ring_slot(kv_step, num_stages, (k_free, v_free), copies)
 
         drain_ring(cta_steps, num_stages, k_free, v_free)
@@ -314,25 +335,27 @@ def mosaic_tangent(
     kv_segment_ids: jax.Array | None = None,
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
+    d_bias: jax.Array | None = None,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
     pieces: int = 1,
     split: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The tangent of `mosaic_forward`'s (out, lse) on Hopper through Pallas Mosaic GPU, for tangents `dq`,
-    `dk`, `dv` of q, k, v (None: zero; the bias and the hooks' arrays hold still).
+    `dk`, `dv` of q, k, v and `d_bias` of the bias (None: zero; the hooks' arrays hold still).
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
     (same padding contract; head dims 64 or 128, v's `[B, S, K, Dv]`); `out` `[B, T, N, Dv]` from the forward
     and `lse2` `[B, N, T]`, its lse in base 2 and +inf for rows with no key (`_scores.base2_lse`); dq, dk, dv
     shaped as q, k, v, at least one of them given.
     The dropout arguments, `kv_tables`, the hooks (a score_fn with its `score_jvp`), segment ids, `mask` and
-    `bias` as in `mosaic_backward_dq`.
+    `bias` as in `mosaic_backward_dq`; `d_bias` shaped and typed as `bias`, read as it is (tiles, or float32
+    key / row vectors), adds to the tangent of the scaled scores before the score_fn's derivative.
     `pieces`: d out from that many programs, each computing `PIECE` (128) of its columns (v's head dim 256: 2;
     else 1), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
     (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out overflow shared
     memory, and a program moving k and v together spilled 8-148 B on sm_90a), d out rounded to out's dtype in
-    each before the sum.
+    each before the sum; the bias's tangent then runs in programs of its own too.
 
     **Returns:** (d out `[B, T, N, Dv]` in out's dtype, d lse `[B, N, T]` float32, natural log; 0 for rows with
     no key).
@@ -352,16 +375,22 @@ def mosaic_tangent(
     if out.shape != (batch, q_len, num_heads, value_dim) or lse2.shape != (batch, num_heads, q_len):
         raise ValueError(f"out must be [B, T, N, Dv] = {[batch, q_len, num_heads, value_dim]} and lse2 [B, N, T]; "
                          f"got {out.shape=}, {lse2.shape=}")
-    moving = (dq is not None, dk is not None, dv is not None)
+    if d_bias is not None and (bias is None or jnp.shape(d_bias) != jnp.shape(bias)
+                               or jnp.result_type(d_bias) != jnp.result_type(bias)):
+        raise ValueError(f"d_bias must have the shape and dtype of bias "
+                         f"{None if bias is None else (jnp.shape(bias), jnp.result_type(bias))}; got "
+                         f"{jnp.shape(d_bias)} {jnp.result_type(d_bias)}")
+    moving = (dq is not None, dk is not None, dv is not None, d_bias is not None)  # q, k, v, the bias
     if not any(moving):
-        raise ValueError("mosaic_tangent needs a tangent of q, k or v (dq, dk, dv are all None)")
+        raise ValueError("mosaic_tangent needs a tangent of q, k, v or the bias (dq, dk, dv, d_bias are all None)")
     check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)")
-    groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(3)] if split else [moving]
+    groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(4)] if split else [moving]
     groups = [group for group in groups if any(group)]
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, k.shape[1])
+    d_bias = check_bias(d_bias, batch, num_heads, q_len, k.shape[1])[1]
     vectors = vectors_in(grouped(score_arrays, score_vectors) + grouped(mask_arrays, mask_vectors))
     counts = tuple(sum(axis == a for axis, _ in vectors) for a in ("q", "kv"))
     columns = value_dim // pieces
@@ -369,11 +398,11 @@ def mosaic_tangent(
         if (need := tangent_smem_bytes(
                 head_dim, block_q, block_kv, num_stages, q.dtype.itemsize, segments=segments is not None,
                 value_dim=columns, dense_mask=mask is not None, bias=bias_kind,
-                bias_itemsize=4 if bias is None else bias.itemsize, vectors=counts, moving=group,
-                indices=pieces > 1 or split)) > SMEM_BYTES:
+                bias_itemsize=4 if bias is None else bias.itemsize, vectors=counts, moving=group[:3],
+                indices=pieces > 1 or split, d_bias=group[3])) > SMEM_BYTES:
             raise ValueError(f"{block_q=}, {block_kv=}, {num_stages=} at head dims {head_dim} / {columns} (v's, per "
                              f"piece) need {need} bytes of SMEM for the tangents of "
-                             f"{[n for n, m in zip('qkv', group) if m]} (split={split})")
+                             f"{[n for n, m in zip(('q', 'k', 'v', 'bias'), group) if m]} (split={split})")
     kv_len = k.shape[1]
     tables = _check_tables(kv_tables, batch, num_heads, q_len // block_q, kv_len // block_kv, block_q, block_kv,
                            name="kv_tables")
@@ -384,14 +413,15 @@ def mosaic_tangent(
     rule = _backward_rule(scale, causal, window, mask_fn, score_fn, score_jvp, segments, dropout, mask,
                           bias is not None)
 
-    def launch(moving: tuple[bool, bool, bool], piece: int | None, name: str, q=q):
-        lin = tuple(t for t, moves in zip((dq, dk, dv), moving) if moves)
-        row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") + counts[0]
+    def launch(moving: tuple[bool, bool, bool, bool], piece: int | None, name: str, q=q):
+        lin = tuple(t for t, moves in zip((dq, dk, dv, d_bias), moving) if moves)
+        row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") * (1 + moving[3]) + counts[0]
+        static = {"moves_bias": True} if moving[3] else {}
         return _launch(
             _tangent_kernel, name, (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
             score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-            rule=rule, segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, moving=moving,
-            score_vectors=score_vectors, mask_vectors=mask_vectors, piece=piece,
+            rule=rule, segments=segments, seed=seed, mask=mask, bias=bias, bias_kind=bias_kind, moving=moving[:3],
+            score_vectors=score_vectors, mask_vectors=mask_vectors, piece=piece, **static,
             out_type=(jax.ShapeDtypeStruct((*out.shape[:3], columns), out.dtype),
                       jax.ShapeDtypeStruct(lse2.shape, jnp.float32)),
             scratch_types=(
@@ -409,13 +439,15 @@ def mosaic_tangent(
                     *side_scratch(segments, mask, bias_kind, bias, num_stages, block_q, block_kv, part, rows),
                     vector_scratch(vectors, num_stages, block_kv, rows),
                     None if piece is None else index_scratch(rows, part),
+                    bias_scratch(bias_kind, d_bias, (num_stages, block_q, part), block_kv // part,
+                                 keys=(num_stages, block_kv), rows=(_CONSUMERS, rows)) if moving[3] else None,
                 ),
                 (tuple(plgpu.Barrier(num_barriers=_CONSUMERS) for _ in range(row_barriers)),
                  plgpu.Barrier(num_barriers=_CONSUMERS)),
                 (  # K's barrier also awaits dK, the segment ids, mask and bias tiles and key vectors; V's awaits dV
                     plgpu.Barrier(num_arrivals=1 + moving[1] + bool(segments) + (mask is not None) * (block_kv // part)
-                                  + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) + counts[1],
-                                  num_barriers=num_stages),
+                                  + {"tiles": block_kv // part, "keys": 1}.get(bias_kind, 0) * (1 + moving[3])
+                                  + counts[1], num_barriers=num_stages),
                     plgpu.Barrier(num_arrivals=1 + moving[2], num_barriers=num_stages),
                 ),
                 (
@@ -431,7 +463,7 @@ def mosaic_tangent(
         return launch(moving, None, "probjax_mosaic_tangent")
     results, sums = [], []
     for group in groups:  # in the interpreter one program at a time (`after`)
-        prefix = "probjax_mosaic_tangent" + ("" if not split else "_d" + "qkv"[group.index(True)])
+        prefix = "probjax_mosaic_tangent" + ("" if not split else "_d" + ("q", "k", "v", "bias")[group.index(True)])
         for piece in range(pieces):
             name = prefix + ("" if pieces == 1 else f"_piece{piece}")
             earlier = results[-1][0] if results else None

@@ -244,9 +244,11 @@ MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
 # over the shared memory), v's own head dim and k / v of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias"})
-# Calls whose tangent the Mosaic tangent kernel leaves to Triton's: a bias (its tangent) and a score_mod's captured
-# arrays (theirs: ALiBi's slopes), whose tangents are known only when the jvp runs.
+# The Mosaic tangent kernel leaves the tangents of a score_mod's arrays (ALiBi's slopes) to Triton's. A bias's it
+# takes read as the bias is: float32 key / row vectors at every head dim, 16-bit tiles at 64 (at 128 its tiles and
+# its tangent's beside the K, V, dK and dV rings overflow shared memory; float32 tiles at 64 by 128 B).
 MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
+MOSAIC_TANGENT_BIASES = {"dense_bias_keys": (64, 128, 256), "dense_bias_rows": (64, 128, 256), "dense_bias": (64,)}
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})  # FLEX_HOOKS' score_mods
 # At head dim 256 the Mosaic backward takes mask_mods and block tables but not a score_mod (a soft cap's derivative
@@ -265,11 +267,11 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent without a bias or a feature
-    of `MOSAIC_TANGENT_LACKS` (at 256: `mosaic_tangent_kernels`, without a feature of
-    `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the tcgen05 forward and backward for the families of
-    `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward alone for those of `TCGEN05_FORWARD_ONLY`;
-    tangent Triton."""
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent without a feature of
+    `MOSAIC_TANGENT_LACKS` and with a bias only as `MOSAIC_TANGENT_BIASES` lists it (at 256:
+    `mosaic_tangent_kernels`, without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the
+    tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward
+    alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
         return max(64, 1 << (d - 1).bit_length())
 
@@ -288,11 +290,13 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
                        and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
     if mode in ("fwd", "jvp"):
+        bias = feature.startswith("dense_bias")
         mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
-                          and not feature.startswith("dense_bias") and feature not in MOSAIC_TANGENT_LACKS
+                          and (not bias or dims <= set(MOSAIC_TANGENT_BIASES.get(feature, ())))
+                          and feature not in MOSAIC_TANGENT_LACKS
                           and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
-        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims) if mosaic_tangent
-                                                           else (TANGENT,)))
+        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias=bias)
+                                                           if mosaic_tangent else (TANGENT,)))
     if not mosaic_backward:
         return (forward, DQ, DKV)
     pieces = padded(head_dim) > 128  # q / k's head dim 256: dQ and dK in pieces
@@ -300,10 +304,10 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
 
-def mosaic_tangent_kernels(head_dim: int, value_dim: int) -> tuple[str, ...]:
+def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False) -> tuple[str, ...]:
     """The Mosaic tangent's programs at (padded) head dims: one up to 128; at 256 d out's pieces where v's head dim
-    is 256 (`MOSAIC_TANGENT_PIECES`), the tangents of q, k and v apart where q / k's is."""
-    groups = ("_dq", "_dk", "_dv") if head_dim > 128 else ("",)
+    is 256 (`MOSAIC_TANGENT_PIECES`), the tangents of q, k, v and a `bias` apart where q / k's is."""
+    groups = ("_dq", "_dk", "_dv", *(("_dbias",) if bias else ())) if head_dim > 128 else ("",)
     pieces = MOSAIC_TANGENT_PIECES if value_dim > 128 else (MOSAIC_TANGENT,)
     return tuple(piece.replace(MOSAIC_TANGENT, MOSAIC_TANGENT + group) for group in groups for piece in pieces)
 

@@ -297,6 +297,28 @@ def test_the_mosaic_backward_at_head_dim_256_under_a_document_mask(head_dims):
                                      reference=flex_attention_reference, enable_gqa=True)
 
 
+@pytest.mark.parametrize("head_dim, kind", [(64, "tiles"), (128, "keys"), (256, "rows")])
+def test_the_mosaic_tangent_with_a_moving_bias(head_dim, kind):
+    """jax.jvp of flash_attention in q, k, v and the bias through FlashConfig(backend="mosaic") compiled: the
+    bias's tangent read as the bias is (bfloat16 tiles at head dim 64, float32 key or row vectors; at 256 in
+    programs of its own), against the reference's jvp, causal, GQA 4:1."""
+    q, k, v = random_qkv(43, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    tangents = random_qkv(44, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    shape = {"tiles": (2, 8, 2048, 2048), "keys": (2, 1, 1, 2048), "rows": (1, 8, 2048, 1)}[kind]
+    dtype = jnp.bfloat16 if kind == "tiles" else jnp.float32
+    bias, d_bias = (_normal(seed, shape).astype(dtype) for seed in (45, 46))
+
+    def jvp(attention, primals, tangents, **config):
+        return jax.jit(lambda p, t: jax.jvp(
+            lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=True, **config), p, t))(primals, tangents)
+
+    out, d_out = jvp(flash_attention, (q, k, v, bias), (*tangents, d_bias), config=FlashConfig(backend="mosaic"))
+    want, want_d_out = jvp(flash_attention_reference, tuple(x.astype(jnp.float32) for x in (q, k, v, bias)),
+                           tuple(t.astype(jnp.float32) for t in (*tangents, d_bias)))
+    _assert_close("out", out, want, TOL)
+    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+
+
 def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     """jax.jvp of flex_attention at head dim 256 under packed documents, causal within each (a BlockMask, the
     ids as vectors beside Q and K), compiled: the tangent's programs read the tables refined to their 128 x 64
