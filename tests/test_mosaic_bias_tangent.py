@@ -119,7 +119,7 @@ def test_the_bias_tangent_shared_memory_and_checks():
     bias = jnp.zeros((1, 2, 128, 128), jnp.bfloat16)
     call = functools.partial(mosaic_tangent, q, k, v, out, lse2, lengths, lengths, scale=0.125, causal=True,
                              interpret=True)
-    with pytest.raises(ValueError, match="needs a tangent of q, k, v or the bias"):
+    with pytest.raises(ValueError, match="needs a tangent of q, k, v, the bias or the score_fn"):
         call(bias=bias)
     with pytest.raises(ValueError, match="d_bias must have the shape and dtype of bias"):
         call(bias=bias, d_bias=bias.astype(jnp.float32))

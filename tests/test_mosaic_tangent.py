@@ -1,8 +1,9 @@
 """The Mosaic GPU (Hopper) tangent kernel: (d out, d lse) in the Mosaic GPU CPU interpreter against `jax.jvp` of
 the float32 plain-jnp reference, for tangents of any of q, k, v; through `flash_attention` / `flex_attention`
 on backend "mosaic_interpret" with the features it takes (segment ids, masks, dropout, hooks, BlockMasks); and
-the calls it leaves to Triton's tangent (a score_mod's arrays, a score_mod at head dim 256; the kernel at head dim
-256: test_mosaic_wide_tangent.py; a bias's tangent: test_mosaic_bias_tangent.py).
+the tangents of a score_mod's arrays read one element at a time; the calls it leaves to Triton's tangent (arrays
+read as vectors, a score_mod at head dim 256; the kernel at head dim 256: test_mosaic_wide_tangent.py; a bias's
+tangent: test_mosaic_bias_tangent.py).
 """
 
 import functools
@@ -193,19 +194,63 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
         tangent_calls)
 
 
-@pytest.mark.parametrize("case", ["score_mod_arrays", "hook_at_head_dim_256"])
+def test_score_mod_arrays_move_in_the_mosaic_tangent(tangent_calls):
+    """jax.jvp of flex_attention in q, k, v and a score_mod's captured array read one element at a time (ALiBi's
+    slopes[h]) runs the Mosaic tangent kernel, which reads the array's tangent the same way, and matches the
+    reference's; the same with the array held still. GQA 2:1, ragged tiles (192 rows and keys)."""
+    batch, seq, num_heads, head_dim = 1, 192, 4, 64
+    q, k, v = random_qkv(14, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
+    tangents = random_qkv(15, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
+    array, d_array = alibi_slopes(num_heads), jnp.linspace(-1.0, 1.0, num_heads)
+
+    def attend(attention, **config):
+        return lambda q, k, v, array: attention(q, k, v, alibi(array), enable_gqa=True, **config)
+
+    assert_the_mosaic_tangent_matches(attend(flex_attention, config=MOSAIC), attend(flex_attention_reference),
+                                      (q, k, v, array), (*tangents, d_array), tangent_calls)
+    tangent_calls.clear()
+    assert_the_mosaic_tangent_matches(
+        lambda q, k, v: attend(flex_attention, config=MOSAIC)(q, k, v, array),
+        lambda q, k, v: attend(flex_attention_reference)(q, k, v, array), (q, k, v), tangents, tangent_calls)
+
+
+def _learnable_cap(cap):
+    """A soft cap whose cap is an array (a parameter; the kernels read it as a scalar): its jvp in the cap adds
+    two tangents (`add_any`, which Mosaic GPU has no lowering rule for)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * jnp.tanh(score / cap)
+    return score_mod
+
+
+def _token_bias(bias):
+    """A per-token bias `bias[b, kv_idx]`: the kernels read it as vectors along kv_idx."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, kv_idx]
+    return score_mod
+
+
+@pytest.mark.parametrize("case", ["vector_array", "add_any", "hook_at_head_dim_256"])
 def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
-    """A score_mod's captured arrays (their tangents: ALiBi's slopes) and a score_mod at head dim 256 (a soft cap:
-    its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward; the jvp still
-    matches the reference's."""
+    """A score_mod's array read as vectors along kv_idx (a per-token bias: its tangent would need vectors of its
+    own), one whose jvp in its array Mosaic GPU cannot lower (a learnable cap: `add_any`) and a score_mod at head
+    dim 256 (a soft cap: its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward;
+    the jvp (in the array too) still matches the reference's."""
     head_dim = 256 if case == "hook_at_head_dim_256" else 64
     batch, seq, num_heads = 1, 128, 2
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     tangents = random_qkv(12, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
-    score_mod = alibi(alibi_slopes(num_heads)) if case == "score_mod_arrays" else softcap(20.0)
-    fn = functools.partial(flex_attention, score_mod=score_mod, config=MOSAIC)
-    reference = functools.partial(flex_attention_reference, score_mod=score_mod)
-    got, want = _jvp_through(fn, reference, (q, k, v), tangents)
+    if case == "vector_array":
+        mod, array, d_array = _token_bias, jnp.linspace(-2.0, 2.0, seq)[None], jnp.ones((1, seq))
+    elif case == "add_any":
+        mod, array, d_array = _learnable_cap, jnp.asarray(3.0), jnp.asarray(-2.0)
+    else:  # the array unused: a soft cap of 20
+        mod, array, d_array = (lambda _: softcap(20.0)), jnp.asarray(0.0), jnp.asarray(1.0)
+
+    def attend(attention, **config):
+        return lambda q, k, v, array: attention(q, k, v, mod(array), **config)
+
+    got, want = _jvp_through(attend(flex_attention, config=MOSAIC), attend(flex_attention_reference),
+                             (q, k, v, array), (*tangents, d_array))
     assert not tangent_calls
     assert_close(got[1], want[1], jnp.bfloat16, "d out")
 
@@ -224,7 +269,7 @@ def test_shared_memory_and_argument_checks():
     q, k, v = random_qkv(0, 1, 128, 128, 2, 2, 64, jnp.bfloat16)
     lengths = jnp.full((1,), 128, jnp.int32)
     out, lse2 = jnp.zeros_like(q), jnp.zeros((1, 2, 128), jnp.float32)
-    with pytest.raises(ValueError, match="needs a tangent of q, k, v or the bias"):
+    with pytest.raises(ValueError, match="needs a tangent of q, k, v, the bias or the score_fn's arrays"):
         mosaic_tangent(q, k, v, out, lse2, lengths, lengths, scale=0.125, causal=True, interpret=True)
     with pytest.raises(ValueError, match="dk must have the shape and dtype"):
         mosaic_tangent(q, k, v, out, lse2, lengths, lengths, dk=k.astype(jnp.float16), scale=0.125, causal=True,

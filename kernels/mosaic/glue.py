@@ -62,6 +62,18 @@ def _call_score_jvp_in_mosaic(hook: Hook, score, *indices_and_refs):
     return hook.jvp_in_kernel(refs, (), moved, score, jnp.ones_like(score), *indices)
 
 
+def _mosaic_const_jvp_fn(hook: Hook, moved: tuple[bool, ...]) -> Callable:
+    """`(score, b, h, q_idx, kv_idx, *array_refs, *tangent_refs) -> d score_mod` in the tangents of the hook's
+    arrays flagged in `moved` (the score held), for the Mosaic tangent kernel, from the hook's jvp jaxpr."""
+    return functools.partial(_call_const_jvp_in_mosaic, hook, moved)
+
+
+def _call_const_jvp_in_mosaic(hook: Hook, moved: tuple[bool, ...], score, *indices_and_refs):
+    indices, refs = indices_and_refs[:4], indices_and_refs[4:]
+    arrays, tangents = refs[:len(hook.const_avals)], refs[len(hook.const_avals):]
+    return hook.jvp_in_kernel(arrays, tangents, moved, score, jnp.zeros_like(score), *indices)[1]
+
+
 def _mosaic_hook_fn(hook: Hook | None) -> Callable | None:
     """A hook as the Mosaic forward calls it, `fn(*args, *array_refs)`, from its jaxpr prepared at the
     kernel's shapes (never the user's Python again); hashable (a static argument) by the hook's identity."""
@@ -221,8 +233,8 @@ def _key_inputs_up_to(multiple: int, options: dict) -> dict:
 
 def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out, lse2, linear: dict, optional: dict,
             *, interpret: bool, options: tuple = ()):
-    """(d out, d lse) for the tangents of q, k, v and the bias in `linear` by the Mosaic GPU tangent kernel (calls
-    that `mosaic.plan._mosaic_tangent_options`: no score_mod arrays, so `tangents` moves those alone) on
+    """(d out, d lse) for the tangents of q, k, v, the bias and a score_mod's arrays in `linear` (flagged in
+    `tangents`) by the Mosaic GPU tangent kernel (calls that `mosaic.plan._mosaic_tangent_options`) on
     (block_q, 64) tiles with that plan's `options` (at head dim 256: ring slots, pieces, split); a BlockMask's
     tables refined to them; head dims under 64 widened."""
     f = problem.features
@@ -239,6 +251,9 @@ def tangent(problem: _Problem, tangents: _Tangents, q, k, v, q_len, kv_len, out,
             score_jvp=_mosaic_score_jvp_fn(f.score_mod),
             **_hook_arrays(problem, optional["score_consts"], optional["mask_consts"], q.shape, k.shape[1]),
         )
+    if any(tangents.score_consts):  # read one element at a time, as the arrays are (`plan`)
+        options.update(score_tangents=tuple(linear["score_consts"]),
+                       score_const_jvp=_mosaic_const_jvp_fn(f.score_mod, tuple(tangents.score_consts)))
     if f.block_sizes is not None:
         options["kv_tables"] = refined_tables(optional["kv_tables"], f.block_sizes, TANGENT_TILES)
     return _narrowed(mosaic_tangent(q, k, v, out, lse2, q_len, kv_len, dq=dq, dk=dk, dv=dv, **options), value_dim)

@@ -1,12 +1,13 @@
 """The Mosaic GPU backend as one object (`BACKEND`): which calls its kernels take (dtype, head dim, tiles,
 features, shared memory, and hooks vetted against the Mosaic GPU lowering rules), its forward tiles, and its
 plan. On Hopper (compute capability 9.x): the Mosaic forward, and the Mosaic dQ and dK/dV kernels where a
-score_mod's derivative lowers too (at head dim 256 without a score_mod), and there the Mosaic tangent kernel for
-calls without a bias or a score_mod's arrays (`_mosaic_tangent_options`). On Blackwell (10.x, tcgen05): the tcgen05 forward and
-backward (`forward_tcgen05`, `backward_tcgen05`) at head dims 64 / 128 for calls with a window or causal mask,
-lengths, GQA, the row max, hooks that read their arrays one element at a time (a soft cap, ALiBi, a per-head
-window mask_mod) or along q_idx / kv_idx (document masks, per-token biases), BlockMasks of 128 x 128 blocks or
-coarser, dropout and segment ids (a key padding mask as them); their tangent stays Triton's. It serves
+score_mod's derivative lowers too (at head dim 256 without a score_mod), and there the Mosaic tangent kernel
+(`_mosaic_tangent_options`: with the tangents of a bias and of a score_mod's arrays read one element at a time).
+On Blackwell (10.x, tcgen05): the tcgen05 forward and backward (`forward_tcgen05`, `backward_tcgen05`) at head
+dims 64 / 128 for calls with a window or causal mask, lengths, GQA, the row max, hooks that read their arrays one
+element at a time (a soft cap, ALiBi, a per-head window mask_mod) or along q_idx / kv_idx (document masks,
+per-token biases), BlockMasks of 128 x 128 blocks or coarser, dropout and segment ids (a key padding mask as
+them); their tangent stays Triton's. It serves
 `FlashConfig.backend` "mosaic" and "mosaic_interpret" (the Mosaic GPU interpreter, which runs the kernels of the
 target device's generation: Blackwell's on a 10.x device, Hopper's on any other); what it leaves of a call
 runs on the next backend of the chooser's order (Triton).
@@ -314,16 +315,17 @@ def _wide_backward_takes_hooks(problem: _Problem) -> bool:
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
     None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
-    dim 256 without a score_mod), without a score_mod that captures arrays (whose tangents it does not take), on
-    `TANGENT_TILES` with every tangent moving within shared memory (a bias's too, read as the bias is: which
-    tangents move is known only when the jvp runs; a mask sent as a bias holds still).
+    dim 256 without a score_mod), whose score_mod's arrays it reads one element at a time with their tangents
+    (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared memory (a
+    bias's too, read as the bias is: which tangents move is known only when the jvp runs; a mask sent as a bias
+    holds still).
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
     spills, as dQ's did); at q / k's, the tangents of q, k and v `split` into programs of their own on one ring
     slot (Q, dQ, K and dK whole with V, dV and out overflow shared memory; k's and v's in one program spilled
     8-148 B, docs/perf-notes.md, Version 28)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
-            or problem.num_score_consts):
+            or (problem.num_score_consts and not _score_tangents_run_in_mosaic(problem))):
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
@@ -346,6 +348,18 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
         return None
     return {"num_stages": stages, "pieces": pieces, "split": True} if split else (
         {"pieces": pieces} if pieces > 1 else {})
+
+
+def _score_tangents_run_in_mosaic(problem: _Problem) -> bool:
+    """Whether the tangent kernel takes the tangents of the score_mod's arrays: it reads none as vectors along
+    q_idx / kv_idx (their tangents would need vectors of their own), and its jvp in all of them runs in Mosaic GPU
+    reading arrays and tangents one element at a time (`_runs_in_mosaic`: ALiBi's slopes[h], a learnable cap)."""
+    hook = problem.features.score_mod
+    if vector_counts(((hook, True),), problem.config, TANGENT_HOOK_SHAPES) != (0, 0):
+        return False
+    arrays = len(hook.const_avals)
+    closed = hook.jvp_jaxpr((True,) * arrays, *specs_at(TANGENT_HOOK_SHAPES, True))
+    return not closed.consts and _runs_in_mosaic(closed.jaxpr, set(closed.jaxpr.invars[:2 * arrays]))
 
 
 def on_blackwell(device) -> bool:

@@ -108,7 +108,7 @@ def _tangent_kernel(
     block_kv: int, num_stages: int, group: int, interpret: bool, has_tables: bool, num_score_arrays: int,
     num_mask_arrays: int, has_segments: bool, has_dropout: bool, has_mask: bool, bias: str | None = None,
     moving: tuple[bool, bool, bool], score_vectors: tuple = (), mask_vectors: tuple = (), piece: int | None = None,
-    moves_bias: bool = False,
+    moves_bias: bool = False, num_score_tangents: int = 0, score_const_jvp: Callable | None = None,
 ):
     # `piece` (the programs of a head dim 256 call, `mosaic_tangent`'s pieces / split): this program computes d
     # out's columns [piece * C, (piece + 1) * C) alone, C = d_out_ref's (at v's head dim 256 a 64 x 256 float32
@@ -120,6 +120,9 @@ def _tangent_kernel(
     dk_ref = refs.pop(0) if moves_k else None
     dv_ref = refs.pop(0) if moves_v else None
     d_bias_ref = refs.pop(0) if moves_bias else None
+    # The tangents of the score_fn's arrays (read one element at a time, as the arrays are): `score_const_jvp`
+    # gives their part of the scores' tangent, added after the score_fn's derivative.
+    score_tangents = [refs.pop(0) for _ in range(num_score_tangents)]
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
         refs, has_tables, num_score_arrays, num_mask_arrays, has_segments, has_dropout, has_mask)
     score_groups, mask_groups = grouped(score_arrays, score_vectors), grouped(mask_arrays, mask_vectors)
@@ -214,6 +217,11 @@ def _tangent_kernel(
                         return tile_indices(s.shape, row0, key0)
                     return stored_indices(index_smem, own, s.shape, row0, key0)
 
+                const_part = None
+                if score_const_jvp is not None:  # at the scores the score_fn sees: scaled, biased
+                    q_idx, kv_idx = indices()
+                    const_part = score_const_jvp(s * rule.scale if bias_tile is None else s * rule.scale + bias_tile,
+                                                 batch, head, q_idx, kv_idx, *score_arrays, *score_tangents)
                 s, s_scale, derivative = rule.scores(
                     s, indices, batch, head, kv_len, masked=masked, user_mask=user_mask,
                     score_arrays=views(score_groups, tiles[:num_score_vectors]),
@@ -232,12 +240,15 @@ def _tangent_kernel(
                 staged = None if p_smem is None else p_smem.at[wg]
                 if j == 0:
                     plgpu.barrier_wait(v_ready.at[slot])
-                if s_dot is not None or d_bias_tile is not None:
-                    if d_bias_tile is None:
+                if s_dot is not None or d_bias_tile is not None or const_part is not None:
+                    if d_bias_tile is None and const_part is None:
                         t = s_dot * rule.scale if derivative is None else s_dot * rule.scale * derivative
-                    else:  # the tangent of the biased scores, then through the score_fn
-                        t = d_bias_tile if s_dot is None else s_dot * rule.scale + d_bias_tile
-                        t = t if derivative is None else t * derivative
+                    else:  # the tangent of the biased scores, through the score_fn, then its arrays' part
+                        parts = [x for x in (None if s_dot is None else s_dot * rule.scale, d_bias_tile)
+                                 if x is not None]
+                        t = sum(parts[1:], parts[0]) if parts else None
+                        t = t if t is None or derivative is None else t * derivative
+                        t = const_part if t is None else t if const_part is None else t + const_part
                     p_t = jnp.where(p > 0, p * t, 0.0)  # a non-finite tangent where p = 0 must not leak
                     c = c + p_t.sum(axis=1)
                     acc = _accumulate_pv(acc, dropped(p_t).astype(v_smem.dtype), v_smem.at[slot, keys], staged,
@@ -300,7 +311,7 @@ def _tangent_kernel(
     jax.jit,
     static_argnames=("scale", "causal", "window", "block_q", "block_kv", "num_stages", "interpret", "mask_fn",
                      "score_fn", "score_jvp", "dropout_rate", "dropout_positions", "dropout_heads", "score_vectors",
-                     "mask_vectors", "pieces", "split"),
+                     "mask_vectors", "pieces", "split", "score_const_jvp"),
 )
 def mosaic_tangent(
     q: jax.Array,
@@ -336,6 +347,8 @@ def mosaic_tangent(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     d_bias: jax.Array | None = None,
+    score_tangents: tuple[jax.Array, ...] = (),
+    score_const_jvp: Callable[..., jax.Array] | None = None,
     score_vectors: tuple = (),
     mask_vectors: tuple = (),
     pieces: int = 1,
@@ -351,6 +364,9 @@ def mosaic_tangent(
     The dropout arguments, `kv_tables`, the hooks (a score_fn with its `score_jvp`), segment ids, `mask` and
     `bias` as in `mosaic_backward_dq`; `d_bias` shaped and typed as `bias`, read as it is (tiles, or float32
     key / row vectors), adds to the tangent of the scaled scores before the score_fn's derivative.
+    `score_tangents`: tangents of some of `score_arrays` (none read as vectors), read one element at a time;
+    `score_const_jvp(score, b, h, q_idx, kv_idx, *score_arrays, *score_tangents)` gives the score_fn's tangent
+    in them at the scores it sees (one program: not with `split`).
     `pieces`: d out from that many programs, each computing `PIECE` (128) of its columns (v's head dim 256: 2;
     else 1), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
     (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out overflow shared
@@ -381,8 +397,13 @@ def mosaic_tangent(
                          f"{None if bias is None else (jnp.shape(bias), jnp.result_type(bias))}; got "
                          f"{jnp.shape(d_bias)} {jnp.result_type(d_bias)}")
     moving = (dq is not None, dk is not None, dv is not None, d_bias is not None)  # q, k, v, the bias
-    if not any(moving):
-        raise ValueError("mosaic_tangent needs a tangent of q, k, v or the bias (dq, dk, dv, d_bias are all None)")
+    if not any(moving) and not score_tangents:
+        raise ValueError("mosaic_tangent needs a tangent of q, k, v, the bias or the score_fn's arrays (dq, dk, dv, "
+                         "d_bias and score_tangents are all None)")
+    if bool(score_tangents) != (score_const_jvp is not None) or (
+            score_tangents and (split or pieces > 1 or any(score_vectors))):
+        raise ValueError("score_tangents need score_const_jvp (and the other way round), one program (split=False, "
+                         "pieces=1) and no score_vectors")
     check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)")
     groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(4)] if split else [moving]
     groups = [group for group in groups if any(group)]
@@ -414,9 +435,11 @@ def mosaic_tangent(
                           bias is not None)
 
     def launch(moving: tuple[bool, bool, bool, bool], piece: int | None, name: str, q=q):
-        lin = tuple(t for t, moves in zip((dq, dk, dv, d_bias), moving) if moves)
+        lin = (*(t for t, moves in zip((dq, dk, dv, d_bias), moving) if moves), *score_tangents)
         row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") * (1 + moving[3]) + counts[0]
         static = {"moves_bias": True} if moving[3] else {}
+        if score_tangents:
+            static.update(num_score_tangents=len(score_tangents), score_const_jvp=score_const_jvp)
         return _launch(
             _tangent_kernel, name, (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
             score_arrays, mask_arrays, interpret=interpret, block_q=block_q, block_kv=block_kv, num_stages=num_stages,

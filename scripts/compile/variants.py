@@ -153,15 +153,15 @@ def flash(name: str, *, head_dim=128, value_dim=None, dtype="bf16", mode="fwd", 
 
 def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_len=1024, backend="triton",
          block=128, group=None, tiles=None, requires=(), targets=FULL_TARGETS) -> Variant:
-    """A `flex_attention` call with one representative hook: softcap, ALiBi (captured slopes), a document
-    mask, a sliding window (as a BlockMask), a soft cap on a sliding-window BlockMask (a score_mod and block
-    tables in one kernel), or a relative-bias table that gets a gradient (and a tangent). `tiles` as in
-    `flash`."""
+    """A `flex_attention` call with one representative hook: softcap, ALiBi (captured slopes, read one element at
+    a time), a document mask, a sliding window (as a BlockMask), a soft cap on a sliding-window BlockMask (a
+    score_mod and block tables in one kernel), or a relative-bias table (a gather); ALiBi's slopes and the table
+    get a gradient (and a tangent). `tiles` as in `flash`."""
 
     def build():
         import jax.numpy as jnp
         from probjax_kernels import (
-            FlashConfig, alibi, alibi_slopes, and_masks, causal_mask, create_block_mask, document_mask,
+            FlashConfig, alibi, and_masks, causal_mask, create_block_mask, document_mask,
             flex_attention, relative_bias, sliding_window, softcap,
         )
 
@@ -170,8 +170,8 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
         config = FlashConfig(backend=backend, **(tiles or {}))
         specs = [_spec((B, q_len, N, head_dim), dt)] * 3
         grad_args = (0, 1, 2)
-        if hook == "relative_bias":
-            specs = specs + [_spec((N, 2 * q_len - 1), jnp.float32)]
+        if hook in ("relative_bias", "alibi"):
+            specs = specs + [_spec((N, 2 * q_len - 1) if hook == "relative_bias" else (N,), jnp.float32)]
             grad_args = (0, 1, 2, 3)
 
         def attend(q, k, v, *rest):
@@ -179,7 +179,7 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
             if hook == "softcap":
                 score_mod = softcap(30.0)
             elif hook == "alibi":
-                score_mod = alibi(alibi_slopes(N))
+                score_mod = alibi(rest[0])
             elif hook == "relative_bias":
                 score_mod = relative_bias(rest[0])
             elif hook == "document_mask":
@@ -244,10 +244,11 @@ MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256
 # Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
 # over the shared memory), v's own head dim and k / v of batch 1 (`kv_batch1`) it takes.
 MOSAIC_LACKS = frozenset({"relative_bias"})
-# The Mosaic tangent kernel leaves the tangents of a score_mod's arrays (ALiBi's slopes) to Triton's. A bias's it
-# takes read as the bias is: float32 key / row vectors at every head dim, 16-bit tiles at 64 (at 128 its tiles and
-# its tangent's beside the K, V, dK and dV rings overflow shared memory; float32 tiles at 64 by 128 B).
-MOSAIC_TANGENT_LACKS = frozenset({"alibi"})
+# The Mosaic tangent kernel takes the tangents of a score_mod's arrays read one element at a time (ALiBi's slopes;
+# not a relative-bias table's gather, which the forward lacks). A bias's tangent it takes read as the bias is:
+# float32 key / row vectors at every head dim, 16-bit tiles at 64 (at 128, the bias's tiles and its tangent's beside
+# the K, V, dK and dV rings overflow shared memory; float32 tiles at 64 by 128 B), in programs of its own at 256
+# (`mosaic_tangent_kernels`).
 MOSAIC_TANGENT_BIASES = {"dense_bias_keys": (64, 128, 256), "dense_bias_rows": (64, 128, 256), "dense_bias": (64,)}
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})  # FLEX_HOOKS' score_mods
@@ -267,8 +268,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
     dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent without a feature of
-    `MOSAIC_TANGENT_LACKS` and with a bias only as `MOSAIC_TANGENT_BIASES` lists it (at 256:
+    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent with a bias only as
+    `MOSAIC_TANGENT_BIASES` lists it (at 256:
     `mosaic_tangent_kernels`, without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the
     tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward
     alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
@@ -293,7 +294,6 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
         bias = feature.startswith("dense_bias")
         mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
                           and (not bias or dims <= set(MOSAIC_TANGENT_BIASES.get(feature, ())))
-                          and feature not in MOSAIC_TANGENT_LACKS
                           and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
         return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias=bias)
                                                            if mosaic_tangent else (TANGENT,)))
