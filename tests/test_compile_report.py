@@ -145,19 +145,25 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV}
     assert set(names["mosaic_flex_grad_d256_bf16_softcap"].requires) == {registry.MOSAIC_FORWARD, registry.DQ,
                                                                          registry.DKV}
+    assert set(names["mosaic_flex_grad_d256_bf16_document_mask"].requires) == {
+        registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.MOSAIC_DK_PIECES, registry.MOSAIC_DV}
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
-    # The Mosaic tangent beside the Mosaic backward (at head dim 256: the tangents of q, k and v apart, d out in
-    # 128-column pieces); Triton's with a bias, ALiBi's slopes or a hook at head dim 256.
+    # The Mosaic tangent beside the Mosaic backward (at head dim 256: the tangents of q, k, v and a bias apart, d out
+    # in 128-column pieces; ALiBi's slopes moving); Triton's with bias tiles above head dim 64 or a hook at 256.
     assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
     assert set(names["mosaic_jvp_d256_bf16_causal"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
                                    for piece in ("_piece0", "_piece1"))}
     assert set(names["mosaic_jvp_d128_bf16_dv256"].requires) == {registry.MOSAIC_FORWARD,
                                                                  *registry.MOSAIC_TANGENT_PIECES}
-    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi",
-                 "mosaic_flex_jvp_d256_bf16_softcap"):
+    assert set(names["mosaic_jvp_d256_bf16_dense_bias_keys"].requires) == {
+        registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv", "_dbias")
+                                   for piece in ("_piece0", "_piece1"))}
+    for name in ("mosaic_jvp_d64_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi"):
+        assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}, name
+    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d256_bf16_softcap"):
         assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}, name
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
