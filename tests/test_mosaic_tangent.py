@@ -197,7 +197,8 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
 def test_score_mod_arrays_move_in_the_mosaic_tangent(tangent_calls):
     """jax.jvp of flex_attention in q, k, v and a score_mod's captured array read one element at a time (ALiBi's
     slopes[h]) runs the Mosaic tangent kernel, which reads the array's tangent the same way, and matches the
-    reference's; the same with the array held still. GQA 2:1, ragged tiles (192 rows and keys)."""
+    reference's; the same with the array held still, and with the array moving alone. GQA 2:1, 192 rows and keys
+    (a partial tile)."""
     batch, seq, num_heads, head_dim = 1, 192, 4, 64
     q, k, v = random_qkv(14, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
     tangents = random_qkv(15, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
@@ -212,6 +213,11 @@ def test_score_mod_arrays_move_in_the_mosaic_tangent(tangent_calls):
     assert_the_mosaic_tangent_matches(
         lambda q, k, v: attend(flex_attention, config=MOSAIC)(q, k, v, array),
         lambda q, k, v: attend(flex_attention_reference)(q, k, v, array), (q, k, v), tangents, tangent_calls)
+    tangent_calls.clear()
+    assert_the_mosaic_tangent_matches(
+        lambda array: attend(flex_attention, config=MOSAIC)(q, k, v, array),
+        lambda array: attend(flex_attention_reference)(*_float32(q, k, v), array), (array,), (d_array,),
+        tangent_calls)
 
 
 def _learnable_cap(cap):

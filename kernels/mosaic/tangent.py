@@ -358,9 +358,9 @@ def mosaic_tangent(
     `dk`, `dv` of q, k, v and `d_bias` of the bias (None: zero; the hooks' arrays hold still).
 
     **Arguments:** q, k, v, q_lengths, kv_lengths, scale, causal, window and the tiles as in `mosaic_forward`
-    (same padding contract; head dims 64 or 128, v's `[B, S, K, Dv]`); `out` `[B, T, N, Dv]` from the forward
-    and `lse2` `[B, N, T]`, its lse in base 2 and +inf for rows with no key (`_scores.base2_lse`); dq, dk, dv
-    shaped as q, k, v, at least one of them given.
+    (same padding contract; head dims 64, 128 or 256, v's `[B, S, K, Dv]`); `out` `[B, T, N, Dv]` from the
+    forward and `lse2` `[B, N, T]`, its lse in base 2 and +inf for rows with no key (`_scores.base2_lse`); dq,
+    dk, dv shaped as q, k, v; at least one tangent given (of q, k, v, the bias or the score_fn's arrays).
     The dropout arguments, `kv_tables`, the hooks (a score_fn with its `score_jvp`), segment ids, `mask` and
     `bias` as in `mosaic_backward_dq`; `d_bias` shaped and typed as `bias`, read as it is (tiles, or float32
     key / row vectors), adds to the tangent of the scaled scores before the score_fn's derivative.
@@ -406,7 +406,7 @@ def mosaic_tangent(
                          "pieces=1) and no score_vectors")
     check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)")
     groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(4)] if split else [moving]
-    groups = [group for group in groups if any(group)]
+    groups = [group for group in groups if any(group)] or [moving]  # (the score_fn's arrays alone: one program)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])
     dropout, seed = dropout_options(dropout_rate, dropout_seed, dropout_positions, dropout_heads, num_heads)
     mask = check_dense_mask(mask, batch, num_heads, q_len, k.shape[1])
