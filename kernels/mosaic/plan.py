@@ -353,7 +353,8 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
 def _score_tangents_run_in_mosaic(problem: _Problem) -> bool:
     """Whether the tangent kernel takes the tangents of the score_mod's arrays: it reads none as vectors along
     q_idx / kv_idx (their tangents would need vectors of their own), and its jvp in all of them runs in Mosaic GPU
-    reading arrays and tangents one element at a time (`_runs_in_mosaic`: ALiBi's slopes[h], a learnable cap)."""
+    reading arrays and tangents one element at a time (`_runs_in_mosaic`: ALiBi's slopes[h]; not a learnable soft
+    cap, whose jvp adds two tangents with `add_any`, which Mosaic GPU has no rule for)."""
     hook = problem.features.score_mod
     if vector_counts(((hook, True),), problem.config, TANGENT_HOOK_SHAPES) != (0, 0):
         return False
