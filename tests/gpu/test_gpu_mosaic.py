@@ -5,6 +5,8 @@ Skipped off the GPU and on GPUs older than sm_90; tests/gpu/run_gpu_checks.sh ru
 same kernels in the Mosaic GPU interpreter (tests/test_mosaic_*.py).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -103,6 +105,17 @@ def _assert_mosaic_matches_reference(q, k, v, seed: int, *args, attention=flash_
     _assert_close("loss", value, expected_value, TOL)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected_grads):
         _assert_close(name, a, e, 2 * TOL)
+
+
+def _assert_mosaic_jvp_matches_reference(attention, reference, primals: tuple, tangents: tuple):
+    """jax.jvp of `attention(*primals, config=FlashConfig(backend="mosaic"))` compiled against the float32 jvp of
+    the plain-jnp `reference(*primals)`: out within bfloat16's tolerance, d out within twice it."""
+    mosaic = FlashConfig(backend="mosaic")
+    out, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: attention(*a, config=mosaic), p, t))(primals, tangents)
+    f32 = [tuple(x.astype(jnp.float32) for x in xs) for xs in (primals, tangents)]
+    want, want_d_out = jax.jit(lambda p, t: jax.jvp(reference, p, t))(*f32)
+    _assert_close("out", out, want, TOL)
+    _assert_close("d out", d_out, want_d_out, 2 * TOL)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -230,14 +243,8 @@ def test_the_mosaic_tangent_kernel(case):
         kwargs |= {"q_segment_ids": segments, "kv_segment_ids": segments}
     elif case == "dense_mask":
         kwargs |= {"mask": jax.random.bernoulli(jax.random.key(22), 0.8, (2, 8, 2048, 2048))}
-    mosaic = FlashConfig(backend="mosaic")
-    out, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention(*a, config=mosaic, **kwargs), p, t))(
-        (q, k, v), tangents)
-    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
-    want, want_d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), p, t))(
-        f32, tuple(t.astype(jnp.float32) for t in tangents))
-    _assert_close("out", out, want, TOL)
-    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+    _assert_mosaic_jvp_matches_reference(functools.partial(flash_attention, **kwargs),
+                                         functools.partial(flash_attention_reference, **kwargs), (q, k, v), tangents)
 
 
 def test_a_head_dim_under_64_runs_the_mosaic_kernels_widened():
@@ -273,14 +280,9 @@ def test_the_mosaic_tangent_at_head_dim_256(head_dims, num_kv_heads, window):
     dq, dk, _ = random_qkv(36, 2, 2048, 2048, 8, num_kv_heads, head_dim, jnp.bfloat16)
     dv = random_qkv(37, 2, 2048, 2048, 8, num_kv_heads, value_dim, jnp.bfloat16)[2]
     kwargs = {"kv_lengths": jnp.array([2048, 1500]), **(dict(causal=True) if window is None else dict(window=window))}
-    mosaic = FlashConfig(backend="mosaic")
-    out, d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention(*a, config=mosaic, **kwargs), p, t))(
-        (q, k, v), (dq, dk, dv))
-    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
-    want, want_d_out = jax.jit(lambda p, t: jax.jvp(lambda *a: flash_attention_reference(*a, **kwargs), p, t))(
-        f32, tuple(t.astype(jnp.float32) for t in (dq, dk, dv)))
-    _assert_close("out", out, want, TOL)
-    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+    _assert_mosaic_jvp_matches_reference(functools.partial(flash_attention, **kwargs),
+                                         functools.partial(flash_attention_reference, **kwargs), (q, k, v),
+                                         (dq, dk, dv))
 
 
 @pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)])
@@ -308,15 +310,11 @@ def test_the_mosaic_tangent_with_a_moving_bias(head_dim, kind):
     dtype = jnp.bfloat16 if kind == "tiles" else jnp.float32
     bias, d_bias = (_normal(seed, shape).astype(dtype) for seed in (45, 46))
 
-    def jvp(attention, primals, tangents, **config):
-        return jax.jit(lambda p, t: jax.jvp(
-            lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=True, **config), p, t))(primals, tangents)
+    def with_bias(attention):
+        return lambda q, k, v, bias, **config: attention(q, k, v, bias=bias, causal=True, **config)
 
-    out, d_out = jvp(flash_attention, (q, k, v, bias), (*tangents, d_bias), config=FlashConfig(backend="mosaic"))
-    want, want_d_out = jvp(flash_attention_reference, tuple(x.astype(jnp.float32) for x in (q, k, v, bias)),
-                           tuple(t.astype(jnp.float32) for t in (*tangents, d_bias)))
-    _assert_close("out", out, want, TOL)
-    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+    _assert_mosaic_jvp_matches_reference(with_bias(flash_attention), with_bias(flash_attention_reference),
+                                         (q, k, v, bias), (*tangents, d_bias))
 
 
 def test_the_mosaic_tangent_with_moving_alibi_slopes():
@@ -328,16 +326,11 @@ def test_the_mosaic_tangent_with_moving_alibi_slopes():
     slopes, d_slopes = alibi_slopes(8), jnp.linspace(-0.5, 0.5, 8)
     block_mask = create_block_mask(causal_mask, None, None, 2048, 2048)
 
-    def jvp(attention, primals, tangents, **config):
-        return jax.jit(lambda p, t: jax.jvp(
-            lambda q, k, v, s: attention(q, k, v, alibi(s), block_mask, enable_gqa=True, **config), p, t))(
-            primals, tangents)
+    def with_alibi(attention):
+        return lambda q, k, v, s, **config: attention(q, k, v, alibi(s), block_mask, enable_gqa=True, **config)
 
-    out, d_out = jvp(flex_attention, (q, k, v, slopes), (*tangents, d_slopes), config=FlashConfig(backend="mosaic"))
-    want, want_d_out = jvp(flex_attention_reference, tuple(x.astype(jnp.float32) for x in (q, k, v, slopes)),
-                           tuple(t.astype(jnp.float32) for t in (*tangents, d_slopes)))
-    _assert_close("out", out, want, TOL)
-    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+    _assert_mosaic_jvp_matches_reference(with_alibi(flex_attention), with_alibi(flex_attention_reference),
+                                         (q, k, v, slopes), (*tangents, d_slopes))
 
 
 def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
@@ -348,13 +341,6 @@ def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     tangents = random_qkv(39, 2, 2048, 2048, 8, 2, 256, jnp.bfloat16)
     ids = jnp.stack([jnp.repeat(jnp.arange(8), 256), jnp.repeat(jnp.arange(2), 1024)])
     block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), 2, None, 2048, 2048)
-    mosaic = FlashConfig(backend="mosaic")
-    out, d_out = jax.jit(lambda p, t: jax.jvp(
-        lambda *a: flex_attention(*a, block_mask=block_mask, enable_gqa=True, config=mosaic), p, t))(
-        (q, k, v), tangents)
-    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
-    want, want_d_out = jax.jit(lambda p, t: jax.jvp(
-        lambda *a: flex_attention_reference(*a, block_mask=block_mask, enable_gqa=True), p, t))(
-        f32, tuple(t.astype(jnp.float32) for t in tangents))
-    _assert_close("out", out, want, TOL)
-    _assert_close("d out", d_out, want_d_out, 2 * TOL)
+    _assert_mosaic_jvp_matches_reference(
+        functools.partial(flex_attention, block_mask=block_mask, enable_gqa=True),
+        functools.partial(flex_attention_reference, block_mask=block_mask, enable_gqa=True), (q, k, v), tangents)
