@@ -534,16 +534,6 @@ def test_default_backend_picks_mosaic_on_hopper_only_when_asked(monkeypatch, pla
     assert default_backend() == expected
 
 
-def test_dropout_at_head_dim_256_runs_the_triton_kernels():
-    """Dropout at head dim 256 (q / k's or v's): its hash beside the 256-column accumulator spilled."""
-    q, k, v = random_qkv(15, 2, 256, 256, 2, 2, 64, jnp.bfloat16)
-    flash = lambda q, k, v, **kw: flash_attention(q, k, v, causal=True, config=MOSAIC, **kw)  # noqa: E731
-    dropout = functools.partial(flash, dropout_rate=0.1, dropout_seed=3)
-    assert not runs_triton_forward(dropout, q, k, v)
-    wide_v = jnp.concatenate([v] * 4, axis=-1)
-    assert runs_triton_forward(dropout, q, k, wide_v) and not runs_triton_forward(flash, q, k, wide_v)
-
-
 def test_k_and_v_of_batch_1_run_the_mosaic_kernels():
     """k / v of batch 1 shared by every query batch (a shared prefix): the kernels read batch 0's tiles, and
     dK/dV sums each query batch's part. Per-sequence lengths; one head (the kernels pick the batch of K / V's

@@ -82,7 +82,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels.mosaic.common import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+from probjax_kernels.mosaic.common import CONSUMER_REGISTERS, PRODUCER_REGISTERS, dropped_by_halves
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
@@ -266,12 +266,12 @@ def _forward_kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)  # dropout acts after the normalisation: l sums every weight
             p = p.astype(v_smem.dtype)
-            # Dropped on the 16-bit P (half the registers of float32 beside the hash: at head dim 256 the float32
-            # P spilled), the 1 / (1 - rate) of the kept weights folded into the final 1 / l.
+            # Dropped on the 16-bit P (half the registers of float32 beside the hash), by halves beside a 256-column
+            # accumulator (`dropped_by_halves`); the 1 / (1 - rate) of the kept weights folded into the final 1 / l.
             p = rule.dropped(p, lambda: tile_indices(s.shape, row0, block * block_kv), batch, head, seed_parts,
-                             scaled=False)
-            if value_dim <= 128:
-                # Pins the row sum before the hand-over below; tokamax / JAX measured this order to be faster.
+                             scaled=False) if value_dim <= 128 else dropped_by_halves(
+                rule, p, row0, block * block_kv, batch, head, seed)
+            if value_dim <= 128:  # pins the row sum before the hand-over: tokamax / JAX measured it faster
                 acc, m_new, l_i, p = lax.optimization_barrier((acc, m_new, l_i, p))
             plgpu.barrier_arrive(turn)  # softmax done: the other consumer may issue its matmuls
             plgpu.barrier_wait(v_ready.at[slot])

@@ -59,11 +59,11 @@ WIDE_STAGES = 1
 def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
     """Whether backend "mosaic" is asked for and the Mosaic GPU forward takes this call's dtype, head dims (q /
     k's and v's, `head_dims`, each 64, 128 or 256), tiles and hooks, and none of what it lacks (hooks that read
-    captured arrays other than as scalars or vectors along q_idx / kv_idx or use an op Mosaic GPU cannot lower,
-    dropout at head dim 256). Segment ids (and vector masks as such) are read as
-    vectors beside the tiles, masks over queries and keys as int8 tiles, a bias as tiles of its dtype or float32
-    vectors (`check_bias`), other masks over keys or queries alone as a 0 / -inf bias (`glue.mask_as_bias`);
-    dropout hashes every backend's keep mask in the kernels."""
+    captured arrays other than as scalars or vectors along q_idx / kv_idx or use an op Mosaic GPU cannot lower).
+    Segment ids (and vector masks as such) are read as vectors beside the tiles, masks over queries and keys as
+    int8 tiles, a bias as tiles of its dtype or float32 vectors (`check_bias`), other masks over keys or queries
+    alone as a 0 / -inf bias (`glue.mask_as_bias`); dropout hashes every backend's keep mask in the kernels (by
+    halves of the tile beside v's head dim 256)."""
     f, cfg = problem.features, problem.config
     head_dim, value_dim = head_dims
     return (
@@ -78,8 +78,6 @@ def _mosaic_takes(problem: _Problem, dtype, head_dims: tuple[int, int]) -> bool:
         and (f.block_sizes is None or (f.block_sizes[0] % cfg.block_q == 0 and f.block_sizes[1] % cfg.block_k == 0))
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
         and value_dim in (64, 128, 256)
-        # Dropout's hash beside a 256-column accumulator spilled (12 B on sm_90a): those calls run Triton.
-        and not (f.dropout_rate and max(head_dim, value_dim) > 128)
         and cfg.block_q % 128 == 0 and cfg.block_k % 64 == 0 and cfg.num_stages >= 2
         and forward_block_kv(problem, head_dims) is not None
     )
@@ -315,8 +313,8 @@ def _wide_backward_takes_hooks(problem: _Problem) -> bool:
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
     None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
-    dim 256 without a score_mod), whose score_mod's arrays it reads one element at a time with their tangents
-    (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared memory (a
+    dim 256 without a score_mod or dropout), whose score_mod's arrays it reads one element at a time with their
+    tangents (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared memory (a
     bias's too, read as the bias is: which tangents move is known only when the jvp runs; a mask sent as a bias
     holds still).
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
@@ -329,7 +327,8 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
-    if wide and f.score_mod is not None:  # its derivative beside S' spilled k's program 4-16 B (Version 28)
+    # A score_mod's derivative beside S' spilled k's program 4-16 B (Version 28), dropout's hash its pieces 4 B.
+    if wide and (f.score_mod is not None or f.dropout_rate):
         return None
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
         return None

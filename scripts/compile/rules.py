@@ -61,7 +61,7 @@ RETIRED: dict[str, str] = dict.fromkeys((
     "mosaic_grad_d128_bf16_full_kvbatch1", "mosaic_jvp_d128_bf16_full_kvbatch1",
     "mosaic_jvp_d128_bf16_causal_kvbatch1", "mosaic_grad_d256_bf16_full_kvbatch1",
     "mosaic_grad_d256_bf16_causal_kvbatch1", "mosaic_jvp_d256_bf16_full_kvbatch1",
-    "mosaic_jvp_d256_bf16_causal_kvbatch1",
+    "mosaic_jvp_d256_bf16_causal_kvbatch1", "mosaic_grad_d256_bf16_dropout_gqa8to2",
 ), _MOSAIC_TOOK_IT) | dict.fromkeys((
     "mosaic_grad_d64_bf16_full_gqa8to2", "mosaic_grad_d128_bf16_full_gqa8to2",
     "mosaic_grad_d64_bf16_causal_gqa8to2", "mosaic_grad_d128_bf16_causal_gqa8to2",

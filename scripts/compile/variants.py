@@ -257,8 +257,8 @@ SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "rela
 # one-slot tiles): those run Triton's backward.
 MOSAIC_WIDE_BACKWARD_LACKS = SCORE_MOD_HOOKS | {"dense_bias", "dense_bias_f32"}
 # At head dim 256 the Mosaic tangent takes mask_mods and block tables but not a score_mod (its derivative beside S'
-# spilled k's program): those run Triton's tangent.
-MOSAIC_WIDE_TANGENT_LACKS = SCORE_MOD_HOOKS
+# spilled k's program) nor dropout (its hash spilled k's pieces): those run Triton's tangent.
+MOSAIC_WIDE_TANGENT_LACKS = SCORE_MOD_HOOKS | {"dropout"}
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
@@ -266,8 +266,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     """The Pallas kernels a call compiles to on `target` (None: a Hopper or pre-Hopper one), by the dispatch rules:
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
-    to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor
-    dropout or a float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
+    to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor a
+    float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
     head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent with a bias only as
     `MOSAIC_TANGENT_BIASES` lists it (at 256:
     `mosaic_tangent_kernels`, without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the
@@ -284,7 +284,6 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
         backward = (MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05) if takes and feature in TCGEN05_FAMILIES else (DQ, DKV)
         return (forward,) if mode == "fwd" else (forward, TANGENT) if mode == "jvp" else (forward, *backward)
     mosaic = (backend == "mosaic" and dtype != "f32" and dims <= set(MOSAIC_HEAD_DIMS) and feature not in MOSAIC_LACKS
-              and not (feature == "dropout" and max(dims) > 128)  # its hash beside 256 columns spilled
               and not (feature == "dense_bias_f32" and max(dims) > 128))  # over the shared memory
     forward = MOSAIC_FORWARD if mosaic else FORWARD
     wide = max(dims) > 128

@@ -267,6 +267,18 @@ def test_the_mosaic_backward_at_head_dim_256(head_dims, num_kv_heads, window):
     _assert_mosaic_matches_reference(q, k, v, 33, kv_lengths=jnp.array([2048, 1500]), **kwargs)
 
 
+@pytest.mark.parametrize("head_dims", [(256, 256), (64, 256)])
+def test_dropout_at_head_dim_256_on_the_mosaic_kernels(head_dims):
+    """Dropout at head dim 256 (q / k's, v's): the Mosaic forward hashing each tile by halves beside v's 256
+    columns, dQ / dK / dV at 256, compiled; loss and gradients against the reference (the same keep mask), causal,
+    GQA 4:1, ragged keys."""
+    head_dim, value_dim = head_dims
+    q, k, _ = random_qkv(41, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(42, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
+    _assert_mosaic_matches_reference(q, k, v, 43, causal=True, kv_lengths=jnp.array([2048, 1500]), dropout_rate=0.1,
+                                     dropout_seed=5)
+
+
 @pytest.mark.parametrize("head_dims, num_kv_heads, window", [((256, 256), 2, None), ((256, 64), 8, (255, 0)),
                                                              ((128, 256), 8, None)])
 def test_the_mosaic_tangent_at_head_dim_256(head_dims, num_kv_heads, window):
