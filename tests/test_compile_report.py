@@ -150,8 +150,9 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
-    # The Mosaic tangent beside the Mosaic backward (at head dim 256: the tangents of q, k, v and a bias apart, d out
-    # in 128-column pieces; ALiBi's slopes moving); Triton's with bias tiles above head dim 64 or a hook at 256.
+    # The Mosaic tangent beside the Mosaic backward (at head dim 256, and beside bias tiles at 128: the tangents of
+    # q, k, v and a bias apart, d out in 128-column pieces at 256; ALiBi's slopes moving); Triton's with bias tiles
+    # or dropout at 256, or a hook there.
     assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
     assert set(names["mosaic_jvp_d256_bf16_causal"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
@@ -161,9 +162,14 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_jvp_d256_bf16_dense_bias_keys"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv", "_dbias")
                                    for piece in ("_piece0", "_piece1"))}
-    for name in ("mosaic_jvp_d64_bf16_dense_bias", "mosaic_flex_jvp_d128_bf16_alibi"):
+    for name in ("mosaic_jvp_d64_bf16_dense_bias", "mosaic_jvp_d64_bf16_dense_bias_f32",
+                 "mosaic_flex_jvp_d128_bf16_alibi"):
         assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}, name
-    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_flex_jvp_d256_bf16_softcap"):
+    for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_jvp_d128_bf16_dense_bias_f32"):
+        assert set(names[name].requires) == {registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group for group in
+                                                                        ("_dq", "_dk", "_dv", "_dbias"))}, name
+    for name in ("mosaic_jvp_d256_bf16_dense_bias", "mosaic_jvp_d256_bf16_dropout",
+                 "mosaic_flex_jvp_d256_bf16_softcap"):
         assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}, name
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL

@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) tangent kernel with a bias's tangent: the bias read as tiles of its dtype or as float32
 key / row vectors, its tangent read the same way and added to the tangent of the scaled scores (before a
 score_mod's derivative), in the Mosaic GPU CPU interpreter against `jax.jvp` of the float32 plain-jnp reference;
-through `flash_attention` on backend "mosaic_interpret" with the bias moving or holding still; the calls whose
-shared memory keeps Triton's tangent."""
+through `flash_attention` on backend "mosaic_interpret" with the bias moving or holding still, and its tiles
+beside head dim 128 (the tangents in programs of their own) or of float32 (one ring slot)."""
 
 import functools
 
@@ -90,19 +90,32 @@ def test_flash_attention_jvp_with_a_bias_runs_the_mosaic_tangent(head_dim, kind,
     assert_close(got[1], want[1], jnp.bfloat16, "d out")
 
 
-def test_bias_tiles_at_head_dim_128_keep_triton_tangent(tangent_calls):
-    """At head dim 128 the bias's tiles and its tangent's beside the K, V, dK and dV rings overflow shared memory
-    (265,344 B of 232,448): Triton's tangent runs beside the Mosaic forward, and the jvp matches."""
-    q, k, v = random_qkv(28, 1, 128, 128, 2, 2, 128, jnp.bfloat16)
-    tangents = random_qkv(29, 1, 128, 128, 2, 2, 128, jnp.bfloat16)
-    bias, d_bias = (normal(seed, (1, 2, 128, 128)).astype(jnp.bfloat16) for seed in (30, 31))
+@pytest.mark.parametrize("head_dim, bias_dtype, expected", [
+    (128, jnp.bfloat16, dict(num_stages=2, pieces=1, split=True)),  # one program spilled: q, k, v, bias apart
+    (128, jnp.float32, dict(num_stages=WIDE_STAGES, pieces=1, split=True)),  # and the bias's on one slot
+    (64, jnp.float32, dict(num_stages=WIDE_STAGES, split=None)),  # one program on one slot
+])
+def test_bias_tiles_beside_wide_tiles_run_the_mosaic_tangent(head_dim, bias_dtype, expected, monkeypatch):
+    """Bias tiles where one program on two ring slots does not fit: at head dim 128 (a 64 x 128 accumulator) the
+    tangents of q, k, v and the bias run in programs of their own, float32 tiles on one slot; float32 tiles at 64
+    in one program on one slot. The jvp in q, k, v and the bias matches the reference's; GQA 2:1, ragged keys."""
+    from probjax_kernels.mosaic import glue
+
+    options, kernel = [], glue.mosaic_tangent
+    monkeypatch.setattr(glue, "mosaic_tangent", lambda *a, **k: options.append(k) or kernel(*a, **k))
+    q, k, v = random_qkv(28, 2, 192, 192, 4, 2, head_dim, jnp.bfloat16)
+    tangents = random_qkv(29, 2, 192, 192, 4, 2, head_dim, jnp.bfloat16)
+    bias, d_bias = (normal(seed, (2, 4, 192, 192)).astype(bias_dtype) for seed in (30, 31))
 
     def fn(attention, **config):
-        return lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=True, **config)
+        return lambda q, k, v, bias: attention(q, k, v, bias=bias, causal=True, kv_lengths=jnp.array([192, 150]),
+                                               **config)
 
     got = jax.jit(lambda p, t: jax.jvp(fn(flash_attention, config=MOSAIC), p, t))((q, k, v, bias), (*tangents, d_bias))
     want = reference_jvp(fn(flash_attention_reference), _float32(q, k, v, bias), _float32(*tangents, d_bias))
-    assert not tangent_calls
+    assert options and all({name: call.get(name, 2 if name == "num_stages" else None) for name in expected}
+                           == expected for call in options)
+    assert_close(got[0], want[0], jnp.bfloat16, "out")
     assert_close(got[1], want[1], jnp.bfloat16, "d out")
 
 

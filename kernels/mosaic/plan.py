@@ -320,7 +320,8 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
     spills, as dQ's did); at q / k's, the tangents of q, k and v `split` into programs of their own on one ring
     slot (Q, dQ, K and dK whole with V, dV and out overflow shared memory; k's and v's in one program spilled
-    8-148 B, docs/perf-notes.md, Version 28)."""
+    8-148 B, docs/perf-notes.md, Version 28), and so they do with a bias's tiles beside v's head dim 128 or more
+    (one program spilled). Where two ring slots overflow shared memory, one (float32 bias tiles: Version 33)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
             or (problem.num_score_consts and not _score_tangents_run_in_mosaic(problem))):
@@ -333,20 +334,28 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
         return None
     pieces = value_dim // MOSAIC_PIECE if value_dim > MOSAIC_PIECE else 1
-    split = head_dim > MOSAIC_PIECE
-    stages = WIDE_STAGES if split else 2
+    # A bias's tiles and their tangent's beside a 64 x 128 accumulator spilled one program 12-24 B (Version 33).
+    split = head_dim > MOSAIC_PIECE or (_bias_kind(problem) == "tiles" and value_dim >= MOSAIC_PIECE)
     moves_bias = problem.bias_shape is not None
     groups = ([(True, False, False, False), (False, True, False, False), (False, False, True, False),
                (False, False, False, moves_bias)] if split else [(True, True, True, moves_bias)])
-    if any(tangent_smem_bytes(
+
+    def overflows(stages: int) -> bool:
+        return any(tangent_smem_bytes(
             head_dim, *TANGENT_TILES, stages, segments=_has_vectors(problem),
             value_dim=value_dim // pieces, dense_mask=_dense_mask(problem), bias=_bias_kind(problem),
             bias_itemsize=_bias_itemsize(problem), vectors=_vector_counts(problem), moving=group[:3],
-            indices=wide, d_bias=group[3]) > MOSAIC_SMEM_BYTES
-           for group in groups if any(group)):
-        return None
-    return {"num_stages": stages, "pieces": pieces, "split": True} if split else (
-        {"pieces": pieces} if pieces > 1 else {})
+            indices=wide or split, d_bias=group[3]) > MOSAIC_SMEM_BYTES
+            for group in groups if any(group))
+
+    stages = WIDE_STAGES if head_dim > MOSAIC_PIECE else 2
+    if overflows(stages):  # one ring slot where two overflow (float32 bias tiles and their tangent's)
+        if stages == WIDE_STAGES or overflows(WIDE_STAGES):
+            return None
+        stages = WIDE_STAGES
+    if split:
+        return {"num_stages": stages, "pieces": pieces, "split": True}
+    return {**({"num_stages": stages} if stages != 2 else {}), **({"pieces": pieces} if pieces > 1 else {})}
 
 
 def _score_tangents_run_in_mosaic(problem: _Problem) -> bool:

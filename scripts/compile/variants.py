@@ -239,22 +239,19 @@ TCGEN05_HEAD_DIMS = (64, 128)
 MOSAIC_HEAD_DIMS = (64, 128, 256)  # the Mosaic GPU forward's
 MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the Mosaic dQ / dK/dV kernels' (at 256: dK and dV split)
 MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256: in pieces, or split)
-# Features the Mosaic GPU forward lacks (Triton runs them): hooks gathering a captured array other than at q_idx
-# / kv_idx (a relative-bias table; a document mask's ids travel as vectors), float32 inputs.
-# Segment ids, dense masks, dropout, a dense bias with its gradient (not float32 tiles of it beside head dim 256:
-# over the shared memory), v's own head dim and k / v of batch 1 (`kv_batch1`) it takes.
+# Features the Mosaic GPU forward lacks (Triton runs them; float32 inputs too): hooks gathering a captured array other
+# than at q_idx / kv_idx (a relative-bias table). It takes segment ids, dense masks, dropout, a dense bias with its
+# gradient (not float32 tiles of it beside head dim 256: over the shared memory), v's own head dim, k / v of batch 1.
 MOSAIC_LACKS = frozenset({"relative_bias"})
-# The Mosaic tangent kernel takes the tangents of a score_mod's arrays read one element at a time (ALiBi's slopes;
-# not a relative-bias table's gather, which the forward lacks). A bias's tangent it takes read as the bias is:
-# float32 key / row vectors at every head dim, 16-bit tiles at 64 (at 128, the bias's tiles and its tangent's beside
-# the K, V, dK and dV rings overflow shared memory; float32 tiles at 64 by 128 B), in programs of its own at 256
-# (`mosaic_tangent_kernels`).
-MOSAIC_TANGENT_BIASES = {"dense_bias_keys": (64, 128, 256), "dense_bias_rows": (64, 128, 256), "dense_bias": (64,)}
+# The Mosaic tangent takes the tangents of a score_mod's arrays read one element at a time (ALiBi's slopes), and a
+# bias's read as the bias is: float32 key / row vectors at every head dim, tiles at 64 and 128 (at 128 the tangents of
+# q, k, v and the bias apart), in programs of its own at 256 (`mosaic_tangent_kernels`; not tiles: q's overflows).
+MOSAIC_TANGENT_BIASES = {"dense_bias_keys": (64, 128, 256), "dense_bias_rows": (64, 128, 256),
+                         "dense_bias": (64, 128), "dense_bias_f32": (64, 128)}
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})  # FLEX_HOOKS' score_mods
 # At head dim 256 the Mosaic backward takes mask_mods and block tables but not a score_mod (a soft cap's derivative
-# spilled the dK pieces) nor bias tiles (their ring and the float32 dS staging overflow shared memory beside the
-# one-slot tiles): those run Triton's backward.
+# spilled the dK pieces) nor bias tiles (their ring and float32 dS staging overflow the one-slot kernels): Triton's.
 MOSAIC_WIDE_BACKWARD_LACKS = SCORE_MOD_HOOKS | {"dense_bias", "dense_bias_f32"}
 # At head dim 256 the Mosaic tangent takes mask_mods and block tables but not a score_mod (its derivative beside S'
 # spilled k's program) nor dropout (its hash spilled k's pieces): those run Triton's tangent.
@@ -294,7 +291,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
         mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
                           and (not bias or dims <= set(MOSAIC_TANGENT_BIASES.get(feature, ())))
                           and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
-        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias=bias)
+        tiles = feature in ("dense_bias", "dense_bias_f32")
+        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias, tiles)
                                                            if mosaic_tangent else (TANGENT,)))
     if not mosaic_backward:
         return (forward, DQ, DKV)
@@ -303,10 +301,13 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
 
-def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False) -> tuple[str, ...]:
-    """The Mosaic tangent's programs at (padded) head dims: one up to 128; at 256 d out's pieces where v's head dim
-    is 256 (`MOSAIC_TANGENT_PIECES`), the tangents of q, k, v and a `bias` apart where q / k's is."""
-    groups = ("_dq", "_dk", "_dv", *(("_dbias",) if bias else ())) if head_dim > 128 else ("",)
+def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False,
+                           tiles: bool = False) -> tuple[str, ...]:
+    """The Mosaic tangent's programs at (padded) head dims: d out's pieces where v's head dim is 256
+    (`MOSAIC_TANGENT_PIECES`), the tangents of q, k, v and a `bias` apart where q / k's is 256 or a bias's `tiles`
+    sit beside v's 128 or more; else one."""
+    split = head_dim > 128 or (tiles and value_dim >= 128)
+    groups = ("_dq", "_dk", "_dv", *(("_dbias",) if bias else ())) if split else ("",)
     pieces = MOSAIC_TANGENT_PIECES if value_dim > 128 else (MOSAIC_TANGENT,)
     return tuple(piece.replace(MOSAIC_TANGENT, MOSAIC_TANGENT + group) for group in groups for piece in pieces)
 

@@ -311,14 +311,15 @@ def test_the_mosaic_backward_at_head_dim_256_under_a_document_mask(head_dims):
                                      reference=flex_attention_reference, enable_gqa=True)
 
 
-@pytest.mark.parametrize("head_dim, kind", [(64, "tiles"), (128, "keys"), (256, "rows")])
+@pytest.mark.parametrize("head_dim, kind", [(64, "tiles"), (128, "keys"), (256, "rows"), (128, "tiles"),
+                                            (128, "tiles_f32"), (64, "tiles_f32")])
 def test_the_mosaic_tangent_with_a_moving_bias(head_dim, kind):
     """jax.jvp of flash_attention in q, k, v and the bias through FlashConfig(backend="mosaic") compiled: the
-    bias's tangent read as the bias is (bfloat16 tiles at head dim 64, float32 key or row vectors; at 256 in
-    programs of its own), against the reference's jvp, causal, GQA 4:1."""
+    bias's tangent read as the bias is (tiles of its dtype, float32 key or row vectors; at 256, and beside tiles at
+    128, in programs of its own; float32 tiles on one ring slot), against the reference's jvp, causal, GQA 4:1."""
     q, k, v = random_qkv(43, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     tangents = random_qkv(44, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
-    shape = {"tiles": (2, 8, 2048, 2048), "keys": (2, 1, 1, 2048), "rows": (1, 8, 2048, 1)}[kind]
+    shape = {"keys": (2, 1, 1, 2048), "rows": (1, 8, 2048, 1)}.get(kind, (2, 8, 2048, 2048))
     dtype = jnp.bfloat16 if kind == "tiles" else jnp.float32
     bias, d_bias = (_normal(seed, shape).astype(dtype) for seed in (45, 46))
 
