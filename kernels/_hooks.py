@@ -334,9 +334,9 @@ def _eval(jaxpr, env: dict, reads: dict | None = None, given: dict | None = None
         if outvals is None:
             invals = [_materialize(x) for x in invals]
             with eqn.ctx.manager:
-                outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outvals = [outvals]
+                outvals = KERNEL_BINDS.get(eqn.primitive, eqn.primitive.bind)(
+                    *invals, **eqn.primitive.get_bind_params(eqn.params))
+            outvals = outvals if eqn.primitive.multiple_results else [outvals]
         env.update(zip(eqn.outvars, outvals))
     return [read(v) for v in jaxpr.outvars]
 
@@ -584,3 +584,14 @@ def flash_hook_shapes(config, transposed: bool = False) -> list[tuple]:
     if transposed:
         shapes.append(tile_hook_shapes(config.block_q_dkv, config.block_k_dkv, transposed=True))
     return shapes
+
+
+def _integer_pow(x, *, y: int):
+    """x ** y, a power under -1 as 1 / x ** -y: Mosaic GPU's rule takes y >= 2 and y = -1 only (a soft cap's
+    derivative in its cap holds cap ** -2)."""
+    return 1 / lax.integer_pow(x, -y) if y < -1 else lax.integer_pow_p.bind(x, y=y)
+
+
+# How the kernels bind some primitives of the hooks' jaxprs, for Mosaic GPU's rules: a jvp's sum of two tangents
+# (`add_any`, which it has no rule for) as an add, as Triton's rules lower it; negative powers by `_integer_pow`.
+KERNEL_BINDS = {jex_core.primitives.add_jaxvals_p: lax.add_p.bind, lax.integer_pow_p: _integer_pow}

@@ -194,18 +194,38 @@ def test_flex_hooks_run_the_mosaic_tangent(tangent_calls):
         tangent_calls)
 
 
-def test_score_mod_arrays_move_in_the_mosaic_tangent(tangent_calls):
+def _learnable_cap(cap):
+    """A soft cap whose cap is an array (a parameter; the kernels read it as a scalar): its jvp in the cap adds
+    two tangents (`add_any`, which Mosaic GPU has no lowering rule for: the kernels bind it as an add)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * jnp.tanh(score / cap)
+    return score_mod
+
+
+def _token_bias(bias):
+    """A per-token bias `bias[b, kv_idx]`: the kernels read it as vectors along kv_idx."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, kv_idx]
+    return score_mod
+
+
+@pytest.mark.parametrize("case", ["alibi", "learnable_cap"])
+def test_score_mod_arrays_move_in_the_mosaic_tangent(case, tangent_calls):
     """jax.jvp of flex_attention in q, k, v and a score_mod's captured array read one element at a time (ALiBi's
-    slopes[h]) runs the Mosaic tangent kernel, which reads the array's tangent the same way, and matches the
-    reference's; the same with the array held still, and with the array moving alone. GQA 2:1, 192 rows and keys
-    (a partial tile)."""
+    slopes[h]; a soft cap's 0-d cap, whose jvp adds its two paths' tangents with `add_any` and holds cap ** -2)
+    runs the Mosaic tangent kernel, which reads the array's tangent the same way, and matches the reference's; the
+    same with the array held still, and with the array moving alone. GQA 2:1, 192 rows and keys (a partial
+    tile)."""
     batch, seq, num_heads, head_dim = 1, 192, 4, 64
     q, k, v = random_qkv(14, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
     tangents = random_qkv(15, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
-    array, d_array = alibi_slopes(num_heads), jnp.linspace(-1.0, 1.0, num_heads)
+    if case == "alibi":
+        mod, array, d_array = alibi, alibi_slopes(num_heads), jnp.linspace(-1.0, 1.0, num_heads)
+    else:
+        mod, array, d_array = _learnable_cap, jnp.asarray(3.0), jnp.asarray(-2.0)
 
     def attend(attention, **config):
-        return lambda q, k, v, array: attention(q, k, v, alibi(array), enable_gqa=True, **config)
+        return lambda q, k, v, array: attention(q, k, v, mod(array), enable_gqa=True, **config)
 
     assert_the_mosaic_tangent_matches(attend(flex_attention, config=MOSAIC), attend(flex_attention_reference),
                                       (q, k, v, array), (*tangents, d_array), tangent_calls)
@@ -220,35 +240,17 @@ def test_score_mod_arrays_move_in_the_mosaic_tangent(tangent_calls):
         tangent_calls)
 
 
-def _learnable_cap(cap):
-    """A soft cap whose cap is an array (a parameter; the kernels read it as a scalar): its jvp in the cap adds
-    two tangents (`add_any`, which Mosaic GPU has no lowering rule for)."""
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return cap * jnp.tanh(score / cap)
-    return score_mod
-
-
-def _token_bias(bias):
-    """A per-token bias `bias[b, kv_idx]`: the kernels read it as vectors along kv_idx."""
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias[b, kv_idx]
-    return score_mod
-
-
-@pytest.mark.parametrize("case", ["vector_array", "add_any", "hook_at_head_dim_256"])
+@pytest.mark.parametrize("case", ["vector_array", "hook_at_head_dim_256"])
 def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
     """A score_mod's array read as vectors along kv_idx (a per-token bias: its tangent would need vectors of its
-    own), one whose jvp in its array Mosaic GPU cannot lower (a learnable cap: `add_any`) and a score_mod at head
-    dim 256 (a soft cap: its derivative beside S' spilled) take Triton's tangent kernel beside the Mosaic forward;
-    the jvp (in the array too) still matches the reference's."""
+    own) and a score_mod at head dim 256 (a soft cap: its derivative beside S' spilled) take Triton's tangent
+    kernel beside the Mosaic forward; the jvp (in the array too) still matches the reference's."""
     head_dim = 256 if case == "hook_at_head_dim_256" else 64
     batch, seq, num_heads = 1, 128, 2
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     tangents = random_qkv(12, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     if case == "vector_array":
         mod, array, d_array = _token_bias, jnp.linspace(-2.0, 2.0, seq)[None], jnp.ones((1, seq))
-    elif case == "add_any":
-        mod, array, d_array = _learnable_cap, jnp.asarray(3.0), jnp.asarray(-2.0)
     else:  # the array unused: a soft cap of 20
         mod, array, d_array = (lambda _: softcap(20.0)), jnp.asarray(0.0), jnp.asarray(1.0)
 

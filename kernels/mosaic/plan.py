@@ -24,7 +24,7 @@ from jax.extend import core as jex_core
 
 from probjax_kernels._backend import KernelPass, Passes, compute_capability, wide_mma
 from probjax_kernels._config import FlashConfig, fit_block
-from probjax_kernels._hooks import Hook, live_equations
+from probjax_kernels._hooks import KERNEL_BINDS, Hook, live_equations
 from probjax_kernels._problem import _interpreted, _Problem
 from probjax_kernels.mosaic import glue
 from probjax_kernels.mosaic.backward import DQ_TILES, dq_smem_bytes
@@ -246,9 +246,13 @@ def _runs_in_mosaic(jaxpr, consts: set) -> bool:
 
 
 def _lowers_in_mosaic(eqn) -> bool:
-    """Whether Mosaic GPU has a lowering rule for the equation's primitive and those of its sub-jaxprs."""
+    """Whether Mosaic GPU lowers the equation as the kernels bind it (`_hooks.KERNEL_BINDS`: add_any as an add, a
+    power under -1 as 1 / x ** n) and its sub-jaxprs: a rule for its primitive, whose integer_pow takes no power of
+    0 or 1."""
+    if eqn.primitive.name == "integer_pow" and eqn.params["y"] in (0, 1):
+        return False
     rules = mosaic_lowering.mosaic_lowering_rules[mosaic_gpu_core.LANExWG_SEMANTICS]
-    return eqn.primitive in rules and all(
+    return (eqn.primitive in rules or eqn.primitive in KERNEL_BINDS) and all(
         _lowers_in_mosaic(inner) for sub in jex_core.jaxprs_in_params(eqn.params) for inner in sub.eqns
     )
 
@@ -361,8 +365,8 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
 def _score_tangents_run_in_mosaic(problem: _Problem) -> bool:
     """Whether the tangent kernel takes the tangents of the score_mod's arrays: it reads none as vectors along
     q_idx / kv_idx (their tangents would need vectors of their own), and its jvp in all of them runs in Mosaic GPU
-    reading arrays and tangents one element at a time (`_runs_in_mosaic`: ALiBi's slopes[h]; not a learnable soft
-    cap, whose jvp adds two tangents with `add_any`, which Mosaic GPU has no rule for)."""
+    reading arrays and tangents one element at a time (`_runs_in_mosaic`: ALiBi's slopes[h], a learnable soft cap's
+    cap, whose jvp adds two tangents with `add_any`, bound as an add)."""
     hook = problem.features.score_mod
     if vector_counts(((hook, True),), problem.config, TANGENT_HOOK_SHAPES) != (0, 0):
         return False

@@ -346,6 +346,24 @@ def test_the_mosaic_tangent_with_moving_alibi_slopes():
                                          (q, k, v, slopes), (*tangents, d_slopes))
 
 
+def test_the_mosaic_tangent_with_a_learnable_soft_cap():
+    """jax.jvp of flex_attention in q, k, v and a soft cap's 0-d cap compiled: the cap's tangent read as a scalar,
+    its jvp's add_any bound as an add and cap ** -2 as 1 / cap ** 2; against the reference's jvp, causal, GQA 4:1,
+    head dim 64."""
+    q, k, v = random_qkv(49, 2, 2048, 2048, 8, 2, 64, jnp.bfloat16)
+    tangents = random_qkv(50, 2, 2048, 2048, 8, 2, 64, jnp.bfloat16)
+    block_mask = create_block_mask(causal_mask, None, None, 2048, 2048)
+
+    def with_cap(attention):
+        def attend(q, k, v, cap, **config):
+            return attention(q, k, v, lambda s, b, h, q_idx, kv_idx: cap * jnp.tanh(s / cap), block_mask,
+                             enable_gqa=True, **config)
+        return attend
+
+    _assert_mosaic_jvp_matches_reference(with_cap(flex_attention), with_cap(flex_attention_reference),
+                                         (q, k, v, jnp.asarray(20.0)), (*tangents, jnp.asarray(-4.0)))
+
+
 def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     """jax.jvp of flex_attention at head dim 256 under packed documents, causal within each (a BlockMask, the
     ids as vectors beside Q and K), compiled: the tangent's programs read the tables refined to their 128 x 64
