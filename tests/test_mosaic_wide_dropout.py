@@ -1,5 +1,5 @@
 """Dropout at head dim 256 on backend "mosaic_interpret" (the Mosaic GPU CPU interpreter): the Mosaic forward
-(hashing the keep mask by halves of its tile beside v's 256 columns: `common.dropped_by_halves`) and the head dim
+(hashing the keep mask by halves of its tile beside v's 256 columns: `forward.dropped_by_halves`) and the head dim
 256 dQ / dK / dV programs drop exactly the weights of the plain-jnp reference (every backend's
 `_dropout.keep_mask`), and the jvp keeps Triton's tangent beside the Mosaic forward (the hash spilled the tangent's
 dK pieces)."""

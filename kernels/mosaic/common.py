@@ -583,31 +583,3 @@ def check_pieces(head_dim: int, pieces: int, kernel: str) -> None:
     if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)):
         raise ValueError(f"pieces={pieces} at {head_dim=}: {kernel} takes pieces=1 up to head dim {PIECE} and "
                          f"head_dim / {PIECE} pieces above it")
-
-
-def dropped_by_halves(rule: ScoreRule, p, row0, key0, batch, head, seed):
-    """`rule.dropped(p, ..., scaled=False)` of a WGMMA-layout tile whose rows start at query row0 and columns at key
-    key0, for the forward beside a 64 x 256 float32 accumulator, where the whole tile's hash spilled 20 B (sm_90a):
-    one half of its columns after the other, the second half's P and indices through an optimization barrier with
-    the first half's result (so its hash starts when the first one's ends), and the seed (`seed`: its ref, as
-    `read_seed` takes it) read at the step, so that no value of the hash is held across the loop (which spilled
-    4 B)."""
-    if not rule.dropout_rate:
-        return p
-    seed_parts = read_seed(seed)
-    rows, cols = p.shape
-    half = cols // 2
-    q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-    kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, (half,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-    first = None
-    for n in range(2):
-        part = p[:, n * half:(n + 1) * half]
-        if first is not None:
-            first, part, q_idx, kv_idx = lax.optimization_barrier((first, part, q_idx, kv_idx + half))
-
-        def indices(shape=part.shape, q_idx=q_idx, kv_idx=kv_idx):
-            return lax.broadcast_in_dim(q_idx, shape, [0]), lax.broadcast_in_dim(kv_idx, shape, [1])
-
-        dropped = rule.dropped(part, indices, batch, head, seed_parts, scaled=False)
-        first = dropped if first is None else first
-    return jnp.concatenate([first, dropped], axis=1)

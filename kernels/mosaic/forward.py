@@ -82,7 +82,7 @@ from probjax_kernels.mosaic.common import (
     union_of_ranges,
     window_options,
 )
-from probjax_kernels.mosaic.common import CONSUMER_REGISTERS, PRODUCER_REGISTERS, dropped_by_halves
+from probjax_kernels.mosaic.common import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 from probjax_kernels.mosaic.common import SMEM_BYTES as SMEM_BYTES  # noqa: F401  (its name here since the start)
 from probjax_kernels.mosaic.hook_vectors import grouped, tile_of, vectors_in, views
 
@@ -561,3 +561,31 @@ def mosaic_forward(
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q, k, v, q_lengths, kv_lengths, *(tables or ()), *score_arrays, *mask_arrays, *(segments or ()), *seed,
       *(() if mask is None else (mask,)), *(() if bias is None else (bias,)))
+
+
+def dropped_by_halves(rule: ScoreRule, p, row0, key0, batch, head, seed):
+    """`rule.dropped(p, ..., scaled=False)` of a WGMMA-layout tile whose rows start at query row0 and columns at key
+    key0, for the forward beside a 64 x 256 float32 accumulator, where the whole tile's hash spilled 20 B (sm_90a):
+    one half of its columns after the other, the second half's P and indices through an optimization barrier with
+    the first half's result (so its hash starts when the first one's ends), and the seed (`seed`: its ref, as
+    `read_seed` takes it) read at the step, so that no value of the hash is held across the loop (which spilled
+    4 B)."""
+    if not rule.dropout_rate:
+        return p
+    seed_parts = read_seed(seed)
+    rows, cols = p.shape
+    half = cols // 2
+    q_idx = row0 + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+    kv_idx = key0 + plgpu.broadcasted_iota(jnp.int32, (half,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    first = None
+    for n in range(2):
+        part = p[:, n * half:(n + 1) * half]
+        if first is not None:
+            first, part, q_idx, kv_idx = lax.optimization_barrier((first, part, q_idx, kv_idx + half))
+
+        def indices(shape=part.shape, q_idx=q_idx, kv_idx=kv_idx):
+            return lax.broadcast_in_dim(q_idx, shape, [0]), lax.broadcast_in_dim(kv_idx, shape, [1])
+
+        dropped = rule.dropped(part, indices, batch, head, seed_parts, scaled=False)
+        first = dropped if first is None else first
+    return jnp.concatenate([first, dropped], axis=1)
