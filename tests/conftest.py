@@ -51,12 +51,22 @@ def data_cache(tmp_path_factory) -> str:
 
 @pytest.fixture
 def tangent_calls(monkeypatch) -> list:
-    """A list that gets an entry each time the Mosaic GPU tangent kernel is built (jax.jvp's tangent map is a
-    primitive: a jaxpr does not show its kernel)."""
+    """A list that gets the keyword arguments of each call that builds the Mosaic GPU tangent kernel (jax.jvp's
+    tangent map is a primitive: a jaxpr does not show its kernel)."""
+    return _calls_of(monkeypatch, "mosaic_tangent")
+
+
+@pytest.fixture
+def dkv_calls(monkeypatch) -> list:
+    """A list that gets the keyword arguments of each call of the Mosaic GPU dK/dV kernels the glue makes."""
+    return _calls_of(monkeypatch, "mosaic_backward_dkv")
+
+
+def _calls_of(monkeypatch, name: str) -> list:
     from probjax_kernels.mosaic import glue
 
-    calls, kernel = [], glue.mosaic_tangent
-    monkeypatch.setattr(glue, "mosaic_tangent", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls, kernel = [], getattr(glue, name)
+    monkeypatch.setattr(glue, name, lambda *a, **k: calls.append(k) or kernel(*a, **k))
     return calls
 
 

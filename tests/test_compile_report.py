@@ -143,22 +143,26 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.MOSAIC_DK_PIECES, registry.MOSAIC_DV}
     assert set(names["mosaic_grad_d128_bf16_dv256"].requires) == {
         registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV}
-    assert set(names["mosaic_flex_grad_d256_bf16_softcap"].requires) == {registry.MOSAIC_FORWARD, registry.DQ,
-                                                                         registry.DKV}
+    assert set(names["mosaic_flex_grad_d256_bf16_softcap"].requires) == {  # dK in 64-column pieces
+        registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *(f"{registry.MOSAIC_DK}_piece{p}" for p in range(4)),
+        registry.MOSAIC_DV}
     assert set(names["mosaic_flex_grad_d256_bf16_document_mask"].requires) == {
         registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.MOSAIC_DK_PIECES, registry.MOSAIC_DV}
     assert set(names["mosaic_grad_d128_f32_causal"].requires) == {registry.FORWARD, registry.DQ, registry.DKV}
     assert set(names["mosaic_flex_grad_d128_bf16_relative_bias"].requires) == {
         registry.FORWARD, registry.DQ, registry.DKV}
     # The Mosaic tangent beside the Mosaic backward (at head dim 256, and beside bias tiles at 128: the tangents of
-    # q, k, v and a bias apart, d out in 128-column pieces at 256; ALiBi's slopes moving); Triton's with bias tiles
-    # or dropout at 256, or a hook there.
+    # q, k, v and a bias apart, d out in 128-column pieces at 256, 64-column ones with a score_mod; ALiBi's slopes
+    # moving); Triton's with bias tiles or dropout at 256, or a score_mod's moving arrays there.
     assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
     assert set(names["mosaic_jvp_d256_bf16_causal"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
                                    for piece in ("_piece0", "_piece1"))}
-    assert set(names["mosaic_jvp_d128_bf16_dv256"].requires) == {registry.MOSAIC_FORWARD,
-                                                                 *registry.MOSAIC_TANGENT_PIECES}
+    assert set(names["mosaic_jvp_d128_bf16_dv256"].requires) == {
+        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}_piece{p}" for p in range(2))}
+    assert set(names["mosaic_flex_jvp_d256_bf16_softcap"].requires) == {
+        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}" for group in ("_dq", "_dk", "_dv")
+                                   for p in range(4))}
     assert set(names["mosaic_jvp_d256_bf16_dense_bias_keys"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv", "_dbias")
                                    for piece in ("_piece0", "_piece1"))}
@@ -168,9 +172,13 @@ def test_the_registry_covers_the_dispatch_grid():
     for name in ("mosaic_jvp_d128_bf16_dense_bias", "mosaic_jvp_d128_bf16_dense_bias_f32"):
         assert set(names[name].requires) == {registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group for group in
                                                                         ("_dq", "_dk", "_dv", "_dbias"))}, name
-    for name in ("mosaic_jvp_d256_bf16_dense_bias", "mosaic_jvp_d256_bf16_dropout",
-                 "mosaic_flex_jvp_d256_bf16_softcap"):
-        assert set(names[name].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}, name
+    assert set(names["mosaic_jvp_d256_bf16_dense_bias"].requires) == {  # d out's pieces of 64: q's program fits
+        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}"
+                                   for group in ("_dq", "_dk", "_dv", "_dbias") for p in range(4))}
+    assert set(names["mosaic_jvp_d256_bf16_dropout"].requires) == {  # d out's pieces of 64: the hash fits
+        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}"
+                                   for group in ("_dq", "_dk", "_dv") for p in range(4))}
+    assert set(names["mosaic_flex_jvp_d256_bf16_alibi"].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
     assert set(registry.requires_for(names["mosaic_grad_d128_bf16_causal"], "sm100a_b200")) == {

@@ -94,15 +94,14 @@ def test_flash_attention_jvp_with_a_bias_runs_the_mosaic_tangent(head_dim, kind,
     (128, jnp.bfloat16, dict(num_stages=2, pieces=1, split=True)),  # one program spilled: q, k, v, bias apart
     (128, jnp.float32, dict(num_stages=WIDE_STAGES, pieces=1, split=True)),  # and the bias's on one slot
     (64, jnp.float32, dict(num_stages=WIDE_STAGES, split=None)),  # one program on one slot
+    (256, jnp.bfloat16, dict(num_stages=WIDE_STAGES, pieces=4, split=True)),  # q's program fits with 64 columns
 ])
-def test_bias_tiles_beside_wide_tiles_run_the_mosaic_tangent(head_dim, bias_dtype, expected, monkeypatch):
+def test_bias_tiles_beside_wide_tiles_run_the_mosaic_tangent(head_dim, bias_dtype, expected, tangent_calls):
     """Bias tiles where one program on two ring slots does not fit: at head dim 128 (a 64 x 128 accumulator) the
     tangents of q, k, v and the bias run in programs of their own, float32 tiles on one slot; float32 tiles at 64
-    in one program on one slot. The jvp in q, k, v and the bias matches the reference's; GQA 2:1, ragged keys."""
-    from probjax_kernels.mosaic import glue
-
-    options, kernel = [], glue.mosaic_tangent
-    monkeypatch.setattr(glue, "mosaic_tangent", lambda *a, **k: options.append(k) or kernel(*a, **k))
+    in one program on one slot; at 256 those programs with d out in 64-column pieces (q's overflows shared memory
+    with 128). The jvp in q, k, v and the bias matches the reference's; GQA 2:1, ragged keys."""
+    options = tangent_calls
     q, k, v = random_qkv(28, 2, 192, 192, 4, 2, head_dim, jnp.bfloat16)
     tangents = random_qkv(29, 2, 192, 192, 4, 2, head_dim, jnp.bfloat16)
     bias, d_bias = (normal(seed, (2, 4, 192, 192)).astype(bias_dtype) for seed in (30, 31))

@@ -3,7 +3,7 @@ and dV from two programs (`split`: one float32 accumulator each), dQ and dK from
 columns where q / k's head dim is 256 (`pieces`), in the Mosaic GPU CPU interpreter against
 `jax.vjp` of the float32 plain-jnp reference, and through `flash_attention` on backend "mosaic_interpret" (v's
 head dim its own, GQA, lengths, masks, segment ids, a key bias with its gradient, BlockMasks with their
-mask_mods); bias tiles, score_mods and BlockMasks of 64-key blocks keep Triton's."""
+mask_mods, score_mods with dK in 64-column pieces); bias tiles and BlockMasks of 64-key blocks keep Triton's."""
 
 import functools
 
@@ -29,7 +29,7 @@ from probjax_kernels import (
     flex_attention,
     flex_attention_reference,
 )
-from probjax_kernels.flex.mods import document_mask, sliding_window, softcap
+from probjax_kernels.flex.mods import alibi, alibi_slopes, document_mask, sliding_window, softcap
 from probjax_kernels.mosaic.backward import mosaic_backward_dq
 from probjax_kernels.mosaic.backward_dkv import mosaic_backward_dkv
 from probjax_kernels.mosaic.plan import WIDE_STAGES
@@ -159,16 +159,52 @@ def test_flex_block_masks_at_head_dim_256_run_the_mosaic_backward(mod, head_dims
     assert_output_and_grads_close(result, expected)
 
 
-@pytest.mark.parametrize("case", ["softcap", "blocks_of_64_keys"])
-def test_what_keeps_triton_backward_at_head_dim_256(case):
-    """At head dim 256 a score_mod (a soft cap's derivative spilled the dK pieces on sm_90a) and a BlockMask of
-    64-key blocks (finer than dK/dV's 128-key tiles; the forward's 64-key steps take it) run Triton's backward
-    beside the Mosaic forward, and match the reference."""
-    q, k, v = random_qkv(14, 1, 256, 256, 4, 2, 256, jnp.bfloat16)
-    if case == "softcap":
+@pytest.mark.parametrize("mod, head_dims, seq", [
+    ("softcap", (128, 256), 320), ("alibi", (256, 128), 256), ("softcap_window", (256, 256), 320)])
+def test_score_mods_at_head_dim_256_run_the_mosaic_backward(mod, head_dims, seq, dkv_calls):
+    """A score_mod at head dim 256 runs the Mosaic backward with dK in 64-column pieces (a soft cap's derivative
+    beside S^T and dP^T spilled the 128-column pieces on sm_90a): a soft cap with no BlockMask at (128, 256) on
+    320 keys (padded for dK/dV's 128-key CTAs by the glue), ALiBi's slopes (read one element at a time) at
+    (256, 128), and a soft cap on a sliding-window BlockMask at (256, 256); GQA 2:1, out and gradients against the
+    reference."""
+    (head_dim, value_dim), batch = head_dims, 1
+    q, k, _ = random_qkv(16, batch, seq, seq, 4, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(17, batch, seq, seq, 4, 2, value_dim, jnp.bfloat16)[2]
+    if mod == "alibi":
+        kwargs = dict(score_mod=alibi(alibi_slopes(4)))
+    elif mod == "softcap":
         kwargs = dict(score_mod=softcap(20.0))
     else:
-        kwargs = dict(block_mask=create_block_mask(sliding_window(70), 1, None, 256, 256, block_size=(128, 64)))
+        kwargs = dict(score_mod=softcap(20.0), block_mask=create_block_mask(
+            sliding_window(70), batch, None, seq, seq, block_size=(128, 128)))
+    result, mosaic_backward, expected = _flex_beside_reference(q, k, v, 18, **kwargs)
+    assert mosaic_backward and {call.get("pieces", 1) for call in dkv_calls} == {max(1, head_dim // 64)}
+    assert_output_and_grads_close(result, expected)
+
+
+def test_dk_pieces_of_64_columns_need_a_split():
+    """dK's 64-column pieces: head_dim / 64 of them, and only in a split."""
+    q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    lengths = jnp.array([128], jnp.int32)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    for pieces, split in ((3, True), (4, False), (8, True)):
+        with pytest.raises(ValueError, match="pieces=|split=True"):
+            mosaic_backward_dkv(q, q, q, q, lse, q, lengths, lengths, scale=0.1, causal=True, interpret=True,
+                                num_stages=1, split=split, pieces=pieces)
+
+
+@pytest.mark.parametrize("case", ["key_vector_score_mod", "blocks_of_64_keys"])
+def test_what_keeps_triton_backward_at_head_dim_256(case):
+    """At head dim 256 a score_mod that reads an array along kv_idx with no BlockMask (its vectors along keys
+    would not span the 128-key CTAs the glue pads k and v to) and a BlockMask of 64-key blocks (finer than
+    dK/dV's 128-key tiles; the forward's 64-key steps take it) run Triton's backward beside the Mosaic forward,
+    and match the reference."""
+    q, k, v = random_qkv(14, 1, 320, 320, 4, 2, 256, jnp.bfloat16)
+    if case == "key_vector_score_mod":
+        key_bias = jnp.asarray(np.random.default_rng(3).normal(size=(1, 320)), jnp.float32)
+        kwargs = dict(score_mod=lambda score, b, h, q_idx, kv_idx: score + key_bias[b, kv_idx])
+    else:
+        kwargs = dict(block_mask=create_block_mask(sliding_window(70), 1, None, 320, 320, block_size=(128, 64)))
     result, mosaic_backward, expected = _flex_beside_reference(q, k, v, 15, **kwargs)
     assert not mosaic_backward
     assert_output_and_grads_close(result, expected)

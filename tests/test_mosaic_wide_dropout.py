@@ -1,8 +1,8 @@
 """Dropout at head dim 256 on backend "mosaic_interpret" (the Mosaic GPU CPU interpreter): the Mosaic forward
 (hashing the keep mask by halves of its tile beside v's 256 columns: `forward.dropped_by_halves`) and the head dim
 256 dQ / dK / dV programs drop exactly the weights of the plain-jnp reference (every backend's
-`_dropout.keep_mask`), and the jvp keeps Triton's tangent beside the Mosaic forward (the hash spilled the tangent's
-dK pieces)."""
+`_dropout.keep_mask`), and so do the jvp's tangent programs, with d out in 64-column pieces (beside 128-column ones
+the hash spilled the tangent's dK pieces)."""
 
 import jax.numpy as jnp
 import pytest
@@ -39,15 +39,16 @@ def test_dropout_at_head_dim_256_runs_the_mosaic_forward_and_backward(head_dims,
                                     dropout_seed=91, **private)
 
 
-def test_the_jvp_of_dropout_at_head_dim_256_takes_the_triton_tangent(tangent_calls):
-    """The Mosaic forward, Triton's tangent kernel (not the Mosaic one), and out and d out of the reference."""
-    q, k, v = random_qkv(34, 1, 128, 128, 2, 2, 256, jnp.bfloat16)
-    tangents = random_qkv(35, 1, 128, 128, 2, 2, 256, jnp.bfloat16)
-    options = dict(causal=True, dropout_rate=0.2, dropout_seed=5)
+def test_the_jvp_of_dropout_at_head_dim_256_runs_the_mosaic_tangent(tangent_calls):
+    """The Mosaic forward and the Mosaic tangent's split programs with d out in four 64-column pieces, on ragged
+    keys: out and d out of the reference with the same keep mask."""
+    q, k, v = random_qkv(34, 1, 192, 192, 2, 2, 256, jnp.bfloat16)
+    tangents = random_qkv(35, 1, 192, 192, 2, 2, 256, jnp.bfloat16)
+    options = dict(causal=True, dropout_rate=0.2, dropout_seed=5, kv_lengths=jnp.array([150]))
     fn = lambda q, k, v: flash_attention(q, k, v, config=MOSAIC, **options)  # noqa: E731
     assert not runs_triton_forward(fn, q, k, v)
     (out, d_out), (want_out, want_d_out) = _jvp_through(
         fn, lambda q, k, v: flash_attention_reference(q, k, v, **options), (q, k, v), tangents)
-    assert not tangent_calls
+    assert {(call.get("pieces"), call.get("split")) for call in tangent_calls} == {(4, True)}
     assert_close(out, want_out, jnp.bfloat16, "out")
     assert_close(d_out, want_d_out, jnp.bfloat16, "d out")

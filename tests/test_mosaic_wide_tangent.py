@@ -19,7 +19,7 @@ from probjax_kernels import (
     flex_attention,
     flex_attention_reference,
 )
-from probjax_kernels.flex.mods import document_mask
+from probjax_kernels.flex.mods import document_mask, sliding_window, softcap
 from probjax_kernels.mosaic.plan import WIDE_STAGES
 from probjax_kernels.mosaic.tangent import mosaic_tangent
 
@@ -99,3 +99,25 @@ def test_flex_mask_mods_at_head_dim_256_run_the_mosaic_tangent(tangent_calls):
         lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, config=MOSAIC),
         lambda q, k, v: flex_attention_reference(q, k, v, block_mask=block_mask, enable_gqa=True), (q, k, v),
         tangents, tangent_calls)
+
+
+@pytest.mark.parametrize("mod, head_dims", [("softcap", (128, 256)), ("softcap_window", (256, 256))])
+def test_score_mods_at_head_dim_256_run_the_mosaic_tangent(mod, head_dims, tangent_calls):
+    """A score_mod at head dim 256 runs the Mosaic tangent with d out in 64-column pieces (a soft cap's derivative
+    beside S' spilled k's program with 128-column ones on sm_90a): a soft cap at (128, 256) on 320 queries and
+    keys (four pieces), a soft cap on a sliding-window BlockMask at (256, 256) (split, four pieces each); GQA
+    2:1, jax.jvp of flex_attention on backend "mosaic_interpret" against the reference's."""
+    (head_dim, value_dim), batch, seq, num_heads = head_dims, 1, 320 if mod == "softcap" else 256, 4
+    q, k, _ = random_qkv(11, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(12, batch, seq, seq, num_heads, 2, value_dim, jnp.bfloat16)[2]
+    tangents = [*random_qkv(13, batch, seq, seq, num_heads, 2, head_dim, jnp.bfloat16)[:2],
+                random_qkv(14, batch, seq, seq, num_heads, 2, value_dim, jnp.bfloat16)[2]]
+    options = dict(score_mod=softcap(20.0), enable_gqa=True)
+    if mod == "softcap_window":
+        options["block_mask"] = create_block_mask(sliding_window(90), batch, None, seq, seq, block_size=(128, 128))
+    assert_the_mosaic_tangent_matches(
+        lambda q, k, v: flex_attention(q, k, v, config=MOSAIC, **options),
+        lambda q, k, v: flex_attention_reference(q, k, v, **options), (q, k, v), tangents, tangent_calls)
+    assert {call.get("pieces") for call in tangent_calls} == {4}
+    assert {bool(call.get("split")) for call in tangent_calls} == {head_dim > 128}
+

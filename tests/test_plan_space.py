@@ -56,7 +56,8 @@ def test_every_forced_call_is_a_row_on_the_full_targets():
 
 def _mosaic_kernels(kernel_pass, by_run: dict) -> set:
     """The Mosaic kernels a pass runs: by its glue function, and for the Hopper backward at head dim 256 by its
-    tiles' options (dK / dV as two programs: `split`; dQ and dK a program per 128 columns: `pieces`)."""
+    tiles' options (dK / dV as two programs: `split`; dQ and dK a program per 128 columns, dK's per 64
+    with a score_mod: `pieces`)."""
     if kernel_pass.run.__name__ == "tangent":  # at head dim 256: d out's pieces; the tangents of q, k, v, bias apart
         options = dict(dict(kernel_pass.options).get("options", ()))
         pieces = [f"_piece{p}" for p in range(options["pieces"])] if options.get("pieces", 1) > 1 else [""]
@@ -69,7 +70,8 @@ def _mosaic_kernels(kernel_pass, by_run: dict) -> set:
     dq = registry.MOSAIC_DQ_PIECES if dq_options.get("pieces", 1) > 1 else (registry.MOSAIC_DQ,)
     if not dkv_options.get("split"):
         return {*dq, registry.MOSAIC_DKV}
-    dk = registry.MOSAIC_DK_PIECES if dkv_options.get("pieces", 1) > 1 else (registry.MOSAIC_DK,)
+    dk = [f"{registry.MOSAIC_DK}_piece{p}" for p in range(dkv_options["pieces"])] if dkv_options.get("pieces", 1) > 1 \
+        else (registry.MOSAIC_DK,)
     return {*dq, *dk, registry.MOSAIC_DV}
 
 

@@ -125,8 +125,8 @@ def _dkv_kernel(
     split: str | None = None, piece: int | None = None,
 ):
     # `split` "dk" / "dv": this program computes that gradient alone (`mosaic_backward_dkv`'s `split`); with
-    # `piece` (dK at head dim 256) dK's columns [piece * PIECE, (piece + 1) * PIECE) alone, K and Q then sitting
-    # in shared memory as PIECE-column pieces (`k_smem[p][wg]`, `q_smem[p][slot]`), as in the dQ kernel.
+    # `piece` (dK at head dim 256) dK's columns [piece * width, (piece + 1) * width) alone, K and Q then sitting
+    # in shared memory as pieces of that width (`k_smem[p][wg]`, `q_smem[p][slot]`), as in the dQ kernel.
     # With a dense mask, `mask_ref` is its transpose [B|1, N|1, S, T]: tiles of S^T's (keys, queries) shape; so
     # is `bias_ref` with bias tiles, else its keys' [B|1, N|1, S] or rows' [B|1, N|1, T] float32 vectors.
     tables, score_arrays, mask_arrays, segments, seed, mask_ref, refs = split_hook_refs(
@@ -149,7 +149,7 @@ def _dkv_kernel(
     keys = block_kv // _CONSUMERS
     part = min(block_q, PART)  # queries per part of a step
     head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
-    dk_columns = head_dim if piece is None else PIECE
+    dk_columns = width = head_dim if piece is None else head_dim // len(k_smem)  # PIECE, or 64 with a score_mod
 
     def k_pieces(own):
         return [k_smem.at[own]] if piece is None else [buffer.at[own] for buffer in k_smem]
@@ -190,7 +190,7 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(k_ref.at[kv_tile], k_smem.at[wg], k_ready.at[wg])
         else:
             for p, buffer in enumerate(k_smem):
-                plgpu.copy_gmem_to_smem(k_ref.at[(*kv_tile, pl.ds(p * PIECE, PIECE))], buffer.at[wg], k_ready.at[wg])
+                plgpu.copy_gmem_to_smem(k_ref.at[(*kv_tile, pl.ds(p * width, width))], buffer.at[wg], k_ready.at[wg])
         if split != "dv":  # dV alone needs no V (dP^T = V dO^T is dK's)
             plgpu.copy_gmem_to_smem(v_ref.at[kv_tile], v_own, v_ready.at[wg])
         if has_segments:  # the keys' segment ids arrive with K
@@ -375,7 +375,7 @@ def _dkv_kernel(
                 if piece is None:
                     copies = [(q_ref.at[row_tile], q_smem, q_ready)]
                 else:
-                    copies = [(q_ref.at[(*row_tile, pl.ds(p * PIECE, PIECE))], ring, q_ready)
+                    copies = [(q_ref.at[(*row_tile, pl.ds(p * width, width))], ring, q_ready)
                               for p, ring in enumerate(q_smem)]
                 copies += [
                     (lse2_ref.at[row_vector], lse2_smem, q_ready),
@@ -475,7 +475,8 @@ def mosaic_backward_dkv(
     - `split`: dV and dK from two programs (kernels `..._dv` and `..._dk`), each holding one accumulator and
       recomputing S^T (dV's skips dP^T and V): at head dim 256 the two 64 x 256 float32 accumulators of one
       program would take 256 registers per thread. `pieces`: with `split`, dK from that many programs, each
-      computing `PIECE` (128) of its columns (q / k's head dim 256 needs 2, as in `mosaic_backward_dq`). With
+      computing `PIECE` (128) or 64 of its columns (q / k's head dim 256 needs 2, as in `mosaic_backward_dq`, or
+      4: a score_mod's derivative beside 128 columns spilled). With
       GQA the dK programs run per query head on copies of k and v, their partial dK summed over the group in
       XLA (in k's dtype, then float32).
 
@@ -491,7 +492,7 @@ def mosaic_backward_dkv(
     if max(head_dim, value_dim) > 128 and not split:
         raise ValueError(f"head dims {head_dim} / {value_dim}: above 128 the dK / dV kernel needs split=True (one "
                          "accumulator per program)")
-    check_pieces(head_dim, pieces, "dK")
+    check_pieces(head_dim, pieces, "dK", narrowest=PIECE // 2)
     if pieces > 1 and not split:
         raise ValueError(f"pieces={pieces}: dK's pieces are programs of a split, and split=False")
     bias_kind, bias = check_bias(bias, batch, num_heads, q_len, kv_len)
@@ -529,19 +530,19 @@ def mosaic_backward_dkv(
             segments=segments, seed=seed, mask=mask_t, bias=bias, bias_kind=bias_kind,
             bias_grad=key_sums, score_vectors=score_vectors, mask_vectors=mask_vectors, split=program, piece=piece,
             out_type=(
-                *((jax.ShapeDtypeStruct((batch, *k.shape[1:3], head_dim if piece is None else PIECE), k.dtype),)
+                *((jax.ShapeDtypeStruct((batch, *k.shape[1:3], head_dim // (1 if piece is None else pieces)), k.dtype),)
                   if program != "dv" else ()),
                 *((jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),) if program != "dk" else ()),
                 *((jax.ShapeDtypeStruct((batch, num_heads, kv_len), jnp.float32),) if key_sums else ())),
-            scratch_types=scratch_types(1 if piece is None else head_dim // PIECE),
+            scratch_types=scratch_types(1 if piece is None else pieces),
             grid=(kv_len // block_kv, k.shape[2], batch), grid_names=("kv", "heads", "batch"),
             table_split=tables_block_q // block_q,
         )
 
-    def in_pieces(shape: tuple, pieces: int, dtype):  # a buffer of `shape`, or its head dim as pieces of PIECE
+    def in_pieces(shape: tuple, pieces: int, dtype):  # a buffer of `shape`, or its head dim as `pieces` pieces
         if pieces == 1:
             return plgpu.SMEM(shape, dtype, transforms=transforms)
-        return (plgpu.SMEM((*shape[:-1], PIECE), dtype, transforms=transforms),) * pieces
+        return (plgpu.SMEM((*shape[:-1], shape[-1] // pieces), dtype, transforms=transforms),) * pieces
 
     def scratch_types(pieces: int):
         return (

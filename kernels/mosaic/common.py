@@ -577,9 +577,12 @@ def after(value, earlier, interpret: bool):
     return value if earlier is None or not interpret else lax.optimization_barrier((value, earlier))[0]
 
 
-def check_pieces(head_dim: int, pieces: int, kernel: str) -> None:
-    """Raises ValueError unless `pieces` (programs of `PIECE` columns each) fits q / k's head dim: 1 up to
-    `PIECE`, head_dim / `PIECE` above it (one program's 64 x 256 float32 accumulator spilled)."""
-    if head_dim != (PIECE * pieces if pieces > 1 else min(head_dim, PIECE)):
-        raise ValueError(f"pieces={pieces} at {head_dim=}: {kernel} takes pieces=1 up to head dim {PIECE} and "
-                         f"head_dim / {PIECE} pieces above it")
+def check_pieces(head_dim: int, pieces: int, kernel: str, narrowest: int = PIECE) -> None:
+    """Raises ValueError unless `pieces` (programs of head_dim / pieces columns each) fits q / k's head dim: 1 up
+    to `PIECE`, head_dim / `PIECE` above it (one program's 64 x 256 float32 accumulator spilled), or more where
+    the kernel takes pieces as narrow as `narrowest` (dK's with a score_mod: 64)."""
+    widths = [width for width in (PIECE, PIECE // 2) if width >= narrowest]
+    if pieces == 1 and head_dim <= PIECE or pieces > 1 and head_dim % pieces == 0 and head_dim // pieces in widths:
+        return
+    raise ValueError(f"pieces={pieces} at {head_dim=}: {kernel} takes pieces=1 up to head dim {PIECE}, above it "
+                     f"pieces of {' or '.join(map(str, widths))} columns")

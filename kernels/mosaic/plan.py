@@ -293,7 +293,10 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
     if wide:  # dQ and dK in pieces of MOSAIC_PIECE columns where q / k's head dim is 256
         dq = {"num_stages": WIDE_STAGES, "pieces": pieces}
         tables = {} if f.block_sizes is None else {"tables_block_q": DQ_TILES[0]}
-        return dq, {**dq, "split": True, **tables}
+        # A score_mod's derivative beside S^T, P^T and dP^T spilled the dK pieces of 128 columns 24-48 B: with
+        # one, dK comes in pieces of 64 (a 64 x 64 float32 accumulator; docs/perf-notes.md, Version 35).
+        dk_pieces = max(1, head_dim // (MOSAIC_PIECE // 2)) if f.score_mod is not None else pieces
+        return dq, {"num_stages": WIDE_STAGES, "pieces": dk_pieces, "split": True, **tables}
     if not hooked:
         return {}, {}
     dkv = {"block_q": MOSAIC_PART, "block_kv": tile}
@@ -301,43 +304,61 @@ def _mosaic_backward_tiles(problem: _Problem, dtype, head_dims: tuple[int, int])
 
 
 def _wide_backward_takes_hooks(problem: _Problem) -> bool:
-    """Whether the head dim 256 backward (`DQ_TILES`, `DKV_TILES`) takes the call's mask_mod and block tables: the
-    hooks were traced on the parts of those tiles (`mosaic_backward_hook_shapes` of 128-query tiles), and the
-    BlockMask's blocks are multiples of both kernels' tiles (dQ's 128 x 64, dK/dV's 128 keys x 128 queries), so
-    that S is padded to dK/dV's 128-key CTAs and the hooks' vectors along keys span them. A score_mod keeps
-    Triton's backward: a soft cap's derivative beside S^T and dP^T spilled the dK pieces 24-48 B
-    (docs/perf-notes.md, Version 29)."""
+    """Whether the head dim 256 backward (`DQ_TILES`, `DKV_TILES`) takes the call's hooks and block tables: the
+    hooks were traced on the parts of those tiles (`mosaic_backward_hook_shapes` of 128-query tiles), and S is
+    padded to dK/dV's 128-key CTAs wherever the hooks read vectors along keys, which must span them: by a
+    BlockMask whose blocks are multiples of both kernels' tiles (dQ's 128 x 64, dK/dV's 128 keys x 128 queries).
+    Without a BlockMask, `glue.backward` pads k and v alone, so hooks that read vectors along keys keep Triton's
+    backward there. A score_mod takes dK in 64-column pieces (`_mosaic_backward_tiles`)."""
     f = problem.features
     parts = (DQ_TILES[0] // 2, MOSAIC_PART)
-    return (mosaic_backward_hook_shapes(problem.config)[2] == parts and f.score_mod is None
-            and f.block_sizes is not None and f.block_sizes[0] % DQ_TILES[0] == 0
-            and f.block_sizes[1] % DKV_TILES[1] == 0)
+    if mosaic_backward_hook_shapes(problem.config)[2] != parts:
+        return False
+    if f.block_sizes is None:
+        return _vector_counts(problem)[1] == 0
+    return f.block_sizes[0] % DQ_TILES[0] == 0 and f.block_sizes[1] % DKV_TILES[1] == 0
 
 
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
     None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
-    dim 256 without a score_mod or dropout), whose score_mod's arrays it reads one element at a time with their
-    tangents (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared memory (a
-    bias's too, read as the bias is: which tangents move is known only when the jvp runs; a mask sent as a bias
-    holds still).
+    dim 256 without a score_mod's arrays), whose score_mod's arrays it reads one element at a time with
+    their tangents (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared
+    memory (a bias's too, read as the bias is: which tangents move is known only when the jvp runs; a mask sent as
+    a bias holds still).
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
     spills, as dQ's did); at q / k's, the tangents of q, k and v `split` into programs of their own on one ring
     slot (Q, dQ, K and dK whole with V, dV and out overflow shared memory; k's and v's in one program spilled
     8-148 B, docs/perf-notes.md, Version 28), and so they do with a bias's tiles beside v's head dim 128 or more
-    (one program spilled). Where two ring slots overflow shared memory, one (float32 bias tiles: Version 33)."""
+    (one program spilled). Where two ring slots overflow shared memory, one (float32 bias tiles: Version 33).
+    At a head dim 256, pieces of 64 columns with a score_mod or dropout, and where 128-column ones overflow (bias
+    tiles)."""
     head_dim, value_dim = head_dims
     if (not _fits_mosaic(problem, dtype, head_dims) or not {head_dim, value_dim} <= set(MOSAIC_TANGENT_HEAD_DIMS)
             or (problem.num_score_consts and not _score_tangents_run_in_mosaic(problem))):
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
-    # A score_mod's derivative beside S' spilled k's program 4-16 B (Version 28), dropout's hash its pieces 4 B.
-    if wide and (f.score_mod is not None or f.dropout_rate):
+    if wide and problem.num_score_consts:  # the tangents of a score_mod's arrays need one program
         return None
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
         return None
-    pieces = value_dim // MOSAIC_PIECE if value_dim > MOSAIC_PIECE else 1
+    # A score_mod's derivative beside S' spilled k's program 4-16 B with d out's 64 x 128 float32 accumulator
+    # (Version 28), dropout's hash 4 B (Version 32): with either, d out comes in pieces of 64 columns (Versions 35,
+    # 36), as it does where pieces of 128 overflow shared memory (bias tiles at 256: q's program, Version 36).
+    narrow = wide and (f.score_mod is not None or f.dropout_rate > 0)
+    widths = [MOSAIC_PIECE // 2] if narrow else [MOSAIC_PIECE, MOSAIC_PIECE // 2][:1 + wide]
+    for width in widths:
+        options = _tangent_options_at(problem, head_dims, value_dim // width if value_dim > width else 1)
+        if options is not None:
+            return options
+    return None
+
+
+def _tangent_options_at(problem: _Problem, head_dims: tuple[int, int], pieces: int) -> dict | None:
+    """`_mosaic_tangent_options` with d out in `pieces`: None where every ring slot count overflows."""
+    head_dim, value_dim = head_dims
+    wide = max(head_dims) > MOSAIC_PIECE
     # A bias's tiles and their tangent's beside a 64 x 128 accumulator spilled one program 12-24 B (Version 33).
     split = head_dim > MOSAIC_PIECE or (_bias_kind(problem) == "tiles" and value_dim >= MOSAIC_PIECE)
     moves_bias = problem.bias_shape is not None

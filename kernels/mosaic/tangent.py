@@ -367,8 +367,8 @@ def mosaic_tangent(
     `score_tangents`: tangents of some of `score_arrays` (none read as vectors), read one element at a time;
     `score_const_jvp(score, b, h, q_idx, kv_idx, *score_arrays, *score_tangents)` gives the score_fn's tangent
     in them at the scores it sees (one program: not with `split`).
-    `pieces`: d out from that many programs, each computing `PIECE` (128) of its columns (v's head dim 256: 2;
-    else 1), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
+    `pieces`: d out from that many programs, each computing `PIECE` (128) or 64 of its columns (v's head dim
+    256: 2 or 4; else 1 or 2), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
     (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out overflow shared
     memory, and a program moving k and v together spilled 8-148 B on sm_90a), d out rounded to out's dtype in
     each before the sum; the bias's tangent then runs in programs of its own too.
@@ -404,7 +404,7 @@ def mosaic_tangent(
             score_tangents and (split or pieces > 1 or any(score_vectors))):
         raise ValueError("score_tangents need score_const_jvp (and the other way round), one program (split=False, "
                          "pieces=1) and no score_vectors")
-    check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)")
+    check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)", narrowest=64)
     groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(4)] if split else [moving]
     groups = [group for group in groups if any(group)] or [moving]  # (the score_fn's arrays alone: one program)
     segments = check_segments(q_segment_ids, kv_segment_ids, batch, q_len, k.shape[1])

@@ -176,12 +176,10 @@ def flex(name: str, hook: str, *, head_dim=128, dtype="bf16", mode="fwd+bwd", q_
 
         def attend(q, k, v, *rest):
             score_mod, block_mask = None, None
-            if hook == "softcap":
+            if hook in ("alibi", "relative_bias"):  # each reads its array, the last argument
+                score_mod = (alibi if hook == "alibi" else relative_bias)(rest[0])
+            elif hook == "softcap":
                 score_mod = softcap(30.0)
-            elif hook == "alibi":
-                score_mod = alibi(rest[0])
-            elif hook == "relative_bias":
-                score_mod = relative_bias(rest[0])
             elif hook == "document_mask":
                 ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), q_len // 4)[None].repeat(B, 0)
                 block_mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, N, q_len, q_len,
@@ -219,7 +217,6 @@ MOSAIC_DQ_PIECES = tuple(f"{MOSAIC_DQ}_piece{p}" for p in range(2))
 MOSAIC_DK_PIECES = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(2))
 # At head dim 256 the tangent's programs: d out's 128-column pieces where v's head dim is 256, and the tangents of
 # q, k and v each in programs of their own ("_dq" / "_dk" / "_dv", `split`) where q / k's is.
-MOSAIC_TANGENT_PIECES = tuple(f"{MOSAIC_TANGENT}_piece{p}" for p in range(2))
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -244,18 +241,15 @@ MOSAIC_TANGENT_HEAD_DIMS = (64, 128, 256)  # the Mosaic tangent kernel's (at 256
 # gradient (not float32 tiles of it beside head dim 256: over the shared memory), v's own head dim, k / v of batch 1.
 MOSAIC_LACKS = frozenset({"relative_bias"})
 # The Mosaic tangent takes the tangents of a score_mod's arrays read one element at a time (ALiBi's slopes), and a
-# bias's read as the bias is: float32 key / row vectors at every head dim, tiles at 64 and 128 (at 128 the tangents of
-# q, k, v and the bias apart), in programs of its own at 256 (`mosaic_tangent_kernels`; not tiles: q's overflows).
-MOSAIC_TANGENT_BIASES = {"dense_bias_keys": (64, 128, 256), "dense_bias_rows": (64, 128, 256),
-                         "dense_bias": (64, 128), "dense_bias_f32": (64, 128)}
+# bias's read as the bias is at every head dim (`mosaic_tangent_kernels`: at 256 d out's pieces of 64 beside tiles).
 FLEX_HOOKS = ("softcap", "alibi", "document_mask", "sliding_window", "softcap_sliding_window", "relative_bias")
 SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "relative_bias"})  # FLEX_HOOKS' score_mods
-# At head dim 256 the Mosaic backward takes mask_mods and block tables but not a score_mod (a soft cap's derivative
-# spilled the dK pieces) nor bias tiles (their ring and float32 dS staging overflow the one-slot kernels): Triton's.
-MOSAIC_WIDE_BACKWARD_LACKS = SCORE_MOD_HOOKS | {"dense_bias", "dense_bias_f32"}
-# At head dim 256 the Mosaic tangent takes mask_mods and block tables but not a score_mod (its derivative beside S'
-# spilled k's program) nor dropout (its hash spilled k's pieces): those run Triton's tangent.
-MOSAIC_WIDE_TANGENT_LACKS = SCORE_MOD_HOOKS | {"dropout"}
+# At head dim 256 the Mosaic backward takes hooks and block tables (with a score_mod, dK in pieces of 64 columns) but
+# not bias tiles (their ring and float32 dS staging overflow the one-slot kernels): Triton's.
+MOSAIC_WIDE_BACKWARD_LACKS = frozenset({"dense_bias", "dense_bias_f32"})
+# At head dim 256 the Mosaic tangent takes hooks, block tables and dropout (d out in pieces of 64 columns with a
+# score_mod or dropout) but not a score_mod's arrays (their tangents need one program): Triton's.
+MOSAIC_WIDE_TANGENT_LACKS = frozenset({"alibi", "relative_bias"})
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
@@ -264,10 +258,9 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     backend "triton" (what `auto` and a default FlashConfig pick on every GPU) runs Triton's; "mosaic" on Hopper
     runs the Mosaic GPU forward on 16-bit inputs where q / k's and v's head dims (`value_dim`; "dv64": 64; padded
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor a
-    float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's
-    head dim is 256, without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent with a bias only as
-    `MOSAIC_TANGENT_BIASES` lists it (at 256:
-    `mosaic_tangent_kernels`, without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell (`BLACKWELL`) the
+    float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's head dim is 256,
+    dK's of 64 columns with a score_mod; without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent
+    (`mosaic_tangent_kernels`; at 256 without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell the
     tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward
     alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
@@ -286,29 +279,32 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     wide = max(dims) > 128
     mosaic_backward = (mosaic and dims <= set(MOSAIC_BACKWARD_HEAD_DIMS)  # a dense bias's gradient too
                        and not (wide and feature in MOSAIC_WIDE_BACKWARD_LACKS))
+    narrow = SCORE_MOD_HOOKS | {"dense_bias", "dense_bias_f32"} | ({"dropout"} if mode == "jvp" else set())
+    width = 64 if wide and feature in narrow else 128  # of the pieces of d out and dK
     if mode in ("fwd", "jvp"):
         bias = feature.startswith("dense_bias")
         mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
-                          and (not bias or dims <= set(MOSAIC_TANGENT_BIASES.get(feature, ())))
                           and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
         tiles = feature in ("dense_bias", "dense_bias_f32")
-        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias, tiles)
+        return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias, tiles, width)
                                                            if mosaic_tangent else (TANGENT,)))
     if not mosaic_backward:
         return (forward, DQ, DKV)
-    pieces = padded(head_dim) > 128  # q / k's head dim 256: dQ and dK in pieces
-    dq, dk = (MOSAIC_DQ_PIECES, MOSAIC_DK_PIECES) if pieces else ((MOSAIC_DQ,), (MOSAIC_DK,))
+    dq = MOSAIC_DQ_PIECES if padded(head_dim) > 128 else (MOSAIC_DQ,)  # q / k's head dim 256: dQ and dK in pieces
+    dk = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(padded_dims[0] // width)) if padded_dims[0] > width else (
+        MOSAIC_DK,)
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
 
-def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False,
-                           tiles: bool = False) -> tuple[str, ...]:
-    """The Mosaic tangent's programs at (padded) head dims: d out's pieces where v's head dim is 256
-    (`MOSAIC_TANGENT_PIECES`), the tangents of q, k, v and a `bias` apart where q / k's is 256 or a bias's `tiles`
-    sit beside v's 128 or more; else one."""
+def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False, tiles: bool = False,
+                           width: int = 128) -> tuple[str, ...]:
+    """The Mosaic tangent's programs at (padded) head dims: d out's pieces of `width` columns where v's head dim is
+    wider (64 with a score_mod at head dim 256), the tangents of q, k, v and a `bias` apart where q / k's is 256 or
+    a bias's `tiles` sit beside v's 128 or more; else one."""
     split = head_dim > 128 or (tiles and value_dim >= 128)
     groups = ("_dq", "_dk", "_dv", *(("_dbias",) if bias else ())) if split else ("",)
-    pieces = MOSAIC_TANGENT_PIECES if value_dim > 128 else (MOSAIC_TANGENT,)
+    pieces = tuple(f"{MOSAIC_TANGENT}_piece{p}" for p in range(value_dim // width)) if value_dim > width else (
+        MOSAIC_TANGENT,)
     return tuple(piece.replace(MOSAIC_TANGENT, MOSAIC_TANGENT + group) for group in groups for piece in pieces)
 
 

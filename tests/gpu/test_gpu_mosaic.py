@@ -270,13 +270,20 @@ def test_the_mosaic_backward_at_head_dim_256(head_dims, num_kv_heads, window):
 @pytest.mark.parametrize("head_dims", [(256, 256), (64, 256)])
 def test_dropout_at_head_dim_256_on_the_mosaic_kernels(head_dims):
     """Dropout at head dim 256 (q / k's, v's): the Mosaic forward hashing each tile by halves beside v's 256
-    columns, dQ / dK / dV at 256, compiled; loss and gradients against the reference (the same keep mask), causal,
-    GQA 4:1, ragged keys."""
+    columns, dQ / dK / dV at 256, the tangent's programs, compiled; loss, gradients and jvp against the reference
+    (the same keep mask), causal, GQA 4:1, ragged keys."""
     head_dim, value_dim = head_dims
     q, k, _ = random_qkv(41, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     v = random_qkv(42, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
     _assert_mosaic_matches_reference(q, k, v, 43, causal=True, kv_lengths=jnp.array([2048, 1500]), dropout_rate=0.1,
                                      dropout_seed=5)
+    # The jvp: the tangent's programs with d out in 64-column pieces, hashing the same keep mask.
+    dq, dk, _ = random_qkv(49, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    dv = random_qkv(50, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
+    kwargs = dict(causal=True, kv_lengths=jnp.array([2048, 1500]), dropout_rate=0.1, dropout_seed=5)
+    _assert_mosaic_jvp_matches_reference(functools.partial(flash_attention, **kwargs),
+                                         functools.partial(flash_attention_reference, **kwargs), (q, k, v),
+                                         (dq, dk, dv))
 
 
 @pytest.mark.parametrize("head_dims, num_kv_heads, window", [((256, 256), 2, None), ((256, 64), 8, (255, 0)),
@@ -312,11 +319,12 @@ def test_the_mosaic_backward_at_head_dim_256_under_a_document_mask(head_dims):
 
 
 @pytest.mark.parametrize("head_dim, kind", [(64, "tiles"), (128, "keys"), (256, "rows"), (128, "tiles"),
-                                            (128, "tiles_f32"), (64, "tiles_f32")])
+                                            (128, "tiles_f32"), (64, "tiles_f32"), (256, "tiles")])
 def test_the_mosaic_tangent_with_a_moving_bias(head_dim, kind):
     """jax.jvp of flash_attention in q, k, v and the bias through FlashConfig(backend="mosaic") compiled: the
     bias's tangent read as the bias is (tiles of its dtype, float32 key or row vectors; at 256, and beside tiles at
-    128, in programs of its own; float32 tiles on one ring slot), against the reference's jvp, causal, GQA 4:1."""
+    128, in programs of its own; float32 tiles on one ring slot; tiles at 256 beside d out's 64-column pieces),
+    against the reference's jvp, causal, GQA 4:1."""
     q, k, v = random_qkv(43, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     tangents = random_qkv(44, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     shape = {"keys": (2, 1, 1, 2048), "rows": (1, 8, 2048, 1)}.get(kind, (2, 8, 2048, 2048))
@@ -375,3 +383,23 @@ def test_the_mosaic_tangent_at_head_dim_256_under_a_document_mask():
     _assert_mosaic_jvp_matches_reference(
         functools.partial(flex_attention, block_mask=block_mask, enable_gqa=True),
         functools.partial(flex_attention_reference, block_mask=block_mask, enable_gqa=True), (q, k, v), tangents)
+
+
+@pytest.mark.parametrize("head_dims", [(256, 256), (128, 256)])
+def test_score_mods_at_head_dim_256_on_the_mosaic_kernels(head_dims):
+    """A soft cap at head dim 256 (q / k's, v's) compiled on backend "mosaic": dK in 64-column pieces (dQ's at
+    128 columns where q / k's head dim is 256), and the jvp's d out in 64-column pieces; loss, gradients and jvp
+    against the reference, GQA 4:1: causal (a BlockMask) at (256, 256), full at (128, 256) (a BlockMask there
+    runs Triton's forward)."""
+    head_dim, value_dim = head_dims
+    q, k, _ = random_qkv(44, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    v = random_qkv(45, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
+    block_mask = create_block_mask(causal_mask, None, None, 2048, 2048) if head_dim == 256 else None
+    kwargs = dict(score_mod=softcap(20.0), block_mask=block_mask, enable_gqa=True)
+    _assert_mosaic_matches_reference(q, k, v, 46, attention=flex_attention, reference=flex_attention_reference,
+                                     **kwargs)
+    dq, dk, _ = random_qkv(47, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    dv = random_qkv(48, 2, 2048, 2048, 8, 2, value_dim, jnp.bfloat16)[2]
+    _assert_mosaic_jvp_matches_reference(functools.partial(flex_attention, **kwargs),
+                                         functools.partial(flex_attention_reference, **kwargs), (q, k, v),
+                                         (dq, dk, dv))
