@@ -153,7 +153,7 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.FORWARD, registry.DQ, registry.DKV}
     # The Mosaic tangent beside the Mosaic backward (at head dim 256, and beside bias tiles at 128: the tangents of
     # q, k, v and a bias apart, d out in 128-column pieces at 256, 64-column ones with a score_mod; ALiBi's slopes
-    # moving); Triton's with bias tiles or dropout at 256, or a score_mod's moving arrays there.
+    # moving, in q's programs at 256).
     assert set(names["mosaic_jvp_d128_bf16_dropout"].requires) == {registry.MOSAIC_FORWARD, registry.MOSAIC_TANGENT}
     assert set(names["mosaic_jvp_d256_bf16_causal"].requires) == {
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
@@ -178,7 +178,9 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_jvp_d256_bf16_dropout"].requires) == {  # d out's pieces of 64: the hash fits
         registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}"
                                    for group in ("_dq", "_dk", "_dv") for p in range(4))}
-    assert set(names["mosaic_flex_jvp_d256_bf16_alibi"].requires) == {registry.MOSAIC_FORWARD, registry.TANGENT}
+    assert set(names["mosaic_flex_jvp_d256_bf16_alibi"].requires) == {  # the slopes' tangents in q's programs
+        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}"
+                                   for group in ("_dq", "_dk", "_dv") for p in range(4))}
     # Blackwell: the tcgen05 forward and backward, for the families they take (the plans add the rows).
     assert names["mosaic_grad_d128_bf16_causal"].targets == registry.HOPPER + registry.BLACKWELL
     assert set(registry.requires_for(names["mosaic_grad_d128_bf16_causal"], "sm100a_b200")) == {

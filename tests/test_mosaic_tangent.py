@@ -240,20 +240,14 @@ def test_score_mod_arrays_move_in_the_mosaic_tangent(case, tangent_calls):
         tangent_calls)
 
 
-@pytest.mark.parametrize("case", ["vector_array", "moving_array_at_head_dim_256"])
-def test_what_the_mosaic_tangent_leaves_to_triton(case, tangent_calls):
+def test_what_the_mosaic_tangent_leaves_to_triton(tangent_calls):
     """A score_mod's array read as vectors along kv_idx (a per-token bias: its tangent would need vectors of its
-    own) and a score_mod's array moving at head dim 256 (ALiBi's slopes: their tangents need the kernel as one
-    program, not split nor in pieces) take Triton's tangent kernel beside the Mosaic forward; the jvp (in the
-    array too) still matches the reference's."""
-    head_dim = 256 if case == "moving_array_at_head_dim_256" else 64
-    batch, seq, num_heads = 1, 128, 2
+    own) takes Triton's tangent kernel beside the Mosaic forward; the jvp (in the array too) still matches the
+    reference's."""
+    batch, seq, num_heads, head_dim = 1, 128, 2, 64
     q, k, v = random_qkv(11, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
     tangents = random_qkv(12, batch, seq, seq, num_heads, num_heads, head_dim, jnp.bfloat16)
-    if case == "vector_array":
-        mod, array, d_array = _token_bias, jnp.linspace(-2.0, 2.0, seq)[None], jnp.ones((1, seq))
-    else:
-        mod, array, d_array = alibi, alibi_slopes(num_heads), jnp.linspace(-1.0, 1.0, num_heads)
+    mod, array, d_array = _token_bias, jnp.linspace(-2.0, 2.0, seq)[None], jnp.ones((1, seq))
 
     def attend(attention, **config):
         return lambda q, k, v, array: attention(q, k, v, mod(array), **config)

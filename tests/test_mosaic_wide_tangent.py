@@ -19,7 +19,7 @@ from probjax_kernels import (
     flex_attention,
     flex_attention_reference,
 )
-from probjax_kernels.flex.mods import document_mask, sliding_window, softcap
+from probjax_kernels.flex.mods import alibi, alibi_slopes, document_mask, sliding_window, softcap
 from probjax_kernels.mosaic.plan import WIDE_STAGES
 from probjax_kernels.mosaic.tangent import mosaic_tangent
 
@@ -60,9 +60,9 @@ def test_the_pieces_and_the_split_are_required_at_256():
     with pytest.raises(ValueError, match="bytes of SMEM for the tangents of"):
         mosaic_tangent(q, k, v, q, lse2, lengths, lengths, **tangents, scale=0.1, causal=True, interpret=True,
                        pieces=2, num_stages=1)
-    with pytest.raises(ValueError, match="pieces=2 at head_dim=128"):
+    with pytest.raises(ValueError, match="pieces=4 at head_dim=128"):  # 32 columns: narrower than 64
         mosaic_tangent(q, k, v[..., :128], q[..., :128], lse2, lengths, lengths, dq=q, scale=0.1, causal=True,
-                       interpret=True, pieces=2)
+                       interpret=True, pieces=4)
 
 
 @pytest.mark.parametrize("case", ["gqa_lengths", "value_dim_64", "segments_and_mask"])
@@ -121,3 +121,25 @@ def test_score_mods_at_head_dim_256_run_the_mosaic_tangent(mod, head_dims, tange
     assert {call.get("pieces") for call in tangent_calls} == {4}
     assert {bool(call.get("split")) for call in tangent_calls} == {head_dim > 128}
 
+
+
+def test_moving_alibi_slopes_at_head_dim_256_run_the_mosaic_tangent(tangent_calls):
+    """ALiBi's slopes moving at head dim 256: their tangents ride in q's programs of the split (four 64-column
+    pieces each), and in programs of their own when only the slopes move; jax.jvp of flex_attention in q, k, v and
+    the slopes, and in the slopes alone, against the reference's, GQA 2:1, 192 queries and keys."""
+    batch, seq, num_heads = 1, 192, 4
+    q, k, v = random_qkv(17, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
+    tangents = random_qkv(18, batch, seq, seq, num_heads, 2, 256, jnp.bfloat16)
+    slopes, d_slopes = alibi_slopes(num_heads), jnp.linspace(-1.0, 1.0, num_heads, dtype=jnp.float32)
+
+    def attend(attention, **config):
+        return lambda q, k, v, slopes: attention(q, k, v, alibi(slopes), enable_gqa=True, **config)
+
+    assert_the_mosaic_tangent_matches(attend(flex_attention, config=MOSAIC), attend(flex_attention_reference),
+                                      (q, k, v, slopes), (*tangents, d_slopes), tangent_calls)
+    assert all(call.get("pieces") == 4 and call.get("split") and call.get("score_tangents") for call in tangent_calls)
+    tangent_calls.clear()
+    assert_the_mosaic_tangent_matches(
+        lambda slopes: attend(flex_attention, config=MOSAIC)(q, k, v, slopes),
+        lambda slopes: attend(flex_attention_reference)(*(x.astype(jnp.float32) for x in (q, k, v)), slopes),
+        (slopes,), (d_slopes,), tangent_calls)

@@ -321,9 +321,9 @@ def _wide_backward_takes_hooks(problem: _Problem) -> bool:
 
 def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]) -> dict | None:
     """The options of the Mosaic tangent kernel (`mosaic.tangent`, Hopper) for this call's forward-mode pass, or
-    None where Triton's tangent runs it: calls whose backward the Mosaic kernels take (`_fits_mosaic`; at head
-    dim 256 without a score_mod's arrays), whose score_mod's arrays it reads one element at a time with
-    their tangents (`_score_tangents_run_in_mosaic`), on `TANGENT_TILES` with every tangent moving within shared
+    None where Triton's tangent runs it: calls the Mosaic kernels fit (`_fits_mosaic`) whose score_mod's arrays
+    it reads one element at a time with their tangents (`_score_tangents_run_in_mosaic`; with a split, in q's
+    programs), on `TANGENT_TILES` with every tangent moving within shared
     memory (a bias's too, read as the bias is: which tangents move is known only when the jvp runs; a mask sent as
     a bias holds still).
     At v's head dim 256 d out comes in `pieces` of 128 columns (a 64 x 256 float32 accumulator beside S and S'
@@ -339,8 +339,6 @@ def _mosaic_tangent_options(problem: _Problem, dtype, head_dims: tuple[int, int]
         return None
     f = problem.features
     wide = max(head_dims) > MOSAIC_PIECE
-    if wide and problem.num_score_consts:  # the tangents of a score_mod's arrays need one program
-        return None
     if f.block_sizes is not None and (f.block_sizes[0] % TANGENT_TILES[0] or f.block_sizes[1] % TANGENT_TILES[1]):
         return None
     # A score_mod's derivative beside S' spilled k's program 4-16 B with d out's 64 x 128 float32 accumulator

@@ -366,12 +366,12 @@ def mosaic_tangent(
     key / row vectors), adds to the tangent of the scaled scores before the score_fn's derivative.
     `score_tangents`: tangents of some of `score_arrays` (none read as vectors), read one element at a time;
     `score_const_jvp(score, b, h, q_idx, kv_idx, *score_arrays, *score_tangents)` gives the score_fn's tangent
-    in them at the scores it sees (one program: not with `split`).
+    in them at the scores it sees (with `split`, in the first group's programs: q's where it moves).
     `pieces`: d out from that many programs, each computing `PIECE` (128) or 64 of its columns (v's head dim
-    256: 2 or 4; else 1 or 2), S and S' recomputed. `split`: the tangents of q, k and v each from programs of their own, whose
-    (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out overflow shared
-    memory, and a program moving k and v together spilled 8-148 B on sm_90a), d out rounded to out's dtype in
-    each before the sum; the bias's tangent then runs in programs of its own too.
+    256: 2 or 4; else 1 or 2), S and S' recomputed. `split`: the tangents of q, k and v each from programs of
+    their own, whose (d out, d lse) XLA adds (q / k's head dim 256: Q, dQ, K and dK whole beside V, dV and out
+    overflow shared memory, and a program moving k and v together spilled 8-148 B on sm_90a), d out rounded to
+    out's dtype in each before the sum; the bias's tangent then runs in programs of its own too.
 
     **Returns:** (d out `[B, T, N, Dv]` in out's dtype, d lse `[B, N, T]` float32, natural log; 0 for rows with
     no key).
@@ -400,10 +400,8 @@ def mosaic_tangent(
     if not any(moving) and not score_tangents:
         raise ValueError("mosaic_tangent needs a tangent of q, k, v, the bias or the score_fn's arrays (dq, dk, dv, "
                          "d_bias and score_tangents are all None)")
-    if bool(score_tangents) != (score_const_jvp is not None) or (
-            score_tangents and (split or pieces > 1 or any(score_vectors))):
-        raise ValueError("score_tangents need score_const_jvp (and the other way round), one program (split=False, "
-                         "pieces=1) and no score_vectors")
+    if bool(score_tangents) != (score_const_jvp is not None) or (score_tangents and any(score_vectors)):
+        raise ValueError("score_tangents need score_const_jvp (and the other way round) and no score_vectors")
     check_pieces(value_dim, pieces, "the tangent kernel (of v's head dim)", narrowest=64)
     groups = [tuple(i == j and m for j, m in enumerate(moving)) for i in range(4)] if split else [moving]
     groups = [group for group in groups if any(group)] or [moving]  # (the score_fn's arrays alone: one program)
@@ -435,10 +433,11 @@ def mosaic_tangent(
                           bias is not None)
 
     def launch(moving: tuple[bool, bool, bool, bool], piece: int | None, name: str, q=q):
-        lin = (*(t for t, moves in zip((dq, dk, dv, d_bias), moving) if moves), *score_tangents)
+        scores_move = bool(score_tangents) and moving == groups[0]  # the first group's programs carry them
+        lin = (*(t for t, moves in zip((dq, dk, dv, d_bias), moving) if moves), *(score_tangents * scores_move))
         row_barriers = 2 + moving[0] + bool(segments) + (bias_kind == "rows") * (1 + moving[3]) + counts[0]
         static = {"moves_bias": True} if moving[3] else {}
-        if score_tangents:
+        if scores_move:
             static.update(num_score_tangents=len(score_tangents), score_const_jvp=score_const_jvp)
         return _launch(
             _tangent_kernel, name, (q, k, v, out, lse2, q_lengths, kv_lengths, *lin), tables,
@@ -486,7 +485,8 @@ def mosaic_tangent(
         return launch(moving, None, "probjax_mosaic_tangent")
     results, sums = [], []
     for group in groups:  # in the interpreter one program at a time (`after`)
-        prefix = "probjax_mosaic_tangent" + ("" if not split else "_d" + ("q", "k", "v", "bias")[group.index(True)])
+        moved = [name for name, moves in zip(("q", "k", "v", "bias"), group) if moves] or ["scores"]
+        prefix = "probjax_mosaic_tangent" + ("_d" + moved[0] if split else "")
         for piece in range(pieces):
             name = prefix + ("" if pieces == 1 else f"_piece{piece}")
             earlier = results[-1][0] if results else None

@@ -247,9 +247,6 @@ SCORE_MOD_HOOKS = frozenset({"softcap", "alibi", "softcap_sliding_window", "rela
 # At head dim 256 the Mosaic backward takes hooks and block tables (with a score_mod, dK in pieces of 64 columns) but
 # not bias tiles (their ring and float32 dS staging overflow the one-slot kernels): Triton's.
 MOSAIC_WIDE_BACKWARD_LACKS = frozenset({"dense_bias", "dense_bias_f32"})
-# At head dim 256 the Mosaic tangent takes hooks, block tables and dropout (d out in pieces of 64 columns with a
-# score_mod or dropout) but not a score_mod's arrays (their tangents need one program): Triton's.
-MOSAIC_WIDE_TANGENT_LACKS = frozenset({"alibi", "relative_bias"})
 
 
 def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature: str,
@@ -260,7 +257,8 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     to a power of 2, and those under 64 to 64) are 64 / 128 / 256 without a feature of `MOSAIC_LACKS` (nor a
     float32 bias at 256), its dQ / dK/dV (at 256 dQ, dK and dV, dQ and dK in pieces where q / k's head dim is 256,
     dK's of 64 columns with a score_mod; without a feature of `MOSAIC_WIDE_BACKWARD_LACKS`), its tangent
-    (`mosaic_tangent_kernels`; at 256 without a feature of `MOSAIC_WIDE_TANGENT_LACKS`); on Blackwell the
+    (`mosaic_tangent_kernels`: at 256 with every feature, d out in 64-column pieces with a score_mod, dropout or
+    bias tiles, a score_mod's moving arrays in q's programs); on Blackwell the
     tcgen05 forward and backward for the families of `TCGEN05_FAMILIES` at head dims 64 / 128, the tcgen05 forward
     alone for those of `TCGEN05_FORWARD_ONLY`; tangent Triton."""
     def padded(d):  # to a power of 2, and to 64 at least for the Mosaic kernels (`mosaic.glue.kernel_head_dims`)
@@ -283,8 +281,7 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     width = 64 if wide and feature in narrow else 128  # of the pieces of d out and dK
     if mode in ("fwd", "jvp"):
         bias = feature.startswith("dense_bias")
-        mosaic_tangent = (mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)
-                          and not (wide and feature in MOSAIC_WIDE_TANGENT_LACKS))
+        mosaic_tangent = mosaic and dims <= set(MOSAIC_TANGENT_HEAD_DIMS)  # at 256 hooks, dropout, bias tiles too
         tiles = feature in ("dense_bias", "dense_bias_f32")
         return (forward,) if mode == "fwd" else (forward, *(mosaic_tangent_kernels(*padded_dims, bias, tiles, width)
                                                            if mosaic_tangent else (TANGENT,)))

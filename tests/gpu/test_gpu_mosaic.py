@@ -338,12 +338,13 @@ def test_the_mosaic_tangent_with_a_moving_bias(head_dim, kind):
                                          (q, k, v, bias), (*tangents, d_bias))
 
 
-def test_the_mosaic_tangent_with_moving_alibi_slopes():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_the_mosaic_tangent_with_moving_alibi_slopes(head_dim):
     """jax.jvp of flex_attention in q, k, v and ALiBi's slopes through FlashConfig(backend="mosaic") compiled: the
-    tangent kernel reads the slopes' tangent one element at a time, as the slopes; against the reference's jvp,
-    causal, GQA 4:1, head dim 128."""
-    q, k, v = random_qkv(47, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
-    tangents = random_qkv(48, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    tangent kernel reads the slopes' tangent one element at a time, as the slopes (at head dim 256 in q's programs
+    of the split, four 64-column pieces each); against the reference's jvp, causal, GQA 4:1."""
+    q, k, v = random_qkv(47, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
+    tangents = random_qkv(48, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
     slopes, d_slopes = alibi_slopes(8), jnp.linspace(-0.5, 0.5, 8)
     block_mask = create_block_mask(causal_mask, None, None, 2048, 2048)
 
