@@ -144,7 +144,7 @@ def test_the_registry_covers_the_dispatch_grid():
     assert set(names["mosaic_grad_d128_bf16_dv256"].requires) == {
         registry.MOSAIC_FORWARD, registry.MOSAIC_DQ, registry.MOSAIC_DK, registry.MOSAIC_DV}
     assert set(names["mosaic_flex_grad_d256_bf16_softcap"].requires) == {  # dK in 64-column pieces
-        registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *(f"{registry.MOSAIC_DK}_piece{p}" for p in range(4)),
+        registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.piece_names(registry.MOSAIC_DK, 4),
         registry.MOSAIC_DV}
     assert set(names["mosaic_flex_grad_d256_bf16_document_mask"].requires) == {
         registry.MOSAIC_FORWARD, *registry.MOSAIC_DQ_PIECES, *registry.MOSAIC_DK_PIECES, registry.MOSAIC_DV}
@@ -159,7 +159,7 @@ def test_the_registry_covers_the_dispatch_grid():
         registry.MOSAIC_FORWARD, *(registry.MOSAIC_TANGENT + group + piece for group in ("_dq", "_dk", "_dv")
                                    for piece in ("_piece0", "_piece1"))}
     assert set(names["mosaic_jvp_d128_bf16_dv256"].requires) == {
-        registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}_piece{p}" for p in range(2))}
+        registry.MOSAIC_FORWARD, *registry.piece_names(registry.MOSAIC_TANGENT, 2)}
     assert set(names["mosaic_flex_jvp_d256_bf16_softcap"].requires) == {
         registry.MOSAIC_FORWARD, *(f"{registry.MOSAIC_TANGENT}{group}_piece{p}" for group in ("_dq", "_dk", "_dv")
                                    for p in range(4))}

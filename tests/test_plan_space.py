@@ -70,8 +70,7 @@ def _mosaic_kernels(kernel_pass, by_run: dict) -> set:
     dq = registry.MOSAIC_DQ_PIECES if dq_options.get("pieces", 1) > 1 else (registry.MOSAIC_DQ,)
     if not dkv_options.get("split"):
         return {*dq, registry.MOSAIC_DKV}
-    dk = [f"{registry.MOSAIC_DK}_piece{p}" for p in range(dkv_options["pieces"])] if dkv_options.get("pieces", 1) > 1 \
-        else (registry.MOSAIC_DK,)
+    dk = registry.piece_names(registry.MOSAIC_DK, dkv_options.get("pieces", 1))
     return {*dq, *dk, registry.MOSAIC_DV}
 
 

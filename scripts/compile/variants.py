@@ -212,11 +212,15 @@ MOSAIC_FORWARD, MOSAIC_DQ, MOSAIC_DKV = ("probjax_mosaic_forward", "probjax_mosa
                                          "probjax_mosaic_backward_dkv")
 MOSAIC_TANGENT = "probjax_mosaic_tangent"  # Hopper's Mosaic tangent kernel
 MOSAIC_DK, MOSAIC_DV = MOSAIC_DKV + "_dk", MOSAIC_DKV + "_dv"  # its dK/dV as two programs, at head dim 256
+
+
+def piece_names(kernel: str, count: int) -> tuple[str, ...]:
+    """The programs of `kernel` that compute `count` pieces of its output's columns each (itself when one)."""
+    return tuple(f"{kernel}_piece{p}" for p in range(count)) if count > 1 else (kernel,)
+
+
 # At q / k's head dim 256 dQ and dK run as a program per 128-column piece of their columns (`mosaic.common.PIECE`).
-MOSAIC_DQ_PIECES = tuple(f"{MOSAIC_DQ}_piece{p}" for p in range(2))
-MOSAIC_DK_PIECES = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(2))
-# At head dim 256 the tangent's programs: d out's 128-column pieces where v's head dim is 256, and the tangents of
-# q, k and v each in programs of their own ("_dq" / "_dk" / "_dv", `split`) where q / k's is.
+MOSAIC_DQ_PIECES, MOSAIC_DK_PIECES = piece_names(MOSAIC_DQ, 2), piece_names(MOSAIC_DK, 2)
 MOSAIC_FORWARD_TCGEN05 = "probjax_mosaic_forward_tcgen05"  # Blackwell's (sm_100a) Mosaic forward
 MOSAIC_DQ_TCGEN05, MOSAIC_DKV_TCGEN05 = ("probjax_mosaic_backward_dq_tcgen05",  # and backward
                                          "probjax_mosaic_backward_dkv_tcgen05")
@@ -288,20 +292,18 @@ def required_kernels(backend: str, dtype: str, head_dim: int, mode: str, feature
     if not mosaic_backward:
         return (forward, DQ, DKV)
     dq = MOSAIC_DQ_PIECES if padded(head_dim) > 128 else (MOSAIC_DQ,)  # q / k's head dim 256: dQ and dK in pieces
-    dk = tuple(f"{MOSAIC_DK}_piece{p}" for p in range(padded_dims[0] // width)) if padded_dims[0] > width else (
-        MOSAIC_DK,)
+    dk = piece_names(MOSAIC_DK, max(1, padded_dims[0] // width))
     return (forward, *dq, *((*dk, MOSAIC_DV) if wide else (MOSAIC_DKV,)))
 
 
 def mosaic_tangent_kernels(head_dim: int, value_dim: int, bias: bool = False, tiles: bool = False,
                            width: int = 128) -> tuple[str, ...]:
     """The Mosaic tangent's programs at (padded) head dims: d out's pieces of `width` columns where v's head dim is
-    wider (64 with a score_mod at head dim 256), the tangents of q, k, v and a `bias` apart where q / k's is 256 or
-    a bias's `tiles` sit beside v's 128 or more; else one."""
+    wider (64 with a score_mod, dropout or bias tiles at head dim 256), the tangents of q, k, v and a `bias` apart
+    where q / k's is 256 or a bias's `tiles` sit beside v's 128 or more; else one."""
     split = head_dim > 128 or (tiles and value_dim >= 128)
     groups = ("_dq", "_dk", "_dv", *(("_dbias",) if bias else ())) if split else ("",)
-    pieces = tuple(f"{MOSAIC_TANGENT}_piece{p}" for p in range(value_dim // width)) if value_dim > width else (
-        MOSAIC_TANGENT,)
+    pieces = piece_names(MOSAIC_TANGENT, max(1, value_dim // width))
     return tuple(piece.replace(MOSAIC_TANGENT, MOSAIC_TANGENT + group) for group in groups for piece in pieces)
 
 
